@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Installs the Debian packages dsec needs to build, test and demo. Idempotent:
+# asks apt only for what is missing, and runs `apt-get update` only then.
+set -euo pipefail
+
+PKGS=(
+  # build
+  build-essential cmake pkg-config
+  libboost1.81-dev nlohmann-json3-dev libsqlite3-dev libssl-dev
+  libgtest-dev libgmock-dev
+  # images and sandboxes
+  erofs-utils busybox-static debootstrap e2fsprogs iproute2 util-linux
+  # tests, demo, benchmarks
+  python3 python3-pytest crun procps
+)
+
+missing=()
+for p in "${PKGS[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed'; then
+    missing+=("$p")
+  fi
+done
+
+if [ ${#missing[@]} -eq 0 ]; then
+  echo "install-deps: all ${#PKGS[@]} packages present"
+  exit 0
+fi
+if [ "$(id -u)" -ne 0 ]; then
+  echo "install-deps: missing packages (${missing[*]}) and not root" >&2
+  exit 1
+fi
+echo "install-deps: installing ${missing[*]}"
+export DEBIAN_FRONTEND=noninteractive
+apt-get update -qq
+apt-get install -y -qq --no-install-recommends "${missing[@]}" </dev/null
