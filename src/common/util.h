@@ -1,0 +1,38 @@
+// Small helpers shared by the platform, the edge and the CLI.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/status.h"
+
+namespace dsec {
+
+// n random bytes from getrandom(2), hex-encoded (2n characters).
+std::string randomHex(size_t nbytes);
+// Seconds since the epoch as a double (CLOCK_REALTIME).
+double nowSeconds();
+// Monotonic clock in seconds.
+double monoSeconds();
+// RFC 3339 UTC with milliseconds: "2026-11-30T12:00:00.123Z".
+std::string isoTime(double epochSeconds);
+
+Result<std::string> readFile(const std::string& path);
+// Writes to a temporary file beside `path`, fsyncs, renames over it.
+Status writeFileAtomic(const std::string& path, std::string_view data, int mode = 0644);
+// Writes `data` to an existing file (cgroup and proc knobs).
+Status writeKnob(const std::string& path, std::string_view data);
+// mkdir -p with `mode` for the directories it creates.
+Status makeDirs(const std::string& path, int mode = 0755);
+// rm -rf that never follows symlinks and never crosses into other mounts.
+Status removeTree(const std::string& path);
+
+std::vector<std::string> splitString(std::string_view s, char sep);
+bool startsWith(std::string_view s, std::string_view prefix);
+
+// Constant-time comparison for secrets.
+bool secretEquals(std::string_view a, std::string_view b);
+
+}  // namespace dsec
