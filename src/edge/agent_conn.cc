@@ -1,0 +1,285 @@
+#include "edge/agent_conn.h"
+
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+
+#include <nlohmann/json.hpp>
+
+#include "common/log.h"
+#include "common/util.h"
+
+namespace dsec::edge {
+
+using json = nlohmann::json;
+
+Result<proto::Frame> AgentStream::next(double deadline) {
+  std::unique_lock lk(mu_);
+  for (;;) {
+    if (!q_.empty()) {
+      proto::Frame f = std::move(q_.front());
+      q_.pop_front();
+      return f;
+    }
+    if (!failed_.isOk()) return failed_;
+    double left = deadline - monoSeconds();
+    if (left <= 0) return Status(Code::kDeadlineExceeded, "agent did not answer in time");
+    cv_.wait_for(lk, std::chrono::duration<double>(left));
+  }
+}
+
+void AgentStream::push(proto::Frame f) {
+  std::lock_guard lk(mu_);
+  q_.push_back(std::move(f));
+  cv_.notify_one();
+}
+
+void AgentStream::fail(const Status& why) {
+  std::lock_guard lk(mu_);
+  if (failed_.isOk()) failed_ = why;
+  cv_.notify_all();
+}
+
+AgentConn::AgentConn(UniqueFd sock, std::string name)
+    : sock_(std::move(sock)), name_(std::move(name)), control_(std::make_shared<AgentStream>(0)) {
+  // A wedged agent must not hold an API thread forever.
+  timeval tv{30, 0};
+  setsockopt(sock_.get(), SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+  streams_[0] = control_;
+}
+
+AgentConn::~AgentConn() { fail(Status(Code::kUnavailable, "agent connection closed")); }
+
+std::shared_ptr<AgentStream> AgentConn::openStream() {
+  std::lock_guard lk(mu_);
+  uint32_t id = nextId_++;
+  if (nextId_ == 0) nextId_ = 1;
+  auto s = std::make_shared<AgentStream>(id);
+  if (dead_) {
+    s->fail(deathReason_);
+  } else {
+    streams_[id] = s;
+  }
+  return s;
+}
+
+void AgentConn::closeStream(uint32_t id) {
+  std::lock_guard lk(mu_);
+  if (id != 0) streams_.erase(id);
+}
+
+std::shared_ptr<AgentStream> AgentConn::streamFor(uint32_t id) {
+  std::lock_guard lk(mu_);
+  auto it = streams_.find(id);
+  return it == streams_.end() ? nullptr : it->second;
+}
+
+bool AgentConn::dead() const {
+  std::lock_guard lk(mu_);
+  return dead_;
+}
+
+Status AgentConn::send(uint32_t stream, proto::FrameType type, std::string_view payload) {
+  if (payload.size() > proto::kMaxPayload) return internalError("frame payload too large");
+  std::string wire;
+  wire.reserve(payload.size() + proto::kHeaderSize);
+  proto::appendFrame(wire, stream, type, payload);
+  std::lock_guard wl(writeMu_);
+  if (dead()) return Status(Code::kUnavailable, "sandbox agent is gone");
+  size_t off = 0;
+  while (off < wire.size()) {
+    ssize_t n = ::send(sock_.get(), wire.data() + off, wire.size() - off, MSG_NOSIGNAL);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      Status st = errno == EAGAIN ? Status(Code::kUnavailable, "sandbox agent stopped reading")
+                                  : sysError("send to agent");
+      fail(st);
+      return st;
+    }
+    off += size_t(n);
+  }
+  return Status::ok();
+}
+
+bool AgentConn::onReadable() {
+  char buf[65536];
+  for (int round = 0; round < 64; ++round) {
+    ssize_t n = ::recv(sock_.get(), buf, sizeof buf, MSG_DONTWAIT);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN) return true;
+      fail(sysError("read from agent"));
+      return false;
+    }
+    if (n == 0) {
+      fail(Status(Code::kUnavailable, "sandbox agent exited"));
+      return false;
+    }
+    Status st = decoder_.feed(buf, size_t(n));
+    if (!st.isOk()) {
+      fail(st.withContext("agent protocol"));
+      return false;
+    }
+    proto::Frame f;
+    while (decoder_.next(f)) {
+      if (auto s = streamFor(f.stream)) {
+        s->push(std::move(f));
+      }
+      // Frames for closed streams (a request whose caller gave up) are dropped.
+    }
+  }
+  return true;  // more may be pending; epoll is level-triggered
+}
+
+void AgentConn::fail(const Status& why) {
+  std::unordered_map<uint32_t, std::shared_ptr<AgentStream>> streams;
+  {
+    std::lock_guard lk(mu_);
+    if (!dead_) {
+      dead_ = true;
+      deathReason_ = why;
+    }
+    streams.swap(streams_);
+  }
+  for (auto& [id, s] : streams) s->fail(why);
+  control_->fail(why);
+}
+
+Reactor::Reactor() = default;
+Reactor::~Reactor() { stop(); }
+
+Status Reactor::start() {
+  epoll_.reset(::epoll_create1(EPOLL_CLOEXEC));
+  if (!epoll_) return sysError("epoll_create1");
+  wake_.reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  if (!wake_) return sysError("eventfd");
+  epoll_event ev{};
+  ev.events = EPOLLIN;
+  ev.data.fd = wake_.get();
+  if (::epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, wake_.get(), &ev) != 0) {
+    return sysError("epoll_ctl wake");
+  }
+  thread_ = std::thread([this] { loop(); });
+  return Status::ok();
+}
+
+void Reactor::stop() {
+  if (!thread_.joinable()) return;
+  uint64_t one = 1;
+  (void)!::write(wake_.get(), &one, sizeof one);
+  thread_.join();
+}
+
+Status Reactor::add(std::shared_ptr<AgentConn> conn) {
+  std::lock_guard lk(mu_);
+  epoll_event ev{};
+  ev.events = EPOLLIN | EPOLLRDHUP;
+  ev.data.fd = conn->fd();
+  if (::epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, conn->fd(), &ev) != 0) {
+    return sysError("epoll_ctl add agent");
+  }
+  conns_[conn->fd()] = std::move(conn);
+  return Status::ok();
+}
+
+void Reactor::remove(const std::shared_ptr<AgentConn>& conn) {
+  std::lock_guard lk(mu_);
+  auto it = conns_.find(conn->fd());
+  if (it == conns_.end() || it->second != conn) return;
+  ::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, conn->fd(), nullptr);
+  conns_.erase(it);
+}
+
+Status Reactor::watchExit(int pidfd, std::function<void()> onExit) {
+  std::lock_guard lk(mu_);
+  epoll_event ev{};
+  ev.events = EPOLLIN;
+  ev.data.fd = pidfd;
+  if (::epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, pidfd, &ev) != 0) {
+    return sysError("epoll_ctl add pidfd");
+  }
+  exits_[pidfd] = std::move(onExit);
+  return Status::ok();
+}
+
+void Reactor::unwatchExit(int pidfd) {
+  std::lock_guard lk(mu_);
+  if (exits_.erase(pidfd)) ::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, pidfd, nullptr);
+}
+
+void Reactor::loop() {
+  epoll_event events[128];
+  for (;;) {
+    int n = ::epoll_wait(epoll_.get(), events, 128, -1);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      log::error("reactor epoll_wait: " + std::string(strerror(errno)));
+      return;
+    }
+    for (int i = 0; i < n; ++i) {
+      int fd = events[i].data.fd;
+      if (fd == wake_.get()) return;
+      std::shared_ptr<AgentConn> conn;
+      std::function<void()> onExit;
+      {
+        std::lock_guard lk(mu_);
+        if (auto it = conns_.find(fd); it != conns_.end()) {
+          conn = it->second;
+        } else if (auto et = exits_.find(fd); et != exits_.end()) {
+          onExit = std::move(et->second);
+          exits_.erase(et);
+          ::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, fd, nullptr);
+        }
+      }
+      if (conn && !conn->onReadable()) {
+        std::lock_guard lk(mu_);
+        auto it = conns_.find(fd);
+        if (it != conns_.end() && it->second == conn) {
+          ::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, fd, nullptr);
+          conns_.erase(it);
+        }
+      }
+      // Exit handlers persist state and tear down; keep them off this thread.
+      if (onExit) std::thread(std::move(onExit)).detach();
+    }
+  }
+}
+
+Status resultStatus(const std::string& payload) {
+  json j = json::parse(payload, nullptr, false);
+  if (j.is_discarded() || !j.is_object()) return internalError("agent sent a malformed result");
+  if (j.value("ok", false)) return Status::ok();
+  std::string code = j.value("code", "internal");
+  Code c = Code::kInternal;
+  static const std::map<std::string, Code> kCodes = {
+      {"invalid_argument", Code::kInvalidArgument},
+      {"permission_denied", Code::kPermissionDenied},
+      {"not_found", Code::kNotFound},
+      {"already_exists", Code::kAlreadyExists},
+      {"failed_precondition", Code::kFailedPrecondition},
+      {"resource_exhausted", Code::kResourceExhausted},
+      {"conflict", Code::kConflict}};
+  if (auto it = kCodes.find(code); it != kCodes.end()) c = it->second;
+  std::string field = c == Code::kInvalidArgument ? j.value("field", "") : "";
+  return Status(c, j.value("message", "agent error"), j.value("errno", 0), field);
+}
+
+Result<std::string> agentCall(AgentConn& conn, proto::FrameType type, const std::string& body,
+                              double timeoutSeconds) {
+  auto stream = conn.openStream();
+  struct Closer {
+    AgentConn& c;
+    uint32_t id;
+    ~Closer() { c.closeStream(id); }
+  } closer{conn, stream->id()};
+  RETURN_IF_ERROR(conn.send(stream->id(), type, body));
+  double deadline = monoSeconds() + timeoutSeconds;
+  for (;;) {
+    ASSIGN_OR_RETURN(proto::Frame f, stream->next(deadline));
+    if (f.type != proto::FrameType::kResult) continue;
+    RETURN_IF_ERROR(resultStatus(f.payload));
+    return std::move(f.payload);
+  }
+}
+
+}  // namespace dsec::edge

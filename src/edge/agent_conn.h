@@ -1,0 +1,118 @@
+// The edge's side of the agent protocol (docs/agent-protocol.md): a Reactor
+// thread reads every agent connection and routes frames to per-request
+// streams; callers block on their stream. Also watches pidfds so the edge
+// learns when a sandbox's agent dies.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+
+#include "common/fd.h"
+#include "common/frame.h"
+#include "common/status.h"
+
+namespace dsec::edge {
+
+// Inbox of one request's frames. Thread-safe.
+class AgentStream {
+ public:
+  explicit AgentStream(uint32_t id) : id_(id) {}
+  uint32_t id() const { return id_; }
+  // Next frame, waiting until `deadline` (monoSeconds()). kDeadlineExceeded on
+  // timeout; kUnavailable once the connection has died and the inbox is empty.
+  Result<proto::Frame> next(double deadline);
+
+ private:
+  friend class AgentConn;
+  void push(proto::Frame f);
+  void fail(const Status& why);
+
+  const uint32_t id_;
+  std::mutex mu_;  // guards q_, failed_
+  std::condition_variable cv_;
+  std::deque<proto::Frame> q_;
+  Status failed_;
+};
+
+// One agent connection. Writes from any thread (serialized); reads only from
+// the Reactor.
+class AgentConn {
+ public:
+  AgentConn(UniqueFd sock, std::string name);
+  ~AgentConn();
+
+  int fd() const { return sock_.get(); }
+  const std::string& name() const { return name_; }
+
+  // Stream 0: start-up frames (hello).
+  std::shared_ptr<AgentStream> control() { return control_; }
+  // A new request stream; frames for it queue until closeStream().
+  std::shared_ptr<AgentStream> openStream();
+  void closeStream(uint32_t id);
+
+  // Sends one frame whole. Blocks while the socket is full (bounded by a send
+  // timeout). kUnavailable once the connection is dead.
+  Status send(uint32_t stream, proto::FrameType type, std::string_view payload);
+
+  // Reactor side: drains readable bytes. False once the connection is dead.
+  bool onReadable();
+  // Fails every stream with `why` and refuses further sends.
+  void fail(const Status& why);
+  bool dead() const;
+
+ private:
+  std::shared_ptr<AgentStream> streamFor(uint32_t id);
+
+  UniqueFd sock_;
+  const std::string name_;
+  std::shared_ptr<AgentStream> control_;
+  proto::FrameDecoder decoder_;  // used only by the reactor thread
+  std::mutex writeMu_;           // serializes whole frames on the socket
+  mutable std::mutex mu_;        // guards streams_, nextId_, dead_, deathReason_
+  std::unordered_map<uint32_t, std::shared_ptr<AgentStream>> streams_;
+  uint32_t nextId_ = 1;
+  bool dead_ = false;
+  Status deathReason_;
+};
+
+// One epoll thread for all agent connections and agent pidfds of an edge.
+class Reactor {
+ public:
+  Reactor();
+  ~Reactor();
+  Status start();
+  void stop();
+
+  Status add(std::shared_ptr<AgentConn> conn);
+  void remove(const std::shared_ptr<AgentConn>& conn);
+  // Calls onExit once (on a separate thread) when the process behind pidfd exits.
+  Status watchExit(int pidfd, std::function<void()> onExit);
+  void unwatchExit(int pidfd);
+
+ private:
+  void loop();
+
+  UniqueFd epoll_;
+  UniqueFd wake_;  // eventfd that stops the loop
+  std::thread thread_;
+  std::mutex mu_;  // guards conns_, exits_
+  std::unordered_map<int, std::shared_ptr<AgentConn>> conns_;
+  std::unordered_map<int, std::function<void()>> exits_;
+};
+
+// Runs a blocking request/response pair on a fresh stream: sends `type` with
+// `json`, waits for the kResult, and maps ok:false into a Status.
+Result<std::string> agentCall(AgentConn& conn, proto::FrameType type, const std::string& json,
+                              double timeoutSeconds);
+// Turns a kResult payload with ok:false into its Status (code, message, errno).
+Status resultStatus(const std::string& payload);
+
+}  // namespace dsec::edge

@@ -1,0 +1,53 @@
+// What every sandbox backend provides. A backend builds and tears down the
+// isolation (namespaces, cgroups, mounts; later QEMU), and hands back an agent
+// connection; exec and file calls then go through the agent protocol, the
+// same for all backends.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "edge/agent_conn.h"
+#include "edge/cgroup.h"
+
+namespace dsec::edge {
+
+struct SandboxSpec {
+  std::string id;                   // "sb-<16 hex>", also the hostname
+  std::vector<std::string> layers;  // "sha256:<hex>", bottom layer first
+  double cpu = 1.0;                 // cores
+  int64_t memoryBytes = 512ll << 20;
+  int64_t diskBytes = 1ll << 30;
+  int64_t pids = 1024;
+};
+
+// A running sandbox as its backend made it. Owned by the Edge.
+class Instance {
+ public:
+  virtual ~Instance() = default;
+  virtual const std::string& id() const = 0;
+  virtual std::shared_ptr<AgentConn> agent() const = 0;
+  // Resource events so far (OOM kills, pids-limit hits, memory in use).
+  virtual Result<CgroupStats> stats() const = 0;
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual std::string name() const = 0;
+  // Builds the sandbox and waits for its agent's hello. onDeath runs (on some
+  // other thread, once) if the sandbox dies on its own. On error nothing of
+  // the sandbox is left behind.
+  virtual Result<std::unique_ptr<Instance>> create(const SandboxSpec& spec,
+                                                   std::function<void()> onDeath) = 0;
+  // Kills everything of the sandbox and removes its mounts, cgroups and files.
+  virtual Status destroy(Instance& inst) = 0;
+  // Removes leftovers of sandboxes no record owns (after a crash); returns how many.
+  virtual int cleanupOrphans() = 0;
+};
+
+}  // namespace dsec::edge

@@ -1,0 +1,250 @@
+#include "edge/backends/container/container_backend.h"
+
+#include <fcntl.h>
+#include <sched.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/mount.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <dirent.h>
+#include <nlohmann/json.hpp>
+
+#include "common/log.h"
+#include "common/util.h"
+
+#ifndef CLONE_PIDFD
+#define CLONE_PIDFD 0x00001000
+#endif
+
+namespace dsec::edge {
+
+using json = nlohmann::json;
+
+namespace {
+
+constexpr int kChildStackSize = 64 * 1024;
+constexpr int kAgentFd = 3;
+constexpr int kExecFd = 4;
+
+class ContainerInstance : public Instance {
+ public:
+  const std::string& id() const override { return id_; }
+  std::shared_ptr<AgentConn> agent() const override { return conn_; }
+  Result<CgroupStats> stats() const override { return cgroups_->stats(id_); }
+
+  std::string id_;
+  std::string dir_;
+  std::vector<std::string> layers_;  // acquired from the layer cache
+  pid_t pid_ = -1;
+  UniqueFd pidfd_;
+  std::shared_ptr<AgentConn> conn_;
+  Cgroups* cgroups_ = nullptr;
+};
+
+// Everything the child needs, prepared before clone: between clone and exec
+// the child shares our memory and may only make raw system calls.
+struct ChildArgs {
+  int agentFd;
+  int execFd;
+  int devNull;
+  char* const* argv;
+  char* const* envp;
+};
+
+int childMain(void* p) {
+  auto* a = static_cast<ChildArgs*>(p);
+  sigset_t none;
+  sigemptyset(&none);
+  sigprocmask(SIG_SETMASK, &none, nullptr);
+  if (dup2(a->devNull, 0) < 0 || dup2(a->devNull, 1) < 0) _exit(120);
+  if (dup2(a->agentFd, kAgentFd) < 0) _exit(121);
+  if (dup2(a->execFd, kExecFd) < 0) _exit(122);
+  if (fcntl(kExecFd, F_SETFD, FD_CLOEXEC) < 0) _exit(123);
+  syscall(SYS_close_range, kExecFd + 1, ~0U, 0);
+  syscall(SYS_execveat, kExecFd, "", a->argv, a->envp, AT_EMPTY_PATH);
+  _exit(124);
+}
+
+Result<UniqueFd> sealedCopy(const std::string& path) {
+  UniqueFd src(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (!src) return sysError("open " + path);
+  UniqueFd mfd(::memfd_create("dsec-aether", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+  if (!mfd) return sysError("memfd_create");
+  char buf[1 << 16];
+  for (;;) {
+    ssize_t n = ::read(src.get(), buf, sizeof buf);
+    if (n < 0) return sysError("read " + path);
+    if (n == 0) break;
+    if (::write(mfd.get(), buf, size_t(n)) != n) return sysError("write memfd");
+  }
+  // Sealed: a sandbox that reaches its PID 1's executable (/proc/1/exe) can
+  // neither change it for other sandboxes nor for later ones.
+  if (::fcntl(mfd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL) !=
+      0) {
+    return sysError("seal memfd");
+  }
+  // Keep it far from the low fds the child rearranges.
+  int high = ::fcntl(mfd.get(), F_DUPFD_CLOEXEC, 100);
+  if (high < 0) return sysError("dup memfd");
+  return UniqueFd(high);
+}
+
+void killAndReap(int pidfd) {
+  if (pidfd < 0) return;
+  syscall(SYS_pidfd_send_signal, pidfd, SIGKILL, nullptr, 0);
+  siginfo_t info;
+  // A PID 1 is reaped only after every process of its namespace is gone, so
+  // once this returns the sandbox has no processes left.
+  while (waitid(idtype_t(P_PIDFD), id_t(pidfd), &info, WEXITED) != 0 && errno == EINTR) {
+  }
+}
+
+}  // namespace
+
+Result<std::unique_ptr<ContainerBackend>> ContainerBackend::make(ContainerOptions opts,
+                                                                  Cgroups* cgroups,
+                                                                  LayerCache* layers,
+                                                                  Reactor* reactor) {
+  std::unique_ptr<ContainerBackend> b(new ContainerBackend(opts, cgroups, layers, reactor));
+  ASSIGN_OR_RETURN(b->aetherMemfd_, sealedCopy(opts.aetherPath));
+  RETURN_IF_ERROR(makeDirs(opts.sandboxRoot, 0700));
+  return b;
+}
+
+Result<std::unique_ptr<Instance>> ContainerBackend::create(const SandboxSpec& spec,
+                                                           std::function<void()> onDeath) {
+  auto inst = std::make_unique<ContainerInstance>();
+  inst->id_ = spec.id;
+  inst->cgroups_ = cgroups_;
+  inst->dir_ = opts_.sandboxRoot + "/" + spec.id;
+  bool cgroupMade = false;
+
+  // Undo whatever was done if any step fails.
+  auto fail = [&](Status st) -> Status {
+    if (inst->conn_) reactor_->remove(inst->conn_);
+    killAndReap(inst->pidfd_.get());
+    if (cgroupMade) (void)cgroups_->remove(spec.id);
+    for (auto& d : inst->layers_) layers_->release(d);
+    (void)removeTree(inst->dir_);
+    return st.withContext("create " + spec.id);
+  };
+
+  if (::mkdir(inst->dir_.c_str(), 0700) != 0) return fail(sysError("mkdir " + inst->dir_));
+  for (const char* sub : {"/upper", "/work", "/rootfs"}) {
+    std::string d = inst->dir_ + sub;
+    if (::mkdir(d.c_str(), 0755) != 0) return fail(sysError("mkdir " + d));
+  }
+  json lower = json::array();
+  for (auto it = spec.layers.rbegin(); it != spec.layers.rend(); ++it) {
+    auto mp = layers_->acquire(*it);
+    if (!mp.isOk()) return fail(std::move(mp).takeStatus());
+    inst->layers_.push_back(*it);
+    lower.push_back(*mp);  // overlayfs wants the top layer first
+  }
+
+  CgroupLimits limits{spec.cpu, spec.memoryBytes, spec.pids};
+  if (Status st = cgroups_->create(spec.id, limits); !st.isOk()) return fail(st);
+  cgroupMade = true;
+
+  int sv[2];
+  if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) {
+    return fail(sysError("socketpair"));
+  }
+  UniqueFd ours(sv[0]), theirs(sv[1]);
+  UniqueFd devNull(::open("/dev/null", O_RDWR | O_CLOEXEC));
+  if (!devNull) return fail(sysError("open /dev/null"));
+
+  static char arg0[] = "dsec-aether";
+  char* argv[] = {arg0, nullptr};
+  static char env0[] = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+  char* envp[] = {env0, nullptr};
+  ChildArgs args{theirs.get(), aetherMemfd_.get(), devNull.get(), argv, envp};
+  alignas(16) static thread_local char stack[kChildStackSize];
+  int pidfd = -1;
+  int flags = CLONE_VM | CLONE_VFORK | CLONE_PIDFD | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWUTS |
+              CLONE_NEWIPC | CLONE_NEWNET | SIGCHLD;
+  pid_t pid = ::clone(childMain, stack + sizeof stack, flags, &args, &pidfd);
+  if (pid < 0) return fail(sysError("clone"));
+  inst->pid_ = pid;
+  inst->pidfd_.reset(pidfd);
+  theirs.reset();
+
+  // aether blocks on its init frame, so it cannot fork before it is in the
+  // sandbox's cgroups.
+  if (Status st = cgroups_->attach(spec.id, pid); !st.isOk()) return fail(st);
+
+  inst->conn_ = std::make_shared<AgentConn>(std::move(ours), spec.id);
+  if (Status st = reactor_->add(inst->conn_); !st.isOk()) return fail(st);
+  json init = {{"hostname", spec.id},
+               {"rootfs",
+                {{"lower", lower},
+                 {"upper", inst->dir_ + "/upper"},
+                 {"work", inst->dir_ + "/work"},
+                 {"target", inst->dir_ + "/rootfs"}}}};
+  if (Status st = inst->conn_->send(0, proto::FrameType::kInit, init.dump()); !st.isOk()) {
+    return fail(st);
+  }
+  double deadline = monoSeconds() + opts_.startTimeoutS;
+  for (;;) {
+    auto f = inst->conn_->control()->next(deadline);
+    if (!f.isOk()) return fail(Status(Code::kInternal, "sandbox agent did not start: " +
+                                                           f.status().message()));
+    if (f->type == proto::FrameType::kHello) break;
+    if (f->type == proto::FrameType::kResult) {
+      Status st = resultStatus(f->payload);
+      return fail(st.isOk() ? internalError("agent start-up: unexpected result") : st);
+    }
+  }
+  if (Status st = reactor_->watchExit(inst->pidfd_.get(), std::move(onDeath)); !st.isOk()) {
+    return fail(st);
+  }
+  return std::unique_ptr<Instance>(std::move(inst));
+}
+
+Status ContainerBackend::destroy(Instance& base) {
+  auto& inst = static_cast<ContainerInstance&>(base);
+  reactor_->unwatchExit(inst.pidfd_.get());
+  if (inst.conn_) {
+    reactor_->remove(inst.conn_);
+    inst.conn_->fail(Status(Code::kUnavailable, "sandbox destroyed"));
+  }
+  killAndReap(inst.pidfd_.get());
+  inst.pidfd_.reset();
+  Status st = cgroups_->remove(inst.id_);
+  for (auto& d : inst.layers_) layers_->release(d);
+  inst.layers_.clear();
+  // The overlay lived only in the sandbox's mount namespace, gone with its
+  // last process; what remains is plain directories.
+  Status rm = removeTree(inst.dir_);
+  if (st.isOk()) st = rm;
+  return st;
+}
+
+int ContainerBackend::cleanupOrphans() {
+  int n = 0;
+  for (auto& id : cgroups_->list()) {
+    (void)cgroups_->remove(id);
+    ++n;
+  }
+  for (auto& mp : mountsUnder(opts_.sandboxRoot)) ::umount2(mp.c_str(), MNT_DETACH);
+  if (DIR* d = ::opendir(opts_.sandboxRoot.c_str())) {
+    std::vector<std::string> names;
+    while (auto* e = ::readdir(d)) {
+      if (startsWith(e->d_name, "sb-")) names.emplace_back(e->d_name);
+    }
+    ::closedir(d);
+    for (auto& name : names) {
+      (void)removeTree(opts_.sandboxRoot + "/" + name);
+      ++n;
+    }
+  }
+  return n;
+}
+
+}  // namespace dsec::edge

@@ -1,0 +1,48 @@
+// The native container backend: clone(2) into new mount, pid, uts, ipc and
+// net namespaces (CLONE_VM|CLONE_VFORK, so no page tables are copied), with the
+// sealed in-memory copy of dsec-aether exec'd as the sandbox's PID 1. aether
+// then mounts overlayfs over the node's shared EROFS layer mounts, pivots into
+// it and enters a new cgroup namespace (docs/agent-protocol.md, start-up).
+#pragma once
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "common/fd.h"
+#include "edge/backend.h"
+#include "edge/image/layer_cache.h"
+
+namespace dsec::edge {
+
+struct ContainerOptions {
+  std::string aetherPath;     // the static dsec-aether binary
+  std::string sandboxRoot;    // node-local dir for upper/work/rootfs of each sandbox
+  double startTimeoutS = 10;  // agent hello deadline
+};
+
+class ContainerBackend : public Backend {
+ public:
+  static Result<std::unique_ptr<ContainerBackend>> make(ContainerOptions opts, Cgroups* cgroups,
+                                                        LayerCache* layers, Reactor* reactor);
+  ~ContainerBackend() override = default;
+
+  std::string name() const override { return "container"; }
+  Result<std::unique_ptr<Instance>> create(const SandboxSpec& spec,
+                                           std::function<void()> onDeath) override;
+  Status destroy(Instance& inst) override;
+  int cleanupOrphans() override;
+
+ private:
+  ContainerBackend(ContainerOptions opts, Cgroups* cgroups, LayerCache* layers, Reactor* reactor)
+      : opts_(std::move(opts)), cgroups_(cgroups), layers_(layers), reactor_(reactor) {}
+
+  const ContainerOptions opts_;
+  Cgroups* cgroups_;     // not owned
+  LayerCache* layers_;   // not owned
+  Reactor* reactor_;     // not owned
+  UniqueFd aetherMemfd_;  // sealed copy of dsec-aether, exec'd by every sandbox
+};
+
+}  // namespace dsec::edge

@@ -1,0 +1,283 @@
+#include "edge/edge.h"
+
+#include <nlohmann/json.hpp>
+
+#include "common/log.h"
+#include "common/util.h"
+#include "edge/backends/container/container_backend.h"
+
+namespace dsec::edge {
+
+using json = nlohmann::json;
+
+namespace {
+constexpr size_t kReadRange = 4u << 20;  // bytes per file_read request
+constexpr double kAgentCallTimeoutS = 60;
+
+// Closes a request stream when the call ends, however it ends.
+struct StreamGuard {
+  AgentConn& conn;
+  uint32_t id;
+  ~StreamGuard() { conn.closeStream(id); }
+};
+}  // namespace
+
+Result<std::unique_ptr<Edge>> Edge::start(EdgeOptions opts) {
+  std::unique_ptr<Edge> e(new Edge());
+  e->opts_ = std::move(opts);
+  RETURN_IF_ERROR(makeDirs(e->opts_.dataDir, 0700));
+  ASSIGN_OR_RETURN(e->cgroups_, Cgroups::detect(e->opts_.cgroupRoot));
+  e->layers_ = std::make_unique<LayerCache>(e->opts_.dataDir + "/layers", e->opts_.blobPath);
+  RETURN_IF_ERROR(e->layers_->cleanupStale());
+  e->reactor_ = std::make_unique<Reactor>();
+  RETURN_IF_ERROR(e->reactor_->start());
+  ContainerOptions co;
+  co.aetherPath = e->opts_.aetherPath;
+  co.sandboxRoot = e->opts_.dataDir + "/sandboxes";
+  ASSIGN_OR_RETURN(auto container, ContainerBackend::make(co, e->cgroups_.get(),
+                                                          e->layers_.get(), e->reactor_.get()));
+  e->orphansRemoved_ = container->cleanupOrphans();
+  if (e->orphansRemoved_ > 0) {
+    log::warn("removed leftovers of " + std::to_string(e->orphansRemoved_) + " orphan sandboxes");
+  }
+  e->backends_["container"] = std::move(container);
+  log::info("edge: " + e->describe());
+  return e;
+}
+
+Edge::~Edge() { shutdown(); }
+
+std::string Edge::describe() const {
+  return "cgroups " + cgroups_->describe() + ", layers mounted by " + layers_->mountMethod() +
+         ", backends: container";
+}
+
+void Edge::setDeathHandler(std::function<void(const std::string&, const std::string&)> h) {
+  std::lock_guard lk(mu_);
+  onDeath_ = std::move(h);
+}
+
+std::shared_ptr<Instance> Edge::find(const std::string& id) const {
+  std::lock_guard lk(mu_);
+  auto it = sandboxes_.find(id);
+  return it == sandboxes_.end() ? nullptr : it->second;
+}
+
+Status Edge::create(const std::string& backend, const SandboxSpec& spec) {
+  auto bit = backends_.find(backend);
+  if (bit == backends_.end()) {
+    return invalidArg("backend", "backend '" + backend + "' is not available on this node");
+  }
+  auto onDeath = [this, id = spec.id] {
+    std::function<void(const std::string&, const std::string&)> h;
+    {
+      std::lock_guard lk(mu_);
+      if (!sandboxes_.count(id)) return;  // being destroyed on purpose
+      h = onDeath_;
+    }
+    log::warn("sandbox " + id + ": agent exited unexpectedly");
+    if (h) h(id, "sandbox agent (PID 1) exited unexpectedly");
+  };
+  ASSIGN_OR_RETURN(std::unique_ptr<Instance> inst, bit->second->create(spec, onDeath));
+  std::lock_guard lk(mu_);
+  sandboxes_[spec.id] = std::shared_ptr<Instance>(std::move(inst));
+  backendOf_[spec.id] = bit->second.get();
+  return Status::ok();
+}
+
+Status Edge::destroy(const std::string& id) {
+  std::shared_ptr<Instance> inst;
+  Backend* backend = nullptr;
+  {
+    std::lock_guard lk(mu_);
+    auto it = sandboxes_.find(id);
+    if (it == sandboxes_.end()) return Status::ok();
+    inst = it->second;
+    backend = backendOf_[id];
+    sandboxes_.erase(it);
+    backendOf_.erase(id);
+  }
+  return backend->destroy(*inst);
+}
+
+Result<ExecResult> Edge::exec(const std::string& id, const ExecSpec& spec,
+                              const OutputSink& sink) {
+  auto inst = find(id);
+  if (!inst) return notFound("sandbox " + id + " is not running on this node");
+  auto conn = inst->agent();
+  auto before = inst->stats();
+  json req = {{"argv", spec.argv},
+              {"env", spec.env},
+              {"timeout_ms", spec.timeoutMs},
+              {"max_output", spec.maxOutput},
+              {"stdin", spec.stdinData.has_value()}};
+  if (!spec.cwd.empty()) req["cwd"] = spec.cwd;
+  if (!spec.user.empty()) req["user"] = spec.user;
+  auto stream = conn->openStream();
+  StreamGuard guard{*conn, stream->id()};
+  RETURN_IF_ERROR(conn->send(stream->id(), proto::FrameType::kExec, req.dump()));
+  if (spec.stdinData) {
+    std::string_view in = *spec.stdinData;
+    for (size_t off = 0; off < in.size(); off += proto::kDataChunk) {
+      RETURN_IF_ERROR(conn->send(stream->id(), proto::FrameType::kStdin,
+                                 in.substr(off, proto::kDataChunk)));
+    }
+    RETURN_IF_ERROR(conn->send(stream->id(), proto::FrameType::kStdin, ""));
+  }
+  // The agent enforces the timeout; ours only guards against a wedged agent.
+  double deadline = spec.timeoutMs > 0 ? monoSeconds() + double(spec.timeoutMs) / 1000 + 30 : 1e18;
+  ExecResult res;
+  bool cancelled = false;
+  for (;;) {
+    ASSIGN_OR_RETURN(proto::Frame f, stream->next(deadline));
+    switch (f.type) {
+      case proto::FrameType::kStdout:
+      case proto::FrameType::kStderr: {
+        bool isErr = f.type == proto::FrameType::kStderr;
+        if (cancelled) break;
+        if (sink) {
+          if (Status st = sink(isErr, f.payload); !st.isOk()) {
+            // The caller is gone: kill the command rather than run it unseen.
+            (void)conn->send(stream->id(), proto::FrameType::kCancel, "");
+            cancelled = true;
+            deadline = monoSeconds() + 5;
+          }
+        } else {
+          (isErr ? res.err : res.out).append(f.payload);
+        }
+        break;
+      }
+      case proto::FrameType::kExit: {
+        json j = json::parse(f.payload, nullptr, false);
+        if (j.is_discarded()) return internalError("agent sent a malformed exit report");
+        res.exitCode = j.value("exit_code", -1);
+        res.signal = j.value("signal", 0);
+        res.timedOut = j.value("timed_out", false);
+        res.truncated = j.value("truncated", false);
+        res.durationMs = double(j.value("duration_us", int64_t(0))) / 1000.0;
+        auto after = inst->stats();
+        if (before.isOk() && after.isOk()) res.oomKilled = after->oomKills > before->oomKills;
+        if (cancelled) return Status(Code::kUnavailable, "exec cancelled: client went away");
+        return res;
+      }
+      case proto::FrameType::kResult:
+        RETURN_IF_ERROR(resultStatus(f.payload));
+        break;
+      default:
+        break;
+    }
+  }
+}
+
+Result<uint64_t> Edge::writeFile(const std::string& id, const std::string& path, int mode,
+                                 const ByteSource& src) {
+  auto inst = find(id);
+  if (!inst) return notFound("sandbox " + id + " is not running on this node");
+  auto conn = inst->agent();
+  auto stream = conn->openStream();
+  StreamGuard guard{*conn, stream->id()};
+  json req = {{"path", path}, {"mode", mode}, {"append", false}};
+  RETURN_IF_ERROR(conn->send(stream->id(), proto::FrameType::kFileWrite, req.dump()));
+  std::string buf(proto::kDataChunk, '\0');
+  for (;;) {
+    // An early result means the agent refused the write (bad path, no space).
+    auto early = stream->next(0);
+    if (early.isOk() && early->type == proto::FrameType::kResult) {
+      RETURN_IF_ERROR(resultStatus(early->payload));
+    }
+    auto n = src(buf.data(), buf.size());
+    if (!n.isOk()) {
+      (void)conn->send(stream->id(), proto::FrameType::kCancel, "");
+      return std::move(n).takeStatus();
+    }
+    if (*n == 0) break;
+    RETURN_IF_ERROR(conn->send(stream->id(), proto::FrameType::kData,
+                               std::string_view(buf.data(), *n)));
+  }
+  RETURN_IF_ERROR(conn->send(stream->id(), proto::FrameType::kData, ""));
+  double deadline = monoSeconds() + kAgentCallTimeoutS;
+  for (;;) {
+    ASSIGN_OR_RETURN(proto::Frame f, stream->next(deadline));
+    if (f.type != proto::FrameType::kResult) continue;
+    RETURN_IF_ERROR(resultStatus(f.payload));
+    json j = json::parse(f.payload, nullptr, false);
+    return j.is_discarded() ? uint64_t(0) : j.value("size", uint64_t(0));
+  }
+}
+
+Status Edge::readFile(const std::string& id, const std::string& path,
+                      const std::function<Status(uint64_t)>& onSize, const ByteSink& sink) {
+  auto inst = find(id);
+  if (!inst) return notFound("sandbox " + id + " is not running on this node");
+  auto conn = inst->agent();
+  uint64_t size = 0, offset = 0;
+  bool first = true;
+  do {
+    auto stream = conn->openStream();
+    StreamGuard guard{*conn, stream->id()};
+    uint64_t want = first ? kReadRange : std::min<uint64_t>(kReadRange, size - offset);
+    json req = {{"path", path}, {"offset", offset}, {"length", want}};
+    RETURN_IF_ERROR(conn->send(stream->id(), proto::FrameType::kFileRead, req.dump()));
+    double deadline = monoSeconds() + kAgentCallTimeoutS;
+    uint64_t got = 0;
+    bool headerSeen = false;
+    for (;;) {
+      ASSIGN_OR_RETURN(proto::Frame f, stream->next(deadline));
+      if (f.type == proto::FrameType::kResult) {
+        RETURN_IF_ERROR(resultStatus(f.payload));
+        if (first) {
+          json j = json::parse(f.payload, nullptr, false);
+          size = j.is_discarded() ? 0 : j.value("size", uint64_t(0));
+          RETURN_IF_ERROR(onSize(size));
+          first = false;
+        }
+        headerSeen = true;
+      } else if (f.type == proto::FrameType::kData && headerSeen) {
+        if (f.payload.empty()) break;
+        // Never pass on more than the size we announced.
+        uint64_t room = size - std::min(size, offset + got);
+        std::string_view piece(f.payload.data(), std::min<uint64_t>(room, f.payload.size()));
+        if (!piece.empty()) RETURN_IF_ERROR(sink(piece));
+        got += piece.size();
+      }
+    }
+    if (got == 0) break;  // the file shrank; the caller sees a short body
+    offset += got;
+  } while (offset < size);
+  if (offset < size) {
+    return Status(Code::kFailedPrecondition, "file " + path + " shrank while being read");
+  }
+  return Status::ok();
+}
+
+Result<std::string> Edge::fileCall(const std::string& id, proto::FrameType type,
+                                   const std::string& body) {
+  auto inst = find(id);
+  if (!inst) return notFound("sandbox " + id + " is not running on this node");
+  return agentCall(*inst->agent(), type, body, kAgentCallTimeoutS);
+}
+
+Result<CgroupStats> Edge::stats(const std::string& id) {
+  auto inst = find(id);
+  if (!inst) return notFound("sandbox " + id + " is not running on this node");
+  return inst->stats();
+}
+
+std::vector<std::string> Edge::sandboxIds() const {
+  std::lock_guard lk(mu_);
+  std::vector<std::string> out;
+  for (auto& [id, _] : sandboxes_) out.push_back(id);
+  return out;
+}
+
+void Edge::shutdown() {
+  if (!reactor_) return;
+  for (auto& id : sandboxIds()) {
+    if (Status st = destroy(id); !st.isOk()) log::error("shutdown: " + st.toString());
+  }
+  if (layers_) (void)layers_->unmountUnused(true);
+  reactor_->stop();
+  reactor_.reset();
+}
+
+}  // namespace dsec::edge

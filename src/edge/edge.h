@@ -1,0 +1,105 @@
+// The node daemon's core: owns the backends, the layer cache and the agent
+// reactor, and the map of live sandboxes on this node. exec and file calls go
+// through each sandbox's agent. Thread-safe: calls on different sandboxes run
+// in parallel; a sandbox being destroyed fails its in-flight calls.
+#pragma once
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "edge/backend.h"
+#include "edge/cgroup.h"
+#include "edge/image/layer_cache.h"
+
+namespace dsec::edge {
+
+struct EdgeOptions {
+  std::string dataDir;     // node-local: <dataDir>/layers, <dataDir>/sandboxes
+  std::string aetherPath;  // static dsec-aether
+  LayerCache::BlobPath blobPath;
+  std::string cgroupRoot = "/sys/fs/cgroup";
+};
+
+struct ExecSpec {
+  std::vector<std::string> argv;
+  std::vector<std::string> env;  // "K=V", the whole environment
+  std::string cwd;               // empty: agent default
+  std::string user;              // empty: root
+  int64_t timeoutMs = 60000;     // 0 = none
+  int64_t maxOutput = 1 << 20;   // per stream
+  std::optional<std::string> stdinData;
+};
+
+struct ExecResult {
+  int exitCode = 0;
+  int signal = 0;
+  bool timedOut = false;
+  bool truncated = false;
+  bool oomKilled = false;
+  double durationMs = 0;
+  std::string out;  // left empty when streamed to a sink
+  std::string err;
+};
+
+// Receives exec output as it arrives. An error return cancels the exec.
+using OutputSink = std::function<Status(bool isStderr, std::string_view data)>;
+// Supplies file bytes: fills buf, returns the count, 0 at the end.
+using ByteSource = std::function<Result<size_t>(char* buf, size_t n)>;
+// Receives file bytes in order.
+using ByteSink = std::function<Status(std::string_view data)>;
+
+class Edge {
+ public:
+  static Result<std::unique_ptr<Edge>> start(EdgeOptions opts);
+  ~Edge();
+
+  // Called (once, on another thread) when a sandbox dies on its own.
+  void setDeathHandler(std::function<void(const std::string& id, const std::string& why)> h);
+
+  Status create(const std::string& backend, const SandboxSpec& spec);
+  // Idempotent: an unknown id is fine.
+  Status destroy(const std::string& id);
+  Result<ExecResult> exec(const std::string& id, const ExecSpec& spec, const OutputSink& sink);
+
+  Result<uint64_t> writeFile(const std::string& id, const std::string& path, int mode,
+                             const ByteSource& src);
+  // Calls onSize with the file's size before the first byte, so an HTTP
+  // response can be started with a Content-Length.
+  Status readFile(const std::string& id, const std::string& path,
+                  const std::function<Status(uint64_t size)>& onSize, const ByteSink& sink);
+  // list/stat/mkdir/remove: the agent's JSON result.
+  Result<std::string> fileCall(const std::string& id, proto::FrameType type,
+                               const std::string& json);
+
+  Result<CgroupStats> stats(const std::string& id);
+  std::vector<std::string> sandboxIds() const;
+  // Destroys every sandbox and unmounts every layer.
+  void shutdown();
+
+  std::string describe() const;
+  int orphansRemoved() const { return orphansRemoved_; }
+
+ private:
+  Edge() = default;
+  std::shared_ptr<Instance> find(const std::string& id) const;
+
+  EdgeOptions opts_;
+  std::unique_ptr<Cgroups> cgroups_;
+  std::unique_ptr<LayerCache> layers_;
+  std::unique_ptr<Reactor> reactor_;
+  std::map<std::string, std::unique_ptr<Backend>> backends_;
+  int orphansRemoved_ = 0;
+
+  mutable std::mutex mu_;  // guards sandboxes_, backendOf_, onDeath_
+  std::map<std::string, std::shared_ptr<Instance>> sandboxes_;
+  std::map<std::string, Backend*> backendOf_;
+  std::function<void(const std::string&, const std::string&)> onDeath_;
+};
+
+}  // namespace dsec::edge

@@ -1,0 +1,160 @@
+#include "edge/image/layer_cache.h"
+
+#include <fcntl.h>
+#include <linux/loop.h>
+#include <sys/ioctl.h>
+#include <sys/mount.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <sstream>
+
+#include "common/fd.h"
+#include "common/log.h"
+#include "common/util.h"
+
+namespace dsec::edge {
+
+namespace {
+// mountinfo escapes spaces, tabs, newlines and backslashes as \ooo.
+std::string unescapeMountPath(const std::string& s) {
+  std::string out;
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (s[i] == '\\' && i + 3 < s.size()) {
+      out.push_back(char((s[i + 1] - '0') * 64 + (s[i + 2] - '0') * 8 + (s[i + 3] - '0')));
+      i += 3;
+    } else {
+      out.push_back(s[i]);
+    }
+  }
+  return out;
+}
+
+std::string hexOf(const std::string& digest) {
+  return startsWith(digest, "sha256:") ? digest.substr(7) : digest;
+}
+}  // namespace
+
+std::vector<std::string> mountsUnder(const std::string& prefix) {
+  std::vector<std::string> out;
+  auto info = readFile("/proc/self/mountinfo");
+  if (!info.isOk()) return out;
+  std::istringstream in(*info);
+  std::string line;
+  while (std::getline(in, line)) {
+    std::istringstream ls(line);
+    std::string id, parent, devno, root, mp;
+    ls >> id >> parent >> devno >> root >> mp;
+    mp = unescapeMountPath(mp);
+    if (mp == prefix || startsWith(mp, prefix + "/")) out.push_back(mp);
+  }
+  std::sort(out.begin(), out.end(), [](auto& a, auto& b) { return a.size() > b.size(); });
+  return out;
+}
+
+LayerCache::LayerCache(std::string mountRoot, BlobPath blobPath)
+    : mountRoot_(std::move(mountRoot)), blobPath_(std::move(blobPath)) {}
+
+LayerCache::~LayerCache() { (void)unmountUnused(true); }
+
+Status LayerCache::cleanupStale() {
+  for (auto& mp : mountsUnder(mountRoot_)) {
+    if (::umount2(mp.c_str(), MNT_DETACH) != 0 && errno != EINVAL && errno != ENOENT) {
+      return sysError("umount stale layer " + mp);
+    }
+    log::info("removed stale layer mount " + mp);
+  }
+  return makeDirs(mountRoot_, 0700);
+}
+
+Status LayerCache::mountLayer(const std::string& blob, const std::string& target) {
+  unsigned long flags = MS_RDONLY | MS_NODEV | MS_NOSUID;
+  if (method_ == "file") {
+    if (::mount(blob.c_str(), target.c_str(), "erofs", flags, nullptr) == 0) return Status::ok();
+    // Kernels before 6.12 want a block device for EROFS.
+    if (errno != ENOTBLK && errno != EINVAL) return sysError("mount erofs " + blob);
+    log::info("file-backed EROFS refused (" + std::string(strerror(errno)) +
+              "); using loop devices");
+    method_ = "loop";
+  }
+  UniqueFd ctl(::open("/dev/loop-control", O_RDWR | O_CLOEXEC));
+  if (!ctl) return sysError("open /dev/loop-control");
+  UniqueFd file(::open(blob.c_str(), O_RDONLY | O_CLOEXEC));
+  if (!file) return sysError("open " + blob);
+  for (int attempt = 0; attempt < 16; ++attempt) {
+    int n = ::ioctl(ctl.get(), LOOP_CTL_GET_FREE);
+    if (n < 0) return sysError("LOOP_CTL_GET_FREE");
+    std::string dev = "/dev/loop" + std::to_string(n);
+    UniqueFd loop(::open(dev.c_str(), O_RDWR | O_CLOEXEC));
+    if (!loop) return sysError("open " + dev);
+    loop_config cfg{};
+    cfg.fd = uint32_t(file.get());
+    cfg.info.lo_flags = LO_FLAGS_READ_ONLY | LO_FLAGS_AUTOCLEAR;
+    if (::ioctl(loop.get(), LOOP_CONFIGURE, &cfg) != 0) {
+      if (errno == EBUSY) continue;  // raced with another user of that device
+      return sysError("LOOP_CONFIGURE " + dev);
+    }
+    // AUTOCLEAR detaches the device when the mount (its last user) goes away.
+    if (::mount(dev.c_str(), target.c_str(), "erofs", flags, nullptr) != 0) {
+      Status st = sysError("mount erofs " + dev);
+      ::ioctl(loop.get(), LOOP_CLR_FD, 0);
+      return st;
+    }
+    return Status::ok();
+  }
+  return Status(Code::kResourceExhausted, "no free loop device");
+}
+
+Result<std::string> LayerCache::acquire(const std::string& digest) {
+  std::lock_guard lk(mu_);
+  auto it = layers_.find(digest);
+  if (it != layers_.end()) {
+    ++it->second.refs;
+    return it->second.path;
+  }
+  ASSIGN_OR_RETURN(std::string blob, blobPath_(digest));
+  std::string target = mountRoot_ + "/" + hexOf(digest);
+  if (::mkdir(target.c_str(), 0755) != 0 && errno != EEXIST) return sysError("mkdir " + target);
+  RETURN_IF_ERROR(mountLayer(blob, target));
+  layers_[digest] = Entry{target, 1};
+  return target;
+}
+
+void LayerCache::release(const std::string& digest) {
+  std::lock_guard lk(mu_);
+  auto it = layers_.find(digest);
+  if (it != layers_.end() && it->second.refs > 0) --it->second.refs;
+}
+
+Status LayerCache::unmountUnused(bool force) {
+  std::lock_guard lk(mu_);
+  Status first;
+  for (auto it = layers_.begin(); it != layers_.end();) {
+    if (it->second.refs > 0 && !force) {
+      ++it;
+      continue;
+    }
+    // Sandboxes' mount namespaces hold their own references, so a lazy
+    // unmount here never pulls a layer out from under a running sandbox.
+    if (::umount2(it->second.path.c_str(), MNT_DETACH) != 0 && errno != EINVAL) {
+      if (first.isOk()) first = sysError("umount " + it->second.path);
+    }
+    ::rmdir(it->second.path.c_str());
+    it = layers_.erase(it);
+  }
+  return first;
+}
+
+size_t LayerCache::mountedCount() const {
+  std::lock_guard lk(mu_);
+  return layers_.size();
+}
+
+std::string LayerCache::mountMethod() const {
+  std::lock_guard lk(mu_);
+  return method_;
+}
+
+}  // namespace dsec::edge

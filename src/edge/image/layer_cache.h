@@ -1,0 +1,56 @@
+// Node-wide EROFS layer mounts: each layer is mounted once, read-only, and
+// shared by every sandbox that stacks it (one page cache for all). Thread-safe.
+//
+// Mount strategy, detected per node: the blob file is given straight to
+// mount(2) (file-backed EROFS, kernel >= 6.12); where the kernel refuses that,
+// a read-only loop device is attached (LOOP_CONFIGURE, autoclear).
+#pragma once
+
+#include <functional>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+
+namespace dsec::edge {
+
+class LayerCache {
+ public:
+  // Maps "sha256:<hex>" to the local path of the layer blob.
+  using BlobPath = std::function<Result<std::string>(const std::string& digest)>;
+
+  // mountRoot: directory for mount points (<mountRoot>/<hex>).
+  LayerCache(std::string mountRoot, BlobPath blobPath);
+  ~LayerCache();
+
+  // Removes mounts left under mountRoot by an earlier process (crash).
+  Status cleanupStale();
+  // Mounts the layer if needed, takes a reference, returns its mount point.
+  Result<std::string> acquire(const std::string& digest);
+  void release(const std::string& digest);
+  // Layers with no users are unmounted; with force, all (shutdown).
+  Status unmountUnused(bool force = false);
+  size_t mountedCount() const;
+  // "file" or "loop": how the last mount was made.
+  std::string mountMethod() const;
+
+ private:
+  struct Entry {
+    std::string path;
+    int refs = 0;
+  };
+  Status mountLayer(const std::string& blob, const std::string& target);
+
+  const std::string mountRoot_;
+  BlobPath blobPath_;
+  mutable std::mutex mu_;  // guards layers_, method_; held across a mount so one layer mounts once
+  std::map<std::string, Entry> layers_;
+  std::string method_ = "file";
+};
+
+// Mount points under `prefix` in this mount namespace, deepest first.
+std::vector<std::string> mountsUnder(const std::string& prefix);
+
+}  // namespace dsec::edge
