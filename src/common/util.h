@@ -36,3 +36,9 @@ bool startsWith(std::string_view s, std::string_view prefix);
 bool secretEquals(std::string_view a, std::string_view b);
 
 }  // namespace dsec
+
+namespace dsec {
+std::string base64Encode(std::string_view in);
+// kInvalidArgument on characters outside the standard alphabet or bad padding.
+Result<std::string> base64Decode(std::string_view in);
+}  // namespace dsec

@@ -52,3 +52,19 @@ TEST(UtilTest, Split) {
 
 }  // namespace
 }  // namespace dsec
+
+namespace dsec {
+namespace {
+TEST(UtilTest, Base64RoundTrip) {
+  for (std::string s : {std::string(""), std::string("f"), std::string("fo"), std::string("foo"),
+                        std::string("\0\xff\x10zz", 5)}) {
+    auto d = base64Decode(base64Encode(s));
+    ASSERT_TRUE(d.isOk());
+    EXPECT_EQ(*d, s);
+  }
+  EXPECT_EQ(base64Encode("foob"), "Zm9vYg==");
+  EXPECT_FALSE(base64Decode("Zm9v!A==").isOk());
+  EXPECT_FALSE(base64Decode("Zm9").isOk());
+}
+}  // namespace
+}  // namespace dsec

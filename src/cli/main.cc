@@ -1,0 +1,428 @@
+// The dsec command: `dsec up` runs the platform and an edge in one process;
+// the other subcommands are thin clients of the REST API.
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/file.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
+#include <iostream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/http_client.h"
+#include "common/http_server.h"
+#include "common/log.h"
+#include "common/util.h"
+#include "edge/edge.h"
+#include "image/layer_builder.h"
+#include "platform/platform.h"
+#include "platform/store.h"
+
+using json = nlohmann::json;
+using namespace dsec;
+
+namespace {
+
+constexpr const char* kDefaultDataDir = "/var/lib/dsec";
+
+const char* kUsage = R"(usage: dsec COMMAND [OPTIONS]
+
+  up [--data-dir DIR] [--listen HOST:PORT] [--aether PATH] [--log-level debug|info|warn]
+        Run the platform and an edge in one process (REST API, SQLite state,
+        local blob store). Stops on SIGTERM/SIGINT, destroying its sandboxes.
+  image import --name NAME[:TAG] PATH    Build an EROFS layer from a rootfs dir or tarball
+  image ls
+  sandbox create --image REF [--cpu N] [--memory-mb N] [--ttl-s N] [--label K=V]... [--env K=V]...
+  sandbox ls [--label K=V]...
+  sandbox rm ID...
+  sandbox exec ID [--timeout S] [--user U] [--cwd DIR] -- CMD [ARG...]
+  exec ID ... -- CMD [ARG...]            (same as sandbox exec)
+
+Client commands find the platform by --url/--token, else $DSEC_URL/$DSEC_TOKEN,
+else from --data-dir (default /var/lib/dsec): <dir>/up.json and <dir>/token.
+)";
+
+struct Args {
+  std::vector<std::string> positional;
+  std::multimap<std::string, std::string> opts;
+  std::vector<std::string> rest;  // after "--"
+  std::string get(const std::string& k, const std::string& def = "") const {
+    auto it = opts.find(k);
+    return it == opts.end() ? def : it->second;
+  }
+  std::vector<std::string> all(const std::string& k) const {
+    std::vector<std::string> v;
+    for (auto [it, end] = opts.equal_range(k); it != end; ++it) v.push_back(it->second);
+    return v;
+  }
+};
+
+Args parseArgs(int argc, char** argv, int start) {
+  Args a;
+  for (int i = start; i < argc; ++i) {
+    std::string s = argv[i];
+    if (s == "--") {
+      for (++i; i < argc; ++i) a.rest.push_back(argv[i]);
+      break;
+    }
+    if (startsWith(s, "--")) {
+      size_t eq = s.find('=');
+      if (eq != std::string::npos) {
+        a.opts.emplace(s.substr(2, eq - 2), s.substr(eq + 1));
+      } else if (i + 1 < argc) {
+        a.opts.emplace(s.substr(2), argv[++i]);
+      } else {
+        a.opts.emplace(s.substr(2), "");
+      }
+    } else {
+      a.positional.push_back(s);
+    }
+  }
+  return a;
+}
+
+int die(const std::string& msg) {
+  std::cerr << "dsec: " << msg << "\n";
+  return 1;
+}
+
+// ---------------------------------------------------------------- dsec up
+
+std::string selfDir() {
+  char buf[4096];
+  ssize_t n = readlink("/proc/self/exe", buf, sizeof buf - 1);
+  if (n <= 0) return ".";
+  std::string p(buf, size_t(n));
+  return p.substr(0, p.rfind('/'));
+}
+
+Result<std::string> loadOrCreateToken(const std::string& dataDir) {
+  std::string path = dataDir + "/token";
+  auto existing = readFile(path);
+  if (existing.isOk()) {
+    std::string t = *existing;
+    while (!t.empty() && (t.back() == '\n' || t.back() == ' ')) t.pop_back();
+    if (t.size() >= 32) return t;
+  }
+  std::string t = randomHex(32);
+  RETURN_IF_ERROR(writeFileAtomic(path, t + "\n", 0600));
+  return t;
+}
+
+int cmdUp(const Args& a) {
+  std::string dataDir = a.get("data-dir", kDefaultDataDir);
+  std::string listen = a.get("listen", "127.0.0.1:7070");
+  std::string aether = a.get("aether", selfDir() + "/dsec-aether");
+  std::string lvl = a.get("log-level", "info");
+  if (lvl == "debug") log::setLevel(log::Level::kDebug);
+  if (lvl == "warn") log::setLevel(log::Level::kWarn);
+  if (geteuid() != 0) return die("dsec up must run as root (it builds namespaces and cgroups)");
+  size_t colon = listen.rfind(':');
+  if (colon == std::string::npos) return die("--listen must be HOST:PORT");
+  http::ServerOptions so;
+  so.host = listen.substr(0, colon);
+  int port = std::atoi(listen.substr(colon + 1).c_str());
+  if (port < 0 || port > 65535) return die("bad port in --listen");
+  so.port = uint16_t(port);
+
+  // Signals go to one thread that stops the server; everything else has them blocked.
+  sigset_t sigs;
+  sigemptyset(&sigs);
+  sigaddset(&sigs, SIGTERM);
+  sigaddset(&sigs, SIGINT);
+  sigaddset(&sigs, SIGHUP);
+  pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
+  signal(SIGPIPE, SIG_IGN);
+  // Each sandbox holds an agent socket and a pidfd.
+  rlimit rl;
+  if (getrlimit(RLIMIT_NOFILE, &rl) == 0) {
+    rl.rlim_cur = rl.rlim_max;
+    setrlimit(RLIMIT_NOFILE, &rl);
+  }
+
+  if (Status st = makeDirs(dataDir, 0700); !st.isOk()) return die(st.toString());
+  ::chmod(dataDir.c_str(), 0700);
+  int lockFd = ::open((dataDir + "/lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+  if (lockFd < 0 || flock(lockFd, LOCK_EX | LOCK_NB) != 0) {
+    return die("another dsec is running on " + dataDir);
+  }
+  auto token = loadOrCreateToken(dataDir);
+  if (!token.isOk()) return die(token.status().toString());
+  auto store = platform::SqliteStore::open(dataDir + "/state.db");
+  if (!store.isOk()) return die(store.status().toString());
+
+  edge::EdgeOptions eo;
+  eo.dataDir = dataDir + "/edge";
+  eo.aetherPath = aether;
+  eo.blobPath = [dataDir](const std::string& digest) -> Result<std::string> {
+    std::string p = platform::Platform::blobPath(dataDir, digest);
+    if (::access(p.c_str(), R_OK) != 0) return notFound("blob " + digest + " not in the store");
+    return p;
+  };
+  auto edge = edge::Edge::start(eo);
+  if (!edge.isOk()) return die("edge: " + edge.status().toString());
+
+  platform::PlatformOptions po;
+  po.dataDir = dataDir;
+  po.token = *token;
+  auto plat = platform::Platform::start(po, store->get(), edge->get());
+  if (!plat.isOk()) return die("platform: " + plat.status().toString());
+
+  http::Server server(so);
+  if (Status st = server.listen(); !st.isOk()) return die(st.toString());
+  std::string url = "http://" + so.host + ":" + std::to_string(server.port());
+  json up = {{"url", url}, {"pid", getpid()}};
+  if (Status st = writeFileAtomic(dataDir + "/up.json", up.dump() + "\n", 0644); !st.isOk()) {
+    return die(st.toString());
+  }
+  log::info("dsec up: serving " + url + " (data " + dataDir + ", token in " + dataDir + "/token)");
+
+  std::thread sigThread([&] {
+    int sig = 0;
+    sigwait(&sigs, &sig);
+    log::info(std::string("received ") + strsignal(sig) + ", shutting down");
+    server.stop();
+  });
+  platform::Platform* p = plat->get();
+  server.serve([p](http::Request& req, http::Response& res) { p->handle(req, res); });
+  ::unlink((dataDir + "/up.json").c_str());
+  (*plat)->shutdown();
+  plat->reset();
+  (*edge)->shutdown();
+  sigThread.join();
+  log::info("dsec up: stopped");
+  return 0;
+}
+
+// ---------------------------------------------------------------- clients
+
+Result<std::unique_ptr<http::Client>> connectClient(const Args& a) {
+  std::string url = a.get("url", getenv("DSEC_URL") ? getenv("DSEC_URL") : "");
+  std::string token = a.get("token", getenv("DSEC_TOKEN") ? getenv("DSEC_TOKEN") : "");
+  std::string dataDir = a.get("data-dir", kDefaultDataDir);
+  if (url.empty()) {
+    auto up = readFile(dataDir + "/up.json");
+    if (!up.isOk()) {
+      return Status(Code::kUnavailable, "no --url, no $DSEC_URL, and no running dsec in " +
+                                            dataDir + " (" + up.status().message() + ")");
+    }
+    json j = json::parse(*up, nullptr, false);
+    if (j.is_discarded() || !j.contains("url")) return internalError("bad " + dataDir + "/up.json");
+    url = j["url"];
+  }
+  if (token.empty()) {
+    auto t = readFile(dataDir + "/token");
+    if (t.isOk()) {
+      token = *t;
+      while (!token.empty() && token.back() == '\n') token.pop_back();
+    }
+  }
+  return http::Client::connect(url, token);
+}
+
+// Prints an API error and returns the exit code for it.
+int apiError(const http::ClientResponse& r) {
+  json j = json::parse(r.body, nullptr, false);
+  if (!j.is_discarded() && j.contains("error")) {
+    std::string field = j["error"].value("field", "");
+    std::cerr << "dsec: " << j["error"].value("code", "error") << ": "
+              << j["error"].value("message", "") << (field.empty() ? "" : " (field " + field + ")")
+              << "\n";
+  } else {
+    std::cerr << "dsec: HTTP " << r.status << ": " << r.body << "\n";
+  }
+  return 1;
+}
+
+int cmdImage(const Args& a) {
+  if (a.positional.size() < 2) return die("usage: dsec image import|ls");
+  auto client = connectClient(a);
+  if (!client.isOk()) return die(client.status().toString());
+  auto& c = **client;
+  const std::string& sub = a.positional[1];
+  if (sub == "ls") {
+    auto r = c.request("GET", "/v1/images");
+    if (!r.isOk()) return die(r.status().toString());
+    if (r->status != 200) return apiError(*r);
+    json j = json::parse(r->body);
+    printf("%-30s %-12s %-12s %s\n", "IMAGE", "LAYERS", "SIZE", "CREATED");
+    for (auto& i : j["images"]) {
+      printf("%-30s %-12zu %-12lld %s\n", i["ref"].get<std::string>().c_str(), i["layers"].size(),
+             (long long)i["size"].get<int64_t>(), i["created_at"].get<std::string>().c_str());
+    }
+    return 0;
+  }
+  if (sub != "import") return die("unknown image command '" + sub + "'");
+  if (a.positional.size() != 3) return die("usage: dsec image import --name NAME[:TAG] PATH");
+  std::string ref = a.get("name");
+  if (ref.empty()) return die("--name is required");
+  std::string name, tag;
+  if (Status st = platform::parseImageRef(ref, name, tag); !st.isOk()) return die(st.message());
+  std::string work = "/var/tmp/dsec-import-" + randomHex(6);
+  auto layer = image::buildLayer(a.positional[2], work);
+  if (!layer.isOk()) {
+    (void)removeTree(work);
+    return die(layer.status().toString());
+  }
+  auto up = c.uploadFile("PUT", "/v1/blobs/" + layer->digest, layer->path);
+  (void)removeTree(work);
+  if (!up.isOk()) return die(up.status().toString());
+  if (up->status != 201) return apiError(*up);
+  json body = {{"name", name}, {"tag", tag}, {"layers", {layer->digest}}};
+  auto r = c.request("POST", "/v1/images", body.dump());
+  if (!r.isOk()) return die(r.status().toString());
+  if (r->status != 201) return apiError(*r);
+  std::cerr << "imported " << name << ":" << tag << " (" << layer->size << " bytes)\n";
+  std::cout << layer->digest << "\n";
+  return 0;
+}
+
+Result<std::map<std::string, std::string>> keyValues(const std::vector<std::string>& items,
+                                                     const std::string& what) {
+  std::map<std::string, std::string> out;
+  for (auto& kv : items) {
+    size_t eq = kv.find('=');
+    if (eq == std::string::npos || eq == 0) return invalidArg(what, what + " must be K=V: " + kv);
+    out[kv.substr(0, eq)] = kv.substr(eq + 1);
+  }
+  return out;
+}
+
+int cmdExec(const Args& a, const std::string& id) {
+  if (a.rest.empty()) return die("usage: dsec exec ID -- CMD [ARG...]");
+  auto client = connectClient(a);
+  if (!client.isOk()) return die(client.status().toString());
+  json body = {{"cmd", a.rest}, {"stream", true}};
+  if (!a.get("timeout").empty()) body["timeout_s"] = std::atof(a.get("timeout").c_str());
+  if (!a.get("user").empty()) body["user"] = a.get("user");
+  if (!a.get("cwd").empty()) body["cwd"] = a.get("cwd");
+  auto envs = keyValues(a.all("env"), "env");
+  if (!envs.isOk()) return die(envs.status().message());
+  if (!envs->empty()) body["env"] = *envs;
+  std::string pending;
+  int code = 1;
+  std::string errorBody;
+  auto onData = [&](std::string_view d) {
+    pending.append(d);
+    size_t nl;
+    while ((nl = pending.find('\n')) != std::string::npos) {
+      json ev = json::parse(pending.substr(0, nl), nullptr, false);
+      pending.erase(0, nl + 1);
+      if (ev.is_discarded()) {
+        errorBody += pending;
+        continue;
+      }
+      std::string type = ev.value("type", "");
+      if (type == "stdout" || type == "stderr") {
+        std::string data = ev.value("data", "");
+        FILE* f = type == "stdout" ? stdout : stderr;
+        fwrite(data.data(), 1, data.size(), f);
+        fflush(f);
+      } else if (type == "exit") {
+        code = ev.value("exit_code", -1);
+        if (code < 0) code = 128 + ev.value("signal", 0);
+        if (ev.value("timed_out", false)) std::cerr << "dsec: command timed out\n";
+        if (ev.value("truncated", false)) std::cerr << "dsec: output truncated\n";
+      } else if (type == "error") {
+        std::cerr << "dsec: " << ev["error"].value("message", "exec failed") << "\n";
+        code = 1;
+      } else if (ev.contains("error")) {
+        std::cerr << "dsec: " << ev["error"].value("code", "") << ": "
+                  << ev["error"].value("message", "") << "\n";
+      }
+    }
+  };
+  auto r = (*client)->requestStreaming("POST", "/v1/sandboxes/" + id + "/exec", body.dump(), onData);
+  if (!r.isOk()) return die(r.status().toString());
+  if (r->status != 200) {
+    onData("\n");  // the error object, if any, is the whole body
+    return 1;
+  }
+  return code;
+}
+
+int cmdSandbox(const Args& a) {
+  if (a.positional.size() < 2) return die("usage: dsec sandbox create|ls|rm|exec");
+  const std::string& sub = a.positional[1];
+  if (sub == "exec") {
+    if (a.positional.size() != 3) return die("usage: dsec sandbox exec ID -- CMD [ARG...]");
+    return cmdExec(a, a.positional[2]);
+  }
+  auto client = connectClient(a);
+  if (!client.isOk()) return die(client.status().toString());
+  auto& c = **client;
+  if (sub == "create") {
+    json body = {{"image", a.get("image")}};
+    if (!a.get("backend").empty()) body["backend"] = a.get("backend");
+    if (!a.get("cpu").empty()) body["cpu"] = std::atof(a.get("cpu").c_str());
+    if (!a.get("memory-mb").empty()) body["memory_mb"] = std::atoll(a.get("memory-mb").c_str());
+    if (!a.get("ttl-s").empty()) body["ttl_s"] = std::atoll(a.get("ttl-s").c_str());
+    auto labels = keyValues(a.all("label"), "label");
+    if (!labels.isOk()) return die(labels.status().message());
+    if (!labels->empty()) body["labels"] = *labels;
+    auto envs = keyValues(a.all("env"), "env");
+    if (!envs.isOk()) return die(envs.status().message());
+    if (!envs->empty()) body["env"] = *envs;
+    auto r = c.request("POST", "/v1/sandboxes", body.dump());
+    if (!r.isOk()) return die(r.status().toString());
+    if (r->status != 201) return apiError(*r);
+    std::cout << json::parse(r->body)["id"].get<std::string>() << "\n";
+    return 0;
+  }
+  if (sub == "ls") {
+    std::string q;
+    for (auto& l : a.all("label")) q += (q.empty() ? "?" : "&") + std::string("label=") + http::percentEncode(l);
+    auto r = c.request("GET", "/v1/sandboxes" + q);
+    if (!r.isOk()) return die(r.status().toString());
+    if (r->status != 200) return apiError(*r);
+    printf("%-20s %-10s %-24s %-10s %s\n", "ID", "STATE", "IMAGE", "BACKEND", "CREATED");
+    for (auto& s : json::parse(r->body)["sandboxes"]) {
+      printf("%-20s %-10s %-24s %-10s %s\n", s["id"].get<std::string>().c_str(),
+             s["state"].get<std::string>().c_str(), s["image"].get<std::string>().c_str(),
+             s["backend"].get<std::string>().c_str(), s["created_at"].get<std::string>().c_str());
+    }
+    return 0;
+  }
+  if (sub == "rm") {
+    if (a.positional.size() < 3) return die("usage: dsec sandbox rm ID...");
+    int rc = 0;
+    for (size_t i = 2; i < a.positional.size(); ++i) {
+      auto r = c.request("DELETE", "/v1/sandboxes/" + a.positional[i]);
+      if (!r.isOk()) return die(r.status().toString());
+      if (r->status != 200) {
+        rc = apiError(*r);
+      } else {
+        std::cout << a.positional[i] << "\n";
+      }
+    }
+    return rc;
+  }
+  return die("unknown sandbox command '" + sub + "'");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2 || std::string(argv[1]) == "--help" || std::string(argv[1]) == "-h") {
+    std::cout << kUsage;
+    return argc < 2 ? 1 : 0;
+  }
+  std::string cmd = argv[1];
+  Args a = parseArgs(argc, argv, 1);
+  if (cmd == "up") return cmdUp(a);
+  if (cmd == "image") return cmdImage(a);
+  if (cmd == "sandbox") return cmdSandbox(a);
+  if (cmd == "exec") {
+    if (a.positional.size() != 2) return die("usage: dsec exec ID -- CMD [ARG...]");
+    return cmdExec(a, a.positional[1]);
+  }
+  std::cerr << kUsage;
+  return die("unknown command '" + cmd + "'");
+}

@@ -1,0 +1,450 @@
+// /v1/sandboxes: create, list, get, destroy, exec, files.
+#include <regex>
+
+#include "common/log.h"
+#include "common/util.h"
+#include "platform/api_util.h"
+#include "platform/platform.h"
+
+namespace dsec::platform {
+
+namespace {
+
+constexpr int64_t kMaxOutputCap = 64ll << 20;
+constexpr size_t kMaxStdin = 16u << 20;
+
+json toApi(const SandboxRecord& r) {
+  json j = {{"id", r.id},
+            {"backend", r.backend},
+            {"image", r.image},
+            {"layers", r.layers},
+            {"state", r.state},
+            {"cpu", r.cpu},
+            {"memory_mb", r.memoryMb},
+            {"disk_mb", r.diskMb},
+            {"pids", r.pids},
+            {"ttl_s", r.ttlS},
+            {"env", r.env},
+            {"labels", r.labels},
+            {"node", r.node},
+            {"created_at", isoTime(r.createdAt)},
+            {"expires_at", r.expiresAt > 0 ? json(isoTime(r.expiresAt)) : json(nullptr)},
+            {"error", r.error.empty() ? json(nullptr) : json(r.error)}};
+  return j;
+}
+
+Status validateLabels(const std::map<std::string, std::string>& labels) {
+  static const std::regex kKey("[A-Za-z0-9._/-]{1,63}");
+  if (labels.size() > 64) return invalidArg("labels", "at most 64 labels");
+  for (auto& [k, v] : labels) {
+    if (!std::regex_match(k, kKey)) return invalidArg("labels", "invalid label key '" + k + "'");
+    if (v.size() > 255) return invalidArg("labels", "label value of '" + k + "' is too long");
+  }
+  return Status::ok();
+}
+
+Status validateEnv(const std::map<std::string, std::string>& env, const char* field) {
+  for (auto& [k, v] : env) {
+    if (k.empty() || k.find('=') != std::string::npos || k.find('\0') != std::string::npos ||
+        v.find('\0') != std::string::npos) {
+      return invalidArg(field, std::string("invalid environment variable name '") + k + "'");
+    }
+  }
+  return Status::ok();
+}
+
+// Absolute, NUL-free, bounded. The agent resolves it inside the sandbox's
+// root, so ".." cannot leave the sandbox; we still normalise nothing here.
+Result<std::string> sandboxPath(const http::Request& req) {
+  auto p = req.param("path");
+  if (!p || p->empty()) return invalidArg("path", "query parameter 'path' is required");
+  if ((*p)[0] != '/') return invalidArg("path", "path must be absolute: '" + *p + "'");
+  if (p->find('\0') != std::string::npos) return invalidArg("path", "path contains NUL");
+  if (p->size() > 4096) return invalidArg("path", "path longer than 4096 bytes");
+  return *p;
+}
+
+Result<int> parseMode(const std::optional<std::string>& s, int def) {
+  if (!s) return def;
+  if (s->empty() || s->size() > 5) return invalidArg("mode", "mode must be octal, e.g. 0644");
+  int v = 0;
+  for (char c : *s) {
+    if (c < '0' || c > '7') return invalidArg("mode", "mode must be octal, e.g. 0644");
+    v = v * 8 + (c - '0');
+  }
+  if (v > 07777) return invalidArg("mode", "mode out of range");
+  return v;
+}
+
+}  // namespace
+
+void Platform::createSandbox(http::Request& req, http::Response& res) {
+  auto parsed = parseObject(req, {"image", "backend", "cpu", "memory_mb", "disk_mb", "pids",
+                                  "ttl_s", "env", "labels"});
+  if (!parsed.isOk()) return sendError(res, parsed.status());
+  const json& j = *parsed;
+  SandboxRecord r;
+  auto fail = [&](const Status& st) { sendError(res, st); };
+  {
+    auto image = getString(j, "image", "", 512);
+    if (!image.isOk()) return fail(image.status());
+    if (image->empty()) return fail(invalidArg("image", "image is required"));
+    r.image = *image;
+    auto backend = getString(j, "backend", "container", 32);
+    if (!backend.isOk()) return fail(backend.status());
+    if (*backend != "container") {
+      return fail(invalidArg("backend", "unknown or unavailable backend '" + *backend +
+                                            "' (available: container)"));
+    }
+    r.backend = *backend;
+    auto cpu = getNumber(j, "cpu", 1.0, 0.05, 64);
+    if (!cpu.isOk()) return fail(cpu.status());
+    r.cpu = *cpu;
+    auto mem = getInt(j, "memory_mb", 512, 16, 262144);
+    if (!mem.isOk()) return fail(mem.status());
+    r.memoryMb = *mem;
+    auto disk = getInt(j, "disk_mb", 1024, 16, 1048576);
+    if (!disk.isOk()) return fail(disk.status());
+    r.diskMb = *disk;
+    auto pids = getInt(j, "pids", 1024, 16, 65536);
+    if (!pids.isOk()) return fail(pids.status());
+    r.pids = *pids;
+    auto ttl = getInt(j, "ttl_s", 3600, 0, 604800);
+    if (!ttl.isOk()) return fail(ttl.status());
+    r.ttlS = *ttl;
+    auto env = getStringMap(j, "env");
+    if (!env.isOk()) return fail(env.status());
+    if (Status st = validateEnv(*env, "env"); !st.isOk()) return fail(st);
+    r.env = *env;
+    auto labels = getStringMap(j, "labels");
+    if (!labels.isOk()) return fail(labels.status());
+    if (Status st = validateLabels(*labels); !st.isOk()) return fail(st);
+    r.labels = *labels;
+  }
+  // Resolve the image to its layers.
+  if (startsWith(r.image, "sha256:")) {
+    auto has = store_->hasBlob(r.image);
+    if (!has.isOk()) return fail(has.status());
+    if (!*has) return fail(notFound("image layer " + r.image + " not found"));
+    r.layers = {r.image};
+  } else {
+    std::string name, tag;
+    if (Status st = parseImageRef(r.image, name, tag); !st.isOk()) return fail(st);
+    auto img = store_->getImage(name, tag);
+    if (!img.isOk()) return fail(img.status());
+    r.image = name + ":" + tag;
+    r.layers = img->layers;
+  }
+  r.id = "sb-" + randomHex(8);
+  r.state = "creating";
+  r.createdAt = r.updatedAt = nowSeconds();
+  r.expiresAt = r.ttlS > 0 ? r.createdAt + double(r.ttlS) : 0;
+  {
+    std::lock_guard lk(mu_);
+    if (stopping_) return fail(Status(Code::kUnavailable, "platform is shutting down"));
+    sandboxes_[r.id] = r;
+  }
+  // Persisted before the edge acts, so a crash mid-create leaves a record that
+  // start-up recovery resolves.
+  if (Status st = store_->putSandbox(r); !st.isOk()) {
+    std::lock_guard lk(mu_);
+    sandboxes_.erase(r.id);
+    return fail(st);
+  }
+  edge::SandboxSpec spec;
+  spec.id = r.id;
+  spec.layers = r.layers;
+  spec.cpu = r.cpu;
+  spec.memoryBytes = r.memoryMb << 20;
+  spec.diskBytes = r.diskMb << 20;
+  spec.pids = r.pids;
+  Status st = edge_->create(r.backend, spec);
+  if (!st.isOk()) {
+    // Nothing half-made: the edge cleaned up; drop the record too.
+    log::warn("create " + r.id + " failed: " + st.toString());
+    {
+      std::lock_guard lk(mu_);
+      sandboxes_.erase(r.id);
+    }
+    (void)store_->deleteSandbox(r.id);
+    return fail(st);
+  }
+  {
+    std::lock_guard lk(mu_);
+    auto& cur = sandboxes_[r.id];
+    cur.state = "running";
+    cur.updatedAt = nowSeconds();
+    r = cur;
+  }
+  if (Status ps = store_->putSandbox(r); !ps.isOk()) {
+    (void)edge_->destroy(r.id);
+    {
+      std::lock_guard lk(mu_);
+      sandboxes_.erase(r.id);
+    }
+    (void)store_->deleteSandbox(r.id);
+    return fail(ps);
+  }
+  sendJson(res, 201, dumpJson(toApi(r)));
+}
+
+void Platform::listSandboxes(http::Request& req, http::Response& res) {
+  std::map<std::string, std::string> want;
+  for (auto [it, end] = req.query.equal_range("label"); it != end; ++it) {
+    size_t eq = it->second.find('=');
+    if (eq == std::string::npos || eq == 0) {
+      return sendError(res, invalidArg("label", "label filter must be key=value"));
+    }
+    want[it->second.substr(0, eq)] = it->second.substr(eq + 1);
+  }
+  auto state = req.param("state");
+  json arr = json::array();
+  {
+    std::lock_guard lk(mu_);
+    for (auto& [id, r] : sandboxes_) {
+      if (state && r.state != *state) continue;
+      bool match = true;
+      for (auto& [k, v] : want) {
+        auto it = r.labels.find(k);
+        match = match && it != r.labels.end() && it->second == v;
+      }
+      if (match) arr.push_back(toApi(r));
+    }
+  }
+  sendJson(res, 200, dumpJson(json{{"sandboxes", arr}}));
+}
+
+void Platform::getSandbox(const std::string& id, http::Response& res) {
+  SandboxRecord r;
+  {
+    std::lock_guard lk(mu_);
+    auto it = sandboxes_.find(id);
+    if (it == sandboxes_.end()) return sendError(res, notFound("sandbox " + id + " not found"));
+    r = it->second;
+  }
+  json j = toApi(r);
+  if (r.state == "running") {
+    if (auto s = edge_->stats(id); s.isOk()) {
+      j["stats"] = {{"oom_kills", s->oomKills},
+                    {"pids_limit_hits", s->pidsLimitHits},
+                    {"memory_bytes", s->memoryBytes}};
+    }
+  }
+  sendJson(res, 200, dumpJson(j));
+}
+
+void Platform::deleteSandbox(const std::string& id, http::Response& res) {
+  Status st = destroy(id, "stopped", "");
+  if (!st.isOk()) return sendError(res, st);
+  std::lock_guard lk(mu_);
+  sendJson(res, 200, dumpJson(toApi(sandboxes_[id])));
+}
+
+void Platform::execSandbox(const std::string& id, http::Request& req, http::Response& res) {
+  auto parsed = parseObject(req, {"cmd", "env", "cwd", "user", "timeout_s", "stdin", "stdin_b64",
+                                  "max_output_bytes", "encoding", "stream"});
+  if (!parsed.isOk()) return sendError(res, parsed.status());
+  const json& j = *parsed;
+  auto sb = runningSandbox(id);
+  if (!sb.isOk()) return sendError(res, sb.status());
+
+  edge::ExecSpec spec;
+  auto cmd = j.find("cmd");
+  if (cmd == j.end() || cmd->is_null()) return sendError(res, invalidArg("cmd", "cmd is required"));
+  if (cmd->is_string()) {
+    std::string s = cmd->get<std::string>();
+    if (s.empty()) return sendError(res, invalidArg("cmd", "cmd is empty"));
+    spec.argv = {"/bin/sh", "-c", s};
+  } else if (cmd->is_array() && !cmd->empty()) {
+    for (auto& a : *cmd) {
+      if (!a.is_string()) return sendError(res, invalidArg("cmd", "cmd items must be strings"));
+      spec.argv.push_back(a.get<std::string>());
+    }
+  } else {
+    return sendError(res, invalidArg("cmd", "cmd must be a non-empty list or a string"));
+  }
+  size_t argBytes = 0;
+  for (auto& a : spec.argv) {
+    if (a.find('\0') != std::string::npos) {
+      return sendError(res, invalidArg("cmd", "cmd must not contain NUL"));
+    }
+    argBytes += a.size();
+  }
+  if (argBytes > (512u << 10)) return sendError(res, invalidArg("cmd", "cmd longer than 512 KiB"));
+  auto env = getStringMap(j, "env");
+  if (!env.isOk()) return sendError(res, env.status());
+  if (Status st = validateEnv(*env, "env"); !st.isOk()) return sendError(res, st);
+  std::map<std::string, std::string> merged = sb->env;
+  for (auto& [k, v] : *env) merged[k] = v;
+  for (auto& [k, v] : merged) spec.env.push_back(k + "=" + v);
+  auto cwd = getString(j, "cwd", "", 4096);
+  if (!cwd.isOk()) return sendError(res, cwd.status());
+  if (!cwd->empty() && (*cwd)[0] != '/') {
+    return sendError(res, invalidArg("cwd", "cwd must be an absolute path"));
+  }
+  spec.cwd = *cwd;
+  auto user = getString(j, "user", "", 64);
+  if (!user.isOk()) return sendError(res, user.status());
+  spec.user = *user;
+  auto timeout = getNumber(j, "timeout_s", 60, 0.001, 86400);
+  if (!timeout.isOk()) return sendError(res, timeout.status());
+  spec.timeoutMs = std::max<int64_t>(1, int64_t(*timeout * 1000));
+  auto cap = getInt(j, "max_output_bytes", 1 << 20, 0, kMaxOutputCap);
+  if (!cap.isOk()) return sendError(res, cap.status());
+  spec.maxOutput = *cap;
+  auto encoding = getString(j, "encoding", "utf-8", 16);
+  if (!encoding.isOk()) return sendError(res, encoding.status());
+  if (*encoding != "utf-8" && *encoding != "base64") {
+    return sendError(res, invalidArg("encoding", "encoding must be utf-8 or base64"));
+  }
+  bool b64 = *encoding == "base64";
+  if (j.contains("stdin") && j.contains("stdin_b64")) {
+    return sendError(res, invalidArg("stdin", "give stdin or stdin_b64, not both"));
+  }
+  auto stdinText = getString(j, "stdin", "", kMaxStdin);
+  if (!stdinText.isOk()) {
+    // NUL is fine in stdin; only the type and size matter here.
+    auto it = j.find("stdin");
+    if (!it->is_string() || it->get<std::string>().size() > kMaxStdin) {
+      return sendError(res, stdinText.status());
+    }
+    spec.stdinData = it->get<std::string>();
+  } else if (j.contains("stdin")) {
+    spec.stdinData = *stdinText;
+  }
+  if (j.contains("stdin_b64")) {
+    auto raw = getString(j, "stdin_b64", "", kMaxStdin * 4 / 3 + 4);
+    if (!raw.isOk()) return sendError(res, raw.status());
+    auto dec = base64Decode(*raw);
+    if (!dec.isOk()) return sendError(res, invalidArg("stdin_b64", "stdin_b64 is not base64"));
+    spec.stdinData = std::move(*dec);
+  }
+  auto stream = getBool(j, "stream", false);
+  if (!stream.isOk()) return sendError(res, stream.status());
+  bool streaming = *stream || req.header("accept").find("application/x-ndjson") != std::string::npos;
+
+  auto resultJson = [&](const edge::ExecResult& r) {
+    return json{{"exit_code", r.exitCode},   {"signal", r.signal},
+                {"truncated", r.truncated},  {"timed_out", r.timedOut},
+                {"oom_killed", r.oomKilled}, {"duration_ms", r.durationMs}};
+  };
+  if (!streaming) {
+    auto r = edge_->exec(id, spec, nullptr);
+    if (!r.isOk()) return sendError(res, r.status());
+    json out = resultJson(*r);
+    if (b64) {
+      out["stdout"] = base64Encode(r->out);
+      out["stderr"] = base64Encode(r->err);
+      out["encoding"] = "base64";
+    } else {
+      out["stdout"] = r->out;
+      out["stderr"] = r->err;
+    }
+    return sendJson(res, 200, dumpJson(out));
+  }
+  if (Status st = res.beginChunked(200, "application/x-ndjson"); !st.isOk()) return;
+  auto sink = [&](bool isErr, std::string_view data) -> Status {
+    json ev = {{"type", isErr ? "stderr" : "stdout"}};
+    if (b64) {
+      ev["data_b64"] = base64Encode(data);
+    } else {
+      ev["data"] = std::string(data);
+    }
+    return res.write(dumpJson(ev) + "\n");
+  };
+  auto r = edge_->exec(id, spec, sink);
+  json last;
+  if (r.isOk()) {
+    last = resultJson(*r);
+    last["type"] = "exit";
+  } else {
+    last = {{"type", "error"},
+            {"error", {{"code", codeName(r.status().code())}, {"message", r.status().message()}}}};
+  }
+  (void)res.write(dumpJson(last) + "\n");
+  (void)res.finish();
+}
+
+void Platform::files(const std::string& id, const std::string& op, http::Request& req,
+                     http::Response& res) {
+  const std::string& m = req.method;
+  auto sb = runningSandbox(id);
+  if (!sb.isOk()) return sendError(res, sb.status());
+  if (op == "mkdir") {
+    if (m != "POST") return sendError(res, invalidArg("method", "use POST for mkdir"));
+    auto j = parseObject(req, {"path", "parents", "mode"});
+    if (!j.isOk()) return sendError(res, j.status());
+    auto path = getString(*j, "path", "", 4096);
+    if (!path.isOk()) return sendError(res, path.status());
+    if (path->empty() || (*path)[0] != '/') {
+      return sendError(res, invalidArg("path", "path must be absolute"));
+    }
+    auto parents = getBool(*j, "parents", true);
+    if (!parents.isOk()) return sendError(res, parents.status());
+    auto mode = getInt(*j, "mode", 0755, 0, 07777);
+    if (!mode.isOk()) return sendError(res, mode.status());
+    json body = {{"path", *path}, {"parents", *parents}, {"mode", *mode}};
+    auto r = edge_->fileCall(id, proto::FrameType::kMkdir, body.dump());
+    if (!r.isOk()) return sendError(res, r.status());
+    return sendJson(res, 200, "{}");
+  }
+  auto path = sandboxPath(req);
+  if (!path.isOk()) return sendError(res, path.status());
+  if (op == "list" || op == "stat") {
+    if (m != "GET") return sendError(res, invalidArg("method", "use GET for " + op));
+    auto r = edge_->fileCall(id, op == "list" ? proto::FrameType::kList : proto::FrameType::kStat,
+                             json{{"path", *path}}.dump());
+    if (!r.isOk()) return sendError(res, r.status());
+    json j = json::parse(*r, nullptr, false);
+    if (j.is_discarded()) return sendError(res, internalError("agent sent malformed JSON"));
+    j.erase("ok");
+    return sendJson(res, 200, dumpJson(j));
+  }
+  if (!op.empty()) return sendError(res, notFound("no such endpoint: " + req.path));
+  if (m == "DELETE") {
+    std::string rec = req.param("recursive").value_or("false");
+    if (rec != "true" && rec != "false") {
+      return sendError(res, invalidArg("recursive", "recursive must be true or false"));
+    }
+    auto r = edge_->fileCall(id, proto::FrameType::kRemove,
+                             json{{"path", *path}, {"recursive", rec == "true"}}.dump());
+    if (!r.isOk()) return sendError(res, r.status());
+    return sendJson(res, 200, "{}");
+  }
+  if (m == "PUT") {
+    auto mode = parseMode(req.param("mode"), 0644);
+    if (!mode.isOk()) return sendError(res, mode.status());
+    constexpr uint64_t kMaxFile = 4ull << 30;
+    if (req.contentLength && *req.contentLength > kMaxFile) {
+      return sendError(res, Status(Code::kPayloadTooLarge, "file larger than 4 GiB"));
+    }
+    uint64_t total = 0;
+    auto src = [&](char* buf, size_t n) -> Result<size_t> {
+      ASSIGN_OR_RETURN(size_t got, req.readSome(buf, n));
+      total += got;
+      if (total > kMaxFile) return Status(Code::kPayloadTooLarge, "file larger than 4 GiB");
+      return got;
+    };
+    auto r = edge_->writeFile(id, *path, *mode, src);
+    if (!r.isOk()) return sendError(res, r.status());
+    return sendJson(res, 200, dumpJson(json{{"path", *path}, {"size", *r}}));
+  }
+  if (m == "GET") {
+    auto onSize = [&](uint64_t size) {
+      return res.beginFixed(200, "application/octet-stream", size);
+    };
+    auto sink = [&](std::string_view d) { return res.write(d); };
+    Status st = edge_->readFile(id, *path, onSize, sink);
+    if (!st.isOk()) {
+      if (res.started()) {
+        (void)res.finish();  // drops the connection: the body is short
+      } else {
+        sendError(res, st);
+      }
+    }
+    return;
+  }
+  sendError(res, invalidArg("method", "method " + m + " not allowed on files"));
+}
+
+}  // namespace dsec::platform

@@ -1,0 +1,242 @@
+#include "platform/platform.h"
+
+#include <nlohmann/json.hpp>
+
+#include "common/log.h"
+#include "common/util.h"
+
+namespace dsec::platform {
+
+using json = nlohmann::json;
+
+void sendJson(http::Response& res, int status, const std::string& body) {
+  (void)res.send(status, "application/json", body);
+}
+
+void sendError(http::Response& res, const Status& st) {
+  json e = {{"code", codeName(st.code())}, {"message", st.message()}};
+  if (!st.field().empty()) e["field"] = st.field();
+  if (res.started()) return;  // mid-stream: nothing sensible can be added
+  sendJson(res, httpStatusFor(st.code()),
+           json{{"error", e}}.dump(-1, ' ', false, json::error_handler_t::replace));
+}
+
+Status parseImageRef(const std::string& ref, std::string& name, std::string& tag) {
+  size_t colon = ref.rfind(':');
+  size_t slash = ref.rfind('/');
+  if (colon != std::string::npos && (slash == std::string::npos || colon > slash)) {
+    name = ref.substr(0, colon);
+    tag = ref.substr(colon + 1);
+  } else {
+    name = ref;
+    tag = "latest";
+  }
+  auto validPart = [](const std::string& s, size_t max) {
+    if (s.empty() || s.size() > max) return false;
+    for (char c : s) {
+      if (!(isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-' ||
+            c == '/')) {
+        return false;
+      }
+    }
+    return s.front() != '.' && s.front() != '-' && s.front() != '/';
+  };
+  if (!validPart(name, 200)) return invalidArg("image", "invalid image name '" + ref + "'");
+  if (!validPart(tag, 128) || tag.find('/') != std::string::npos) {
+    return invalidArg("image", "invalid image tag in '" + ref + "'");
+  }
+  return Status::ok();
+}
+
+std::string Platform::blobPath(const std::string& dataDir, const std::string& digest) {
+  return dataDir + "/blobs/sha256/" + (startsWith(digest, "sha256:") ? digest.substr(7) : digest);
+}
+
+Result<std::unique_ptr<Platform>> Platform::start(PlatformOptions opts, Store* store,
+                                                  edge::Edge* edge) {
+  std::unique_ptr<Platform> p(new Platform());
+  p->opts_ = std::move(opts);
+  p->store_ = store;
+  p->edge_ = edge;
+  RETURN_IF_ERROR(makeDirs(p->opts_.dataDir + "/blobs/sha256", 0700));
+  ASSIGN_OR_RETURN(auto records, store->loadSandboxes());
+  double now = nowSeconds();
+  int lost = 0;
+  for (auto& r : records) {
+    if (r.state != "stopped" && r.state != "failed") {
+      // The edge came up without it (this process restarted): it is gone.
+      r.error = "lost: the node restarted while the sandbox was " + r.state;
+      r.state = "failed";
+      r.updatedAt = r.stoppedAt = now;
+      RETURN_IF_ERROR(store->putSandbox(r));
+      ++lost;
+    }
+    p->sandboxes_[r.id] = r;
+  }
+  if (lost) log::warn("marked " + std::to_string(lost) + " sandboxes of an earlier run as lost");
+  edge->setDeathHandler([raw = p.get()](const std::string& id, const std::string& why) {
+    raw->onSandboxDeath(id, why);
+  });
+  p->janitorThread_ = std::thread([raw = p.get()] { raw->janitor(); });
+  return p;
+}
+
+Platform::~Platform() {
+  {
+    std::lock_guard lk(mu_);
+    stopping_ = true;
+  }
+  janitorCv_.notify_all();
+  if (janitorThread_.joinable()) janitorThread_.join();
+}
+
+void Platform::shutdown() {
+  {
+    std::lock_guard lk(mu_);
+    stopping_ = true;
+  }
+  janitorCv_.notify_all();
+  if (janitorThread_.joinable()) janitorThread_.join();
+  std::vector<std::string> live;
+  {
+    std::lock_guard lk(mu_);
+    for (auto& [id, r] : sandboxes_) {
+      if (r.state == "running" || r.state == "creating") live.push_back(id);
+    }
+  }
+  for (auto& id : live) {
+    Status st = destroy(id, "stopped", "");
+    if (!st.isOk()) log::error("shutdown: destroy " + id + ": " + st.toString());
+  }
+}
+
+Status Platform::destroy(const std::string& id, const std::string& finalState,
+                         const std::string& why) {
+  {
+    std::lock_guard lk(mu_);
+    auto it = sandboxes_.find(id);
+    if (it == sandboxes_.end()) return notFound("sandbox " + id + " not found");
+    if (it->second.state == "stopping") {
+      return Status(Code::kFailedPrecondition, "sandbox " + id + " is already stopping");
+    }
+    if (it->second.state == "stopped" || it->second.state == "failed") return Status::ok();
+    it->second.state = "stopping";
+  }
+  Status edgeSt = edge_->destroy(id);
+  if (!edgeSt.isOk()) log::error("destroy " + id + ": " + edgeSt.toString());
+  SandboxRecord rec;
+  {
+    std::lock_guard lk(mu_);
+    auto& r = sandboxes_[id];
+    r.state = finalState;
+    if (!why.empty()) r.error = why;
+    if (!edgeSt.isOk() && r.error.empty()) r.error = "cleanup: " + edgeSt.message();
+    r.updatedAt = r.stoppedAt = nowSeconds();
+    rec = r;
+  }
+  return store_->putSandbox(rec);
+}
+
+void Platform::onSandboxDeath(const std::string& id, const std::string& why) {
+  Status st = destroy(id, "failed", why);
+  if (!st.isOk()) log::error("recording death of " + id + ": " + st.toString());
+}
+
+void Platform::janitor() {
+  std::unique_lock lk(mu_);
+  while (!stopping_) {
+    janitorCv_.wait_for(lk, std::chrono::seconds(1));
+    if (stopping_) break;
+    double now = nowSeconds();
+    std::vector<std::string> expired, purge;
+    for (auto& [id, r] : sandboxes_) {
+      if (r.state == "running" && r.expiresAt > 0 && r.expiresAt <= now) expired.push_back(id);
+      if ((r.state == "stopped" || r.state == "failed") &&
+          r.stoppedAt + opts_.stoppedRetentionS <= now) {
+        purge.push_back(id);
+      }
+    }
+    for (auto& id : purge) sandboxes_.erase(id);
+    lk.unlock();
+    for (auto& id : purge) (void)store_->deleteSandbox(id);
+    for (auto& id : expired) {
+      log::info("sandbox " + id + ": TTL expired");
+      Status st = destroy(id, "stopped", "ttl expired");
+      if (!st.isOk()) log::error("ttl destroy " + id + ": " + st.toString());
+    }
+    lk.lock();
+  }
+}
+
+Result<SandboxRecord> Platform::runningSandbox(const std::string& id) {
+  std::lock_guard lk(mu_);
+  auto it = sandboxes_.find(id);
+  if (it == sandboxes_.end()) return notFound("sandbox " + id + " not found");
+  if (it->second.state != "running") {
+    return Status(Code::kFailedPrecondition,
+                  "sandbox " + id + " is " + it->second.state + ", not running");
+  }
+  return it->second;
+}
+
+void Platform::handle(http::Request& req, http::Response& res) {
+  if (req.path == "/v1/health" && req.method == "GET") {
+    sendJson(res, 200, R"({"status":"ok","version":"0.1.0"})");
+    return;
+  }
+  std::string auth = req.header("authorization");
+  if (!startsWith(auth, "Bearer ") || !secretEquals(auth.substr(7), opts_.token)) {
+    res.setHeader("WWW-Authenticate", "Bearer");
+    sendError(res, Status(Code::kUnauthenticated,
+                          auth.empty() ? "missing bearer token" : "invalid bearer token"));
+    return;
+  }
+  auto parts = splitString(req.path, '/');  // "", "v1", ...
+  if (parts.size() < 3 || parts[1] != "v1") {
+    sendError(res, notFound("no such endpoint: " + req.path));
+    return;
+  }
+  const std::string& m = req.method;
+  const std::string& coll = parts[2];
+  size_t n = parts.size();
+  auto methodNotAllowed = [&] {
+    sendError(res, Status(Code::kInvalidArgument, "method " + m + " not allowed on " + req.path,
+                          0, "method"));
+  };
+  if (coll == "sandboxes") {
+    if (n == 3) {
+      if (m == "POST") return createSandbox(req, res);
+      if (m == "GET") return listSandboxes(req, res);
+      return methodNotAllowed();
+    }
+    const std::string& id = parts[3];
+    if (n == 4) {
+      if (m == "GET") return getSandbox(id, res);
+      if (m == "DELETE") return deleteSandbox(id, res);
+      return methodNotAllowed();
+    }
+    if (n == 5 && parts[4] == "exec") {
+      if (m == "POST") return execSandbox(id, req, res);
+      return methodNotAllowed();
+    }
+    if (parts[4] == "files" && n <= 6) return files(id, n == 6 ? parts[5] : "", req, res);
+  } else if (coll == "blobs" && n == 4) {
+    if (m == "PUT") return putBlob(parts[3], req, res);
+    if (m == "HEAD" || m == "GET") return headBlob(parts[3], res);
+    return methodNotAllowed();
+  } else if (coll == "images") {
+    if (n == 3) {
+      if (m == "POST") return createImage(req, res);
+      if (m == "GET") return listImages(res);
+      return methodNotAllowed();
+    }
+    // Image names may contain '/', so the ref is the rest of the path.
+    std::string ref = req.path.substr(std::string("/v1/images/").size());
+    if (m == "GET") return getImage(ref, res);
+    if (m == "DELETE") return deleteImage(ref, res);
+    return methodNotAllowed();
+  }
+  sendError(res, notFound("no such endpoint: " + m + " " + req.path));
+}
+
+}  // namespace dsec::platform

@@ -1,0 +1,85 @@
+// The control plane: authenticates and validates API calls, owns the record
+// of every sandbox (persisted before any reply), resolves images to layers and
+// drives the edge. In `dsec up` the edge is in-process; the Edge type is the
+// seam a remote edge client will take later.
+//
+// Threading: API calls arrive on many HTTP threads. mu_ guards sandboxes_;
+// edge calls are made without it. A janitor thread enforces TTLs.
+#pragma once
+
+#include <condition_variable>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "common/http_server.h"
+#include "common/status.h"
+#include "edge/edge.h"
+#include "platform/store.h"
+
+namespace dsec::platform {
+
+struct PlatformOptions {
+  std::string dataDir;
+  std::string token;
+  double stoppedRetentionS = 3600;  // stopped sandboxes stay listed this long
+};
+
+class Platform {
+ public:
+  static Result<std::unique_ptr<Platform>> start(PlatformOptions opts, Store* store,
+                                                 edge::Edge* edge);
+  ~Platform();
+
+  // The REST API (api/openapi.yaml).
+  void handle(http::Request& req, http::Response& res);
+  // Destroys every live sandbox, recording each as stopped.
+  void shutdown();
+
+  // Where the blob of a layer digest lives locally.
+  static std::string blobPath(const std::string& dataDir, const std::string& digest);
+
+ private:
+  Platform() = default;
+
+  // Sandboxes (api_sandboxes.cc).
+  void createSandbox(http::Request& req, http::Response& res);
+  void listSandboxes(http::Request& req, http::Response& res);
+  void getSandbox(const std::string& id, http::Response& res);
+  void deleteSandbox(const std::string& id, http::Response& res);
+  void execSandbox(const std::string& id, http::Request& req, http::Response& res);
+  void files(const std::string& id, const std::string& op, http::Request& req,
+             http::Response& res);
+  // Images and blobs (api_images.cc).
+  void putBlob(const std::string& digest, http::Request& req, http::Response& res);
+  void headBlob(const std::string& digest, http::Response& res);
+  void createImage(http::Request& req, http::Response& res);
+  void listImages(http::Response& res);
+  void getImage(const std::string& ref, http::Response& res);
+  void deleteImage(const std::string& ref, http::Response& res);
+
+  Result<SandboxRecord> runningSandbox(const std::string& id);
+  Status destroy(const std::string& id, const std::string& finalState, const std::string& why);
+  void onSandboxDeath(const std::string& id, const std::string& why);
+  void janitor();
+
+  PlatformOptions opts_;
+  Store* store_ = nullptr;     // not owned
+  edge::Edge* edge_ = nullptr;  // not owned
+
+  std::mutex mu_;  // guards sandboxes_, stopping_
+  std::map<std::string, SandboxRecord> sandboxes_;
+  bool stopping_ = false;
+  std::condition_variable janitorCv_;
+  std::thread janitorThread_;
+};
+
+// Helpers shared by the api_*.cc files.
+void sendError(http::Response& res, const Status& st);
+void sendJson(http::Response& res, int status, const std::string& body);
+// Parses "name[:tag]"; the tag defaults to "latest".
+Status parseImageRef(const std::string& ref, std::string& name, std::string& tag);
+
+}  // namespace dsec::platform

@@ -1,0 +1,237 @@
+#include "platform/store.h"
+
+#include <sqlite3.h>
+
+#include <nlohmann/json.hpp>
+
+namespace dsec::platform {
+
+using json = nlohmann::json;
+
+namespace {
+
+Status sqlError(sqlite3* db, const std::string& what) {
+  return Status(Code::kInternal, what + ": " + sqlite3_errmsg(db));
+}
+
+// A prepared statement that finalizes itself.
+class Stmt {
+ public:
+  Stmt(sqlite3* db, const char* sql) : db_(db) {
+    rc_ = sqlite3_prepare_v2(db, sql, -1, &st_, nullptr);
+  }
+  ~Stmt() { sqlite3_finalize(st_); }
+  bool ok() const { return rc_ == SQLITE_OK; }
+  Stmt& bind(int i, const std::string& v) {
+    sqlite3_bind_text(st_, i, v.data(), int(v.size()), SQLITE_TRANSIENT);
+    return *this;
+  }
+  Stmt& bind(int i, int64_t v) {
+    sqlite3_bind_int64(st_, i, v);
+    return *this;
+  }
+  Stmt& bind(int i, double v) {
+    sqlite3_bind_double(st_, i, v);
+    return *this;
+  }
+  int step() { return sqlite3_step(st_); }
+  std::string text(int col) {
+    auto* p = sqlite3_column_text(st_, col);
+    return p ? std::string(reinterpret_cast<const char*>(p), sqlite3_column_bytes(st_, col)) : "";
+  }
+  int64_t i64(int col) { return sqlite3_column_int64(st_, col); }
+  double dbl(int col) { return sqlite3_column_double(st_, col); }
+
+ private:
+  sqlite3* db_;
+  sqlite3_stmt* st_ = nullptr;
+  int rc_;
+};
+
+}  // namespace
+
+std::string sandboxToJson(const SandboxRecord& r) {
+  json j = {{"id", r.id},         {"backend", r.backend},   {"image", r.image},
+            {"layers", r.layers}, {"state", r.state},       {"node", r.node},
+            {"error", r.error},   {"cpu", r.cpu},           {"memory_mb", r.memoryMb},
+            {"disk_mb", r.diskMb}, {"pids", r.pids},        {"ttl_s", r.ttlS},
+            {"env", r.env},       {"labels", r.labels},     {"created_at", r.createdAt},
+            {"updated_at", r.updatedAt}, {"expires_at", r.expiresAt},
+            {"stopped_at", r.stoppedAt}};
+  return j.dump();
+}
+
+Result<SandboxRecord> sandboxFromJson(const std::string& s) {
+  json j = json::parse(s, nullptr, false);
+  if (j.is_discarded() || !j.is_object()) return internalError("corrupt sandbox record");
+  try {
+    SandboxRecord r;
+    r.id = j.at("id");
+    r.backend = j.at("backend");
+    r.image = j.at("image");
+    r.layers = j.at("layers").get<std::vector<std::string>>();
+    r.state = j.at("state");
+    r.node = j.value("node", "local");
+    r.error = j.value("error", "");
+    r.cpu = j.at("cpu");
+    r.memoryMb = j.at("memory_mb");
+    r.diskMb = j.at("disk_mb");
+    r.pids = j.at("pids");
+    r.ttlS = j.at("ttl_s");
+    r.env = j.at("env").get<std::map<std::string, std::string>>();
+    r.labels = j.at("labels").get<std::map<std::string, std::string>>();
+    r.createdAt = j.at("created_at");
+    r.updatedAt = j.at("updated_at");
+    r.expiresAt = j.at("expires_at");
+    r.stoppedAt = j.at("stopped_at");
+    return r;
+  } catch (const json::exception& e) {
+    return internalError(std::string("corrupt sandbox record: ") + e.what());
+  }
+}
+
+Result<std::unique_ptr<SqliteStore>> SqliteStore::open(const std::string& path) {
+  std::unique_ptr<SqliteStore> s(new SqliteStore());
+  int rc = sqlite3_open_v2(path.c_str(), &s->db_,
+                           SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE | SQLITE_OPEN_FULLMUTEX,
+                           nullptr);
+  if (rc != SQLITE_OK) return Status(Code::kInternal, "open " + path + ": " + sqlite3_errstr(rc));
+  sqlite3_busy_timeout(s->db_, 5000);
+  RETURN_IF_ERROR(s->exec("PRAGMA journal_mode=WAL"));
+  RETURN_IF_ERROR(s->exec("PRAGMA synchronous=FULL"));
+  RETURN_IF_ERROR(s->exec(
+      "CREATE TABLE IF NOT EXISTS sandboxes(id TEXT PRIMARY KEY, state TEXT NOT NULL, "
+      "doc TEXT NOT NULL);"
+      "CREATE TABLE IF NOT EXISTS blobs(digest TEXT PRIMARY KEY, size INTEGER NOT NULL, "
+      "created_at REAL NOT NULL);"
+      "CREATE TABLE IF NOT EXISTS images(name TEXT NOT NULL, tag TEXT NOT NULL, "
+      "layers TEXT NOT NULL, size INTEGER NOT NULL, created_at REAL NOT NULL, "
+      "PRIMARY KEY(name, tag));"));
+  return s;
+}
+
+SqliteStore::~SqliteStore() { sqlite3_close(db_); }
+
+Status SqliteStore::exec(const std::string& sql) {
+  char* err = nullptr;
+  if (sqlite3_exec(db_, sql.c_str(), nullptr, nullptr, &err) != SQLITE_OK) {
+    std::string msg = err ? err : "unknown";
+    sqlite3_free(err);
+    return Status(Code::kInternal, "sqlite: " + msg);
+  }
+  return Status::ok();
+}
+
+Status SqliteStore::putSandbox(const SandboxRecord& r) {
+  std::lock_guard lk(mu_);
+  Stmt st(db_, "INSERT INTO sandboxes(id, state, doc) VALUES(?1, ?2, ?3) "
+               "ON CONFLICT(id) DO UPDATE SET state=excluded.state, doc=excluded.doc");
+  if (!st.ok()) return sqlError(db_, "prepare putSandbox");
+  st.bind(1, r.id).bind(2, r.state).bind(3, sandboxToJson(r));
+  if (st.step() != SQLITE_DONE) return sqlError(db_, "putSandbox");
+  return Status::ok();
+}
+
+Status SqliteStore::deleteSandbox(const std::string& id) {
+  std::lock_guard lk(mu_);
+  Stmt st(db_, "DELETE FROM sandboxes WHERE id=?1");
+  st.bind(1, id);
+  if (st.step() != SQLITE_DONE) return sqlError(db_, "deleteSandbox");
+  return Status::ok();
+}
+
+Result<std::vector<SandboxRecord>> SqliteStore::loadSandboxes() {
+  std::lock_guard lk(mu_);
+  Stmt st(db_, "SELECT doc FROM sandboxes");
+  std::vector<SandboxRecord> out;
+  int rc;
+  while ((rc = st.step()) == SQLITE_ROW) {
+    ASSIGN_OR_RETURN(auto r, sandboxFromJson(st.text(0)));
+    out.push_back(std::move(r));
+  }
+  if (rc != SQLITE_DONE) return sqlError(db_, "loadSandboxes");
+  return out;
+}
+
+Status SqliteStore::putBlob(const std::string& digest, int64_t size) {
+  std::lock_guard lk(mu_);
+  Stmt st(db_, "INSERT OR REPLACE INTO blobs(digest, size, created_at) "
+               "VALUES(?1, ?2, strftime('%s','now'))");
+  st.bind(1, digest).bind(2, size);
+  if (st.step() != SQLITE_DONE) return sqlError(db_, "putBlob");
+  return Status::ok();
+}
+
+Result<bool> SqliteStore::hasBlob(const std::string& digest) {
+  auto size = blobSize(digest);
+  if (size.isOk()) return true;
+  if (size.status().code() == Code::kNotFound) return false;
+  return std::move(size).takeStatus();
+}
+
+Result<int64_t> SqliteStore::blobSize(const std::string& digest) {
+  std::lock_guard lk(mu_);
+  Stmt st(db_, "SELECT size FROM blobs WHERE digest=?1");
+  st.bind(1, digest);
+  int rc = st.step();
+  if (rc == SQLITE_ROW) return st.i64(0);
+  if (rc == SQLITE_DONE) return notFound("blob " + digest);
+  return sqlError(db_, "blobSize");
+}
+
+Status SqliteStore::putImage(const ImageRecord& r) {
+  std::lock_guard lk(mu_);
+  Stmt st(db_, "INSERT OR REPLACE INTO images(name, tag, layers, size, created_at) "
+               "VALUES(?1, ?2, ?3, ?4, ?5)");
+  st.bind(1, r.name).bind(2, r.tag).bind(3, json(r.layers).dump()).bind(4, r.size).bind(5,
+                                                                                       r.createdAt);
+  if (st.step() != SQLITE_DONE) return sqlError(db_, "putImage");
+  return Status::ok();
+}
+
+namespace {
+ImageRecord imageFromRow(const std::string& name, const std::string& tag, const std::string& layers,
+                         int64_t size, double created) {
+  ImageRecord r{name, tag, {}, size, created};
+  json j = json::parse(layers, nullptr, false);
+  if (j.is_array()) {
+    for (auto& l : j) {
+      if (l.is_string()) r.layers.push_back(l);
+    }
+  }
+  return r;
+}
+}  // namespace
+
+Result<ImageRecord> SqliteStore::getImage(const std::string& name, const std::string& tag) {
+  std::lock_guard lk(mu_);
+  Stmt st(db_, "SELECT name, tag, layers, size, created_at FROM images WHERE name=?1 AND tag=?2");
+  st.bind(1, name).bind(2, tag);
+  int rc = st.step();
+  if (rc == SQLITE_ROW) return imageFromRow(st.text(0), st.text(1), st.text(2), st.i64(3), st.dbl(4));
+  if (rc == SQLITE_DONE) return notFound("image " + name + ":" + tag + " not found");
+  return sqlError(db_, "getImage");
+}
+
+Result<std::vector<ImageRecord>> SqliteStore::listImages() {
+  std::lock_guard lk(mu_);
+  Stmt st(db_, "SELECT name, tag, layers, size, created_at FROM images ORDER BY name, tag");
+  std::vector<ImageRecord> out;
+  int rc;
+  while ((rc = st.step()) == SQLITE_ROW) {
+    out.push_back(imageFromRow(st.text(0), st.text(1), st.text(2), st.i64(3), st.dbl(4)));
+  }
+  if (rc != SQLITE_DONE) return sqlError(db_, "listImages");
+  return out;
+}
+
+Status SqliteStore::deleteImage(const std::string& name, const std::string& tag) {
+  std::lock_guard lk(mu_);
+  Stmt st(db_, "DELETE FROM images WHERE name=?1 AND tag=?2");
+  st.bind(1, name).bind(2, tag);
+  if (st.step() != SQLITE_DONE) return sqlError(db_, "deleteImage");
+  if (sqlite3_changes(db_) == 0) return notFound("image " + name + ":" + tag + " not found");
+  return Status::ok();
+}
+
+}  // namespace dsec::platform

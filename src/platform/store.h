@@ -1,0 +1,93 @@
+// Durable platform state. Store is the seam (SQLite embedded now, PostgreSQL
+// later); every write is durable when the call returns, so the platform can
+// acknowledge right after it.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+
+struct sqlite3;
+
+namespace dsec::platform {
+
+struct SandboxRecord {
+  std::string id;
+  std::string backend;
+  std::string image;                // reference as asked ("debian:latest" or a digest)
+  std::vector<std::string> layers;  // resolved, bottom first
+  std::string state;                // creating | running | stopping | stopped | failed
+  std::string node = "local";
+  std::string error;
+  double cpu = 1.0;
+  int64_t memoryMb = 512;
+  int64_t diskMb = 1024;
+  int64_t pids = 1024;
+  int64_t ttlS = 3600;
+  std::map<std::string, std::string> env;
+  std::map<std::string, std::string> labels;
+  double createdAt = 0;
+  double updatedAt = 0;
+  double expiresAt = 0;  // 0: never
+  double stoppedAt = 0;
+};
+
+struct ImageRecord {
+  std::string name;
+  std::string tag;
+  std::vector<std::string> layers;  // bottom first
+  int64_t size = 0;
+  double createdAt = 0;
+};
+
+class Store {
+ public:
+  virtual ~Store() = default;
+  virtual Status putSandbox(const SandboxRecord& r) = 0;
+  virtual Status deleteSandbox(const std::string& id) = 0;
+  virtual Result<std::vector<SandboxRecord>> loadSandboxes() = 0;
+
+  virtual Status putBlob(const std::string& digest, int64_t size) = 0;
+  virtual Result<bool> hasBlob(const std::string& digest) = 0;
+  virtual Result<int64_t> blobSize(const std::string& digest) = 0;
+
+  virtual Status putImage(const ImageRecord& r) = 0;
+  virtual Result<ImageRecord> getImage(const std::string& name, const std::string& tag) = 0;
+  virtual Result<std::vector<ImageRecord>> listImages() = 0;
+  virtual Status deleteImage(const std::string& name, const std::string& tag) = 0;
+};
+
+// SQLite in WAL mode with synchronous=FULL: a commit is on disk when it returns.
+// Thread-safe (one connection behind a mutex).
+class SqliteStore : public Store {
+ public:
+  static Result<std::unique_ptr<SqliteStore>> open(const std::string& path);
+  ~SqliteStore() override;
+
+  Status putSandbox(const SandboxRecord& r) override;
+  Status deleteSandbox(const std::string& id) override;
+  Result<std::vector<SandboxRecord>> loadSandboxes() override;
+  Status putBlob(const std::string& digest, int64_t size) override;
+  Result<bool> hasBlob(const std::string& digest) override;
+  Result<int64_t> blobSize(const std::string& digest) override;
+  Status putImage(const ImageRecord& r) override;
+  Result<ImageRecord> getImage(const std::string& name, const std::string& tag) override;
+  Result<std::vector<ImageRecord>> listImages() override;
+  Status deleteImage(const std::string& name, const std::string& tag) override;
+
+ private:
+  SqliteStore() = default;
+  Status exec(const std::string& sql);
+
+  std::mutex mu_;  // guards db_
+  sqlite3* db_ = nullptr;
+};
+
+std::string sandboxToJson(const SandboxRecord& r);
+Result<SandboxRecord> sandboxFromJson(const std::string& s);
+
+}  // namespace dsec::platform
