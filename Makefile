@@ -1,0 +1,51 @@
+# dsec: `make demo` and `make test` are the two commands (see README.md).
+SHELL := /bin/bash
+BUILD_DIR   ?= build
+BUILD_TYPE  ?= RelWithDebInfo
+JOBS        ?= $(shell nproc)
+# Test images are cached here and rebuilt only when missing.
+IMAGE_CACHE ?= /var/cache/dsec/test-images
+export DSEC_IMAGE_CACHE := $(IMAGE_CACHE)
+PYTEST_ARGS ?=
+
+.PHONY: all build deps images test unit e2e demo bench clean
+
+all: build
+
+deps:
+	@scripts/install-deps.sh
+
+$(BUILD_DIR)/CMakeCache.txt:
+	cmake -S . -B $(BUILD_DIR) -DCMAKE_BUILD_TYPE=$(BUILD_TYPE)
+
+build: $(BUILD_DIR)/CMakeCache.txt
+	cmake --build $(BUILD_DIR) -j $(JOBS)
+
+images:
+	@scripts/build-test-images.sh $(IMAGE_CACHE)
+
+unit: build
+	cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS)
+
+e2e: build images
+	python3 -m pytest tests $(PYTEST_ARGS)
+
+test: deps
+	$(MAKE) build
+	$(MAKE) images
+	$(MAKE) unit
+	$(MAKE) e2e
+
+demo: deps
+	$(MAKE) build
+	$(MAKE) images
+	scripts/demo.sh
+
+bench: build images
+	bench/create
+	bench/exec
+	bench/throughput
+	bench/density
+
+clean:
+	rm -rf $(BUILD_DIR)
