@@ -383,7 +383,8 @@ int cmdSandbox(const Args& a) {
     if (!r.isOk()) return die(r.status().toString());
     if (r->status != 200) return apiError(*r);
     printf("%-20s %-10s %-24s %-10s %s\n", "ID", "STATE", "IMAGE", "BACKEND", "CREATED");
-    for (auto& s : json::parse(r->body)["sandboxes"]) {
+    json listing = json::parse(r->body);
+    for (auto& s : listing["sandboxes"]) {
       printf("%-20s %-10s %-24s %-10s %s\n", s["id"].get<std::string>().c_str(),
              s["state"].get<std::string>().c_str(), s["image"].get<std::string>().c_str(),
              s["backend"].get<std::string>().c_str(), s["created_at"].get<std::string>().c_str());
@@ -416,6 +417,11 @@ int main(int argc, char** argv) {
   }
   std::string cmd = argv[1];
   Args a = parseArgs(argc, argv, 1);
+  bool help = a.opts.count("help") || (a.positional.size() > 1 && a.positional.back() == "help");
+  if (help) {
+    std::cout << kUsage;
+    return 0;
+  }
   if (cmd == "up") return cmdUp(a);
   if (cmd == "image") return cmdImage(a);
   if (cmd == "sandbox") return cmdSandbox(a);

@@ -44,10 +44,13 @@ class Backend {
   // the sandbox is left behind.
   virtual Result<std::unique_ptr<Instance>> create(const SandboxSpec& spec,
                                                    std::function<void()> onDeath) = 0;
-  // Kills everything of the sandbox and removes its mounts, cgroups and files.
+  // Kills every process of the sandbox and waits until they are gone; its
+  // mounts, cgroups and files are removed then or shortly after (drain()).
   virtual Status destroy(Instance& inst) = 0;
   // Removes leftovers of sandboxes no record owns (after a crash); returns how many.
   virtual int cleanupOrphans() = 0;
+  // Waits until teardown work that destroy() left to the background is done.
+  virtual void drain() {}
 };
 
 }  // namespace dsec::edge

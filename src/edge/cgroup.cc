@@ -88,9 +88,12 @@ Result<std::unique_ptr<Cgroups>> Cgroups::detect(const std::string& root,
     }
     // Controllers must be delegated down to our parent's children.
     (void)writeKnob(root + "/cgroup.subtree_control", "+memory +cpu +pids");
-    RETURN_IF_ERROR(mkdirIfMissing(root + "/" + parent));
-    RETURN_IF_ERROR(writeKnob(root + "/" + parent + "/cgroup.subtree_control",
-                              "+memory +cpu +pids"));
+    std::string cur = root;
+    for (auto& part : splitString(parent, '/')) {
+      cur += "/" + part;
+      RETURN_IF_ERROR(mkdirIfMissing(cur));
+      RETURN_IF_ERROR(writeKnob(cur + "/cgroup.subtree_control", "+memory +cpu +pids"));
+    }
     return cg;
   }
   // v1 or hybrid: one hierarchy per controller (cpu may be co-mounted as cpu,cpuacct).
@@ -110,7 +113,11 @@ Result<std::unique_ptr<Cgroups>> Cgroups::detect(const std::string& root,
                   "cgroup v1 needs memory, cpu and pids hierarchies under " + root);
   }
   for (auto* base : {&cg->v1Memory_, &cg->v1Cpu_, &cg->v1Pids_}) {
-    RETURN_IF_ERROR(mkdirIfMissing(*base + "/" + parent));
+    std::string cur = *base;
+    for (auto& part : splitString(parent, '/')) {
+      cur += "/" + part;
+      RETURN_IF_ERROR(mkdirIfMissing(cur));
+    }
   }
   return cg;
 }
@@ -201,6 +208,24 @@ Status Cgroups::remove(const std::string& id) {
     if (!st.isOk() && first.isOk()) first = st;
   }
   return first;
+}
+
+void Cgroups::removeParent() {
+  std::vector<std::string> bases;
+  if (mode_ == Mode::kV2) {
+    bases = {root_};
+  } else {
+    bases = {v1Memory_, v1Cpu_, v1Pids_};
+  }
+  // Only the innermost level is ours alone; shared levels go only when empty.
+  auto parts = splitString(parent_, '/');
+  for (auto& b : bases) {
+    for (size_t n = parts.size(); n > 0; --n) {
+      std::string dir = b;
+      for (size_t i = 0; i < n; ++i) dir += "/" + parts[i];
+      if (::rmdir(dir.c_str()) != 0) break;
+    }
+  }
 }
 
 std::vector<std::string> Cgroups::list() const {

@@ -32,7 +32,8 @@ class Cgroups {
   enum class Mode { kV2, kV1 };
 
   // Inspects `root` (normally /sys/fs/cgroup) and prepares the `parent`
-  // group. kFailedPrecondition when a needed controller (memory, cpu, pids) is
+  // group ("dsec/<edge>": each edge on a host owns its own subtree, so one
+  // edge's orphan cleanup never touches another's sandboxes). kFailedPrecondition when a needed controller (memory, cpu, pids) is
   // missing.
   static Result<std::unique_ptr<Cgroups>> detect(const std::string& root = "/sys/fs/cgroup",
                                                  const std::string& parent = "dsec");
@@ -48,6 +49,9 @@ class Cgroups {
   // SIGKILLs whatever still runs in the groups, then removes them. Missing
   // groups are fine.
   Status remove(const std::string& id);
+  // Removes the (empty) parent groups made by detect(); shared levels stay
+  // while other edges use them.
+  void removeParent();
   // Ids of sandbox groups that exist now (for orphan cleanup at start).
   std::vector<std::string> list() const;
   // Directories that make up the sandbox's cgroups.

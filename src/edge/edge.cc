@@ -2,7 +2,11 @@
 
 #include <nlohmann/json.hpp>
 
+#include <climits>
+#include <cstdlib>
+
 #include "common/log.h"
+#include "common/sha256.h"
 #include "common/util.h"
 #include "edge/backends/container/container_backend.h"
 
@@ -26,7 +30,12 @@ Result<std::unique_ptr<Edge>> Edge::start(EdgeOptions opts) {
   std::unique_ptr<Edge> e(new Edge());
   e->opts_ = std::move(opts);
   RETURN_IF_ERROR(makeDirs(e->opts_.dataDir, 0700));
-  ASSIGN_OR_RETURN(e->cgroups_, Cgroups::detect(e->opts_.cgroupRoot));
+  if (e->opts_.cgroupParent.empty()) {
+    char real[PATH_MAX];
+    std::string dir = ::realpath(e->opts_.dataDir.c_str(), real) ? real : e->opts_.dataDir;
+    e->opts_.cgroupParent = "dsec/e-" + sha256Hex(dir).substr(0, 12);
+  }
+  ASSIGN_OR_RETURN(e->cgroups_, Cgroups::detect(e->opts_.cgroupRoot, e->opts_.cgroupParent));
   e->layers_ = std::make_unique<LayerCache>(e->opts_.dataDir + "/layers", e->opts_.blobPath);
   RETURN_IF_ERROR(e->layers_->cleanupStale());
   e->reactor_ = std::make_unique<Reactor>();
@@ -48,7 +57,7 @@ Result<std::unique_ptr<Edge>> Edge::start(EdgeOptions opts) {
 Edge::~Edge() { shutdown(); }
 
 std::string Edge::describe() const {
-  return "cgroups " + cgroups_->describe() + ", layers mounted by " + layers_->mountMethod() +
+  return "cgroups " + cgroups_->describe() + " under " + opts_.cgroupParent + ", layers mounted by " + layers_->mountMethod() +
          ", backends: container";
 }
 
@@ -275,7 +284,9 @@ void Edge::shutdown() {
   for (auto& id : sandboxIds()) {
     if (Status st = destroy(id); !st.isOk()) log::error("shutdown: " + st.toString());
   }
+  for (auto& [name, b] : backends_) b->drain();
   if (layers_) (void)layers_->unmountUnused(true);
+  if (cgroups_) cgroups_->removeParent();
   reactor_->stop();
   reactor_.reset();
 }

@@ -24,6 +24,8 @@ struct EdgeOptions {
   std::string aetherPath;  // static dsec-aether
   LayerCache::BlobPath blobPath;
   std::string cgroupRoot = "/sys/fs/cgroup";
+  // Cgroup subtree of this edge; empty: "dsec/e-<hash of dataDir>".
+  std::string cgroupParent;
 };
 
 struct ExecSpec {

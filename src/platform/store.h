@@ -61,7 +61,8 @@ class Store {
   virtual Status deleteImage(const std::string& name, const std::string& tag) = 0;
 };
 
-// SQLite in WAL mode with synchronous=FULL: a commit is on disk when it returns.
+// SQLite in WAL mode with synchronous=NORMAL: a commit is in the OS when it
+// returns (survives a crash of the process, not a power loss; see store.cc).
 // Thread-safe (one connection behind a mutex).
 class SqliteStore : public Store {
  public:

@@ -114,11 +114,13 @@ Result<std::unique_ptr<ContainerBackend>> ContainerBackend::make(ContainerOption
   std::unique_ptr<ContainerBackend> b(new ContainerBackend(opts, cgroups, layers, reactor));
   ASSIGN_OR_RETURN(b->aetherMemfd_, sealedCopy(opts.aetherPath));
   RETURN_IF_ERROR(makeDirs(opts.sandboxRoot, 0700));
+  b->cleaner_ = std::thread([raw = b.get()] { raw->cleanerLoop(); });
   return b;
 }
 
 Result<std::unique_ptr<Instance>> ContainerBackend::create(const SandboxSpec& spec,
                                                            std::function<void()> onDeath) {
+  Laps laps;
   auto inst = std::make_unique<ContainerInstance>();
   inst->id_ = spec.id;
   inst->cgroups_ = cgroups_;
@@ -140,6 +142,7 @@ Result<std::unique_ptr<Instance>> ContainerBackend::create(const SandboxSpec& sp
     std::string d = inst->dir_ + sub;
     if (::mkdir(d.c_str(), 0755) != 0) return fail(sysError("mkdir " + d));
   }
+  laps.lap("mkdir");
   json lower = json::array();
   for (auto it = spec.layers.rbegin(); it != spec.layers.rend(); ++it) {
     auto mp = layers_->acquire(*it);
@@ -148,9 +151,11 @@ Result<std::unique_ptr<Instance>> ContainerBackend::create(const SandboxSpec& sp
     lower.push_back(*mp);  // overlayfs wants the top layer first
   }
 
+  laps.lap("layers");
   CgroupLimits limits{spec.cpu, spec.memoryBytes, spec.pids};
   if (Status st = cgroups_->create(spec.id, limits); !st.isOk()) return fail(st);
   cgroupMade = true;
+  laps.lap("cgroup");
 
   int sv[2];
   if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) {
@@ -174,11 +179,13 @@ Result<std::unique_ptr<Instance>> ContainerBackend::create(const SandboxSpec& sp
   inst->pid_ = pid;
   inst->pidfd_.reset(pidfd);
   theirs.reset();
+  laps.lap("clone");
 
   // aether blocks on its init frame, so it cannot fork before it is in the
   // sandbox's cgroups.
   if (Status st = cgroups_->attach(spec.id, pid); !st.isOk()) return fail(st);
 
+  laps.lap("attach");
   inst->conn_ = std::make_shared<AgentConn>(std::move(ours), spec.id);
   if (Status st = reactor_->add(inst->conn_); !st.isOk()) return fail(st);
   json init = {{"hostname", spec.id},
@@ -201,14 +208,17 @@ Result<std::unique_ptr<Instance>> ContainerBackend::create(const SandboxSpec& sp
       return fail(st.isOk() ? internalError("agent start-up: unexpected result") : st);
     }
   }
+  laps.lap("agent");
   if (Status st = reactor_->watchExit(inst->pidfd_.get(), std::move(onDeath)); !st.isOk()) {
     return fail(st);
   }
+  log::debug("create " + spec.id + " ms: " + laps.str());
   return std::unique_ptr<Instance>(std::move(inst));
 }
 
 Status ContainerBackend::destroy(Instance& base) {
   auto& inst = static_cast<ContainerInstance&>(base);
+  Laps laps;
   reactor_->unwatchExit(inst.pidfd_.get());
   if (inst.conn_) {
     reactor_->remove(inst.conn_);
@@ -216,14 +226,51 @@ Status ContainerBackend::destroy(Instance& base) {
   }
   killAndReap(inst.pidfd_.get());
   inst.pidfd_.reset();
-  Status st = cgroups_->remove(inst.id_);
+  laps.lap("kill");
   for (auto& d : inst.layers_) layers_->release(d);
   inst.layers_.clear();
-  // The overlay lived only in the sandbox's mount namespace, gone with its
-  // last process; what remains is plain directories.
-  Status rm = removeTree(inst.dir_);
-  if (st.isOk()) st = rm;
-  return st;
+  // No process is left, so what remains is bookkeeping: empty cgroups and the
+  // sandbox's directories (the overlay lived only in its mount namespace).
+  {
+    std::lock_guard lk(cleanMu_);
+    cleanQueue_.push_back(inst.id_);
+  }
+  cleanCv_.notify_one();
+  log::debug("destroy " + inst.id_ + " ms: " + laps.str());
+  return Status::ok();
+}
+
+void ContainerBackend::cleanerLoop() {
+  std::unique_lock lk(cleanMu_);
+  for (;;) {
+    cleanCv_.wait(lk, [&] { return stopCleaner_ || !cleanQueue_.empty(); });
+    if (cleanQueue_.empty()) return;  // stopping and drained
+    std::string id = std::move(cleanQueue_.front());
+    cleanQueue_.pop_front();
+    cleaning_ = true;
+    lk.unlock();
+    Status st = cgroups_->remove(id);
+    Status rm = removeTree(opts_.sandboxRoot + "/" + id);
+    if (!st.isOk()) log::error("cleanup " + id + ": " + st.toString());
+    if (!rm.isOk()) log::error("cleanup " + id + ": " + rm.toString());
+    lk.lock();
+    cleaning_ = false;
+    cleanCv_.notify_all();
+  }
+}
+
+void ContainerBackend::drain() {
+  std::unique_lock lk(cleanMu_);
+  cleanCv_.wait(lk, [&] { return cleanQueue_.empty() && !cleaning_; });
+}
+
+ContainerBackend::~ContainerBackend() {
+  {
+    std::lock_guard lk(cleanMu_);
+    stopCleaner_ = true;
+  }
+  cleanCv_.notify_all();
+  if (cleaner_.joinable()) cleaner_.join();
 }
 
 int ContainerBackend::cleanupOrphans() {

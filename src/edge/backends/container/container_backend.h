@@ -5,10 +5,13 @@
 // it and enters a new cgroup namespace (docs/agent-protocol.md, start-up).
 #pragma once
 
+#include <condition_variable>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 
 #include "common/fd.h"
 #include "edge/backend.h"
@@ -26,13 +29,14 @@ class ContainerBackend : public Backend {
  public:
   static Result<std::unique_ptr<ContainerBackend>> make(ContainerOptions opts, Cgroups* cgroups,
                                                         LayerCache* layers, Reactor* reactor);
-  ~ContainerBackend() override = default;
+  ~ContainerBackend() override;
 
   std::string name() const override { return "container"; }
   Result<std::unique_ptr<Instance>> create(const SandboxSpec& spec,
                                            std::function<void()> onDeath) override;
   Status destroy(Instance& inst) override;
   int cleanupOrphans() override;
+  void drain() override;
 
  private:
   ContainerBackend(ContainerOptions opts, Cgroups* cgroups, LayerCache* layers, Reactor* reactor)
@@ -43,6 +47,15 @@ class ContainerBackend : public Backend {
   LayerCache* layers_;   // not owned
   Reactor* reactor_;     // not owned
   UniqueFd aetherMemfd_;  // sealed copy of dsec-aether, exec'd by every sandbox
+
+  // Dead sandboxes' cgroups and directories are removed off the API path.
+  void cleanerLoop();
+  std::mutex cleanMu_;  // guards cleanQueue_, cleaning_, stopCleaner_
+  std::condition_variable cleanCv_;
+  std::deque<std::string> cleanQueue_;  // sandbox ids
+  bool cleaning_ = false;
+  bool stopCleaner_ = false;
+  std::thread cleaner_;
 };
 
 }  // namespace dsec::edge
