@@ -1,0 +1,718 @@
+#include "aether/agent.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/epoll.h>
+#include <sys/ioctl.h>
+#include <sys/prctl.h>
+#include <sys/signalfd.h>
+#include <sys/timerfd.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <exception>
+
+#include "aether/json_fields.h"
+
+namespace dsec::aether {
+
+namespace {
+
+using proto::Frame;
+using proto::FrameType;
+
+// epoll_data.u64 = kind << 32 | stream. Events carry no pointers, so an
+// event for an exec that ended earlier in the same batch finds nothing (or a
+// newer exec on the same stream, for which a spurious nonblocking read or
+// write is harmless).
+enum Kind : uint64_t {
+  kConnKind = 1,
+  kSignalKind,
+  kStdoutKind,
+  kStderrKind,
+  kStdinKind,
+  kTimerKind,
+};
+
+constexpr uint64_t tag(Kind kind, uint32_t stream) { return (uint64_t{kind} << 32) | stream; }
+
+constexpr size_t kOutChunk = 256u << 10;  // outgoing queue string size before starting another
+constexpr size_t kReadSize = 256u << 10;  // connection read size
+
+int64_t elapsedUs(const struct timespec& start) {
+  struct timespec now;
+  ::clock_gettime(CLOCK_MONOTONIC, &now);
+  return (int64_t{now.tv_sec} - start.tv_sec) * 1000000 + (now.tv_nsec - start.tv_nsec) / 1000;
+}
+
+void logError(const char* what, const Status& st) {
+  std::fprintf(stderr, "dsec-aether: %s: %s\n", what, st.toString().c_str());
+}
+
+}  // namespace
+
+Agent::Agent(UniqueFd conn, AgentOptions options, proto::FrameDecoder decoder)
+    : conn_(std::move(conn)), options_(std::move(options)), decoder_(std::move(decoder)) {}
+
+Agent::~Agent() { shutdown(); }
+
+Status Agent::start() {
+  int flags = ::fcntl(conn_.get(), F_GETFL);
+  if (flags < 0 || ::fcntl(conn_.get(), F_SETFL, flags | O_NONBLOCK) < 0) {
+    return sysError("fcntl connection");
+  }
+  // execs must not inherit the connection.
+  if (::fcntl(conn_.get(), F_SETFD, FD_CLOEXEC) < 0) return sysError("fcntl connection");
+
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGCHLD);
+  if (::sigprocmask(SIG_BLOCK, &set, nullptr) < 0) return sysError("sigprocmask");
+  sigchld_.reset(::signalfd(-1, &set, SFD_NONBLOCK | SFD_CLOEXEC));
+  if (!sigchld_) return sysError("signalfd");
+  // A write to a closed stdin pipe or connection must be an error, not death.
+  ::signal(SIGPIPE, SIG_IGN);
+  // As PID 1 orphans come to aether anyway; elsewhere (tests) ask for them.
+  ::prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0);
+
+  epoll_.reset(::epoll_create1(EPOLL_CLOEXEC));
+  if (!epoll_) return sysError("epoll_create1");
+  struct epoll_event ev {};
+  ev.events = EPOLLIN;
+  ev.data.u64 = tag(kSignalKind, 0);
+  if (::epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, sigchld_.get(), &ev) < 0) {
+    return sysError("epoll_ctl signalfd");
+  }
+  ev.events = EPOLLIN;
+  ev.data.u64 = tag(kConnKind, 0);
+  if (::epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, conn_.get(), &ev) < 0) {
+    return sysError("epoll_ctl connection");
+  }
+  conn_events_ = EPOLLIN;
+  scratch_.resize(proto::kDataChunk);
+  in_buf_.resize(kReadSize);
+
+  Json hello = {{"version", 1}, {"pid", ::getpid()}};
+  sendFrame(0, FrameType::kHello, dumpJson(hello));
+  return Status::ok();
+}
+
+int Agent::run() {
+  // Frames that arrived together with the init frame.
+  Frame f;
+  while (!done_ && decoder_.next(f)) handleFrame(f);
+
+  struct epoll_event events[64];
+  while (!done_) {
+    flushOutput();
+    pumpFileReads();
+    flushOutput();
+    if (done_) break;
+    updateInterest();
+    int timeout = !reads_.empty() && queued_ < kQueueHighWater ? 0 : -1;
+    int n = ::epoll_wait(epoll_.get(), events, 64, timeout);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      logError("epoll_wait", sysError("epoll_wait"));
+      exit_code_ = 1;
+      break;
+    }
+    for (int i = 0; i < n && !done_; ++i) {
+      uint32_t ev = events[i].events;
+      auto kind = static_cast<Kind>(events[i].data.u64 >> 32);
+      auto stream = static_cast<uint32_t>(events[i].data.u64);
+      switch (kind) {
+        case kConnKind:
+          if (ev & EPOLLOUT) flushOutput();
+          if (ev & (EPOLLIN | EPOLLHUP | EPOLLERR)) handleConnReadable();
+          break;
+        case kSignalKind:
+          reapChildren();
+          break;
+        case kStdoutKind:
+          onPipeReadable(stream, 0);
+          break;
+        case kStderrKind:
+          onPipeReadable(stream, 1);
+          break;
+        case kStdinKind:
+          onStdinWritable(stream);
+          break;
+        case kTimerKind:
+          onTimer(stream);
+          break;
+      }
+    }
+  }
+  shutdown();
+  return exit_code_;
+}
+
+void Agent::shutdown() {
+  for (auto& [stream, e] : execs_) {
+    killGroup(*e, SIGKILL);
+    closeStdin(*e);
+  }
+  execs_.clear();
+  pid_streams_.clear();
+  writes_.clear();  // removes temporary files
+  reads_.clear();
+  done_ = true;
+}
+
+// ---- the connection ----
+
+void Agent::handleConnReadable() {
+  ssize_t n = ::read(conn_.get(), in_buf_.data(), in_buf_.size());
+  if (n < 0) {
+    if (errno == EINTR || errno == EAGAIN) return;
+    done_ = true;  // the edge is gone
+    return;
+  }
+  if (n == 0) {
+    done_ = true;
+    return;
+  }
+  Status st = decoder_.feed(in_buf_.data(), static_cast<size_t>(n));
+  if (!st.isOk()) {
+    // Framing is lost for good: nothing after this point can be trusted.
+    logError("connection", st);
+    exit_code_ = 1;
+    done_ = true;
+    return;
+  }
+  Frame f;
+  while (!done_ && decoder_.next(f)) handleFrame(f);
+}
+
+void Agent::sendFrame(uint32_t stream, FrameType type, std::string_view payload) {
+  if (out_.empty() || out_.back().size() >= kOutChunk) {
+    out_.emplace_back();
+    out_.back().reserve(kOutChunk + proto::kHeaderSize + payload.size());
+  }
+  proto::appendFrame(out_.back(), stream, type, payload);
+  queued_ += proto::kHeaderSize + payload.size();
+}
+
+void Agent::sendError(uint32_t stream, const Status& status) {
+  sendFrame(stream, FrameType::kResult, errorJson(status));
+}
+
+void Agent::flushOutput() {
+  while (!out_.empty() && !done_) {
+    std::string& front = out_.front();
+    ssize_t n = ::write(conn_.get(), front.data() + out_off_, front.size() - out_off_);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN) return;
+      done_ = true;  // EPIPE, ECONNRESET: the edge is gone
+      return;
+    }
+    out_off_ += static_cast<size_t>(n);
+    queued_ -= static_cast<size_t>(n);
+    if (out_off_ == front.size()) {
+      out_.pop_front();
+      out_off_ = 0;
+    }
+  }
+}
+
+void Agent::watch(int fd, uint64_t t, uint32_t events) {
+  struct epoll_event ev {};
+  ev.events = events;
+  ev.data.u64 = t;
+  if (::epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, fd, &ev) < 0) {
+    logError("epoll_ctl add", sysError("epoll_ctl"));
+  }
+}
+
+void Agent::unwatch(int fd) { ::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, fd, nullptr); }
+
+void Agent::updateInterest() {
+  bool pause = queued_ > kQueueHighWater;
+  if (pause != pipes_paused_) {
+    pipes_paused_ = pause;
+    // Removed rather than masked: epoll reports EPOLLHUP even for an empty
+    // event mask, and a finished writer would spin the loop.
+    for (auto& [stream, e] : execs_) {
+      for (int which = 0; which < 2; ++which) {
+        OutPipe& p = e->out[which];
+        if (!p.fd) continue;
+        if (pause && p.watched) {
+          unwatch(p.fd.get());
+          p.watched = false;
+        } else if (!pause && !p.watched) {
+          watch(p.fd.get(), tag(which == 0 ? kStdoutKind : kStderrKind, stream), EPOLLIN);
+          p.watched = true;
+        }
+      }
+    }
+  }
+  uint32_t want = 0;
+  if (queued_ <= kQueueHardLimit && stdin_buffered_ <= kStdinHighWater) want |= EPOLLIN;
+  if (queued_ > 0) want |= EPOLLOUT;
+  if (want != conn_events_) {
+    struct epoll_event ev {};
+    ev.events = want;
+    ev.data.u64 = tag(kConnKind, 0);
+    if (::epoll_ctl(epoll_.get(), EPOLL_CTL_MOD, conn_.get(), &ev) == 0) conn_events_ = want;
+  }
+}
+
+// ---- requests ----
+
+bool Agent::busy(uint32_t stream) const {
+  return execs_.count(stream) > 0 || writes_.count(stream) > 0 || reads_.count(stream) > 0;
+}
+
+bool Agent::acceptRequest(const Frame& f) {
+  if (f.stream == 0) {
+    sendError(0, invalidArg("stream",
+                            std::string(proto::frameTypeName(f.type)) + " needs a nonzero stream"));
+    return false;
+  }
+  if (busy(f.stream)) {
+    sendError(f.stream, Status(Code::kFailedPrecondition,
+                               "stream " + std::to_string(f.stream) + " is busy", 0, "stream"));
+    return false;
+  }
+  return true;
+}
+
+void Agent::handleFrame(Frame& f) {
+  // JSON access goes through json_fields.h, which does not throw; this is the
+  // last line of defence (say, std::bad_alloc) for a PID 1 whose death ends
+  // the sandbox.
+  try {
+    dispatch(f);
+  } catch (const std::exception& e) {
+    logError("request", internalError(e.what()));
+    if (!busy(f.stream)) sendError(f.stream, internalError(e.what()));
+  }
+}
+
+void Agent::dispatch(Frame& f) {
+  switch (f.type) {
+    case FrameType::kExec:
+      handleExec(f);
+      return;
+    case FrameType::kStdin:
+      handleStdin(f);
+      return;
+    case FrameType::kSignal:
+      handleSignal(f);
+      return;
+    case FrameType::kCancel:
+      handleCancel(f);
+      return;
+    case FrameType::kFileWrite:
+      handleFileWrite(f);
+      return;
+    case FrameType::kData:
+      handleData(f);
+      return;
+    case FrameType::kFileRead:
+      handleFileRead(f);
+      return;
+    case FrameType::kList:
+    case FrameType::kStat:
+    case FrameType::kMkdir:
+    case FrameType::kRemove:
+      handleSimpleFileOp(f);
+      return;
+    case FrameType::kInit:
+      if (f.stream == 0) {
+        sendError(0, Status(Code::kFailedPrecondition, "init was already done"));
+        return;
+      }
+      break;
+    default:
+      break;
+  }
+  // A frame aether never receives. On a live stream it is dropped, so a
+  // confused edge cannot end someone else's request with a stray result.
+  if (busy(f.stream)) return;
+  sendError(f.stream, invalidArg("type", "unexpected frame type " +
+                                             std::to_string(static_cast<int>(f.type))));
+}
+
+void Agent::handleExec(const Frame& f) {
+  if (!acceptRequest(f)) return;
+  Result<ExecRequest> req = parseExecRequest(f.payload);
+  if (!req.isOk()) return sendError(f.stream, req.status());
+
+  auto e = std::make_unique<Exec>();
+  e->stream = f.stream;
+  e->max_output = req->max_output;
+  // Made before fork: once the process runs, nothing may fail that would
+  // leave it untracked.
+  if (req->timeout_ms > 0) {
+    e->timer.reset(::timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC));
+    if (!e->timer) return sendError(f.stream, sysError("timerfd_create"));
+  }
+  Result<SpawnedExec> spawned = spawnExec(*req, options_.exec);
+  if (!spawned.isOk()) return sendError(f.stream, spawned.status());
+  e->proc = std::move(spawned).value();
+  e->out[0].fd = std::move(e->proc.stdout_r);
+  e->out[1].fd = std::move(e->proc.stderr_r);
+
+  if (e->timer) {
+    struct itimerspec its {};
+    its.it_value.tv_sec = req->timeout_ms / 1000;
+    its.it_value.tv_nsec = (req->timeout_ms % 1000) * 1000000;
+    ::timerfd_settime(e->timer.get(), 0, &its, nullptr);
+    watch(e->timer.get(), tag(kTimerKind, f.stream), EPOLLIN);
+  }
+  if (!pipes_paused_) {
+    for (int which = 0; which < 2; ++which) {
+      watch(e->out[which].fd.get(), tag(which == 0 ? kStdoutKind : kStderrKind, f.stream), EPOLLIN);
+      e->out[which].watched = true;
+    }
+  }
+  pid_streams_[e->proc.pid] = f.stream;
+  execs_[f.stream] = std::move(e);
+}
+
+void Agent::handleStdin(const Frame& f) {
+  auto it = execs_.find(f.stream);
+  // Stdin racing the process's exit (or for stdin:false) has nowhere to go.
+  if (it == execs_.end()) return;
+  Exec& e = *it->second;
+  if (e.reaped || !e.proc.stdin_w || e.stdin_close) return;
+  if (f.payload.empty()) {
+    e.stdin_close = true;
+    if (e.stdin_off == e.stdin_buf.size()) closeStdin(e);
+    return;
+  }
+  if (e.stdin_off > 0 && e.stdin_off == e.stdin_buf.size()) {
+    e.stdin_buf.clear();
+    e.stdin_off = 0;
+  }
+  e.stdin_buf.append(f.payload);
+  stdin_buffered_ += f.payload.size();
+  flushStdin(e);
+}
+
+void Agent::handleSignal(const Frame& f) {
+  auto it = execs_.find(f.stream);
+  if (it == execs_.end()) return;
+  // The stream belongs to a running exec: a result here would read as its
+  // end, so a malformed signal request is dropped with a log line.
+  Result<Json> j = parseObject(f.payload);
+  int64_t sig = 0;
+  Status st = j.isOk() ? readInt(*j, "signal", 1, 64, sig) : j.status();
+  if (st.isOk() && sig == 0) st = invalidArg("signal", "signal is required");
+  if (!st.isOk()) return logError("signal", st);
+  killGroup(*it->second, static_cast<int>(sig));
+}
+
+void Agent::handleCancel(const Frame& f) {
+  if (auto it = execs_.find(f.stream); it != execs_.end()) {
+    // The exec still ends with its exit frame once the group is gone.
+    killGroup(*it->second, SIGKILL);
+    return;
+  }
+  // A cancelled transfer just stops: no further frames on the stream.
+  writes_.erase(f.stream);
+  reads_.erase(f.stream);
+}
+
+void Agent::handleFileWrite(const Frame& f) {
+  if (!acceptRequest(f)) return;
+  Result<Json> j = parseObject(f.payload);
+  if (!j.isOk()) return sendError(f.stream, j.status());
+  std::string path;
+  int64_t mode = 0644;
+  bool append = false;
+  Status st = readPath(*j, "path", path);
+  if (st.isOk()) st = readInt(*j, "mode", 0, 07777, mode);
+  if (st.isOk()) st = readBool(*j, "append", append);
+  if (!st.isOk()) return sendError(f.stream, st);
+  bool mode_given = j->contains("mode") && !(*j)["mode"].is_null();
+  Result<FileWriter> w = FileWriter::open(path, static_cast<mode_t>(mode), mode_given, append);
+  // After an early error the stream's data frames find no writer and are dropped.
+  if (!w.isOk()) return sendError(f.stream, w.status());
+  writes_.emplace(f.stream, std::move(w).value());
+}
+
+void Agent::handleData(const Frame& f) {
+  auto it = writes_.find(f.stream);
+  if (it == writes_.end()) return;
+  if (!f.payload.empty()) {
+    Status st = it->second.write(f.payload);
+    if (!st.isOk()) {
+      writes_.erase(it);
+      sendError(f.stream, st);
+    }
+    return;
+  }
+  Result<uint64_t> size = it->second.commit();
+  writes_.erase(it);
+  if (!size.isOk()) return sendError(f.stream, size.status());
+  sendFrame(f.stream, FrameType::kResult, dumpJson(Json{{"ok", true}, {"size", *size}}));
+}
+
+void Agent::handleFileRead(const Frame& f) {
+  if (!acceptRequest(f)) return;
+  Result<Json> j = parseObject(f.payload);
+  if (!j.isOk()) return sendError(f.stream, j.status());
+  std::string path;
+  int64_t offset = 0;
+  int64_t length = -1;
+  Status st = readPath(*j, "path", path);
+  if (st.isOk()) st = readInt(*j, "offset", 0, INT64_MAX, offset);
+  if (st.isOk()) st = readInt(*j, "length", -1, INT64_MAX, length);
+  if (!st.isOk()) return sendError(f.stream, st);
+  Result<FileReader> r = FileReader::open(path, static_cast<uint64_t>(offset), length);
+  if (!r.isOk()) return sendError(f.stream, r.status());
+  sendFrame(f.stream, FrameType::kResult,
+            dumpJson(Json{{"ok", true}, {"size", r->size()}, {"mode", unsigned{r->mode()}}}));
+  // The data follows from pumpFileReads(), paced by the outgoing queue.
+  reads_.emplace(f.stream, std::move(r).value());
+}
+
+void Agent::pumpFileReads() {
+  while (!reads_.empty() && queued_ < kQueueHighWater && !done_) {
+    auto it = reads_.lower_bound(next_read_);
+    if (it == reads_.end()) it = reads_.begin();
+    uint32_t stream = it->first;
+    next_read_ = stream + 1;  // round robin, so one large read does not starve others
+    Status st = it->second.readChunk(scratch_, proto::kDataChunk);
+    if (!st.isOk()) {
+      // The ok result went out already: a second result (instead of the
+      // empty data frame) ends the stream.
+      reads_.erase(it);
+      sendError(stream, st);
+    } else if (scratch_.empty()) {
+      reads_.erase(it);
+      sendFrame(stream, FrameType::kData, {});
+    } else {
+      sendFrame(stream, FrameType::kData, scratch_);
+    }
+  }
+}
+
+void Agent::handleSimpleFileOp(const Frame& f) {
+  if (!acceptRequest(f)) return;
+  Result<Json> j = parseObject(f.payload);
+  if (!j.isOk()) return sendError(f.stream, j.status());
+  std::string path;
+  Status st = readPath(*j, "path", path);
+  if (!st.isOk()) return sendError(f.stream, st);
+  static const std::string kOk = R"({"ok":true})";
+  switch (f.type) {
+    case FrameType::kList: {
+      Result<std::string> payload = listDir(path, proto::kMaxPayload);
+      if (!payload.isOk()) return sendError(f.stream, payload.status());
+      return sendFrame(f.stream, FrameType::kResult, *payload);
+    }
+    case FrameType::kStat: {
+      Result<Json> s = statPath(path);
+      if (!s.isOk()) return sendError(f.stream, s.status());
+      (*s)["ok"] = true;
+      return sendFrame(f.stream, FrameType::kResult, dumpJson(*s));
+    }
+    case FrameType::kMkdir: {
+      bool parents = true;
+      int64_t mode = 0755;
+      st = readBool(*j, "parents", parents);
+      if (st.isOk()) st = readInt(*j, "mode", 0, 07777, mode);
+      if (st.isOk()) st = makeDir(path, parents, static_cast<mode_t>(mode));
+      if (!st.isOk()) return sendError(f.stream, st);
+      return sendFrame(f.stream, FrameType::kResult, kOk);
+    }
+    case FrameType::kRemove: {
+      bool recursive = false;
+      st = readBool(*j, "recursive", recursive);
+      if (st.isOk()) st = removePath(path, recursive);
+      if (!st.isOk()) return sendError(f.stream, st);
+      return sendFrame(f.stream, FrameType::kResult, kOk);
+    }
+    default:
+      return;
+  }
+}
+
+// ---- running execs ----
+
+void Agent::killGroup(const Exec& e, int sig) {
+  // Once reaped the pid may belong to someone else.
+  if (e.reaped) return;
+  // Before the child's setsid() there is no group yet.
+  if (::kill(-e.proc.pid, sig) < 0 && errno == ESRCH) ::kill(e.proc.pid, sig);
+}
+
+void Agent::reapChildren() {
+  struct signalfd_siginfo si;
+  while (::read(sigchld_.get(), &si, sizeof si) == static_cast<ssize_t>(sizeof si)) {
+  }
+  // SIGCHLDs coalesce, and as PID 1 aether inherits every orphan: reap all.
+  while (true) {
+    int status = 0;
+    pid_t pid = ::waitpid(-1, &status, WNOHANG);
+    if (pid < 0 && errno == EINTR) continue;
+    if (pid <= 0) break;
+    auto pit = pid_streams_.find(pid);
+    if (pit == pid_streams_.end()) continue;
+    uint32_t stream = pit->second;
+    pid_streams_.erase(pit);
+    auto eit = execs_.find(stream);
+    if (eit == execs_.end()) continue;
+    Exec& e = *eit->second;
+    e.reaped = true;
+    e.wait_status = status;
+    e.duration_us = elapsedUs(e.proc.started);
+    if (e.timer) {
+      unwatch(e.timer.get());
+      e.timer.reset();
+    }
+    std::string failure = spawnFailureMessage(e.proc);
+    if (!failure.empty()) deliver(e, 1, failure);
+    e.proc.status_r.reset();
+    // What the process wrote before exiting is in the pipes now; output that
+    // background processes write later is not waited for.
+    for (int which = 0; which < 2; ++which) {
+      OutPipe& p = e.out[which];
+      if (!p.fd) continue;
+      int avail = 0;
+      if (::ioctl(p.fd.get(), FIONREAD, &avail) < 0) avail = 0;
+      p.drain_left = static_cast<uint64_t>(std::max(avail, 0));
+      if (p.drain_left == 0) closePipe(e, which);
+    }
+    // While paused, the rest is read when the queue drains (the pipes are
+    // re-watched then).
+    if (!pipes_paused_) {
+      for (int which = 0; which < 2; ++which) {
+        while (e.out[which].fd) pumpPipe(e, which);
+      }
+    }
+    maybeFinish(e);
+  }
+}
+
+void Agent::onPipeReadable(uint32_t stream, int which) {
+  auto it = execs_.find(stream);
+  if (it == execs_.end()) return;
+  pumpPipe(*it->second, which);
+  maybeFinish(*it->second);
+}
+
+void Agent::pumpPipe(Exec& e, int which) {
+  OutPipe& p = e.out[which];
+  if (!p.fd) return;
+  size_t want = static_cast<size_t>(std::min<uint64_t>(proto::kDataChunk, p.drain_left));
+  scratch_.resize(proto::kDataChunk);
+  ssize_t n = ::read(p.fd.get(), scratch_.data(), want);
+  if (n > 0) {
+    if (p.drain_left != UINT64_MAX) p.drain_left -= static_cast<uint64_t>(n);
+    deliver(e, which, std::string_view(scratch_.data(), static_cast<size_t>(n)));
+    if (p.drain_left == 0) closePipe(e, which);
+    return;
+  }
+  if (n < 0 && errno == EINTR) return;
+  // EAGAIN after reaping: what was there at exit has been read.
+  if (n < 0 && errno == EAGAIN && !e.reaped) return;
+  closePipe(e, which);
+}
+
+void Agent::deliver(Exec& e, int which, std::string_view data) {
+  OutPipe& p = e.out[which];
+  uint64_t room = p.delivered < e.max_output ? e.max_output - p.delivered : 0;
+  size_t keep = static_cast<size_t>(std::min<uint64_t>(room, data.size()));
+  // Past the cap the pipe is still drained, so the writer never blocks on us.
+  if (keep < data.size()) e.truncated = true;
+  while (keep > 0) {
+    size_t n = std::min(keep, proto::kDataChunk);
+    sendFrame(e.stream, which == 0 ? FrameType::kStdout : FrameType::kStderr, data.substr(0, n));
+    p.delivered += n;
+    data.remove_prefix(n);
+    keep -= n;
+  }
+}
+
+void Agent::closePipe(Exec& e, int which) {
+  OutPipe& p = e.out[which];
+  if (p.watched) unwatch(p.fd.get());
+  p.watched = false;
+  p.fd.reset();
+}
+
+void Agent::maybeFinish(Exec& e) {
+  if (!e.reaped || e.out[0].fd || e.out[1].fd) return;
+  closeStdin(e);
+  int code = WIFEXITED(e.wait_status) ? WEXITSTATUS(e.wait_status) : -1;
+  int sig = WIFSIGNALED(e.wait_status) ? WTERMSIG(e.wait_status) : 0;
+  Json exit = {{"exit_code", code},
+               {"signal", sig},
+               {"timed_out", e.timed_out},
+               {"truncated", e.truncated},
+               {"duration_us", e.duration_us}};
+  sendFrame(e.stream, FrameType::kExit, dumpJson(exit));
+  execs_.erase(e.stream);  // `e` is gone from here on
+}
+
+void Agent::flushStdin(Exec& e) {
+  while (e.stdin_off < e.stdin_buf.size()) {
+    ssize_t n = ::write(e.proc.stdin_w.get(), e.stdin_buf.data() + e.stdin_off,
+                        e.stdin_buf.size() - e.stdin_off);
+    if (n > 0) {
+      e.stdin_off += static_cast<size_t>(n);
+      stdin_buffered_ -= static_cast<size_t>(n);
+      continue;
+    }
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && errno == EAGAIN) {
+      if (!e.stdin_watched) {
+        watch(e.proc.stdin_w.get(), tag(kStdinKind, e.stream), EPOLLOUT);
+        e.stdin_watched = true;
+      }
+      return;
+    }
+    // EPIPE: the process closed its stdin; the rest is dropped, as a pipe would.
+    closeStdin(e);
+    return;
+  }
+  e.stdin_buf.clear();
+  e.stdin_off = 0;
+  if (e.stdin_watched) {
+    unwatch(e.proc.stdin_w.get());
+    e.stdin_watched = false;
+  }
+  if (e.stdin_close) closeStdin(e);
+}
+
+void Agent::onStdinWritable(uint32_t stream) {
+  auto it = execs_.find(stream);
+  if (it == execs_.end() || !it->second->proc.stdin_w) return;
+  flushStdin(*it->second);
+}
+
+void Agent::closeStdin(Exec& e) {
+  if (!e.proc.stdin_w) return;
+  if (e.stdin_watched) unwatch(e.proc.stdin_w.get());
+  e.stdin_watched = false;
+  stdin_buffered_ -= e.stdin_buf.size() - e.stdin_off;
+  e.stdin_buf.clear();
+  e.stdin_off = 0;
+  e.stdin_close = true;
+  e.proc.stdin_w.reset();
+}
+
+void Agent::onTimer(uint32_t stream) {
+  auto it = execs_.find(stream);
+  if (it == execs_.end() || !it->second->timer) return;
+  Exec& e = *it->second;
+  uint64_t expirations = 0;
+  if (::read(e.timer.get(), &expirations, sizeof expirations) != sizeof expirations) return;
+  unwatch(e.timer.get());
+  e.timer.reset();
+  if (e.reaped) return;
+  e.timed_out = true;
+  killGroup(e, SIGKILL);
+}
+
+}  // namespace dsec::aether

@@ -1,0 +1,149 @@
+// The agent's event loop: one connection to the edge, many concurrent execs
+// and file transfers on it (docs/agent-protocol.md).
+//
+// Single-threaded epoll loop over: the connection (nonblocking, with an
+// outgoing frame queue), a signalfd for SIGCHLD, each running exec's pipes and
+// timeout timerfd. File requests run synchronously (local disk); a file_read's
+// data is produced in chunks only while the outgoing queue is short.
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+
+#include "aether/exec.h"
+#include "aether/files.h"
+#include "common/fd.h"
+#include "common/frame.h"
+#include "common/status.h"
+
+namespace dsec::aether {
+
+// While more than this is queued for the edge, exec pipes and file reads
+// pause (the spec's flow control).
+constexpr size_t kQueueHighWater = 4u << 20;
+// While more than this is queued, aether also stops reading requests: only an
+// edge that sends without ever reading gets here.
+constexpr size_t kQueueHardLimit = 16u << 20;
+// While more stdin than this waits for processes to read it, aether stops
+// reading the connection, so stdin pushes back on the edge like a socket.
+// Generous, because the pause holds up every stream of the sandbox: two execs
+// with the API's largest stdin (16 MiB) that do not read it must not stall
+// the connection.
+constexpr size_t kStdinHighWater = 32u << 20;
+
+struct AgentOptions {
+  ExecSettings exec;
+};
+
+class Agent {
+ public:
+  // Takes the connection (made nonblocking and close-on-exec by start()).
+  // `decoder` may already hold frames that arrived with the init frame.
+  Agent(UniqueFd conn, AgentOptions options, proto::FrameDecoder decoder = {});
+  ~Agent();
+  Agent(const Agent&) = delete;
+  Agent& operator=(const Agent&) = delete;
+
+  // Blocks SIGCHLD (for the signalfd) and ignores SIGPIPE process-wide,
+  // becomes a child subreaper, sets up epoll and queues the hello frame.
+  // Call once, from the process's only thread: the loop reaps every child of
+  // the process, tracked or not.
+  Status start();
+
+  // Serves until the connection reaches EOF or fails (returns 0) or a frame
+  // cannot be decoded (returns 1). Either way every exec's process group is
+  // SIGKILLed first and unfinished file writes are discarded.
+  int run();
+
+ private:
+  struct OutPipe {
+    UniqueFd fd;
+    bool watched = false;              // in epoll
+    uint64_t delivered = 0;            // bytes sent to the edge
+    uint64_t drain_left = UINT64_MAX;  // after reaping: bytes still to read
+  };
+  struct Exec {
+    uint32_t stream = 0;
+    SpawnedExec proc;
+    uint64_t max_output = 0;
+    OutPipe out[2];  // stdout, stderr
+    std::string stdin_buf;
+    size_t stdin_off = 0;
+    bool stdin_close = false;  // close once stdin_buf is written
+    bool stdin_watched = false;
+    UniqueFd timer;
+    bool reaped = false;
+    int wait_status = 0;
+    int64_t duration_us = 0;
+    bool timed_out = false;
+    bool truncated = false;
+  };
+
+  void handleConnReadable();
+  void handleFrame(proto::Frame& f);
+  void dispatch(proto::Frame& f);
+  void handleExec(const proto::Frame& f);
+  void handleStdin(const proto::Frame& f);
+  void handleSignal(const proto::Frame& f);
+  void handleCancel(const proto::Frame& f);
+  bool acceptRequest(const proto::Frame& f);
+  void handleFileWrite(const proto::Frame& f);
+  void handleData(const proto::Frame& f);
+  void handleFileRead(const proto::Frame& f);
+  void handleSimpleFileOp(const proto::Frame& f);
+
+  void reapChildren();
+  void onPipeReadable(uint32_t stream, int which);
+  void onStdinWritable(uint32_t stream);
+  void onTimer(uint32_t stream);
+  void pumpPipe(Exec& e, int which);
+  void deliver(Exec& e, int which, std::string_view data);
+  void closePipe(Exec& e, int which);
+  void flushStdin(Exec& e);
+  void closeStdin(Exec& e);
+  void maybeFinish(Exec& e);
+  void killGroup(const Exec& e, int sig);
+  void pumpFileReads();
+
+  bool busy(uint32_t stream) const;
+  void sendFrame(uint32_t stream, proto::FrameType type, std::string_view payload);
+  void sendError(uint32_t stream, const Status& status);
+  void flushOutput();
+  void updateInterest();
+  void watch(int fd, uint64_t tag, uint32_t events);
+  void unwatch(int fd);
+  void shutdown();
+
+  UniqueFd conn_;
+  AgentOptions options_;
+  proto::FrameDecoder decoder_;
+  UniqueFd epoll_;
+  UniqueFd sigchld_;
+  bool done_ = false;
+  int exit_code_ = 0;
+
+  // Outgoing frames, in chunks of a few hundred KiB; the front is partly sent.
+  std::deque<std::string> out_;
+  size_t out_off_ = 0;
+  size_t queued_ = 0;
+  uint32_t conn_events_ = 0;  // what the connection is registered for
+  bool pipes_paused_ = false;
+  size_t stdin_buffered_ = 0;
+
+  std::map<uint32_t, std::unique_ptr<Exec>> execs_;
+  std::unordered_map<pid_t, uint32_t> pid_streams_;
+  std::map<uint32_t, FileWriter> writes_;
+  std::map<uint32_t, FileReader> reads_;
+  uint32_t next_read_ = 0;  // round-robin position among reads_
+  std::string scratch_;     // pipe/file read buffer
+  std::string in_buf_;      // connection read buffer
+};
+
+}  // namespace dsec::aether

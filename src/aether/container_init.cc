@@ -1,0 +1,310 @@
+#include "aether/container_init.h"
+
+#include <fcntl.h>
+#include <net/if.h>
+#include <sched.h>
+#include <sys/ioctl.h>
+#include <sys/mount.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/sysmacros.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+
+#include "aether/json_fields.h"
+#include "common/fd.h"
+
+namespace dsec::aether {
+
+namespace {
+
+Status mountOrError(const char* source, const std::string& target, const char* fstype,
+                    unsigned long flags, const char* data, const char* step) {
+  if (::mount(source, target.c_str(), fstype, flags, data) < 0) {
+    return sysError(std::string(step) + " " + target);
+  }
+  return Status::ok();
+}
+
+Status ensureDir(const std::string& path, mode_t mode) {
+  if (::mkdir(path.c_str(), mode) == 0 || errno == EEXIST) return Status::ok();
+  return sysError("mkdir " + path);
+}
+
+Status writeFile(const std::string& path, std::string_view content, mode_t mode) {
+  UniqueFd fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, mode));
+  if (!fd) return sysError("open " + path);
+  while (!content.empty()) {
+    ssize_t n = ::write(fd.get(), content.data(), content.size());
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return sysError("write " + path);
+    }
+    content.remove_prefix(static_cast<size_t>(n));
+  }
+  return Status::ok();
+}
+
+// The longest directory prefix shared by all paths ("/var/lib/dsec/layers").
+std::string commonDir(const std::vector<std::string>& paths) {
+  std::string prefix = paths.front();
+  for (const auto& p : paths) {
+    size_t n = 0;
+    while (n < prefix.size() && n < p.size() && prefix[n] == p[n]) ++n;
+    prefix.resize(n);
+  }
+  size_t slash = prefix.rfind('/');
+  if (slash == std::string::npos) return {};
+  return prefix.substr(0, slash == 0 ? 1 : slash);
+}
+
+Status mountOverlay(const RootfsConfig& r) {
+  auto options = [&](const std::string& strip) {
+    std::string o = "lowerdir=";
+    for (size_t i = 0; i < r.lower.size(); ++i) {
+      if (i > 0) o += ':';
+      o += strip.empty() ? r.lower[i] : r.lower[i].substr(strip.size() == 1 ? 1 : strip.size() + 1);
+    }
+    o += ",upperdir=" + r.upper + ",workdir=" + r.work + ",index=off,metacopy=off,redirect_dir=off";
+    return o;
+  };
+  std::string opts = options({});
+  // mount(2) takes at most one page of options. Many layers exceed it, so
+  // (like Docker) name the lower layers relative to their common directory
+  // and mount from inside it.
+  if (opts.size() >= 4000) {
+    std::string dir = commonDir(r.lower);
+    if (dir.empty() || ::chdir(dir.c_str()) < 0) {
+      return Status(Code::kInternal, "mount overlay: too many layers for the mount options");
+    }
+    opts = options(dir);
+    if (opts.size() >= 4000) {
+      return Status(Code::kInternal, "mount overlay: too many layers for the mount options");
+    }
+  }
+  Status st = mountOrError("overlay", r.target, "overlay", 0, opts.c_str(), "mount overlay");
+  if (::chdir("/") < 0) return sysError("chdir /");
+  return st;
+}
+
+Status makeDevNode(const std::string& dev, const char* name, unsigned major, unsigned minor) {
+  std::string path = dev + "/" + name;
+  if (::mknod(path.c_str(), S_IFCHR | 0666, makedev(major, minor)) == 0) {
+    // mknod honours the umask; these nodes are world read-write.
+    if (::chmod(path.c_str(), 0666) < 0) return sysError("chmod " + path);
+    return Status::ok();
+  }
+  if (errno != EPERM) return sysError("mknod " + path);
+  // In a user namespace mknod is refused: bind the host's node instead.
+  RETURN_IF_ERROR(writeFile(path, "", 0666));
+  std::string host = std::string("/dev/") + name;
+  return mountOrError(host.c_str(), path, nullptr, MS_BIND, nullptr, "bind");
+}
+
+Status mountDev(const std::string& root) {
+  std::string dev = root + "/dev";
+  RETURN_IF_ERROR(ensureDir(dev, 0755));
+  RETURN_IF_ERROR(mountOrError("tmpfs", dev, "tmpfs", MS_NOSUID | MS_STRICTATIME,
+                               "mode=755,size=65536k", "mount"));
+  struct Node {
+    const char* name;
+    unsigned major, minor;
+  };
+  for (const Node& n : {Node{"null", 1, 3}, Node{"zero", 1, 5}, Node{"full", 1, 7},
+                        Node{"random", 1, 8}, Node{"urandom", 1, 9}, Node{"tty", 5, 0}}) {
+    RETURN_IF_ERROR(makeDevNode(dev, n.name, n.major, n.minor));
+  }
+  RETURN_IF_ERROR(ensureDir(dev + "/pts", 0755));
+  // gid=5 is "tty" in most images; a user namespace without that gid mapped
+  // rejects the option, so retry without it.
+  if (::mount("devpts", (dev + "/pts").c_str(), "devpts", MS_NOSUID | MS_NOEXEC,
+              "newinstance,ptmxmode=0666,mode=0620,gid=5") < 0) {
+    RETURN_IF_ERROR(mountOrError("devpts", dev + "/pts", "devpts", MS_NOSUID | MS_NOEXEC,
+                                 "newinstance,ptmxmode=0666,mode=0620", "mount"));
+  }
+  if (::symlink("pts/ptmx", (dev + "/ptmx").c_str()) < 0)
+    return sysError("symlink " + dev + "/ptmx");
+  RETURN_IF_ERROR(ensureDir(dev + "/shm", 01777));
+  RETURN_IF_ERROR(mountOrError("shm", dev + "/shm", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                               "mode=1777,size=65536k", "mount"));
+  struct Link {
+    const char* target;
+    const char* name;
+  };
+  for (const Link& l : {Link{"/proc/self/fd", "fd"}, Link{"/proc/self/fd/0", "stdin"},
+                        Link{"/proc/self/fd/1", "stdout"}, Link{"/proc/self/fd/2", "stderr"}}) {
+    std::string path = dev + "/" + l.name;
+    if (::symlink(l.target, path.c_str()) < 0) return sysError("symlink " + path);
+  }
+  return Status::ok();
+}
+
+// What Docker hides from containers: kernel interfaces that leak host
+// information or let a scan crash or reconfigure the host kernel.
+constexpr const char* kMaskedPaths[] = {
+    "/proc/acpi",
+    "/proc/asound",
+    "/proc/interrupts",
+    "/proc/kcore",
+    "/proc/keys",
+    "/proc/latency_stats",
+    "/proc/sched_debug",
+    "/proc/scsi",
+    "/proc/timer_list",
+    "/proc/timer_stats",
+    "/sys/devices/virtual/powercap",
+    "/sys/firmware",
+};
+constexpr const char* kReadOnlyPaths[] = {
+    "/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger",
+};
+
+Status maskPaths(const std::string& root) {
+  std::string null = root + "/dev/null";
+  for (const char* p : kMaskedPaths) {
+    std::string path = root + p;
+    struct stat st;
+    if (::stat(path.c_str(), &st) < 0) continue;  // this kernel has no such file
+    if (S_ISDIR(st.st_mode)) {
+      RETURN_IF_ERROR(mountOrError("tmpfs", path, "tmpfs",
+                                   MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=0", "mask"));
+    } else {
+      RETURN_IF_ERROR(mountOrError(null.c_str(), path, nullptr, MS_BIND, nullptr, "mask"));
+    }
+  }
+  for (const char* p : kReadOnlyPaths) {
+    std::string path = root + p;
+    if (::access(path.c_str(), F_OK) < 0) continue;
+    RETURN_IF_ERROR(mountOrError(path.c_str(), path, nullptr, MS_BIND | MS_REC, nullptr, "bind"));
+    // A remount must repeat proc's nosuid/nodev/noexec: in a user namespace
+    // those flags are locked and dropping them is EPERM.
+    RETURN_IF_ERROR(mountOrError(
+        nullptr, path, nullptr, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
+        nullptr, "remount read-only"));
+  }
+  return Status::ok();
+}
+
+Status pivotInto(const std::string& root) {
+  // pivot_root(".", ".") stacks the old root on top of the new one; detaching
+  // "." afterwards drops the old root without needing a directory for it.
+  if (::chdir(root.c_str()) < 0) return sysError("chdir " + root);
+  if (::syscall(SYS_pivot_root, ".", ".") < 0) return sysError("pivot_root " + root);
+  if (::umount2(".", MNT_DETACH) < 0) return sysError("umount old root");
+  if (::chdir("/") < 0) return sysError("chdir /");
+  return Status::ok();
+}
+
+Status setHostname(const std::string& hostname) {
+  if (::sethostname(hostname.data(), hostname.size()) < 0) return sysError("sethostname");
+  struct stat st;
+  // An image without /etc gets none: the sandbox's files are the image's.
+  if (::stat("/etc", &st) < 0 || !S_ISDIR(st.st_mode)) return Status::ok();
+  RETURN_IF_ERROR(writeFile("/etc/hostname", hostname + "\n", 0644));
+  std::string hosts =
+      "127.0.0.1\tlocalhost\n"
+      "::1\tlocalhost ip6-localhost ip6-loopback\n"
+      "127.0.1.1\t" +
+      hostname + "\n";
+  return writeFile("/etc/hosts", hosts, 0644);
+}
+
+void setOwnOomScore() {
+  UniqueFd fd(::open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC));
+  if (!fd || ::write(fd.get(), "-1000", 5) < 0) {
+    // Needs CAP_SYS_RESOURCE in the initial user namespace; without it the
+    // sandbox still works, aether is just not spared by the OOM killer.
+    std::fprintf(stderr, "dsec-aether: oom_score_adj -1000: %s\n", std::strerror(errno));
+  }
+}
+
+bool validHostname(const std::string& h) {
+  if (h.size() > 64) return false;
+  for (char c : h) {
+    bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+              c == '-' || c == '.';
+    if (!ok) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+Result<InitConfig> parseInitConfig(std::string_view payload) {
+  ASSIGN_OR_RETURN(Json j, parseObject(payload));
+  InitConfig c;
+  RETURN_IF_ERROR(readString(j, "hostname", false, c.hostname));
+  if (!validHostname(c.hostname)) {
+    return invalidArg("hostname", "hostname must be at most 64 of [A-Za-z0-9.-]");
+  }
+  RETURN_IF_ERROR(readStringList(j, "env", false, c.env));
+  auto it = j.find("rootfs");
+  if (it != j.end() && !it->is_null()) {
+    if (!it->is_object()) return invalidArg("rootfs", "rootfs must be an object");
+    RootfsConfig r;
+    RETURN_IF_ERROR(readStringList(*it, "lower", true, r.lower));
+    if (r.lower.empty()) return invalidArg("rootfs.lower", "rootfs.lower must not be empty");
+    RETURN_IF_ERROR(readPath(*it, "upper", r.upper));
+    RETURN_IF_ERROR(readPath(*it, "work", r.work));
+    RETURN_IF_ERROR(readPath(*it, "target", r.target));
+    for (const auto& l : r.lower) {
+      if (l.empty() || l[0] != '/')
+        return invalidArg("rootfs.lower", "layer paths must be absolute");
+    }
+    // overlayfs splits its options at ',' and lowerdir at ':'.
+    auto bad = [](const std::string& p) { return p.find_first_of(",:") != std::string::npos; };
+    for (const auto& l : r.lower) {
+      if (bad(l)) return invalidArg("rootfs.lower", "layer paths must not contain ',' or ':'");
+    }
+    if (bad(r.upper) || bad(r.work)) {
+      return invalidArg("rootfs", "upper and work must not contain ',' or ':'");
+    }
+    c.rootfs = std::move(r);
+  }
+  return c;
+}
+
+Status bringUpInterface(const char* name) {
+  UniqueFd sock(::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0));
+  if (!sock) return sysError("socket");
+  struct ifreq ifr;
+  std::memset(&ifr, 0, sizeof ifr);
+  std::strncpy(ifr.ifr_name, name, IFNAMSIZ - 1);
+  if (::ioctl(sock.get(), SIOCGIFFLAGS, &ifr) < 0)
+    return sysError(std::string("get flags of ") + name);
+  ifr.ifr_flags |= IFF_UP | IFF_RUNNING;
+  if (::ioctl(sock.get(), SIOCSIFFLAGS, &ifr) < 0) return sysError(std::string("bring up ") + name);
+  return Status::ok();
+}
+
+Status setupContainer(const InitConfig& config) {
+  if (config.rootfs) {
+    const RootfsConfig& r = *config.rootfs;
+    // Nothing mounted from here on may propagate back to the host.
+    if (::mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) < 0) {
+      return sysError("make / private");
+    }
+    RETURN_IF_ERROR(mountOverlay(r));
+    const std::string& root = r.target;
+    RETURN_IF_ERROR(ensureDir(root + "/proc", 0555));
+    RETURN_IF_ERROR(mountOrError("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                                 nullptr, "mount"));
+    RETURN_IF_ERROR(ensureDir(root + "/sys", 0555));
+    RETURN_IF_ERROR(mountOrError("sysfs", root + "/sys", "sysfs",
+                                 MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, nullptr, "mount"));
+    RETURN_IF_ERROR(mountDev(root));
+    RETURN_IF_ERROR(maskPaths(root));
+    RETURN_IF_ERROR(pivotInto(root));
+    if (!config.hostname.empty()) RETURN_IF_ERROR(setHostname(config.hostname));
+    RETURN_IF_ERROR(bringUpInterface("lo"));
+    if (::unshare(CLONE_NEWCGROUP) < 0) return sysError("unshare cgroup namespace");
+  }
+  setOwnOomScore();
+  return Status::ok();
+}
+
+}  // namespace dsec::aether

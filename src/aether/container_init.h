@@ -1,0 +1,43 @@
+// Start-up of a container sandbox (docs/agent-protocol.md, "Start-up"): the
+// `init` frame, and turning the fresh namespaces the edge cloned aether into
+// into the sandbox's root. Runs once, before the event loop, as PID 1.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/status.h"
+
+namespace dsec::aether {
+
+struct RootfsConfig {
+  std::vector<std::string> lower;  // top layer first
+  std::string upper;
+  std::string work;
+  std::string target;
+};
+
+struct InitConfig {
+  std::string hostname;
+  std::optional<RootfsConfig> rootfs;  // absent: stay in the current root
+  std::vector<std::string> env;        // default environment of execs
+};
+
+// kInvalidArgument (with the field) on malformed JSON or paths that would
+// break overlayfs' option syntax (',' or ':' in a layer path).
+Result<InitConfig> parseInitConfig(std::string_view payload);
+
+// With a rootfs: private mounts, overlay, /proc, /sys, /dev, Docker's masked
+// and read-only /proc and /sys paths, pivot_root,
+// hostname and /etc/hosts, lo up, a new cgroup namespace. Always: aether's
+// own oom_score_adj -1000 (best effort: a user namespace may not allow it).
+// The first failing step's error comes back with the step as context
+// ("mount overlay: …").
+Status setupContainer(const InitConfig& config);
+
+// Sets the IFF_UP flag of interface `name` through SIOCSIFFLAGS.
+Status bringUpInterface(const char* name);
+
+}  // namespace dsec::aether

@@ -1,0 +1,371 @@
+#include "aether/exec.h"
+
+#include <fcntl.h>
+#include <grp.h>
+#include <linux/capability.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "aether/json_fields.h"
+#include "aether/users.h"
+
+#ifndef CLOSE_RANGE_CLOEXEC
+#define CLOSE_RANGE_CLOEXEC (1U << 2)
+#endif
+
+namespace dsec::aether {
+
+namespace {
+
+// Docker's default capability set; everything else leaves the bounding set.
+constexpr int kKeptCaps[] = {
+    CAP_CHOWN,      CAP_DAC_OVERRIDE, CAP_FOWNER,      CAP_FSETID,           CAP_KILL,
+    CAP_SETGID,     CAP_SETUID,       CAP_SETPCAP,     CAP_NET_BIND_SERVICE, CAP_NET_RAW,
+    CAP_SYS_CHROOT, CAP_MKNOD,        CAP_AUDIT_WRITE, CAP_SETFCAP,
+};
+constexpr int kMaxCap = 63;
+
+// Where the child stopped, reported through the status pipe.
+enum ChildStage : int32_t {
+  kStageSetsid = 1,
+  kStageStdio,
+  kStageCaps,
+  kStageSetgroups,
+  kStageSetgid,
+  kStageSetuid,
+  kStageChdir,
+  kStageExec,
+};
+
+struct ChildReport {
+  int32_t stage;
+  int32_t err;
+};
+
+// Everything the child needs, prepared before fork so that the child itself
+// never allocates (fork in a possibly multi-threaded test process, and malloc
+// is not async-signal-safe).
+struct ChildPlan {
+  std::vector<std::string> candidates;  // execve targets in PATH order
+  std::vector<char*> argv;
+  std::vector<char*> envp;
+  std::vector<char*> sh_argv;  // {"/bin/sh", <candidate>, argv[1..]} for ENOEXEC
+  const char* cwd = "/";
+  bool switch_user = false;
+  uid_t uid = 0;
+  gid_t gid = 0;
+  std::vector<gid_t> groups;
+  bool drop_caps = false;
+  uint64_t keep_mask = 0;
+  bool set_nofile = false;
+  struct rlimit nofile;
+  int stdin_fd = -1, stdout_fd = -1, stderr_fd = -1, status_fd = -1;
+  sigset_t empty_mask;
+};
+
+[[noreturn]] void childFail(const ChildPlan& p, ChildStage stage, int err) {
+  ChildReport r{stage, err};
+  // Nothing to do if this fails; the exit code still tells the story.
+  [[maybe_unused]] ssize_t n = ::write(p.status_fd, &r, sizeof r);
+  ::_exit(stage == kStageExec && err == ENOENT ? 127 : 126);
+}
+
+bool moveFd(int from, int to) {
+  if (from == to) return ::fcntl(to, F_SETFD, 0) == 0;  // dup2 would keep CLOEXEC
+  return ::dup2(from, to) == to;
+}
+
+// Only async-signal-safe calls from here on.
+[[noreturn]] void runChild(ChildPlan& p) {
+  // aether blocks SIGCHLD and ignores SIGPIPE; programs expect the defaults.
+  struct sigaction dfl;
+  std::memset(&dfl, 0, sizeof dfl);
+  dfl.sa_handler = SIG_DFL;
+  for (int sig = 1; sig < NSIG; ++sig) {
+    if (sig != SIGKILL && sig != SIGSTOP) ::sigaction(sig, &dfl, nullptr);
+  }
+  ::sigprocmask(SIG_SETMASK, &p.empty_mask, nullptr);
+
+  // Its own session and process group, so signals and timeouts reach helpers too.
+  if (::setsid() < 0) childFail(p, kStageSetsid, errno);
+
+  if (!moveFd(p.stdin_fd, 0) || !moveFd(p.stdout_fd, 1) || !moveFd(p.stderr_fd, 2)) {
+    childFail(p, kStageStdio, errno);
+  }
+  // Anything aether (or a test harness) left without CLOEXEC stays out of the
+  // sandboxed program. The status pipe stays usable until execve closes it.
+  ::syscall(SYS_close_range, 3u, ~0u, CLOSE_RANGE_CLOEXEC);
+
+  // aether itself runs at -1000; its children must be killable first.
+  int oom = ::open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);
+  if (oom >= 0) {
+    [[maybe_unused]] ssize_t n = ::write(oom, "0", 1);
+    ::close(oom);
+  }
+
+  if (p.drop_caps) {
+    ::prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0);
+    for (int cap = 0; cap <= kMaxCap; ++cap) {
+      if (p.keep_mask & (uint64_t{1} << cap)) continue;
+      // EINVAL: this kernel does not know the capability.
+      if (::prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) < 0 && errno != EINVAL) {
+        childFail(p, kStageCaps, errno);
+      }
+    }
+    // A root process gains its inheritable set on execve too.
+    __user_cap_header_struct hdr{_LINUX_CAPABILITY_VERSION_3, 0};
+    __user_cap_data_struct data[2];
+    if (::syscall(SYS_capget, &hdr, data) < 0) childFail(p, kStageCaps, errno);
+    data[0].inheritable &= static_cast<uint32_t>(p.keep_mask);
+    data[1].inheritable &= static_cast<uint32_t>(p.keep_mask >> 32);
+    if (::syscall(SYS_capset, &hdr, data) < 0) childFail(p, kStageCaps, errno);
+  }
+
+  if (p.set_nofile) ::setrlimit(RLIMIT_NOFILE, &p.nofile);
+
+  if (p.switch_user) {
+    if (::setgroups(p.groups.size(), p.groups.data()) < 0) childFail(p, kStageSetgroups, errno);
+    if (::setgid(p.gid) < 0) childFail(p, kStageSetgid, errno);
+    if (::setuid(p.uid) < 0) childFail(p, kStageSetuid, errno);
+  }
+  if (::chdir(p.cwd) < 0) childFail(p, kStageChdir, errno);
+  ::umask(022);
+
+  // execvpe() would search the PATH of aether's own environment; the exec's
+  // PATH was resolved into candidates before fork. Error handling follows
+  // execvp: skip missing entries, remember EACCES, stop on anything else.
+  int err = ENOENT;
+  bool saw_eacces = false;
+  for (const std::string& cand : p.candidates) {
+    ::execve(cand.c_str(), p.argv.data(), p.envp.data());
+    err = errno;
+    if (err == ENOEXEC) {
+      // A script without "#!": run it with the shell, as execvp does.
+      p.sh_argv[1] = const_cast<char*>(cand.c_str());
+      ::execve("/bin/sh", p.sh_argv.data(), p.envp.data());
+      err = errno;
+      break;
+    }
+    if (err == EACCES) {
+      saw_eacces = true;
+      continue;
+    }
+    if (err == ENOENT || err == ENOTDIR || err == ESTALE || err == ENODEV || err == ETIMEDOUT) {
+      continue;
+    }
+    break;
+  }
+  if (saw_eacces && (err == ENOENT || err == ENOTDIR)) err = EACCES;
+  childFail(p, kStageExec, err);
+}
+
+bool hasVar(const std::vector<std::string>& env, std::string_view name) {
+  for (const auto& e : env) {
+    if (e.size() > name.size() && e.compare(0, name.size(), name) == 0 && e[name.size()] == '=') {
+      return true;
+    }
+  }
+  return false;
+}
+
+std::string varValue(const std::vector<std::string>& env, std::string_view name) {
+  // The last definition wins, as with putenv.
+  std::string value;
+  for (const auto& e : env) {
+    if (e.size() > name.size() && e.compare(0, name.size(), name) == 0 && e[name.size()] == '=') {
+      value = e.substr(name.size() + 1);
+    }
+  }
+  return value;
+}
+
+std::vector<std::string> pathCandidates(const std::string& file, const std::string& path) {
+  if (file.find('/') != std::string::npos || file.empty()) return {file};
+  std::vector<std::string> out;
+  size_t start = 0;
+  while (true) {
+    size_t colon = path.find(':', start);
+    std::string dir =
+        path.substr(start, colon == std::string::npos ? std::string::npos : colon - start);
+    if (dir.empty()) dir = ".";  // an empty PATH entry means the current directory
+    if (dir.size() + file.size() + 2 <= 4096) out.push_back(dir + "/" + file);
+    if (colon == std::string::npos) break;
+    start = colon + 1;
+  }
+  return out;
+}
+
+Status makePipe(UniqueFd& read_end, UniqueFd& write_end) {
+  int fds[2];
+  if (::pipe2(fds, O_CLOEXEC) < 0) return sysError("pipe");
+  read_end.reset(fds[0]);
+  write_end.reset(fds[1]);
+  return Status::ok();
+}
+
+Status setNonblocking(int fd) {
+  int flags = ::fcntl(fd, F_GETFL);
+  if (flags < 0 || ::fcntl(fd, F_SETFL, flags | O_NONBLOCK) < 0) return sysError("fcntl");
+  return Status::ok();
+}
+
+const char* stageName(int32_t stage) {
+  switch (stage) {
+    case kStageSetsid:
+      return "setsid";
+    case kStageStdio:
+      return "dup2";
+    case kStageCaps:
+      return "drop capabilities";
+    case kStageSetgroups:
+      return "setgroups";
+    case kStageSetgid:
+      return "setgid";
+    case kStageSetuid:
+      return "setuid";
+    case kStageChdir:
+      return "chdir";
+    case kStageExec:
+      return "exec";
+  }
+  return "start";
+}
+
+}  // namespace
+
+Result<ExecRequest> parseExecRequest(std::string_view payload) {
+  ASSIGN_OR_RETURN(Json j, parseObject(payload));
+  ExecRequest r;
+  RETURN_IF_ERROR(readStringList(j, "argv", true, r.argv));
+  if (r.argv.empty()) return invalidArg("argv", "argv must not be empty");
+  if (j.contains("env") && !j["env"].is_null()) {
+    std::vector<std::string> env;
+    RETURN_IF_ERROR(readStringList(j, "env", false, env));
+    r.env = std::move(env);
+  }
+  if (j.contains("cwd") && !j["cwd"].is_null()) {
+    std::string cwd;
+    RETURN_IF_ERROR(readPath(j, "cwd", cwd));
+    r.cwd = std::move(cwd);
+  }
+  RETURN_IF_ERROR(readString(j, "user", false, r.user));
+  // A day is the API's limit; allow far more, but keep timerfd arithmetic sane.
+  RETURN_IF_ERROR(readInt(j, "timeout_ms", 0, int64_t{1} << 40, r.timeout_ms));
+  int64_t max_output = static_cast<int64_t>(r.max_output);
+  RETURN_IF_ERROR(readInt(j, "max_output", 0, INT64_MAX, max_output));
+  r.max_output = static_cast<uint64_t>(max_output);
+  RETURN_IF_ERROR(readBool(j, "stdin", r.stdin_pipe));
+  return r;
+}
+
+Result<SpawnedExec> spawnExec(const ExecRequest& req, const ExecSettings& settings) {
+  // The sandbox's own user database, read fresh: programs in it may add users.
+  ASSIGN_OR_RETURN(std::string passwd, readSmallFile(settings.passwd_path));
+  ASSIGN_OR_RETURN(std::string group, readSmallFile(settings.group_path));
+  ASSIGN_OR_RETURN(Credentials creds,
+                   resolveUser(req.user.empty() ? "root" : req.user, passwd, group));
+
+  ChildPlan plan;
+  plan.switch_user = ::geteuid() == 0;
+  if (!plan.switch_user && creds.uid != ::getuid()) {
+    return Status(Code::kPermissionDenied, "aether is not root and cannot switch user", EPERM,
+                  "user");
+  }
+  plan.uid = creds.uid;
+  plan.gid = creds.gid;
+  plan.groups = creds.groups;
+  plan.drop_caps = settings.drop_caps;
+  if (settings.child_nofile) {
+    plan.set_nofile = true;
+    plan.nofile = *settings.child_nofile;
+  }
+  for (int cap : kKeptCaps) plan.keep_mask |= uint64_t{1} << cap;
+  sigemptyset(&plan.empty_mask);
+
+  std::vector<std::string> env = req.env ? *req.env : settings.default_env;
+  if (!hasVar(env, "PATH")) {
+    std::string path = varValue(settings.default_env, "PATH");
+    env.push_back("PATH=" + (path.empty() ? std::string(kDefaultPath) : path));
+  }
+  if (!hasVar(env, "HOME")) env.push_back("HOME=" + creds.home);
+
+  std::string cwd = "/";
+  if (req.cwd) {
+    cwd = *req.cwd;
+  } else {
+    struct stat st;
+    if (::stat(creds.home.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) cwd = creds.home;
+  }
+  plan.cwd = cwd.c_str();
+
+  plan.candidates = pathCandidates(req.argv[0], varValue(env, "PATH"));
+  for (const auto& a : req.argv) plan.argv.push_back(const_cast<char*>(a.c_str()));
+  plan.argv.push_back(nullptr);
+  for (const auto& e : env) plan.envp.push_back(const_cast<char*>(e.c_str()));
+  plan.envp.push_back(nullptr);
+  plan.sh_argv.push_back(const_cast<char*>("/bin/sh"));
+  plan.sh_argv.push_back(nullptr);  // the candidate, filled in by the child
+  for (size_t i = 1; i < req.argv.size(); ++i) {
+    plan.sh_argv.push_back(const_cast<char*>(req.argv[i].c_str()));
+  }
+  plan.sh_argv.push_back(nullptr);
+
+  SpawnedExec out;
+  UniqueFd child_in, child_out, child_err, child_status;
+  if (req.stdin_pipe) {
+    RETURN_IF_ERROR(makePipe(child_in, out.stdin_w));
+    RETURN_IF_ERROR(setNonblocking(out.stdin_w.get()));
+  } else {
+    child_in.reset(::open("/dev/null", O_RDONLY | O_CLOEXEC));
+    if (!child_in) {
+      // No /dev/null (an odd image without rootfs setup): an empty pipe reads EOF too.
+      UniqueFd unused;
+      RETURN_IF_ERROR(makePipe(child_in, unused));
+    }
+  }
+  RETURN_IF_ERROR(makePipe(out.stdout_r, child_out));
+  RETURN_IF_ERROR(makePipe(out.stderr_r, child_err));
+  RETURN_IF_ERROR(makePipe(out.status_r, child_status));
+  RETURN_IF_ERROR(setNonblocking(out.stdout_r.get()));
+  RETURN_IF_ERROR(setNonblocking(out.stderr_r.get()));
+  RETURN_IF_ERROR(setNonblocking(out.status_r.get()));
+  plan.stdin_fd = child_in.get();
+  plan.stdout_fd = child_out.get();
+  plan.stderr_fd = child_err.get();
+  plan.status_fd = child_status.get();
+
+  ::clock_gettime(CLOCK_MONOTONIC, &out.started);
+  pid_t pid = ::fork();
+  if (pid < 0) return sysError("fork");
+  if (pid == 0) runChild(plan);
+  out.pid = pid;
+  out.argv0 = req.argv[0];
+  out.cwd = std::move(cwd);
+  return out;
+}
+
+std::string spawnFailureMessage(const SpawnedExec& spawned) {
+  if (!spawned.status_r) return {};
+  ChildReport r{};
+  ssize_t n;
+  do {
+    n = ::read(spawned.status_r.get(), &r, sizeof r);
+  } while (n < 0 && errno == EINTR);
+  if (n != static_cast<ssize_t>(sizeof r)) return {};
+  std::string msg = "dsec: ";
+  msg += stageName(r.stage);
+  if (r.stage == kStageExec) msg += " " + spawned.argv0;
+  if (r.stage == kStageChdir) msg += " " + spawned.cwd;
+  msg += ": ";
+  msg += std::strerror(r.err);
+  msg += "\n";
+  return msg;
+}
+
+}  // namespace dsec::aether

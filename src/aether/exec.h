@@ -1,0 +1,73 @@
+// Starting one exec: parsing the request, and fork + the child's setup up to
+// execve. Watching the running process (pipes, timeout, reaping) is the
+// agent's job (agent.h); this file owns everything on the child's side.
+#pragma once
+
+#include <sys/resource.h>
+#include <sys/types.h>
+#include <time.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/fd.h"
+#include "common/status.h"
+
+namespace dsec::aether {
+
+constexpr uint64_t kDefaultMaxOutput = 1u << 20;
+constexpr const char* kDefaultPath = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+
+// An `exec` frame's JSON (docs/agent-protocol.md, "Exec").
+struct ExecRequest {
+  std::vector<std::string> argv;                // non-empty
+  std::optional<std::vector<std::string>> env;  // absent: the init frame's env
+  std::optional<std::string> cwd;               // absolute when present
+  std::string user;                             // empty: root
+  int64_t timeout_ms = 0;                       // 0 = none
+  uint64_t max_output = kDefaultMaxOutput;      // per stream
+  bool stdin_pipe = false;
+};
+
+// kInvalidArgument (with the field) on anything malformed.
+Result<ExecRequest> parseExecRequest(std::string_view payload);
+
+// Agent-wide settings that shape every exec.
+struct ExecSettings {
+  std::vector<std::string> default_env;  // the init frame's "env"
+  std::string passwd_path = "/etc/passwd";
+  std::string group_path = "/etc/group";
+  // Drop capabilities outside Docker's default set from the child's bounding
+  // and inheritable sets. Needs CAP_SETPCAP, so only meaningful as root.
+  bool drop_caps = true;
+  // aether raises its own open-file limit to serve many execs; children get
+  // this one back (nullopt: leave theirs as inherited).
+  std::optional<struct rlimit> child_nofile;
+};
+
+struct SpawnedExec {
+  pid_t pid = -1;           // also the process group id (the child setsid()s)
+  UniqueFd stdin_w;         // invalid unless the request had stdin:true; nonblocking
+  UniqueFd stdout_r;        // nonblocking
+  UniqueFd stderr_r;        // nonblocking
+  UniqueFd status_r;        // nonblocking; for spawnFailureMessage()
+  struct timespec started;  // CLOCK_MONOTONIC at fork
+  std::string argv0;
+  std::string cwd;
+};
+
+// Resolves the user, builds environment and PATH candidates, then forks. The
+// child does only async-signal-safe work. Errors (unknown user → kInvalidArgument
+// field "user"; pipe/fork failures → sysError) mean no process was started.
+Result<SpawnedExec> spawnExec(const ExecRequest& req, const ExecSettings& settings);
+
+// After the child has been reaped: the "dsec: exec <argv0>: <strerror>\n" line
+// (or the failing setup step's) when the child never reached the new program,
+// empty when execve succeeded. Never blocks: the child is gone, so the status
+// pipe holds either a report or EOF.
+std::string spawnFailureMessage(const SpawnedExec& spawned);
+
+}  // namespace dsec::aether

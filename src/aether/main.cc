@@ -1,0 +1,149 @@
+// dsec-aether: the agent inside every sandbox. Speaks the framed protocol of
+// docs/agent-protocol.md on fd 3.
+//
+//   dsec-aether            wait for the init frame, set up the container, serve
+//   dsec-aether --no-init  send hello at once and serve in the current root
+#include <fcntl.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <string>
+#include <string_view>
+
+#include "aether/agent.h"
+#include "aether/container_init.h"
+#include "aether/json_fields.h"
+#include "common/fd.h"
+#include "common/frame.h"
+
+namespace dsec::aether {
+namespace {
+
+constexpr int kConnFd = 3;
+
+// pipe() and friends must never hand out 0-2 (they would become an exec's
+// stdio by accident), so make sure those are open.
+void ensureStdFds() {
+  for (int fd = 0; fd < 3; ++fd) {
+    if (::fcntl(fd, F_GETFD) < 0 && errno == EBADF) {
+      int null = ::open("/dev/null", O_RDWR);
+      if (null >= 0 && null != fd) {
+        ::dup2(null, fd);
+        ::close(null);
+      }
+    }
+  }
+}
+
+Status writeAllBlocking(int fd, std::string_view data) {
+  while (!data.empty()) {
+    ssize_t n = ::write(fd, data.data(), data.size());
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return sysError("write connection");
+    }
+    data.remove_prefix(static_cast<size_t>(n));
+  }
+  return Status::ok();
+}
+
+// Before the event loop exists: a blocking read of the first frame.
+Result<proto::Frame> readFirstFrame(int fd, proto::FrameDecoder& decoder) {
+  char buf[65536];
+  proto::Frame f;
+  while (!decoder.next(f)) {
+    ssize_t n = ::read(fd, buf, sizeof buf);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return sysError("read connection");
+    }
+    if (n == 0) return Status(Code::kUnavailable, "connection closed before init");
+    RETURN_IF_ERROR(decoder.feed(buf, static_cast<size_t>(n)));
+  }
+  return f;
+}
+
+// Reports a start-up failure on stream 0, as the spec asks, and exits 1.
+int failStartup(int fd, const Status& st) {
+  std::fprintf(stderr, "dsec-aether: %s\n", st.toString().c_str());
+  std::string wire;
+  proto::appendFrame(wire, 0, proto::FrameType::kResult, errorJson(st));
+  (void)writeAllBlocking(fd, wire);
+  return 1;
+}
+
+int realMain(int argc, char** argv) {
+  bool no_init = false;
+  for (int i = 1; i < argc; ++i) {
+    std::string_view a = argv[i];
+    if (a == "--no-init") {
+      no_init = true;
+    } else {
+      std::fprintf(stderr, "usage: dsec-aether [--no-init]\n  (the connection is fd 3)\n");
+      return 2;
+    }
+  }
+  ensureStdFds();
+  if (::fcntl(kConnFd, F_SETFD, FD_CLOEXEC) < 0) {
+    std::fprintf(stderr, "dsec-aether: fd 3 is not open: %s\n", std::strerror(errno));
+    return 2;
+  }
+  // Blocking until the loop starts; the edge may have handed over a
+  // nonblocking socket.
+  int flags = ::fcntl(kConnFd, F_GETFL);
+  if (flags >= 0) ::fcntl(kConnFd, F_SETFL, flags & ~O_NONBLOCK);
+
+  UniqueFd conn(kConnFd);
+  proto::FrameDecoder decoder;
+  AgentOptions options;
+  options.exec.drop_caps = ::geteuid() == 0;
+  // Every exec costs aether four or five descriptors; don't let the usual
+  // soft limit of 1024 cap concurrency, but hand children the limit they expect.
+  struct rlimit nofile;
+  if (::getrlimit(RLIMIT_NOFILE, &nofile) == 0 && nofile.rlim_cur < nofile.rlim_max) {
+    struct rlimit raised = nofile;
+    raised.rlim_cur = std::min<rlim_t>(nofile.rlim_max, 1u << 20);
+    if (::setrlimit(RLIMIT_NOFILE, &raised) == 0) options.exec.child_nofile = nofile;
+  }
+  if (!no_init) {
+    Result<proto::Frame> first = readFirstFrame(conn.get(), decoder);
+    if (!first.isOk()) {
+      std::fprintf(stderr, "dsec-aether: %s\n", first.status().toString().c_str());
+      return 1;
+    }
+    if (first->stream != 0 || first->type != proto::FrameType::kInit) {
+      return failStartup(conn.get(),
+                         invalidArg("type", "the first frame must be init on stream 0"));
+    }
+    Result<InitConfig> config = parseInitConfig(first->payload);
+    if (!config.isOk()) return failStartup(conn.get(), config.status());
+    Status st = setupContainer(*config);
+    if (!st.isOk()) return failStartup(conn.get(), st);
+    options.exec.default_env = config->env;
+  }
+
+  Agent agent(std::move(conn), std::move(options), std::move(decoder));
+  Status st = agent.start();
+  if (!st.isOk()) {
+    std::fprintf(stderr, "dsec-aether: start: %s\n", st.toString().c_str());
+    return 1;
+  }
+  return agent.run();
+}
+
+}  // namespace
+}  // namespace dsec::aether
+
+int main(int argc, char** argv) {
+  try {
+    return dsec::aether::realMain(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "dsec-aether: %s\n", e.what());
+    return 1;
+  }
+}
