@@ -7,6 +7,8 @@ JOBS        ?= $(shell nproc)
 IMAGE_CACHE ?= /var/cache/dsec/test-images
 export DSEC_IMAGE_CACHE := $(IMAGE_CACHE)
 PYTEST_ARGS ?=
+# Debian's interpreter, which has python3-pytest (a pyenv python3 may shadow it).
+PYTHON      ?= /usr/bin/python3
 
 .PHONY: all build deps images test unit e2e demo bench clean
 
@@ -28,7 +30,7 @@ unit: build
 	cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS)
 
 e2e: build images
-	python3 -m pytest tests $(PYTEST_ARGS)
+	$(PYTHON) -m pytest tests $(PYTEST_ARGS)
 
 test: deps
 	$(MAKE) build
@@ -39,7 +41,7 @@ test: deps
 demo: deps
 	$(MAKE) build
 	$(MAKE) images
-	scripts/demo.sh
+	PYTHON=$(PYTHON) scripts/demo.sh
 
 bench: build images
 	bench/create

@@ -31,7 +31,7 @@ for img in busybox debian; do
   build/bin/dsec image import --data-dir "$DATA" --name "$img:latest" "$CACHE/$img.tar" 2>/dev/null
 done
 
-PYTHONPATH=sdk/python python3 scripts/demo.py "$DATA"
+PYTHONPATH=sdk/python ${PYTHON:-/usr/bin/python3} scripts/demo.py "$DATA"
 
 echo "== stopping dsec up"
 kill -TERM "$PID"

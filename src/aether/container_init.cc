@@ -215,9 +215,10 @@ Status setHostname(const std::string& hostname) {
 
 void setOwnOomScore() {
   UniqueFd fd(::open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC));
-  if (!fd || ::write(fd.get(), "-1000", 5) < 0) {
-    // Needs CAP_SYS_RESOURCE in the initial user namespace; without it the
-    // sandbox still works, aether is just not spared by the OOM killer.
+  if ((!fd || ::write(fd.get(), "-1000", 5) < 0) && errno != EACCES && errno != EPERM) {
+    // Needs CAP_SYS_RESOURCE in the initial user namespace (the edge sets it
+    // from outside too); without it the sandbox still works, aether is just
+    // not spared by the OOM killer, so only unexpected errors are worth a line.
     std::fprintf(stderr, "dsec-aether: oom_score_adj -1000: %s\n", std::strerror(errno));
   }
 }

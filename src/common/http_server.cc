@@ -134,6 +134,7 @@ class Connection {
     return Status::ok();
   }
   Status writeRaw(std::string_view data, bool chunk) {
+    if (isHead_) return Status::ok();  // HEAD: headers only, body never sent
     beast::error_code ec;
     if (chunk) {
       if (data.empty()) return Status::ok();  // an empty chunk would end the body
@@ -148,6 +149,7 @@ class Connection {
     return Status::ok();
   }
   Status writeLastChunk() {
+    if (isHead_) return Status::ok();
     beast::error_code ec;
     asio::write(sock_, bhttp::make_chunk_last(), ec);
     if (ec) {
@@ -173,6 +175,7 @@ class Connection {
   std::optional<bhttp::request_parser<bhttp::buffer_body>> parser_;
   bool keepAlive_ = true;
   bool broken_ = false;
+  bool isHead_ = false;
 };
 
 void Connection::run(const Handler& handler) {
@@ -197,6 +200,7 @@ void Connection::run(const Handler& handler) {
     keepAlive_ = msg.keep_alive();
     Request req(this);
     req.method = std::string(msg.method_string());
+    isHead_ = msg.method() == bhttp::verb::head;
     req.target = std::string(msg.target());
     for (auto& f : msg) {
       std::string name(f.name_string());

@@ -184,6 +184,8 @@ Result<std::unique_ptr<Instance>> ContainerBackend::create(const SandboxSpec& sp
   // aether blocks on its init frame, so it cannot fork before it is in the
   // sandbox's cgroups.
   if (Status st = cgroups_->attach(spec.id, pid); !st.isOk()) return fail(st);
+  // PID 1 must be the last thing the OOM killer picks; its children reset to 0.
+  (void)writeKnob("/proc/" + std::to_string(pid) + "/oom_score_adj", "-1000");
 
   laps.lap("attach");
   inst->conn_ = std::make_shared<AgentConn>(std::move(ours), spec.id);

@@ -1,0 +1,26 @@
+"""dsec: Python SDK for the dsec sandbox platform (REST API v1).
+
+    from dsec import Client
+    c = Client.from_data_dir("/var/lib/dsec")     # or Client(url, token)
+    with c.create("debian:latest", memory_mb=256) as sb:
+        r = sb.exec(["python3", "-c", "print(6*7)"])
+        assert r.ok and r.stdout == "42\\n"
+        sb.write_file("/tmp/x", b"data")
+        for ev in sb.exec_stream("for i in 1 2 3; do echo $i; sleep 1; done"):
+            print(ev.type, ev.data)
+"""
+
+from .client import DEFAULT_URL, Client, Sandbox
+from .errors import (Conflict, DeadlineExceeded, DsecError, InternalError, InvalidArgument,
+                     NotFound, PayloadTooLarge, PermissionDenied, ResourceExhausted,
+                     Unauthenticated, Unavailable, error_from_code, error_from_response)
+from .models import ExecEvent, ExecResult, FileEntry, Image, Record
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Client", "Sandbox", "ExecResult", "ExecEvent", "FileEntry", "Image", "Record",
+    "DsecError", "InvalidArgument", "Unauthenticated", "PermissionDenied", "NotFound",
+    "Conflict", "PayloadTooLarge", "ResourceExhausted", "Unavailable", "DeadlineExceeded",
+    "InternalError", "error_from_code", "error_from_response", "DEFAULT_URL",
+]

@@ -1,0 +1,690 @@
+"""HTTP client for the dsec REST API v1 (standard library only).
+
+Thread safety: a :class:`Client` may be shared by any number of threads. Each
+thread gets its own persistent (keep-alive) HTTP connection; a connection the
+server closed while idle is replaced transparently, and a request whose body can
+be sent again (bytes, or a seekable file) is retried once when the reused
+connection turns out to be dead. Streams (``exec_stream``) hold their thread's
+connection until they are exhausted or closed.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import http.client
+import io
+import json
+import os
+import select
+import socket
+import threading
+import urllib.parse
+import weakref
+from typing import Any, BinaryIO, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+
+from .errors import DeadlineExceeded, DsecError, Unavailable, error_from_response
+from .models import ExecEvent, ExecResult, FileEntry, Image
+
+DEFAULT_URL = "http://127.0.0.1:7070"
+DEFAULT_DATA_DIR = "/var/lib/dsec"
+DEFAULT_TIMEOUT = 30.0
+_CHUNK = 1 << 20
+_USER_AGENT = "dsec-python/0.1"
+
+# Errors that mean "the kept-alive connection was already dead when we used it".
+_STALE_ERRORS = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError,
+                 ConnectionAbortedError)
+
+
+def _read_text(path: str) -> Optional[str]:
+    try:
+        with open(path, "r", encoding="utf-8") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+class _Retry(Exception):
+    pass
+
+
+class Client:
+    """A connection to one dsec API endpoint.
+
+    Args:
+        url: base URL; default ``$DSEC_URL`` or ``http://127.0.0.1:7070``.
+        token: bearer token; default ``$DSEC_TOKEN``, else ``<data dir>/token``
+            where the data dir is ``$DSEC_DATA_DIR`` or ``/var/lib/dsec``.
+        timeout: socket timeout in seconds for ordinary calls. Exec calls wait
+            for the command's own timeout plus this much.
+    """
+
+    def __init__(self, url: Optional[str] = None, token: Optional[str] = None,
+                 timeout: float = DEFAULT_TIMEOUT):
+        url = url or os.environ.get("DSEC_URL") or DEFAULT_URL
+        if "://" not in url:
+            url = "http://" + url
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https"):
+            raise ValueError(f"unsupported URL scheme in {url!r}")
+        if not parts.hostname:
+            raise ValueError(f"no host in URL {url!r}")
+        self.url = url.rstrip("/")
+        self._scheme = parts.scheme
+        self._host = parts.hostname
+        self._port = parts.port or (443 if parts.scheme == "https" else 80)
+        self._base = parts.path.rstrip("/")
+        if token is None:
+            token = os.environ.get("DSEC_TOKEN")
+        if token is None:
+            data_dir = os.environ.get("DSEC_DATA_DIR") or DEFAULT_DATA_DIR
+            token = _read_text(os.path.join(data_dir, "token"))
+        self.token = token or None
+        self.timeout = float(timeout)
+        self._local = threading.local()
+        # every thread's connection, so that close() reaches them all
+        self._all_conns: "weakref.WeakSet[http.client.HTTPConnection]" = weakref.WeakSet()
+        self._conns_lock = threading.Lock()
+
+    @classmethod
+    def from_data_dir(cls, path: str, timeout: float = DEFAULT_TIMEOUT) -> "Client":
+        """A client for the ``dsec up`` whose data dir is ``path`` (reads
+        ``up.json`` for the URL and ``token`` for the bearer token)."""
+        with open(os.path.join(path, "up.json"), "r", encoding="utf-8") as f:
+            up = json.load(f)
+        url = up.get("url")
+        if not url:
+            raise ValueError(f"{path}/up.json has no url")
+        token = _read_text(os.path.join(path, "token"))
+        if token is None:
+            raise ValueError(f"cannot read {path}/token")
+        c = cls(url=url, token=token, timeout=timeout)
+        c.server_pid = up.get("pid")
+        return c
+
+    server_pid: Optional[int] = None
+
+    # ----- connection handling -------------------------------------------------
+
+    def _new_conn(self, timeout: float) -> http.client.HTTPConnection:
+        if self._scheme == "https":
+            conn: http.client.HTTPConnection = http.client.HTTPSConnection(
+                self._host, self._port, timeout=timeout)
+        else:
+            conn = http.client.HTTPConnection(self._host, self._port, timeout=timeout)
+        conn.blocksize = 256 * 1024  # how much of a file body is sent per write
+        with self._conns_lock:
+            self._all_conns.add(conn)
+        return conn
+
+    def _conn(self, timeout: float) -> Tuple[http.client.HTTPConnection, bool]:
+        """This thread's connection, and whether it is an open, reused one."""
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = self._new_conn(timeout)
+            self._local.conn = conn
+        conn.timeout = timeout
+        reused = conn.sock is not None
+        if reused and self._peer_closed(conn.sock):
+            conn.close()
+            reused = False
+        if conn.sock is not None:
+            conn.sock.settimeout(timeout)
+        return conn, reused
+
+    @staticmethod
+    def _peer_closed(sock: socket.socket) -> bool:
+        """True if an idle kept-alive socket was closed by the peer (or is unusable).
+
+        An idle connection has nothing to read; if it polls readable, the server
+        either closed it (EOF) or sent bytes we did not ask for: drop it either way.
+        """
+        try:
+            p = select.poll()
+            p.register(sock, select.POLLIN | select.POLLERR | select.POLLHUP)
+            return bool(p.poll(0))
+        except (OSError, ValueError):
+            return True
+
+    def _drop_conn(self) -> None:
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            conn.close()
+
+    def close(self) -> None:
+        """Closes every kept-alive connection (of all threads)."""
+        with self._conns_lock:
+            conns = list(self._all_conns)
+        for c in conns:
+            try:
+                c.close()
+            except Exception:
+                pass
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _path(self, path: str, query: Optional[Sequence[Tuple[str, str]]] = None) -> str:
+        p = self._base + path
+        if query:
+            p += "?" + urllib.parse.urlencode(list(query), quote_via=urllib.parse.quote)
+        return p
+
+    def _headers(self, extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+        h = {"User-Agent": _USER_AGENT, "Accept": "application/json"}
+        if self.token:
+            h["Authorization"] = "Bearer " + self.token
+        if extra:
+            h.update(extra)
+        return h
+
+    def _send(self, method: str, path: str, body: Any = None,
+              headers: Optional[Dict[str, str]] = None,
+              timeout: Optional[float] = None) -> http.client.HTTPResponse:
+        """Sends one request and returns the response (status already checked:
+        an error status raises after reading its body). The caller must read the
+        response to its end (or call ``_drop_conn``) before the next request."""
+        timeout = self.timeout if timeout is None else timeout
+        rewind: Optional[int] = None
+        resendable = body is None or isinstance(body, (bytes, bytearray, memoryview, str))
+        if not resendable and hasattr(body, "seek") and hasattr(body, "tell"):
+            try:
+                if body.seekable() if hasattr(body, "seekable") else True:
+                    rewind = body.tell()
+                    resendable = True
+            except (OSError, ValueError):
+                pass
+        hdrs = self._headers(headers)
+        for attempt in (0, 1):
+            conn, reused = self._conn(timeout)
+            try:
+                if attempt == 1 and rewind is not None:
+                    body.seek(rewind)
+                conn.request(method, path, body=body, headers=hdrs)
+                resp = conn.getresponse()
+            except _STALE_ERRORS as e:
+                conn.close()
+                if attempt == 0 and reused and resendable:
+                    continue
+                raise Unavailable("unavailable", f"{method} {path}: connection lost: {e}") from e
+            except socket.timeout as e:
+                conn.close()
+                raise DeadlineExceeded("deadline_exceeded",
+                                       f"{method} {path}: no answer within {timeout:g}s") from e
+            except (OSError, http.client.HTTPException) as e:
+                conn.close()
+                raise Unavailable("unavailable",
+                                  f"{method} {path}: cannot reach {self.url}: {e}") from e
+            except BaseException:
+                conn.close()
+                raise
+            if resp.status >= 400:
+                try:
+                    data = resp.read()
+                except (OSError, http.client.HTTPException):
+                    data = b""
+                    conn.close()
+                if method == "HEAD":
+                    conn.close()  # see _call: no trust in HEAD answers being bodiless
+                raise error_from_response(resp.status, data, resp.reason)
+            return resp
+        raise AssertionError("unreachable")
+
+    def _read_all(self, resp: http.client.HTTPResponse, what: str) -> bytes:
+        try:
+            return resp.read()
+        except socket.timeout as e:
+            self._drop_conn()
+            raise DeadlineExceeded("deadline_exceeded", f"{what}: response timed out") from e
+        except (OSError, http.client.HTTPException) as e:
+            self._drop_conn()
+            raise Unavailable("unavailable", f"{what}: connection lost: {e}") from e
+
+    def _call(self, method: str, path: str, *, query: Optional[Sequence[Tuple[str, str]]] = None,
+              json_body: Any = None, body: Any = None,
+              headers: Optional[Dict[str, str]] = None, timeout: Optional[float] = None,
+              raw: bool = False) -> Any:
+        """One request/response; returns the decoded JSON (or bytes if raw)."""
+        hdrs = dict(headers or {})
+        if json_body is not None:
+            body = json.dumps(json_body, separators=(",", ":")).encode("utf-8")
+            hdrs["Content-Type"] = "application/json"
+        p = self._path(path, query)
+        resp = self._send(method, p, body=body, headers=hdrs, timeout=timeout)
+        data = self._read_all(resp, f"{method} {p}")
+        if method == "HEAD":
+            # A server that wrongly sends a body with a HEAD answer would leave
+            # stray bytes on the kept-alive connection; HEAD is rare, so start afresh.
+            self._drop_conn()
+            return data
+        if raw:
+            return data
+        if not data.strip():
+            return {}
+        try:
+            return json.loads(data.decode("utf-8"))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise DsecError("internal", f"{method} {p}: response is not JSON: {data[:200]!r}",
+                            resp.status, None, data) from e
+
+    # ----- health ---------------------------------------------------------------
+
+    def health(self) -> Dict[str, Any]:
+        """``GET /v1/health`` → ``{"status": "ok", "version": ...}`` (no auth needed)."""
+        return self._call("GET", "/v1/health")
+
+    # ----- sandboxes ------------------------------------------------------------
+
+    def create(self, image: str, backend: str = "container", cpu: Optional[float] = None,
+               memory_mb: Optional[int] = None, disk_mb: Optional[int] = None,
+               pids: Optional[int] = None, ttl_s: Optional[int] = None,
+               env: Optional[Dict[str, str]] = None,
+               labels: Optional[Dict[str, str]] = None,
+               timeout: Optional[float] = None, **extra: Any) -> "Sandbox":
+        """Creates a sandbox and returns it once it is running (or failed).
+
+        Raises NotFound for an unknown image, InvalidArgument (with ``field``)
+        for a bad parameter. ``extra`` keys are sent as they are.
+        """
+        req: Dict[str, Any] = {"image": image, "backend": backend}
+        for k, v in (("cpu", cpu), ("memory_mb", memory_mb), ("disk_mb", disk_mb),
+                     ("pids", pids), ("ttl_s", ttl_s), ("env", env), ("labels", labels)):
+            if v is not None:
+                req[k] = v
+        req.update(extra)
+        info = self._call("POST", "/v1/sandboxes", json_body=req,
+                          timeout=timeout if timeout is not None else max(self.timeout, 120.0))
+        return Sandbox(self, info)
+
+    def get(self, sandbox_id: str) -> "Sandbox":
+        """``GET /v1/sandboxes/{id}``; unknown id → NotFound."""
+        return Sandbox(self, self._call("GET", "/v1/sandboxes/" + _q(sandbox_id)))
+
+    def sandbox(self, sandbox_id: str) -> "Sandbox":
+        """A handle on a sandbox by id, without a request."""
+        return Sandbox(self, {"id": sandbox_id})
+
+    def list(self, labels: Optional[Dict[str, str]] = None,
+             state: Optional[str] = None) -> List["Sandbox"]:
+        """Sandboxes whose labels include all of ``labels`` (and in ``state``)."""
+        query: List[Tuple[str, str]] = [("label", f"{k}={v}") for k, v in (labels or {}).items()]
+        if state:
+            query.append(("state", state))
+        doc = self._call("GET", "/v1/sandboxes", query=query)
+        return [Sandbox(self, s) for s in doc.get("sandboxes", [])]
+
+    def destroy(self, sandbox_id: str) -> "Sandbox":
+        """``DELETE /v1/sandboxes/{id}`` → the sandbox in state ``stopped``."""
+        return Sandbox(self, self._call("DELETE", "/v1/sandboxes/" + _q(sandbox_id),
+                                        timeout=max(self.timeout, 60.0)))
+
+    # ----- images and blobs -----------------------------------------------------
+
+    def images(self) -> List[Image]:
+        return [Image(i) for i in self._call("GET", "/v1/images").get("images", [])]
+
+    def image(self, ref: str) -> Image:
+        """``GET /v1/images/{name}[:tag]``; unknown → NotFound."""
+        return Image(self._call("GET", "/v1/images/" + _q(ref, safe=":")))
+
+    def delete_image(self, ref: str) -> Dict[str, Any]:
+        """Deletes a tag; Conflict while a running sandbox uses it."""
+        return self._call("DELETE", "/v1/images/" + _q(ref, safe=":"))
+
+    def create_image(self, name: str, tag: str, layers: Sequence[str]) -> Image:
+        """Creates (or re-tags) ``name:tag`` from uploaded layer digests, bottom first."""
+        return Image(self._call("POST", "/v1/images",
+                                json_body={"name": name, "tag": tag, "layers": list(layers)}))
+
+    def has_blob(self, digest: str) -> bool:
+        """``HEAD /v1/blobs/{digest}``."""
+        try:
+            self._call("HEAD", "/v1/blobs/" + _q(digest, safe=":"))
+            return True
+        except DsecError as e:
+            if e.status == 404:
+                return False
+            raise
+
+    def upload_blob(self, path: Union[str, os.PathLike, bytes], skip_existing: bool = False,
+                    timeout: Optional[float] = None) -> str:
+        """Uploads a layer blob and returns its digest ``sha256:<hex>``.
+
+        ``path`` is a file (hashed first, then streamed) or the blob's bytes.
+        With ``skip_existing`` a blob the server already has is not sent again.
+        """
+        if isinstance(path, (bytes, bytearray, memoryview)):
+            data = bytes(path)
+            digest = "sha256:" + hashlib.sha256(data).hexdigest()
+            if skip_existing and self.has_blob(digest):
+                return digest
+            self._put_blob(digest, data, len(data), timeout)
+            return digest
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            while True:
+                chunk = f.read(_CHUNK)
+                if not chunk:
+                    break
+                h.update(chunk)
+            size = f.tell()
+            digest = "sha256:" + h.hexdigest()
+            if skip_existing and self.has_blob(digest):
+                return digest
+            f.seek(0)
+            self._put_blob(digest, f, size, timeout)
+        return digest
+
+    def _put_blob(self, digest: str, body: Any, size: int, timeout: Optional[float]) -> None:
+        t = timeout if timeout is not None else max(self.timeout, 600.0)
+        self._call("PUT", "/v1/blobs/" + _q(digest, safe=":"), body=body, timeout=t,
+                   headers={"Content-Type": "application/octet-stream",
+                            "Content-Length": str(size)})
+
+
+def _q(s: str, safe: str = "") -> str:
+    return urllib.parse.quote(str(s), safe=safe)
+
+
+def _body_and_length(data: Any) -> Tuple[Any, Dict[str, str]]:
+    """Request body for an upload and the headers that frame it."""
+    if isinstance(data, str):
+        data = data.encode("utf-8")
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return data, {"Content-Length": str(len(data))}
+    if hasattr(data, "read"):
+        size = None
+        try:
+            if hasattr(data, "fileno"):
+                st = os.fstat(data.fileno())
+                import stat as _stat
+                if _stat.S_ISREG(st.st_mode):
+                    size = st.st_size - data.tell()
+        except (OSError, ValueError, io.UnsupportedOperation):
+            size = None
+        if size is None:
+            try:
+                if data.seekable():
+                    pos = data.tell()
+                    end = data.seek(0, io.SEEK_END)
+                    data.seek(pos)
+                    size = end - pos
+            except (OSError, ValueError, AttributeError):
+                size = None
+        if size is not None:
+            return data, {"Content-Length": str(size)}
+        # http.client frames a body of unknown length with chunked encoding.
+        return _chunks(data), {}
+    if isinstance(data, Iterable):
+        return data, {}
+    raise TypeError(f"cannot send {type(data).__name__} as a file body")
+
+
+def _chunks(f: BinaryIO) -> Iterator[bytes]:
+    while True:
+        b = f.read(_CHUNK)
+        if not b:
+            return
+        yield b
+
+
+class Sandbox:
+    """A sandbox on the server. ``info`` is the last Sandbox object the server
+    returned; ``id``, ``state``, ``backend``, ``image`` and ``labels`` come from it
+    and other keys are reachable as attributes (``sb.memory_mb``, ``sb.stats``).
+    Used as a context manager it is destroyed on exit."""
+
+    def __init__(self, client: Client, info: Dict[str, Any]):
+        self.client = client
+        self.info: Dict[str, Any] = dict(info)
+        self.id: str = self.info["id"]
+
+    # attributes from info
+    @property
+    def state(self) -> Optional[str]:
+        return self.info.get("state")
+
+    @property
+    def backend(self) -> Optional[str]:
+        return self.info.get("backend")
+
+    @property
+    def image(self) -> Optional[str]:
+        return self.info.get("image")
+
+    @property
+    def labels(self) -> Dict[str, str]:
+        return self.info.get("labels") or {}
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_") or name in ("client", "info", "id"):
+            raise AttributeError(name)
+        try:
+            return self.info[name]
+        except KeyError:
+            raise AttributeError(f"Sandbox has no field {name!r}") from None
+
+    def __repr__(self) -> str:
+        return f"Sandbox(id={self.id!r}, state={self.state!r}, image={self.image!r})"
+
+    def __enter__(self) -> "Sandbox":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self.destroy()
+        except DsecError:
+            if exc[0] is None:
+                raise
+
+    def _p(self, suffix: str = "") -> str:
+        return "/v1/sandboxes/" + _q(self.id) + suffix
+
+    def refresh(self) -> "Sandbox":
+        """Reloads ``info`` from the server."""
+        self.info = self.client._call("GET", self._p())
+        return self
+
+    def destroy(self) -> "Sandbox":
+        """Stops and removes the sandbox (repeat calls are fine)."""
+        self.info = self.client._call("DELETE", self._p(), timeout=max(self.client.timeout, 60.0))
+        return self
+
+    # ----- exec -----------------------------------------------------------------
+
+    @staticmethod
+    def _exec_body(cmd: Union[str, Sequence[str]], timeout: Optional[float],
+                   env: Optional[Dict[str, str]], cwd: Optional[str], user: Optional[str],
+                   stdin: Union[None, str, bytes], max_output_bytes: Optional[int],
+                   encoding: Optional[str], stream: bool) -> Dict[str, Any]:
+        if isinstance(cmd, (bytes, bytearray)):
+            raise TypeError("cmd must be a str (shell) or a sequence of str (argv)")
+        body: Dict[str, Any] = {"cmd": cmd if isinstance(cmd, str) else list(cmd)}
+        if env is not None:
+            body["env"] = env
+        if cwd is not None:
+            body["cwd"] = cwd
+        if user is not None:
+            body["user"] = str(user)
+        if timeout is not None:
+            body["timeout_s"] = timeout
+        if stdin is not None:
+            if isinstance(stdin, str):
+                body["stdin"] = stdin
+            else:
+                body["stdin_b64"] = base64.b64encode(bytes(stdin)).decode("ascii")
+        if max_output_bytes is not None:
+            body["max_output_bytes"] = max_output_bytes
+        if encoding is not None:
+            body["encoding"] = encoding
+        if stream:
+            body["stream"] = True
+        return body
+
+    def _exec_timeout(self, timeout: Optional[float]) -> float:
+        return (60.0 if timeout is None else float(timeout)) + self.client.timeout
+
+    def exec(self, cmd: Union[str, Sequence[str]], timeout: Optional[float] = None,
+             env: Optional[Dict[str, str]] = None, cwd: Optional[str] = None,
+             user: Optional[Union[str, int]] = None, stdin: Union[None, str, bytes] = None,
+             max_output_bytes: Optional[int] = None,
+             encoding: Optional[str] = None) -> ExecResult:
+        """Runs ``cmd`` (a list = argv, a string = ``/bin/sh -c``) and waits.
+
+        A command that fails still returns its ExecResult; errors are raised only
+        when the call itself fails (e.g. Conflict if the sandbox is not running).
+        ``encoding="base64"`` makes ``stdout_bytes`` / ``stderr_bytes`` exact.
+        """
+        body = self._exec_body(cmd, timeout, env, cwd, user, stdin, max_output_bytes,
+                               encoding, False)
+        doc = self.client._call("POST", self._p("/exec"), json_body=body,
+                                timeout=self._exec_timeout(timeout))
+        return ExecResult.from_json(doc, base64_output=(encoding == "base64"))
+
+    def exec_stream(self, cmd: Union[str, Sequence[str]], timeout: Optional[float] = None,
+                    env: Optional[Dict[str, str]] = None, cwd: Optional[str] = None,
+                    user: Optional[Union[str, int]] = None,
+                    stdin: Union[None, str, bytes] = None,
+                    max_output_bytes: Optional[int] = None,
+                    encoding: Optional[str] = None) -> Iterator[ExecEvent]:
+        """Runs ``cmd`` and yields :class:`ExecEvent` objects as output arrives;
+        the last one has type "exit" (or "error"). Closing the generator early
+        drops the connection (the server then stops sending)."""
+        body = self._exec_body(cmd, timeout, env, cwd, user, stdin, max_output_bytes,
+                               encoding, True)
+        return self.client._stream_ndjson(self._p("/exec"), body, self._exec_timeout(timeout),
+                                          encoding == "base64")
+
+    # ----- files ----------------------------------------------------------------
+
+    def read_file(self, path: str, timeout: Optional[float] = None) -> bytes:
+        """The whole content of ``path`` (absolute, inside the sandbox)."""
+        return self.client._call("GET", self._p("/files"), query=[("path", path)], raw=True,
+                                 headers={"Accept": "application/octet-stream"},
+                                 timeout=timeout)
+
+    def read_file_to(self, path: str, out: BinaryIO, timeout: Optional[float] = None) -> int:
+        """Streams ``path`` into the writable binary file ``out``; returns the size."""
+        c = self.client
+        p = c._path(self._p("/files"), [("path", path)])
+        resp = c._send("GET", p, headers={"Accept": "application/octet-stream"}, timeout=timeout)
+        n = 0
+        try:
+            while True:
+                b = resp.read(_CHUNK)
+                if not b:
+                    break
+                out.write(b)
+                n += len(b)
+        except BaseException:
+            c._drop_conn()
+            raise
+        return n
+
+    def write_file(self, path: str, data: Union[bytes, str, BinaryIO, Iterable[bytes]],
+                   mode: int = 0o644, timeout: Optional[float] = None) -> Dict[str, Any]:
+        """Writes ``data`` (bytes, str as UTF-8, a binary file object, or an
+        iterable of bytes chunks; streamed) to ``path``; returns ``{"path","size"}``."""
+        body, hdrs = _body_and_length(data)
+        hdrs["Content-Type"] = "application/octet-stream"
+        t = timeout if timeout is not None else max(self.client.timeout, 300.0)
+        return self.client._call("PUT", self._p("/files"),
+                                 query=[("path", path), ("mode", format(int(mode), "04o"))],
+                                 body=body, headers=hdrs, timeout=t)
+
+    def list_dir(self, path: str) -> List[FileEntry]:
+        doc = self.client._call("GET", self._p("/files/list"), query=[("path", path)])
+        return [FileEntry(e) for e in doc.get("entries", [])]
+
+    def stat(self, path: str) -> FileEntry:
+        return FileEntry(self.client._call("GET", self._p("/files/stat"), query=[("path", path)]))
+
+    def exists(self, path: str) -> bool:
+        from .errors import NotFound
+        try:
+            self.stat(path)
+            return True
+        except NotFound:
+            return False
+
+    def mkdir(self, path: str, parents: bool = True, mode: Optional[int] = None) -> None:
+        body: Dict[str, Any] = {"path": path, "parents": bool(parents)}
+        if mode is not None:
+            body["mode"] = int(mode)
+        self.client._call("POST", self._p("/files/mkdir"), json_body=body)
+
+    def remove(self, path: str, recursive: bool = False) -> None:
+        self.client._call("DELETE", self._p("/files"),
+                          query=[("path", path), ("recursive", "true" if recursive else "false")])
+
+
+def _iter_ndjson(resp: Any) -> Iterator[Dict[str, Any]]:
+    """Parses newline-delimited JSON from a response (or any object with readline)."""
+    while True:
+        line = resp.readline()
+        if not line:
+            return
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            doc = json.loads(line.decode("utf-8"))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise DsecError("internal", f"bad NDJSON line from server: {line[:200]!r}") from e
+        if not isinstance(doc, dict):
+            raise DsecError("internal", f"NDJSON event is not an object: {line[:200]!r}")
+        yield doc
+
+
+def _stream_ndjson(self: Client, path: str, body: Dict[str, Any],
+                   timeout: float, base64_output: bool = False) -> Iterator[ExecEvent]:
+    data = json.dumps(body, separators=(",", ":")).encode("utf-8")
+    resp = self._send("POST", path, body=data, timeout=timeout,
+                      headers={"Content-Type": "application/json",
+                               "Accept": "application/x-ndjson"})
+    done = False
+    try:
+        ctype = (resp.getheader("Content-Type") or "").split(";")[0].strip()
+        if ctype == "application/json":
+            # Server answered with a whole result; present it as events.
+            doc = json.loads(resp.read().decode("utf-8"))
+            done = True
+            r = ExecResult.from_json(doc, base64_output)
+            for kind, b in (("stdout", r.stdout_bytes), ("stderr", r.stderr_bytes)):
+                if b:
+                    yield ExecEvent({"type": kind, "data_b64": base64.b64encode(b).decode()}
+                                    if base64_output else {"type": kind, "data": b.decode()})
+            ev = {k: v for k, v in doc.items() if k not in ("stdout", "stderr", "stdout_b64",
+                                                            "stderr_b64")}
+            ev["type"] = "exit"
+            yield ExecEvent(ev)
+            return
+        final = False
+        try:
+            for doc in _iter_ndjson(resp):
+                ev = ExecEvent(doc)
+                if ev.type in ("exit", "error"):
+                    final = True
+                yield ev
+        except socket.timeout as e:
+            raise DeadlineExceeded("deadline_exceeded",
+                                   f"POST {path}: no event within {timeout:g}s") from e
+        except (OSError, http.client.HTTPException) as e:
+            raise Unavailable("unavailable", f"POST {path}: stream broken: {e}") from e
+        done = resp.isclosed() or final
+        if not final:
+            raise Unavailable("unavailable", f"POST {path}: stream ended without an exit event")
+        # Drain what is left (normally just the chunked terminator).
+        resp.read()
+        done = True
+    finally:
+        if not done or not resp.isclosed():
+            # Unread bytes would desynchronise the kept-alive connection.
+            self._drop_conn()
+
+
+Client._stream_ndjson = _stream_ndjson  # type: ignore[attr-defined]

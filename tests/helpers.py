@@ -1,0 +1,141 @@
+"""Helpers shared by the end-to-end tests: host inspection, polling, errors."""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+import dsec
+
+SB_ID_RE = re.compile(r"\bsb-[0-9a-f]{16}\b")
+DIGEST_RE = re.compile(r"sha256:[0-9a-f]{64}")
+HOST_ENV_MARKER = "DSEC_TEST_HOST_ENV_MARKER"
+
+
+def mounts_containing(text: str) -> list:
+    """Mount points in our mount namespace whose mountinfo line contains `text`."""
+    out = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            if text in line:
+                fields = line.split()
+                out.append(fields[4] if len(fields) > 4 else line.strip())
+    return out
+
+
+def sandbox_cgroup_dirs() -> set:
+    """Every cgroup directory named sb-* below a `dsec` cgroup (v1 and v2 layouts)."""
+    found = set()
+    for pat in ("/sys/fs/cgroup/dsec/sb-*", "/sys/fs/cgroup/*/dsec/sb-*",
+                "/sys/fs/cgroup/*/dsec/*/sb-*", "/sys/fs/cgroup/dsec/*/sb-*"):
+        found.update(p for p in glob.glob(pat) if os.path.isdir(p))
+    return found
+
+
+def cgroup_dirs_named(name: str) -> list:
+    """Cgroup directories called `name` anywhere under /sys/fs/cgroup (depth <= 5)."""
+    out = []
+    root = "/sys/fs/cgroup"
+
+    def walk(d, depth):
+        try:
+            it = os.scandir(d)
+        except OSError:
+            return
+        with it:
+            for e in it:
+                if not e.is_dir(follow_symlinks=False):
+                    continue
+                if e.name == name:
+                    out.append(e.path)
+                elif depth < 5:
+                    walk(e.path, depth + 1)
+
+    walk(root, 0)
+    return out
+
+
+def aether_pids() -> set:
+    """PIDs of processes running dsec-aether (by argv[0] or by executable name)."""
+    pids = set()
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                argv0 = f.read().split(b"\0", 1)[0]
+        except OSError:
+            continue
+        hit = b"dsec-aether" in os.path.basename(argv0)
+        if not hit:
+            try:
+                hit = "dsec-aether" in os.path.basename(os.readlink(f"/proc/{d}/exe"))
+            except OSError:
+                pass
+        if hit:
+            pids.add(int(d))
+    return pids
+
+
+def proc_rss_kb(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+def tail(path: Path, lines: int = 60) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 64 * 1024))
+            data = f.read().decode("utf-8", "replace")
+    except OSError as e:
+        return f"(cannot read {path}: {e})"
+    return "\n".join(data.splitlines()[-lines:])
+
+
+def wait_until(pred, timeout: float, interval: float = 0.1):
+    """Polls pred() until it returns a truthy value (returned) or timeout (None)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if v:
+            return v
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(interval)
+
+
+def running_ids(client) -> set:
+    return {s.id for s in client.list(state="running")}
+
+
+def cgroup_ids() -> set:
+    """Sandbox ids that have a cgroup directory right now."""
+    return {os.path.basename(p) for p in sandbox_cgroup_dirs()}
+
+
+def unique(prefix: str = "t") -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:10]}"
+
+
+
+def expect_error(fn, cls, field=None, status=None):
+    """Calls fn() and asserts it raises `cls` (a DsecError subclass) with that field/status."""
+    with pytest.raises(dsec.DsecError) as ei:
+        fn()
+    e = ei.value
+    assert isinstance(e, cls), f"expected {cls.__name__}, got {e!r}"
+    if field is not None:
+        assert e.field == field, f"expected field {field!r}, got {e!r}"
+    if status is not None:
+        assert e.status == status, f"expected HTTP {status}, got {e!r}"
+    return e

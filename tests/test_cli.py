@@ -1,0 +1,49 @@
+"""The dsec CLI against the running server: image import (in the fixtures),
+sandbox create / ls / rm and exec."""
+
+from __future__ import annotations
+
+from helpers import SB_ID_RE
+
+
+def test_cli_sandbox_lifecycle_and_exec(server, busybox, client):
+    d = server.data_dir
+    r = server.cli("sandbox", "create", "--data-dir", d, "--image", "busybox")
+    assert r.returncode == 0, r
+    m = SB_ID_RE.search(r.stdout)
+    assert m, f"no sandbox id in {r.stdout!r}"
+    sid = m.group(0)
+    server.created.add(sid)
+    try:
+        assert client.get(sid).state == "running"
+
+        r = server.cli("sandbox", "ls", "--data-dir", d)
+        assert r.returncode == 0 and sid in r.stdout, r
+
+        r = server.cli("exec", "--data-dir", d, sid, "--", "echo", "hi")
+        assert (r.returncode, r.stdout) == (0, "hi\n"), r
+
+        r = server.cli("exec", "--data-dir", d, sid, "--", "sh", "-c", "echo out; echo err >&2; exit 3")
+        assert r.returncode == 3, r
+        assert r.stdout == "out\n" and "err" in r.stderr, r
+
+        r = server.cli("exec", "--data-dir", d, sid, "--", "hostname")
+        assert r.stdout.strip() == sid
+    finally:
+        r = server.cli("sandbox", "rm", "--data-dir", d, sid)
+    assert r.returncode == 0, r
+    assert client.get(sid).state == "stopped"
+
+
+def test_cli_exec_on_unknown_sandbox_fails(server):
+    r = server.cli("exec", "--data-dir", server.data_dir, "sb-0000000000000000", "--", "true")
+    assert r.returncode != 0
+    assert r.stderr.strip(), "an error must be explained on stderr"
+
+
+def test_cli_image_import_is_listed(server, busybox, client):
+    img = client.image(busybox)
+    assert img.ref == busybox
+    # `dsec image import` printed the digest of the layer it stored
+    assert server.images[busybox] in img.layers, (server.images[busybox], img)
+    assert busybox in {i.ref for i in client.images()}

@@ -1,0 +1,602 @@
+"""Unit tests of the SDK's client logic against a tiny in-process HTTP fake.
+
+This is the only place a fake server is used: it checks what the SDK sends and
+how it reads answers (error mapping, NDJSON streaming, keep-alive and
+reconnects, uploads), not the behaviour of dsec itself. No root needed.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import http.server
+import io
+import json
+import os
+import socket
+import threading
+import time
+import urllib.parse
+
+import pytest
+
+import dsec
+from dsec.client import _iter_ndjson
+
+
+class FakeHandler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *a):
+        pass
+
+    def _body(self) -> bytes:
+        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+            out = b""
+            while True:
+                size = int(self.rfile.readline().split(b";")[0].strip(), 16)
+                if size == 0:
+                    while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+                        pass
+                    return out
+                out += self.rfile.read(size)
+                self.rfile.readline()
+        n = int(self.headers.get("Content-Length") or 0)
+        return self.rfile.read(n) if n else b""
+
+    def _handle(self):
+        srv = self.server
+        body = b"" if self.command in ("GET", "HEAD") and "Content-Length" not in self.headers \
+            and "Transfer-Encoding" not in self.headers else self._body()
+        u = urllib.parse.urlsplit(self.path)
+        req = {"method": self.command, "path": u.path,
+               "query": urllib.parse.parse_qsl(u.query, keep_blank_values=True),
+               "headers": dict(self.headers), "body": body,
+               "peer": self.client_address, "conn": id(self.connection)}
+        srv.requests.append(req)
+        route = srv.routes.get((self.command, u.path)) or srv.routes.get(("*", "*"))
+        if route is None:
+            return self.send_json(404, {"error": {"code": "not_found", "message": "no route"}})
+        route(self, req)
+
+    do_GET = do_POST = do_PUT = do_DELETE = do_HEAD = _handle
+
+    def send_json(self, status, doc, close=False):
+        data = json.dumps(doc).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(data)
+        if close:  # drop the connection without announcing it (idle timeout)
+            self.wfile.flush()
+            self.close_connection = True
+
+    def send_raw(self, status, data: bytes, ctype="application/octet-stream"):
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def start_chunked(self, status=200, ctype="application/x-ndjson"):
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+
+    def chunk(self, data: bytes):
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+        self.wfile.flush()
+
+    def end_chunks(self):
+        self.wfile.write(b"0\r\n\r\n")
+        self.wfile.flush()
+
+
+class Fake(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self):
+        super().__init__(("127.0.0.1", 0), FakeHandler)
+        self.routes = {}
+        self.requests = []
+        self.accepted = 0
+
+    def get_request(self):
+        r = super().get_request()
+        self.accepted += 1
+        return r
+
+    @property
+    def url(self):
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+    def route(self, method, path):
+        def deco(fn):
+            self.routes[(method, path)] = fn
+            return fn
+        return deco
+
+
+@pytest.fixture
+def fake():
+    srv = Fake()
+    t = threading.Thread(target=srv.serve_forever, args=(0.02,), daemon=True)
+    t.start()
+    yield srv
+    srv.shutdown()
+    srv.server_close()
+
+
+@pytest.fixture
+def cl(fake):
+    c = dsec.Client(fake.url, token="tok123", timeout=5)
+    yield c
+    c.close()
+
+
+SB = {"id": "sb-00000000000000aa", "backend": "container", "image": "busybox:latest",
+      "state": "running", "labels": {"a": "b"}, "memory_mb": 512}
+
+
+# ----- errors -------------------------------------------------------------------
+
+@pytest.mark.parametrize("code,status,cls", [
+    ("invalid_argument", 400, dsec.InvalidArgument),
+    ("unauthenticated", 401, dsec.Unauthenticated),
+    ("permission_denied", 403, dsec.PermissionDenied),
+    ("not_found", 404, dsec.NotFound),
+    ("already_exists", 409, dsec.Conflict),
+    ("conflict", 409, dsec.Conflict),
+    ("failed_precondition", 409, dsec.Conflict),
+    ("payload_too_large", 413, dsec.PayloadTooLarge),
+    ("resource_exhausted", 429, dsec.ResourceExhausted),
+    ("internal", 500, dsec.InternalError),
+    ("unavailable", 503, dsec.Unavailable),
+    ("deadline_exceeded", 504, dsec.DeadlineExceeded),
+])
+def test_error_code_maps_to_exception(fake, cl, code, status, cls):
+    @fake.route("GET", "/v1/sandboxes/sb-x")
+    def _(h, req):
+        h.send_json(status, {"error": {"code": code, "message": "boom", "field": "memory_mb"}})
+
+    with pytest.raises(cls) as ei:
+        cl.get("sb-x")
+    e = ei.value
+    assert isinstance(e, dsec.DsecError)
+    assert (e.code, e.message, e.status, e.field) == (code, "boom", status, "memory_mb")
+    # the connection stays usable after an error answer
+    fake.routes[("GET", "/v1/health")] = lambda h, r: h.send_json(200, {"status": "ok"})
+    assert cl.health()["status"] == "ok"
+    assert fake.accepted == 1
+
+
+def test_error_without_json_body_maps_by_status():
+    e = dsec.error_from_response(404, b"<html>nope</html>", "Not Found")
+    assert type(e) is dsec.NotFound and e.code == "not_found" and e.field is None
+    assert "nope" in e.message
+    e = dsec.error_from_response(502, b"", "Bad Gateway")
+    assert type(e) is dsec.InternalError and e.status == 502
+    e = dsec.error_from_response(418, b"{}", "teapot")
+    assert type(e) is dsec.InvalidArgument
+    # unknown code but known status: class by status, code kept
+    e = dsec.error_from_response(409, json.dumps({"error": {"code": "aborted2",
+                                                            "message": "m"}}).encode())
+    assert type(e) is dsec.Conflict and e.code == "aborted2"
+
+
+def test_error_without_field_has_none(fake, cl):
+    fake.routes[("GET", "/v1/images/busybox:latest")] = lambda h, r: h.send_json(
+        404, {"error": {"code": "not_found", "message": "no image"}})
+    with pytest.raises(dsec.NotFound) as ei:
+        cl.image("busybox:latest")
+    assert ei.value.field is None
+
+
+def test_connection_refused_is_unavailable():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    with pytest.raises(dsec.Unavailable) as ei:
+        dsec.Client(f"http://127.0.0.1:{port}", token="t", timeout=2).health()
+    assert ei.value.status is None
+
+
+def test_slow_server_is_deadline_exceeded(fake):
+    fake.routes[("GET", "/v1/health")] = lambda h, r: (time.sleep(1.5),
+                                                       h.send_json(200, {"status": "ok"}))
+    c = dsec.Client(fake.url, token="t", timeout=0.3)
+    t0 = time.monotonic()
+    with pytest.raises(dsec.DeadlineExceeded):
+        c.health()
+    assert time.monotonic() - t0 < 1.2
+
+
+# ----- requests the SDK builds ---------------------------------------------------
+
+def test_auth_header_and_create_body(fake, cl):
+    fake.routes[("POST", "/v1/sandboxes")] = lambda h, r: h.send_json(201, SB)
+    sb = cl.create("busybox:latest", memory_mb=128, labels={"k": "v"}, env={"A": "1"})
+    req = fake.requests[-1]
+    assert req["headers"]["Authorization"] == "Bearer tok123"
+    assert req["headers"]["Content-Type"] == "application/json"
+    assert json.loads(req["body"]) == {"image": "busybox:latest", "backend": "container",
+                                       "memory_mb": 128, "labels": {"k": "v"},
+                                       "env": {"A": "1"}}
+    assert (sb.id, sb.state, sb.backend, sb.image, sb.labels) == (
+        SB["id"], "running", "container", "busybox:latest", {"a": "b"})
+    assert sb.memory_mb == 512 and sb.info == SB
+
+
+def test_no_token_sends_no_auth_header(fake, monkeypatch, tmp_path):
+    monkeypatch.delenv("DSEC_TOKEN", raising=False)
+    monkeypatch.setenv("DSEC_DATA_DIR", str(tmp_path))  # holds no token file
+    fake.routes[("GET", "/v1/health")] = lambda h, r: h.send_json(200, {"status": "ok"})
+    dsec.Client(fake.url).health()
+    assert "Authorization" not in fake.requests[-1]["headers"]
+
+
+def test_env_defaults_and_from_data_dir(fake, monkeypatch, tmp_path):
+    monkeypatch.setenv("DSEC_URL", fake.url)
+    monkeypatch.setenv("DSEC_TOKEN", "envtok")
+    c = dsec.Client()
+    assert c.url == fake.url and c.token == "envtok"
+    monkeypatch.delenv("DSEC_URL")
+    monkeypatch.delenv("DSEC_TOKEN")
+    monkeypatch.setenv("DSEC_DATA_DIR", str(tmp_path))
+    (tmp_path / "token").write_text("filetok\n")
+    c = dsec.Client()
+    assert c.url == "http://127.0.0.1:7070" and c.token == "filetok"
+    (tmp_path / "up.json").write_text(json.dumps({"url": fake.url, "pid": 4242}))
+    c = dsec.Client.from_data_dir(str(tmp_path))
+    assert (c.url, c.token, c.server_pid) == (fake.url, "filetok", 4242)
+    fake.routes[("GET", "/v1/health")] = lambda h, r: h.send_json(200, {"status": "ok"})
+    assert c.health() == {"status": "ok"}
+    assert fake.requests[-1]["headers"]["Authorization"] == "Bearer filetok"
+
+
+def test_list_label_and_state_query(fake, cl):
+    fake.routes[("GET", "/v1/sandboxes")] = lambda h, r: h.send_json(200, {"sandboxes": [SB]})
+    out = cl.list(labels={"job": "a=b", "x": "y z"}, state="running")
+    assert [s.id for s in out] == [SB["id"]]
+    assert fake.requests[-1]["query"] == [("label", "job=a=b"), ("label", "x=y z"),
+                                          ("state", "running")]
+
+
+def test_exec_body_and_result(fake, cl):
+    fake.routes[("POST", "/v1/sandboxes/sb-1/exec")] = lambda h, r: h.send_json(200, {
+        "exit_code": 3, "signal": 0, "stdout": "out\n", "stderr": "err", "truncated": False,
+        "timed_out": False, "oom_killed": False, "duration_ms": 12.5})
+    sb = cl.sandbox("sb-1")
+    r = sb.exec(["ls", "-l"], timeout=5, env={"K": "V"}, cwd="/tmp", user=65534,
+                stdin=b"\x00\xff", max_output_bytes=100)
+    body = json.loads(fake.requests[-1]["body"])
+    assert body == {"cmd": ["ls", "-l"], "env": {"K": "V"}, "cwd": "/tmp", "user": "65534",
+                    "timeout_s": 5, "stdin_b64": base64.b64encode(b"\x00\xff").decode(),
+                    "max_output_bytes": 100}
+    assert (r.exit_code, r.signal, r.stdout, r.stderr, r.ok) == (3, 0, "out\n", "err", False)
+    assert r.duration_ms == 12.5 and abs(r.duration - 0.0125) < 1e-9
+    sb.exec("echo $HOME", stdin="text")
+    assert json.loads(fake.requests[-1]["body"]) == {"cmd": "echo $HOME", "stdin": "text"}
+
+
+def test_exec_base64_output(fake, cl):
+    raw = bytes(range(256))
+    fake.routes[("POST", "/v1/sandboxes/sb-1/exec")] = lambda h, r: h.send_json(200, {
+        "exit_code": 0, "signal": 0, "stdout": base64.b64encode(raw).decode(),
+        "stderr": "", "truncated": False, "timed_out": False, "oom_killed": False,
+        "duration_ms": 1})
+    r = cl.sandbox("sb-1").exec(["cat"], encoding="base64")
+    assert json.loads(fake.requests[-1]["body"])["encoding"] == "base64"
+    assert r.stdout_bytes == raw and r.stderr_bytes == b"" and r.ok
+    assert isinstance(r.stdout, str)
+
+
+def test_file_calls(fake, cl):
+    got = {}
+
+    def put(h, req):
+        got["put"] = req
+        h.send_json(200, {"path": "/a b", "size": len(req["body"])})
+
+    fake.routes[("PUT", "/v1/sandboxes/sb-1/files")] = put
+    fake.routes[("GET", "/v1/sandboxes/sb-1/files")] = lambda h, r: h.send_raw(200, b"\x00data")
+    fake.routes[("GET", "/v1/sandboxes/sb-1/files/list")] = lambda h, r: h.send_json(200, {
+        "entries": [{"name": "x", "type": "dir", "size": 0, "mode": 493}]})
+    fake.routes[("GET", "/v1/sandboxes/sb-1/files/stat")] = lambda h, r: h.send_json(200, {
+        "name": "x", "path": "/x", "type": "file", "size": 3, "mode": 420})
+    fake.routes[("POST", "/v1/sandboxes/sb-1/files/mkdir")] = lambda h, r: h.send_json(200, {})
+    fake.routes[("DELETE", "/v1/sandboxes/sb-1/files")] = lambda h, r: h.send_json(200, {})
+    sb = cl.sandbox("sb-1")
+
+    assert sb.write_file("/a b", "héllo", mode=0o600)["size"] == len("héllo".encode())
+    req = got["put"]
+    assert req["query"] == [("path", "/a b"), ("mode", "0600")]
+    assert req["body"] == "héllo".encode()
+    assert req["headers"]["Content-Length"] == str(len(req["body"]))
+
+    payload = os.urandom(300_000)
+    sb.write_file("/f", io.BytesIO(payload))  # seekable: sent with a length
+    assert got["put"]["body"] == payload
+    assert got["put"]["headers"]["Content-Length"] == str(len(payload))
+
+    sb.write_file("/g", (payload[i:i + 70_000] for i in range(0, len(payload), 70_000)))
+    assert got["put"]["body"] == payload  # an iterable goes out chunked
+    assert got["put"]["headers"].get("Transfer-Encoding") == "chunked"
+
+    assert sb.read_file("/x") == b"\x00data"
+    assert fake.requests[-1]["query"] == [("path", "/x")]
+    buf = io.BytesIO()
+    assert sb.read_file_to("/x", buf) == 5 and buf.getvalue() == b"\x00data"
+
+    ents = sb.list_dir("/")
+    assert ents[0].name == "x" and ents[0]["type"] == "dir" and ents[0].is_dir
+    st = sb.stat("/x")
+    assert st.size == 3 and st.mode == 0o644 and st.is_file
+    sb.mkdir("/d/e", parents=True, mode=0o700)
+    assert json.loads(fake.requests[-1]["body"]) == {"path": "/d/e", "parents": True,
+                                                     "mode": 0o700}
+    sb.remove("/d", recursive=True)
+    assert fake.requests[-1]["query"] == [("path", "/d"), ("recursive", "true")]
+    # everything above went over one kept-alive connection
+    assert fake.accepted == 1
+
+
+def test_upload_blob_hashes_then_streams(fake, cl, tmp_path):
+    data = os.urandom(1_000_003)
+    p = tmp_path / "layer.erofs"
+    p.write_bytes(data)
+    hexd = hashlib.sha256(data).hexdigest()
+    fake.routes[("*", "*")] = lambda h, r: h.send_json(
+        201, {"digest": "sha256:" + hexd, "size": len(r["body"])})
+    assert cl.upload_blob(str(p)) == "sha256:" + hexd
+    req = fake.requests[-1]
+    assert (req["method"], req["path"]) == ("PUT", "/v1/blobs/sha256:" + hexd)
+    assert req["headers"]["Content-Length"] == str(len(data))
+    assert req["body"] == data
+    assert cl.upload_blob(b"abc") == "sha256:" + hashlib.sha256(b"abc").hexdigest()
+
+
+def test_has_blob_and_images(fake, cl):
+    img = {"name": "deb", "tag": "v1", "ref": "deb:v1", "layers": ["sha256:aa"], "size": 1}
+    fake.routes[("HEAD", "/v1/blobs/sha256:aa")] = lambda h, r: h.send_json(200, {})
+    fake.routes[("POST", "/v1/images")] = lambda h, r: h.send_json(201, img)
+    fake.routes[("GET", "/v1/images")] = lambda h, r: h.send_json(200, {"images": [img]})
+    fake.routes[("DELETE", "/v1/images/deb:v1")] = lambda h, r: h.send_json(200, {})
+    assert cl.has_blob("sha256:aa") is True
+    assert cl.has_blob("sha256:bb") is False
+    im = cl.create_image("deb", "v1", ["sha256:aa"])
+    assert json.loads(fake.requests[-1]["body"]) == {"name": "deb", "tag": "v1",
+                                                     "layers": ["sha256:aa"]}
+    assert im.ref == "deb:v1" and im.layers == ["sha256:aa"]
+    assert [i.ref for i in cl.images()] == ["deb:v1"]
+    cl.delete_image("deb:v1")
+    assert fake.requests[-1]["path"] == "/v1/images/deb:v1"
+
+
+def test_sandbox_context_manager_destroys(fake, cl):
+    fake.routes[("POST", "/v1/sandboxes")] = lambda h, r: h.send_json(201, SB)
+    fake.routes[("DELETE", "/v1/sandboxes/" + SB["id"])] = lambda h, r: h.send_json(
+        200, dict(SB, state="stopped"))
+    with cl.create("busybox") as sb:
+        pass
+    assert fake.requests[-1]["method"] == "DELETE" and sb.state == "stopped"
+
+
+# ----- NDJSON streaming ----------------------------------------------------------
+
+def test_iter_ndjson_parses_lines_and_skips_blank():
+    f = io.BytesIO(b'{"type":"stdout","data":"a"}\n\n{"type":"exit","exit_code":0}\n')
+    assert [d["type"] for d in _iter_ndjson(f)] == ["stdout", "exit"]
+    with pytest.raises(dsec.DsecError):
+        list(_iter_ndjson(io.BytesIO(b'{"type":\n')))
+
+
+def test_exec_stream_yields_events_as_they_arrive(fake, cl):
+    gate = threading.Event()
+    seen_before_gate = []
+
+    def stream(h, req):
+        h.start_chunked()
+        h.chunk(b'{"type":"stdout","data":"1\\n"}\n')
+        # the rest only once the client has seen the first event
+        seen_before_gate.append(gate.wait(3))
+        h.chunk(b'{"type":"stderr","data_b64":"' + base64.b64encode(b"\xffe") + b'"}\n'
+                b'{"type":"stdout",')
+        h.chunk(b'"data":"2\\n"}\n{"type":"exit","exit_code":0,"signal":0,'
+                b'"truncated":false,"timed_out":false,"oom_killed":false,"duration_ms":5}\n')
+        h.end_chunks()
+
+    fake.routes[("POST", "/v1/sandboxes/sb-1/exec")] = stream
+    fake.routes[("GET", "/v1/health")] = lambda h, r: h.send_json(200, {"status": "ok"})
+    events = []
+    for ev in cl.sandbox("sb-1").exec_stream("for i in 1 2; do echo $i; done", timeout=10):
+        events.append(ev)
+        gate.set()
+    assert seen_before_gate == [True]
+    body = json.loads(fake.requests[-1]["body"])
+    assert body["stream"] is True and body["timeout_s"] == 10
+    assert fake.requests[-1]["headers"]["Accept"] == "application/x-ndjson"
+    assert [e.type for e in events] == ["stdout", "stderr", "stdout", "exit"]
+    assert events[0].data == "1\n" and events[0]["data"] == "1\n"
+    assert events[1].data_bytes == b"\xffe"
+    assert events[3].result.exit_code == 0 and events[3].exit_code == 0
+    assert events[3].result.duration_ms == 5
+    cl.health()  # the connection is reusable after a complete stream
+    assert fake.accepted == 1
+
+
+def test_exec_stream_error_event(fake, cl):
+    def stream(h, req):
+        h.start_chunked()
+        h.chunk(b'{"type":"error","error":{"code":"unavailable","message":"agent died"}}\n')
+        h.end_chunks()
+
+    fake.routes[("POST", "/v1/sandboxes/sb-1/exec")] = stream
+    evs = list(cl.sandbox("sb-1").exec_stream(["true"]))
+    assert [e.type for e in evs] == ["error"]
+    assert isinstance(evs[0].error, dsec.Unavailable) and evs[0].error.message == "agent died"
+
+
+def test_exec_stream_without_exit_event_raises(fake, cl):
+    def stream(h, req):
+        h.start_chunked()
+        h.chunk(b'{"type":"stdout","data":"x"}\n')
+        h.end_chunks()
+
+    fake.routes[("POST", "/v1/sandboxes/sb-1/exec")] = stream
+    with pytest.raises(dsec.Unavailable):
+        list(cl.sandbox("sb-1").exec_stream(["true"]))
+
+
+def test_exec_stream_http_error_raises_before_events(fake, cl):
+    fake.routes[("POST", "/v1/sandboxes/sb-1/exec")] = lambda h, r: h.send_json(
+        409, {"error": {"code": "failed_precondition", "message": "stopped"}})
+    with pytest.raises(dsec.Conflict):
+        next(iter(cl.sandbox("sb-1").exec_stream(["true"])))
+
+
+def test_exec_stream_closed_early_drops_connection(fake, cl):
+    def stream(h, req):
+        h.start_chunked()
+        try:
+            for i in range(50):
+                h.chunk(b'{"type":"stdout","data":"%d\\n"}\n' % i)
+                time.sleep(0.01)
+            h.chunk(b'{"type":"exit","exit_code":0}\n')
+            h.end_chunks()
+        except OSError:
+            pass
+
+    fake.routes[("POST", "/v1/sandboxes/sb-1/exec")] = stream
+    fake.routes[("GET", "/v1/health")] = lambda h, r: h.send_json(200, {"status": "ok"})
+    gen = cl.sandbox("sb-1").exec_stream(["yes"])
+    assert next(gen).data == "0\n"
+    gen.close()
+    assert cl.health()["status"] == "ok"  # a new connection, not a desynchronised one
+    assert fake.accepted == 2
+
+
+# ----- keep-alive and reconnects -------------------------------------------------
+
+def test_keepalive_one_connection_per_thread(fake, cl):
+    fake.routes[("GET", "/v1/health")] = lambda h, r: h.send_json(200, {"status": "ok"})
+    for _ in range(5):
+        cl.health()
+    assert fake.accepted == 1
+
+    conns = {}
+
+    def worker(i):
+        for _ in range(4):
+            cl.health()
+        conns[i] = True
+
+    ts = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert len(conns) == 4
+    assert fake.accepted == 1 + 4
+    per_conn = {}
+    for r in fake.requests:
+        per_conn[r["conn"]] = per_conn.get(r["conn"], 0) + 1
+    assert sorted(per_conn.values()) == [4, 4, 4, 4, 5]
+
+
+def test_reconnects_after_server_closed_idle_connection(fake, cl):
+    fake.routes[("GET", "/v1/health")] = lambda h, r: h.send_json(200, {"status": "ok"},
+                                                                  close=True)
+    assert cl.health()["status"] == "ok"
+    time.sleep(0.1)  # the server has closed the idle connection by now
+    assert cl.health()["status"] == "ok"
+    # also with a body that cannot be sent twice (the dead socket is noticed first)
+    fake.routes[("PUT", "/v1/sandboxes/sb-1/files")] = lambda h, r: h.send_json(
+        200, {"path": "/x", "size": len(r["body"])}, close=True)
+    time.sleep(0.1)
+    assert cl.sandbox("sb-1").write_file("/x", iter([b"ab", b"cd"]))["size"] == 4
+    assert fake.accepted == 3
+
+
+class _DropOnce:
+    """Serves the first request, then reads the next one and closes without an
+    answer (the race where the server's idle close crosses our request)."""
+
+    def __init__(self):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.bodies = []
+        self.accepted = 0
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _read_request(self, f):
+        head = b""
+        while not head.endswith(b"\r\n\r\n"):
+            c = f.read(1)
+            if not c:
+                return None
+            head += c
+        hdrs = dict(line.split(": ", 1) for line in head.decode().split("\r\n")[1:] if line)
+        body = b""
+        if "Content-Length" in hdrs:
+            body = f.read(int(hdrs["Content-Length"]))
+        elif hdrs.get("Transfer-Encoding") == "chunked":
+            while True:
+                n = int(f.readline().strip(), 16)
+                body += f.read(n)
+                f.readline()
+                if n == 0:
+                    break
+        return body
+
+    def _answer(self, conn, body):
+        data = json.dumps({"path": "/x", "size": len(body)}).encode()
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+
+    def _run(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            f = conn.makefile("rb")
+            first = self.accepted == 1
+            while True:
+                body = self._read_request(f)
+                if body is None:
+                    break
+                self.bodies.append(body)
+                if first and len(self.bodies) == 2:
+                    break  # drop it unanswered
+                self._answer(conn, body)
+            f.close()
+            conn.shutdown(socket.SHUT_RDWR)
+            conn.close()
+
+
+def test_retries_once_a_resendable_request_on_a_dead_connection():
+    srv = _DropOnce()
+    c = dsec.Client(srv.url, token="t", timeout=5)
+    sb = c.sandbox("sb-1")
+    assert sb.write_file("/x", b"first")["size"] == 5
+    assert sb.write_file("/x", b"second!")["size"] == 7  # dropped, then resent
+    assert srv.bodies == [b"first", b"second!", b"second!"]
+    assert srv.accepted == 2
+
+
+def test_does_not_resend_a_streamed_body():
+    srv = _DropOnce()
+    c = dsec.Client(srv.url, token="t", timeout=5)
+    sb = c.sandbox("sb-1")
+    sb.write_file("/x", b"first")
+    with pytest.raises(dsec.Unavailable):
+        sb.write_file("/x", (b for b in [b"one", b"shot"]))
+    assert srv.accepted == 1
