@@ -1,0 +1,1 @@
+"""Shared code of the benchmarks in bench/ (see bench/README.md)."""
