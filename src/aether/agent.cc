@@ -94,7 +94,7 @@ Status Agent::start() {
   }
   conn_events_ = EPOLLIN;
   scratch_.resize(proto::kDataChunk);
-  in_buf_.resize(kReadSize);
+  in_buf_.reset(new char[kReadSize]);
 
   Json hello = {{"version", 1}, {"pid", ::getpid()}};
   sendFrame(0, FrameType::kHello, dumpJson(hello));
@@ -167,7 +167,7 @@ void Agent::shutdown() {
 // ---- the connection ----
 
 void Agent::handleConnReadable() {
-  ssize_t n = ::read(conn_.get(), in_buf_.data(), in_buf_.size());
+  ssize_t n = ::read(conn_.get(), in_buf_.get(), kReadSize);
   if (n < 0) {
     if (errno == EINTR || errno == EAGAIN) return;
     done_ = true;  // the edge is gone
@@ -177,7 +177,7 @@ void Agent::handleConnReadable() {
     done_ = true;
     return;
   }
-  Status st = decoder_.feed(in_buf_.data(), static_cast<size_t>(n));
+  Status st = decoder_.feed(in_buf_.get(), static_cast<size_t>(n));
   if (!st.isOk()) {
     // Framing is lost for good: nothing after this point can be trusted.
     logError("connection", st);

@@ -1,6 +1,7 @@
 #include "aether/exec.h"
 
 #include <fcntl.h>
+#include <sched.h>
 #include <grp.h>
 #include <linux/capability.h>
 #include <signal.h>
@@ -164,6 +165,10 @@ bool moveFd(int from, int to) {
   if (saw_eacces && (err == ENOENT || err == ENOTDIR)) err = EACCES;
   childFail(p, kStageExec, err);
 }
+
+constexpr size_t kChildStackSize = 64u << 10;
+
+int childTrampoline(void* plan) { runChild(*static_cast<ChildPlan*>(plan)); }
 
 bool hasVar(const std::vector<std::string>& env, std::string_view name) {
   for (const auto& e : env) {
@@ -341,9 +346,14 @@ Result<SpawnedExec> spawnExec(const ExecRequest& req, const ExecSettings& settin
   plan.status_fd = child_status.get();
 
   ::clock_gettime(CLOCK_MONOTONIC, &out.started);
-  pid_t pid = ::fork();
-  if (pid < 0) return sysError("fork");
-  if (pid == 0) runChild(plan);
+  // vfork semantics: the child borrows our memory until it execs, so no page
+  // tables are copied (a fork costs far more where page faults are expensive).
+  // runChild makes only system calls; aether is single-threaded and has no
+  // asynchronous signal handlers, and this loop pauses until the exec.
+  alignas(16) static char stack[kChildStackSize];
+  pid_t pid = ::clone(childTrampoline, stack + sizeof stack, CLONE_VM | CLONE_VFORK | SIGCHLD,
+                      &plan);
+  if (pid < 0) return sysError("clone");
   out.pid = pid;
   out.argv0 = req.argv[0];
   out.cwd = std::move(cwd);

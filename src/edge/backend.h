@@ -44,13 +44,15 @@ class Backend {
   // the sandbox is left behind.
   virtual Result<std::unique_ptr<Instance>> create(const SandboxSpec& spec,
                                                    std::function<void()> onDeath) = 0;
-  // Kills every process of the sandbox and waits until they are gone; its
-  // mounts, cgroups and files are removed then or shortly after (drain()).
+  // Kills the sandbox: once this returns its init has been sent SIGKILL and
+  // no call reaches it any more; its processes are reaped and its mounts,
+  // cgroups and files removed in the background (shutdown() waits for that).
   virtual Status destroy(Instance& inst) = 0;
   // Removes leftovers of sandboxes no record owns (after a crash); returns how many.
   virtual int cleanupOrphans() = 0;
-  // Waits until teardown work that destroy() left to the background is done.
-  virtual void drain() {}
+  // Stops background work and waits until every destroyed sandbox is fully
+  // torn down.
+  virtual void shutdown() {}
 };
 
 }  // namespace dsec::edge

@@ -284,8 +284,8 @@ void Edge::shutdown() {
   for (auto& id : sandboxIds()) {
     if (Status st = destroy(id); !st.isOk()) log::error("shutdown: " + st.toString());
   }
-  for (auto& [name, b] : backends_) b->drain();
-  if (layers_) (void)layers_->unmountUnused(true);
+  for (auto& [name, b] : backends_) b->shutdown();
+  if (layers_) layers_->close();
   if (cgroups_) cgroups_->removeParent();
   reactor_->stop();
   reactor_.reset();

@@ -57,7 +57,13 @@ std::vector<std::string> mountsUnder(const std::string& prefix) {
 LayerCache::LayerCache(std::string mountRoot, BlobPath blobPath)
     : mountRoot_(std::move(mountRoot)), blobPath_(std::move(blobPath)) {}
 
-LayerCache::~LayerCache() { (void)unmountUnused(true); }
+LayerCache::~LayerCache() { close(); }
+
+void LayerCache::close() {
+  (void)unmountUnused(true);
+  std::lock_guard lk(mu_);
+  if (rootBound_ && ::umount2(mountRoot_.c_str(), MNT_DETACH) == 0) rootBound_ = false;
+}
 
 Status LayerCache::cleanupStale() {
   for (auto& mp : mountsUnder(mountRoot_)) {
@@ -66,7 +72,18 @@ Status LayerCache::cleanupStale() {
     }
     log::info("removed stale layer mount " + mp);
   }
-  return makeDirs(mountRoot_, 0700);
+  RETURN_IF_ERROR(makeDirs(mountRoot_, 0700));
+  // A shared mount of its own: layers mounted later propagate into the mount
+  // namespaces of agents cloned earlier (the spare pool), until each agent
+  // makes its tree private at start-up.
+  if (::mount(mountRoot_.c_str(), mountRoot_.c_str(), nullptr, MS_BIND, nullptr) != 0) {
+    return sysError("bind " + mountRoot_);
+  }
+  if (::mount(nullptr, mountRoot_.c_str(), nullptr, MS_SHARED, nullptr) != 0) {
+    return sysError("make-shared " + mountRoot_);
+  }
+  rootBound_ = true;
+  return Status::ok();
 }
 
 Status LayerCache::mountLayer(const std::string& blob, const std::string& target) {

@@ -25,8 +25,12 @@ class LayerCache {
   LayerCache(std::string mountRoot, BlobPath blobPath);
   ~LayerCache();
 
-  // Removes mounts left under mountRoot by an earlier process (crash).
+  // Removes mounts left under mountRoot by an earlier process (crash), then
+  // makes mountRoot a shared mount so new layers propagate to agents already
+  // cloned.
   Status cleanupStale();
+  // Unmounts every layer and mountRoot itself.
+  void close();
   // Mounts the layer if needed, takes a reference, returns its mount point.
   Result<std::string> acquire(const std::string& digest);
   void release(const std::string& digest);
@@ -48,6 +52,7 @@ class LayerCache {
   mutable std::mutex mu_;  // guards layers_, method_; held across a mount so one layer mounts once
   std::map<std::string, Entry> layers_;
   std::string method_ = "file";
+  bool rootBound_ = false;
 };
 
 // Mount points under `prefix` in this mount namespace, deepest first.

@@ -114,8 +114,76 @@ Result<std::unique_ptr<ContainerBackend>> ContainerBackend::make(ContainerOption
   std::unique_ptr<ContainerBackend> b(new ContainerBackend(opts, cgroups, layers, reactor));
   ASSIGN_OR_RETURN(b->aetherMemfd_, sealedCopy(opts.aetherPath));
   RETURN_IF_ERROR(makeDirs(opts.sandboxRoot, 0700));
+  // One spawn up front, so a broken aether fails start-up, not the first create.
+  ASSIGN_OR_RETURN(Agent probe, b->spawnAgent());
+  b->spares_.push_back(std::move(probe));
   b->cleaner_ = std::thread([raw = b.get()] { raw->cleanerLoop(); });
+  b->spareThread_ = std::thread([raw = b.get()] { raw->spareLoop(); });
   return b;
+}
+
+Result<ContainerBackend::Agent> ContainerBackend::spawnAgent() {
+  int sv[2];
+  if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) return sysError("socketpair");
+  UniqueFd ours(sv[0]), theirs(sv[1]);
+  UniqueFd devNull(::open("/dev/null", O_RDWR | O_CLOEXEC));
+  if (!devNull) return sysError("open /dev/null");
+  static char arg0[] = "dsec-aether";
+  char* argv[] = {arg0, nullptr};
+  static char env0[] = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+  char* envp[] = {env0, nullptr};
+  ChildArgs args{theirs.get(), aetherMemfd_.get(), devNull.get(), argv, envp};
+  alignas(16) static thread_local char stack[kChildStackSize];
+  int pidfd = -1;
+  int flags = CLONE_VM | CLONE_VFORK | CLONE_PIDFD | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWUTS |
+              CLONE_NEWIPC | CLONE_NEWNET | SIGCHLD;
+  pid_t pid = ::clone(childMain, stack + sizeof stack, flags, &args, &pidfd);
+  if (pid < 0) return sysError("clone");
+  Agent a;
+  a.pid = pid;
+  a.pidfd.reset(pidfd);
+  a.conn = std::make_shared<AgentConn>(std::move(ours), "agent-" + std::to_string(pid));
+  if (Status st = reactor_->add(a.conn); !st.isOk()) {
+    killAndReap(a.pidfd.get());
+    return st;
+  }
+  return a;
+}
+
+Result<ContainerBackend::Agent> ContainerBackend::takeAgent() {
+  for (;;) {
+    Agent a;
+    {
+      std::lock_guard lk(spareMu_);
+      if (spares_.empty()) break;
+      a = std::move(spares_.front());
+      spares_.pop_front();
+    }
+    spareCv_.notify_one();
+    if (!a.conn->dead()) return a;
+    reactor_->remove(a.conn);
+    killAndReap(a.pidfd.get());
+  }
+  return spawnAgent();
+}
+
+void ContainerBackend::spareLoop() {
+  std::unique_lock lk(spareMu_);
+  while (!stopSpares_) {
+    if (spares_.size() >= opts_.spareAgents) {
+      spareCv_.wait(lk);
+      continue;
+    }
+    lk.unlock();
+    auto a = spawnAgent();
+    lk.lock();
+    if (!a.isOk()) {
+      log::error("spare agent: " + a.status().toString());
+      spareCv_.wait_for(lk, std::chrono::seconds(1));
+      continue;
+    }
+    spares_.push_back(std::move(a).value());
+  }
 }
 
 Result<std::unique_ptr<Instance>> ContainerBackend::create(const SandboxSpec& spec,
@@ -150,46 +218,26 @@ Result<std::unique_ptr<Instance>> ContainerBackend::create(const SandboxSpec& sp
     inst->layers_.push_back(*it);
     lower.push_back(*mp);  // overlayfs wants the top layer first
   }
-
   laps.lap("layers");
   CgroupLimits limits{spec.cpu, spec.memoryBytes, spec.pids};
   if (Status st = cgroups_->create(spec.id, limits); !st.isOk()) return fail(st);
   cgroupMade = true;
   laps.lap("cgroup");
 
-  int sv[2];
-  if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) {
-    return fail(sysError("socketpair"));
-  }
-  UniqueFd ours(sv[0]), theirs(sv[1]);
-  UniqueFd devNull(::open("/dev/null", O_RDWR | O_CLOEXEC));
-  if (!devNull) return fail(sysError("open /dev/null"));
-
-  static char arg0[] = "dsec-aether";
-  char* argv[] = {arg0, nullptr};
-  static char env0[] = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
-  char* envp[] = {env0, nullptr};
-  ChildArgs args{theirs.get(), aetherMemfd_.get(), devNull.get(), argv, envp};
-  alignas(16) static thread_local char stack[kChildStackSize];
-  int pidfd = -1;
-  int flags = CLONE_VM | CLONE_VFORK | CLONE_PIDFD | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWUTS |
-              CLONE_NEWIPC | CLONE_NEWNET | SIGCHLD;
-  pid_t pid = ::clone(childMain, stack + sizeof stack, flags, &args, &pidfd);
-  if (pid < 0) return fail(sysError("clone"));
-  inst->pid_ = pid;
-  inst->pidfd_.reset(pidfd);
-  theirs.reset();
-  laps.lap("clone");
+  auto agent = takeAgent();
+  if (!agent.isOk()) return fail(agent.status());
+  inst->pid_ = agent->pid;
+  inst->pidfd_ = std::move(agent->pidfd);
+  inst->conn_ = std::move(agent->conn);
+  laps.lap("agent");
 
   // aether blocks on its init frame, so it cannot fork before it is in the
   // sandbox's cgroups.
-  if (Status st = cgroups_->attach(spec.id, pid); !st.isOk()) return fail(st);
-  // PID 1 must be the last thing the OOM killer picks; its children reset to 0.
-  (void)writeKnob("/proc/" + std::to_string(pid) + "/oom_score_adj", "-1000");
-
+  if (Status st = cgroups_->attach(spec.id, inst->pid_); !st.isOk()) return fail(st);
+  // PID 1 must be the last thing the OOM killer picks; its children reset to
+  // 0. Needs CAP_SYS_RESOURCE, which some hosts withhold: best effort.
+  (void)writeKnob("/proc/" + std::to_string(inst->pid_) + "/oom_score_adj", "-1000");
   laps.lap("attach");
-  inst->conn_ = std::make_shared<AgentConn>(std::move(ours), spec.id);
-  if (Status st = reactor_->add(inst->conn_); !st.isOk()) return fail(st);
   json init = {{"hostname", spec.id},
                {"rootfs",
                 {{"lower", lower},
@@ -210,7 +258,7 @@ Result<std::unique_ptr<Instance>> ContainerBackend::create(const SandboxSpec& sp
       return fail(st.isOk() ? internalError("agent start-up: unexpected result") : st);
     }
   }
-  laps.lap("agent");
+  laps.lap("init");
   if (Status st = reactor_->watchExit(inst->pidfd_.get(), std::move(onDeath)); !st.isOk()) {
     return fail(st);
   }
@@ -220,25 +268,21 @@ Result<std::unique_ptr<Instance>> ContainerBackend::create(const SandboxSpec& sp
 
 Status ContainerBackend::destroy(Instance& base) {
   auto& inst = static_cast<ContainerInstance&>(base);
-  Laps laps;
   reactor_->unwatchExit(inst.pidfd_.get());
   if (inst.conn_) {
     reactor_->remove(inst.conn_);
     inst.conn_->fail(Status(Code::kUnavailable, "sandbox destroyed"));
   }
-  killAndReap(inst.pidfd_.get());
-  inst.pidfd_.reset();
-  laps.lap("kill");
+  // SIGKILL to a PID 1 takes the whole pid namespace with it; waiting for
+  // that (and for the mount and net namespaces to go) is the cleaner's job.
+  if (inst.pidfd_) syscall(SYS_pidfd_send_signal, inst.pidfd_.get(), SIGKILL, nullptr, 0);
   for (auto& d : inst.layers_) layers_->release(d);
   inst.layers_.clear();
-  // No process is left, so what remains is bookkeeping: empty cgroups and the
-  // sandbox's directories (the overlay lived only in its mount namespace).
   {
     std::lock_guard lk(cleanMu_);
-    cleanQueue_.push_back(inst.id_);
+    cleanQueue_.push_back(Corpse{inst.id_, std::move(inst.pidfd_)});
   }
   cleanCv_.notify_one();
-  log::debug("destroy " + inst.id_ + " ms: " + laps.str());
   return Status::ok();
 }
 
@@ -247,26 +291,41 @@ void ContainerBackend::cleanerLoop() {
   for (;;) {
     cleanCv_.wait(lk, [&] { return stopCleaner_ || !cleanQueue_.empty(); });
     if (cleanQueue_.empty()) return;  // stopping and drained
-    std::string id = std::move(cleanQueue_.front());
+    Corpse c = std::move(cleanQueue_.front());
     cleanQueue_.pop_front();
     cleaning_ = true;
     lk.unlock();
-    Status st = cgroups_->remove(id);
-    Status rm = removeTree(opts_.sandboxRoot + "/" + id);
-    if (!st.isOk()) log::error("cleanup " + id + ": " + st.toString());
-    if (!rm.isOk()) log::error("cleanup " + id + ": " + rm.toString());
+    // A PID 1 is reaped only after every process of its namespace is gone.
+    killAndReap(c.pidfd.get());
+    c.pidfd.reset();
+    Status st = cgroups_->remove(c.id);
+    Status rm = removeTree(opts_.sandboxRoot + "/" + c.id);
+    if (!st.isOk()) log::error("cleanup " + c.id + ": " + st.toString());
+    if (!rm.isOk()) log::error("cleanup " + c.id + ": " + rm.toString());
     lk.lock();
     cleaning_ = false;
     cleanCv_.notify_all();
   }
 }
 
-void ContainerBackend::drain() {
+void ContainerBackend::shutdown() {
+  {
+    std::lock_guard lk(spareMu_);
+    stopSpares_ = true;
+  }
+  spareCv_.notify_all();
+  if (spareThread_.joinable()) spareThread_.join();
+  for (auto& a : spares_) {
+    reactor_->remove(a.conn);
+    killAndReap(a.pidfd.get());
+  }
+  spares_.clear();
   std::unique_lock lk(cleanMu_);
   cleanCv_.wait(lk, [&] { return cleanQueue_.empty() && !cleaning_; });
 }
 
 ContainerBackend::~ContainerBackend() {
+  shutdown();
   {
     std::lock_guard lk(cleanMu_);
     stopCleaner_ = true;

@@ -23,6 +23,9 @@ struct ContainerOptions {
   std::string aetherPath;     // the static dsec-aether binary
   std::string sandboxRoot;    // node-local dir for upper/work/rootfs of each sandbox
   double startTimeoutS = 10;  // agent hello deadline
+  // Agents cloned ahead of demand (fresh namespaces, waiting for their init
+  // frame), so a create skips clone and exec. 0 disables the pool.
+  size_t spareAgents = 4;
 };
 
 class ContainerBackend : public Backend {
@@ -36,7 +39,7 @@ class ContainerBackend : public Backend {
                                            std::function<void()> onDeath) override;
   Status destroy(Instance& inst) override;
   int cleanupOrphans() override;
-  void drain() override;
+  void shutdown() override;
 
  private:
   ContainerBackend(ContainerOptions opts, Cgroups* cgroups, LayerCache* layers, Reactor* reactor)
@@ -48,11 +51,33 @@ class ContainerBackend : public Backend {
   Reactor* reactor_;     // not owned
   UniqueFd aetherMemfd_;  // sealed copy of dsec-aether, exec'd by every sandbox
 
-  // Dead sandboxes' cgroups and directories are removed off the API path.
+  // An agent in fresh namespaces that has not been sent its init frame yet.
+  struct Agent {
+    pid_t pid = -1;
+    UniqueFd pidfd;
+    std::shared_ptr<AgentConn> conn;
+  };
+  Result<Agent> spawnAgent();
+  // A spare if one is ready and alive, else a freshly spawned agent.
+  Result<Agent> takeAgent();
+  void spareLoop();
+
+  std::mutex spareMu_;  // guards spares_, stopSpares_
+  std::condition_variable spareCv_;
+  std::deque<Agent> spares_;
+  bool stopSpares_ = false;
+  std::thread spareThread_;
+
+  // Killed sandboxes are reaped, and their cgroups and directories removed,
+  // off the API path.
+  struct Corpse {
+    std::string id;
+    UniqueFd pidfd;
+  };
   void cleanerLoop();
   std::mutex cleanMu_;  // guards cleanQueue_, cleaning_, stopCleaner_
   std::condition_variable cleanCv_;
-  std::deque<std::string> cleanQueue_;  // sandbox ids
+  std::deque<Corpse> cleanQueue_;
   bool cleaning_ = false;
   bool stopCleaner_ = false;
   std::thread cleaner_;
