@@ -194,8 +194,10 @@ int cmdUp(const Args& a) {
   server.serve([p](http::Request& req, http::Response& res) { p->handle(req, res); });
   ::unlink((dataDir + "/up.json").c_str());
   (*plat)->shutdown();
-  plat->reset();
+  // No death reports may reach the platform once it is gone.
+  (*edge)->setDeathHandler(nullptr);
   (*edge)->shutdown();
+  plat->reset();
   sigThread.join();
   log::info("dsec up: stopped");
   return 0;
