@@ -19,7 +19,7 @@ def main(data_dir: str) -> None:
             "python3 -c 'import sys, platform; print(\"python\", sys.version.split()[0], platform.machine())'",
             "echo PID 1 is $(cat /proc/1/comm); ls /proc | grep -c '^[0-9]' | sed 's/^/processes visible: /'",
             "ls /sys/class/net | tr '\\n' ' '; echo '(network interfaces)'",
-            "cat /sys/fs/cgroup/memory.max 2>/dev/null || echo memory limit set by the node",
+            "id",
         ]:
             r = sb.exec(cmd, timeout=30)
             out = (r.stdout + r.stderr).strip().replace("\n", "\n     ")

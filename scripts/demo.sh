@@ -38,7 +38,7 @@ kill -TERM "$PID"
 wait "$PID" || true
 PID=
 left=$(grep -c "$DATA" /proc/self/mountinfo || true)
-procs=$(pgrep -xc dsec-aether || true)
+procs=$(pgrep -c "dsec-aether" || true)
 echo "   leftover mounts: $left, leftover sandbox agents: $procs"
 [ "$left" = 0 ] && [ "$procs" = 0 ]
 echo "== demo done"

@@ -4,6 +4,7 @@
 //   dsec-aether            wait for the init frame, set up the container, serve
 //   dsec-aether --no-init  send hello at once and serve in the current root
 #include <fcntl.h>
+#include <sys/prctl.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -78,6 +79,9 @@ int failStartup(int fd, const Status& st) {
 }
 
 int realMain(int argc, char** argv) {
+  // Exec'd from a memfd, the kernel names us "memfd:dsec-aether"; ps in the
+  // sandbox should show what PID 1 is.
+  ::prctl(PR_SET_NAME, "dsec-aether", 0, 0, 0);
   bool no_init = false;
   for (int i = 1; i < argc; ++i) {
     std::string_view a = argv[i];
