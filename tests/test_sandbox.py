@@ -251,3 +251,47 @@ def test_keepalive_connection_is_reused(server, make_sandbox, busybox):
         port = port or local
         assert local == port, f"request {i} needed a new connection: keep-alive broken"
     c.close()
+
+
+def test_delete_racing_create_never_leaves_a_running_sandbox(server, busybox):
+    """A cleanup that deletes by label while creates are in flight: whatever the
+    interleaving, every sandbox ends stopped and leaves nothing on the host."""
+    label = unique("race")
+    stop = threading.Event()
+    created, cancelled = [], []
+
+    def deleter():
+        c = dsec.Client.from_data_dir(str(server.data_dir))
+        while not stop.is_set():
+            for sb in c.list(labels={"race": label}):
+                if sb.state not in ("stopped", "failed"):
+                    c.destroy(sb.id)
+
+    t_del = threading.Thread(target=deleter)
+    t_del.start()
+    try:
+        c = dsec.Client.from_data_dir(str(server.data_dir))
+        for _ in range(15):
+            try:
+                sb = c.create(image=busybox, labels={"race": label})
+                server.created.add(sb.id)
+                created.append(sb.id)
+            except dsec.Conflict:  # the delete won while it was being created
+                cancelled.append(1)
+    finally:
+        time.sleep(0.3)
+        stop.set()
+        t_del.join()
+    client = dsec.Client.from_data_dir(str(server.data_dir))
+    final = client.list(labels={"race": label})
+    for sb in final:
+        if sb.state == "running":  # created after the deleter's last pass
+            sb.destroy()
+    final = client.list(labels={"race": label})
+    # every attempt left exactly one record, and none of them runs
+    assert len(final) == 15, [(sb.id, sb.state) for sb in final]
+    assert set(created) <= {sb.id for sb in final}
+    assert all(sb.state in ("stopped", "failed") for sb in final), \
+        [(sb.id, sb.state) for sb in final]
+    for sb in final:
+        assert_gone_from_host(sb.id)

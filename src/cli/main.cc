@@ -184,13 +184,19 @@ int cmdUp(const Args& a) {
   }
   log::info("dsec up: serving " + url + " (data " + dataDir + ", token in " + dataDir + "/token)");
 
+  platform::Platform* p = plat->get();
   std::thread sigThread([&] {
     int sig = 0;
     sigwait(&sigs, &sig);
     log::info(std::string("received ") + strsignal(sig) + ", shutting down");
     server.stop();
+    // Destroying the sandboxes ends the execs that connection threads are
+    // blocked in; serve() returns once those threads are done.
+    p->shutdown();
+    sigwait(&sigs, &sig);
+    log::warn(std::string("received ") + strsignal(sig) + " again, exiting at once");
+    _exit(2);
   });
-  platform::Platform* p = plat->get();
   server.serve([p](http::Request& req, http::Response& res) { p->handle(req, res); });
   ::unlink((dataDir + "/up.json").c_str());
   (*plat)->shutdown();
@@ -198,7 +204,8 @@ int cmdUp(const Args& a) {
   (*edge)->setDeathHandler(nullptr);
   (*edge)->shutdown();
   plat->reset();
-  sigThread.join();
+  // The signal thread waits for a second signal; it dies with the process.
+  sigThread.detach();
   log::info("dsec up: stopped");
   return 0;
 }

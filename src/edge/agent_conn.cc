@@ -138,6 +138,9 @@ void AgentConn::fail(const Status& why) {
     if (!dead_) {
       dead_ = true;
       deathReason_ = why;
+      // The agent sees EOF and exits, so its death is reported through the
+      // pidfd instead of the sandbox lingering with a connection nobody uses.
+      ::shutdown(sock_.get(), SHUT_RDWR);
     }
     streams.swap(streams_);
   }
@@ -155,56 +158,73 @@ Status Reactor::start() {
   if (!wake_) return sysError("eventfd");
   epoll_event ev{};
   ev.events = EPOLLIN;
-  ev.data.fd = wake_.get();
+  ev.data.u64 = 0;  // id 0: the wake fd
   if (::epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, wake_.get(), &ev) != 0) {
     return sysError("epoll_ctl wake");
   }
   thread_ = std::thread([this] { loop(); });
+  exitThread_ = std::thread([this] { exitLoop(); });
   return Status::ok();
 }
 
 void Reactor::stop() {
-  if (!thread_.joinable()) return;
-  uint64_t one = 1;
-  (void)!::write(wake_.get(), &one, sizeof one);
-  thread_.join();
+  if (thread_.joinable()) {
+    uint64_t one = 1;
+    (void)!::write(wake_.get(), &one, sizeof one);
+    thread_.join();
+  }
+  if (exitThread_.joinable()) {
+    {
+      std::lock_guard lk(exitMu_);
+      exitStop_ = true;
+    }
+    exitCv_.notify_all();
+    exitThread_.join();
+  }
+}
+
+Status Reactor::addEntry(Entry e) {
+  std::lock_guard lk(mu_);
+  uint64_t id = nextId_++;
+  epoll_event ev{};
+  ev.events = e.conn ? (EPOLLIN | EPOLLRDHUP) : EPOLLIN;
+  ev.data.u64 = id;
+  if (::epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, e.fd, &ev) != 0) return sysError("epoll_ctl add");
+  byFd_[e.fd] = id;
+  entries_[id] = std::move(e);
+  return Status::ok();
+}
+
+void Reactor::removeByFd(int fd) {
+  // Caller holds mu_.
+  auto it = byFd_.find(fd);
+  if (it == byFd_.end()) return;
+  ::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, fd, nullptr);
+  entries_.erase(it->second);
+  byFd_.erase(it);
 }
 
 Status Reactor::add(std::shared_ptr<AgentConn> conn) {
-  std::lock_guard lk(mu_);
-  epoll_event ev{};
-  ev.events = EPOLLIN | EPOLLRDHUP;
-  ev.data.fd = conn->fd();
-  if (::epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, conn->fd(), &ev) != 0) {
-    return sysError("epoll_ctl add agent");
-  }
-  conns_[conn->fd()] = std::move(conn);
-  return Status::ok();
+  int fd = conn->fd();
+  return addEntry(Entry{fd, std::move(conn), nullptr});
 }
 
 void Reactor::remove(const std::shared_ptr<AgentConn>& conn) {
   std::lock_guard lk(mu_);
-  auto it = conns_.find(conn->fd());
-  if (it == conns_.end() || it->second != conn) return;
-  ::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, conn->fd(), nullptr);
-  conns_.erase(it);
+  auto it = byFd_.find(conn->fd());
+  if (it == byFd_.end() || entries_[it->second].conn != conn) return;
+  removeByFd(conn->fd());
 }
 
 Status Reactor::watchExit(int pidfd, std::function<void()> onExit) {
-  std::lock_guard lk(mu_);
-  epoll_event ev{};
-  ev.events = EPOLLIN;
-  ev.data.fd = pidfd;
-  if (::epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, pidfd, &ev) != 0) {
-    return sysError("epoll_ctl add pidfd");
-  }
-  exits_[pidfd] = std::move(onExit);
-  return Status::ok();
+  return addEntry(Entry{pidfd, nullptr, std::move(onExit)});
 }
 
 void Reactor::unwatchExit(int pidfd) {
   std::lock_guard lk(mu_);
-  if (exits_.erase(pidfd)) ::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, pidfd, nullptr);
+  auto it = byFd_.find(pidfd);
+  if (it == byFd_.end() || entries_[it->second].conn) return;
+  removeByFd(pidfd);
 }
 
 void Reactor::loop() {
@@ -217,31 +237,46 @@ void Reactor::loop() {
       return;
     }
     for (int i = 0; i < n; ++i) {
-      int fd = events[i].data.fd;
-      if (fd == wake_.get()) return;
+      uint64_t id = events[i].data.u64;
+      if (id == 0) return;
       std::shared_ptr<AgentConn> conn;
       std::function<void()> onExit;
       {
         std::lock_guard lk(mu_);
-        if (auto it = conns_.find(fd); it != conns_.end()) {
-          conn = it->second;
-        } else if (auto et = exits_.find(fd); et != exits_.end()) {
-          onExit = std::move(et->second);
-          exits_.erase(et);
-          ::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, fd, nullptr);
+        auto it = entries_.find(id);
+        if (it == entries_.end()) continue;  // removed since epoll_wait returned
+        if (it->second.conn) {
+          conn = it->second.conn;
+        } else {
+          onExit = std::move(it->second.onExit);
+          removeByFd(it->second.fd);
         }
       }
       if (conn && !conn->onReadable()) {
         std::lock_guard lk(mu_);
-        auto it = conns_.find(fd);
-        if (it != conns_.end() && it->second == conn) {
-          ::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, fd, nullptr);
-          conns_.erase(it);
-        }
+        auto it = entries_.find(id);
+        if (it != entries_.end()) removeByFd(it->second.fd);
       }
       // Exit handlers persist state and tear down; keep them off this thread.
-      if (onExit) std::thread(std::move(onExit)).detach();
+      if (onExit) {
+        std::lock_guard lk(exitMu_);
+        exitQueue_.push_back(std::move(onExit));
+        exitCv_.notify_one();
+      }
     }
+  }
+}
+
+void Reactor::exitLoop() {
+  std::unique_lock lk(exitMu_);
+  for (;;) {
+    exitCv_.wait(lk, [&] { return exitStop_ || !exitQueue_.empty(); });
+    if (exitQueue_.empty()) return;  // stopping and drained
+    auto fn = std::move(exitQueue_.front());
+    exitQueue_.pop_front();
+    lk.unlock();
+    fn();
+    lk.lock();
   }
 }
 

@@ -84,28 +84,48 @@ class AgentConn {
 };
 
 // One epoll thread for all agent connections and agent pidfds of an edge.
+// Exit callbacks run one at a time on a worker thread the Reactor owns, so
+// stop() can wait for them.
 class Reactor {
  public:
   Reactor();
   ~Reactor();
   Status start();
+  // Stops the epoll thread, then waits for exit callbacks queued or running.
   void stop();
 
   Status add(std::shared_ptr<AgentConn> conn);
   void remove(const std::shared_ptr<AgentConn>& conn);
-  // Calls onExit once (on a separate thread) when the process behind pidfd exits.
+  // Calls onExit once (on the exit worker) when the process behind pidfd exits.
   Status watchExit(int pidfd, std::function<void()> onExit);
   void unwatchExit(int pidfd);
 
  private:
+  // Registrations are keyed by a never-reused id, not by fd: an event read
+  // for a closed fd must not reach whatever reuses that fd number.
+  struct Entry {
+    int fd = -1;
+    std::shared_ptr<AgentConn> conn;  // or
+    std::function<void()> onExit;
+  };
   void loop();
+  void exitLoop();
+  Status addEntry(Entry e);
+  void removeByFd(int fd);
 
   UniqueFd epoll_;
   UniqueFd wake_;  // eventfd that stops the loop
   std::thread thread_;
-  std::mutex mu_;  // guards conns_, exits_
-  std::unordered_map<int, std::shared_ptr<AgentConn>> conns_;
-  std::unordered_map<int, std::function<void()>> exits_;
+  std::mutex mu_;  // guards entries_, byFd_, nextId_
+  std::unordered_map<uint64_t, Entry> entries_;
+  std::unordered_map<int, uint64_t> byFd_;
+  uint64_t nextId_ = 1;
+
+  std::mutex exitMu_;  // guards exitQueue_, exitStop_
+  std::condition_variable exitCv_;
+  std::deque<std::function<void()>> exitQueue_;
+  bool exitStop_ = false;
+  std::thread exitThread_;
 };
 
 // Runs a blocking request/response pair on a fresh stream: sends `type` with

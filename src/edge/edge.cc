@@ -72,10 +72,25 @@ std::shared_ptr<Instance> Edge::find(const std::string& id) const {
   return it == sandboxes_.end() ? nullptr : it->second;
 }
 
+namespace {
+// The platform routes calls only to sandboxes it records as running; one the
+// edge no longer has was destroyed (or died) in the meantime.
+Status notRunning(const std::string& id) {
+  return Status(Code::kFailedPrecondition, "sandbox " + id + " is no longer running");
+}
+}  // namespace
+
 Status Edge::create(const std::string& backend, const SandboxSpec& spec) {
   auto bit = backends_.find(backend);
   if (bit == backends_.end()) {
     return invalidArg("backend", "backend '" + backend + "' is not available on this node");
+  }
+  {
+    // A placeholder from here on, so a death during the backend's create is
+    // not mistaken for a deliberate destroy.
+    std::lock_guard lk(mu_);
+    if (sandboxes_.count(spec.id)) return Status(Code::kAlreadyExists, spec.id + " exists");
+    sandboxes_[spec.id] = nullptr;
   }
   auto onDeath = [this, id = spec.id] {
     std::function<void(const std::string&, const std::string&)> h;
@@ -87,9 +102,13 @@ Status Edge::create(const std::string& backend, const SandboxSpec& spec) {
     log::warn("sandbox " + id + ": agent exited unexpectedly");
     if (h) h(id, "sandbox agent (PID 1) exited unexpectedly");
   };
-  ASSIGN_OR_RETURN(std::unique_ptr<Instance> inst, bit->second->create(spec, onDeath));
+  auto inst = bit->second->create(spec, onDeath);
   std::lock_guard lk(mu_);
-  sandboxes_[spec.id] = std::shared_ptr<Instance>(std::move(inst));
+  if (!inst.isOk()) {
+    sandboxes_.erase(spec.id);
+    return inst.status();
+  }
+  sandboxes_[spec.id] = std::shared_ptr<Instance>(std::move(inst).value());
   backendOf_[spec.id] = bit->second.get();
   return Status::ok();
 }
@@ -100,7 +119,8 @@ Status Edge::destroy(const std::string& id) {
   {
     std::lock_guard lk(mu_);
     auto it = sandboxes_.find(id);
-    if (it == sandboxes_.end()) return Status::ok();
+    // Unknown, or still being created (the platform never destroys those).
+    if (it == sandboxes_.end() || !it->second) return Status::ok();
     inst = it->second;
     backend = backendOf_[id];
     sandboxes_.erase(it);
@@ -112,7 +132,7 @@ Status Edge::destroy(const std::string& id) {
 Result<ExecResult> Edge::exec(const std::string& id, const ExecSpec& spec,
                               const OutputSink& sink) {
   auto inst = find(id);
-  if (!inst) return notFound("sandbox " + id + " is not running on this node");
+  if (!inst) return notRunning(id);
   auto conn = inst->agent();
   auto before = inst->stats();
   json req = {{"argv", spec.argv},
@@ -181,7 +201,7 @@ Result<ExecResult> Edge::exec(const std::string& id, const ExecSpec& spec,
 Result<uint64_t> Edge::writeFile(const std::string& id, const std::string& path, int mode,
                                  const ByteSource& src) {
   auto inst = find(id);
-  if (!inst) return notFound("sandbox " + id + " is not running on this node");
+  if (!inst) return notRunning(id);
   auto conn = inst->agent();
   auto stream = conn->openStream();
   StreamGuard guard{*conn, stream->id()};
@@ -217,7 +237,7 @@ Result<uint64_t> Edge::writeFile(const std::string& id, const std::string& path,
 Status Edge::readFile(const std::string& id, const std::string& path,
                       const std::function<Status(uint64_t)>& onSize, const ByteSink& sink) {
   auto inst = find(id);
-  if (!inst) return notFound("sandbox " + id + " is not running on this node");
+  if (!inst) return notRunning(id);
   auto conn = inst->agent();
   uint64_t size = 0, offset = 0;
   bool first = true;
@@ -262,20 +282,22 @@ Status Edge::readFile(const std::string& id, const std::string& path,
 Result<std::string> Edge::fileCall(const std::string& id, proto::FrameType type,
                                    const std::string& body) {
   auto inst = find(id);
-  if (!inst) return notFound("sandbox " + id + " is not running on this node");
+  if (!inst) return notRunning(id);
   return agentCall(*inst->agent(), type, body, kAgentCallTimeoutS);
 }
 
 Result<CgroupStats> Edge::stats(const std::string& id) {
   auto inst = find(id);
-  if (!inst) return notFound("sandbox " + id + " is not running on this node");
+  if (!inst) return notRunning(id);
   return inst->stats();
 }
 
 std::vector<std::string> Edge::sandboxIds() const {
   std::lock_guard lk(mu_);
   std::vector<std::string> out;
-  for (auto& [id, _] : sandboxes_) out.push_back(id);
+  for (auto& [id, inst] : sandboxes_) {
+    if (inst) out.push_back(id);
+  }
   return out;
 }
 

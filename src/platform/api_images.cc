@@ -133,14 +133,19 @@ void Platform::deleteImage(const std::string& ref, http::Response& res) {
   std::string name, tag;
   if (Status st = parseImageRef(ref, name, tag); !st.isOk()) return sendError(res, st);
   std::string full = name + ":" + tag;
+  std::string user;
   {
     std::lock_guard lk(mu_);
     for (auto& [id, r] : sandboxes_) {
-      if (r.image == full && (r.state == "running" || r.state == "creating")) {
-        return sendError(res, Status(Code::kFailedPrecondition,
-                                     "image " + full + " is in use by sandbox " + id));
+      if (r.image == full && !isFinal(r.state)) {
+        user = id;
+        break;
       }
     }
+  }
+  if (!user.empty()) {
+    return sendError(res, Status(Code::kFailedPrecondition,
+                                 "image " + full + " is in use by sandbox " + user));
   }
   if (Status st = store_->deleteImage(name, tag); !st.isOk()) return sendError(res, st);
   sendJson(res, 200, "{}");

@@ -139,16 +139,22 @@ void Platform::createSandbox(http::Request& req, http::Response& res) {
   r.state = "creating";
   r.createdAt = r.updatedAt = nowSeconds();
   r.expiresAt = r.ttlS > 0 ? r.createdAt + double(r.ttlS) : 0;
+  bool shuttingDown;
   {
     std::lock_guard lk(mu_);
-    if (stopping_) return fail(Status(Code::kUnavailable, "platform is shutting down"));
-    sandboxes_[r.id] = r;
+    shuttingDown = stopping_;
+    if (!shuttingDown) sandboxes_[r.id] = r;
   }
+  // Responses are written outside mu_: a client that does not read must not
+  // stall the platform.
+  if (shuttingDown) return fail(Status(Code::kUnavailable, "platform is shutting down"));
   // Persisted before the edge acts, so a crash mid-create leaves a record that
   // start-up recovery resolves.
   if (Status st = store_->putSandbox(r); !st.isOk()) {
-    std::lock_guard lk(mu_);
-    sandboxes_.erase(r.id);
+    {
+      std::lock_guard lk(mu_);
+      sandboxes_.erase(r.id);
+    }
     return fail(st);
   }
   edge::SandboxSpec spec;
@@ -165,23 +171,38 @@ void Platform::createSandbox(http::Request& req, http::Response& res) {
     {
       std::lock_guard lk(mu_);
       sandboxes_.erase(r.id);
+      deleteRequested_.erase(r.id);
     }
+    stateCv_.notify_all();
     (void)store_->deleteSandbox(r.id);
     return fail(st);
   }
+  bool cancelled;
   {
     std::lock_guard lk(mu_);
+    cancelled = deleteRequested_.erase(r.id) > 0 || stopping_;
     auto& cur = sandboxes_[r.id];
-    cur.state = "running";
+    cur.state = cancelled ? "stopped" : "running";
     cur.updatedAt = nowSeconds();
+    if (cancelled) {
+      cur.stoppedAt = cur.updatedAt;
+      cur.error = "deleted while being created";
+    }
     r = cur;
   }
-  if (Status ps = store_->putSandbox(r); !ps.isOk()) {
+  if (cancelled) (void)edge_->destroy(r.id);
+  Status ps = store_->putSandbox(r);
+  stateCv_.notify_all();
+  if (cancelled) {
+    return fail(Status(Code::kConflict, "sandbox " + r.id + " was deleted while being created"));
+  }
+  if (!ps.isOk()) {
     (void)edge_->destroy(r.id);
     {
       std::lock_guard lk(mu_);
       sandboxes_.erase(r.id);
     }
+    stateCv_.notify_all();
     (void)store_->deleteSandbox(r.id);
     return fail(ps);
   }
@@ -216,12 +237,14 @@ void Platform::listSandboxes(http::Request& req, http::Response& res) {
 
 void Platform::getSandbox(const std::string& id, http::Response& res) {
   SandboxRecord r;
+  bool found;
   {
     std::lock_guard lk(mu_);
     auto it = sandboxes_.find(id);
-    if (it == sandboxes_.end()) return sendError(res, notFound("sandbox " + id + " not found"));
-    r = it->second;
+    found = it != sandboxes_.end();
+    if (found) r = it->second;
   }
+  if (!found) return sendError(res, notFound("sandbox " + id + " not found"));
   json j = toApi(r);
   if (r.state == "running") {
     if (auto s = edge_->stats(id); s.isOk()) {
@@ -234,10 +257,9 @@ void Platform::getSandbox(const std::string& id, http::Response& res) {
 }
 
 void Platform::deleteSandbox(const std::string& id, http::Response& res) {
-  Status st = destroy(id, "stopped", "");
-  if (!st.isOk()) return sendError(res, st);
-  std::lock_guard lk(mu_);
-  sendJson(res, 200, dumpJson(toApi(sandboxes_[id])));
+  auto rec = destroy(id, "stopped", "");
+  if (!rec.isOk()) return sendError(res, rec.status());
+  sendJson(res, 200, dumpJson(toApi(*rec)));
 }
 
 void Platform::execSandbox(const std::string& id, http::Request& req, http::Response& res) {

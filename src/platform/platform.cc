@@ -91,6 +91,8 @@ Platform::~Platform() {
 }
 
 void Platform::shutdown() {
+  // The signal thread and the main thread may both get here.
+  std::lock_guard once(shutdownMu_);
   {
     std::lock_guard lk(mu_);
     stopping_ = true;
@@ -101,25 +103,34 @@ void Platform::shutdown() {
   {
     std::lock_guard lk(mu_);
     for (auto& [id, r] : sandboxes_) {
-      if (r.state == "running" || r.state == "creating") live.push_back(id);
+      if (r.state == "running") live.push_back(id);
     }
+    // Creates in flight see stopping_ and undo themselves.
   }
   for (auto& id : live) {
-    Status st = destroy(id, "stopped", "");
-    if (!st.isOk()) log::error("shutdown: destroy " + id + ": " + st.toString());
+    auto st = destroy(id, "stopped", "");
+    if (!st.isOk()) log::error("shutdown: destroy " + id + ": " + st.status().toString());
   }
 }
 
-Status Platform::destroy(const std::string& id, const std::string& finalState,
-                         const std::string& why) {
+Result<SandboxRecord> Platform::destroy(const std::string& id, const std::string& finalState,
+                                        const std::string& why) {
   {
-    std::lock_guard lk(mu_);
+    std::unique_lock lk(mu_);
     auto it = sandboxes_.find(id);
     if (it == sandboxes_.end()) return notFound("sandbox " + id + " not found");
-    if (it->second.state == "stopping") {
-      return Status(Code::kFailedPrecondition, "sandbox " + id + " is already stopping");
+    if (it->second.state == "creating") deleteRequested_.insert(id);
+    if (it->second.state == "creating" || it->second.state == "stopping") {
+      // Someone else finishes it; wait for the outcome.
+      stateCv_.wait(lk, [&] {
+        auto cur = sandboxes_.find(id);
+        return cur == sandboxes_.end() || isFinal(cur->second.state);
+      });
+      auto cur = sandboxes_.find(id);
+      if (cur == sandboxes_.end()) return notFound("sandbox " + id + " not found");
+      return cur->second;
     }
-    if (it->second.state == "stopped" || it->second.state == "failed") return Status::ok();
+    if (isFinal(it->second.state)) return it->second;
     it->second.state = "stopping";
   }
   Status edgeSt = edge_->destroy(id);
@@ -127,19 +138,23 @@ Status Platform::destroy(const std::string& id, const std::string& finalState,
   SandboxRecord rec;
   {
     std::lock_guard lk(mu_);
-    auto& r = sandboxes_[id];
+    auto it = sandboxes_.find(id);
+    if (it == sandboxes_.end()) return notFound("sandbox " + id + " not found");
+    auto& r = it->second;
     r.state = finalState;
     if (!why.empty()) r.error = why;
     if (!edgeSt.isOk() && r.error.empty()) r.error = "cleanup: " + edgeSt.message();
     r.updatedAt = r.stoppedAt = nowSeconds();
     rec = r;
   }
-  return store_->putSandbox(rec);
+  stateCv_.notify_all();
+  RETURN_IF_ERROR(store_->putSandbox(rec));
+  return rec;
 }
 
 void Platform::onSandboxDeath(const std::string& id, const std::string& why) {
-  Status st = destroy(id, "failed", why);
-  if (!st.isOk()) log::error("recording death of " + id + ": " + st.toString());
+  auto st = destroy(id, "failed", why);
+  if (!st.isOk()) log::error("recording death of " + id + ": " + st.status().toString());
 }
 
 void Platform::janitor() {
@@ -161,8 +176,8 @@ void Platform::janitor() {
     for (auto& id : purge) (void)store_->deleteSandbox(id);
     for (auto& id : expired) {
       log::info("sandbox " + id + ": TTL expired");
-      Status st = destroy(id, "stopped", "ttl expired");
-      if (!st.isOk()) log::error("ttl destroy " + id + ": " + st.toString());
+      auto st = destroy(id, "stopped", "ttl expired");
+      if (!st.isOk()) log::error("ttl destroy " + id + ": " + st.status().toString());
     }
     lk.lock();
   }

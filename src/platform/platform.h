@@ -11,6 +11,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 
@@ -35,7 +36,8 @@ class Platform {
 
   // The REST API (api/openapi.yaml).
   void handle(http::Request& req, http::Response& res);
-  // Destroys every live sandbox, recording each as stopped.
+  // Destroys every live sandbox, recording each as stopped. Thread-safe and
+  // idempotent; creates still in flight undo themselves.
   void shutdown();
 
   // Where the blob of a layer digest lives locally.
@@ -61,7 +63,11 @@ class Platform {
   void deleteImage(const std::string& ref, http::Response& res);
 
   Result<SandboxRecord> runningSandbox(const std::string& id);
-  Status destroy(const std::string& id, const std::string& finalState, const std::string& why);
+  // Stops a sandbox for good and returns its final record. Waits out a
+  // create or destroy already in progress instead of failing.
+  Result<SandboxRecord> destroy(const std::string& id, const std::string& finalState,
+                                const std::string& why);
+  static bool isFinal(const std::string& state) { return state == "stopped" || state == "failed"; }
   void onSandboxDeath(const std::string& id, const std::string& why);
   void janitor();
 
@@ -69,9 +75,13 @@ class Platform {
   Store* store_ = nullptr;     // not owned
   edge::Edge* edge_ = nullptr;  // not owned
 
-  std::mutex mu_;  // guards sandboxes_, stopping_
+  std::mutex mu_;  // guards sandboxes_, deleteRequested_, stopping_
   std::map<std::string, SandboxRecord> sandboxes_;
+  // Sandboxes asked to stop while still being created; createSandbox honours it.
+  std::set<std::string> deleteRequested_;
   bool stopping_ = false;
+  std::condition_variable stateCv_;  // a record reached a final state or went away
+  std::mutex shutdownMu_;  // serializes shutdown()
   std::condition_variable janitorCv_;
   std::thread janitorThread_;
 };

@@ -54,7 +54,7 @@ class Record:
 
 class FileEntry(Record):
     """One entry of ``list_dir`` or the result of ``stat``: name, path (stat only),
-    type ("file" | "dir" | "symlink" | "other"), size, mode (int, permission bits),
+    type ("file" | "dir" | "symlink" | "char" | "block" | "fifo" | "socket"), size, mode (int, permission bits),
     mtime, uid, gid."""
 
     __slots__ = ()

@@ -21,6 +21,9 @@
 #ifndef CLONE_PIDFD
 #define CLONE_PIDFD 0x00001000
 #endif
+#ifndef MFD_EXEC
+#define MFD_EXEC 0x0010U
+#endif
 
 namespace dsec::edge {
 
@@ -29,8 +32,26 @@ using json = nlohmann::json;
 namespace {
 
 constexpr int kChildStackSize = 64 * 1024;
+constexpr unsigned kMfdExec = MFD_EXEC;
 constexpr int kAgentFd = 3;
 constexpr int kExecFd = 4;
+// Exit codes of a child that failed before it became the agent.
+constexpr int kExitStdio = 120;
+constexpr int kExitAgentFd = 121;
+constexpr int kExitExecFd = 122;
+constexpr int kExitCloseRange = 123;
+constexpr int kExitExec = 124;
+
+const char* childFailure(int code) {
+  switch (code) {
+    case kExitStdio: return "could not set up stdio";
+    case kExitAgentFd: return "could not pass the agent socket";
+    case kExitExecFd: return "could not pass the agent binary";
+    case kExitCloseRange: return "close_range(2) failed (kernel < 5.9?)";
+    case kExitExec: return "execveat of the sealed agent binary failed (vm.memfd_noexec?)";
+  }
+  return "exited early";
+}
 
 class ContainerInstance : public Instance {
  public:
@@ -62,19 +83,29 @@ int childMain(void* p) {
   sigset_t none;
   sigemptyset(&none);
   sigprocmask(SIG_SETMASK, &none, nullptr);
-  if (dup2(a->devNull, 0) < 0 || dup2(a->devNull, 1) < 0) _exit(120);
-  if (dup2(a->agentFd, kAgentFd) < 0) _exit(121);
-  if (dup2(a->execFd, kExecFd) < 0) _exit(122);
-  if (fcntl(kExecFd, F_SETFD, FD_CLOEXEC) < 0) _exit(123);
-  syscall(SYS_close_range, kExecFd + 1, ~0U, 0);
+  if (dup2(a->devNull, 0) < 0 || dup2(a->devNull, 1) < 0) _exit(kExitStdio);
+  // dup2 onto itself would keep CLOEXEC; the agent must inherit fd 3.
+  if (a->agentFd == kAgentFd ? fcntl(kAgentFd, F_SETFD, 0) < 0
+                             : dup2(a->agentFd, kAgentFd) < 0) {
+    _exit(kExitAgentFd);
+  }
+  if (dup2(a->execFd, kExecFd) < 0) _exit(kExitExecFd);
+  if (fcntl(kExecFd, F_SETFD, FD_CLOEXEC) < 0) _exit(kExitExecFd);
+  // Nothing of the edge (API sockets, other sandboxes' agents) may reach the
+  // sandbox: without close_range, refuse to start rather than leak.
+  if (syscall(SYS_close_range, kExecFd + 1, ~0U, 0) != 0) _exit(kExitCloseRange);
   syscall(SYS_execveat, kExecFd, "", a->argv, a->envp, AT_EMPTY_PATH);
-  _exit(124);
+  _exit(kExitExec);
 }
 
 Result<UniqueFd> sealedCopy(const std::string& path) {
   UniqueFd src(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
   if (!src) return sysError("open " + path);
-  UniqueFd mfd(::memfd_create("dsec-aether", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+  // Kernels with vm.memfd_noexec make memfds non-executable unless asked.
+  UniqueFd mfd(::memfd_create("dsec-aether", MFD_CLOEXEC | MFD_ALLOW_SEALING | kMfdExec));
+  if (!mfd && errno == EINVAL) {
+    mfd.reset(::memfd_create("dsec-aether", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+  }
   if (!mfd) return sysError("memfd_create");
   char buf[1 << 16];
   for (;;) {
@@ -142,6 +173,16 @@ Result<ContainerBackend::Agent> ContainerBackend::spawnAgent() {
   Agent a;
   a.pid = pid;
   a.pidfd.reset(pidfd);
+  // CLONE_VFORK: by now the child has exec'd the agent or exited. Catch the
+  // latter here instead of as a start-up timeout later.
+  siginfo_t info{};
+  if (waitid(idtype_t(P_PIDFD), id_t(pidfd), &info, WEXITED | WNOHANG | WNOWAIT) == 0 &&
+      info.si_pid != 0) {
+    int code = info.si_code == CLD_EXITED ? info.si_status : -1;
+    killAndReap(pidfd);
+    return Status(Code::kInternal, std::string("sandbox agent did not start: ") +
+                                       childFailure(code));
+  }
   a.conn = std::make_shared<AgentConn>(std::move(ours), "agent-" + std::to_string(pid));
   if (Status st = reactor_->add(a.conn); !st.isOk()) {
     killAndReap(a.pidfd.get());
