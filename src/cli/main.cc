@@ -153,6 +153,9 @@ int cmdUp(const Args& a) {
   if (lockFd < 0 || flock(lockFd, LOCK_EX | LOCK_NB) != 0) {
     return die("another dsec is running on " + dataDir);
   }
+  // A crashed run leaves its up.json behind; it must not point clients at a
+  // dead address while this one starts.
+  ::unlink((dataDir + "/up.json").c_str());
   auto token = loadOrCreateToken(dataDir);
   if (!token.isOk()) return die(token.status().toString());
   auto store = platform::SqliteStore::open(dataDir + "/state.db");

@@ -1,0 +1,76 @@
+"""Platform lifecycle with a `dsec up` of the test's own: stopping while work is
+in flight, and restarting on a data dir whose previous run was killed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import dsec
+from conftest import Server, _check_prerequisites
+from helpers import mounts_containing, sandbox_cgroup_dirs
+
+
+@pytest.fixture
+def own_server(tmp_path_factory, server):
+    """A second, private `dsec up` (the session server keeps running beside it)."""
+    _check_prerequisites()
+    s = Server(tmp_path_factory.mktemp("own") / "data")
+    s.data_dir.mkdir()
+    s.start()
+    s.import_image("busybox:latest", Path(os.environ.get(
+        "DSEC_IMAGE_CACHE", "/var/cache/dsec/test-images")) / "busybox.tar")
+    yield s
+    if s.proc.poll() is None:
+        s.stop()
+
+
+def test_sigterm_ends_blocked_execs_and_cleans_up(own_server):
+    s = own_server
+    sb = s.client.create("busybox:latest")
+    errors = []
+
+    def long_exec():
+        c = dsec.Client.from_data_dir(str(s.data_dir), timeout=120)
+        try:
+            c.sandbox(sb.id).exec("sleep 3600", timeout=3600)
+        except Exception as e:  # the server goes away under it: any error is fine
+            errors.append(e)
+
+    t = threading.Thread(target=long_exec)
+    t.start()
+    time.sleep(0.5)  # the exec is running
+    t0 = time.monotonic()
+    s.proc.send_signal(signal.SIGTERM)
+    s.proc.wait(30)
+    took = time.monotonic() - t0
+    t.join(30)
+    assert took < 15, f"SIGTERM with an exec in flight took {took:.1f} s"
+    assert s.proc.returncode == 0, s.log_tail()
+    assert not mounts_containing(str(s.data_dir))
+    assert sb.id not in {os.path.basename(p) for p in sandbox_cgroup_dirs()}
+
+
+def test_restart_after_kill_marks_sandboxes_lost_and_removes_orphans(own_server):
+    s = own_server
+    sb = s.client.create("busybox:latest")
+    assert sb.exec("echo hi").stdout == "hi\n"
+    os.kill(s.proc.pid, signal.SIGKILL)  # a crash: nothing is cleaned up
+    s.proc.wait(10)
+    s._log.close()
+    # the agent sees its connection close and exits; its cgroup stays behind
+    assert sb.id in {os.path.basename(p) for p in sandbox_cgroup_dirs()}
+    (s.data_dir / "up.json").unlink()  # stale: the crashed run could not remove it
+    s.start()
+    r = s.client.get(sb.id)
+    assert r.state == "failed" and "lost" in (r.info.get("error") or ""), r.info
+    assert sb.id not in {os.path.basename(p) for p in sandbox_cgroup_dirs()}
+    # and it serves new sandboxes
+    sb2 = s.client.create("busybox:latest")
+    assert sb2.exec("echo again").stdout == "again\n"
+    sb2.destroy()
