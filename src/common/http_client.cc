@@ -1,8 +1,18 @@
 #include "common/http_client.h"
 
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
 #include <boost/asio.hpp>
 #include <boost/beast/core.hpp>
+#include <boost/beast/core/stream_traits.hpp>
 #include <boost/beast/http.hpp>
+#include <cstring>
 
 namespace dsec::http {
 
@@ -11,9 +21,163 @@ namespace beast = boost::beast;
 namespace bhttp = boost::beast::http;
 using tcp = asio::ip::tcp;
 
+namespace {
+
+// SO_RCVTIMEO / SO_SNDTIMEO on fd; seconds <= 0 leaves the call unbounded.
+void setSocketTimeout(int fd, int opt, double seconds) {
+  if (seconds <= 0) return;
+  timeval tv{};
+  tv.tv_sec = time_t(seconds);
+  tv.tv_usec = suseconds_t((seconds - double(tv.tv_sec)) * 1e6);
+  if (tv.tv_sec == 0 && tv.tv_usec == 0) tv.tv_usec = 1;  // {0,0} would mean "forever"
+  (void)::setsockopt(fd, SOL_SOCKET, opt, &tv, sizeof tv);
+}
+
+// A blocking SyncReadStream/SyncWriteStream over the socket's fd that honours
+// SO_RCVTIMEO/SO_SNDTIMEO. Asio's synchronous socket calls do not: on EAGAIN
+// at the timeout they poll(2) with no timeout and wait on (sync_recv/sync_send
+// in asio's socket_ops.ipp). Here a timeout is asio::error::timed_out.
+// Twin of the one in http_server.cc (Beast must not leak into a shared header).
+class TimedStream {
+ public:
+  explicit TimedStream(int fd = -1) : fd_(fd) {}
+
+  template <class Buffers>
+  size_t read_some(const Buffers& bufs, beast::error_code& ec) {
+    iovec iov[kMaxIov];
+    msghdr mh{};
+    mh.msg_iov = iov;
+    if (fill<asio::mutable_buffer>(bufs, iov, mh.msg_iovlen) == 0) {
+      ec = {};
+      return 0;
+    }
+    for (;;) {
+      ssize_t n = ::recvmsg(fd_, &mh, 0);
+      if (n > 0) {
+        ec = {};
+        return size_t(n);
+      }
+      if (n == 0) {
+        ec = asio::error::eof;
+        return 0;
+      }
+      if (errno == EINTR) continue;
+      ec = errorFor(errno);
+      return 0;
+    }
+  }
+  template <class Buffers>
+  size_t write_some(const Buffers& bufs, beast::error_code& ec) {
+    iovec iov[kMaxIov];
+    msghdr mh{};
+    mh.msg_iov = iov;
+    if (fill<asio::const_buffer>(bufs, iov, mh.msg_iovlen) == 0) {
+      ec = {};
+      return 0;
+    }
+    for (;;) {
+      ssize_t n = ::sendmsg(fd_, &mh, MSG_NOSIGNAL);  // an error, not SIGPIPE
+      if (n >= 0) {
+        ec = {};
+        return size_t(n);
+      }
+      if (errno == EINTR) continue;
+      ec = errorFor(errno);
+      return 0;
+    }
+  }
+  // The throwing forms complete the stream concepts; we call only the above.
+  template <class Buffers>
+  size_t read_some(const Buffers& bufs) {
+    beast::error_code ec;
+    size_t n = read_some(bufs, ec);
+    if (ec) throw beast::system_error(ec);
+    return n;
+  }
+  template <class Buffers>
+  size_t write_some(const Buffers& bufs) {
+    beast::error_code ec;
+    size_t n = write_some(bufs, ec);
+    if (ec) throw beast::system_error(ec);
+    return n;
+  }
+
+ private:
+  static constexpr size_t kMaxIov = 64;
+
+  static beast::error_code errorFor(int err) {
+    if (err == EAGAIN || err == EWOULDBLOCK) return asio::error::timed_out;
+    return beast::error_code(err, boost::system::system_category());
+  }
+  template <class Buf, class Buffers>
+  static size_t fill(const Buffers& bufs, iovec* iov, size_t& count) {
+    size_t total = 0;
+    count = 0;
+    for (auto it = asio::buffer_sequence_begin(bufs);
+         it != asio::buffer_sequence_end(bufs) && count < kMaxIov; ++it) {
+      Buf b(*it);
+      if (b.size() == 0) continue;
+      iov[count].iov_base = const_cast<void*>(static_cast<const void*>(b.data()));
+      iov[count].iov_len = b.size();
+      total += b.size();
+      ++count;
+    }
+    return total;
+  }
+
+  int fd_;
+};
+static_assert(beast::is_sync_read_stream<TimedStream>::value);
+static_assert(beast::is_sync_write_stream<TimedStream>::value);
+
+Status ioError(std::string_view what, const beast::error_code& ec) {
+  if (ec == asio::error::timed_out) {
+    return Status(Code::kDeadlineExceeded, std::string(what) + ": timed out");
+  }
+  return Status(Code::kUnavailable, std::string(what) + ": " + ec.message());
+}
+
+// A close-on-exec TCP socket connected to ep within timeoutS (connect(2) on a
+// non-blocking socket, bounded by poll(2)), then blocking with I/O timeouts.
+Result<int> connectTo(const tcp::endpoint& ep, const ClientOptions& o) {
+  int fd =
+      ::socket(ep.protocol().family(), SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, IPPROTO_TCP);
+  if (fd < 0) return Status(Code::kUnavailable, std::string("socket: ") + strerror(errno), errno);
+  auto fail = [fd](Code code, std::string msg, int err) {
+    ::close(fd);
+    return Status(code, std::move(msg), err);
+  };
+  if (::connect(fd, ep.data(), ep.size()) != 0) {
+    if (errno != EINPROGRESS) return fail(Code::kUnavailable, strerror(errno), errno);
+    pollfd p{fd, POLLOUT, 0};
+    int ms = o.connectTimeoutS > 0 ? std::max(1, int(o.connectTimeoutS * 1000)) : -1;
+    int rc;
+    while ((rc = ::poll(&p, 1, ms)) < 0 && errno == EINTR) {
+    }
+    if (rc == 0) return fail(Code::kDeadlineExceeded, "timed out", ETIMEDOUT);
+    if (rc < 0) return fail(Code::kUnavailable, strerror(errno), errno);
+    int err = 0;
+    socklen_t len = sizeof err;
+    if (::getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) != 0) err = errno;
+    if (err != 0) return fail(Code::kUnavailable, strerror(err), err);
+  }
+  int flags = ::fcntl(fd, F_GETFL);
+  if (flags < 0 || ::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) != 0) {
+    return fail(Code::kUnavailable, std::string("fcntl: ") + strerror(errno), errno);
+  }
+  setSocketTimeout(fd, SO_RCVTIMEO, o.readTimeoutS);
+  setSocketTimeout(fd, SO_SNDTIMEO, o.writeTimeoutS);
+  int one = 1;
+  (void)::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  return fd;
+}
+
+}  // namespace
+
 struct Client::Impl {
   asio::io_context ioc;
-  tcp::socket sock{ioc};
+  tcp::socket sock{ioc};  // owns the fd
+  TimedStream stream;     // all I/O, so the timeouts fire
   beast::flat_buffer buf;
   std::string host, port, token;
 
@@ -29,7 +193,8 @@ struct Client::Impl {
 Client::Client(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Client::~Client() = default;
 
-Result<std::unique_ptr<Client>> Client::connect(const std::string& url, std::string token) {
+Result<std::unique_ptr<Client>> Client::connect(const std::string& url, std::string token,
+                                                ClientOptions opts) {
   std::string rest = url;
   if (rest.rfind("http://", 0) == 0) {
     rest = rest.substr(7);
@@ -45,10 +210,26 @@ Result<std::unique_ptr<Client>> Client::connect(const std::string& url, std::str
   beast::error_code ec;
   tcp::resolver resolver(impl->ioc);
   auto eps = resolver.resolve(impl->host, impl->port, ec);
-  if (!ec) asio::connect(impl->sock, eps, ec);
   if (ec) return Status(Code::kUnavailable, "connect to " + url + ": " + ec.message());
-  impl->sock.set_option(tcp::no_delay(true), ec);
-  return std::unique_ptr<Client>(new Client(std::move(impl)));
+  // Not asio::connect: it cannot bound the connect, and its sockets are not
+  // close-on-exec.
+  Status last(Code::kUnavailable, "no address");
+  for (const auto& e : eps) {
+    auto fd = connectTo(e.endpoint(), opts);
+    if (!fd.isOk()) {
+      last = std::move(fd).takeStatus();
+      continue;
+    }
+    impl->sock.assign(e.endpoint().protocol(), *fd, ec);
+    if (ec) {
+      ::close(*fd);
+      last = Status(Code::kUnavailable, ec.message());
+      continue;
+    }
+    impl->stream = TimedStream(*fd);
+    return std::unique_ptr<Client>(new Client(std::move(impl)));
+  }
+  return last.withContext("connect to " + url);
 }
 
 Result<ClientResponse> Client::request(std::string_view method, std::string_view target,
@@ -77,20 +258,23 @@ Result<ClientResponse> Client::requestStreaming(
     req.prepare_payload();
   }
   beast::error_code ec;
-  bhttp::write(impl_->sock, req, ec);
-  if (ec) return Status(Code::kUnavailable, "send request: " + ec.message());
+  bhttp::write(impl_->stream, req, ec);
+  if (ec) return ioError("send request", ec);
   bhttp::response_parser<bhttp::buffer_body> parser;
   parser.body_limit(boost::none);
-  bhttp::read_header(impl_->sock, impl_->buf, parser, ec);
-  if (ec) return Status(Code::kUnavailable, "read response: " + ec.message());
+  // A HEAD response announces a Content-Length but carries no body; without
+  // skip() the parser would wait for those bytes forever.
+  if (req.method() == bhttp::verb::head) parser.skip(true);
+  bhttp::read_header(impl_->stream, impl_->buf, parser, ec);
+  if (ec) return ioError("read response", ec);
   ClientResponse out = headOf(parser);
   char chunk[65536];
   while (!parser.is_done()) {
     parser.get().body().data = chunk;
     parser.get().body().size = sizeof chunk;
-    bhttp::read(impl_->sock, impl_->buf, parser, ec);
+    bhttp::read(impl_->stream, impl_->buf, parser, ec);
     if (ec == bhttp::error::need_buffer) ec = {};
-    if (ec) return Status(Code::kUnavailable, "read response body: " + ec.message());
+    if (ec) return ioError("read response body", ec);
     size_t n = sizeof chunk - parser.get().body().size;
     if (onData && n > 0) {
       onData(std::string_view(chunk, n));
@@ -110,11 +294,11 @@ Result<ClientResponse> Client::uploadFile(std::string_view method, std::string_v
   if (ec) return Status(Code::kNotFound, "open " + path + ": " + ec.message());
   req.set(bhttp::field::content_type, "application/octet-stream");
   req.prepare_payload();
-  bhttp::write(impl_->sock, req, ec);
-  if (ec) return Status(Code::kUnavailable, "upload " + path + ": " + ec.message());
+  bhttp::write(impl_->stream, req, ec);
+  if (ec) return ioError("upload " + path, ec);
   bhttp::response<bhttp::string_body> res;
-  bhttp::read(impl_->sock, impl_->buf, res, ec);
-  if (ec) return Status(Code::kUnavailable, "read response: " + ec.message());
+  bhttp::read(impl_->stream, impl_->buf, res, ec);
+  if (ec) return ioError("read response", ec);
   ClientResponse out;
   out.status = int(res.result_int());
   out.contentType = std::string(res[bhttp::field::content_type]);

@@ -17,10 +17,22 @@ struct ClientResponse {
   std::string body;
 };
 
+struct ClientOptions {
+  // Each bound is per system call, so the CLI never hangs forever on a dead or
+  // stuck server; a long streamed response is fine as long as bytes keep coming.
+  double connectTimeoutS = 300;  // TCP connect; then kDeadlineExceeded
+  double readTimeoutS = 300;     // longest silence from the server (SO_RCVTIMEO)
+  double writeTimeoutS = 300;    // longest stall sending a request (SO_SNDTIMEO)
+};
+
 class Client {
  public:
-  // url: "http://host:port" (no TLS in the CLI yet).
-  static Result<std::unique_ptr<Client>> connect(const std::string& url, std::string token);
+  // url: "http://host:port" (no TLS in the CLI yet). kUnavailable if the server
+  // cannot be reached, kDeadlineExceeded if connecting takes connectTimeoutS.
+  // Requests fail with kDeadlineExceeded when a read or write times out; the
+  // connection is then unusable.
+  static Result<std::unique_ptr<Client>> connect(const std::string& url, std::string token,
+                                                 ClientOptions opts = {});
   ~Client();
 
   Result<ClientResponse> request(std::string_view method, std::string_view target,

@@ -1,15 +1,19 @@
 #include "common/http_server.h"
 
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <sys/socket.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <boost/asio.hpp>
 #include <boost/beast/core.hpp>
+#include <boost/beast/core/stream_traits.hpp>
 #include <boost/beast/http.hpp>
 #include <condition_variable>
 #include <mutex>
+#include <cstring>
 #include <set>
 #include <thread>
 
@@ -79,13 +83,152 @@ bool parseQuery(std::string_view qs, std::multimap<std::string, std::string>& ou
   }
   return true;
 }
+
+// SO_RCVTIMEO / SO_SNDTIMEO on fd; seconds <= 0 leaves the call unbounded.
+void setSocketTimeout(int fd, int opt, double seconds) {
+  if (seconds <= 0) return;
+  timeval tv{};
+  tv.tv_sec = time_t(seconds);
+  tv.tv_usec = suseconds_t((seconds - double(tv.tv_sec)) * 1e6);
+  if (tv.tv_sec == 0 && tv.tv_usec == 0) tv.tv_usec = 1;  // {0,0} would mean "forever"
+  (void)::setsockopt(fd, SOL_SOCKET, opt, &tv, sizeof tv);
+}
+
+// A blocking SyncReadStream/SyncWriteStream over a connected socket's fd that
+// honours SO_RCVTIMEO/SO_SNDTIMEO. Asio's own synchronous socket calls do not:
+// when recv(2)/send(2) give up with EAGAIN at the timeout, Asio poll(2)s with
+// no timeout and waits on (sync_recv/sync_send in asio's socket_ops.ipp), so
+// the options alone never fire. Here a timeout is asio::error::timed_out.
+// (http_client.cc has a twin; Beast types must not leak into a shared header.)
+class TimedStream {
+ public:
+  explicit TimedStream(int fd) : fd_(fd) {}
+
+  template <class Buffers>
+  size_t read_some(const Buffers& bufs, beast::error_code& ec) {
+    iovec iov[kMaxIov];
+    msghdr mh{};
+    mh.msg_iov = iov;
+    if (fill<asio::mutable_buffer>(bufs, iov, mh.msg_iovlen) == 0) {
+      ec = {};
+      return 0;
+    }
+    for (;;) {
+      ssize_t n = ::recvmsg(fd_, &mh, 0);
+      if (n > 0) {
+        ec = {};
+        return size_t(n);
+      }
+      if (n == 0) {
+        ec = asio::error::eof;
+        return 0;
+      }
+      if (errno == EINTR) continue;
+      ec = errorFor(errno);
+      return 0;
+    }
+  }
+  template <class Buffers>
+  size_t write_some(const Buffers& bufs, beast::error_code& ec) {
+    iovec iov[kMaxIov];
+    msghdr mh{};
+    mh.msg_iov = iov;
+    if (fill<asio::const_buffer>(bufs, iov, mh.msg_iovlen) == 0) {
+      ec = {};
+      return 0;
+    }
+    for (;;) {
+      // MSG_NOSIGNAL: a peer that went away is an error here, not SIGPIPE.
+      ssize_t n = ::sendmsg(fd_, &mh, MSG_NOSIGNAL);
+      if (n >= 0) {
+        ec = {};
+        return size_t(n);
+      }
+      if (errno == EINTR) continue;
+      ec = errorFor(errno);
+      return 0;
+    }
+  }
+  // The throwing forms complete the stream concepts; dsec calls only the above.
+  template <class Buffers>
+  size_t read_some(const Buffers& bufs) {
+    beast::error_code ec;
+    size_t n = read_some(bufs, ec);
+    if (ec) throw beast::system_error(ec);
+    return n;
+  }
+  template <class Buffers>
+  size_t write_some(const Buffers& bufs) {
+    beast::error_code ec;
+    size_t n = write_some(bufs, ec);
+    if (ec) throw beast::system_error(ec);
+    return n;
+  }
+
+ private:
+  static constexpr size_t kMaxIov = 64;
+
+  static beast::error_code errorFor(int err) {
+    if (err == EAGAIN || err == EWOULDBLOCK) return asio::error::timed_out;
+    return beast::error_code(err, boost::system::system_category());
+  }
+  // Fills iov from a buffer sequence (first kMaxIov non-empty buffers; a short
+  // transfer is fine for read_some/write_some); returns the byte total.
+  template <class Buf, class Buffers>
+  static size_t fill(const Buffers& bufs, iovec* iov, size_t& count) {
+    size_t total = 0;
+    count = 0;
+    for (auto it = asio::buffer_sequence_begin(bufs);
+         it != asio::buffer_sequence_end(bufs) && count < kMaxIov; ++it) {
+      Buf b(*it);
+      if (b.size() == 0) continue;
+      iov[count].iov_base = const_cast<void*>(static_cast<const void*>(b.data()));
+      iov[count].iov_len = b.size();
+      total += b.size();
+      ++count;
+    }
+    return total;
+  }
+
+  int fd_;
+};
+static_assert(beast::is_sync_read_stream<TimedStream>::value);
+static_assert(beast::is_sync_write_stream<TimedStream>::value);
+
+std::string jsonError(std::string_view code, std::string_view msg) {
+  return std::string(R"({"error":{"code":")") + std::string(code) + R"(","message":")" +
+         std::string(msg) + "\"}}";
+}
+
+// Answers a connection we will not serve with 503 and closes it, without
+// blocking the accept loop: the send cannot block (MSG_DONTWAIT; a fresh
+// socket's buffer is empty) and we drain only what has already arrived. A
+// request arriving after the close may earn the client a reset instead of the
+// 503; either way it fails fast and the server stays up.
+void rejectConnection(int fd, const std::string& serverName, std::string_view msg) {
+  std::string body = jsonError("unavailable", msg);
+  std::string res =
+      "HTTP/1.1 503 Service Unavailable\r\nServer: " + serverName +
+      "\r\nContent-Type: application/json\r\nContent-Length: " + std::to_string(body.size()) +
+      "\r\nConnection: close\r\n\r\n" + body;
+  (void)::send(fd, res.data(), res.size(), MSG_DONTWAIT | MSG_NOSIGNAL);
+  ::shutdown(fd, SHUT_WR);
+  char junk[4096];
+  while (::recv(fd, junk, sizeof junk, MSG_DONTWAIT) > 0) {
+  }
+  ::close(fd);
+}
 }  // namespace
 
 // One accepted connection; owned by its thread.
 class Connection {
  public:
-  Connection(tcp::socket sock, const std::string& serverName)
-      : sock_(std::move(sock)), serverName_(serverName) {}
+  // Takes a socket that is already close-on-exec (accept4(SOCK_CLOEXEC)).
+  Connection(tcp::socket sock, const ServerOptions& opts)
+      : sock_(std::move(sock)), stream_(sock_.native_handle()), serverName_(opts.serverName) {
+    setSocketTimeout(sock_.native_handle(), SO_RCVTIMEO, opts.idleTimeoutS);
+    setSocketTimeout(sock_.native_handle(), SO_SNDTIMEO, opts.sendTimeoutS);
+  }
 
   void run(const Handler& handler);
   void shutdown() {
@@ -100,11 +243,14 @@ class Connection {
     body.data = buf;
     body.size = n;
     beast::error_code ec;
-    bhttp::read(sock_, buf_, *parser_, ec);
+    bhttp::read(stream_, buf_, *parser_, ec);
     if (ec == bhttp::error::need_buffer) ec = {};
     if (ec) {
       broken_ = true;
       if (ec == bhttp::error::body_limit) return Status(Code::kPayloadTooLarge, "body too large");
+      if (ec == asio::error::timed_out) {
+        return Status(Code::kDeadlineExceeded, "reading request body: timed out");
+      }
       return Status(Code::kInvalidArgument, "reading request body: " + ec.message());
     }
     return n - body.size;
@@ -118,6 +264,11 @@ class Connection {
     res.set(bhttp::field::server, serverName_);
     res.set(bhttp::field::content_type, ctype);
     for (auto& [k, v] : r.extraHeaders_) res.set(k, v);
+    // The connection can carry another request only if this one's body was
+    // consumed (unread bytes would parse as the next request) and nothing broke.
+    // Decide now, while the header can still say so: the client must see
+    // "Connection: close" rather than a silent close, and run() obeys keepAlive_.
+    if (broken_ || !bodyDone()) keepAlive_ = false;
     res.keep_alive(keepAlive_);
     if (chunked) {
       res.chunked(true);
@@ -126,7 +277,7 @@ class Connection {
     }
     bhttp::response_serializer<bhttp::empty_body> sr{res};
     beast::error_code ec;
-    bhttp::write_header(sock_, sr, ec);
+    bhttp::write_header(stream_, sr, ec);
     if (ec) {
       broken_ = true;
       return Status(Code::kUnavailable, "client went away: " + ec.message());
@@ -138,9 +289,9 @@ class Connection {
     beast::error_code ec;
     if (chunk) {
       if (data.empty()) return Status::ok();  // an empty chunk would end the body
-      asio::write(sock_, bhttp::make_chunk(asio::const_buffer(data.data(), data.size())), ec);
+      asio::write(stream_, bhttp::make_chunk(asio::const_buffer(data.data(), data.size())), ec);
     } else {
-      asio::write(sock_, asio::const_buffer(data.data(), data.size()), ec);
+      asio::write(stream_, asio::const_buffer(data.data(), data.size()), ec);
     }
     if (ec) {
       broken_ = true;
@@ -151,7 +302,7 @@ class Connection {
   Status writeLastChunk() {
     if (isHead_) return Status::ok();
     beast::error_code ec;
-    asio::write(sock_, bhttp::make_chunk_last(), ec);
+    asio::write(stream_, bhttp::make_chunk_last(), ec);
     if (ec) {
       broken_ = true;
       return Status(Code::kUnavailable, "client went away: " + ec.message());
@@ -164,12 +315,11 @@ class Connection {
  private:
   void sendSimpleError(int status, std::string_view code, std::string_view msg) {
     Response r(this);
-    std::string body = std::string(R"({"error":{"code":")") + std::string(code) +
-                       R"(","message":")" + std::string(msg) + "\"}}";
-    (void)r.send(status, "application/json", body);
+    (void)r.send(status, "application/json", jsonError(code, msg));
   }
 
-  tcp::socket sock_;
+  tcp::socket sock_;    // owns the fd; shutdown() from other threads
+  TimedStream stream_;  // all request/response I/O, so the socket timeouts fire
   const std::string& serverName_;
   beast::flat_buffer buf_;
   std::optional<bhttp::request_parser<bhttp::buffer_body>> parser_;
@@ -185,16 +335,19 @@ void Connection::run(const Handler& handler) {
     parser_.emplace();
     parser_->body_limit(boost::none);  // handlers enforce their own limits
     parser_->header_limit(64 * 1024);
-    bhttp::read_header(sock_, buf_, *parser_, ec);
+    isHead_ = false;  // a previous HEAD must not strip this response's body
+    bhttp::read_header(stream_, buf_, *parser_, ec);
     if (ec) {
-      if (ec != bhttp::error::end_of_stream && ec != asio::error::connection_reset &&
-          ec != asio::error::eof && ec != asio::error::operation_aborted &&
-          ec != asio::error::bad_descriptor && ec != asio::error::shut_down &&
-          ec != asio::error::not_connected) {
-        keepAlive_ = false;
-        sendSimpleError(400, "invalid_argument", "malformed HTTP request");
+      // Gone, shut down by stop(), or idle past idleTimeoutS: close quietly.
+      if (ec == bhttp::error::end_of_stream || ec == asio::error::connection_reset ||
+          ec == asio::error::eof || ec == asio::error::operation_aborted ||
+          ec == asio::error::bad_descriptor || ec == asio::error::shut_down ||
+          ec == asio::error::not_connected || ec == asio::error::timed_out) {
+        return;
       }
-      return;
+      keepAlive_ = false;
+      sendSimpleError(400, "invalid_argument", "malformed HTTP request");
+      break;  // through the lingering close, so a reset does not eat the 400
     }
     auto& msg = parser_->get();
     keepAlive_ = msg.keep_alive();
@@ -215,7 +368,7 @@ void Connection::run(const Handler& handler) {
     if (!ok) {
       keepAlive_ = false;
       sendSimpleError(400, "invalid_argument", "malformed percent-encoding in URL");
-      return;
+      break;  // the body, if any, is unread: close through the lingering close
     }
     Response res(this);
     handler(req, res);
@@ -226,7 +379,7 @@ void Connection::run(const Handler& handler) {
       (void)res.finish();
     }
     if (broken_ || !keepAlive_) break;
-    if (!parser_->is_done()) break;  // handler left body unread: cannot reuse the stream
+    if (!parser_->is_done()) break;  // body unread: writeHead already said close
   }
   sock_.shutdown(tcp::socket::shutdown_send, ec);
   lingerDrain();
@@ -234,12 +387,14 @@ void Connection::run(const Handler& handler) {
 
 void Connection::lingerDrain() {
   // A client still sending a body we refused would get a reset instead of our
-  // error response if we closed now; read and drop a bounded amount first.
+  // error response if we closed now; read and drop a bounded amount first,
+  // for a bounded time, so a trickling client cannot hold the thread.
   timeval tv{0, 200 * 1000};
   setsockopt(sock_.native_handle(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
   char junk[65536];
   size_t total = 0;
-  while (total < (64u << 20)) {
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+  while (total < (64u << 20) && std::chrono::steady_clock::now() < deadline) {
     ssize_t n = ::recv(sock_.native_handle(), junk, sizeof junk, 0);
     if (n <= 0) break;
     total += size_t(n);
@@ -346,6 +501,7 @@ struct Server::Impl {
   ServerOptions opts;
   asio::io_context ioc;
   tcp::acceptor acceptor{ioc};
+  tcp protocol = tcp::v4();  // of the listening address; accepted sockets share it
   std::atomic<bool> stopping{false};
   std::mutex mu;  // guards conns, active
   std::condition_variable cv;
@@ -366,6 +522,11 @@ Status Server::listen() {
   tcp::endpoint ep(addr, impl_->opts.port);
   auto& a = impl_->acceptor;
   a.open(ep.protocol(), ec);
+  // Asio opens sockets without SOCK_CLOEXEC; every child (sandbox, helper)
+  // would inherit the listening socket and keep the port bound after we exit.
+  if (!ec && ::fcntl(a.native_handle(), F_SETFD, FD_CLOEXEC) != 0) {
+    ec.assign(errno, boost::system::system_category());
+  }
   if (!ec) a.set_option(asio::socket_base::reuse_address(true), ec);
   if (!ec) a.bind(ep, ec);
   if (!ec) a.listen(1024, ec);
@@ -373,6 +534,7 @@ Status Server::listen() {
     return Status(Code::kUnavailable, "listen on " + impl_->opts.host + ":" +
                                           std::to_string(impl_->opts.port) + ": " + ec.message());
   }
+  impl_->protocol = ep.protocol();
   return Status::ok();
 }
 
@@ -383,35 +545,68 @@ uint16_t Server::port() const {
 
 void Server::serve(Handler handler) {
   auto shared = std::make_shared<Handler>(std::move(handler));
+  const int listenFd = impl_->acceptor.native_handle();
   while (!impl_->stopping) {
-    beast::error_code ec;
-    tcp::socket sock(impl_->ioc);
-    impl_->acceptor.accept(sock, ec);
-    if (ec) {
+    // accept4(SOCK_CLOEXEC) rather than Asio's accept + fcntl: handlers fork
+    // sandboxes on other threads at any moment, and a child forked between
+    // accept and fcntl would inherit the connection and hold it open.
+    int fd = ::accept4(listenFd, nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd < 0) {
+      int err = errno;
       if (impl_->stopping) break;
-      if (ec == asio::error::no_descriptors || ec == asio::error::no_buffer_space) {
-        log::warn("accept: " + ec.message());
+      if (err == EMFILE || err == ENFILE || err == ENOBUFS || err == ENOMEM) {
+        log::warn(std::string("accept: ") + std::strerror(err));
         std::this_thread::sleep_for(std::chrono::milliseconds(50));
       }
       continue;
     }
     {
-      std::lock_guard lk(impl_->mu);
+      std::unique_lock lk(impl_->mu);
+      if (impl_->opts.maxConnections > 0 && impl_->active >= impl_->opts.maxConnections) {
+        lk.unlock();
+        rejectConnection(fd, impl_->opts.serverName, "too many connections");
+        continue;
+      }
       ++impl_->active;
     }
-    std::thread([this, shared, s = std::move(sock)]() mutable {
-      Connection conn(std::move(s), impl_->opts.serverName);
+    try {
+      std::thread([this, shared, fd]() mutable {
+        // Everything touching the socket or the io_context is destroyed in
+        // this scope: once `active` drops, serve() may return and the Server
+        // and its io_context go away under us.
+        {
+          tcp::socket sock(impl_->ioc);
+          beast::error_code ec;
+          sock.assign(impl_->protocol, fd, ec);
+          if (ec) {
+            ::close(fd);
+          } else {
+            Connection conn(std::move(sock), impl_->opts);
+            {
+              std::lock_guard lk(impl_->mu);
+              impl_->conns.insert(&conn);
+              if (impl_->stopping) conn.shutdown();
+            }
+            conn.run(*shared);
+            std::lock_guard lk(impl_->mu);
+            impl_->conns.erase(&conn);
+          }
+        }
+        shared.reset();  // the handler's last reference dies in serve(), not here
+        std::lock_guard lk(impl_->mu);
+        --impl_->active;
+        impl_->cv.notify_all();
+      }).detach();
+    } catch (const std::exception& e) {
+      // Out of threads or memory: std::thread throws. Undo the bookkeeping and
+      // turn the client away instead of letting the exception end the process.
+      log::warn(std::string("starting a connection thread: ") + e.what());
       {
         std::lock_guard lk(impl_->mu);
-        impl_->conns.insert(&conn);
-        if (impl_->stopping) conn.shutdown();
+        --impl_->active;
       }
-      conn.run(*shared);
-      std::lock_guard lk(impl_->mu);
-      impl_->conns.erase(&conn);
-      --impl_->active;
-      impl_->cv.notify_all();
-    }).detach();
+      rejectConnection(fd, impl_->opts.serverName, "server overloaded");
+    }
   }
   std::unique_lock lk(impl_->mu);
   for (auto* c : impl_->conns) c->shutdown();

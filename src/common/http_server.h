@@ -80,6 +80,17 @@ struct ServerOptions {
   std::string host = "127.0.0.1";
   uint16_t port = 7070;  // 0 picks a free port
   std::string serverName = "dsec";
+  // Longest wait for the next byte from a client (SO_RCVTIMEO). Waiting for a
+  // request's header, the connection is closed quietly; reading a body, the
+  // read fails with kDeadlineExceeded. <= 0: wait forever.
+  double idleTimeoutS = 300;
+  // Longest wait for a client to accept more response bytes (SO_SNDTIMEO);
+  // then the write fails with kUnavailable and the connection is dropped, so a
+  // client that stops reading cannot hold a handler forever. <= 0: forever.
+  double sendTimeoutS = 300;
+  // Open connections at most; past it a new connection gets 503 "unavailable"
+  // ("too many connections") and is closed. <= 0: no cap.
+  int maxConnections = 4096;
 };
 
 class Server {
@@ -89,11 +100,13 @@ class Server {
   Server(const Server&) = delete;
   Server& operator=(const Server&) = delete;
 
-  // Binds and listens; after it, port() is the bound port.
+  // Binds and listens; after it, port() is the bound port. kUnavailable if the
+  // address cannot be bound, kInvalidArgument for a bad host.
   Status listen();
   uint16_t port() const;
   // Accepts connections until stop(), calling `handler` on connection threads.
-  // Returns after stop() once every connection thread has ended.
+  // Returns after stop() once every connection thread has ended and its socket
+  // is closed. Sockets (listening and accepted) are close-on-exec.
   void serve(Handler handler);
   // Thread-safe; callable from a signal-handling thread.
   void stop();

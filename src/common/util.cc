@@ -1,13 +1,16 @@
 #include "common/util.h"
 
+#include <dirent.h>
 #include <fcntl.h>
-#include <ftw.h>
 #include <sys/random.h>
 #include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <ctime>
+#include <memory>
 
 #include "common/fd.h"
 
@@ -128,28 +131,238 @@ Status makeDirs(const std::string& path, int mode) {
 }
 
 namespace {
-int removeEntry(const char* p, const struct stat*, int type, struct FTW*) {
-  int rc = (type == FTW_DP) ? ::rmdir(p) : ::unlink(p);
-  if (rc != 0 && errno != ENOENT) return -1;
+
+// Most directory levels removeTree keeps open at once (each holds two fds: one
+// for the *at() calls, one owned by the readdir stream). Shallower levels are
+// closed and later reopened through "..", so any depth goes in bounded fds.
+constexpr size_t kRemoveTreeMaxOpenLevels = 64;
+
+struct DirIdentity {
+  dev_t dev = 0;
+  ino_t ino = 0;
+  uint64_t mntId = 0;
+  bool hasMntId = false;
+};
+
+int identityOf(int fd, DirIdentity* out) {
+  struct statx sx;
+  if (::statx(fd, "", AT_EMPTY_PATH | AT_SYMLINK_NOFOLLOW, STATX_TYPE | STATX_INO | STATX_MNT_ID,
+              &sx) != 0) {
+    return -1;
+  }
+  out->dev = makedev(sx.stx_dev_major, sx.stx_dev_minor);
+  out->ino = sx.stx_ino;
+  out->hasMntId = (sx.stx_mask & STATX_MNT_ID) != 0;
+  out->mntId = sx.stx_mnt_id;
   return 0;
 }
+
+struct DirCloser {
+  void operator()(DIR* d) const { ::closedir(d); }
+};
+
+// One directory on the walk's path from the root.
+struct RemoveFrame {
+  std::string name;  // entry name in the parent; empty for the root
+  DirIdentity id;
+  UniqueFd fd;                             // invalid while closed for the fd budget
+  std::unique_ptr<DIR, DirCloser> stream;  // over a dup of fd
+  std::vector<std::string> failed;         // entries that could not go; not retried
+  bool incomplete = false;                 // something below stays, so rmdir would fail
+
+  bool skips(const char* n) const {
+    return std::find(failed.begin(), failed.end(), n) != failed.end();
+  }
+};
+
+// Iterative rm -rf over fds: an explicit stack, and no path handed to the
+// kernel longer than one name, so a tree deeper than PATH_MAX goes like a flat one.
+class TreeRemover {
+ public:
+  explicit TreeRemover(std::string root) : root_(std::move(root)) {}
+
+  Status run(UniqueFd rootFd) {
+    RemoveFrame top;
+    if (identityOf(rootFd.get(), &top.id) != 0) return sysError("statx " + root_);
+    rootId_ = top.id;
+    top.fd = std::move(rootFd);
+    frames_.push_back(std::move(top));
+    while (!frames_.empty()) {
+      size_t at = frames_.size() - 1;
+      RemoveFrame& f = frames_[at];
+      if (!f.stream) {
+        UniqueFd dup(::fcntl(f.fd.get(), F_DUPFD_CLOEXEC, 0));
+        DIR* d = dup ? ::fdopendir(dup.get()) : nullptr;
+        if (!d) {
+          fail(at, sysError("opendir " + pathOf(at)));
+          RETURN_IF_ERROR(pop());
+          continue;
+        }
+        (void)dup.release();
+        f.stream.reset(d);
+      }
+      errno = 0;
+      struct dirent* e = ::readdir(f.stream.get());
+      if (!e) {
+        if (errno != 0) fail(at, sysError("readdir " + pathOf(at)));
+        RETURN_IF_ERROR(pop());
+        continue;
+      }
+      const char* n = e->d_name;
+      if (n[0] == '.' && (n[1] == '\0' || (n[1] == '.' && n[2] == '\0'))) continue;
+      if (f.skips(n)) continue;
+      handleEntry(n, e->d_type);
+    }
+    if (!first_.isOk()) return first_;
+    if (::rmdir(root_.c_str()) != 0 && errno != ENOENT) return sysError("rmdir " + root_);
+    return Status::ok();
+  }
+
+ private:
+  // Unlinks a non-directory, or pushes a directory to empty next.
+  void handleEntry(const std::string& name, unsigned char type) {
+    size_t at = frames_.size() - 1;
+    int dfd = frames_[at].fd.get();
+    bool isDir = type == DT_DIR;
+    if (type == DT_UNKNOWN) {
+      struct stat st;
+      if (::fstatat(dfd, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) {
+        if (errno != ENOENT) fail(at, sysError("lstat " + pathOf(at, name)), name);
+        return;
+      }
+      isDir = S_ISDIR(st.st_mode);
+    }
+    if (!isDir) {
+      if (::unlinkat(dfd, name.c_str(), 0) == 0 || errno == ENOENT) return;
+      if (errno != EISDIR) {
+        fail(at, sysError("unlink " + pathOf(at, name)), name);
+        return;
+      }
+    }
+    // O_NOFOLLOW: a symlink swapped in for the directory is refused (ELOOP),
+    // never followed.
+    UniqueFd cfd(::openat(dfd, name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+    if (!cfd) {
+      if (errno == ENOENT) return;
+      if (errno == ENOTDIR || errno == ELOOP) {  // replaced by a non-directory meanwhile
+        if (::unlinkat(dfd, name.c_str(), 0) == 0 || errno == ENOENT) return;
+        fail(at, sysError("unlink " + pathOf(at, name)), name);
+        return;
+      }
+      fail(at, sysError("open " + pathOf(at, name)), name);
+      return;
+    }
+    RemoveFrame child;
+    child.name = name;
+    if (identityOf(cfd.get(), &child.id) != 0) {
+      fail(at, sysError("statx " + pathOf(at, name)), name);
+      return;
+    }
+    // st_dev catches other filesystems; the mount id also catches bind mounts
+    // of the same one.
+    if (child.id.dev != rootId_.dev ||
+        (child.id.hasMntId && rootId_.hasMntId && child.id.mntId != rootId_.mntId)) {
+      fail(at, sysError("remove " + pathOf(at, name) + ": another mount, not descending", EXDEV),
+           name);
+      return;
+    }
+    child.fd = std::move(cfd);
+    // Keep at most kRemoveTreeMaxOpenLevels levels open: close the shallowest.
+    if (frames_.size() - firstOpen_ >= kRemoveTreeMaxOpenLevels) {
+      frames_[firstOpen_].stream.reset();
+      frames_[firstOpen_].fd.reset();
+      ++firstOpen_;
+    }
+    frames_.push_back(std::move(child));
+  }
+
+  // The top directory is exhausted: remove it from its parent and resume there.
+  // Fails only when the walk cannot go on safely.
+  Status pop() {
+    size_t at = frames_.size() - 1;
+    if (at == 0) {
+      frames_.clear();
+      return Status::ok();
+    }
+    RemoveFrame& parent = frames_[at - 1];
+    if (!parent.fd) {
+      // Closed for the fd budget. Reopen through ".." and check it is the same
+      // directory (the tree may have been renamed meanwhile). Its stream starts
+      // over, which is fine: what was removed is gone, what failed is skipped.
+      UniqueFd pfd(
+          ::openat(frames_[at].fd.get(), "..", O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+      if (!pfd) return sysError("open " + pathOf(at - 1));
+      DirIdentity id;
+      if (identityOf(pfd.get(), &id) != 0) return sysError("statx " + pathOf(at - 1));
+      if (id.dev != parent.id.dev || id.ino != parent.id.ino) {
+        return sysError("remove " + pathOf(at - 1) + ": directory moved during removal", ESTALE);
+      }
+      parent.fd = std::move(pfd);
+      firstOpen_ = at - 1;
+    }
+    RemoveFrame child = std::move(frames_[at]);
+    frames_.pop_back();
+    child.stream.reset();
+    child.fd.reset();
+    if (child.incomplete) {
+      parent.failed.push_back(child.name);
+      return Status::ok();
+    }
+    if (::unlinkat(parent.fd.get(), child.name.c_str(), AT_REMOVEDIR) != 0 && errno != ENOENT) {
+      fail(at - 1, sysError("rmdir " + pathOf(at - 1, child.name)), child.name);
+    }
+    return Status::ok();
+  }
+
+  // Records the first error. The walk goes on to free what it can; the entry
+  // and every directory above it stay.
+  void fail(size_t at, Status st, const std::string& name = {}) {
+    if (first_.isOk()) first_ = std::move(st);
+    if (!name.empty()) frames_[at].failed.push_back(name);
+    for (size_t i = 0; i <= at; ++i) frames_[i].incomplete = true;
+  }
+
+  // The path of frames_[at] (and `name` in it) for messages, the middle of a
+  // very deep one elided.
+  std::string pathOf(size_t at, const std::string& name = {}) const {
+    constexpr size_t kHead = 8, kTail = 8;
+    std::string p = root_;
+    for (size_t i = 1; i <= at; ++i) {
+      if (at > kHead + kTail && i == kHead + 1) {
+        p += "/...(" + std::to_string(at - kHead - kTail - 1) + " levels)...";
+        i = at - kTail;
+      }
+      p += "/" + frames_[i].name;
+    }
+    if (!name.empty()) p += "/" + name;
+    return p;
+  }
+
+  std::string root_;
+  DirIdentity rootId_;
+  std::vector<RemoveFrame> frames_;  // root first; the top is being emptied
+  size_t firstOpen_ = 0;             // frames_[firstOpen_..] hold open fds
+  Status first_;
+};
+
 }  // namespace
 
 Status removeTree(const std::string& path) {
-  struct stat st;
-  if (::lstat(path.c_str(), &st) != 0) {
+  // A trailing slash would make the kernel follow a final symlink.
+  std::string p = path;
+  while (p.size() > 1 && p.back() == '/') p.pop_back();
+  if (p.empty()) return invalidArg("path", "removeTree: empty path");
+  if (p == "/") return invalidArg("path", "removeTree: refusing to remove /");
+  UniqueFd fd(::open(p.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+  if (!fd) {
     if (errno == ENOENT) return Status::ok();
-    return sysError("lstat " + path);
-  }
-  if (!S_ISDIR(st.st_mode)) {
-    if (::unlink(path.c_str()) != 0 && errno != ENOENT) return sysError("unlink " + path);
+    if (errno != ENOTDIR && errno != ELOOP) return sysError("open " + p);
+    // A file or a symlink (never followed): unlink just that.
+    if (::unlink(p.c_str()) != 0 && errno != ENOENT) return sysError("unlink " + p);
     return Status::ok();
   }
-  // overlayfs work dirs hold a mode-000 "work" dir; we are root, so that is fine.
-  if (nftw(path.c_str(), removeEntry, 64, FTW_DEPTH | FTW_PHYS | FTW_MOUNT) != 0) {
-    return sysError("remove " + path);
-  }
-  return Status::ok();
+  // overlayfs work dirs hold a mode-000 "work" dir; as root that is fine.
+  return TreeRemover(p).run(std::move(fd));
 }
 
 std::vector<std::string> splitString(std::string_view s, char sep) {

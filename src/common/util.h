@@ -26,7 +26,13 @@ Status writeFileAtomic(const std::string& path, std::string_view data, int mode 
 Status writeKnob(const std::string& path, std::string_view data);
 // mkdir -p with `mode` for the directories it creates.
 Status makeDirs(const std::string& path, int mode = 0755);
-// rm -rf that never follows symlinks and never crosses into other mounts.
+// rm -rf through fds and *at() calls: never follows a symlink (a symlinked
+// `path` is unlinked, not followed), never descends into another mount (by
+// st_dev and mount id), and removes trees of any depth, deeper than PATH_MAX
+// included, with at most ~130 fds open. A missing path is ok; a non-directory
+// is unlinked. On failure it still removes what it can, keeps what lies above
+// the failure, and returns the first error with its errno and path (EXDEV for
+// a mount inside the tree). kInvalidArgument for "" and "/".
 Status removeTree(const std::string& path);
 
 std::vector<std::string> splitString(std::string_view s, char sep);

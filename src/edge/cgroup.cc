@@ -1,5 +1,7 @@
 #include "edge/cgroup.h"
 
+#include <dirent.h>
+#include <linux/magic.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <sys/vfs.h>
@@ -8,9 +10,9 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <climits>
 #include <cmath>
-#include <dirent.h>
-#include <linux/magic.h>
+#include <cstdlib>
 #include <sstream>
 #include <thread>
 
@@ -21,14 +23,78 @@ namespace dsec::edge {
 namespace {
 
 constexpr int64_t kCpuPeriodUs = 100000;
+constexpr const char* kV2Controllers[] = {"memory", "cpu", "pids"};
+constexpr const char* kV2Enable = "+memory +cpu +pids";
 
-bool isDir(const std::string& p) {
-  struct stat st;
-  return ::stat(p.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+class RealCgroupFs : public CgroupFs {
+ public:
+  Result<int64_t> fsType(const std::string& path) override {
+    struct statfs sfs;
+    if (::statfs(path.c_str(), &sfs) != 0) return sysError("statfs " + path);
+    return int64_t(sfs.f_type);
+  }
+  bool isDir(const std::string& path) override {
+    struct stat st;
+    return ::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+  }
+  bool writable(const std::string& path) override { return ::access(path.c_str(), W_OK) == 0; }
+  Status mkdir(const std::string& path) override {
+    if (::mkdir(path.c_str(), 0755) != 0) return sysError("mkdir " + path);
+    return Status::ok();
+  }
+  Status rmdir(const std::string& path) override {
+    if (::rmdir(path.c_str()) != 0) return sysError("rmdir " + path);
+    return Status::ok();
+  }
+  Result<std::string> read(const std::string& path) override { return readFile(path); }
+  Status write(const std::string& path, std::string_view data) override {
+    return writeKnob(path, data);
+  }
+  std::vector<std::string> list(const std::string& dir) override {
+    std::vector<std::string> out;
+    DIR* d = ::opendir(dir.c_str());
+    if (!d) return out;
+    while (auto* e = ::readdir(d)) {
+      std::string name = e->d_name;
+      if (name != "." && name != "..") out.push_back(std::move(name));
+    }
+    ::closedir(d);
+    return out;
+  }
+  void killPid(pid_t pid) override { (void)::kill(pid, SIGKILL); }
+};
+
+std::vector<std::string> tokens(const std::string& s) {
+  std::istringstream in(s);
+  std::vector<std::string> out;
+  for (std::string t; in >> t;) out.push_back(t);
+  return out;
 }
 
-int64_t readKeyed(const std::string& path, const std::string& key) {
-  auto content = readFile(path);
+bool hasToken(const std::vector<std::string>& toks, const char* name) {
+  return std::find(toks.begin(), toks.end(), name) != toks.end();
+}
+
+bool hasAllV2Controllers(const std::vector<std::string>& toks) {
+  return std::all_of(std::begin(kV2Controllers), std::end(kV2Controllers),
+                     [&](const char* c) { return hasToken(toks, c); });
+}
+
+// The positive pids in a cgroup.procs text; anything else (junk, 0, negative:
+// kill(2) would read those as process groups or "everyone") is dropped.
+std::vector<pid_t> parsePids(const std::string& text) {
+  std::vector<pid_t> out;
+  for (auto& t : tokens(text)) {
+    char* end = nullptr;
+    errno = 0;
+    long v = std::strtol(t.c_str(), &end, 10);
+    if (errno == 0 && end && *end == '\0' && v > 0 && v <= INT_MAX) out.push_back(pid_t(v));
+  }
+  return out;
+}
+
+int64_t readKeyed(CgroupFs& fs, const std::string& path, const std::string& key) {
+  auto content = fs.read(path);
   if (!content.isOk()) return 0;
   std::istringstream in(*content);
   std::string k;
@@ -39,60 +105,98 @@ int64_t readKeyed(const std::string& path, const std::string& key) {
   return 0;
 }
 
-int64_t readInt(const std::string& path) {
-  auto content = readFile(path);
+int64_t readInt(CgroupFs& fs, const std::string& path) {
+  auto content = fs.read(path);
   if (!content.isOk()) return 0;
   return std::atoll(content->c_str());
 }
 
-Status mkdirIfMissing(const std::string& p) {
-  if (::mkdir(p.c_str(), 0755) != 0 && errno != EEXIST) return sysError("mkdir " + p);
+}  // namespace
+
+std::shared_ptr<CgroupFs> CgroupFs::real() {
+  static const std::shared_ptr<CgroupFs> kReal = std::make_shared<RealCgroupFs>();
+  return kReal;
+}
+
+Status Cgroups::mkdirIfMissing(const std::string& p) const {
+  Status st = fs_->mkdir(p);
+  if (!st.isOk() && st.sysErrno() != EEXIST) return st;
   return Status::ok();
 }
 
-// Kills every process listed in `procsFile` until it is empty, then rmdirs.
-Status killAndRemove(const std::string& dir) {
-  if (!isDir(dir)) return Status::ok();
-  for (int attempt = 0; attempt < 200; ++attempt) {
-    if (::rmdir(dir.c_str()) == 0 || errno == ENOENT) return Status::ok();
-    if (errno != EBUSY) return sysError("rmdir " + dir);
-    auto procs = readFile(dir + "/cgroup.procs");
-    if (procs.isOk()) {
-      std::istringstream in(*procs);
-      pid_t pid;
-      while (in >> pid) ::kill(pid, SIGKILL);
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(attempt < 10 ? 1 : 10));
+// Enables memory, cpu and pids for the children of `dir`. The kernel's
+// no-internal-processes rule refuses that (EBUSY) while a non-root cgroup holds
+// processes itself, which is the case of /sys/fs/cgroup in a container with a
+// private cgroup namespace, where dsec itself lives in it. With `evacuate`,
+// do what container runtimes do then: move those processes into the leaf
+// kInitLeaf and try again (a few rounds, as they may fork meanwhile).
+Status Cgroups::enableControllers(const std::string& dir, bool evacuate) const {
+  const std::string knob = dir + "/cgroup.subtree_control";
+  // Already enabled (a host that delegated them, or a previous run): nothing to
+  // write and nothing to move.
+  if (auto cur = fs_->read(knob); cur.isOk() && hasAllV2Controllers(tokens(*cur))) {
+    return Status::ok();
   }
-  return Status(Code::kInternal, "cgroup " + dir + " still busy after 2 s");
+  Status st = fs_->write(knob, kV2Enable);
+  if (st.isOk()) return st;
+  if (st.sysErrno() != EBUSY || !evacuate) return st.withContext("enable cgroup v2 controllers");
+  const std::string leaf = dir + "/" + kInitLeaf;
+  RETURN_IF_ERROR(mkdirIfMissing(leaf));
+  for (int round = 0; round < 10 && !st.isOk() && st.sysErrno() == EBUSY; ++round) {
+    ASSIGN_OR_RETURN(auto procs, fs_->read(dir + "/cgroup.procs"));
+    for (pid_t pid : parsePids(procs)) {
+      Status mv = fs_->write(leaf + "/cgroup.procs", std::to_string(pid));
+      if (!mv.isOk() && mv.sysErrno() != ESRCH) {  // ESRCH: it exited meanwhile
+        return mv.withContext("move the processes of " + dir + " into " + leaf);
+      }
+    }
+    st = fs_->write(knob, kV2Enable);
+  }
+  if (st.isOk()) return st;
+  return Status(Code::kFailedPrecondition,
+                "cannot enable the memory, cpu and pids controllers for the children of " + dir +
+                    " (after moving its processes into " + leaf + "): " + st.message(),
+                st.sysErrno());
 }
-
-}  // namespace
 
 Result<std::unique_ptr<Cgroups>> Cgroups::detect(const std::string& root,
                                                  const std::string& parent) {
+  return detectWith(CgroupFs::real(), root, parent);
+}
+
+Result<std::unique_ptr<Cgroups>> Cgroups::detectForTest(std::shared_ptr<CgroupFs> fs,
+                                                        const std::string& root,
+                                                        const std::string& parent) {
+  return detectWith(std::move(fs), root, parent);
+}
+
+Result<std::unique_ptr<Cgroups>> Cgroups::detectWith(std::shared_ptr<CgroupFs> fs,
+                                                     const std::string& root,
+                                                     const std::string& parent) {
   std::unique_ptr<Cgroups> cg(new Cgroups());
+  cg->fs_ = std::move(fs);
   cg->root_ = root;
   cg->parent_ = parent;
-  struct statfs sfs;
-  if (::statfs(root.c_str(), &sfs) != 0) return sysError("statfs " + root);
-  if (sfs.f_type == CGROUP2_SUPER_MAGIC) {
+  ASSIGN_OR_RETURN(int64_t fsType, cg->fs_->fsType(root));
+  if (fsType == CGROUP2_SUPER_MAGIC) {
     cg->mode_ = Mode::kV2;
-    auto ctrls = readFile(root + "/cgroup.controllers");
-    if (!ctrls.isOk()) return std::move(ctrls).takeStatus();
-    for (const char* c : {"memory", "cpu", "pids"}) {
-      if (ctrls->find(c) == std::string::npos) {
-        return Status(Code::kFailedPrecondition,
-                      std::string("cgroup v2 controller ") + c + " not available at " + root);
+    ASSIGN_OR_RETURN(auto ctrls, cg->fs_->read(root + "/cgroup.controllers"));
+    // Whole names: "cpuset" is not "cpu".
+    auto have = tokens(ctrls);
+    for (const char* c : kV2Controllers) {
+      if (!hasToken(have, c)) {
+        return Status(Code::kFailedPrecondition, std::string("cgroup v2 controller ") + c +
+                                                     " not available at " + root +
+                                                     " (cgroup.controllers: \"" + ctrls + "\")");
       }
     }
     // Controllers must be delegated down to our parent's children.
-    (void)writeKnob(root + "/cgroup.subtree_control", "+memory +cpu +pids");
+    RETURN_IF_ERROR(cg->enableControllers(root, /*evacuate=*/true));
     std::string cur = root;
     for (auto& part : splitString(parent, '/')) {
       cur += "/" + part;
-      RETURN_IF_ERROR(mkdirIfMissing(cur));
-      RETURN_IF_ERROR(writeKnob(cur + "/cgroup.subtree_control", "+memory +cpu +pids"));
+      RETURN_IF_ERROR(cg->mkdirIfMissing(cur));
+      RETURN_IF_ERROR(cg->enableControllers(cur, /*evacuate=*/false));
     }
     return cg;
   }
@@ -101,7 +205,7 @@ Result<std::unique_ptr<Cgroups>> Cgroups::detect(const std::string& root,
   auto pick = [&](std::initializer_list<const char*> names) -> std::string {
     for (const char* n : names) {
       std::string p = root + "/" + n;
-      if (isDir(p)) return p;
+      if (cg->fs_->isDir(p)) return p;
     }
     return {};
   };
@@ -116,7 +220,7 @@ Result<std::unique_ptr<Cgroups>> Cgroups::detect(const std::string& root,
     std::string cur = *base;
     for (auto& part : splitString(parent, '/')) {
       cur += "/" + part;
-      RETURN_IF_ERROR(mkdirIfMissing(cur));
+      RETURN_IF_ERROR(cg->mkdirIfMissing(cur));
     }
   }
   return cg;
@@ -135,8 +239,7 @@ std::vector<std::string> Cgroups::dirsOf(const std::string& id) const {
 Status Cgroups::create(const std::string& id, const CgroupLimits& limits) {
   auto dirs = dirsOf(id);
   for (auto& d : dirs) {
-    if (::mkdir(d.c_str(), 0755) != 0) {
-      Status st = sysError("mkdir " + d);
+    if (Status st = fs_->mkdir(d); !st.isOk()) {
       (void)remove(id);
       return st;
     }
@@ -147,29 +250,26 @@ Status Cgroups::create(const std::string& id, const CgroupLimits& limits) {
   if (mode_ == Mode::kV2) {
     const std::string& d = dirs[0];
     if (limits.memoryBytes > 0) {
-      st = writeKnob(d + "/memory.max", std::to_string(limits.memoryBytes));
+      st = fs_->write(d + "/memory.max", std::to_string(limits.memoryBytes));
       // Without swap accounting the knob is absent; that is fine.
-      if (st.isOk()) (void)writeKnob(d + "/memory.swap.max", "0");
+      if (st.isOk()) (void)fs_->write(d + "/memory.swap.max", "0");
     }
     if (st.isOk()) {
-      st = writeKnob(d + "/cpu.max",
-                     std::to_string(quota) + " " + std::to_string(kCpuPeriodUs));
+      st = fs_->write(d + "/cpu.max", std::to_string(quota) + " " + std::to_string(kCpuPeriodUs));
     }
-    if (st.isOk() && limits.pids > 0) st = writeKnob(d + "/pids.max", std::to_string(limits.pids));
+    if (st.isOk() && limits.pids > 0) st = fs_->write(d + "/pids.max", std::to_string(limits.pids));
   } else {
     if (limits.memoryBytes > 0) {
-      st = writeKnob(dirs[0] + "/memory.limit_in_bytes", std::to_string(limits.memoryBytes));
-      if (st.isOk() && ::access((dirs[0] + "/memory.memsw.limit_in_bytes").c_str(), W_OK) == 0) {
-        (void)writeKnob(dirs[0] + "/memory.memsw.limit_in_bytes",
-                        std::to_string(limits.memoryBytes));
+      st = fs_->write(dirs[0] + "/memory.limit_in_bytes", std::to_string(limits.memoryBytes));
+      if (st.isOk() && fs_->writable(dirs[0] + "/memory.memsw.limit_in_bytes")) {
+        (void)fs_->write(dirs[0] + "/memory.memsw.limit_in_bytes",
+                         std::to_string(limits.memoryBytes));
       }
     }
-    if (st.isOk()) {
-      st = writeKnob(dirs[1] + "/cpu.cfs_period_us", std::to_string(kCpuPeriodUs));
-    }
-    if (st.isOk()) st = writeKnob(dirs[1] + "/cpu.cfs_quota_us", std::to_string(quota));
+    if (st.isOk()) st = fs_->write(dirs[1] + "/cpu.cfs_period_us", std::to_string(kCpuPeriodUs));
+    if (st.isOk()) st = fs_->write(dirs[1] + "/cpu.cfs_quota_us", std::to_string(quota));
     if (st.isOk() && limits.pids > 0) {
-      st = writeKnob(dirs[2] + "/pids.max", std::to_string(limits.pids));
+      st = fs_->write(dirs[2] + "/pids.max", std::to_string(limits.pids));
     }
   }
   if (!st.isOk()) {
@@ -181,24 +281,58 @@ Status Cgroups::create(const std::string& id, const CgroupLimits& limits) {
 
 Status Cgroups::attach(const std::string& id, pid_t pid) {
   std::string p = std::to_string(pid);
-  for (auto& d : dirsOf(id)) RETURN_IF_ERROR(writeKnob(d + "/cgroup.procs", p));
+  for (auto& d : dirsOf(id)) RETURN_IF_ERROR(fs_->write(d + "/cgroup.procs", p));
   return Status::ok();
 }
 
 Result<CgroupStats> Cgroups::stats(const std::string& id) const {
   auto dirs = dirsOf(id);
-  if (!isDir(dirs[0])) return notFound("cgroup of " + id);
+  if (!fs_->isDir(dirs[0])) return notFound("cgroup of " + id);
   CgroupStats s;
   if (mode_ == Mode::kV2) {
-    s.oomKills = readKeyed(dirs[0] + "/memory.events", "oom_kill");
-    s.pidsLimitHits = readKeyed(dirs[0] + "/pids.events", "max");
-    s.memoryBytes = readInt(dirs[0] + "/memory.current");
+    s.oomKills = readKeyed(*fs_, dirs[0] + "/memory.events", "oom_kill");
+    s.pidsLimitHits = readKeyed(*fs_, dirs[0] + "/pids.events", "max");
+    s.memoryBytes = readInt(*fs_, dirs[0] + "/memory.current");
   } else {
-    s.oomKills = readKeyed(dirs[0] + "/memory.oom_control", "oom_kill");
-    s.pidsLimitHits = readKeyed(dirs[2] + "/pids.events", "max");
-    s.memoryBytes = readInt(dirs[0] + "/memory.usage_in_bytes");
+    s.oomKills = readKeyed(*fs_, dirs[0] + "/memory.oom_control", "oom_kill");
+    s.pidsLimitHits = readKeyed(*fs_, dirs[2] + "/pids.events", "max");
+    s.memoryBytes = readInt(*fs_, dirs[0] + "/memory.usage_in_bytes");
   }
   return s;
+}
+
+// SIGKILLs the processes `dir`'s own cgroup.procs lists: never a pid from
+// anywhere else, never ourselves. On v2 the group is frozen first, so a listed
+// process cannot exit by itself and have its pid reused before the kill.
+void Cgroups::killListed(const std::string& dir) const {
+  if (mode_ == Mode::kV2 && fs_->writable(dir + "/cgroup.freeze")) {
+    (void)fs_->write(dir + "/cgroup.freeze", "1");
+  }
+  auto procs = fs_->read(dir + "/cgroup.procs");
+  if (!procs.isOk()) return;
+  const pid_t self = ::getpid();
+  for (pid_t pid : parsePids(*procs)) {
+    if (pid != self) fs_->killPid(pid);
+  }
+}
+
+// Kills what runs in `dir` until it is empty, then rmdirs it.
+Status Cgroups::killAndRemove(const std::string& dir) const {
+  if (!fs_->isDir(dir)) return Status::ok();
+  // cgroup.kill (v2 only; Linux 5.14+) kills the whole group at once, forks
+  // racing with it included, and names no pid that could have been reused.
+  bool useKill = mode_ == Mode::kV2 && fs_->writable(dir + "/cgroup.kill");
+  Status st;
+  for (int attempt = 0; attempt < 200; ++attempt) {
+    st = fs_->rmdir(dir);
+    if (st.isOk() || st.sysErrno() == ENOENT) return Status::ok();
+    if (st.sysErrno() != EBUSY) return st;
+    if (useKill && !fs_->write(dir + "/cgroup.kill", "1").isOk()) useKill = false;
+    if (!useKill) killListed(dir);
+    std::this_thread::sleep_for(std::chrono::milliseconds(attempt < 10 ? 1 : 10));
+  }
+  return Status(Code::kInternal, "cgroup " + dir + " still busy after 2 s: " + st.message(),
+                st.sysErrno());
 }
 
 Status Cgroups::remove(const std::string& id) {
@@ -223,7 +357,7 @@ void Cgroups::removeParent() {
     for (size_t n = parts.size(); n > 0; --n) {
       std::string dir = b;
       for (size_t i = 0; i < n; ++i) dir += "/" + parts[i];
-      if (::rmdir(dir.c_str()) != 0) break;
+      if (!fs_->rmdir(dir).isOk()) break;
     }
   }
 }
@@ -237,16 +371,11 @@ std::vector<std::string> Cgroups::list() const {
     bases = {v1Memory_, v1Cpu_, v1Pids_};
   }
   for (auto& b : bases) {
-    std::string base = b + "/" + parent_;
-    DIR* d = ::opendir(base.c_str());
-    if (!d) continue;
-    while (auto* e = ::readdir(d)) {
-      std::string name = e->d_name;
+    for (auto& name : fs_->list(b + "/" + parent_)) {
       if (startsWith(name, "sb-") && std::find(out.begin(), out.end(), name) == out.end()) {
         out.push_back(name);
       }
     }
-    ::closedir(d);
   }
   return out;
 }

@@ -1,14 +1,387 @@
 #include "edge/cgroup.h"
 
 #include <gtest/gtest.h>
+#include <linux/magic.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
+
+#include <algorithm>
+#include <map>
+#include <set>
+#include <sstream>
 
 #include "common/util.h"
 
 namespace dsec::edge {
 namespace {
+
+// An in-memory cgroup2 tree with the kernel rules Cgroups relies on: mkdir
+// makes the knobs of the controllers the parent delegates; subtree_control
+// only takes controllers the group has and obeys the no-internal-processes
+// rule; cgroup.procs moves processes; cgroup.kill empties a subtree; rmdir
+// refuses a populated group. `nsRoot`: the root is the root of a cgroup
+// namespace, not the real root, so the no-internal-processes rule applies to
+// it too. Not thread-safe (the tests are single-threaded).
+class FakeCgroup2Fs : public CgroupFs {
+ public:
+  FakeCgroup2Fs(std::string root, std::string controllers, bool nsRoot, bool hasKill = true)
+      : root_(std::move(root)), nsRoot_(nsRoot), hasKill_(hasKill) {
+    nodes_[root_] = Node{true, ""};
+    rootControllers_ = controllers;
+    for (const char* k : {"cgroup.procs", "cgroup.controllers", "cgroup.subtree_control"}) {
+      nodes_[root_ + "/" + k] = Node{false, ""};
+    }
+  }
+
+  // --- the seam ---
+  Result<int64_t> fsType(const std::string& path) override {
+    if (!nodes_.count(path)) return sysError("statfs " + path, ENOENT);
+    return int64_t(CGROUP2_SUPER_MAGIC);
+  }
+  bool isDir(const std::string& path) override {
+    auto it = nodes_.find(path);
+    return it != nodes_.end() && it->second.dir;
+  }
+  bool writable(const std::string& path) override {
+    auto it = nodes_.find(path);
+    return it != nodes_.end() && !it->second.dir;
+  }
+  Status mkdir(const std::string& path) override {
+    if (nodes_.count(path)) return sysError("mkdir " + path, EEXIST);
+    std::string parent = parentOf(path);
+    if (!isDir(parent)) return sysError("mkdir " + path, ENOENT);
+    nodes_[path] = Node{true, ""};
+    auto knob = [&](const std::string& name, const std::string& v) {
+      nodes_[path + "/" + name] = Node{false, v};
+    };
+    for (const char* k : {"cgroup.procs", "cgroup.controllers", "cgroup.subtree_control",
+                          "cgroup.freeze", "cgroup.events"}) {
+      knob(k, "");
+    }
+    if (hasKill_) knob("cgroup.kill", "");
+    auto on = tokens(nodes_[parent + "/cgroup.subtree_control"].data);
+    if (has(on, "memory")) {
+      knob("memory.max", "max\n");
+      knob("memory.swap.max", "max\n");
+      knob("memory.current", "0\n");
+      knob("memory.events", "low 0\nhigh 0\nmax 0\noom 0\noom_kill 0\noom_group_kill 0\n");
+    }
+    if (has(on, "cpu")) knob("cpu.max", "max 100000\n");
+    if (has(on, "pids")) {
+      knob("pids.max", "max\n");
+      knob("pids.events", "max 0\n");
+    }
+    return Status::ok();
+  }
+  Status rmdir(const std::string& path) override {
+    if (!nodes_.count(path)) return sysError("rmdir " + path, ENOENT);
+    if (!isDir(path)) return sysError("rmdir " + path, ENOTDIR);
+    if (path == root_ || !childDirs(path).empty() || !procsIn(path).empty()) {
+      return sysError("rmdir " + path, EBUSY);
+    }
+    for (auto it = nodes_.begin(); it != nodes_.end();) {
+      if (it->first == path || startsWith(it->first, path + "/")) {
+        it = nodes_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    return Status::ok();
+  }
+  Result<std::string> read(const std::string& path) override {
+    auto it = nodes_.find(path);
+    if (it == nodes_.end()) return sysError("open " + path, ENOENT);
+    if (it->second.dir) return sysError("read " + path, EISDIR);
+    std::string dir = parentOf(path), name = path.substr(dir.size() + 1);
+    if (name == "cgroup.procs") {
+      std::string out;
+      for (pid_t p : procsIn(dir)) out += std::to_string(p) + "\n";
+      return out;
+    }
+    if (name == "cgroup.controllers") {
+      return dir == root_ ? rootControllers_
+                          : nodes_[parentOf(dir) + "/cgroup.subtree_control"].data;
+    }
+    return it->second.data;
+  }
+  Status write(const std::string& path, std::string_view data) override {
+    std::string what = "write " + path + " <- " + std::string(data);
+    writes_.push_back(path + " <- " + std::string(data));
+    if (auto f = failWrites_.find(path); f != failWrites_.end()) return sysError(what, f->second);
+    auto it = nodes_.find(path);
+    if (it == nodes_.end()) return sysError("open " + path, ENOENT);
+    if (it->second.dir) return sysError("open " + path, EISDIR);
+    std::string dir = parentOf(path), name = path.substr(dir.size() + 1);
+    if (name == "cgroup.subtree_control") {
+      auto have = tokens(*read(dir + "/cgroup.controllers"));
+      auto on = tokens(it->second.data);
+      bool enabling = false;
+      for (auto& t : tokens(std::string(data))) {
+        std::string c = t.substr(1);
+        if (t[0] != '+' && t[0] != '-') return sysError(what, EINVAL);
+        if (!has(have, c)) return sysError(what, ENOENT);
+        if (t[0] == '+' && !has(on, c)) enabling = true;
+      }
+      if (enabling && (dir != root_ || nsRoot_) && !procsIn(dir).empty()) {
+        return sysError(what, EBUSY);
+      }
+      for (auto& t : tokens(std::string(data))) {
+        std::string c = t.substr(1);
+        on.erase(std::remove(on.begin(), on.end(), c), on.end());
+        if (t[0] == '+') on.push_back(c);
+      }
+      std::sort(on.begin(), on.end());
+      std::string joined;
+      for (auto& c : on) joined += (joined.empty() ? "" : " ") + c;
+      it->second.data = joined;
+      return Status::ok();
+    }
+    if (name == "cgroup.procs") {
+      pid_t pid = std::atoi(std::string(data).c_str());
+      if (!procs_.count(pid)) return sysError(what, ESRCH);
+      if ((dir != root_ || nsRoot_) &&
+          !tokens(nodes_[dir + "/cgroup.subtree_control"].data).empty()) {
+        return sysError(what, EBUSY);
+      }
+      procs_[pid] = dir;
+      return Status::ok();
+    }
+    if (name == "cgroup.kill") {
+      if (data != "1") return sysError(what, EINVAL);
+      for (auto p = procs_.begin(); p != procs_.end();) {
+        if (p->second == dir || startsWith(p->second, dir + "/")) {
+          groupKilled_.push_back(p->first);
+          p = procs_.erase(p);
+        } else {
+          ++p;
+        }
+      }
+      return Status::ok();
+    }
+    it->second.data = std::string(data);
+    return Status::ok();
+  }
+  std::vector<std::string> list(const std::string& dir) override {
+    std::vector<std::string> out;
+    for (auto& [p, n] : nodes_) {
+      if (parentOf(p) == dir && p != dir) out.push_back(p.substr(dir.size() + 1));
+    }
+    return out;
+  }
+  void killPid(pid_t pid) override {
+    killed_.push_back(pid);
+    procs_.erase(pid);
+  }
+
+  // --- test controls ---
+  void addProcess(pid_t pid, const std::string& dir) { procs_[pid] = dir; }
+  std::string groupOf(pid_t pid) const {
+    auto it = procs_.find(pid);
+    return it == procs_.end() ? "" : it->second;
+  }
+  void setKnob(const std::string& path, const std::string& v) { nodes_.at(path).data = v; }
+  std::string knob(const std::string& path) const {
+    auto it = nodes_.find(path);
+    return it == nodes_.end() ? "<missing>" : it->second.data;
+  }
+  std::map<std::string, int> failWrites_;  // path -> errno for its writes
+  std::vector<std::string> writes_;        // "path <- data", in order
+  std::vector<pid_t> killed_;              // through killPid
+  std::vector<pid_t> groupKilled_;         // through cgroup.kill
+
+ private:
+  struct Node {
+    bool dir = false;
+    std::string data;
+  };
+  static std::string parentOf(const std::string& p) { return p.substr(0, p.rfind('/')); }
+  static std::vector<std::string> tokens(const std::string& s) {
+    std::istringstream in(s);
+    std::vector<std::string> out;
+    for (std::string t; in >> t;) out.push_back(t);
+    return out;
+  }
+  static bool has(const std::vector<std::string>& v, const std::string& x) {
+    return std::find(v.begin(), v.end(), x) != v.end();
+  }
+  std::vector<std::string> childDirs(const std::string& dir) const {
+    std::vector<std::string> out;
+    for (auto& [p, n] : nodes_) {
+      if (n.dir && p != dir && parentOf(p) == dir) out.push_back(p);
+    }
+    return out;
+  }
+  std::vector<pid_t> procsIn(const std::string& dir) const {
+    std::vector<pid_t> out;
+    for (auto& [pid, d] : procs_) {
+      if (d == dir) out.push_back(pid);
+    }
+    return out;
+  }
+
+  std::string root_;
+  bool nsRoot_;
+  bool hasKill_;
+  std::string rootControllers_;
+  std::map<std::string, Node> nodes_;
+  std::map<pid_t, std::string> procs_;  // pid -> its cgroup
+};
+
+constexpr const char* kRoot = "/fake/cgroup";
+constexpr const char* kAll = "cpuset cpu io memory hugetlb pids rdma misc";
+
+TEST(CgroupV2FakeTest, ControllersAreWholeNames) {
+  // "cpuset" must not pass for "cpu".
+  auto fs = std::make_shared<FakeCgroup2Fs>(kRoot, "cpuset io memory pids", false);
+  auto cg = Cgroups::detectForTest(fs, kRoot, "dsec/e-1");
+  ASSERT_FALSE(cg.isOk());
+  EXPECT_EQ(cg.status().code(), Code::kFailedPrecondition);
+  EXPECT_NE(cg.status().message().find("controller cpu not available"), std::string::npos)
+      << cg.status().toString();
+
+  auto ok = Cgroups::detectForTest(std::make_shared<FakeCgroup2Fs>(kRoot, kAll, false), kRoot,
+                                   "dsec/e-1");
+  ASSERT_TRUE(ok.isOk()) << ok.status().toString();
+  EXPECT_EQ((*ok)->mode(), Cgroups::Mode::kV2);
+}
+
+TEST(CgroupV2FakeTest, DelegatesControllersDownToTheParent) {
+  auto fs = std::make_shared<FakeCgroup2Fs>(kRoot, kAll, false);
+  fs->addProcess(1, kRoot);  // the real root may hold processes
+  auto cg = Cgroups::detectForTest(fs, kRoot, "dsec/e-1");
+  ASSERT_TRUE(cg.isOk()) << cg.status().toString();
+  for (std::string d :
+       {std::string(kRoot), std::string(kRoot) + "/dsec", std::string(kRoot) + "/dsec/e-1"}) {
+    EXPECT_EQ(fs->knob(d + "/cgroup.subtree_control"), "cpu memory pids") << d;
+  }
+  EXPECT_FALSE(fs->isDir(std::string(kRoot) + "/" + Cgroups::kInitLeaf));
+  EXPECT_EQ(fs->groupOf(1), kRoot);
+}
+
+TEST(CgroupV2FakeTest, MovesProcessesOutOfANamespaceRoot) {
+  // dsec in a container with a private cgroup namespace: the root holds dsec
+  // itself, so enabling controllers there fails with EBUSY until it is empty.
+  auto fs = std::make_shared<FakeCgroup2Fs>(kRoot, kAll, /*nsRoot=*/true);
+  fs->addProcess(1, kRoot);
+  fs->addProcess(57, kRoot);
+  auto cg = Cgroups::detectForTest(fs, kRoot, "dsec/e-1");
+  ASSERT_TRUE(cg.isOk()) << cg.status().toString();
+  std::string leaf = std::string(kRoot) + "/" + Cgroups::kInitLeaf;
+  EXPECT_EQ(fs->groupOf(1), leaf);
+  EXPECT_EQ(fs->groupOf(57), leaf);
+  EXPECT_EQ(fs->knob(std::string(kRoot) + "/cgroup.subtree_control"), "cpu memory pids");
+  EXPECT_EQ(fs->knob(std::string(kRoot) + "/dsec/e-1/cgroup.subtree_control"), "cpu memory pids");
+  // And sandboxes then work below.
+  ASSERT_TRUE((*cg)->create("sb-a", CgroupLimits{1.0, 1 << 20, 8}).isOk());
+  EXPECT_EQ(fs->knob(std::string(kRoot) + "/dsec/e-1/sb-a/pids.max"), "8");
+}
+
+TEST(CgroupV2FakeTest, ClearErrorWhenTheRootStaysBusy) {
+  auto fs = std::make_shared<FakeCgroup2Fs>(kRoot, kAll, /*nsRoot=*/true);
+  fs->addProcess(1, kRoot);
+  fs->failWrites_[std::string(kRoot) + "/cgroup.subtree_control"] = EBUSY;
+  auto cg = Cgroups::detectForTest(fs, kRoot, "dsec/e-1");
+  ASSERT_FALSE(cg.isOk());
+  EXPECT_EQ(cg.status().code(), Code::kFailedPrecondition);
+  EXPECT_EQ(cg.status().sysErrno(), EBUSY);
+  EXPECT_NE(cg.status().message().find(std::string(kRoot) + "/cgroup.subtree_control"),
+            std::string::npos)
+      << cg.status().toString();
+  EXPECT_NE(cg.status().message().find(Cgroups::kInitLeaf), std::string::npos);
+
+  // Other errors are not papered over either.
+  auto fs2 = std::make_shared<FakeCgroup2Fs>(kRoot, kAll, false);
+  fs2->failWrites_[std::string(kRoot) + "/cgroup.subtree_control"] = EACCES;
+  auto cg2 = Cgroups::detectForTest(fs2, kRoot, "dsec/e-1");
+  ASSERT_FALSE(cg2.isOk());
+  EXPECT_EQ(cg2.status().sysErrno(), EACCES);
+}
+
+TEST(CgroupV2FakeTest, CreateLimitsStatsRemove) {
+  auto fs = std::make_shared<FakeCgroup2Fs>(kRoot, kAll, false);
+  auto made = Cgroups::detectForTest(fs, kRoot, "dsec/e-1");
+  ASSERT_TRUE(made.isOk()) << made.status().toString();
+  auto& cg = *made;
+  ASSERT_TRUE(cg->create("sb-1", CgroupLimits{0.5, 64 << 20, 32}).isOk());
+  auto dirs = cg->dirsOf("sb-1");
+  ASSERT_EQ(dirs.size(), 1u);
+  const std::string d = dirs[0];
+  EXPECT_EQ(d, std::string(kRoot) + "/dsec/e-1/sb-1");
+  EXPECT_EQ(fs->knob(d + "/memory.max"), std::to_string(64 << 20));
+  EXPECT_EQ(fs->knob(d + "/memory.swap.max"), "0");
+  EXPECT_EQ(fs->knob(d + "/cpu.max"), "50000 100000");
+  EXPECT_EQ(fs->knob(d + "/pids.max"), "32");
+
+  // Unlimited memory and pids leave the defaults; cpu is always set.
+  ASSERT_TRUE(cg->create("sb-2", CgroupLimits{2.0, 0, 0}).isOk());
+  const std::string d2 = cg->dirsOf("sb-2")[0];
+  EXPECT_EQ(fs->knob(d2 + "/memory.max"), "max\n");
+  EXPECT_EQ(fs->knob(d2 + "/pids.max"), "max\n");
+  EXPECT_EQ(fs->knob(d2 + "/cpu.max"), "200000 100000");
+
+  fs->addProcess(4242, kRoot);
+  fs->addProcess(4243, kRoot);
+  ASSERT_TRUE(cg->attach("sb-1", 4242).isOk());
+  ASSERT_TRUE(cg->attach("sb-1", 4243).isOk());
+  EXPECT_EQ(fs->groupOf(4242), d);
+
+  fs->setKnob(d + "/memory.events", "low 0\nhigh 0\nmax 12\noom 4\noom_kill 3\noom_group_kill 1\n");
+  fs->setKnob(d + "/pids.events", "max 7\n");
+  fs->setKnob(d + "/memory.current", "1048576\n");
+  auto s = cg->stats("sb-1");
+  ASSERT_TRUE(s.isOk()) << s.status().toString();
+  EXPECT_EQ(s->oomKills, 3);
+  EXPECT_EQ(s->pidsLimitHits, 7);
+  EXPECT_EQ(s->memoryBytes, 1048576);
+
+  auto ids = cg->list();
+  std::sort(ids.begin(), ids.end());
+  EXPECT_EQ(ids, (std::vector<std::string>{"sb-1", "sb-2"}));
+
+  // remove() goes through cgroup.kill, never kill(2) on pids it read.
+  ASSERT_TRUE(cg->remove("sb-1").isOk());
+  EXPECT_TRUE(fs->killed_.empty());
+  std::sort(fs->groupKilled_.begin(), fs->groupKilled_.end());
+  EXPECT_EQ(fs->groupKilled_, (std::vector<pid_t>{4242, 4243}));
+  EXPECT_FALSE(fs->isDir(d));
+  EXPECT_EQ(cg->stats("sb-1").status().code(), Code::kNotFound);
+  EXPECT_TRUE(cg->remove("sb-1").isOk()) << "a missing group is fine";
+  ASSERT_TRUE(cg->remove("sb-2").isOk());
+  EXPECT_TRUE(cg->list().empty());
+
+  cg->removeParent();
+  EXPECT_FALSE(fs->isDir(std::string(kRoot) + "/dsec"));
+}
+
+TEST(CgroupV2FakeTest, RemoveWithoutCgroupKillFreezesAndKillsListedPids) {
+  // Kernels before 5.14 have no cgroup.kill.
+  auto fs = std::make_shared<FakeCgroup2Fs>(kRoot, kAll, false, /*hasKill=*/false);
+  auto cg = Cgroups::detectForTest(fs, kRoot, "dsec");
+  ASSERT_TRUE(cg.isOk()) << cg.status().toString();
+  ASSERT_TRUE((*cg)->create("sb-1", CgroupLimits{}).isOk());
+  fs->addProcess(99, kRoot);
+  fs->addProcess(4242, kRoot);
+  ASSERT_TRUE((*cg)->attach("sb-1", 4242).isOk());
+  ASSERT_TRUE((*cg)->remove("sb-1").isOk());
+  EXPECT_EQ(fs->killed_, (std::vector<pid_t>{4242})) << "only pids listed in the group";
+  EXPECT_EQ(fs->groupOf(99), kRoot);
+  auto& w = fs->writes_;
+  EXPECT_NE(std::find(w.begin(), w.end(), std::string(kRoot) + "/dsec/sb-1/cgroup.freeze <- 1"),
+            w.end());
+}
+
+TEST(CgroupV2FakeTest, FailedLimitLeavesNoGroup) {
+  auto fs = std::make_shared<FakeCgroup2Fs>(kRoot, kAll, false);
+  auto cg = Cgroups::detectForTest(fs, kRoot, "dsec");
+  ASSERT_TRUE(cg.isOk()) << cg.status().toString();
+  fs->failWrites_[std::string(kRoot) + "/dsec/sb-1/pids.max"] = EINVAL;
+  Status st = (*cg)->create("sb-1", CgroupLimits{1.0, 1 << 20, 5});
+  ASSERT_FALSE(st.isOk());
+  EXPECT_EQ(st.sysErrno(), EINVAL);
+  EXPECT_NE(st.message().find("pids.max"), std::string::npos) << st.toString();
+  EXPECT_FALSE(fs->isDir(std::string(kRoot) + "/dsec/sb-1"));
+}
 
 TEST(CgroupTest, CreateLimitAttachRemove) {
   if (geteuid() != 0) GTEST_SKIP() << "needs root to manage cgroups";
