@@ -1,5 +1,7 @@
 #include "common/http_client.h"
 
+#include "common/timed_stream.h"
+
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -33,102 +35,7 @@ void setSocketTimeout(int fd, int opt, double seconds) {
   (void)::setsockopt(fd, SOL_SOCKET, opt, &tv, sizeof tv);
 }
 
-// A blocking SyncReadStream/SyncWriteStream over the socket's fd that honours
-// SO_RCVTIMEO/SO_SNDTIMEO. Asio's synchronous socket calls do not: on EAGAIN
-// at the timeout they poll(2) with no timeout and wait on (sync_recv/sync_send
-// in asio's socket_ops.ipp). Here a timeout is asio::error::timed_out.
-// Twin of the one in http_server.cc (Beast must not leak into a shared header).
-class TimedStream {
- public:
-  explicit TimedStream(int fd = -1) : fd_(fd) {}
-
-  template <class Buffers>
-  size_t read_some(const Buffers& bufs, beast::error_code& ec) {
-    iovec iov[kMaxIov];
-    msghdr mh{};
-    mh.msg_iov = iov;
-    if (fill<asio::mutable_buffer>(bufs, iov, mh.msg_iovlen) == 0) {
-      ec = {};
-      return 0;
-    }
-    for (;;) {
-      ssize_t n = ::recvmsg(fd_, &mh, 0);
-      if (n > 0) {
-        ec = {};
-        return size_t(n);
-      }
-      if (n == 0) {
-        ec = asio::error::eof;
-        return 0;
-      }
-      if (errno == EINTR) continue;
-      ec = errorFor(errno);
-      return 0;
-    }
-  }
-  template <class Buffers>
-  size_t write_some(const Buffers& bufs, beast::error_code& ec) {
-    iovec iov[kMaxIov];
-    msghdr mh{};
-    mh.msg_iov = iov;
-    if (fill<asio::const_buffer>(bufs, iov, mh.msg_iovlen) == 0) {
-      ec = {};
-      return 0;
-    }
-    for (;;) {
-      ssize_t n = ::sendmsg(fd_, &mh, MSG_NOSIGNAL);  // an error, not SIGPIPE
-      if (n >= 0) {
-        ec = {};
-        return size_t(n);
-      }
-      if (errno == EINTR) continue;
-      ec = errorFor(errno);
-      return 0;
-    }
-  }
-  // The throwing forms complete the stream concepts; we call only the above.
-  template <class Buffers>
-  size_t read_some(const Buffers& bufs) {
-    beast::error_code ec;
-    size_t n = read_some(bufs, ec);
-    if (ec) throw beast::system_error(ec);
-    return n;
-  }
-  template <class Buffers>
-  size_t write_some(const Buffers& bufs) {
-    beast::error_code ec;
-    size_t n = write_some(bufs, ec);
-    if (ec) throw beast::system_error(ec);
-    return n;
-  }
-
- private:
-  static constexpr size_t kMaxIov = 64;
-
-  static beast::error_code errorFor(int err) {
-    if (err == EAGAIN || err == EWOULDBLOCK) return asio::error::timed_out;
-    return beast::error_code(err, boost::system::system_category());
-  }
-  template <class Buf, class Buffers>
-  static size_t fill(const Buffers& bufs, iovec* iov, size_t& count) {
-    size_t total = 0;
-    count = 0;
-    for (auto it = asio::buffer_sequence_begin(bufs);
-         it != asio::buffer_sequence_end(bufs) && count < kMaxIov; ++it) {
-      Buf b(*it);
-      if (b.size() == 0) continue;
-      iov[count].iov_base = const_cast<void*>(static_cast<const void*>(b.data()));
-      iov[count].iov_len = b.size();
-      total += b.size();
-      ++count;
-    }
-    return total;
-  }
-
-  int fd_;
-};
-static_assert(beast::is_sync_read_stream<TimedStream>::value);
-static_assert(beast::is_sync_write_stream<TimedStream>::value);
+using internal::TimedStream;
 
 Status ioError(std::string_view what, const beast::error_code& ec) {
   if (ec == asio::error::timed_out) {
