@@ -3,6 +3,9 @@ sandbox create / ls / rm and exec."""
 
 from __future__ import annotations
 
+import subprocess
+
+from conftest import dsec_bin
 from helpers import SB_ID_RE
 
 
@@ -47,3 +50,18 @@ def test_cli_image_import_is_listed(server, busybox, client):
     # `dsec image import` printed the digest of the layer it stored
     assert server.images[busybox] in img.layers, (server.images[busybox], img)
     assert busybox in {i.ref for i in client.images()}
+
+
+def test_cli_exec_output_is_byte_exact(server, busybox):
+    r = server.cli("sandbox", "create", "--data-dir", server.data_dir, "--image", busybox)
+    assert r.returncode == 0, r.stderr
+    sid = r.stdout.strip()
+    server.created.add(sid)
+    try:
+        out = subprocess.run([str(dsec_bin()), "exec", "--data-dir", str(server.data_dir), sid,
+                              "--", "printf", r"\377\000\200x"],
+                             capture_output=True, timeout=60, stdin=subprocess.DEVNULL)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout == b"\xff\x00\x80x"
+    finally:
+        server.cli("sandbox", "rm", "--data-dir", server.data_dir, sid)

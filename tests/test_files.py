@@ -271,3 +271,13 @@ def test_unicode_and_odd_names(bb):
         bb.remove(path)
     e = expect_error(lambda: bb.write_file("/tmp/" + "y" * 256, b"x"), dsec.DsecError)
     assert 400 <= e.status < 500, repr(e)
+
+
+def test_pseudo_files_are_read_whole(bb):
+    """/proc files report size 0 but have content: the file API streams it."""
+    data = bb.read_file("/proc/self/status")
+    assert b"Name:" in data and len(data) > 100, data[:200]
+    assert bb.read_file("/proc/sys/kernel/hostname").strip() == bb.id.encode()
+    # an empty regular file is still empty
+    bb.write_file("/tmp/empty", b"")
+    assert bb.read_file("/tmp/empty") == b""

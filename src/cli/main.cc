@@ -311,7 +311,8 @@ int cmdExec(const Args& a, const std::string& id) {
   if (a.rest.empty()) return die("usage: dsec exec ID -- CMD [ARG...]");
   auto client = connectClient(a);
   if (!client.isOk()) return die(client.status().toString());
-  json body = {{"cmd", a.rest}, {"stream", true}};
+  // base64 keeps binary output byte-exact on the way to our stdout.
+  json body = {{"cmd", a.rest}, {"stream", true}, {"encoding", "base64"}};
   if (!a.get("timeout").empty()) body["timeout_s"] = std::atof(a.get("timeout").c_str());
   if (!a.get("user").empty()) body["user"] = a.get("user");
   if (!a.get("cwd").empty()) body["cwd"] = a.get("cwd");
@@ -333,7 +334,8 @@ int cmdExec(const Args& a, const std::string& id) {
       }
       std::string type = ev.value("type", "");
       if (type == "stdout" || type == "stderr") {
-        std::string data = ev.value("data", "");
+        auto decoded = base64Decode(ev.value("data_b64", ""));
+        std::string data = decoded.isOk() ? *decoded : ev.value("data", "");
         FILE* f = type == "stdout" ? stdout : stderr;
         fwrite(data.data(), 1, data.size(), f);
         fflush(f);

@@ -235,16 +235,20 @@ Result<uint64_t> Edge::writeFile(const std::string& id, const std::string& path,
 }
 
 Status Edge::readFile(const std::string& id, const std::string& path,
-                      const std::function<Status(uint64_t)>& onSize, const ByteSink& sink) {
+                      const std::function<Status(std::optional<uint64_t>)>& onSize,
+                      const ByteSink& sink) {
   auto inst = find(id);
   if (!inst) return notRunning(id);
   auto conn = inst->agent();
-  uint64_t size = 0, offset = 0;
+  // A size of 0 may be an empty file or a pseudo-file (/proc, /sys) whose
+  // bytes exist only when read: then read ranges until one comes back empty.
+  std::optional<uint64_t> size;
+  uint64_t offset = 0;
   bool first = true;
-  do {
+  for (;;) {
     auto stream = conn->openStream();
     StreamGuard guard{*conn, stream->id()};
-    uint64_t want = first ? kReadRange : std::min<uint64_t>(kReadRange, size - offset);
+    uint64_t want = size ? std::min<uint64_t>(kReadRange, *size - offset) : kReadRange;
     json req = {{"path", path}, {"offset", offset}, {"length", want}};
     RETURN_IF_ERROR(conn->send(stream->id(), proto::FrameType::kFileRead, req.dump()));
     double deadline = monoSeconds() + kAgentCallTimeoutS;
@@ -256,7 +260,8 @@ Status Edge::readFile(const std::string& id, const std::string& path,
         RETURN_IF_ERROR(resultStatus(f.payload));
         if (first) {
           json j = json::parse(f.payload, nullptr, false);
-          size = j.is_discarded() ? 0 : j.value("size", uint64_t(0));
+          uint64_t announced = j.is_discarded() ? 0 : j.value("size", uint64_t(0));
+          if (announced > 0) size = announced;
           RETURN_IF_ERROR(onSize(size));
           first = false;
         }
@@ -264,16 +269,16 @@ Status Edge::readFile(const std::string& id, const std::string& path,
       } else if (f.type == proto::FrameType::kData && headerSeen) {
         if (f.payload.empty()) break;
         // Never pass on more than the size we announced.
-        uint64_t room = size - std::min(size, offset + got);
+        uint64_t room = size ? *size - std::min(*size, offset + got) : f.payload.size();
         std::string_view piece(f.payload.data(), std::min<uint64_t>(room, f.payload.size()));
         if (!piece.empty()) RETURN_IF_ERROR(sink(piece));
         got += piece.size();
       }
     }
-    if (got == 0) break;  // the file shrank; the caller sees a short body
     offset += got;
-  } while (offset < size);
-  if (offset < size) {
+    if (got == 0 || (size && offset >= *size)) break;
+  }
+  if (size && offset < *size) {
     return Status(Code::kFailedPrecondition, "file " + path + " shrank while being read");
   }
   return Status::ok();

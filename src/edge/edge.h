@@ -71,10 +71,12 @@ class Edge {
 
   Result<uint64_t> writeFile(const std::string& id, const std::string& path, int mode,
                              const ByteSource& src);
-  // Calls onSize with the file's size before the first byte, so an HTTP
-  // response can be started with a Content-Length.
+  // Calls onSize before the first byte with the file's size, so an HTTP
+  // response can be started with a Content-Length; nullopt when the size is
+  // not known up front (pseudo-files of /proc and /sys report 0).
   Status readFile(const std::string& id, const std::string& path,
-                  const std::function<Status(uint64_t size)>& onSize, const ByteSink& sink);
+                  const std::function<Status(std::optional<uint64_t> size)>& onSize,
+                  const ByteSink& sink);
   // list/stat/mkdir/remove: the agent's JSON result.
   Result<std::string> fileCall(const std::string& id, proto::FrameType type,
                                const std::string& json);

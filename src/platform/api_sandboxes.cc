@@ -452,8 +452,9 @@ void Platform::files(const std::string& id, const std::string& op, http::Request
     return sendJson(res, 200, dumpJson(json{{"path", *path}, {"size", *r}}));
   }
   if (m == "GET") {
-    auto onSize = [&](uint64_t size) {
-      return res.beginFixed(200, "application/octet-stream", size);
+    auto onSize = [&](std::optional<uint64_t> size) {
+      return size ? res.beginFixed(200, "application/octet-stream", *size)
+                  : res.beginChunked(200, "application/octet-stream");
     };
     auto sink = [&](std::string_view d) { return res.write(d); };
     Status st = edge_->readFile(id, *path, onSize, sink);
