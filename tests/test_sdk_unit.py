@@ -370,7 +370,7 @@ def test_has_blob_and_images(fake, cl):
     assert cl.has_blob("sha256:bb") is False
     im = cl.create_image("deb", "v1", ["sha256:aa"])
     assert json.loads(fake.requests[-1]["body"]) == {"name": "deb", "tag": "v1",
-                                                     "layers": ["sha256:aa"]}
+                                                     "layers": ["sha256:aa"], "kind": "base"}
     assert im.ref == "deb:v1" and im.layers == ["sha256:aa"]
     assert [i.ref for i in cl.images()] == ["deb:v1"]
     cl.delete_image("deb:v1")

@@ -37,9 +37,16 @@ const char* kUsage = R"(usage: dsec COMMAND [OPTIONS]
   up [--data-dir DIR] [--listen HOST:PORT] [--aether PATH] [--log-level debug|info|warn]
         Run the platform and an edge in one process (REST API, SQLite state,
         local blob store). Stops on SIGTERM/SIGINT, destroying its sandboxes.
-  image import --name NAME[:TAG] PATH    Build an EROFS layer from a rootfs dir or tarball
+  up also takes --gc-grace-s S: unreferenced layers older than S are deleted (default 600)
+  image import --name NAME[:TAG] [--kind base|workspace|toolkit|diff] PATH
+                                         Build an EROFS layer from a rootfs dir or tarball
   image ls
-  sandbox create --image REF [--cpu N] [--memory-mb N] [--ttl-s N] [--label K=V]... [--env K=V]...
+  image tag SRC NAME[:TAG]
+  image rm NAME[:TAG]...
+  layer ls
+  gc [--grace-s S]                       Delete layers no image names and no sandbox uses
+  sandbox create --image REF [--workspace REF]... [--toolkit REF]... [--diff REF]...
+                 [--cpu N] [--memory-mb N] [--ttl-s N] [--label K=V]... [--env K=V]...
   sandbox ls [--label K=V]...
   sandbox rm ID...
   sandbox exec ID [--timeout S] [--user U] [--cwd DIR] -- CMD [ARG...]
@@ -175,6 +182,7 @@ int cmdUp(const Args& a) {
   platform::PlatformOptions po;
   po.dataDir = dataDir;
   po.token = *token;
+  if (!a.get("gc-grace-s").empty()) po.gcGraceS = std::atof(a.get("gc-grace-s").c_str());
   auto plat = platform::Platform::start(po, store->get(), edge->get());
   if (!plat.isOk()) return die("platform: " + plat.status().toString());
 
@@ -271,6 +279,28 @@ int cmdImage(const Args& a) {
     }
     return 0;
   }
+  if (sub == "tag") {
+    if (a.positional.size() != 4) return die("usage: dsec image tag SRC NAME[:TAG]");
+    std::string name, tag;
+    if (Status st = platform::parseImageRef(a.positional[3], name, tag); !st.isOk()) {
+      return die(st.message());
+    }
+    json body = {{"name", name}, {"tag", tag}, {"from", a.positional[2]}};
+    auto r = c.request("POST", "/v1/images", body.dump());
+    if (!r.isOk()) return die(r.status().toString());
+    if (r->status != 201) return apiError(*r);
+    std::cout << name << ":" << tag << "\n";
+    return 0;
+  }
+  if (sub == "rm") {
+    int rc = 0;
+    for (size_t i = 2; i < a.positional.size(); ++i) {
+      auto r = c.request("DELETE", "/v1/images/" + http::percentEncode(a.positional[i]));
+      if (!r.isOk()) return die(r.status().toString());
+      if (r->status != 200) rc = apiError(*r);
+    }
+    return rc;
+  }
   if (sub != "import") return die("unknown image command '" + sub + "'");
   if (a.positional.size() != 3) return die("usage: dsec image import --name NAME[:TAG] PATH");
   std::string ref = a.get("name");
@@ -287,7 +317,8 @@ int cmdImage(const Args& a) {
   (void)removeTree(work);
   if (!up.isOk()) return die(up.status().toString());
   if (up->status != 201) return apiError(*up);
-  json body = {{"name", name}, {"tag", tag}, {"layers", {layer->digest}}};
+  json body = {{"name", name}, {"tag", tag}, {"layers", {layer->digest}},
+               {"kind", a.get("kind", "base")}};
   auto r = c.request("POST", "/v1/images", body.dump());
   if (!r.isOk()) return die(r.status().toString());
   if (r->status != 201) return apiError(*r);
@@ -378,6 +409,10 @@ int cmdSandbox(const Args& a) {
     if (!a.get("cpu").empty()) body["cpu"] = std::atof(a.get("cpu").c_str());
     if (!a.get("memory-mb").empty()) body["memory_mb"] = std::atoll(a.get("memory-mb").c_str());
     if (!a.get("ttl-s").empty()) body["ttl_s"] = std::atoll(a.get("ttl-s").c_str());
+    for (auto [flag, field] : {std::pair{"workspace", "workspaces"}, std::pair{"toolkit", "toolkits"},
+                               std::pair{"diff", "diffs"}}) {
+      if (!a.all(flag).empty()) body[field] = a.all(flag);
+    }
     auto labels = keyValues(a.all("label"), "label");
     if (!labels.isOk()) return die(labels.status().message());
     if (!labels->empty()) body["labels"] = *labels;
@@ -439,6 +474,32 @@ int main(int argc, char** argv) {
   if (cmd == "up") return cmdUp(a);
   if (cmd == "image") return cmdImage(a);
   if (cmd == "sandbox") return cmdSandbox(a);
+  if (cmd == "layer" || cmd == "gc") {
+    auto client = connectClient(a);
+    if (!client.isOk()) return die(client.status().toString());
+    if (cmd == "gc") {
+      json body = json::object();
+      if (!a.get("grace-s").empty()) body["grace_s"] = std::atof(a.get("grace-s").c_str());
+      auto r = (*client)->request("POST", "/v1/gc", body.dump());
+      if (!r.isOk()) return die(r.status().toString());
+      if (r->status != 200) return apiError(*r);
+      for (auto& d : json::parse(r->body)["removed"]) std::cout << d.get<std::string>() << "\n";
+      return 0;
+    }
+    auto r = (*client)->request("GET", "/v1/layers");
+    if (!r.isOk()) return die(r.status().toString());
+    if (r->status != 200) return apiError(*r);
+    json listing = json::parse(r->body);
+    printf("%-71s %-9s %-12s %s\n", "LAYER", "KIND", "SIZE", "IMAGES");
+    for (auto& l : listing["layers"]) {
+      std::string imgs;
+      for (auto& i : l["images"]) imgs += (imgs.empty() ? "" : ",") + i.get<std::string>();
+      printf("%-71s %-9s %-12lld %s\n", l["digest"].get<std::string>().c_str(),
+             l["kind"].is_null() ? "-" : l["kind"].get<std::string>().c_str(),
+             (long long)l["size"].get<int64_t>(), imgs.c_str());
+    }
+    return 0;
+  }
   if (cmd == "exec") {
     if (a.positional.size() != 2) return die("usage: dsec exec ID -- CMD [ARG...]");
     return cmdExec(a, a.positional[1]);

@@ -82,6 +82,8 @@ class Edge {
                                const std::string& json);
 
   Result<CgroupStats> stats(const std::string& id);
+  // Drops the node's mount of a layer no sandbox uses (before its blob goes).
+  Status evictLayer(const std::string& digest) { return layers_->evict(digest); }
   std::vector<std::string> sandboxIds() const;
   // Destroys every sandbox and unmounts every layer.
   void shutdown();

@@ -3,7 +3,11 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <set>
+
 #include "common/fd.h"
+#include "common/log.h"
 #include "common/sha256.h"
 #include "common/util.h"
 #include "platform/api_util.h"
@@ -24,8 +28,13 @@ bool validDigest(const std::string& d) {
 }
 
 json imageToApi(const ImageRecord& r) {
-  return {{"name", r.name},     {"tag", r.tag},   {"ref", r.name + ":" + r.tag},
-          {"layers", r.layers}, {"size", r.size}, {"created_at", isoTime(r.createdAt)}};
+  return {{"name", r.name}, {"tag", r.tag},   {"ref", r.name + ":" + r.tag},
+          {"kind", r.kind}, {"layers", r.layers}, {"size", r.size},
+          {"created_at", isoTime(r.createdAt)}};
+}
+
+bool validKind(const std::string& k) {
+  return k == "base" || k == "workspace" || k == "toolkit" || k == "diff";
 }
 
 }  // namespace
@@ -81,36 +90,204 @@ void Platform::headBlob(const std::string& digest, http::Response& res) {
 }
 
 void Platform::createImage(http::Request& req, http::Response& res) {
-  auto j = parseObject(req, {"name", "tag", "layers"});
+  auto j = parseObject(req, {"name", "tag", "layers", "kind", "from"});
   if (!j.isOk()) return sendError(res, j.status());
   auto name = getString(*j, "name", "", 200);
   if (!name.isOk()) return sendError(res, name.status());
   auto tag = getString(*j, "tag", "latest", 128);
   if (!tag.isOk()) return sendError(res, tag.status());
+  auto from = getString(*j, "from", "", 330);
+  if (!from.isOk()) return sendError(res, from.status());
   ImageRecord r;
   if (Status st = parseImageRef(*name + ":" + *tag, r.name, r.tag); !st.isOk()) {
     return sendError(res, invalidArg(name->empty() ? "name" : "tag", st.message()));
   }
   if (r.name != *name) return sendError(res, invalidArg("name", "name must not contain ':'"));
-  auto layers = j->find("layers");
-  if (layers == j->end() || !layers->is_array() || layers->empty() || layers->size() > 128) {
-    return sendError(res, invalidArg("layers", "layers must be a list of 1 to 128 digests"));
-  }
-  for (auto& l : *layers) {
-    if (!l.is_string() || !validDigest(l.get<std::string>())) {
-      return sendError(res, invalidArg("layers", "each layer must be sha256:<64 hex>"));
+  if (!from->empty()) {
+    // Tagging: the new name points at the same layers, with the same kind.
+    if (j->contains("layers") || j->contains("kind")) {
+      return sendError(res, invalidArg("from", "give either from, or layers (and kind)"));
     }
-    auto size = store_->blobSize(l.get<std::string>());
-    if (!size.isOk()) {
-      return sendError(res, invalidArg("layers", "layer " + l.get<std::string>() +
-                                                     " has not been uploaded"));
+    std::string fname, ftag;
+    if (Status st = parseImageRef(*from, fname, ftag); !st.isOk()) {
+      return sendError(res, invalidArg("from", st.message()));
     }
-    r.layers.push_back(l.get<std::string>());
-    r.size += *size;
+    auto src = store_->getImage(fname, ftag);
+    if (!src.isOk()) return sendError(res, src.status());
+    r.layers = src->layers;
+    r.size = src->size;
+    r.kind = src->kind;
+  } else {
+    auto kind = getString(*j, "kind", "base", 16);
+    if (!kind.isOk()) return sendError(res, kind.status());
+    if (!validKind(*kind)) {
+      return sendError(res, invalidArg("kind", "kind must be base, workspace, toolkit or diff"));
+    }
+    r.kind = *kind;
+    auto layers = j->find("layers");
+    if (layers == j->end() || !layers->is_array() || layers->empty() || layers->size() > 128) {
+      return sendError(res, invalidArg("layers", "layers must be a list of 1 to 128 digests"));
+    }
+    for (auto& l : *layers) {
+      if (!l.is_string() || !validDigest(l.get<std::string>())) {
+        return sendError(res, invalidArg("layers", "each layer must be sha256:<64 hex>"));
+      }
+      auto blob = store_->getBlob(l.get<std::string>());
+      if (!blob.isOk()) {
+        return sendError(res, invalidArg("layers", "layer " + l.get<std::string>() +
+                                                       " has not been uploaded"));
+      }
+      if (!blob->kind.empty() && blob->kind != r.kind) {
+        return sendError(res, Status(Code::kConflict, "layer " + blob->digest + " is a " +
+                                                          blob->kind + " layer, not " + r.kind));
+      }
+      r.layers.push_back(blob->digest);
+      r.size += blob->size;
+    }
   }
   r.createdAt = nowSeconds();
-  if (Status st = store_->putImage(r); !st.isOk()) return sendError(res, st);
+  {
+    std::lock_guard gc(gcMu_);  // a collection must not remove the layers meanwhile
+    for (auto& d : r.layers) {
+      if (Status st = store_->setBlobKind(d, r.kind); !st.isOk()) return sendError(res, st);
+    }
+    if (Status st = store_->putImage(r); !st.isOk()) return sendError(res, st);
+  }
   sendJson(res, 201, imageToApi(r).dump());
+}
+
+std::set<std::string> Platform::layersInUse() {
+  std::set<std::string> out;
+  std::lock_guard lk(mu_);
+  for (auto& [id, r] : sandboxes_) {
+    if (!isFinal(r.state)) out.insert(r.layers.begin(), r.layers.end());
+  }
+  return out;
+}
+
+Result<std::vector<std::string>> Platform::resolveLayers(const std::string& ref,
+                                                         const std::string& kind,
+                                                         const std::string& field) {
+  if (startsWith(ref, "sha256:")) {
+    if (!validDigest(ref)) return invalidArg(field, "invalid layer digest " + ref);
+    auto blob = store_->getBlob(ref);
+    if (!blob.isOk()) return notFound("layer " + ref + " not found");
+    if (!kind.empty() && !blob->kind.empty() && blob->kind != kind) {
+      return invalidArg(field, ref + " is a " + blob->kind + " layer, not a " + kind);
+    }
+    return std::vector<std::string>{ref};
+  }
+  std::string name, tag;
+  if (Status st = parseImageRef(ref, name, tag); !st.isOk()) return invalidArg(field, st.message());
+  auto img = store_->getImage(name, tag);
+  if (!img.isOk()) return std::move(img).takeStatus();
+  if (!kind.empty() && img->kind != kind) {
+    return invalidArg(field, name + ":" + tag + " is a " + img->kind + " image, not a " + kind);
+  }
+  return img->layers;
+}
+
+Result<std::vector<std::string>> Platform::collectGarbage(double graceS) {
+  std::lock_guard gc(gcMu_);
+  ASSIGN_OR_RETURN(auto blobs, store_->listBlobs());
+  ASSIGN_OR_RETURN(auto images, store_->listImages());
+  std::set<std::string> keep = layersInUse();
+  for (auto& i : images) keep.insert(i.layers.begin(), i.layers.end());
+  std::vector<std::string> removed;
+  double now = nowSeconds();
+  for (auto& b : blobs) {
+    if (keep.count(b.digest) || b.createdAt + graceS > now) continue;
+    // Unmounted first: a layer still mounted for a sandbox is in use after all.
+    if (!edge_->evictLayer(b.digest).isOk()) continue;
+    RETURN_IF_ERROR(store_->deleteBlob(b.digest));
+    std::string path = blobPath(opts_.dataDir, b.digest);
+    if (::unlink(path.c_str()) != 0 && errno != ENOENT) log::warn("gc: unlink " + path);
+    removed.push_back(b.digest);
+  }
+  if (!removed.empty()) log::info("gc: removed " + std::to_string(removed.size()) + " layers");
+  return removed;
+}
+
+void Platform::runGc(http::Request& req, http::Response& res) {
+  auto j = parseObject(req, {"grace_s"}, true);
+  if (!j.isOk()) return sendError(res, j.status());
+  auto grace = getNumber(*j, "grace_s", opts_.gcGraceS, 0, 86400 * 365);
+  if (!grace.isOk()) return sendError(res, grace.status());
+  auto removed = collectGarbage(*grace);
+  if (!removed.isOk()) return sendError(res, removed.status());
+  sendJson(res, 200, json{{"removed", *removed}}.dump());
+}
+
+void Platform::listLayers(http::Response& res) {
+  auto blobs = store_->listBlobs();
+  if (!blobs.isOk()) return sendError(res, blobs.status());
+  auto images = store_->listImages();
+  if (!images.isOk()) return sendError(res, images.status());
+  std::set<std::string> inUse = layersInUse();
+  json arr = json::array();
+  for (auto& b : *blobs) {
+    json refs = json::array();
+    for (auto& i : *images) {
+      if (std::find(i.layers.begin(), i.layers.end(), b.digest) != i.layers.end()) {
+        refs.push_back(i.name + ":" + i.tag);
+      }
+    }
+    arr.push_back({{"digest", b.digest},
+                   {"kind", b.kind.empty() ? json(nullptr) : json(b.kind)},
+                   {"size", b.size},
+                   {"created_at", isoTime(b.createdAt)},
+                   {"images", refs},
+                   {"in_use", inUse.count(b.digest) > 0}});
+  }
+  sendJson(res, 200, json{{"layers", arr}}.dump());
+}
+
+void Platform::getLayer(const std::string& digest, http::Response& res) {
+  if (!validDigest(digest)) {
+    return sendError(res, invalidArg("digest", "digest must be sha256:<64 lower-case hex>"));
+  }
+  auto blob = store_->getBlob(digest);
+  if (!blob.isOk()) return sendError(res, blob.status());
+  auto images = store_->listImages();
+  if (!images.isOk()) return sendError(res, images.status());
+  json refs = json::array();
+  for (auto& i : *images) {
+    if (std::find(i.layers.begin(), i.layers.end(), digest) != i.layers.end()) {
+      refs.push_back(i.name + ":" + i.tag);
+    }
+  }
+  sendJson(res, 200,
+           json{{"digest", blob->digest},
+                {"kind", blob->kind.empty() ? json(nullptr) : json(blob->kind)},
+                {"size", blob->size},
+                {"created_at", isoTime(blob->createdAt)},
+                {"images", refs},
+                {"in_use", layersInUse().count(digest) > 0}}
+               .dump());
+}
+
+void Platform::deleteLayer(const std::string& digest, http::Response& res) {
+  if (!validDigest(digest)) {
+    return sendError(res, invalidArg("digest", "digest must be sha256:<64 lower-case hex>"));
+  }
+  std::lock_guard gc(gcMu_);
+  auto blob = store_->getBlob(digest);
+  if (!blob.isOk()) return sendError(res, blob.status());
+  auto images = store_->listImages();
+  if (!images.isOk()) return sendError(res, images.status());
+  for (auto& i : *images) {
+    if (std::find(i.layers.begin(), i.layers.end(), digest) != i.layers.end()) {
+      return sendError(res, Status(Code::kFailedPrecondition,
+                                   "layer " + digest + " is part of image " + i.name + ":" + i.tag));
+    }
+  }
+  if (layersInUse().count(digest) || !edge_->evictLayer(digest).isOk()) {
+    return sendError(res, Status(Code::kFailedPrecondition,
+                                 "layer " + digest + " is in use by a sandbox"));
+  }
+  if (Status st = store_->deleteBlob(digest); !st.isOk()) return sendError(res, st);
+  ::unlink(blobPath(opts_.dataDir, digest).c_str());
+  sendJson(res, 200, "{}");
 }
 
 void Platform::listImages(http::Response& res) {
@@ -137,16 +314,25 @@ void Platform::deleteImage(const std::string& ref, http::Response& res) {
   {
     std::lock_guard lk(mu_);
     for (auto& [id, r] : sandboxes_) {
-      if (r.image == full && !isFinal(r.state)) {
-        user = id;
-        break;
+      if (isFinal(r.state)) continue;
+      auto asked = {std::vector<std::string>{r.image}, r.workspaces, r.toolkits, r.diffs};
+      for (auto& refs : asked) {
+        for (auto& ref : refs) {
+          std::string n, t;
+          if (!startsWith(ref, "sha256:") && parseImageRef(ref, n, t).isOk() && n == name &&
+              t == tag) {
+            user = id;
+          }
+        }
       }
+      if (!user.empty()) break;
     }
   }
   if (!user.empty()) {
     return sendError(res, Status(Code::kFailedPrecondition,
                                  "image " + full + " is in use by sandbox " + user));
   }
+  std::lock_guard gc(gcMu_);
   if (Status st = store_->deleteImage(name, tag); !st.isOk()) return sendError(res, st);
   sendJson(res, 200, "{}");
 }

@@ -1,5 +1,7 @@
 // /v1/sandboxes: create, list, get, destroy, exec, files.
 #include <regex>
+#include <set>
+#include <tuple>
 
 #include "common/log.h"
 #include "common/util.h"
@@ -17,6 +19,9 @@ json toApi(const SandboxRecord& r) {
   json j = {{"id", r.id},
             {"backend", r.backend},
             {"image", r.image},
+            {"workspaces", r.workspaces},
+            {"toolkits", r.toolkits},
+            {"diffs", r.diffs},
             {"layers", r.layers},
             {"state", r.state},
             {"cpu", r.cpu},
@@ -80,7 +85,7 @@ Result<int> parseMode(const std::optional<std::string>& s, int def) {
 
 void Platform::createSandbox(http::Request& req, http::Response& res) {
   auto parsed = parseObject(req, {"image", "backend", "cpu", "memory_mb", "disk_mb", "pids",
-                                  "ttl_s", "env", "labels"});
+                                  "ttl_s", "env", "labels", "workspaces", "toolkits", "diffs"});
   if (!parsed.isOk()) return sendError(res, parsed.status());
   const json& j = *parsed;
   SandboxRecord r;
@@ -121,19 +126,46 @@ void Platform::createSandbox(http::Request& req, http::Response& res) {
     if (Status st = validateLabels(*labels); !st.isOk()) return fail(st);
     r.labels = *labels;
   }
-  // Resolve the image to its layers.
-  if (startsWith(r.image, "sha256:")) {
-    auto has = store_->hasBlob(r.image);
-    if (!has.isOk()) return fail(has.status());
-    if (!*has) return fail(notFound("image layer " + r.image + " not found"));
-    r.layers = {r.image};
-  } else {
-    std::string name, tag;
-    if (Status st = parseImageRef(r.image, name, tag); !st.isOk()) return fail(st);
-    auto img = store_->getImage(name, tag);
-    if (!img.isOk()) return fail(img.status());
-    r.image = name + ":" + tag;
-    r.layers = img->layers;
+  // Resolve the image, then the layers stacked on it at create time:
+  // workspaces, toolkits, diffs, each list bottom first.
+  auto stackOn = [&](const char* field, const std::string& kind,
+                     std::vector<std::string>* asked) -> Status {
+    auto it = j.find(field);
+    if (it == j.end() || it->is_null()) return Status::ok();
+    if (!it->is_array() || it->size() > 32) {
+      return invalidArg(field, std::string(field) + " must be a list of up to 32 references");
+    }
+    for (auto& ref : *it) {
+      if (!ref.is_string() || ref.get<std::string>().empty()) {
+        return invalidArg(field, std::string(field) + " items must be image refs or digests");
+      }
+      ASSIGN_OR_RETURN(auto layers, resolveLayers(ref.get<std::string>(), kind, field));
+      asked->push_back(ref.get<std::string>());
+      r.layers.insert(r.layers.end(), layers.begin(), layers.end());
+    }
+    return Status::ok();
+  };
+  {
+    auto base = resolveLayers(r.image, "", "image");
+    if (!base.isOk()) return fail(base.status());
+    r.layers = *base;
+    if (!startsWith(r.image, "sha256:")) {
+      std::string name, tag;
+      (void)parseImageRef(r.image, name, tag);
+      r.image = name + ":" + tag;
+    }
+    for (auto [field, kind, asked] : {std::tuple{"workspaces", "workspace", &r.workspaces},
+                                      std::tuple{"toolkits", "toolkit", &r.toolkits},
+                                      std::tuple{"diffs", "diff", &r.diffs}}) {
+      if (Status st = stackOn(field, kind, asked); !st.isOk()) return fail(st);
+    }
+    std::set<std::string> seen;
+    for (auto& d : r.layers) {
+      if (!seen.insert(d).second) {
+        return fail(invalidArg("image", "layer " + d + " appears twice in the stack"));
+      }
+    }
+    if (r.layers.size() > 128) return fail(invalidArg("image", "more than 128 layers"));
   }
   r.id = "sb-" + randomHex(8);
   r.state = "creating";

@@ -158,6 +158,7 @@ void Platform::onSandboxDeath(const std::string& id, const std::string& why) {
 }
 
 void Platform::janitor() {
+  double lastGc = nowSeconds();
   std::unique_lock lk(mu_);
   while (!stopping_) {
     janitorCv_.wait_for(lk, std::chrono::seconds(1));
@@ -172,7 +173,13 @@ void Platform::janitor() {
       }
     }
     for (auto& id : purge) sandboxes_.erase(id);
+    bool gcDue = now - lastGc >= opts_.gcIntervalS;
+    if (gcDue) lastGc = now;
     lk.unlock();
+    if (gcDue) {
+      auto removed = collectGarbage(opts_.gcGraceS);
+      if (!removed.isOk()) log::error("gc: " + removed.status().toString());
+    }
     for (auto& id : purge) (void)store_->deleteSandbox(id);
     for (auto& id : expired) {
       log::info("sandbox " + id + ": TTL expired");
@@ -238,6 +245,14 @@ void Platform::handle(http::Request& req, http::Response& res) {
   } else if (coll == "blobs" && n == 4) {
     if (m == "PUT") return putBlob(parts[3], req, res);
     if (m == "HEAD" || m == "GET") return headBlob(parts[3], res);
+    return methodNotAllowed();
+  } else if (coll == "layers") {
+    if (n == 3 && m == "GET") return listLayers(res);
+    if (n == 4 && m == "GET") return getLayer(parts[3], res);
+    if (n == 4 && m == "DELETE") return deleteLayer(parts[3], res);
+    return methodNotAllowed();
+  } else if (coll == "gc" && n == 3) {
+    if (m == "POST") return runGc(req, res);
     return methodNotAllowed();
   } else if (coll == "images") {
     if (n == 3) {

@@ -26,6 +26,8 @@ struct PlatformOptions {
   std::string dataDir;
   std::string token;
   double stoppedRetentionS = 3600;  // stopped sandboxes stay listed this long
+  double gcGraceS = 600;            // unreferenced layers older than this are collected
+  double gcIntervalS = 60;          // how often the janitor collects
 };
 
 class Platform {
@@ -61,6 +63,24 @@ class Platform {
   void listImages(http::Response& res);
   void getImage(const std::string& ref, http::Response& res);
   void deleteImage(const std::string& ref, http::Response& res);
+  void listLayers(http::Response& res);
+  void getLayer(const std::string& digest, http::Response& res);
+  void deleteLayer(const std::string& digest, http::Response& res);
+  void runGc(http::Request& req, http::Response& res);
+
+ public:
+  // Deletes layer blobs that no image names and no live sandbox stacks, once
+  // they are older than graceS (an upload waits that long for its image).
+  // Returns the digests removed. Thread-safe.
+  Result<std::vector<std::string>> collectGarbage(double graceS);
+
+ private:
+  // Resolves "name[:tag]" or "sha256:…" to layers, checking they are of `kind`
+  // (any kind when empty); `field` names the request field in errors.
+  Result<std::vector<std::string>> resolveLayers(const std::string& ref, const std::string& kind,
+                                                 const std::string& field);
+  // Digests of layers stacked by sandboxes that are not stopped or failed.
+  std::set<std::string> layersInUse();
 
   Result<SandboxRecord> runningSandbox(const std::string& id);
   // Stops a sandbox for good and returns its final record. Waits out a
@@ -74,6 +94,7 @@ class Platform {
   PlatformOptions opts_;
   Store* store_ = nullptr;     // not owned
   edge::Edge* edge_ = nullptr;  // not owned
+  std::mutex gcMu_;  // one collection at a time; held while images and layers are deleted
 
   std::mutex mu_;  // guards sandboxes_, deleteRequested_, stopping_
   std::map<std::string, SandboxRecord> sandboxes_;

@@ -53,6 +53,7 @@ class Stmt {
 std::string sandboxToJson(const SandboxRecord& r) {
   json j = {{"id", r.id},         {"backend", r.backend},   {"image", r.image},
             {"layers", r.layers}, {"state", r.state},       {"node", r.node},
+            {"workspaces", r.workspaces}, {"toolkits", r.toolkits}, {"diffs", r.diffs},
             {"error", r.error},   {"cpu", r.cpu},           {"memory_mb", r.memoryMb},
             {"disk_mb", r.diskMb}, {"pids", r.pids},        {"ttl_s", r.ttlS},
             {"env", r.env},       {"labels", r.labels},     {"created_at", r.createdAt},
@@ -70,6 +71,10 @@ Result<SandboxRecord> sandboxFromJson(const std::string& s) {
     r.backend = j.at("backend");
     r.image = j.at("image");
     r.layers = j.at("layers").get<std::vector<std::string>>();
+    using Strings = std::vector<std::string>;
+    r.workspaces = j.value("workspaces", Strings{});
+    r.toolkits = j.value("toolkits", Strings{});
+    r.diffs = j.value("diffs", Strings{});
     r.state = j.at("state");
     r.node = j.value("node", "local");
     r.error = j.value("error", "");
@@ -111,6 +116,13 @@ Result<std::unique_ptr<SqliteStore>> SqliteStore::open(const std::string& path) 
       "CREATE TABLE IF NOT EXISTS images(name TEXT NOT NULL, tag TEXT NOT NULL, "
       "layers TEXT NOT NULL, size INTEGER NOT NULL, created_at REAL NOT NULL, "
       "PRIMARY KEY(name, tag));"));
+  // Columns added after the first release of the schema; "duplicate column"
+  // means the database already has them.
+  for (const char* alter : {"ALTER TABLE images ADD COLUMN kind TEXT NOT NULL DEFAULT 'base'",
+                            "ALTER TABLE blobs ADD COLUMN kind TEXT NOT NULL DEFAULT ''"}) {
+    Status st = s->exec(alter);
+    if (!st.isOk() && st.message().find("duplicate column") == std::string::npos) return st;
+  }
   return s;
 }
 
@@ -159,8 +171,11 @@ Result<std::vector<SandboxRecord>> SqliteStore::loadSandboxes() {
 
 Status SqliteStore::putBlob(const std::string& digest, int64_t size) {
   std::lock_guard lk(mu_);
-  Stmt st(db_, "INSERT OR REPLACE INTO blobs(digest, size, created_at) "
-               "VALUES(?1, ?2, strftime('%s','now'))");
+  // A re-upload refreshes created_at (the GC grace period) and keeps the kind.
+  Stmt st(db_,
+          "INSERT INTO blobs(digest, size, created_at) "
+          "VALUES(?1, ?2, (julianday('now') - 2440587.5) * 86400.0) "
+          "ON CONFLICT(digest) DO UPDATE SET created_at=excluded.created_at");
   st.bind(1, digest).bind(2, size);
   if (st.step() != SQLITE_DONE) return sqlError(db_, "putBlob");
   return Status::ok();
@@ -183,20 +198,58 @@ Result<int64_t> SqliteStore::blobSize(const std::string& digest) {
   return sqlError(db_, "blobSize");
 }
 
+Result<BlobRecord> SqliteStore::getBlob(const std::string& digest) {
+  std::lock_guard lk(mu_);
+  Stmt st(db_, "SELECT digest, size, created_at, kind FROM blobs WHERE digest=?1");
+  st.bind(1, digest);
+  int rc = st.step();
+  if (rc == SQLITE_ROW) return BlobRecord{st.text(0), st.i64(1), st.dbl(2), st.text(3)};
+  if (rc == SQLITE_DONE) return notFound("layer " + digest + " not found");
+  return sqlError(db_, "getBlob");
+}
+
+Result<std::vector<BlobRecord>> SqliteStore::listBlobs() {
+  std::lock_guard lk(mu_);
+  Stmt st(db_, "SELECT digest, size, created_at, kind FROM blobs ORDER BY digest");
+  std::vector<BlobRecord> out;
+  int rc;
+  while ((rc = st.step()) == SQLITE_ROW) {
+    out.push_back(BlobRecord{st.text(0), st.i64(1), st.dbl(2), st.text(3)});
+  }
+  if (rc != SQLITE_DONE) return sqlError(db_, "listBlobs");
+  return out;
+}
+
+Status SqliteStore::setBlobKind(const std::string& digest, const std::string& kind) {
+  std::lock_guard lk(mu_);
+  Stmt st(db_, "UPDATE blobs SET kind=?2 WHERE digest=?1");
+  st.bind(1, digest).bind(2, kind);
+  if (st.step() != SQLITE_DONE) return sqlError(db_, "setBlobKind");
+  return Status::ok();
+}
+
+Status SqliteStore::deleteBlob(const std::string& digest) {
+  std::lock_guard lk(mu_);
+  Stmt st(db_, "DELETE FROM blobs WHERE digest=?1");
+  st.bind(1, digest);
+  if (st.step() != SQLITE_DONE) return sqlError(db_, "deleteBlob");
+  return Status::ok();
+}
+
 Status SqliteStore::putImage(const ImageRecord& r) {
   std::lock_guard lk(mu_);
-  Stmt st(db_, "INSERT OR REPLACE INTO images(name, tag, layers, size, created_at) "
-               "VALUES(?1, ?2, ?3, ?4, ?5)");
-  st.bind(1, r.name).bind(2, r.tag).bind(3, json(r.layers).dump()).bind(4, r.size).bind(5,
-                                                                                       r.createdAt);
+  Stmt st(db_, "INSERT OR REPLACE INTO images(name, tag, layers, size, created_at, kind) "
+               "VALUES(?1, ?2, ?3, ?4, ?5, ?6)");
+  st.bind(1, r.name).bind(2, r.tag).bind(3, json(r.layers).dump()).bind(4, r.size);
+  st.bind(5, r.createdAt).bind(6, r.kind);
   if (st.step() != SQLITE_DONE) return sqlError(db_, "putImage");
   return Status::ok();
 }
 
 namespace {
 ImageRecord imageFromRow(const std::string& name, const std::string& tag, const std::string& layers,
-                         int64_t size, double created) {
-  ImageRecord r{name, tag, {}, size, created};
+                         int64_t size, double created, const std::string& kind) {
+  ImageRecord r{name, tag, {}, size, created, kind};
   json j = json::parse(layers, nullptr, false);
   if (j.is_array()) {
     for (auto& l : j) {
@@ -209,21 +262,21 @@ ImageRecord imageFromRow(const std::string& name, const std::string& tag, const 
 
 Result<ImageRecord> SqliteStore::getImage(const std::string& name, const std::string& tag) {
   std::lock_guard lk(mu_);
-  Stmt st(db_, "SELECT name, tag, layers, size, created_at FROM images WHERE name=?1 AND tag=?2");
+  Stmt st(db_, "SELECT name, tag, layers, size, created_at, kind FROM images WHERE name=?1 AND tag=?2");
   st.bind(1, name).bind(2, tag);
   int rc = st.step();
-  if (rc == SQLITE_ROW) return imageFromRow(st.text(0), st.text(1), st.text(2), st.i64(3), st.dbl(4));
+  if (rc == SQLITE_ROW) return imageFromRow(st.text(0), st.text(1), st.text(2), st.i64(3), st.dbl(4), st.text(5));
   if (rc == SQLITE_DONE) return notFound("image " + name + ":" + tag + " not found");
   return sqlError(db_, "getImage");
 }
 
 Result<std::vector<ImageRecord>> SqliteStore::listImages() {
   std::lock_guard lk(mu_);
-  Stmt st(db_, "SELECT name, tag, layers, size, created_at FROM images ORDER BY name, tag");
+  Stmt st(db_, "SELECT name, tag, layers, size, created_at, kind FROM images ORDER BY name, tag");
   std::vector<ImageRecord> out;
   int rc;
   while ((rc = st.step()) == SQLITE_ROW) {
-    out.push_back(imageFromRow(st.text(0), st.text(1), st.text(2), st.i64(3), st.dbl(4)));
+    out.push_back(imageFromRow(st.text(0), st.text(1), st.text(2), st.i64(3), st.dbl(4), st.text(5)));
   }
   if (rc != SQLITE_DONE) return sqlError(db_, "listImages");
   return out;

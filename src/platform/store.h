@@ -19,6 +19,8 @@ struct SandboxRecord {
   std::string id;
   std::string backend;
   std::string image;                // reference as asked ("debian:latest" or a digest)
+  // Extra layers stacked on the image at create time, as asked (refs or digests).
+  std::vector<std::string> workspaces, toolkits, diffs;
   std::vector<std::string> layers;  // resolved, bottom first
   std::string state;                // creating | running | stopping | stopped | failed
   std::string node = "local";
@@ -42,6 +44,15 @@ struct ImageRecord {
   std::vector<std::string> layers;  // bottom first
   int64_t size = 0;
   double createdAt = 0;
+  std::string kind = "base";  // base | workspace | toolkit | diff: the kind of all its layers
+};
+
+// A layer blob in the store. Its kind is set when an image first names it.
+struct BlobRecord {
+  std::string digest;
+  int64_t size = 0;
+  double createdAt = 0;
+  std::string kind;  // empty until an image names it
 };
 
 class Store {
@@ -54,6 +65,10 @@ class Store {
   virtual Status putBlob(const std::string& digest, int64_t size) = 0;
   virtual Result<bool> hasBlob(const std::string& digest) = 0;
   virtual Result<int64_t> blobSize(const std::string& digest) = 0;
+  virtual Result<BlobRecord> getBlob(const std::string& digest) = 0;
+  virtual Result<std::vector<BlobRecord>> listBlobs() = 0;
+  virtual Status setBlobKind(const std::string& digest, const std::string& kind) = 0;
+  virtual Status deleteBlob(const std::string& digest) = 0;
 
   virtual Status putImage(const ImageRecord& r) = 0;
   virtual Result<ImageRecord> getImage(const std::string& name, const std::string& tag) = 0;
@@ -75,6 +90,10 @@ class SqliteStore : public Store {
   Status putBlob(const std::string& digest, int64_t size) override;
   Result<bool> hasBlob(const std::string& digest) override;
   Result<int64_t> blobSize(const std::string& digest) override;
+  Result<BlobRecord> getBlob(const std::string& digest) override;
+  Result<std::vector<BlobRecord>> listBlobs() override;
+  Status setBlobKind(const std::string& digest, const std::string& kind) override;
+  Status deleteBlob(const std::string& digest) override;
   Status putImage(const ImageRecord& r) override;
   Result<ImageRecord> getImage(const std::string& name, const std::string& tag) override;
   Result<std::vector<ImageRecord>> listImages() override;

@@ -284,15 +284,24 @@ class Client:
                pids: Optional[int] = None, ttl_s: Optional[int] = None,
                env: Optional[Dict[str, str]] = None,
                labels: Optional[Dict[str, str]] = None,
+               workspaces: Optional[Sequence[str]] = None,
+               toolkits: Optional[Sequence[str]] = None,
+               diffs: Optional[Sequence[str]] = None,
                timeout: Optional[float] = None, **extra: Any) -> "Sandbox":
         """Creates a sandbox and returns it once it is running (or failed).
 
+        ``workspaces``, ``toolkits`` and ``diffs`` stack more layers on the
+        image, in that order (each an image ref of that kind or a layer digest),
+        so a toolkit can change without rebuilding the base.
         Raises NotFound for an unknown image, InvalidArgument (with ``field``)
         for a bad parameter. ``extra`` keys are sent as they are.
         """
         req: Dict[str, Any] = {"image": image, "backend": backend}
         for k, v in (("cpu", cpu), ("memory_mb", memory_mb), ("disk_mb", disk_mb),
-                     ("pids", pids), ("ttl_s", ttl_s), ("env", env), ("labels", labels)):
+                     ("pids", pids), ("ttl_s", ttl_s), ("env", env), ("labels", labels),
+                     ("workspaces", list(workspaces) if workspaces is not None else None),
+                     ("toolkits", list(toolkits) if toolkits is not None else None),
+                     ("diffs", list(diffs) if diffs is not None else None)):
             if v is not None:
                 req[k] = v
         req.update(extra)
@@ -335,10 +344,38 @@ class Client:
         """Deletes a tag; Conflict while a running sandbox uses it."""
         return self._call("DELETE", "/v1/images/" + _q(ref, safe=":"))
 
-    def create_image(self, name: str, tag: str, layers: Sequence[str]) -> Image:
-        """Creates (or re-tags) ``name:tag`` from uploaded layer digests, bottom first."""
+    def create_image(self, name: str, tag: str, layers: Sequence[str],
+                     kind: str = "base") -> Image:
+        """Creates (or replaces) ``name:tag`` from uploaded layer digests, bottom first.
+
+        ``kind`` is base, workspace, toolkit or diff; a layer keeps the kind of
+        the first image that names it (Conflict otherwise).
+        """
         return Image(self._call("POST", "/v1/images",
-                                json_body={"name": name, "tag": tag, "layers": list(layers)}))
+                                json_body={"name": name, "tag": tag, "layers": list(layers),
+                                           "kind": kind}))
+
+    def tag_image(self, source: str, name: str, tag: str = "latest") -> Image:
+        """Points ``name:tag`` at the layers (and kind) of the image ``source``."""
+        return Image(self._call("POST", "/v1/images",
+                                json_body={"name": name, "tag": tag, "from": source}))
+
+    def layers(self) -> List[Dict[str, Any]]:
+        """``GET /v1/layers``: digest, kind, size, created_at, images, in_use."""
+        return self._call("GET", "/v1/layers").get("layers", [])
+
+    def layer(self, digest: str) -> Dict[str, Any]:
+        return self._call("GET", "/v1/layers/" + _q(digest, safe=":"))
+
+    def delete_layer(self, digest: str) -> Dict[str, Any]:
+        """Deletes a layer no image names; Conflict while named or in use."""
+        return self._call("DELETE", "/v1/layers/" + _q(digest, safe=":"))
+
+    def gc(self, grace_s: Optional[float] = None) -> List[str]:
+        """Deletes layers no image names and no live sandbox stacks that are
+        older than ``grace_s`` (server default 600 s); returns their digests."""
+        body = {} if grace_s is None else {"grace_s": grace_s}
+        return self._call("POST", "/v1/gc", json_body=body).get("removed", [])
 
     def has_blob(self, digest: str) -> bool:
         """``HEAD /v1/blobs/{digest}``."""

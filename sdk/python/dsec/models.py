@@ -69,7 +69,7 @@ class FileEntry(Record):
 
 
 class Image(Record):
-    """An image: name, tag, ref ("name:tag"), layers (bottom first), size, created_at."""
+    """An image: name, tag, ref ("name:tag"), kind, layers (bottom first), size, created_at."""
 
     __slots__ = ()
 

@@ -145,6 +145,21 @@ void LayerCache::release(const std::string& digest) {
   if (it != layers_.end() && it->second.refs > 0) --it->second.refs;
 }
 
+Status LayerCache::evict(const std::string& digest) {
+  std::lock_guard lk(mu_);
+  auto it = layers_.find(digest);
+  if (it == layers_.end()) return Status::ok();
+  if (it->second.refs > 0) {
+    return Status(Code::kFailedPrecondition, "layer " + digest + " is mounted for a sandbox");
+  }
+  if (::umount2(it->second.path.c_str(), MNT_DETACH) != 0 && errno != EINVAL) {
+    return sysError("umount " + it->second.path);
+  }
+  ::rmdir(it->second.path.c_str());
+  layers_.erase(it);
+  return Status::ok();
+}
+
 Status LayerCache::unmountUnused(bool force) {
   std::lock_guard lk(mu_);
   Status first;

@@ -34,6 +34,9 @@ class LayerCache {
   // Mounts the layer if needed, takes a reference, returns its mount point.
   Result<std::string> acquire(const std::string& digest);
   void release(const std::string& digest);
+  // Unmounts the layer if it is mounted and unused (ok when not mounted);
+  // kFailedPrecondition while a sandbox holds it.
+  Status evict(const std::string& digest);
   // Layers with no users are unmounted; with force, all (shutdown).
   Status unmountUnused(bool force = false);
   size_t mountedCount() const;
