@@ -22,6 +22,7 @@
 #include "common/util.h"
 #include "edge/edge.h"
 #include "image/layer_builder.h"
+#include "image/oci_import.h"
 #include "platform/platform.h"
 #include "platform/store.h"
 
@@ -38,8 +39,10 @@ const char* kUsage = R"(usage: dsec COMMAND [OPTIONS]
         Run the platform and an edge in one process (REST API, SQLite state,
         local blob store). Stops on SIGTERM/SIGINT, destroying its sandboxes.
   up also takes --gc-grace-s S: unreferenced layers older than S are deleted (default 600)
-  image import --name NAME[:TAG] [--kind base|workspace|toolkit|diff] PATH
-                                         Build an EROFS layer from a rootfs dir or tarball
+  image import --name NAME[:TAG] [--kind base|workspace|toolkit|diff]
+               [--format auto|rootfs|oci|docker] PATH
+        Build EROFS layers from a root filesystem (dir or tarball), an OCI image
+        layout (dir or tar) or a `docker save` archive (one layer per image layer)
   image ls
   image tag SRC NAME[:TAG]
   image rm NAME[:TAG]...
@@ -308,22 +311,49 @@ int cmdImage(const Args& a) {
   std::string name, tag;
   if (Status st = platform::parseImageRef(ref, name, tag); !st.isOk()) return die(st.message());
   std::string work = "/var/tmp/dsec-import-" + randomHex(6);
-  auto layer = image::buildLayer(a.positional[2], work);
-  if (!layer.isOk()) {
-    (void)removeTree(work);
-    return die(layer.status().toString());
+  std::string fmt = a.get("format", "auto");
+  image::ArchiveFormat format;
+  if (fmt == "auto") {
+    auto detected = image::detectFormat(a.positional[2]);
+    if (!detected.isOk()) return die(detected.status().toString());
+    format = *detected;
+  } else if (fmt == "rootfs") {
+    format = image::ArchiveFormat::kRootfs;
+  } else if (fmt == "oci") {
+    format = image::ArchiveFormat::kOciLayout;
+  } else if (fmt == "docker") {
+    format = image::ArchiveFormat::kDockerSave;
+  } else {
+    return die("--format must be auto, rootfs, oci or docker");
   }
-  auto up = c.uploadFile("PUT", "/v1/blobs/" + layer->digest, layer->path);
+  auto layers = image::importImage(a.positional[2], format, work);
+  if (!layers.isOk()) {
+    (void)removeTree(work);
+    return die(layers.status().toString());
+  }
+  json digests = json::array();
+  int64_t total = 0;
+  for (auto& layer : *layers) {
+    auto up = c.uploadFile("PUT", "/v1/blobs/" + layer.digest, layer.path);
+    if (!up.isOk()) {
+      (void)removeTree(work);
+      return die(up.status().toString());
+    }
+    if (up->status != 201) {
+      (void)removeTree(work);
+      return apiError(*up);
+    }
+    digests.push_back(layer.digest);
+    total += layer.size;
+  }
   (void)removeTree(work);
-  if (!up.isOk()) return die(up.status().toString());
-  if (up->status != 201) return apiError(*up);
-  json body = {{"name", name}, {"tag", tag}, {"layers", {layer->digest}},
-               {"kind", a.get("kind", "base")}};
+  json body = {{"name", name}, {"tag", tag}, {"layers", digests}, {"kind", a.get("kind", "base")}};
   auto r = c.request("POST", "/v1/images", body.dump());
   if (!r.isOk()) return die(r.status().toString());
   if (r->status != 201) return apiError(*r);
-  std::cerr << "imported " << name << ":" << tag << " (" << layer->size << " bytes)\n";
-  std::cout << layer->digest << "\n";
+  for (auto& d : digests) std::cout << d.get<std::string>() << "\n";
+  std::cerr << "imported " << name << ":" << tag << " from " << image::formatName(format)
+            << ": " << digests.size() << " layer(s), " << total << " bytes\n";
   return 0;
 }
 
