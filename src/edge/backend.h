@@ -33,6 +33,11 @@ class Instance {
   virtual std::shared_ptr<AgentConn> agent() const = 0;
   // Resource events so far (OOM kills, pids-limit hits, memory in use).
   virtual Result<CgroupStats> stats() const = 0;
+  // Stops (or resumes) every process of the sandbox.
+  virtual Status freeze(bool frozen) = 0;
+  // The node-local directory holding the sandbox's writes in overlayfs form
+  // (whiteouts, opaque dirs), or empty when the backend has none.
+  virtual std::string upperDir() const = 0;
 };
 
 class Backend {

@@ -216,7 +216,9 @@ Result<std::unique_ptr<Cgroups>> Cgroups::detectWith(std::shared_ptr<CgroupFs> f
     return Status(Code::kFailedPrecondition,
                   "cgroup v1 needs memory, cpu and pids hierarchies under " + root);
   }
-  for (auto* base : {&cg->v1Memory_, &cg->v1Cpu_, &cg->v1Pids_}) {
+  cg->v1Freezer_ = pick({"freezer"});  // optional: without it, freeze() is unavailable
+  for (auto* base : {&cg->v1Memory_, &cg->v1Cpu_, &cg->v1Pids_, &cg->v1Freezer_}) {
+    if (base->empty()) continue;
     std::string cur = *base;
     for (auto& part : splitString(parent, '/')) {
       cur += "/" + part;
@@ -232,8 +234,41 @@ std::string Cgroups::describe() const {
 
 std::vector<std::string> Cgroups::dirsOf(const std::string& id) const {
   if (mode_ == Mode::kV2) return {root_ + "/" + parent_ + "/" + id};
-  return {v1Memory_ + "/" + parent_ + "/" + id, v1Cpu_ + "/" + parent_ + "/" + id,
-          v1Pids_ + "/" + parent_ + "/" + id};
+  std::vector<std::string> dirs = {v1Memory_ + "/" + parent_ + "/" + id,
+                                   v1Cpu_ + "/" + parent_ + "/" + id,
+                                   v1Pids_ + "/" + parent_ + "/" + id};
+  if (!v1Freezer_.empty()) dirs.push_back(v1Freezer_ + "/" + parent_ + "/" + id);
+  return dirs;
+}
+
+Status Cgroups::freeze(const std::string& id, bool frozen) {
+  auto dirs = dirsOf(id);
+  std::string knob, want, done;
+  if (mode_ == Mode::kV2) {
+    knob = dirs[0] + "/cgroup.freeze";
+    want = frozen ? "1" : "0";
+  } else {
+    if (v1Freezer_.empty()) {
+      return Status(Code::kFailedPrecondition, "no freezer cgroup hierarchy on this host");
+    }
+    knob = dirs[3] + "/freezer.state";
+    want = frozen ? "FROZEN" : "THAWED";
+  }
+  RETURN_IF_ERROR(fs_->write(knob, want));
+  // Freezing completes asynchronously; wait until every task has stopped.
+  for (int i = 0; i < 500; ++i) {
+    if (mode_ == Mode::kV2) {
+      auto ev = fs_->read(dirs[0] + "/cgroup.events");
+      if (!ev.isOk()) return std::move(ev).takeStatus();
+      if (ev->find(frozen ? "frozen 1" : "frozen 0") != std::string::npos) return Status::ok();
+    } else {
+      auto st = fs_->read(knob);
+      if (!st.isOk()) return std::move(st).takeStatus();
+      if (st->rfind(want, 0) == 0) return Status::ok();
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  return Status(Code::kDeadlineExceeded, "cgroup of " + id + " did not reach " + want);
 }
 
 Status Cgroups::create(const std::string& id, const CgroupLimits& limits) {
@@ -350,6 +385,7 @@ void Cgroups::removeParent() {
     bases = {root_};
   } else {
     bases = {v1Memory_, v1Cpu_, v1Pids_};
+    if (!v1Freezer_.empty()) bases.push_back(v1Freezer_);
   }
   // Only the innermost level is ours alone; shared levels go only when empty.
   auto parts = splitString(parent_, '/');
@@ -369,6 +405,7 @@ std::vector<std::string> Cgroups::list() const {
     bases = {root_};
   } else {
     bases = {v1Memory_, v1Cpu_, v1Pids_};
+    if (!v1Freezer_.empty()) bases.push_back(v1Freezer_);
   }
   for (auto& b : bases) {
     for (auto& name : fs_->list(b + "/" + parent_)) {

@@ -85,6 +85,8 @@ class Cgroups {
   // Moves pid into every group of the sandbox.
   Status attach(const std::string& id, pid_t pid);
   Result<CgroupStats> stats(const std::string& id) const;
+  // Freezes (stops every task of) or thaws the sandbox; returns once done.
+  Status freeze(const std::string& id, bool frozen);
   // Kills whatever still runs in the groups, then removes them: on v2 through
   // cgroup.kill (Linux 5.14+; no pid that could be reused by then); elsewhere
   // by SIGKILLing the pids each group's own cgroup.procs lists (v2 freezes the
@@ -114,7 +116,7 @@ class Cgroups {
   std::string root_;
   std::string parent_;
   // v1: controller mount points, e.g. {"memory", "/sys/fs/cgroup/memory"}.
-  std::string v1Memory_, v1Cpu_, v1Pids_;
+  std::string v1Memory_, v1Cpu_, v1Pids_, v1Freezer_;
 };
 
 }  // namespace dsec::edge

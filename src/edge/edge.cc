@@ -291,6 +291,19 @@ Result<std::string> Edge::fileCall(const std::string& id, proto::FrameType type,
   return agentCall(*inst->agent(), type, body, kAgentCallTimeoutS);
 }
 
+Result<image::BuiltLayer> Edge::packDiff(const std::string& id, const std::string& workDir) {
+  auto inst = find(id);
+  if (!inst) return notRunning(id);
+  std::string upper = inst->upperDir();
+  if (upper.empty()) return Status(Code::kFailedPrecondition, "this backend cannot pack_diff");
+  // Frozen, so the layer is one consistent moment of the sandbox's files.
+  RETURN_IF_ERROR(inst->freeze(true));
+  auto layer = image::buildLayer(upper, workDir);
+  Status thaw = inst->freeze(false);
+  if (!thaw.isOk()) log::error("pack_diff " + id + ": thaw: " + thaw.toString());
+  return layer;
+}
+
 Result<CgroupStats> Edge::stats(const std::string& id) {
   auto inst = find(id);
   if (!inst) return notRunning(id);

@@ -16,6 +16,7 @@
 #include "edge/backend.h"
 #include "edge/cgroup.h"
 #include "edge/image/layer_cache.h"
+#include "image/layer_builder.h"
 
 namespace dsec::edge {
 
@@ -82,6 +83,10 @@ class Edge {
                                const std::string& json);
 
   Result<CgroupStats> stats(const std::string& id);
+  // pack_diff: freezes the sandbox, builds an EROFS layer of its writes (its
+  // overlay upper dir, whiteouts and opaque dirs included) under workDir,
+  // thaws it. The sandbox keeps running.
+  Result<image::BuiltLayer> packDiff(const std::string& id, const std::string& workDir);
   // Drops the node's mount of a layer no sandbox uses (before its blob goes).
   Status evictLayer(const std::string& digest) { return layers_->evict(digest); }
   std::vector<std::string> sandboxIds() const;

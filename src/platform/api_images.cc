@@ -1,5 +1,6 @@
 // /v1/blobs and /v1/images.
 #include <fcntl.h>
+#include <stdio.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -28,9 +29,12 @@ bool validDigest(const std::string& d) {
 }
 
 json imageToApi(const ImageRecord& r) {
-  return {{"name", r.name}, {"tag", r.tag},   {"ref", r.name + ":" + r.tag},
-          {"kind", r.kind}, {"layers", r.layers}, {"size", r.size},
-          {"created_at", isoTime(r.createdAt)}};
+  json j = {{"name", r.name}, {"tag", r.tag},   {"ref", r.name + ":" + r.tag},
+            {"kind", r.kind}, {"layers", r.layers}, {"size", r.size},
+            {"created_at", isoTime(r.createdAt)}};
+  json parent = r.parent.empty() ? json(nullptr) : json::parse(r.parent, nullptr, false);
+  j["parent"] = parent.is_discarded() ? json(nullptr) : parent;
+  return j;
 }
 
 bool validKind(const std::string& k) {
@@ -154,6 +158,63 @@ void Platform::createImage(http::Request& req, http::Response& res) {
     if (Status st = store_->putImage(r); !st.isOk()) return sendError(res, st);
   }
   sendJson(res, 201, imageToApi(r).dump());
+}
+
+void Platform::packDiff(const std::string& id, http::Request& req, http::Response& res) {
+  auto j = parseObject(req, {"name", "tag"});
+  if (!j.isOk()) return sendError(res, j.status());
+  auto name = getString(*j, "name", "", 200);
+  if (!name.isOk()) return sendError(res, name.status());
+  auto tag = getString(*j, "tag", "latest", 128);
+  if (!tag.isOk()) return sendError(res, tag.status());
+  ImageRecord img;
+  if (Status st = parseImageRef(*name + ":" + *tag, img.name, img.tag); !st.isOk()) {
+    return sendError(res, invalidArg(name->empty() ? "name" : "tag", st.message()));
+  }
+  if (img.name != *name) return sendError(res, invalidArg("name", "name must not contain ':'"));
+  auto sb = runningSandbox(id);
+  if (!sb.isOk()) return sendError(res, sb.status());
+  // Built beside the blob store, so the result is renamed into it, not copied.
+  std::string work = opts_.dataDir + "/blobs/pack-" + randomHex(6);
+  auto layer = edge_->packDiff(id, work);
+  if (!layer.isOk()) {
+    (void)removeTree(work);
+    return sendError(res, layer.status());
+  }
+  std::string final = blobPath(opts_.dataDir, layer->digest);
+  Status st;
+  if (::rename(layer->path.c_str(), final.c_str()) != 0) st = sysError("rename " + layer->path);
+  (void)removeTree(work);
+  if (st.isOk()) st = store_->putBlob(layer->digest, layer->size);
+  if (!st.isOk()) return sendError(res, st);
+  // A snapshot is the sandbox's own diffs plus this one, on the same stack.
+  img.kind = "diff";
+  for (auto& ref : sb->diffs) {
+    auto layers = resolveLayers(ref, "diff", "diffs");
+    if (!layers.isOk()) return sendError(res, layers.status());
+    img.layers.insert(img.layers.end(), layers->begin(), layers->end());
+  }
+  img.layers.push_back(layer->digest);
+  for (auto& d : img.layers) {
+    auto size = store_->blobSize(d);
+    if (size.isOk()) img.size += *size;
+  }
+  img.parent = json{{"image", sb->image}, {"workspaces", sb->workspaces},
+                    {"toolkits", sb->toolkits}}.dump();
+  img.createdAt = nowSeconds();
+  {
+    std::lock_guard gc(gcMu_);
+    auto blob = store_->getBlob(layer->digest);
+    if (blob.isOk() && !blob->kind.empty() && blob->kind != "diff") {
+      return sendError(res, Status(Code::kConflict, "the diff equals an existing " + blob->kind +
+                                                        " layer " + layer->digest));
+    }
+    for (auto& d : img.layers) {
+      if (Status ks = store_->setBlobKind(d, "diff"); !ks.isOk()) return sendError(res, ks);
+    }
+    if (Status ps = store_->putImage(img); !ps.isOk()) return sendError(res, ps);
+  }
+  sendJson(res, 201, imageToApi(img).dump());
 }
 
 std::set<std::string> Platform::layersInUse() {

@@ -85,7 +85,8 @@ Result<int> parseMode(const std::optional<std::string>& s, int def) {
 
 void Platform::createSandbox(http::Request& req, http::Response& res) {
   auto parsed = parseObject(req, {"image", "backend", "cpu", "memory_mb", "disk_mb", "pids",
-                                  "ttl_s", "env", "labels", "workspaces", "toolkits", "diffs"});
+                                  "ttl_s", "env", "labels", "workspaces", "toolkits", "diffs",
+                                  "snapshot"});
   if (!parsed.isOk()) return sendError(res, parsed.status());
   const json& j = *parsed;
   SandboxRecord r;
@@ -93,7 +94,9 @@ void Platform::createSandbox(http::Request& req, http::Response& res) {
   {
     auto image = getString(j, "image", "", 512);
     if (!image.isOk()) return fail(image.status());
-    if (image->empty()) return fail(invalidArg("image", "image is required"));
+    if (image->empty() && !j.contains("snapshot")) {
+      return fail(invalidArg("image", "image (or snapshot) is required"));
+    }
     r.image = *image;
     auto backend = getString(j, "backend", "container", 32);
     if (!backend.isOk()) return fail(backend.status());
@@ -128,10 +131,41 @@ void Platform::createSandbox(http::Request& req, http::Response& res) {
   }
   // Resolve the image, then the layers stacked on it at create time:
   // workspaces, toolkits, diffs, each list bottom first.
+  // snapshot: a pack_diff image brings its stack; image/workspaces/toolkits
+  // must then be left out (they come from the snapshot).
+  json stack = j;
+  if (auto snap = j.find("snapshot"); snap != j.end() && !snap->is_null()) {
+    if (!snap->is_string()) return fail(invalidArg("snapshot", "snapshot must be an image ref"));
+    for (const char* f : {"workspaces", "toolkits"}) {
+      if (j.contains(f)) return fail(invalidArg(f, std::string(f) + " come from the snapshot"));
+    }
+    std::string sname, stag;
+    if (Status st = parseImageRef(snap->get<std::string>(), sname, stag); !st.isOk()) {
+      return fail(invalidArg("snapshot", st.message()));
+    }
+    auto img = store_->getImage(sname, stag);
+    if (!img.isOk()) return fail(img.status());
+    json parent = json::parse(img->parent, nullptr, false);
+    if (img->kind != "diff" || !parent.is_object()) {
+      return fail(invalidArg("snapshot", sname + ":" + stag + " is not a pack_diff snapshot"));
+    }
+    if (!r.image.empty() && r.image != parent.value("image", "")) {
+      return fail(invalidArg("image", "the snapshot was made on " +
+                                          parent.value("image", "") + ", not " + r.image));
+    }
+    r.image = parent.value("image", "");
+    stack["workspaces"] = parent.value("workspaces", json::array());
+    stack["toolkits"] = parent.value("toolkits", json::array());
+    json diffs = json::array({sname + ":" + stag});
+    if (auto d = j.find("diffs"); d != j.end() && d->is_array()) {
+      for (auto& x : *d) diffs.push_back(x);
+    }
+    stack["diffs"] = diffs;
+  }
   auto stackOn = [&](const char* field, const std::string& kind,
                      std::vector<std::string>* asked) -> Status {
-    auto it = j.find(field);
-    if (it == j.end() || it->is_null()) return Status::ok();
+    auto it = stack.find(field);
+    if (it == stack.end() || it->is_null()) return Status::ok();
     if (!it->is_array() || it->size() > 32) {
       return invalidArg(field, std::string(field) + " must be a list of up to 32 references");
     }

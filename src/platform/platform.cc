@@ -241,6 +241,10 @@ void Platform::handle(http::Request& req, http::Response& res) {
       if (m == "POST") return execSandbox(id, req, res);
       return methodNotAllowed();
     }
+    if (n == 5 && parts[4] == "pack_diff") {
+      if (m == "POST") return packDiff(id, req, res);
+      return methodNotAllowed();
+    }
     if (parts[4] == "files" && n <= 6) return files(id, n == 6 ? parts[5] : "", req, res);
   } else if (coll == "blobs" && n == 4) {
     if (m == "PUT") return putBlob(parts[3], req, res);

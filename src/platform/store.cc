@@ -119,7 +119,8 @@ Result<std::unique_ptr<SqliteStore>> SqliteStore::open(const std::string& path) 
   // Columns added after the first release of the schema; "duplicate column"
   // means the database already has them.
   for (const char* alter : {"ALTER TABLE images ADD COLUMN kind TEXT NOT NULL DEFAULT 'base'",
-                            "ALTER TABLE blobs ADD COLUMN kind TEXT NOT NULL DEFAULT ''"}) {
+                            "ALTER TABLE blobs ADD COLUMN kind TEXT NOT NULL DEFAULT ''",
+                            "ALTER TABLE images ADD COLUMN parent TEXT NOT NULL DEFAULT ''"}) {
     Status st = s->exec(alter);
     if (!st.isOk() && st.message().find("duplicate column") == std::string::npos) return st;
   }
@@ -238,18 +239,19 @@ Status SqliteStore::deleteBlob(const std::string& digest) {
 
 Status SqliteStore::putImage(const ImageRecord& r) {
   std::lock_guard lk(mu_);
-  Stmt st(db_, "INSERT OR REPLACE INTO images(name, tag, layers, size, created_at, kind) "
-               "VALUES(?1, ?2, ?3, ?4, ?5, ?6)");
+  Stmt st(db_, "INSERT OR REPLACE INTO images(name, tag, layers, size, created_at, kind, parent) "
+               "VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7)");
   st.bind(1, r.name).bind(2, r.tag).bind(3, json(r.layers).dump()).bind(4, r.size);
-  st.bind(5, r.createdAt).bind(6, r.kind);
+  st.bind(5, r.createdAt).bind(6, r.kind).bind(7, r.parent);
   if (st.step() != SQLITE_DONE) return sqlError(db_, "putImage");
   return Status::ok();
 }
 
 namespace {
 ImageRecord imageFromRow(const std::string& name, const std::string& tag, const std::string& layers,
-                         int64_t size, double created, const std::string& kind) {
-  ImageRecord r{name, tag, {}, size, created, kind};
+                         int64_t size, double created, const std::string& kind,
+                         const std::string& parent) {
+  ImageRecord r{name, tag, {}, size, created, kind, parent};
   json j = json::parse(layers, nullptr, false);
   if (j.is_array()) {
     for (auto& l : j) {
@@ -262,21 +264,23 @@ ImageRecord imageFromRow(const std::string& name, const std::string& tag, const 
 
 Result<ImageRecord> SqliteStore::getImage(const std::string& name, const std::string& tag) {
   std::lock_guard lk(mu_);
-  Stmt st(db_, "SELECT name, tag, layers, size, created_at, kind FROM images WHERE name=?1 AND tag=?2");
+  Stmt st(db_, "SELECT name, tag, layers, size, created_at, kind, parent FROM images WHERE name=?1 AND tag=?2");
   st.bind(1, name).bind(2, tag);
   int rc = st.step();
-  if (rc == SQLITE_ROW) return imageFromRow(st.text(0), st.text(1), st.text(2), st.i64(3), st.dbl(4), st.text(5));
+  if (rc == SQLITE_ROW) return imageFromRow(st.text(0), st.text(1), st.text(2), st.i64(3), st.dbl(4), st.text(5),
+                        st.text(6));
   if (rc == SQLITE_DONE) return notFound("image " + name + ":" + tag + " not found");
   return sqlError(db_, "getImage");
 }
 
 Result<std::vector<ImageRecord>> SqliteStore::listImages() {
   std::lock_guard lk(mu_);
-  Stmt st(db_, "SELECT name, tag, layers, size, created_at, kind FROM images ORDER BY name, tag");
+  Stmt st(db_, "SELECT name, tag, layers, size, created_at, kind, parent FROM images ORDER BY name, tag");
   std::vector<ImageRecord> out;
   int rc;
   while ((rc = st.step()) == SQLITE_ROW) {
-    out.push_back(imageFromRow(st.text(0), st.text(1), st.text(2), st.i64(3), st.dbl(4), st.text(5)));
+    out.push_back(imageFromRow(st.text(0), st.text(1), st.text(2), st.i64(3), st.dbl(4), st.text(5),
+                        st.text(6)));
   }
   if (rc != SQLITE_DONE) return sqlError(db_, "listImages");
   return out;

@@ -45,6 +45,9 @@ struct ImageRecord {
   int64_t size = 0;
   double createdAt = 0;
   std::string kind = "base";  // base | workspace | toolkit | diff: the kind of all its layers
+  // For a pack_diff snapshot: the stack it was made on, as JSON
+  // {"image","workspaces","toolkits"}; empty otherwise.
+  std::string parent;
 };
 
 // A layer blob in the store. Its kind is set when an image first names it.

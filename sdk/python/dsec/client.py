@@ -279,7 +279,8 @@ class Client:
 
     # ----- sandboxes ------------------------------------------------------------
 
-    def create(self, image: str, backend: str = "container", cpu: Optional[float] = None,
+    def create(self, image: Optional[str] = None, backend: str = "container",
+               cpu: Optional[float] = None,
                memory_mb: Optional[int] = None, disk_mb: Optional[int] = None,
                pids: Optional[int] = None, ttl_s: Optional[int] = None,
                env: Optional[Dict[str, str]] = None,
@@ -287,16 +288,23 @@ class Client:
                workspaces: Optional[Sequence[str]] = None,
                toolkits: Optional[Sequence[str]] = None,
                diffs: Optional[Sequence[str]] = None,
+               snapshot: Optional[str] = None,
                timeout: Optional[float] = None, **extra: Any) -> "Sandbox":
         """Creates a sandbox and returns it once it is running (or failed).
 
         ``workspaces``, ``toolkits`` and ``diffs`` stack more layers on the
         image, in that order (each an image ref of that kind or a layer digest),
-        so a toolkit can change without rebuilding the base.
+        so a toolkit can change without rebuilding the base. ``snapshot`` (an
+        image made by ``Sandbox.pack_diff``) restores that sandbox's files on
+        the stack it was made on; ``image`` may then be omitted.
         Raises NotFound for an unknown image, InvalidArgument (with ``field``)
         for a bad parameter. ``extra`` keys are sent as they are.
         """
-        req: Dict[str, Any] = {"image": image, "backend": backend}
+        req: Dict[str, Any] = {"backend": backend}
+        if image:
+            req["image"] = image
+        if snapshot is not None:
+            req["snapshot"] = snapshot
         for k, v in (("cpu", cpu), ("memory_mb", memory_mb), ("disk_mb", disk_mb),
                      ("pids", pids), ("ttl_s", ttl_s), ("env", env), ("labels", labels),
                      ("workspaces", list(workspaces) if workspaces is not None else None),
@@ -525,6 +533,15 @@ class Sandbox:
         """Reloads ``info`` from the server."""
         self.info = self.client._call("GET", self._p())
         return self
+
+    def pack_diff(self, name: str, tag: str = "latest") -> Image:
+        """Snapshots the sandbox's changes (while it keeps running; it is frozen
+        for the moment of the copy) into a ``diff`` image ``name:tag``; create
+        from it with ``client.create(snapshot="name:tag")``. Diffs chain: a
+        sandbox made from a snapshot packs into a snapshot of both."""
+        return Image(self.client._call("POST", f"/v1/sandboxes/{_q(self.id)}/pack_diff",
+                                       json_body={"name": name, "tag": tag},
+                                       timeout=max(self.client.timeout, 300.0)))
 
     def destroy(self) -> "Sandbox":
         """Stops and removes the sandbox (repeat calls are fine)."""
