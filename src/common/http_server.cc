@@ -85,16 +85,7 @@ bool parseQuery(std::string_view qs, std::multimap<std::string, std::string>& ou
   return true;
 }
 
-// SO_RCVTIMEO / SO_SNDTIMEO on fd; seconds <= 0 leaves the call unbounded.
-void setSocketTimeout(int fd, int opt, double seconds) {
-  if (seconds <= 0) return;
-  timeval tv{};
-  tv.tv_sec = time_t(seconds);
-  tv.tv_usec = suseconds_t((seconds - double(tv.tv_sec)) * 1e6);
-  if (tv.tv_sec == 0 && tv.tv_usec == 0) tv.tv_usec = 1;  // {0,0} would mean "forever"
-  (void)::setsockopt(fd, SOL_SOCKET, opt, &tv, sizeof tv);
-}
-
+using internal::setSocketTimeout;
 using internal::TimedStream;
 
 std::string jsonError(std::string_view code, std::string_view msg) {

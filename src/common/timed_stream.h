@@ -15,6 +15,17 @@ namespace dsec::http::internal {
 namespace asio = boost::asio;
 namespace beast = boost::beast;
 
+// SO_RCVTIMEO / SO_SNDTIMEO on fd; seconds <= 0 leaves the call unbounded.
+inline void setSocketTimeout(int fd, int opt, double seconds) {
+  if (seconds <= 0) return;
+  timeval tv{};
+  tv.tv_sec = time_t(seconds);
+  tv.tv_usec = suseconds_t((seconds - double(tv.tv_sec)) * 1e6);
+  if (tv.tv_sec == 0 && tv.tv_usec == 0) tv.tv_usec = 1;  // {0,0} would mean "forever"
+  (void)::setsockopt(fd, SOL_SOCKET, opt, &tv, sizeof tv);
+}
+
+
 // A blocking SyncReadStream/SyncWriteStream over a connected socket's fd that
 // honours SO_RCVTIMEO/SO_SNDTIMEO. Asio's own synchronous socket calls do not:
 // when recv(2)/send(2) give up with EAGAIN at the timeout, Asio poll(2)s with

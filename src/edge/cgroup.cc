@@ -379,14 +379,15 @@ Status Cgroups::remove(const std::string& id) {
   return first;
 }
 
+std::vector<std::string> Cgroups::hierarchies() const {
+  if (mode_ == Mode::kV2) return {root_};
+  std::vector<std::string> out = {v1Memory_, v1Cpu_, v1Pids_};
+  if (!v1Freezer_.empty()) out.push_back(v1Freezer_);
+  return out;
+}
+
 void Cgroups::removeParent() {
-  std::vector<std::string> bases;
-  if (mode_ == Mode::kV2) {
-    bases = {root_};
-  } else {
-    bases = {v1Memory_, v1Cpu_, v1Pids_};
-    if (!v1Freezer_.empty()) bases.push_back(v1Freezer_);
-  }
+  std::vector<std::string> bases = hierarchies();
   // Only the innermost level is ours alone; shared levels go only when empty.
   auto parts = splitString(parent_, '/');
   for (auto& b : bases) {
@@ -400,13 +401,7 @@ void Cgroups::removeParent() {
 
 std::vector<std::string> Cgroups::list() const {
   std::vector<std::string> out;
-  std::vector<std::string> bases;
-  if (mode_ == Mode::kV2) {
-    bases = {root_};
-  } else {
-    bases = {v1Memory_, v1Cpu_, v1Pids_};
-    if (!v1Freezer_.empty()) bases.push_back(v1Freezer_);
-  }
+  std::vector<std::string> bases = hierarchies();
   for (auto& b : bases) {
     for (auto& name : fs_->list(b + "/" + parent_)) {
       if (startsWith(name, "sb-") && std::find(out.begin(), out.end(), name) == out.end()) {

@@ -117,6 +117,8 @@ class Cgroups {
   std::string parent_;
   // v1: controller mount points, e.g. {"memory", "/sys/fs/cgroup/memory"}.
   std::string v1Memory_, v1Cpu_, v1Pids_, v1Freezer_;
+  // The hierarchy roots a sandbox has a group in (v2: one).
+  std::vector<std::string> hierarchies() const;
 };
 
 }  // namespace dsec::edge
