@@ -5,6 +5,7 @@
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/mount.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -85,6 +86,8 @@ int childMain(void* p) {
   sigset_t none;
   sigemptyset(&none);
   sigprocmask(SIG_SETMASK, &none, nullptr);
+  // Spares are spawned by a low-priority thread; the sandbox must not inherit that.
+  setpriority(PRIO_PROCESS, 0, 0);
   if (dup2(a->devNull, 0) < 0 || dup2(a->devNull, 1) < 0) _exit(kExitStdio);
   // dup2 onto itself would keep CLOEXEC; the agent must inherit fd 3.
   if (a->agentFd == kAgentFd ? fcntl(kAgentFd, F_SETFD, 0) < 0
@@ -210,7 +213,12 @@ Result<ContainerBackend::Agent> ContainerBackend::takeAgent() {
   return spawnAgent();
 }
 
+// Background work yields to the request path (creates and execs waiting on it)
+// but still runs under load.
+static void lowerThreadPriority() { setpriority(PRIO_PROCESS, pid_t(syscall(SYS_gettid)), 10); }
+
 void ContainerBackend::spareLoop() {
+  lowerThreadPriority();
   std::unique_lock lk(spareMu_);
   while (!stopSpares_) {
     if (spares_.size() >= opts_.spareAgents) {
@@ -330,6 +338,7 @@ Status ContainerBackend::destroy(Instance& base) {
 }
 
 void ContainerBackend::cleanerLoop() {
+  lowerThreadPriority();
   std::unique_lock lk(cleanMu_);
   for (;;) {
     cleanCv_.wait(lk, [&] { return stopCleaner_ || !cleanQueue_.empty(); });
