@@ -280,9 +280,22 @@ void Reactor::exitLoop() {
   }
 }
 
+namespace {
+Status resultStatusOf(const json& j);
+}  // namespace
+
 Status resultStatus(const std::string& payload) {
   json j = json::parse(payload, nullptr, false);
   if (j.is_discarded() || !j.is_object()) return internalError("agent sent a malformed result");
+  try {
+    return resultStatusOf(j);
+  } catch (const json::exception&) {
+    return internalError("agent sent a malformed result");
+  }
+}
+
+namespace {
+Status resultStatusOf(const json& j) {
   if (j.value("ok", false)) return Status::ok();
   std::string code = j.value("code", "internal");
   Code c = Code::kInternal;
@@ -298,6 +311,7 @@ Status resultStatus(const std::string& payload) {
   std::string field = c == Code::kInvalidArgument ? j.value("field", "") : "";
   return Status(c, j.value("message", "agent error"), j.value("errno", 0), field);
 }
+}  // namespace
 
 Result<std::string> agentCall(AgentConn& conn, proto::FrameType type, const std::string& body,
                               double timeoutSeconds) {

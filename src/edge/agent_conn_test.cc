@@ -73,6 +73,17 @@ TEST_F(AgentConnTest, AgentCallMapsErrors) {
   EXPECT_EQ(r.status().sysErrno(), 2);
 }
 
+TEST_F(AgentConnTest, MistypedResultIsAnErrorNotACrash) {
+  std::thread peer([&] {
+    auto req = peerRecv();
+    peerSend(req.stream, proto::FrameType::kResult, R"({"ok":"yes","code":5,"errno":"x"})");
+  });
+  auto r = agentCall(*conn_, proto::FrameType::kStat, R"({"path":"/x"})", 5);
+  peer.join();
+  ASSERT_FALSE(r.isOk());
+  EXPECT_EQ(r.status().code(), Code::kInternal);
+}
+
 TEST_F(AgentConnTest, DeathFailsWaitersAndSends) {
   auto a = conn_->openStream();
   peer_.reset();  // the agent dies

@@ -18,6 +18,13 @@ namespace {
 constexpr size_t kReadRange = 4u << 20;  // bytes per file_read request
 constexpr double kAgentCallTimeoutS = 60;
 
+// "size" of an agent result; 0 when absent or not a number.
+uint64_t sizeOf(const json& j) {
+  if (!j.is_object()) return 0;
+  auto it = j.find("size");
+  return it != j.end() && it->is_number_unsigned() ? it->get<uint64_t>() : 0;
+}
+
 // Closes a request stream when the call ends, however it ends.
 struct StreamGuard {
   AgentConn& conn;
@@ -179,11 +186,17 @@ Result<ExecResult> Edge::exec(const std::string& id, const ExecSpec& spec,
       case proto::FrameType::kExit: {
         json j = json::parse(f.payload, nullptr, false);
         if (j.is_discarded()) return internalError("agent sent a malformed exit report");
-        res.exitCode = j.value("exit_code", -1);
-        res.signal = j.value("signal", 0);
-        res.timedOut = j.value("timed_out", false);
-        res.truncated = j.value("truncated", false);
-        res.durationMs = double(j.value("duration_us", int64_t(0))) / 1000.0;
+        // A compromised agent must not take the edge down: json's typed
+        // getters throw on a wrong type.
+        try {
+          res.exitCode = j.value("exit_code", -1);
+          res.signal = j.value("signal", 0);
+          res.timedOut = j.value("timed_out", false);
+          res.truncated = j.value("truncated", false);
+          res.durationMs = double(j.value("duration_us", int64_t(0))) / 1000.0;
+        } catch (const json::exception&) {
+          return internalError("agent sent a malformed exit report");
+        }
         auto after = inst->stats();
         if (before.isOk() && after.isOk()) res.oomKilled = after->oomKills > before->oomKills;
         if (cancelled) return Status(Code::kUnavailable, "exec cancelled: client went away");
@@ -230,7 +243,7 @@ Result<uint64_t> Edge::writeFile(const std::string& id, const std::string& path,
     if (f.type != proto::FrameType::kResult) continue;
     RETURN_IF_ERROR(resultStatus(f.payload));
     json j = json::parse(f.payload, nullptr, false);
-    return j.is_discarded() ? uint64_t(0) : j.value("size", uint64_t(0));
+    return sizeOf(j);
   }
 }
 
@@ -260,7 +273,7 @@ Status Edge::readFile(const std::string& id, const std::string& path,
         RETURN_IF_ERROR(resultStatus(f.payload));
         if (first) {
           json j = json::parse(f.payload, nullptr, false);
-          uint64_t announced = j.is_discarded() ? 0 : j.value("size", uint64_t(0));
+          uint64_t announced = sizeOf(j);
           if (announced > 0) size = announced;
           RETURN_IF_ERROR(onSize(size));
           first = false;

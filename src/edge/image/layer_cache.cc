@@ -134,7 +134,10 @@ Result<std::string> LayerCache::acquire(const std::string& digest) {
   ASSIGN_OR_RETURN(std::string blob, blobPath_(digest));
   std::string target = mountRoot_ + "/" + hexOf(digest);
   if (::mkdir(target.c_str(), 0755) != 0 && errno != EEXIST) return sysError("mkdir " + target);
-  RETURN_IF_ERROR(mountLayer(blob, target));
+  if (Status st = mountLayer(blob, target); !st.isOk()) {
+    ::rmdir(target.c_str());
+    return st;
+  }
   layers_[digest] = Entry{target, 1};
   return target;
 }
