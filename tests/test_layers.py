@@ -120,3 +120,49 @@ def test_unreferenced_upload_survives_the_grace_period(server, client, tmp_path)
     assert digest not in client.gc()  # the default grace is minutes
     client.delete_layer(digest)
     expect_error(lambda: client.layer(digest), dsec.NotFound)
+
+
+def test_layers_are_metadata_plus_chunked_data(server, client, busybox, tmp_path,
+                                              make_sandbox):
+    """Each layer is a small EROFS metadata image plus a data blob read through
+    it (mkfs.erofs --chunksize --blobdev); both go away together."""
+    ws = unique("big")
+    payload = os.urandom(3 << 20)
+    tree = tmp_path / unique("tree")
+    (tree / "data").mkdir(parents=True)
+    (tree / "data" / "blob.bin").write_bytes(payload)
+    r = server.cli("image", "import", "--data-dir", server.data_dir, "--kind", "workspace",
+                   "--name", f"{ws}:1", tree, timeout=120)
+    assert r.returncode == 0, r.stderr
+    digest = r.stdout.strip()
+    layer = client.layer(digest)
+    assert layer["data"] and layer["data"]["digest"] != digest
+    data_digest = layer["data"]["digest"]
+    listed = {l["digest"]: l for l in client.layers()}
+    assert data_digest not in listed, "data blobs are listed with their layer, not as layers"
+    assert listed[digest]["data"]["size"] >= len(payload)
+    assert listed[digest]["size"] < 64 << 10, "the metadata image should be small"
+
+    sb = make_sandbox(busybox, workspaces=[f"{ws}:1"])
+    assert sb.read_file("/data/blob.bin") == payload
+    sb.destroy()
+    client.delete_image(f"{ws}:1")
+    removed = client.gc(grace_s=0)
+    assert digest in removed and data_digest in removed
+    blobs = Path(server.data_dir) / "blobs" / "sha256"
+    assert not (blobs / digest.split(":")[1]).exists()
+    assert not (blobs / data_digest.split(":")[1]).exists()
+
+
+def test_blob_data_link_is_validated(server, client, tmp_path):
+    f = tmp_path / "meta"
+    f.write_bytes(os.urandom(64))
+    import hashlib
+    d = "sha256:" + hashlib.sha256(f.read_bytes()).hexdigest()
+    missing = "sha256:" + "0" * 64
+    st, _, _, doc = server.raw("PUT", f"/v1/blobs/{d}?data={missing}", body=f.read_bytes(),
+                               headers={"Content-Type": "application/octet-stream"})
+    assert st == 400 and doc["error"]["field"] == "data", doc
+    st, _, _, doc = server.raw("PUT", f"/v1/blobs/{d}?data={d}", body=f.read_bytes(),
+                               headers={"Content-Type": "application/octet-stream"})
+    assert st == 400 and doc["error"]["field"] == "data", doc

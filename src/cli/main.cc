@@ -174,10 +174,18 @@ int cmdUp(const Args& a) {
   edge::EdgeOptions eo;
   eo.dataDir = dataDir + "/edge";
   eo.aetherPath = aether;
-  eo.blobPath = [dataDir](const std::string& digest) -> Result<std::string> {
-    std::string p = platform::Platform::blobPath(dataDir, digest);
-    if (::access(p.c_str(), R_OK) != 0) return notFound("blob " + digest + " not in the store");
-    return p;
+  platform::Store* st = store->get();
+  eo.blobPath = [dataDir, st](const std::string& digest) -> Result<edge::LayerCache::LayerFiles> {
+    // In `dsec up` the node reads the platform's blob directory directly.
+    ASSIGN_OR_RETURN(auto rec, st->getBlob(digest));
+    edge::LayerCache::LayerFiles files{platform::Platform::blobPath(dataDir, digest), ""};
+    if (!rec.data.empty()) files.data = platform::Platform::blobPath(dataDir, rec.data);
+    for (auto* p : {&files.meta, &files.data}) {
+      if (!p->empty() && ::access(p->c_str(), R_OK) != 0) {
+        return notFound("blob of layer " + digest + " not in the store");
+      }
+    }
+    return files;
   };
   auto edge = edge::Edge::start(eo);
   if (!edge.isOk()) return die("edge: " + edge.status().toString());
@@ -334,17 +342,23 @@ int cmdImage(const Args& a) {
   json digests = json::array();
   int64_t total = 0;
   for (auto& layer : *layers) {
-    auto up = c.uploadFile("PUT", "/v1/blobs/" + layer.digest, layer.path);
-    if (!up.isOk()) {
-      (void)removeTree(work);
-      return die(up.status().toString());
-    }
-    if (up->status != 201) {
-      (void)removeTree(work);
-      return apiError(*up);
+    // The data blob first: the metadata image names it when it is uploaded.
+    for (auto [target, path] : {std::pair{"/v1/blobs/" + layer.dataDigest, layer.dataPath},
+                                std::pair{"/v1/blobs/" + layer.digest + "?data=" +
+                                              http::percentEncode(layer.dataDigest),
+                                          layer.path}}) {
+      auto up = c.uploadFile("PUT", target, path);
+      if (!up.isOk()) {
+        (void)removeTree(work);
+        return die(up.status().toString());
+      }
+      if (up->status != 201) {
+        (void)removeTree(work);
+        return apiError(*up);
+      }
     }
     digests.push_back(layer.digest);
-    total += layer.size;
+    total += layer.size + layer.dataSize;
   }
   (void)removeTree(work);
   json body = {{"name", name}, {"tag", tag}, {"layers", digests}, {"kind", a.get("kind", "base")}};

@@ -6,6 +6,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <tuple>
+
 #include "common/fd.h"
 #include "common/sha256.h"
 #include "common/util.h"
@@ -60,14 +62,19 @@ Result<BuiltLayer> buildLayer(const std::string& source, const std::string& work
   }
   BuiltLayer out;
   out.path = workDir + "/layer.erofs";
+  out.dataPath = workDir + "/layer.data";
   Status mk = runCommand({"mkfs.erofs", "--quiet", "-U", "6c617965-722d-6473-6563-000000000001",
-                          "--preserve-mtime", out.path, tree});
+                          "--preserve-mtime", "--chunksize=" + std::to_string(kChunkSize),
+                          "--blobdev=" + out.dataPath, out.path, tree});
   if (!extracted.empty()) (void)removeTree(extracted);
   RETURN_IF_ERROR(mk);
-  ASSIGN_OR_RETURN(std::string hex, sha256File(out.path));
-  out.digest = "sha256:" + hex;
-  if (::stat(out.path.c_str(), &st) != 0) return sysError("stat " + out.path);
-  out.size = st.st_size;
+  for (auto [path, digest, size] : {std::tuple{&out.path, &out.digest, &out.size},
+                                    std::tuple{&out.dataPath, &out.dataDigest, &out.dataSize}}) {
+    ASSIGN_OR_RETURN(std::string hex, sha256File(*path));
+    *digest = "sha256:" + hex;
+    if (::stat(path->c_str(), &st) != 0) return sysError("stat " + *path);
+    *size = st.st_size;
+  }
   return out;
 }
 

@@ -9,11 +9,19 @@
 
 namespace dsec::image {
 
+// A layer is a small EROFS metadata image (its identity) plus a chunked data
+// blob (mkfs.erofs --chunksize --blobdev): a node fetches the metadata whole
+// and can read the data on demand; the mount names the blob with device=.
 struct BuiltLayer {
-  std::string path;    // the EROFS image file
-  std::string digest;  // "sha256:<hex>" of that file
+  std::string path;    // the EROFS metadata image
+  std::string digest;  // "sha256:<hex>" of it: the layer's digest
   int64_t size = 0;
+  std::string dataPath;    // the data blob
+  std::string dataDigest;  // "sha256:<hex>" of it
+  int64_t dataSize = 0;
 };
+
+constexpr int kChunkSize = 1 << 20;  // bytes per data chunk
 
 // `source`: a directory, or a tar archive (plain, gzip, xz, zstd: whatever GNU
 // tar detects). Owners, modes, xattrs, symlinks, hard links and device nodes

@@ -23,6 +23,8 @@ TEST(LayerBuilderTest, BuildsFromDirectoryAndTarball) {
   auto b = buildLayer(dir + "/src.tar", dir + "/work-b");
   ASSERT_TRUE(b.isOk()) << b.status().toString();
   EXPECT_EQ(b->digest, "sha256:" + *sha256File(b->path));
+  EXPECT_EQ(b->dataDigest, "sha256:" + *sha256File(b->dataPath));
+  EXPECT_NE(b->dataDigest, b->digest);
   auto bad = buildLayer(dir + "/nope.tar", dir + "/work-c");
   EXPECT_EQ(bad.status().code(), Code::kNotFound);
   ASSERT_TRUE(writeFileAtomic(dir + "/junk.tar", "not a tar").isOk());

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <map>
 #include <set>
 
 #include "common/fd.h"
@@ -47,6 +48,17 @@ void Platform::putBlob(const std::string& digest, http::Request& req, http::Resp
   if (!validDigest(digest)) {
     return sendError(res, invalidArg("digest", "digest must be sha256:<64 lower-case hex>"));
   }
+  // ?data=sha256:… : this blob is a layer's metadata image whose file data is
+  // in that (already uploaded) blob.
+  std::string data = req.param("data").value_or("");
+  if (!data.empty()) {
+    if (!validDigest(data) || data == digest) {
+      return sendError(res, invalidArg("data", "data must be the sha256 digest of another blob"));
+    }
+    auto has = store_->hasBlob(data);
+    if (!has.isOk()) return sendError(res, has.status());
+    if (!*has) return sendError(res, invalidArg("data", "data blob " + data + " not uploaded"));
+  }
   std::string final = blobPath(opts_.dataDir, digest);
   std::string tmp = final + ".upload." + randomHex(4);
   UniqueFd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
@@ -80,8 +92,21 @@ void Platform::putBlob(const std::string& digest, http::Request& req, http::Resp
     ::unlink(tmp.c_str());
     return sendError(res, st);
   }
-  if (Status ps = store_->putBlob(digest, size); !ps.isOk()) return sendError(res, ps);
+  if (Status ps = linkBlob(digest, size, data); !ps.isOk()) return sendError(res, ps);
   sendJson(res, 201, json{{"digest", digest}, {"size", size}}.dump());
+}
+
+Status Platform::linkBlob(const std::string& digest, int64_t size, const std::string& data) {
+  std::lock_guard gc(gcMu_);
+  RETURN_IF_ERROR(store_->putBlob(digest, size));
+  if (data.empty()) return Status::ok();
+  auto blob = store_->getBlob(data);
+  if (!blob.isOk()) return blob.status();
+  if (!blob->kind.empty() && blob->kind != "data") {
+    return Status(Code::kConflict, data + " is a " + blob->kind + " layer, not a data blob");
+  }
+  RETURN_IF_ERROR(store_->setBlobKind(data, "data"));
+  return store_->setBlobData(digest, data);
 }
 
 void Platform::headBlob(const std::string& digest, http::Response& res) {
@@ -181,11 +206,14 @@ void Platform::packDiff(const std::string& id, http::Request& req, http::Respons
     (void)removeTree(work);
     return sendError(res, layer.status());
   }
-  std::string final = blobPath(opts_.dataDir, layer->digest);
   Status st;
-  if (::rename(layer->path.c_str(), final.c_str()) != 0) st = sysError("rename " + layer->path);
+  if (::rename(layer->dataPath.c_str(), blobPath(opts_.dataDir, layer->dataDigest).c_str()) != 0 ||
+      ::rename(layer->path.c_str(), blobPath(opts_.dataDir, layer->digest).c_str()) != 0) {
+    st = sysError("move packed layer into the blob store");
+  }
   (void)removeTree(work);
-  if (st.isOk()) st = store_->putBlob(layer->digest, layer->size);
+  if (st.isOk()) st = linkBlob(layer->dataDigest, layer->dataSize, "");
+  if (st.isOk()) st = linkBlob(layer->digest, layer->size, layer->dataDigest);
   if (!st.isOk()) return sendError(res, st);
   // A snapshot is the sandbox's own diffs plus this one, on the same stack.
   img.kind = "diff";
@@ -254,10 +282,16 @@ Result<std::vector<std::string>> Platform::collectGarbage(double graceS) {
   ASSIGN_OR_RETURN(auto images, store_->listImages());
   std::set<std::string> keep = layersInUse();
   for (auto& i : images) keep.insert(i.layers.begin(), i.layers.end());
-  std::vector<std::string> removed;
   double now = nowSeconds();
+  // A layer's data blob lives as long as the layer.
+  std::set<std::string> keepData;
   for (auto& b : blobs) {
-    if (keep.count(b.digest) || b.createdAt + graceS > now) continue;
+    bool young = b.createdAt + graceS > now;
+    if (!b.data.empty() && (keep.count(b.digest) || young)) keepData.insert(b.data);
+  }
+  std::vector<std::string> removed;
+  for (auto& b : blobs) {
+    if (keep.count(b.digest) || keepData.count(b.digest) || b.createdAt + graceS > now) continue;
     // Unmounted first: a layer still mounted for a sandbox is in use after all.
     if (!edge_->evictLayer(b.digest).isOk()) continue;
     RETURN_IF_ERROR(store_->deleteBlob(b.digest));
@@ -265,7 +299,7 @@ Result<std::vector<std::string>> Platform::collectGarbage(double graceS) {
     if (::unlink(path.c_str()) != 0 && errno != ENOENT) log::warn("gc: unlink " + path);
     removed.push_back(b.digest);
   }
-  if (!removed.empty()) log::info("gc: removed " + std::to_string(removed.size()) + " layers");
+  if (!removed.empty()) log::info("gc: removed " + std::to_string(removed.size()) + " blobs");
   return removed;
 }
 
@@ -285,8 +319,11 @@ void Platform::listLayers(http::Response& res) {
   auto images = store_->listImages();
   if (!images.isOk()) return sendError(res, images.status());
   std::set<std::string> inUse = layersInUse();
+  std::map<std::string, int64_t> sizes;
+  for (auto& b : *blobs) sizes[b.digest] = b.size;
   json arr = json::array();
   for (auto& b : *blobs) {
+    if (b.kind == "data") continue;  // shown with its layer
     json refs = json::array();
     for (auto& i : *images) {
       if (std::find(i.layers.begin(), i.layers.end(), b.digest) != i.layers.end()) {
@@ -298,7 +335,9 @@ void Platform::listLayers(http::Response& res) {
                    {"size", b.size},
                    {"created_at", isoTime(b.createdAt)},
                    {"images", refs},
-                   {"in_use", inUse.count(b.digest) > 0}});
+                   {"in_use", inUse.count(b.digest) > 0},
+                   {"data", b.data.empty() ? json(nullptr)
+                                           : json{{"digest", b.data}, {"size", sizes[b.data]}}}});
   }
   sendJson(res, 200, json{{"layers", arr}}.dump());
 }
@@ -323,7 +362,8 @@ void Platform::getLayer(const std::string& digest, http::Response& res) {
                 {"size", blob->size},
                 {"created_at", isoTime(blob->createdAt)},
                 {"images", refs},
-                {"in_use", layersInUse().count(digest) > 0}}
+                {"in_use", layersInUse().count(digest) > 0},
+                {"data", blob->data.empty() ? json(nullptr) : json{{"digest", blob->data}}}}
                .dump());
 }
 
@@ -348,6 +388,15 @@ void Platform::deleteLayer(const std::string& digest, http::Response& res) {
   }
   if (Status st = store_->deleteBlob(digest); !st.isOk()) return sendError(res, st);
   ::unlink(blobPath(opts_.dataDir, digest).c_str());
+  if (!blob->data.empty()) {
+    bool shared = false;
+    if (auto all = store_->listBlobs(); all.isOk()) {
+      for (auto& b : *all) shared = shared || b.data == blob->data;
+    }
+    if (!shared && store_->deleteBlob(blob->data).isOk()) {
+      ::unlink(blobPath(opts_.dataDir, blob->data).c_str());
+    }
+  }
   sendJson(res, 200, "{}");
 }
 

@@ -80,6 +80,8 @@ class Platform {
   // (any kind when empty); `field` names the request field in errors.
   Result<std::vector<std::string>> resolveLayers(const std::string& ref, const std::string& kind,
                                                  const std::string& field);
+  // Records an uploaded blob, and for a layer's metadata image its data blob.
+  Status linkBlob(const std::string& digest, int64_t size, const std::string& data);
   // Digests of layers stacked by sandboxes that are not stopped or failed.
   std::set<std::string> layersInUse();
 

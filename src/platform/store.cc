@@ -120,7 +120,8 @@ Result<std::unique_ptr<SqliteStore>> SqliteStore::open(const std::string& path) 
   // means the database already has them.
   for (const char* alter : {"ALTER TABLE images ADD COLUMN kind TEXT NOT NULL DEFAULT 'base'",
                             "ALTER TABLE blobs ADD COLUMN kind TEXT NOT NULL DEFAULT ''",
-                            "ALTER TABLE images ADD COLUMN parent TEXT NOT NULL DEFAULT ''"}) {
+                            "ALTER TABLE images ADD COLUMN parent TEXT NOT NULL DEFAULT ''",
+                            "ALTER TABLE blobs ADD COLUMN data TEXT NOT NULL DEFAULT ''"}) {
     Status st = s->exec(alter);
     if (!st.isOk() && st.message().find("duplicate column") == std::string::npos) return st;
   }
@@ -201,21 +202,21 @@ Result<int64_t> SqliteStore::blobSize(const std::string& digest) {
 
 Result<BlobRecord> SqliteStore::getBlob(const std::string& digest) {
   std::lock_guard lk(mu_);
-  Stmt st(db_, "SELECT digest, size, created_at, kind FROM blobs WHERE digest=?1");
+  Stmt st(db_, "SELECT digest, size, created_at, kind, data FROM blobs WHERE digest=?1");
   st.bind(1, digest);
   int rc = st.step();
-  if (rc == SQLITE_ROW) return BlobRecord{st.text(0), st.i64(1), st.dbl(2), st.text(3)};
+  if (rc == SQLITE_ROW) return BlobRecord{st.text(0), st.i64(1), st.dbl(2), st.text(3), st.text(4)};
   if (rc == SQLITE_DONE) return notFound("layer " + digest + " not found");
   return sqlError(db_, "getBlob");
 }
 
 Result<std::vector<BlobRecord>> SqliteStore::listBlobs() {
   std::lock_guard lk(mu_);
-  Stmt st(db_, "SELECT digest, size, created_at, kind FROM blobs ORDER BY digest");
+  Stmt st(db_, "SELECT digest, size, created_at, kind, data FROM blobs ORDER BY digest");
   std::vector<BlobRecord> out;
   int rc;
   while ((rc = st.step()) == SQLITE_ROW) {
-    out.push_back(BlobRecord{st.text(0), st.i64(1), st.dbl(2), st.text(3)});
+    out.push_back(BlobRecord{st.text(0), st.i64(1), st.dbl(2), st.text(3), st.text(4)});
   }
   if (rc != SQLITE_DONE) return sqlError(db_, "listBlobs");
   return out;
@@ -226,6 +227,14 @@ Status SqliteStore::setBlobKind(const std::string& digest, const std::string& ki
   Stmt st(db_, "UPDATE blobs SET kind=?2 WHERE digest=?1");
   st.bind(1, digest).bind(2, kind);
   if (st.step() != SQLITE_DONE) return sqlError(db_, "setBlobKind");
+  return Status::ok();
+}
+
+Status SqliteStore::setBlobData(const std::string& digest, const std::string& data) {
+  std::lock_guard lk(mu_);
+  Stmt st(db_, "UPDATE blobs SET data=?2 WHERE digest=?1");
+  st.bind(1, digest).bind(2, data);
+  if (st.step() != SQLITE_DONE) return sqlError(db_, "setBlobData");
   return Status::ok();
 }
 

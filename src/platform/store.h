@@ -55,7 +55,8 @@ struct BlobRecord {
   std::string digest;
   int64_t size = 0;
   double createdAt = 0;
-  std::string kind;  // empty until an image names it
+  std::string kind;  // empty until an image names it; "data" for a layer's data blob
+  std::string data;  // for a layer's metadata image: the digest of its data blob
 };
 
 class Store {
@@ -71,6 +72,8 @@ class Store {
   virtual Result<BlobRecord> getBlob(const std::string& digest) = 0;
   virtual Result<std::vector<BlobRecord>> listBlobs() = 0;
   virtual Status setBlobKind(const std::string& digest, const std::string& kind) = 0;
+  // Records that layer `digest` keeps its file data in blob `data`.
+  virtual Status setBlobData(const std::string& digest, const std::string& data) = 0;
   virtual Status deleteBlob(const std::string& digest) = 0;
 
   virtual Status putImage(const ImageRecord& r) = 0;
@@ -96,6 +99,7 @@ class SqliteStore : public Store {
   Result<BlobRecord> getBlob(const std::string& digest) override;
   Result<std::vector<BlobRecord>> listBlobs() override;
   Status setBlobKind(const std::string& digest, const std::string& kind) override;
+  Status setBlobData(const std::string& digest, const std::string& data) override;
   Status deleteBlob(const std::string& digest) override;
   Status putImage(const ImageRecord& r) override;
   Result<ImageRecord> getImage(const std::string& name, const std::string& tag) override;

@@ -86,20 +86,13 @@ Status LayerCache::cleanupStale() {
   return Status::ok();
 }
 
-Status LayerCache::mountLayer(const std::string& blob, const std::string& target) {
-  unsigned long flags = MS_RDONLY | MS_NODEV | MS_NOSUID;
-  if (method_ == "file") {
-    if (::mount(blob.c_str(), target.c_str(), "erofs", flags, nullptr) == 0) return Status::ok();
-    // Kernels before 6.12 want a block device for EROFS.
-    if (errno != ENOTBLK && errno != EINVAL) return sysError("mount erofs " + blob);
-    log::info("file-backed EROFS refused (" + std::string(strerror(errno)) +
-              "); using loop devices");
-    method_ = "loop";
-  }
+namespace {
+// Attaches `file` read-only to a free loop device (autoclear); returns its path.
+Result<std::string> attachLoop(const std::string& file, UniqueFd& held) {
   UniqueFd ctl(::open("/dev/loop-control", O_RDWR | O_CLOEXEC));
   if (!ctl) return sysError("open /dev/loop-control");
-  UniqueFd file(::open(blob.c_str(), O_RDONLY | O_CLOEXEC));
-  if (!file) return sysError("open " + blob);
+  UniqueFd f(::open(file.c_str(), O_RDONLY | O_CLOEXEC));
+  if (!f) return sysError("open " + file);
   for (int attempt = 0; attempt < 16; ++attempt) {
     int n = ::ioctl(ctl.get(), LOOP_CTL_GET_FREE);
     if (n < 0) return sysError("LOOP_CTL_GET_FREE");
@@ -107,21 +100,46 @@ Status LayerCache::mountLayer(const std::string& blob, const std::string& target
     UniqueFd loop(::open(dev.c_str(), O_RDWR | O_CLOEXEC));
     if (!loop) return sysError("open " + dev);
     loop_config cfg{};
-    cfg.fd = uint32_t(file.get());
+    cfg.fd = uint32_t(f.get());
     cfg.info.lo_flags = LO_FLAGS_READ_ONLY | LO_FLAGS_AUTOCLEAR;
     if (::ioctl(loop.get(), LOOP_CONFIGURE, &cfg) != 0) {
       if (errno == EBUSY) continue;  // raced with another user of that device
       return sysError("LOOP_CONFIGURE " + dev);
     }
-    // AUTOCLEAR detaches the device when the mount (its last user) goes away.
-    if (::mount(dev.c_str(), target.c_str(), "erofs", flags, nullptr) != 0) {
-      Status st = sysError("mount erofs " + dev);
-      ::ioctl(loop.get(), LOOP_CLR_FD, 0);
-      return st;
-    }
-    return Status::ok();
+    held = std::move(loop);  // AUTOCLEAR detaches it once the mount lets go
+    return dev;
   }
   return Status(Code::kResourceExhausted, "no free loop device");
+}
+}  // namespace
+
+Status LayerCache::mountLayer(const LayerFiles& files, const std::string& target) {
+  unsigned long flags = MS_RDONLY | MS_NODEV | MS_NOSUID;
+  if (method_ == "file") {
+    std::string opts = files.data.empty() ? "" : "device=" + files.data;
+    if (::mount(files.meta.c_str(), target.c_str(), "erofs", flags, opts.c_str()) == 0) {
+      return Status::ok();
+    }
+    // Kernels before 6.12 want block devices for EROFS.
+    if (errno != ENOTBLK && errno != EINVAL) return sysError("mount erofs " + files.meta);
+    log::info("file-backed EROFS refused (" + std::string(strerror(errno)) +
+              "); using loop devices");
+    method_ = "loop";
+  }
+  UniqueFd metaLoop, dataLoop;
+  ASSIGN_OR_RETURN(std::string metaDev, attachLoop(files.meta, metaLoop));
+  std::string opts;
+  if (!files.data.empty()) {
+    ASSIGN_OR_RETURN(std::string dataDev, attachLoop(files.data, dataLoop));
+    opts = "device=" + dataDev;
+  }
+  if (::mount(metaDev.c_str(), target.c_str(), "erofs", flags, opts.c_str()) != 0) {
+    Status st = sysError("mount erofs " + metaDev);
+    ::ioctl(metaLoop.get(), LOOP_CLR_FD, 0);
+    if (dataLoop) ::ioctl(dataLoop.get(), LOOP_CLR_FD, 0);
+    return st;
+  }
+  return Status::ok();
 }
 
 Result<std::string> LayerCache::acquire(const std::string& digest) {
@@ -131,10 +149,10 @@ Result<std::string> LayerCache::acquire(const std::string& digest) {
     ++it->second.refs;
     return it->second.path;
   }
-  ASSIGN_OR_RETURN(std::string blob, blobPath_(digest));
+  ASSIGN_OR_RETURN(LayerFiles files, blobPath_(digest));
   std::string target = mountRoot_ + "/" + hexOf(digest);
   if (::mkdir(target.c_str(), 0755) != 0 && errno != EEXIST) return sysError("mkdir " + target);
-  if (Status st = mountLayer(blob, target); !st.isOk()) {
+  if (Status st = mountLayer(files, target); !st.isOk()) {
     ::rmdir(target.c_str());
     return st;
   }

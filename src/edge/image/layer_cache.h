@@ -18,8 +18,14 @@ namespace dsec::edge {
 
 class LayerCache {
  public:
-  // Maps "sha256:<hex>" to the local path of the layer blob.
-  using BlobPath = std::function<Result<std::string>(const std::string& digest)>;
+  // Where a layer's files are on this node: its metadata image and, for a
+  // layer with a separate data blob, that blob (empty otherwise).
+  struct LayerFiles {
+    std::string meta;
+    std::string data;
+  };
+  // Maps "sha256:<hex>" to the local files of the layer.
+  using BlobPath = std::function<Result<LayerFiles>(const std::string& digest)>;
 
   // mountRoot: directory for mount points (<mountRoot>/<hex>).
   LayerCache(std::string mountRoot, BlobPath blobPath);
@@ -48,7 +54,7 @@ class LayerCache {
     std::string path;
     int refs = 0;
   };
-  Status mountLayer(const std::string& blob, const std::string& target);
+  Status mountLayer(const LayerFiles& files, const std::string& target);
 
   const std::string mountRoot_;
   BlobPath blobPath_;
