@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <map>
+#include <optional>
 #include <set>
 
 #include "common/fd.h"
@@ -313,6 +314,35 @@ void Platform::runGc(http::Request& req, http::Response& res) {
   sendJson(res, 200, json{{"removed", *removed}}.dump());
 }
 
+namespace {
+// Refs of the images that name `digest`.
+json imagesNaming(const std::vector<ImageRecord>& images, const std::string& digest) {
+  json refs = json::array();
+  for (auto& i : images) {
+    if (std::find(i.layers.begin(), i.layers.end(), digest) != i.layers.end()) {
+      refs.push_back(i.name + ":" + i.tag);
+    }
+  }
+  return refs;
+}
+
+json layerToApi(const BlobRecord& b, const std::vector<ImageRecord>& images, bool inUse,
+                std::optional<int64_t> dataSize) {
+  json data = nullptr;
+  if (!b.data.empty()) {
+    data = {{"digest", b.data}};
+    if (dataSize) data["size"] = *dataSize;
+  }
+  return {{"digest", b.digest},
+          {"kind", b.kind.empty() ? json(nullptr) : json(b.kind)},
+          {"size", b.size},
+          {"created_at", isoTime(b.createdAt)},
+          {"images", imagesNaming(images, b.digest)},
+          {"in_use", inUse},
+          {"data", data}};
+}
+}  // namespace
+
 void Platform::listLayers(http::Response& res) {
   auto blobs = store_->listBlobs();
   if (!blobs.isOk()) return sendError(res, blobs.status());
@@ -324,20 +354,7 @@ void Platform::listLayers(http::Response& res) {
   json arr = json::array();
   for (auto& b : *blobs) {
     if (b.kind == "data") continue;  // shown with its layer
-    json refs = json::array();
-    for (auto& i : *images) {
-      if (std::find(i.layers.begin(), i.layers.end(), b.digest) != i.layers.end()) {
-        refs.push_back(i.name + ":" + i.tag);
-      }
-    }
-    arr.push_back({{"digest", b.digest},
-                   {"kind", b.kind.empty() ? json(nullptr) : json(b.kind)},
-                   {"size", b.size},
-                   {"created_at", isoTime(b.createdAt)},
-                   {"images", refs},
-                   {"in_use", inUse.count(b.digest) > 0},
-                   {"data", b.data.empty() ? json(nullptr)
-                                           : json{{"digest", b.data}, {"size", sizes[b.data]}}}});
+    arr.push_back(layerToApi(b, *images, inUse.count(b.digest) > 0, sizes[b.data]));
   }
   sendJson(res, 200, json{{"layers", arr}}.dump());
 }
@@ -350,21 +367,12 @@ void Platform::getLayer(const std::string& digest, http::Response& res) {
   if (!blob.isOk()) return sendError(res, blob.status());
   auto images = store_->listImages();
   if (!images.isOk()) return sendError(res, images.status());
-  json refs = json::array();
-  for (auto& i : *images) {
-    if (std::find(i.layers.begin(), i.layers.end(), digest) != i.layers.end()) {
-      refs.push_back(i.name + ":" + i.tag);
-    }
+  std::optional<int64_t> dataSize;
+  if (!blob->data.empty()) {
+    if (auto sz = store_->blobSize(blob->data); sz.isOk()) dataSize = *sz;
   }
   sendJson(res, 200,
-           json{{"digest", blob->digest},
-                {"kind", blob->kind.empty() ? json(nullptr) : json(blob->kind)},
-                {"size", blob->size},
-                {"created_at", isoTime(blob->createdAt)},
-                {"images", refs},
-                {"in_use", layersInUse().count(digest) > 0},
-                {"data", blob->data.empty() ? json(nullptr) : json{{"digest", blob->data}}}}
-               .dump());
+           layerToApi(*blob, *images, layersInUse().count(digest) > 0, dataSize).dump());
 }
 
 void Platform::deleteLayer(const std::string& digest, http::Response& res) {
@@ -376,11 +384,10 @@ void Platform::deleteLayer(const std::string& digest, http::Response& res) {
   if (!blob.isOk()) return sendError(res, blob.status());
   auto images = store_->listImages();
   if (!images.isOk()) return sendError(res, images.status());
-  for (auto& i : *images) {
-    if (std::find(i.layers.begin(), i.layers.end(), digest) != i.layers.end()) {
-      return sendError(res, Status(Code::kFailedPrecondition,
-                                   "layer " + digest + " is part of image " + i.name + ":" + i.tag));
-    }
+  if (json refs = imagesNaming(*images, digest); !refs.empty()) {
+    return sendError(res, Status(Code::kFailedPrecondition, "layer " + digest +
+                                                                " is part of image " +
+                                                                refs[0].get<std::string>()));
   }
   if (layersInUse().count(digest) || !edge_->evictLayer(digest).isOk()) {
     return sendError(res, Status(Code::kFailedPrecondition,
