@@ -33,6 +33,8 @@ class Instance {
   virtual std::shared_ptr<AgentConn> agent() const = 0;
   // Resource events so far (OOM kills, pids-limit hits, memory in use).
   virtual Result<CgroupStats> stats() const = 0;
+  // Processes of the sandbox the OOM killer has killed so far.
+  virtual Result<int64_t> oomKills() const = 0;
   // Stops (or resumes) every process of the sandbox.
   virtual Status freeze(bool frozen) = 0;
   // The node-local directory holding the sandbox's writes in overlayfs form

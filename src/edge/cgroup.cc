@@ -93,16 +93,20 @@ std::vector<pid_t> parsePids(const std::string& text) {
   return out;
 }
 
-int64_t readKeyed(CgroupFs& fs, const std::string& path, const std::string& key) {
-  auto content = fs.read(path);
-  if (!content.isOk()) return 0;
-  std::istringstream in(*content);
+// The value of `key` in a flat-keyed file ("oom_kill 3\n..."), 0 if absent.
+int64_t keyedValue(const std::string& content, const std::string& key) {
+  std::istringstream in(content);
   std::string k;
   int64_t v;
   while (in >> k >> v) {
     if (k == key) return v;
   }
   return 0;
+}
+
+int64_t readKeyed(CgroupFs& fs, const std::string& path, const std::string& key) {
+  auto content = fs.read(path);
+  return content.isOk() ? keyedValue(*content, key) : 0;
 }
 
 int64_t readInt(CgroupFs& fs, const std::string& path) {
@@ -320,16 +324,21 @@ Status Cgroups::attach(const std::string& id, pid_t pid) {
   return Status::ok();
 }
 
+Result<int64_t> Cgroups::oomKills(const std::string& id) const {
+  std::string memDir = dirsOf(id)[0];
+  auto text = fs_->read(memDir + (mode_ == Mode::kV2 ? "/memory.events" : "/memory.oom_control"));
+  if (!text.isOk()) return notFound("cgroup of " + id);
+  return keyedValue(*text, "oom_kill");
+}
+
 Result<CgroupStats> Cgroups::stats(const std::string& id) const {
   auto dirs = dirsOf(id);
-  if (!fs_->isDir(dirs[0])) return notFound("cgroup of " + id);
   CgroupStats s;
+  ASSIGN_OR_RETURN(s.oomKills, oomKills(id));
   if (mode_ == Mode::kV2) {
-    s.oomKills = readKeyed(*fs_, dirs[0] + "/memory.events", "oom_kill");
     s.pidsLimitHits = readKeyed(*fs_, dirs[0] + "/pids.events", "max");
     s.memoryBytes = readInt(*fs_, dirs[0] + "/memory.current");
   } else {
-    s.oomKills = readKeyed(*fs_, dirs[0] + "/memory.oom_control", "oom_kill");
     s.pidsLimitHits = readKeyed(*fs_, dirs[2] + "/pids.events", "max");
     s.memoryBytes = readInt(*fs_, dirs[0] + "/memory.usage_in_bytes");
   }

@@ -85,6 +85,8 @@ class Cgroups {
   // Moves pid into every group of the sandbox.
   Status attach(const std::string& id, pid_t pid);
   Result<CgroupStats> stats(const std::string& id) const;
+  // Just the OOM-kill count (one file read): what every exec compares.
+  Result<int64_t> oomKills(const std::string& id) const;
   // Freezes (stops every task of) or thaws the sandbox; returns once done.
   Status freeze(const std::string& id, bool frozen);
   // Kills whatever still runs in the groups, then removes them: on v2 through

@@ -141,7 +141,7 @@ Result<ExecResult> Edge::exec(const std::string& id, const ExecSpec& spec,
   auto inst = find(id);
   if (!inst) return notRunning(id);
   auto conn = inst->agent();
-  auto before = inst->stats();
+  auto before = inst->oomKills();
   json req = {{"argv", spec.argv},
               {"env", spec.env},
               {"timeout_ms", spec.timeoutMs},
@@ -197,8 +197,8 @@ Result<ExecResult> Edge::exec(const std::string& id, const ExecSpec& spec,
         } catch (const json::exception&) {
           return internalError("agent sent a malformed exit report");
         }
-        auto after = inst->stats();
-        if (before.isOk() && after.isOk()) res.oomKilled = after->oomKills > before->oomKills;
+        auto after = inst->oomKills();
+        if (before.isOk() && after.isOk()) res.oomKilled = *after > *before;
         if (cancelled) return Status(Code::kUnavailable, "exec cancelled: client went away");
         return res;
       }

@@ -59,6 +59,7 @@ class ContainerInstance : public Instance {
   const std::string& id() const override { return id_; }
   std::shared_ptr<AgentConn> agent() const override { return conn_; }
   Result<CgroupStats> stats() const override { return cgroups_->stats(id_); }
+  Result<int64_t> oomKills() const override { return cgroups_->oomKills(id_); }
   Status freeze(bool frozen) override { return cgroups_->freeze(id_, frozen); }
   std::string upperDir() const override { return dir_ + "/upper"; }
 
