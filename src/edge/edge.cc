@@ -52,9 +52,8 @@ Result<std::unique_ptr<Edge>> Edge::start(EdgeOptions opts) {
   co.sandboxRoot = e->opts_.dataDir + "/sandboxes";
   ASSIGN_OR_RETURN(auto container, ContainerBackend::make(co, e->cgroups_.get(),
                                                           e->layers_.get(), e->reactor_.get()));
-  e->orphansRemoved_ = container->cleanupOrphans();
-  if (e->orphansRemoved_ > 0) {
-    log::warn("removed leftovers of " + std::to_string(e->orphansRemoved_) + " orphan sandboxes");
+  if (int orphans = container->cleanupOrphans(); orphans > 0) {
+    log::warn("removed leftovers of " + std::to_string(orphans) + " orphan sandboxes");
   }
   e->backends_["container"] = std::move(container);
   log::info("edge: " + e->describe());

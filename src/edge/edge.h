@@ -94,7 +94,6 @@ class Edge {
   void shutdown();
 
   std::string describe() const;
-  int orphansRemoved() const { return orphansRemoved_; }
 
  private:
   Edge() = default;
@@ -105,7 +104,6 @@ class Edge {
   std::unique_ptr<LayerCache> layers_;
   std::unique_ptr<Reactor> reactor_;
   std::map<std::string, std::unique_ptr<Backend>> backends_;
-  int orphansRemoved_ = 0;
 
   mutable std::mutex mu_;  // guards sandboxes_, backendOf_, onDeath_
   std::map<std::string, std::shared_ptr<Instance>> sandboxes_;

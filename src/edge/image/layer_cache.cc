@@ -200,11 +200,6 @@ Status LayerCache::unmountUnused(bool force) {
   return first;
 }
 
-size_t LayerCache::mountedCount() const {
-  std::lock_guard lk(mu_);
-  return layers_.size();
-}
-
 std::string LayerCache::mountMethod() const {
   std::lock_guard lk(mu_);
   return method_;

@@ -45,7 +45,6 @@ class LayerCache {
   Status evict(const std::string& digest);
   // Layers with no users are unmounted; with force, all (shutdown).
   Status unmountUnused(bool force = false);
-  size_t mountedCount() const;
   // "file" or "loop": how the last mount was made.
   std::string mountMethod() const;
 
