@@ -7,11 +7,11 @@ PKGS=(
   # build
   build-essential cmake pkg-config
   libboost1.81-dev nlohmann-json3-dev libsqlite3-dev libssl-dev
-  libgtest-dev libgmock-dev
+  libgtest-dev libgmock-dev libcurl4-openssl-dev libfuse3-dev fuse3
   # images and sandboxes
   erofs-utils busybox-static debootstrap e2fsprogs iproute2 util-linux
   # tests, demo, benchmarks
-  python3 python3-pytest python3-yaml crun procps strace
+  python3 python3-pytest python3-yaml crun procps strace nginx-light
 )
 
 missing=()

@@ -69,8 +69,9 @@ from helpers import (DIGEST_RE, HOST_ENV_MARKER, aether_pids, mounts_containing,
 # ----- the server -----------------------------------------------------------------
 
 class Server:
-    def __init__(self, data_dir: Path):
+    def __init__(self, data_dir: Path, extra_args=()):
         self.data_dir = data_dir
+        self.extra_args = [str(a) for a in extra_args]
         self.log_path = data_dir.parent / (data_dir.name + ".log")
         self.proc = None
         self.client = None
@@ -122,7 +123,8 @@ class Server:
         env = dict(os.environ)
         env[HOST_ENV_MARKER] = "host-only-value"  # must never show up inside a sandbox
         self.proc = subprocess.Popen(
-            [str(dsec_bin()), "up", "--data-dir", str(self.data_dir), "--listen", "127.0.0.1:0"],
+            [str(dsec_bin()), "up", "--data-dir", str(self.data_dir), "--listen", "127.0.0.1:0",
+             *self.extra_args],
             stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
             start_new_session=True, env=env)
         up = self.data_dir / "up.json"

@@ -21,6 +21,7 @@
 #include "common/log.h"
 #include "common/util.h"
 #include "edge/edge.h"
+#include "edge/image/fanotify_loader.h"
 #include "image/layer_builder.h"
 #include "image/oci_import.h"
 #include "platform/platform.h"
@@ -39,6 +40,14 @@ const char* kUsage = R"(usage: dsec COMMAND [OPTIONS]
         Run the platform and an edge in one process (REST API, SQLite state,
         local blob store). Stops on SIGTERM/SIGINT, destroying its sandboxes.
   up also takes --gc-grace-s S: unreferenced layers older than S are deleted (default 600)
+     --blob-store URI: where the node reads layer blobs: file:///DIR or http(s)://HOST/PREFIX
+        (default file://<data-dir>/blobs, the platform's own blob directory)
+     --loader auto|direct|fanotify|fuse: how layer data reaches the node (default auto:
+        direct for file://, else fanotify where the kernel allows it, else fuse)
+     --cache-mb N: node cache limit (unused layers evicted past it; default none)
+     --loader-timeout-s S: a loader process silent this long is restarted (default 5)
+     --prefetch-window-s S: chunks read this long after a layer is attached are
+        prefetched when it is next attached with a cold cache (default 15)
   image import --name NAME[:TAG] [--kind base|workspace|toolkit|diff]
                [--format auto|rootfs|oci|docker] PATH
         Build EROFS layers from a root filesystem (dir or tarball), an OCI image
@@ -171,22 +180,26 @@ int cmdUp(const Args& a) {
   auto store = platform::SqliteStore::open(dataDir + "/state.db");
   if (!store.isOk()) return die(store.status().toString());
 
+  // The platform's blob directory: the node's default blob store.
+  if (Status st = makeDirs(dataDir + "/blobs/sha256", 0700); !st.isOk()) return die(st.toString());
   edge::EdgeOptions eo;
   eo.dataDir = dataDir + "/edge";
   eo.aetherPath = aether;
   platform::Store* st = store->get();
-  eo.blobPath = [dataDir, st](const std::string& digest) -> Result<edge::LayerCache::LayerFiles> {
-    // In `dsec up` the node reads the platform's blob directory directly.
-    ASSIGN_OR_RETURN(auto rec, st->getBlob(digest));
-    edge::LayerCache::LayerFiles files{platform::Platform::blobPath(dataDir, digest), ""};
-    if (!rec.data.empty()) files.data = platform::Platform::blobPath(dataDir, rec.data);
-    for (auto* p : {&files.meta, &files.data}) {
-      if (!p->empty() && ::access(p->c_str(), R_OK) != 0) {
-        return notFound("blob of layer " + digest + " not in the store");
-      }
-    }
-    return files;
+  eo.lookup = [dataDir, st](const std::string& digest) {
+    return platform::Platform::describeLayer(st, dataDir, digest);
   };
+  // The node reads blobs from the platform's blob directory unless told to
+  // fetch them from elsewhere (a shared mount, a web server holding a copy).
+  eo.cache.storeUri = a.get("blob-store", "file://" + dataDir + "/blobs");
+  eo.cache.loader = a.get("loader", "auto");
+  if (!a.get("cache-mb").empty()) eo.cache.limitBytes = std::atoll(a.get("cache-mb").c_str()) << 20;
+  if (!a.get("loader-timeout-s").empty()) {
+    eo.cache.loaderPingTimeoutS = std::atof(a.get("loader-timeout-s").c_str());
+  }
+  if (!a.get("prefetch-window-s").empty()) {
+    eo.cache.recordWindowS = std::atof(a.get("prefetch-window-s").c_str());
+  }
   auto edge = edge::Edge::start(eo);
   if (!edge.isOk()) return die("edge: " + edge.status().toString());
 
@@ -516,6 +529,14 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (cmd == "up") return cmdUp(a);
+  if (cmd == "loader") {
+    // Internal: a loader process started by the edge (edge/image/fanotify_loader.h).
+    if (a.positional.size() != 2 || a.positional[1] != "fanotify" || a.get("store").empty()) {
+      return die("usage: dsec loader fanotify --store URI --control-fd N (started by dsec up)");
+    }
+    return edge::runFanotifyLoaderProcess(std::atoi(a.get("control-fd", "3").c_str()),
+                                          a.get("store"));
+  }
   if (cmd == "image") return cmdImage(a);
   if (cmd == "sandbox") return cmdSandbox(a);
   if (cmd == "layer" || cmd == "gc") {

@@ -18,6 +18,7 @@ const char* codeName(Code code) {
     case Code::kResourceExhausted: return "resource_exhausted";
     case Code::kDeadlineExceeded: return "deadline_exceeded";
     case Code::kUnavailable: return "unavailable";
+    case Code::kDataLoss: return "data_loss";
     case Code::kInternal: return "internal";
   }
   return "internal";
@@ -37,6 +38,7 @@ int httpStatusFor(Code code) {
     case Code::kResourceExhausted: return 429;
     case Code::kDeadlineExceeded: return 504;
     case Code::kUnavailable: return 503;
+    case Code::kDataLoss: return 502;
     case Code::kInternal: return 500;
   }
   return 500;

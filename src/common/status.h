@@ -26,6 +26,7 @@ enum class Code {
   kResourceExhausted,
   kDeadlineExceeded,
   kUnavailable,
+  kDataLoss,  // bytes that fail their checksum
   kInternal,
 };
 

@@ -42,8 +42,11 @@ Result<std::unique_ptr<Edge>> Edge::start(EdgeOptions opts) {
     std::string dir = ::realpath(e->opts_.dataDir.c_str(), real) ? real : e->opts_.dataDir;
     e->opts_.cgroupParent = "dsec/e-" + sha256Hex(dir).substr(0, 12);
   }
+  // The node cache first: a bad blob store or loader option leaves nothing made.
+  if (e->opts_.cache.dir.empty()) e->opts_.cache.dir = e->opts_.dataDir + "/cache";
+  ASSIGN_OR_RETURN(e->cache_, NodeCache::open(e->opts_.cache, e->opts_.lookup));
   ASSIGN_OR_RETURN(e->cgroups_, Cgroups::detect(e->opts_.cgroupRoot, e->opts_.cgroupParent));
-  e->layers_ = std::make_unique<LayerCache>(e->opts_.dataDir + "/layers", e->opts_.blobPath);
+  e->layers_ = std::make_unique<LayerCache>(e->opts_.dataDir + "/layers", e->cache_.get());
   RETURN_IF_ERROR(e->layers_->cleanupStale());
   e->reactor_ = std::make_unique<Reactor>();
   RETURN_IF_ERROR(e->reactor_->start());
@@ -64,6 +67,7 @@ Edge::~Edge() { shutdown(); }
 
 std::string Edge::describe() const {
   return "cgroups " + cgroups_->describe() + " under " + opts_.cgroupParent + ", layers mounted by " + layers_->mountMethod() +
+         ", blobs from " + cache_->storeUri() + " by the " + cache_->loaderName() + " loader" +
          ", backends: container";
 }
 
@@ -338,6 +342,7 @@ void Edge::shutdown() {
   }
   for (auto& [name, b] : backends_) b->shutdown();
   if (layers_) layers_->close();
+  cache_.reset();
   if (cgroups_) cgroups_->removeParent();
   reactor_->stop();
   reactor_.reset();

@@ -23,7 +23,8 @@ namespace dsec::edge {
 struct EdgeOptions {
   std::string dataDir;     // node-local: <dataDir>/layers, <dataDir>/sandboxes
   std::string aetherPath;  // static dsec-aether
-  LayerCache::BlobPath blobPath;
+  LayerLookup lookup;   // layer digest -> what to fetch (from the platform)
+  NodeCacheOptions cache;  // dir defaults to <dataDir>/cache
   std::string cgroupRoot = "/sys/fs/cgroup";
   // Cgroup subtree of this edge; empty: "dsec/e-<hash of dataDir>".
   std::string cgroupParent;
@@ -89,6 +90,7 @@ class Edge {
   Result<image::BuiltLayer> packDiff(const std::string& id, const std::string& workDir);
   // Drops the node's mount of a layer no sandbox uses (before its blob goes).
   Status evictLayer(const std::string& digest) { return layers_->evict(digest); }
+  NodeCache& nodeCache() { return *cache_; }
   std::vector<std::string> sandboxIds() const;
   // Destroys every sandbox and unmounts every layer.
   void shutdown();
@@ -101,6 +103,7 @@ class Edge {
 
   EdgeOptions opts_;
   std::unique_ptr<Cgroups> cgroups_;
+  std::unique_ptr<NodeCache> cache_;
   std::unique_ptr<LayerCache> layers_;
   std::unique_ptr<Reactor> reactor_;
   std::map<std::string, std::unique_ptr<Backend>> backends_;

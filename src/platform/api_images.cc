@@ -13,6 +13,8 @@
 #include "common/log.h"
 #include "common/sha256.h"
 #include "common/util.h"
+#include "image/chunk_index.h"
+#include "image/layer_builder.h"
 #include "platform/api_util.h"
 #include "platform/platform.h"
 
@@ -107,7 +109,35 @@ Status Platform::linkBlob(const std::string& digest, int64_t size, const std::st
     return Status(Code::kConflict, data + " is a " + blob->kind + " layer, not a data blob");
   }
   RETURN_IF_ERROR(store_->setBlobKind(data, "data"));
+  RETURN_IF_ERROR(ensureChunkIndex(store_, opts_.dataDir, data).status());
   return store_->setBlobData(digest, data);
+}
+
+Result<std::string> Platform::ensureChunkIndex(Store* store, const std::string& dataDir,
+                                               const std::string& dataDigest) {
+  ASSIGN_OR_RETURN(BlobRecord rec, store->getBlob(dataDigest));
+  if (!rec.chunks.empty()) return rec.chunks;
+  std::string path = blobPath(dataDir, dataDigest);
+  ASSIGN_OR_RETURN(image::ChunkIndex idx, image::ChunkIndex::build(path, image::kChunkSize));
+  std::string bytes = idx.serialize();
+  RETURN_IF_ERROR(writeFileAtomic(path + ".chunks", bytes, 0600));
+  std::string digest = "sha256:" + sha256Hex(bytes);
+  RETURN_IF_ERROR(store->setBlobChunks(dataDigest, digest));
+  return digest;
+}
+
+Result<edge::LayerDesc> Platform::describeLayer(Store* store, const std::string& dataDir,
+                                                const std::string& digest) {
+  ASSIGN_OR_RETURN(BlobRecord rec, store->getBlob(digest));
+  edge::LayerDesc d;
+  d.digest = digest;
+  d.size = rec.size;
+  if (rec.data.empty()) return d;  // a single-file layer (stored before the split)
+  ASSIGN_OR_RETURN(BlobRecord data, store->getBlob(rec.data));
+  d.dataDigest = rec.data;
+  d.dataSize = data.size;
+  ASSIGN_OR_RETURN(d.chunksDigest, ensureChunkIndex(store, dataDir, rec.data));
+  return d;
 }
 
 void Platform::headBlob(const std::string& digest, http::Response& res) {
@@ -298,6 +328,7 @@ Result<std::vector<std::string>> Platform::collectGarbage(double graceS) {
     RETURN_IF_ERROR(store_->deleteBlob(b.digest));
     std::string path = blobPath(opts_.dataDir, b.digest);
     if (::unlink(path.c_str()) != 0 && errno != ENOENT) log::warn("gc: unlink " + path);
+    ::unlink((path + ".chunks").c_str());
     removed.push_back(b.digest);
   }
   if (!removed.empty()) log::info("gc: removed " + std::to_string(removed.size()) + " blobs");
@@ -402,6 +433,7 @@ void Platform::deleteLayer(const std::string& digest, http::Response& res) {
     }
     if (!shared && store_->deleteBlob(blob->data).isOk()) {
       ::unlink(blobPath(opts_.dataDir, blob->data).c_str());
+      ::unlink((blobPath(opts_.dataDir, blob->data) + ".chunks").c_str());
     }
   }
   sendJson(res, 200, "{}");

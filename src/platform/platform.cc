@@ -255,6 +255,12 @@ void Platform::handle(http::Request& req, http::Response& res) {
     if (n == 4 && m == "GET") return getLayer(parts[3], res);
     if (n == 4 && m == "DELETE") return deleteLayer(parts[3], res);
     return methodNotAllowed();
+  } else if (coll == "node" && n == 3) {
+    if (m == "GET") return getNode(res);
+    return methodNotAllowed();
+  } else if (coll == "metrics" && n == 3) {
+    if (m == "GET") return getMetrics(res);
+    return methodNotAllowed();
   } else if (coll == "gc" && n == 3) {
     if (m == "POST") return runGc(req, res);
     return methodNotAllowed();

@@ -44,6 +44,15 @@ class Platform {
 
   // Where the blob of a layer digest lives locally.
   static std::string blobPath(const std::string& dataDir, const std::string& digest);
+  // What a node needs to fetch and mount layer `digest`: its metadata image,
+  // data blob and the data blob's chunk index (made now for layers stored
+  // before chunk indexes existed).
+  static Result<edge::LayerDesc> describeLayer(Store* store, const std::string& dataDir,
+                                               const std::string& digest);
+  // Writes the chunk index of data blob `dataDigest` beside it in the blob
+  // directory and records its digest, unless it has one.
+  static Result<std::string> ensureChunkIndex(Store* store, const std::string& dataDir,
+                                              const std::string& dataDigest);
 
  private:
   Platform() = default;
@@ -68,6 +77,9 @@ class Platform {
   void getLayer(const std::string& digest, http::Response& res);
   void deleteLayer(const std::string& digest, http::Response& res);
   void runGc(http::Request& req, http::Response& res);
+  // The node: its loader, cache and per-layer counters (api_node.cc).
+  void getNode(http::Response& res);
+  void getMetrics(http::Response& res);
 
  public:
   // Deletes layer blobs that no image names and no live sandbox stacks, once

@@ -121,7 +121,8 @@ Result<std::unique_ptr<SqliteStore>> SqliteStore::open(const std::string& path) 
   for (const char* alter : {"ALTER TABLE images ADD COLUMN kind TEXT NOT NULL DEFAULT 'base'",
                             "ALTER TABLE blobs ADD COLUMN kind TEXT NOT NULL DEFAULT ''",
                             "ALTER TABLE images ADD COLUMN parent TEXT NOT NULL DEFAULT ''",
-                            "ALTER TABLE blobs ADD COLUMN data TEXT NOT NULL DEFAULT ''"}) {
+                            "ALTER TABLE blobs ADD COLUMN data TEXT NOT NULL DEFAULT ''",
+                            "ALTER TABLE blobs ADD COLUMN chunks TEXT NOT NULL DEFAULT ''"}) {
     Status st = s->exec(alter);
     if (!st.isOk() && st.message().find("duplicate column") == std::string::npos) return st;
   }
@@ -202,21 +203,21 @@ Result<int64_t> SqliteStore::blobSize(const std::string& digest) {
 
 Result<BlobRecord> SqliteStore::getBlob(const std::string& digest) {
   std::lock_guard lk(mu_);
-  Stmt st(db_, "SELECT digest, size, created_at, kind, data FROM blobs WHERE digest=?1");
+  Stmt st(db_, "SELECT digest, size, created_at, kind, data, chunks FROM blobs WHERE digest=?1");
   st.bind(1, digest);
   int rc = st.step();
-  if (rc == SQLITE_ROW) return BlobRecord{st.text(0), st.i64(1), st.dbl(2), st.text(3), st.text(4)};
+  if (rc == SQLITE_ROW) return BlobRecord{st.text(0), st.i64(1), st.dbl(2), st.text(3), st.text(4), st.text(5)};
   if (rc == SQLITE_DONE) return notFound("layer " + digest + " not found");
   return sqlError(db_, "getBlob");
 }
 
 Result<std::vector<BlobRecord>> SqliteStore::listBlobs() {
   std::lock_guard lk(mu_);
-  Stmt st(db_, "SELECT digest, size, created_at, kind, data FROM blobs ORDER BY digest");
+  Stmt st(db_, "SELECT digest, size, created_at, kind, data, chunks FROM blobs ORDER BY digest");
   std::vector<BlobRecord> out;
   int rc;
   while ((rc = st.step()) == SQLITE_ROW) {
-    out.push_back(BlobRecord{st.text(0), st.i64(1), st.dbl(2), st.text(3), st.text(4)});
+    out.push_back(BlobRecord{st.text(0), st.i64(1), st.dbl(2), st.text(3), st.text(4), st.text(5)});
   }
   if (rc != SQLITE_DONE) return sqlError(db_, "listBlobs");
   return out;
@@ -235,6 +236,14 @@ Status SqliteStore::setBlobData(const std::string& digest, const std::string& da
   Stmt st(db_, "UPDATE blobs SET data=?2 WHERE digest=?1");
   st.bind(1, digest).bind(2, data);
   if (st.step() != SQLITE_DONE) return sqlError(db_, "setBlobData");
+  return Status::ok();
+}
+
+Status SqliteStore::setBlobChunks(const std::string& digest, const std::string& chunks) {
+  std::lock_guard lk(mu_);
+  Stmt st(db_, "UPDATE blobs SET chunks=?2 WHERE digest=?1");
+  st.bind(1, digest).bind(2, chunks);
+  if (st.step() != SQLITE_DONE) return sqlError(db_, "setBlobChunks");
   return Status::ok();
 }
 

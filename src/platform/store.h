@@ -57,6 +57,7 @@ struct BlobRecord {
   double createdAt = 0;
   std::string kind;  // empty until an image names it; "data" for a layer's data blob
   std::string data;  // for a layer's metadata image: the digest of its data blob
+  std::string chunks;  // for a data blob: the digest of its chunk index (image/chunk_index.h)
 };
 
 class Store {
@@ -74,6 +75,8 @@ class Store {
   virtual Status setBlobKind(const std::string& digest, const std::string& kind) = 0;
   // Records that layer `digest` keeps its file data in blob `data`.
   virtual Status setBlobData(const std::string& digest, const std::string& data) = 0;
+  // Records the chunk index of data blob `digest`.
+  virtual Status setBlobChunks(const std::string& digest, const std::string& chunks) = 0;
   virtual Status deleteBlob(const std::string& digest) = 0;
 
   virtual Status putImage(const ImageRecord& r) = 0;
@@ -100,6 +103,7 @@ class SqliteStore : public Store {
   Result<std::vector<BlobRecord>> listBlobs() override;
   Status setBlobKind(const std::string& digest, const std::string& kind) override;
   Status setBlobData(const std::string& digest, const std::string& data) override;
+  Status setBlobChunks(const std::string& digest, const std::string& chunks) override;
   Status deleteBlob(const std::string& digest) override;
   Status putImage(const ImageRecord& r) override;
   Result<ImageRecord> getImage(const std::string& name, const std::string& tag) override;

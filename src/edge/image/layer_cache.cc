@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <set>
 #include <cstring>
 #include <sstream>
 
@@ -54,8 +55,8 @@ std::vector<std::string> mountsUnder(const std::string& prefix) {
   return out;
 }
 
-LayerCache::LayerCache(std::string mountRoot, BlobPath blobPath)
-    : mountRoot_(std::move(mountRoot)), blobPath_(std::move(blobPath)) {}
+LayerCache::LayerCache(std::string mountRoot, NodeCache* cache)
+    : mountRoot_(std::move(mountRoot)), cache_(cache) {}
 
 LayerCache::~LayerCache() { close(); }
 
@@ -147,23 +148,56 @@ Result<std::string> LayerCache::acquire(const std::string& digest) {
   auto it = layers_.find(digest);
   if (it != layers_.end()) {
     ++it->second.refs;
+    it->second.lastUsed = monoSeconds();
     return it->second.path;
   }
-  ASSIGN_OR_RETURN(LayerFiles files, blobPath_(digest));
+  ASSIGN_OR_RETURN(LayerFiles files, cache_->prepare(digest));
   std::string target = mountRoot_ + "/" + hexOf(digest);
-  if (::mkdir(target.c_str(), 0755) != 0 && errno != EEXIST) return sysError("mkdir " + target);
-  if (Status st = mountLayer(files, target); !st.isOk()) {
+  Status st;
+  if (::mkdir(target.c_str(), 0755) != 0 && errno != EEXIST) {
+    st = sysError("mkdir " + target);
+  } else if (st = mountLayer(files, target); !st.isOk()) {
     ::rmdir(target.c_str());
+  }
+  if (!st.isOk()) {
+    cache_->unmounted(digest);
     return st;
   }
-  layers_[digest] = Entry{target, 1};
+  layers_[digest] = Entry{target, 1, monoSeconds()};
+  trimLocked();
   return target;
+}
+
+void LayerCache::trimLocked() {
+  if (cache_->limitBytes() <= 0 || cache_->usedBytes() <= cache_->limitBytes()) return;
+  std::vector<std::pair<double, std::string>> unused;
+  for (auto& [d, e] : layers_) {
+    if (e.refs == 0) unused.push_back({e.lastUsed, d});
+  }
+  std::sort(unused.begin(), unused.end());
+  for (auto& [_, d] : unused) {
+    auto it = layers_.find(d);
+    if (::umount2(it->second.path.c_str(), MNT_DETACH) != 0 && errno != EINVAL) continue;
+    ::rmdir(it->second.path.c_str());
+    layers_.erase(it);
+    cache_->unmounted(d);
+    std::set<std::string> mounted;
+    for (auto& [m, e] : layers_) mounted.insert(m);
+    cache_->trim(mounted);
+    if (cache_->usedBytes() <= cache_->limitBytes()) return;
+  }
+  std::set<std::string> mounted;
+  for (auto& [m, e] : layers_) mounted.insert(m);
+  cache_->trim(mounted);
 }
 
 void LayerCache::release(const std::string& digest) {
   std::lock_guard lk(mu_);
   auto it = layers_.find(digest);
-  if (it != layers_.end() && it->second.refs > 0) --it->second.refs;
+  if (it != layers_.end() && it->second.refs > 0) {
+    --it->second.refs;
+    it->second.lastUsed = monoSeconds();
+  }
 }
 
 Status LayerCache::evict(const std::string& digest) {
@@ -178,6 +212,7 @@ Status LayerCache::evict(const std::string& digest) {
   }
   ::rmdir(it->second.path.c_str());
   layers_.erase(it);
+  cache_->unmounted(digest);
   return Status::ok();
 }
 
@@ -195,6 +230,7 @@ Status LayerCache::unmountUnused(bool force) {
       if (first.isOk()) first = sysError("umount " + it->second.path);
     }
     ::rmdir(it->second.path.c_str());
+    cache_->unmounted(it->first);
     it = layers_.erase(it);
   }
   return first;

@@ -13,22 +13,15 @@
 #include <vector>
 
 #include "common/status.h"
+#include "edge/image/node_cache.h"
 
 namespace dsec::edge {
 
 class LayerCache {
  public:
-  // Where a layer's files are on this node: its metadata image and, for a
-  // layer with a separate data blob, that blob (empty otherwise).
-  struct LayerFiles {
-    std::string meta;
-    std::string data;
-  };
-  // Maps "sha256:<hex>" to the local files of the layer.
-  using BlobPath = std::function<Result<LayerFiles>(const std::string& digest)>;
-
-  // mountRoot: directory for mount points (<mountRoot>/<hex>).
-  LayerCache(std::string mountRoot, BlobPath blobPath);
+  // mountRoot: directory for mount points (<mountRoot>/<hex>). `cache` gets
+  // each layer's files ready (fetch, on-demand loader) and must outlive this.
+  LayerCache(std::string mountRoot, NodeCache* cache);
   ~LayerCache();
 
   // Removes mounts left under mountRoot by an earlier process (crash), then
@@ -52,11 +45,15 @@ class LayerCache {
   struct Entry {
     std::string path;
     int refs = 0;
+    double lastUsed = 0;
   };
   Status mountLayer(const LayerFiles& files, const std::string& target);
+  // Past the node cache's limit: unmounts unused layers, least recently used
+  // first, and lets the cache delete them. mu_ held.
+  void trimLocked();
 
   const std::string mountRoot_;
-  BlobPath blobPath_;
+  NodeCache* cache_;
   mutable std::mutex mu_;  // guards layers_, method_; held across a mount so one layer mounts once
   std::map<std::string, Entry> layers_;
   std::string method_ = "file";

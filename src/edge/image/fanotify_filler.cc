@@ -1,0 +1,352 @@
+#include "edge/image/fanotify_filler.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/fanotify.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstring>
+
+#include "common/log.h"
+#include "common/util.h"
+
+// Debian 12's headers predate pre-content events (Linux 6.14).
+#ifndef FAN_PRE_ACCESS
+#define FAN_PRE_ACCESS 0x00100000
+#endif
+#ifndef FAN_EVENT_INFO_TYPE_RANGE
+#define FAN_EVENT_INFO_TYPE_RANGE 6
+#endif
+#ifndef FAN_ERRNO_SHIFT
+#define FAN_ERRNO_SHIFT 24
+#endif
+
+namespace dsec::edge {
+
+namespace {
+struct RangeInfo {
+  fanotify_event_info_header hdr;
+  uint32_t pad;
+  uint64_t offset;
+  uint64_t count;
+};
+
+// True when [off, end) of fd has no hole.
+bool present(int fd, int64_t off, int64_t end) {
+  off_t hole = ::lseek(fd, off, SEEK_HOLE);
+  return hole >= 0 && hole >= end;
+}
+}  // namespace
+
+LayerStats& LayerStats::operator+=(const LayerStats& o) {
+  chunks = std::max(chunks, o.chunks);
+  chunksCached = std::max(chunksCached, o.chunksCached);
+  chunksFetched += o.chunksFetched;
+  bytesFetched += o.bytesFetched;
+  cacheHits += o.cacheHits;
+  readRequests += o.readRequests;
+  bytesRead = std::max(bytesRead, o.bytesRead);
+  return *this;
+}
+
+struct FanotifyFiller::File {
+  std::string path;
+  std::string dataDigest;
+  std::shared_ptr<const image::ChunkIndex> index;
+  UniqueFd fd;  // for SEEK_HOLE probes: lseek raises no events
+  bool marked = false;
+  std::unique_ptr<std::atomic<uint8_t>[]> have;     // chunk present in the file
+  std::unique_ptr<std::atomic<uint8_t>[]> touched;  // chunk read at least once
+  std::atomic<int64_t> haveCount{0}, touchedBytes{0}, chunksFetched{0}, bytesFetched{0},
+      cacheHits{0}, readRequests{0};
+  std::mutex orderMu;
+  std::vector<int64_t> order;
+};
+
+Status FanotifyFiller::probe(const std::string& dir) {
+  UniqueFd fan(::fanotify_init(FAN_CLOEXEC | FAN_CLASS_PRE_CONTENT, O_RDWR | O_LARGEFILE));
+  if (!fan) {
+    return Status(Code::kFailedPrecondition,
+                  std::string("fanotify_init(FAN_CLASS_PRE_CONTENT): ") + strerror(errno));
+  }
+  std::string f = dir + "/.fanotify-probe-" + randomHex(4);
+  UniqueFd file(::open(f.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
+  if (!file) return sysError("create " + f);
+  int rc = ::fanotify_mark(fan.get(), FAN_MARK_ADD, FAN_PRE_ACCESS, AT_FDCWD, f.c_str());
+  int err = errno;
+  ::unlink(f.c_str());
+  if (rc != 0) {
+    return Status(Code::kFailedPrecondition,
+                  "pre-content marks refused on " + dir + ": " + strerror(err), err);
+  }
+  return Status::ok();
+}
+
+Result<std::unique_ptr<FanotifyFiller>> FanotifyFiller::start(image::BlobStore* store,
+                                                              int workers) {
+  std::unique_ptr<FanotifyFiller> f(new FanotifyFiller());
+  f->store_ = store;
+  f->fan_.reset(::fanotify_init(FAN_CLOEXEC | FAN_NONBLOCK | FAN_CLASS_PRE_CONTENT,
+                                O_RDWR | O_LARGEFILE | O_CLOEXEC));
+  if (!f->fan_) return sysError("fanotify_init");
+  f->stopFd_.reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  if (!f->stopFd_) return sysError("eventfd");
+  f->reader_ = std::thread([p = f.get()] { p->readLoop(); });
+  for (int i = 0; i < workers; ++i) f->workers_.emplace_back([p = f.get()] { p->workLoop(); });
+  return f;
+}
+
+FanotifyFiller::~FanotifyFiller() {
+  {
+    std::lock_guard lk(mu_);
+    stopping_ = true;
+  }
+  uint64_t one = 1;
+  (void)!::write(stopFd_.get(), &one, sizeof one);
+  cv_.notify_all();
+  if (reader_.joinable()) reader_.join();
+  for (auto& t : workers_) t.join();
+  // Events still queued are allowed: the other filler (or, past both, the
+  // kernel when the group closes) answers for the bytes.
+  for (auto& ev : queue_) respond(ev.fd, true);
+}
+
+Status FanotifyFiller::add(const std::string& path, const std::string& dataDigest,
+                           std::shared_ptr<const image::ChunkIndex> index) {
+  auto f = std::make_shared<File>();
+  f->path = path;
+  f->dataDigest = dataDigest;
+  f->index = std::move(index);
+  f->fd.reset(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (!f->fd) return sysError("open " + path);
+  struct stat st;
+  if (::fstat(f->fd.get(), &st) != 0) return sysError("stat " + path);
+  if (st.st_size != f->index->dataSize) {
+    return Status(Code::kFailedPrecondition, path + " is " + std::to_string(st.st_size) +
+                                                 " bytes, its chunk index says " +
+                                                 std::to_string(f->index->dataSize));
+  }
+  int64_t n = f->index->chunkCount();
+  f->have.reset(new std::atomic<uint8_t>[size_t(n)]());
+  f->touched.reset(new std::atomic<uint8_t>[size_t(n)]());
+  for (int64_t i = 0; i < n; ++i) {
+    int64_t off = i * f->index->chunkSize;
+    if (present(f->fd.get(), off, off + f->index->chunkLength(i))) {
+      f->have[size_t(i)] = 1;
+      ++f->haveCount;
+    }
+  }
+  std::lock_guard lk(mu_);
+  if (byPath_.count(path)) return Status::ok();
+  if (f->haveCount < n) {
+    if (::fanotify_mark(fan_.get(), FAN_MARK_ADD, FAN_PRE_ACCESS, AT_FDCWD, path.c_str()) != 0) {
+      return sysError("fanotify_mark " + path);
+    }
+    f->marked = true;
+  }
+  files_[{st.st_dev, st.st_ino}] = f;
+  byPath_[path] = f;
+  return Status::ok();
+}
+
+void FanotifyFiller::remove(const std::string& path) {
+  std::lock_guard lk(mu_);
+  auto it = byPath_.find(path);
+  if (it == byPath_.end()) return;
+  if (it->second->marked) {
+    (void)::fanotify_mark(fan_.get(), FAN_MARK_REMOVE, FAN_PRE_ACCESS, AT_FDCWD, path.c_str());
+  }
+  for (auto f = files_.begin(); f != files_.end(); ++f) {
+    if (f->second == it->second) {
+      files_.erase(f);
+      break;
+    }
+  }
+  byPath_.erase(it);
+}
+
+LayerStats FanotifyFiller::stats(const std::string& path) {
+  std::shared_ptr<File> f;
+  {
+    std::lock_guard lk(mu_);
+    auto it = byPath_.find(path);
+    if (it == byPath_.end()) return {};
+    f = it->second;
+  }
+  LayerStats s;
+  s.chunks = f->index->chunkCount();
+  s.chunksCached = f->haveCount;
+  s.chunksFetched = f->chunksFetched;
+  s.bytesFetched = f->bytesFetched;
+  s.cacheHits = f->cacheHits;
+  s.readRequests = f->readRequests;
+  s.bytesRead = f->touchedBytes;
+  return s;
+}
+
+std::vector<int64_t> FanotifyFiller::readOrder(const std::string& path) {
+  std::shared_ptr<File> f;
+  {
+    std::lock_guard lk(mu_);
+    auto it = byPath_.find(path);
+    if (it == byPath_.end()) return {};
+    f = it->second;
+  }
+  std::lock_guard lk(f->orderMu);
+  return f->order;
+}
+
+void FanotifyFiller::readLoop() {
+  alignas(fanotify_event_metadata) char buf[16384];
+  for (;;) {
+    pollfd p[2] = {{fan_.get(), POLLIN, 0}, {stopFd_.get(), POLLIN, 0}};
+    if (::poll(p, 2, -1) < 0) {
+      if (errno == EINTR) continue;
+      log::error(std::string("fanotify poll: ") + strerror(errno));
+      return;
+    }
+    if (p[1].revents) return;
+    ssize_t n = ::read(fan_.get(), buf, sizeof buf);
+    if (n < 0) {
+      if (errno == EAGAIN || errno == EINTR) continue;
+      log::error(std::string("fanotify read: ") + strerror(errno));
+      return;
+    }
+    std::vector<Event> batch;
+    auto* m = reinterpret_cast<fanotify_event_metadata*>(buf);
+    for (; FAN_EVENT_OK(m, n); m = FAN_EVENT_NEXT(m, n)) {
+      if (m->fd < 0) continue;  // queue overflow: nothing to answer
+      Event ev{m->fd, 0, -1};
+      char* p = reinterpret_cast<char*>(m) + m->metadata_len;
+      char* end = reinterpret_cast<char*>(m) + m->event_len;
+      while (p + sizeof(fanotify_event_info_header) <= end) {
+        auto* h = reinterpret_cast<fanotify_event_info_header*>(p);
+        if (h->len == 0) break;
+        if (h->info_type == FAN_EVENT_INFO_TYPE_RANGE && h->len >= sizeof(RangeInfo)) {
+          auto* r = reinterpret_cast<RangeInfo*>(p);
+          ev.off = int64_t(r->offset);
+          ev.count = int64_t(r->count);
+        }
+        p += h->len;
+      }
+      batch.push_back(ev);
+    }
+    std::lock_guard lk(mu_);
+    for (auto& ev : batch) queue_.push_back(ev);
+    cv_.notify_all();
+  }
+}
+
+void FanotifyFiller::workLoop() {
+  for (;;) {
+    Event ev;
+    {
+      std::unique_lock lk(mu_);
+      cv_.wait(lk, [this] { return stopping_ || !queue_.empty(); });
+      if (stopping_) return;
+      ev = queue_.front();
+      queue_.pop_front();
+    }
+    handle(ev);
+  }
+}
+
+void FanotifyFiller::respond(int fd, bool allow) {
+  fanotify_response r{fd, allow ? uint32_t(FAN_ALLOW) : uint32_t(FAN_DENY) | (uint32_t(EIO) << FAN_ERRNO_SHIFT)};
+  if (::write(fan_.get(), &r, sizeof r) != sizeof r && !allow) {
+    // Kernels without FAN_DENY_ERRNO: a plain deny (the reader sees EPERM).
+    r.response = FAN_DENY;
+    (void)!::write(fan_.get(), &r, sizeof r);
+  }
+  ::close(fd);
+}
+
+void FanotifyFiller::handle(const Event& ev) {
+  struct stat st;
+  std::shared_ptr<File> f;
+  if (::fstat(ev.fd, &st) == 0) {
+    std::lock_guard lk(mu_);
+    auto it = files_.find({st.st_dev, st.st_ino});
+    if (it != files_.end()) f = it->second;
+  }
+  if (!f || ev.count <= 0) return respond(ev.fd, true);
+  ++f->readRequests;
+  const auto& idx = *f->index;
+  int64_t first = ev.off / idx.chunkSize;
+  int64_t last = std::min(idx.chunkCount() - 1, (ev.off + ev.count - 1) / idx.chunkSize);
+  bool hit = true;  // every chunk known present before this read
+  for (int64_t i = first; i <= last; ++i) {
+    if (f->touched[size_t(i)].exchange(1) == 0) {
+      f->touchedBytes += idx.chunkLength(i);
+      std::lock_guard lk(f->orderMu);
+      f->order.push_back(i);
+    }
+    if (!f->have[size_t(i)]) hit = false;
+    Status st = ensureChunk(*f, i, ev.fd);
+    if (!st.isOk()) {
+      log::error("fill " + f->path + " chunk " + std::to_string(i) + ": " + st.toString());
+      return respond(ev.fd, false);
+    }
+  }
+  if (hit) ++f->cacheHits;
+  respond(ev.fd, true);
+  if (f->haveCount == idx.chunkCount()) {
+    // Complete: reads need no more events from this filler.
+    std::lock_guard lk(mu_);
+    if (f->marked) {
+      (void)::fanotify_mark(fan_.get(), FAN_MARK_REMOVE, FAN_PRE_ACCESS, AT_FDCWD,
+                            f->path.c_str());
+      f->marked = false;
+    }
+  }
+}
+
+Status FanotifyFiller::ensureChunk(File& f, int64_t i, int eventFd) {
+  if (f.have[size_t(i)]) return Status::ok();
+  {
+    std::unique_lock lk(mu_);
+    chunkCv_.wait(lk, [&] { return !inflight_.count({&f, i}); });
+    if (f.have[size_t(i)]) return Status::ok();
+    inflight_.insert({&f, i});
+  }
+  auto done = [&](Status st) {
+    std::lock_guard lk(mu_);
+    inflight_.erase({&f, i});
+    chunkCv_.notify_all();
+    return st;
+  };
+  const auto& idx = *f.index;
+  int64_t off = i * idx.chunkSize;
+  int64_t len = idx.chunkLength(i);
+  if (present(f.fd.get(), off, off + len)) {  // filled by the other filler
+    f.have[size_t(i)] = 1;
+    ++f.haveCount;
+    return done(Status::ok());
+  }
+  std::string buf(size_t(len), '\0');
+  Status st;
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    st = store_->readAt(image::blobName(f.dataDigest), off, size_t(len), buf.data());
+    if (!st.isOk()) return done(st);
+    if (idx.verify(i, buf)) break;
+    st = Status(Code::kDataLoss, "chunk " + std::to_string(i) + " of " + f.dataDigest +
+                                     " does not match its checksum");
+    log::warn(st.message() + (attempt == 0 ? "; fetching it again" : ""));
+  }
+  if (!st.isOk()) return done(st);
+  for (int64_t w = 0; w < len;) {
+    ssize_t r = ::pwrite(eventFd, buf.data() + w, size_t(len - w), off + w);
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) return done(sysError("write " + f.path));
+    w += r;
+  }
+  f.have[size_t(i)] = 1;
+  ++f.haveCount;
+  ++f.chunksFetched;
+  f.bytesFetched += len;
+  return done(Status::ok());
+}
+
+}  // namespace dsec::edge

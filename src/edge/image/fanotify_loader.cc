@@ -1,0 +1,348 @@
+// Control protocol between the edge and its `dsec loader fanotify` process:
+// one JSON object per SOCK_SEQPACKET message, each request answered in turn.
+//   {"op":"add","path":P,"digest":D,"chunks":C}  -> {"ok":true} | {"ok":false,"error":E}
+//       mark sparse file P (a copy of data blob D, chunk index file C) and serve it
+//   {"op":"remove","path":P}                     -> {"ok":true}
+//   {"op":"ping"}                                -> {"ok":true,"stats":{P:{...}}}
+//   {"op":"exit"}                                -> {"ok":true}, then the process exits
+// When the edge goes away without "exit" the process keeps serving its files
+// (sandboxes may still read them); the next edge on the data dir ends it.
+#include "edge/image/fanotify_loader.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <nlohmann/json.hpp>
+
+#include "common/log.h"
+#include "common/util.h"
+
+extern char** environ;
+
+namespace dsec::edge {
+
+using json = nlohmann::json;
+
+namespace {
+
+Status sendMsg(int fd, const std::string& m) {
+  if (::send(fd, m.data(), m.size(), MSG_NOSIGNAL) != ssize_t(m.size())) {
+    return sysError("loader control send");
+  }
+  return Status::ok();
+}
+
+// One message within timeoutS (< 0: wait forever); "" at EOF.
+Result<std::string> recvMsg(int fd, double timeoutS) {
+  pollfd p{fd, POLLIN, 0};
+  int ms = timeoutS < 0 ? -1 : int(timeoutS * 1000);
+  int rc;
+  while ((rc = ::poll(&p, 1, ms)) < 0 && errno == EINTR) {
+  }
+  if (rc == 0) return Status(Code::kDeadlineExceeded, "loader did not answer");
+  if (rc < 0) return sysError("loader control poll");
+  std::string buf(1 << 20, '\0');
+  ssize_t n = ::recv(fd, buf.data(), buf.size(), 0);
+  if (n < 0) return sysError("loader control recv");
+  buf.resize(size_t(n));
+  return buf;
+}
+
+json statsJson(const LayerStats& s) {
+  return {{"chunks_cached", s.chunksCached}, {"chunks_fetched", s.chunksFetched},
+          {"bytes_fetched", s.bytesFetched}, {"cache_hits", s.cacheHits},
+          {"read_requests", s.readRequests}, {"bytes_read", s.bytesRead}};
+}
+
+LayerStats statsFrom(const json& j) {
+  LayerStats s;
+  s.chunksCached = j.value("chunks_cached", int64_t(0));
+  s.chunksFetched = j.value("chunks_fetched", int64_t(0));
+  s.bytesFetched = j.value("bytes_fetched", int64_t(0));
+  s.cacheHits = j.value("cache_hits", int64_t(0));
+  s.readRequests = j.value("read_requests", int64_t(0));
+  s.bytesRead = j.value("bytes_read", int64_t(0));
+  return s;
+}
+
+Result<std::shared_ptr<const image::ChunkIndex>> loadIndex(const std::string& path) {
+  ASSIGN_OR_RETURN(std::string bytes, readFile(path));
+  ASSIGN_OR_RETURN(image::ChunkIndex idx, image::ChunkIndex::parse(bytes));
+  return std::make_shared<const image::ChunkIndex>(std::move(idx));
+}
+
+// The pid in `file` if that process is a dsec loader.
+int staleLoader(const std::string& file) {
+  auto s = readFile(file);
+  if (!s.isOk()) return -1;
+  int pid = atoi(s->c_str());
+  if (pid <= 1) return -1;
+  auto cmd = readFile("/proc/" + std::to_string(pid) + "/cmdline");
+  if (!cmd.isOk() || cmd->find(std::string("loader\0fanotify", 15)) == std::string::npos) return -1;
+  return pid;
+}
+
+}  // namespace
+
+int runFanotifyLoaderProcess(int ctl, const std::string& storeUri) {
+  ::signal(SIGPIPE, SIG_IGN);
+  auto store = image::BlobStore::open(storeUri);
+  if (!store.isOk()) {
+    log::error("loader: " + store.status().toString());
+    return 1;
+  }
+  auto filler = FanotifyFiller::start(store->get());
+  if (!filler.isOk()) {
+    log::error("loader: " + filler.status().toString());
+    return 1;
+  }
+  std::map<std::string, bool> paths;
+  bool connected = true;
+  while (connected) {
+    auto m = recvMsg(ctl, -1);
+    if (!m.isOk() || m->empty()) break;
+    json req = json::parse(*m, nullptr, false);
+    json rep = {{"ok", true}};
+    std::string op = req.is_object() ? req.value("op", "") : "";
+    if (op == "add") {
+      std::string path = req.value("path", "");
+      auto idx = loadIndex(req.value("chunks", ""));
+      Status st = idx.isOk() ? (*filler)->add(path, req.value("digest", ""), *idx) : idx.status();
+      if (st.isOk()) {
+        paths[path] = true;
+      } else {
+        rep = {{"ok", false}, {"error", st.toString()}};
+      }
+    } else if (op == "remove") {
+      (*filler)->remove(req.value("path", ""));
+      paths.erase(req.value("path", ""));
+    } else if (op == "ping") {
+      json stats = json::object();
+      for (auto& [p, _] : paths) stats[p] = statsJson((*filler)->stats(p));
+      rep["stats"] = stats;
+    } else if (op == "exit") {
+      connected = false;
+    } else {
+      rep = {{"ok", false}, {"error", "unknown op"}};
+    }
+    if (!sendMsg(ctl, rep.dump()).isOk()) break;
+  }
+  if (connected) {
+    // The edge is gone without saying so: keep filling for the sandboxes it
+    // left until the next edge ends this process.
+    log::warn("loader: edge went away; serving " + std::to_string(paths.size()) +
+              " files until stopped");
+    for (;;) ::pause();
+  }
+  return 0;
+}
+
+Result<std::unique_ptr<FanotifyLoader>> FanotifyLoader::start(image::BlobStore* store,
+                                                              FanotifyLoaderOptions opts) {
+  std::unique_ptr<FanotifyLoader> l(new FanotifyLoader());
+  l->store_ = store;
+  l->opts_ = std::move(opts);
+  RETURN_IF_ERROR(makeDirs(l->opts_.runDir, 0700));
+  // A loader left by an edge that crashed serves sandboxes that are reaped now.
+  if (int pid = staleLoader(l->opts_.runDir + "/loader.pid"); pid > 0) {
+    log::warn("killing the loader process " + std::to_string(pid) + " of an earlier edge");
+    ::kill(pid, SIGKILL);
+  }
+  ASSIGN_OR_RETURN(l->local_, FanotifyFiller::start(store));
+  {
+    std::lock_guard lk(l->mu_);
+    RETURN_IF_ERROR(l->spawnHelper());
+  }
+  l->supervisor_ = std::thread([p = l.get()] { p->supervise(); });
+  return l;
+}
+
+FanotifyLoader::~FanotifyLoader() {
+  {
+    std::lock_guard lk(mu_);
+    stopping_ = true;
+    if (ctl_ && call(json{{"op", "exit"}}.dump()).isOk()) {
+      int status;
+      for (int i = 0; i < 200 && ::waitpid(helperPid_, &status, WNOHANG) == 0; ++i) ::usleep(5000);
+    }
+    killHelper();
+  }
+  stopCv_.notify_all();
+  if (supervisor_.joinable()) supervisor_.join();
+  ::unlink((opts_.runDir + "/loader.pid").c_str());
+}
+
+Status FanotifyLoader::spawnHelper() {
+  int sv[2];
+  if (::socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) != 0) {
+    return sysError("socketpair");
+  }
+  UniqueFd mine(sv[0]), theirs(sv[1]);
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_adddup2(&fa, theirs.get(), 3);
+  posix_spawn_file_actions_addopen(&fa, 0, "/dev/null", O_RDONLY, 0);
+  std::vector<std::string> args = {"dsec", "loader", "fanotify", "--store", store_->uri(),
+                                   "--control-fd", "3"};
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  pid_t pid;
+  int rc = posix_spawn(&pid, opts_.selfExe.c_str(), &fa, nullptr, argv.data(), environ);
+  posix_spawn_file_actions_destroy(&fa);
+  if (rc != 0) return sysError("spawn " + opts_.selfExe + " loader", rc);
+  helperPid_ = pid;
+  ctl_ = std::move(mine);
+  (void)writeFileAtomic(opts_.runDir + "/loader.pid", std::to_string(pid) + "\n", 0600);
+  for (auto& [_, a] : attached_) {
+    if (Status st = helperAdd(a); !st.isOk()) {
+      log::warn("loader process: re-adding " + a.path + ": " + st.toString());
+    }
+  }
+  log::info("loader process " + std::to_string(pid) + " started (" +
+            std::to_string(attached_.size()) + " files)");
+  return Status::ok();
+}
+
+void FanotifyLoader::killHelper() {
+  ctl_.reset();
+  if (helperPid_ > 0) {
+    ::kill(helperPid_, SIGKILL);
+    int status;
+    while (::waitpid(helperPid_, &status, 0) < 0 && errno == EINTR) {
+    }
+    helperPid_ = -1;
+  }
+}
+
+Result<std::string> FanotifyLoader::call(const std::string& request) {
+  if (!ctl_) return Status(Code::kUnavailable, "no loader process");
+  RETURN_IF_ERROR(sendMsg(ctl_.get(), request));
+  ASSIGN_OR_RETURN(std::string rep, recvMsg(ctl_.get(), opts_.pingTimeoutS));
+  if (rep.empty()) return Status(Code::kUnavailable, "loader process closed its control socket");
+  return rep;
+}
+
+Status FanotifyLoader::helperAdd(const Attached& a) {
+  ASSIGN_OR_RETURN(std::string rep, call(json{{"op", "add"}, {"path", a.path},
+                                              {"digest", a.digest}, {"chunks", a.chunksPath}}
+                                             .dump()));
+  json j = json::parse(rep, nullptr, false);
+  if (!j.is_object() || !j.value("ok", false)) {
+    return Status(Code::kInternal, j.is_object() ? j.value("error", rep) : rep);
+  }
+  return Status::ok();
+}
+
+void FanotifyLoader::supervise() {
+  std::unique_lock lk(mu_);
+  while (!stopping_) {
+    stopCv_.wait_for(lk, std::chrono::milliseconds(500));
+    if (stopping_) break;
+    int status;
+    int pid = helperPid_;
+    bool dead = pid <= 0 || ::waitpid(pid, &status, WNOHANG) == pid;
+    if (dead) helperPid_ = -1;
+    std::string why = dead ? "exited" : "";
+    if (!dead) {
+      auto rep = call(json{{"op", "ping"}}.dump());
+      json j = rep.isOk() ? json::parse(*rep, nullptr, false) : json();
+      if (j.is_object() && j.value("ok", false)) {
+        std::map<std::string, std::string> digestOf;
+        for (auto& [d, a] : attached_) digestOf[a.path] = d;
+        auto stats = j.find("stats");
+        if (stats != j.end() && stats->is_object()) {
+          for (auto it = stats->begin(); it != stats->end(); ++it) {
+            if (digestOf.count(it.key())) helperStats_[digestOf[it.key()]] = statsFrom(*it);
+          }
+        }
+        continue;
+      }
+      why = rep.isOk() ? "answered badly" : rep.status().message();
+    }
+    log::warn("loader process " + std::to_string(pid) + " " + why + "; restarting it");
+    killHelper();
+    if (Status st = spawnHelper(); !st.isOk()) log::error("loader process: " + st.toString());
+  }
+}
+
+Result<std::string> FanotifyLoader::attach(const LayerDesc& desc, const std::string& cachePath,
+                                           std::shared_ptr<const image::ChunkIndex> index) {
+  RETURN_IF_ERROR(local_->add(cachePath, desc.dataDigest, index));
+  std::lock_guard lk(mu_);
+  Attached a{cachePath, cachePath.substr(0, cachePath.rfind('.')) + ".chunks", desc.dataDigest};
+  attached_[desc.dataDigest] = a;
+  // Without the loader process the edge's filler still serves every read; the
+  // supervisor re-adds the file when it restarts the process.
+  if (Status st = helperAdd(a); !st.isOk()) {
+    log::warn("loader process: add " + cachePath + ": " + st.toString());
+  }
+  return cachePath;
+}
+
+void FanotifyLoader::detach(const std::string& dataDigest) {
+  std::lock_guard lk(mu_);
+  auto it = attached_.find(dataDigest);
+  if (it == attached_.end()) return;
+  local_->remove(it->second.path);
+  (void)call(json{{"op", "remove"}, {"path", it->second.path}}.dump());
+  attached_.erase(it);
+  helperStats_.erase(dataDigest);
+}
+
+void FanotifyLoader::refreshHelperStats() {
+  auto rep = call(json{{"op", "ping"}}.dump());
+  json j = rep.isOk() ? json::parse(*rep, nullptr, false) : json();
+  if (!j.is_object() || !j.value("ok", false)) return;
+  std::map<std::string, std::string> digestOf;
+  for (auto& [d, a] : attached_) digestOf[a.path] = d;
+  auto stats = j.find("stats");
+  if (stats != j.end() && stats->is_object()) {
+    for (auto it = stats->begin(); it != stats->end(); ++it) {
+      if (digestOf.count(it.key())) helperStats_[digestOf[it.key()]] = statsFrom(*it);
+    }
+  }
+}
+
+LayerStats FanotifyLoader::stats(const std::string& dataDigest) {
+  std::string path;
+  LayerStats helper;
+  {
+    std::lock_guard lk(mu_);
+    auto it = attached_.find(dataDigest);
+    if (it == attached_.end()) return {};
+    path = it->second.path;
+    refreshHelperStats();
+    if (helperStats_.count(dataDigest)) helper = helperStats_[dataDigest];
+  }
+  LayerStats s = local_->stats(path);
+  // Both fillers see every read: fetches add up, reads and hits are the edge's.
+  s.chunksFetched += helper.chunksFetched;
+  s.bytesFetched += helper.bytesFetched;
+  s.chunksCached = std::max(s.chunksCached, helper.chunksCached);
+  return s;
+}
+
+std::vector<int> FanotifyLoader::helperPids() const {
+  std::lock_guard lk(mu_);
+  return helperPid_ > 0 ? std::vector<int>{helperPid_} : std::vector<int>{};
+}
+
+std::vector<int64_t> FanotifyLoader::readOrder(const std::string& dataDigest) {
+  std::string path;
+  {
+    std::lock_guard lk(mu_);
+    auto it = attached_.find(dataDigest);
+    if (it == attached_.end()) return {};
+    path = it->second.path;
+  }
+  return local_->readOrder(path);
+}
+
+}  // namespace dsec::edge

@@ -1,0 +1,61 @@
+// On-demand loaders: how a layer's data blob reaches the kernel. A node keeps
+// each layer's metadata image whole in its cache; the data blob is either read
+// in place (`direct`: the blob store is a shared POSIX mount) or filled chunk by
+// chunk into a sparse node-local copy as the sandboxes read it (`fanotify`,
+// `fuse`). Every fetched chunk is checked against the layer's chunk index
+// before any reader sees it; a loader that cannot fetch or verify a chunk makes
+// the read fail (EIO), never return zeros or wrong bytes.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "image/chunk_index.h"
+
+namespace dsec::edge {
+
+// What a node needs to fetch and mount a layer (from the platform).
+struct LayerDesc {
+  std::string digest;        // the EROFS metadata image: the layer's identity
+  int64_t size = 0;
+  std::string dataDigest;    // its chunked data blob; empty for a single-file layer
+  int64_t dataSize = 0;
+  std::string chunksDigest;  // the data blob's chunk index
+};
+using LayerLookup = std::function<Result<LayerDesc>(const std::string& digest)>;
+
+// Counters of one layer's data on this node.
+struct LayerStats {
+  int64_t chunks = 0;         // chunks in the data blob
+  int64_t chunksCached = 0;   // of them, present in the node cache
+  int64_t chunksFetched = 0;  // fetched from the blob store by this node
+  int64_t bytesFetched = 0;
+  int64_t cacheHits = 0;      // reads served from chunks already cached
+  int64_t readRequests = 0;   // reads that reached the loader
+  int64_t bytesRead = 0;      // distinct bytes of the blob read (chunk granular)
+  LayerStats& operator+=(const LayerStats& o);
+};
+
+class Loader {
+ public:
+  virtual ~Loader() = default;
+  virtual const char* name() const = 0;
+  // Serves the sparse node-local copy `cachePath` of desc's data blob on
+  // demand; returns the path to give EROFS as its device=.
+  virtual Result<std::string> attach(const LayerDesc& desc, const std::string& cachePath,
+                                     std::shared_ptr<const image::ChunkIndex> index) = 0;
+  // After the layer is unmounted.
+  virtual void detach(const std::string& dataDigest) = 0;
+  virtual LayerStats stats(const std::string& dataDigest) = 0;
+  // Chunks of the data blob read so far, in the order first read.
+  virtual std::vector<int64_t> readOrder(const std::string& dataDigest) = 0;
+  // Processes serving reads outside this one (for operators and tests).
+  virtual std::vector<int> helperPids() const { return {}; }
+};
+
+}  // namespace dsec::edge

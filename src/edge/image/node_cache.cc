@@ -1,0 +1,298 @@
+#include "edge/image/node_cache.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <sstream>
+
+#include "common/fd.h"
+#include "common/log.h"
+#include "common/util.h"
+#include "edge/image/fanotify_loader.h"
+
+namespace dsec::edge {
+
+namespace {
+std::string hexOf(const std::string& digest) {
+  return startsWith(digest, "sha256:") ? digest.substr(7) : digest;
+}
+}  // namespace
+
+Result<std::unique_ptr<NodeCache>> NodeCache::open(NodeCacheOptions opts, LayerLookup lookup) {
+  std::unique_ptr<NodeCache> c(new NodeCache());
+  c->opts_ = std::move(opts);
+  c->lookup_ = std::move(lookup);
+  RETURN_IF_ERROR(makeDirs(c->opts_.dir, 0700));
+  ASSIGN_OR_RETURN(c->store_, image::BlobStore::open(c->opts_.storeUri, c->opts_.storeOptions));
+  std::string want = c->opts_.loader;
+  if (want == "auto") {
+    // A POSIX store is read in place; a remote one is filled on demand by the
+    // best loader this kernel and cache file system allow.
+    if (std::string(c->store_->scheme()) == "file") {
+      want = "direct";
+    } else if (Status p = FanotifyFiller::probe(c->opts_.dir); p.isOk()) {
+      want = "fanotify";
+    } else {
+      log::info("fanotify loader unavailable (" + p.message() + ")");
+      want = "fuse";
+    }
+  }
+  if (want == "direct") {
+    if (std::string(c->store_->scheme()) != "file") {
+      return invalidArg("loader", "the direct loader needs a file:// blob store, not " +
+                                      c->opts_.storeUri);
+    }
+  } else if (want == "fanotify") {
+    RETURN_IF_ERROR(FanotifyFiller::probe(c->opts_.dir));
+    FanotifyLoaderOptions fo;
+    fo.selfExe = c->opts_.selfExe;
+    fo.runDir = c->opts_.dir;
+    fo.pingTimeoutS = c->opts_.loaderPingTimeoutS;
+    ASSIGN_OR_RETURN(auto l, FanotifyLoader::start(c->store_.get(), fo));
+    c->loader_ = std::move(l);
+  } else if (want == "fuse") {
+    return Status(Code::kFailedPrecondition, "the fuse loader is not built yet");
+  } else {
+    return invalidArg("loader", "loader must be auto, direct, fanotify or fuse, not " + want);
+  }
+  if (c->loader_) c->recorder_ = std::thread([p = c.get()] { p->recorder(); });
+  log::info("node cache " + c->opts_.dir + ": store " + c->opts_.storeUri + ", loader " +
+            c->loaderName() +
+            (c->opts_.limitBytes > 0 ? ", limit " + std::to_string(c->opts_.limitBytes >> 20) + " MiB"
+                                     : ""));
+  return c;
+}
+
+NodeCache::~NodeCache() {
+  {
+    std::lock_guard lk(mu_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  if (recorder_.joinable()) recorder_.join();
+  for (auto& t : prefetchers_) t.join();
+  std::vector<std::string> attached;
+  {
+    std::lock_guard lk(mu_);
+    for (auto& [d, e] : entries_) {
+      if (e.attached) attached.push_back(d);
+    }
+  }
+  for (auto& d : attached) unmounted(d);
+  loader_.reset();
+}
+
+std::string NodeCache::pathOf(const std::string& digest, const char* suffix) const {
+  return opts_.dir + "/" + hexOf(digest) + suffix;
+}
+
+Status NodeCache::fetchWhole(const std::string& name, const std::string& digest,
+                             const std::string& dest) {
+  if (::access(dest.c_str(), F_OK) == 0) return Status::ok();
+  return store_->fetchVerified(name, hexOf(digest), dest);
+}
+
+Result<LayerFiles> NodeCache::prepare(const std::string& digest) {
+  ASSIGN_OR_RETURN(LayerDesc d, lookup_(digest));
+  if (!loader_) {
+    LayerFiles files{store_->localPath(image::blobName(d.digest)), ""};
+    if (!d.dataDigest.empty()) files.data = store_->localPath(image::blobName(d.dataDigest));
+    for (auto* p : {&files.meta, &files.data}) {
+      if (!p->empty() && ::access(p->c_str(), R_OK) != 0) {
+        return notFound("blob of layer " + digest + " not in the store: " + *p);
+      }
+    }
+    return files;
+  }
+  LayerFiles files{pathOf(d.digest, ".meta"), ""};
+  RETURN_IF_ERROR(fetchWhole(image::blobName(d.digest), d.digest, files.meta));
+  ::utimensat(AT_FDCWD, files.meta.c_str(), nullptr, 0);  // LRU clock for trim()
+  {
+    std::lock_guard lk(mu_);
+    entries_[digest].desc = d;
+  }
+  if (d.dataDigest.empty()) return files;
+  std::string chunks = pathOf(d.dataDigest, ".chunks");
+  RETURN_IF_ERROR(fetchWhole(image::chunkIndexName(d.dataDigest), d.chunksDigest, chunks));
+  ASSIGN_OR_RETURN(std::string bytes, readFile(chunks));
+  ASSIGN_OR_RETURN(image::ChunkIndex idx, image::ChunkIndex::parse(bytes));
+  if (idx.dataSize != d.dataSize) {
+    return Status(Code::kDataLoss, "chunk index of " + d.dataDigest + " is for " +
+                                       std::to_string(idx.dataSize) + " bytes, not " +
+                                       std::to_string(d.dataSize));
+  }
+  auto index = std::make_shared<const image::ChunkIndex>(std::move(idx));
+  std::string data = pathOf(d.dataDigest, ".data");
+  bool cold = ::access(data.c_str(), F_OK) != 0;
+  if (cold) {
+    std::string tmp = data + ".new";
+    UniqueFd fd(::open(tmp.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
+    if (!fd) return sysError("create " + tmp);
+    if (::ftruncate(fd.get(), d.dataSize) != 0) return sysError("truncate " + tmp);
+    if (::rename(tmp.c_str(), data.c_str()) != 0) return sysError("rename " + data);
+  }
+  ASSIGN_OR_RETURN(files.data, loader_->attach(d, data, index));
+  std::vector<int64_t> order;
+  if (auto list = readFile(pathOf(d.dataDigest, ".order")); list.isOk()) {
+    std::istringstream in(*list);
+    for (int64_t i; in >> i;) {
+      if (i >= 0 && i < index->chunkCount()) order.push_back(i);
+    }
+  }
+  std::lock_guard lk(mu_);
+  Entry& e = entries_[digest];
+  e.attached = true;
+  e.attachedAt = monoSeconds();
+  e.recorded = !order.empty();
+  if (cold && !order.empty() && !stopping_) {
+    prefetchers_.emplace_back(&NodeCache::prefetch, this, files.data, std::move(order),
+                              index->chunkSize, e.prefetched);
+  }
+  return files;
+}
+
+void NodeCache::prefetch(std::string dataPath, std::vector<int64_t> order, int64_t chunkSize,
+                         std::shared_ptr<std::atomic<int64_t>> counter) {
+  // A plain read of each chunk: the loader fetches it as for any reader.
+  UniqueFd fd(::open(dataPath.c_str(), O_RDONLY | O_CLOEXEC));
+  if (!fd) return;
+  char byte;
+  for (int64_t i : order) {
+    {
+      std::lock_guard lk(mu_);
+      if (stopping_) return;
+    }
+    if (::pread(fd.get(), &byte, 1, i * chunkSize) == 1) ++*counter;
+  }
+  log::info("prefetched " + std::to_string(counter->load()) + " chunks of " + dataPath);
+}
+
+void NodeCache::recorder() {
+  std::unique_lock lk(mu_);
+  while (!stopping_) {
+    cv_.wait_for(lk, std::chrono::seconds(1));
+    double now = monoSeconds();
+    for (auto& [digest, e] : entries_) {
+      if (!e.attached || e.recorded || e.desc.dataDigest.empty() ||
+          now - e.attachedAt < opts_.recordWindowS) {
+        continue;
+      }
+      e.recorded = true;
+      auto order = loader_->readOrder(e.desc.dataDigest);
+      if (order.empty()) continue;
+      std::string text;
+      for (int64_t i : order) text += std::to_string(i) + "\n";
+      if (Status st = writeFileAtomic(pathOf(e.desc.dataDigest, ".order"), text, 0600);
+          !st.isOk()) {
+        log::warn("prefetch list: " + st.toString());
+      }
+    }
+  }
+}
+
+void NodeCache::unmounted(const std::string& digest) {
+  std::string data;
+  {
+    std::lock_guard lk(mu_);
+    auto it = entries_.find(digest);
+    if (it == entries_.end() || !it->second.attached) return;
+    it->second.attached = false;
+    data = it->second.desc.dataDigest;
+    if (loader_ && !data.empty()) it->second.past += loader_->stats(data);
+  }
+  if (loader_ && !data.empty()) loader_->detach(data);
+}
+
+int64_t NodeCache::usedBytes() const {
+  int64_t total = 0;
+  DIR* d = ::opendir(opts_.dir.c_str());
+  if (!d) return 0;
+  while (dirent* e = ::readdir(d)) {
+    struct stat st;
+    if (::fstatat(::dirfd(d), e->d_name, &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISREG(st.st_mode)) {
+      total += int64_t(st.st_blocks) * 512;
+    }
+  }
+  ::closedir(d);
+  return total;
+}
+
+std::vector<std::string> NodeCache::trim(const std::set<std::string>& mounted) {
+  std::vector<std::string> removed;
+  if (opts_.limitBytes <= 0 || !loader_) return removed;
+  int64_t used = usedBytes();
+  if (used <= opts_.limitBytes) return removed;
+  // Cached layers by last use (the mtime of their metadata image).
+  std::vector<std::pair<timespec, std::string>> lru;
+  DIR* d = ::opendir(opts_.dir.c_str());
+  if (!d) return removed;
+  while (dirent* e = ::readdir(d)) {
+    std::string name = e->d_name;
+    if (name.size() != 64 + 5 || name.substr(64) != ".meta") continue;
+    std::string digest = "sha256:" + name.substr(0, 64);
+    struct stat st;
+    if (mounted.count(digest) || ::fstatat(::dirfd(d), e->d_name, &st, 0) != 0) continue;
+    lru.push_back({st.st_mtim, digest});
+  }
+  ::closedir(d);
+  std::sort(lru.begin(), lru.end(), [](auto& a, auto& b) {
+    return a.first.tv_sec != b.first.tv_sec ? a.first.tv_sec < b.first.tv_sec
+                                            : a.first.tv_nsec < b.first.tv_nsec;
+  });
+  for (auto& [_, digest] : lru) {
+    if (used <= opts_.limitBytes) break;
+    std::string data;
+    {
+      std::lock_guard lk(mu_);
+      auto it = entries_.find(digest);
+      if (it != entries_.end()) {
+        if (it->second.attached) continue;
+        data = it->second.desc.dataDigest;
+        entries_.erase(it);
+      }
+    }
+    if (data.empty()) {
+      if (auto desc = lookup_(digest); desc.isOk()) data = desc->dataDigest;
+    }
+    std::vector<std::string> files = {pathOf(digest, ".meta")};
+    if (!data.empty()) {
+      // A data blob shared by another cached layer stays.
+      bool shared = false;
+      {
+        std::lock_guard lk(mu_);
+        for (auto& [d2, e] : entries_) shared = shared || e.desc.dataDigest == data;
+      }
+      if (!shared) {
+        files.push_back(pathOf(data, ".data"));
+        files.push_back(pathOf(data, ".chunks"));
+      }
+    }
+    for (auto& f : files) ::unlink(f.c_str());  // .order stays: it is the prefetch list
+    removed.push_back(digest);
+    used = usedBytes();
+  }
+  if (!removed.empty()) {
+    log::info("node cache: evicted " + std::to_string(removed.size()) + " layers, " +
+              std::to_string(used >> 20) + " MiB used");
+  }
+  return removed;
+}
+
+std::vector<NodeCache::LayerInfo> NodeCache::layers() {
+  std::vector<LayerInfo> out;
+  std::lock_guard lk(mu_);
+  for (auto& [digest, e] : entries_) {
+    LayerInfo li{digest, e.desc.dataDigest, e.desc.dataSize, e.attached, *e.prefetched, e.past};
+    if (loader_ && e.attached && !e.desc.dataDigest.empty()) {
+      li.stats += loader_->stats(e.desc.dataDigest);
+    }
+    out.push_back(li);
+  }
+  return out;
+}
+
+}  // namespace dsec::edge

@@ -1,0 +1,91 @@
+// GET /v1/node and GET /v1/metrics: what the node's layer cache and loader
+// did, per layer and in total.
+#include <nlohmann/json.hpp>
+#include <string_view>
+
+#include "platform/api_util.h"
+#include "platform/platform.h"
+
+namespace dsec::platform {
+
+using json = nlohmann::json;
+
+namespace {
+json layerJson(const edge::NodeCache::LayerInfo& l) {
+  const auto& s = l.stats;
+  return {{"digest", l.digest},
+          {"data_digest", l.dataDigest.empty() ? json(nullptr) : json(l.dataDigest)},
+          {"data_size", l.dataSize},
+          {"attached", l.attached},
+          {"chunks", s.chunks},
+          {"chunks_cached", s.chunksCached},
+          {"chunks_fetched", s.chunksFetched},
+          {"chunks_prefetched", l.chunksPrefetched},
+          {"bytes_fetched", s.bytesFetched},
+          {"cache_hits", s.cacheHits},
+          {"read_requests", s.readRequests},
+          {"bytes_read", s.bytesRead}};
+}
+}  // namespace
+
+void Platform::getNode(http::Response& res) {
+  auto& cache = edge_->nodeCache();
+  json layers = json::array();
+  json totals = {{"chunks_fetched", 0}, {"bytes_fetched", 0}, {"cache_hits", 0},
+                 {"read_requests", 0}, {"bytes_read", 0}, {"chunks_prefetched", 0}};
+  for (auto& l : cache.layers()) {
+    json j = layerJson(l);
+    for (auto& [k, v] : totals.items()) v = v.get<int64_t>() + j[k].get<int64_t>();
+    layers.push_back(std::move(j));
+  }
+  json body = {{"loader", cache.loaderName()},
+               {"blob_store", cache.storeUri()},
+               {"loader_pids", cache.loaderPids()},
+               {"cache", {{"used_bytes", cache.usedBytes()}, {"limit_bytes", cache.limitBytes()}}},
+               {"totals", totals},
+               {"layers", layers}};
+  sendJson(res, 200, body.dump());
+}
+
+void Platform::getMetrics(http::Response& res) {
+  auto& cache = edge_->nodeCache();
+  std::string out;
+  auto family = [&out](const char* name, const char* type, const char* help) {
+    out += std::string("# HELP ") + name + " " + help + "\n# TYPE " + name + " " + type + "\n";
+  };
+  auto layers = cache.layers();
+  struct Metric {
+    const char* name;
+    const char* help;
+    int64_t (*get)(const edge::NodeCache::LayerInfo&);
+  };
+  const Metric metrics[] = {
+      {"dsec_layer_bytes_fetched_total", "Bytes of layer data fetched from the blob store.",
+       [](const edge::NodeCache::LayerInfo& l) { return l.stats.bytesFetched; }},
+      {"dsec_layer_chunks_fetched_total", "Chunks of layer data fetched from the blob store.",
+       [](const edge::NodeCache::LayerInfo& l) { return l.stats.chunksFetched; }},
+      {"dsec_layer_cache_hits_total", "Reads served from chunks already in the node cache.",
+       [](const edge::NodeCache::LayerInfo& l) { return l.stats.cacheHits; }},
+      {"dsec_layer_read_requests_total", "Reads of layer data that reached the loader.",
+       [](const edge::NodeCache::LayerInfo& l) { return l.stats.readRequests; }},
+      {"dsec_layer_bytes_read", "Distinct bytes of layer data read (chunk granular).",
+       [](const edge::NodeCache::LayerInfo& l) { return l.stats.bytesRead; }},
+      {"dsec_layer_chunks_prefetched_total", "Chunks fetched ahead by prefetch.",
+       [](const edge::NodeCache::LayerInfo& l) { return l.chunksPrefetched; }},
+  };
+  for (const Metric& m : metrics) {
+    std::string_view name(m.name);
+    bool counter = name.size() > 6 && name.substr(name.size() - 6) == "_total";
+    family(m.name, counter ? "counter" : "gauge", m.help);
+    for (auto& l : layers) {
+      out += std::string(m.name) + "{layer=\"" + l.digest + "\"} " + std::to_string(m.get(l)) + "\n";
+    }
+  }
+  family("dsec_node_cache_bytes", "gauge", "Bytes the node cache holds on disk.");
+  out += "dsec_node_cache_bytes " + std::to_string(cache.usedBytes()) + "\n";
+  family("dsec_node_cache_limit_bytes", "gauge", "Node cache size limit (0: none).");
+  out += "dsec_node_cache_limit_bytes " + std::to_string(cache.limitBytes()) + "\n";
+  (void)res.send(200, "text/plain; version=0.0.4", out);
+}
+
+}  // namespace dsec::platform

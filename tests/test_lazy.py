@@ -1,0 +1,331 @@
+"""Layers loaded on demand from an HTTP blob store (a real nginx) by the
+fanotify loader: exact bytes, only what is read is fetched, a killed or hung
+loader never yields wrong bytes, corrupt blobs fail reads with EIO, metrics,
+a cache that survives restarts, a size limit, and prefetch."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tarfile
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import dsec
+from conftest import Server, dsec_bin, _check_prerequisites
+from helpers import cgroup_dirs_named, mounts_containing
+from nginx_store import Nginx
+
+MiB = 1 << 20
+
+
+def fanotify_pre_content_reason():
+    """None when this kernel can mark files with FAN_PRE_ACCESS, else why not."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = libc.fanotify_init(0x8 | 0x1, os.O_RDWR)  # FAN_CLASS_PRE_CONTENT | FAN_CLOEXEC
+    if fd < 0:
+        return f"fanotify_init(FAN_CLASS_PRE_CONTENT): {os.strerror(ctypes.get_errno())}"
+    try:
+        with tempfile.NamedTemporaryFile(dir="/var/tmp") as f:
+            libc.fanotify_mark.argtypes = [ctypes.c_int, ctypes.c_uint, ctypes.c_uint64,
+                                           ctypes.c_int, ctypes.c_char_p]
+            rc = libc.fanotify_mark(fd, 0x1, 0x00100000, -100, f.name.encode())
+            if rc != 0:
+                return f"FAN_PRE_ACCESS marks refused: {os.strerror(ctypes.get_errno())}"
+    finally:
+        os.close(fd)
+    return None
+
+
+def loader_procs(needle: str = "") -> list:
+    """Pids of `dsec loader` processes (whose command line contains needle)."""
+    out = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                cmd = (p / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if len(cmd) > 2 and cmd[1] == b"loader" and needle.encode() in b" ".join(cmd):
+                out.append(int(p.name))
+    return out
+
+
+class Lazy:
+    """A `dsec up` whose node reads blobs from nginx with the fanotify loader."""
+
+    def __init__(self, tmp: Path):
+        self.tmp = tmp
+        self.data_dir = tmp / "data"
+        self.data_dir.mkdir()
+        (self.data_dir / "blobs").mkdir(mode=0o700)
+        self.nginx = Nginx(self.data_dir / "blobs").start()
+        self.srv = None
+        self.files = {}  # layer name -> {path in sandbox: sha256}
+
+    def start(self, *extra):
+        self.srv = Server(self.data_dir, ["--blob-store", self.nginx.slow_url, "--loader",
+                                          "fanotify", "--loader-timeout-s", "2",
+                                          "--prefetch-window-s", "1", *extra])
+        self.srv.start()
+        return self.srv
+
+    def stop(self):
+        rc = self.srv.stop()
+        assert rc in (0, -signal.SIGTERM, 128 + signal.SIGTERM), self.srv.log_tail()
+
+    @property
+    def client(self) -> dsec.Client:
+        return self.srv.client
+
+    def node(self) -> dict:
+        status, _, _, doc = self.srv.raw("GET", "/v1/node")
+        assert status == 200, doc
+        return doc
+
+    def layer_stats(self, digest: str) -> dict:
+        for l in self.node()["layers"]:
+            if l["digest"] == digest:
+                return l
+        raise AssertionError(f"layer {digest} not on the node: {self.node()}")
+
+    def random_toolkit(self, name: str, big_mb: int = 6) -> str:
+        """Imports a toolkit layer holding /opt/<name>/big (random) and small.txt;
+        returns its layer digest."""
+        root = self.tmp / f"src-{name}"
+        d = root / "opt" / name
+        d.mkdir(parents=True)
+        big = os.urandom(big_mb * MiB)
+        (d / "big").write_bytes(big)
+        (d / "small.txt").write_text(f"hello from {name}\n")
+        self.files[name] = {f"/opt/{name}/big": hashlib.sha256(big).hexdigest(),
+                            f"/opt/{name}/small.txt":
+                                hashlib.sha256(f"hello from {name}\n".encode()).hexdigest()}
+        tar = self.tmp / f"{name}.tar"
+        with tarfile.open(tar, "w") as t:
+            t.add(root, arcname=".")
+        r = self.srv.cli("image", "import", "--data-dir", self.data_dir, "--name", name,
+                         "--kind", "toolkit", tar, timeout=300)
+        assert r.returncode == 0, r.stderr
+        return self.client.image(name).layers[0]
+
+    def data_blob(self, layer: str) -> Path:
+        status, _, _, doc = self.srv.raw("GET", f"/v1/layers/{layer}")
+        assert status == 200, doc
+        return self.data_dir / "blobs" / "sha256" / doc["data"]["digest"][7:]
+
+
+@pytest.fixture(scope="module")
+def lazy():
+    _check_prerequisites()
+    reason = fanotify_pre_content_reason()
+    if reason:
+        pytest.skip(f"fanotify loader unavailable on this kernel: {reason}")
+    tmp = Path(tempfile.mkdtemp(prefix="dsec-lazy-", dir="/tmp"))
+    lz = Lazy(tmp)
+    try:
+        lz.start()
+        lz.srv.import_image("busybox", Path("/var/cache/dsec/test-images/busybox.tar"))
+        yield lz
+    finally:
+        if lz.srv and lz.srv.proc and lz.srv.proc.poll() is None:
+            lz.stop()
+        lz.nginx.stop()
+    # (Agents and cgroups are checked by the session's leftover check.)
+    problems = []
+    if loader_procs(lz.nginx.url):
+        problems.append(f"loader processes left: {loader_procs(lz.nginx.url)}")
+    if mounts_containing(str(tmp)):
+        problems.append(f"mounts left: {mounts_containing(str(tmp))}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    assert not problems, problems
+
+
+def sha_in(sb, path: str, timeout: float = 120) -> str:
+    r = sb.exec(["sha256sum", path], timeout=timeout)
+    assert r.exit_code == 0, r.stderr
+    return r.stdout.split()[0]
+
+
+def test_reads_exact_bytes_and_fetches_only_what_is_read(lazy):
+    layer = lazy.random_toolkit("lazy-a")
+    sb = lazy.client.create("busybox", toolkits=["lazy-a"])
+    try:
+        node = lazy.node()
+        assert node["loader"] == "fanotify" and node["blob_store"] == lazy.nginx.slow_url
+        assert len(node["loader_pids"]) == 1
+        want = lazy.files["lazy-a"]
+        assert sha_in(sb, "/opt/lazy-a/small.txt") == want["/opt/lazy-a/small.txt"]
+        s = lazy.layer_stats(layer)
+        assert s["attached"] and s["chunks"] >= 6
+        # Only the chunk(s) holding small.txt (if any) were fetched, not the 6 MiB.
+        assert s["bytes_fetched"] <= 1 * MiB, s
+        assert sha_in(sb, "/opt/lazy-a/big") == want["/opt/lazy-a/big"]
+        s = lazy.layer_stats(layer)
+        assert s["chunks_cached"] == s["chunks"], s
+        assert s["bytes_fetched"] >= 6 * MiB and s["bytes_read"] >= 6 * MiB, s
+        # Read again: served from the node cache, nothing fetched.
+        before = s["bytes_fetched"]
+        assert sha_in(sb, "/opt/lazy-a/big") == want["/opt/lazy-a/big"]
+        assert lazy.layer_stats(layer)["bytes_fetched"] == before
+    finally:
+        sb.destroy()
+
+
+def _read_while(lazy, name: str, action) -> tuple:
+    """Reads /opt/<name>/big in a sandbox while `action(loader_pid)` runs 1 s in."""
+    sb = lazy.client.create("busybox", toolkits=[name])
+    try:
+        pid = lazy.node()["loader_pids"][0]
+        out = {}
+        t = threading.Thread(target=lambda: out.update(sha=sha_in(sb, f"/opt/{name}/big")))
+        t.start()
+        time.sleep(1.0)
+        action(pid)
+        t.join(120)
+        assert not t.is_alive(), "the read never finished"
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            pids = lazy.node()["loader_pids"]
+            if pids and pids[0] != pid:
+                break
+            time.sleep(0.1)
+        return out.get("sha"), pid, lazy.node()["loader_pids"]
+    finally:
+        sb.destroy()
+
+
+def test_kill_9_of_the_loader_mid_read_never_yields_wrong_bytes(lazy):
+    lazy.random_toolkit("lazy-kill")
+    sha, old, new = _read_while(lazy, "lazy-kill", lambda pid: os.kill(pid, signal.SIGKILL))
+    assert sha == lazy.files["lazy-kill"]["/opt/lazy-kill/big"]
+    assert new and new[0] != old, "the loader process was not restarted"
+
+
+def test_a_hung_loader_is_replaced_and_reads_stay_correct(lazy):
+    lazy.random_toolkit("lazy-hang")
+    stopped = []
+
+    def hang(pid):
+        os.kill(pid, signal.SIGSTOP)
+        stopped.append(pid)
+
+    try:
+        sha, old, new = _read_while(lazy, "lazy-hang", hang)
+    finally:
+        for pid in stopped:  # already killed by the edge, normally
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+    assert sha == lazy.files["lazy-hang"]["/opt/lazy-hang/big"]
+    assert new and new[0] != old, "the hung loader process was not replaced"
+    assert old not in loader_procs()
+
+
+def test_a_corrupt_chunk_fails_the_read_with_eio_not_wrong_bytes(lazy):
+    layer = lazy.random_toolkit("lazy-bad", big_mb=3)
+    blob = lazy.data_blob(layer)
+    with open(blob, "r+b") as f:
+        f.seek(MiB + 12345)
+        orig = f.read(1)
+        f.seek(MiB + 12345)
+        f.write(bytes([orig[0] ^ 0xFF]))
+    sb = lazy.client.create("busybox", toolkits=["lazy-bad"])
+    try:
+        r = sb.exec(["cat", "/opt/lazy-bad/big"], timeout=120)
+        assert r.exit_code != 0
+        assert "Input/output error" in r.stderr, r.stderr
+        # The blob repaired in the store: the same read now succeeds.
+        with open(blob, "r+b") as f:
+            f.seek(MiB + 12345)
+            f.write(orig)
+        assert sha_in(sb, "/opt/lazy-bad/big") == lazy.files["lazy-bad"]["/opt/lazy-bad/big"]
+    finally:
+        sb.destroy()
+
+
+def test_metrics_per_layer_and_node(lazy):
+    status, headers, body, _ = lazy.srv.raw("GET", "/v1/metrics")
+    assert status == 200
+    text = body.decode()
+    assert "# TYPE dsec_layer_bytes_fetched_total counter" in text
+    assert 'dsec_layer_bytes_fetched_total{layer="sha256:' in text
+    assert "dsec_node_cache_bytes " in text
+    assert lazy.srv.raw("GET", "/v1/metrics", token=None)[0] == 401
+    totals = lazy.node()["totals"]
+    assert totals["bytes_fetched"] > 0 and totals["read_requests"] > 0
+
+
+def test_cache_survives_restart_then_limit_evicts_and_prefetch_refills(lazy):
+    layer = lazy.random_toolkit("lazy-keep", big_mb=4)
+    want = lazy.files["lazy-keep"]["/opt/lazy-keep/big"]
+    sb = lazy.client.create("busybox", toolkits=["lazy-keep"])
+    assert sha_in(sb, "/opt/lazy-keep/big") == want
+    sb.destroy()
+    time.sleep(2.5)  # past --prefetch-window-s: the read order is recorded
+    cache = lazy.data_dir / "edge" / "cache"
+    data_hex = lazy.data_blob(layer).name
+    assert (cache / f"{data_hex}.order").exists()
+
+    # Restart: the cached chunks are still there, nothing is fetched again.
+    lazy.stop()
+    lazy.start("--cache-mb", "3")
+    sb = lazy.client.create("busybox", toolkits=["lazy-keep"])
+    assert sha_in(sb, "/opt/lazy-keep/big") == want
+    s = lazy.layer_stats(layer)
+    assert s["bytes_fetched"] == 0 and s["cache_hits"] > 0, s
+    sb.destroy()
+
+    # Over the 3 MiB limit: mounting another layer evicts the unused one.
+    lazy.random_toolkit("lazy-other", big_mb=1)
+    sb = lazy.client.create("busybox", toolkits=["lazy-other"])
+    sb.destroy()
+    assert not (cache / f"{data_hex}.data").exists(), sorted(os.listdir(cache))
+    assert lazy.node()["cache"]["used_bytes"] <= 3 * MiB + 512 * 1024
+
+    # Cold again: the recorded chunks are prefetched in the background.
+    sb = lazy.client.create("busybox", toolkits=["lazy-keep"])
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            s = lazy.layer_stats(layer)
+            if s["chunks_prefetched"] >= 4:
+                break
+            time.sleep(0.2)
+        assert s["chunks_prefetched"] >= 4, s
+        assert s["chunks_cached"] >= s["chunks_prefetched"], s
+        fetched = s["bytes_fetched"]
+        assert sha_in(sb, "/opt/lazy-keep/big") == want
+        s = lazy.layer_stats(layer)
+        assert s["bytes_fetched"] == fetched and s["cache_hits"] > 0, s
+    finally:
+        sb.destroy()
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--blob-store", "ftp://example/x"], "blob_store"),
+    (["--blob-store", "file://relative"], "blob_store"),
+    (["--loader", "bogus"], "loader"),
+    (["--blob-store", "http://127.0.0.1:1/", "--loader", "direct"], "direct loader"),
+])
+def test_bad_store_and_loader_options_are_refused(args, needle, tmp_path):
+    _check_prerequisites()
+    r = subprocess.run([str(dsec_bin()), "up", "--data-dir", str(tmp_path / "d"), "--listen",
+                        "127.0.0.1:0", *args], capture_output=True, text=True, timeout=60,
+                       stdin=subprocess.DEVNULL)
+    assert r.returncode != 0
+    assert needle in r.stderr, r.stderr
+    assert not mounts_containing(str(tmp_path))
+    edge_dir = os.path.realpath(tmp_path / "d" / "edge")
+    parent = "e-" + hashlib.sha256(edge_dir.encode()).hexdigest()[:12]
+    assert not cgroup_dirs_named(parent), "a refused start left its cgroups"
