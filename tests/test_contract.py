@@ -217,3 +217,14 @@ def test_head_answers_carry_no_body(server):
         assert sep and head.split(b" ")[1] in (b"200", b"404"), buf[:200]
         assert rest.startswith(b"HTTP/1.1 "), (
             f"HEAD /v1/blobs/{target[:20]}… answered with a body: {rest[:120]!r}")
+
+
+def test_node_and_metrics_answers_conform(server, busybox, make_sandbox):
+    make_sandbox(busybox)
+    node = conforms(server.raw("GET", "/v1/node"), "/v1/node", "GET")
+    assert node["loader"] == "direct" and node["blob_store"].startswith("file://")
+    assert node["loader_pids"] == []
+    status, headers, data, _ = server.raw("GET", "/v1/metrics")
+    assert status == 200 and headers["Content-Type"].startswith("text/plain")
+    assert b"# TYPE dsec_node_cache_bytes gauge" in data
+    conforms(server.raw("GET", "/v1/node", token=None), "/v1/node", "GET")

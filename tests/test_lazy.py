@@ -262,6 +262,8 @@ def test_metrics_per_layer_and_node(lazy):
     assert 'dsec_layer_bytes_fetched_total{layer="sha256:' in text
     assert "dsec_node_cache_bytes " in text
     assert lazy.srv.raw("GET", "/v1/metrics", token=None)[0] == 401
+    from test_contract import conforms
+    conforms(lazy.srv.raw("GET", "/v1/node"), "/v1/node", "GET")
     totals = lazy.node()["totals"]
     assert totals["bytes_fetched"] > 0 and totals["read_requests"] > 0
 
