@@ -11,7 +11,7 @@ PKGS=(
   # images and sandboxes
   erofs-utils busybox-static debootstrap e2fsprogs iproute2 util-linux
   # tests, demo, benchmarks
-  python3 python3-pytest python3-yaml crun procps strace nginx-light
+  python3 python3-pytest python3-yaml crun procps strace nginx-light openssl
 )
 
 missing=()

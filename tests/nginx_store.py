@@ -20,16 +20,22 @@ def free_port() -> int:
 
 
 class Nginx:
-    def __init__(self, root: Path, slow_rate: str = "2m"):
+    def __init__(self, root: Path, slow_rate: str = "2m", tls: bool = False):
         self.root = Path(root)
         self.slow_rate = slow_rate
         self.dir = Path(tempfile.mkdtemp(prefix="dsec-nginx-"))
         self.port = free_port()
+        self.tls_port = free_port() if tls else None
+        self.ca = None  # with tls: the PEM file that certifies the server
         self.proc = None
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}/"
+
+    @property
+    def tls_url(self) -> str:
+        return f"https://127.0.0.1:{self.tls_port}/"
 
     @property
     def slow_url(self) -> str:
@@ -41,6 +47,17 @@ class Nginx:
             raise RuntimeError("nginx is not installed (apt-get install nginx-light)")
         t = self.dir
         (t / "tmp").mkdir()
+        tls = ""
+        if self.tls_port:
+            # A self-signed certificate for 127.0.0.1; it is its own CA.
+            subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes",
+                            "-keyout", str(t / "key.pem"), "-out", str(t / "cert.pem"),
+                            "-days", "2", "-subj", "/CN=127.0.0.1",
+                            "-addext", "subjectAltName=IP:127.0.0.1"],
+                           check=True, capture_output=True, stdin=subprocess.DEVNULL)
+            self.ca = t / "cert.pem"
+            tls = (f"listen 127.0.0.1:{self.tls_port} ssl; ssl_certificate {t}/cert.pem; "
+                   f"ssl_certificate_key {t}/key.pem;")
         conf = t / "nginx.conf"
         # Workers run as root: the blob directory is private to root (0700).
         conf.write_text(f"""
@@ -58,6 +75,7 @@ http {{
   sendfile on;
   server {{
     listen 127.0.0.1:{self.port};
+    {tls}
     root {self.root};
     location /slow/ {{ alias {self.root}/; limit_rate {self.slow_rate}; }}
   }}

@@ -314,6 +314,38 @@ def test_cache_survives_restart_then_limit_evicts_and_prefetch_refills(lazy):
         sb.destroy()
 
 
+def test_https_store_checked_against_its_ca(tmp_path):
+    _check_prerequisites()
+    if fanotify_pre_content_reason():
+        pytest.skip(f"fanotify loader unavailable: {fanotify_pre_content_reason()}")
+    data = tmp_path / "data"
+    (data / "blobs").mkdir(parents=True, mode=0o700)
+    ng = Nginx(data / "blobs", tls=True).start()
+    try:
+        for ca, ok in ((None, False), (ng.ca, True)):
+            extra = ["--blob-store", ng.tls_url, "--loader", "fanotify"]
+            if ca:
+                extra += ["--blob-store-ca", ca]
+            srv = Server(data, extra)
+            srv.start()
+            try:
+                srv.import_image("busybox", Path("/var/cache/dsec/test-images/busybox.tar"))
+                if not ok:
+                    with pytest.raises(dsec.DsecError) as e:
+                        srv.client.create("busybox")
+                    assert "certificate" in str(e.value), e.value
+                    continue
+                sb = srv.client.create("busybox")
+                assert sb.exec("busybox echo over tls").stdout == "over tls\n"
+                sb.destroy()
+            finally:
+                rc = srv.stop()
+            assert rc in (0, -signal.SIGTERM, 128 + signal.SIGTERM), srv.log_tail()
+    finally:
+        ng.stop()
+    assert not loader_procs(ng.tls_url) and not mounts_containing(str(tmp_path))
+
+
 @pytest.mark.parametrize("args,needle", [
     (["--blob-store", "ftp://example/x"], "blob_store"),
     (["--blob-store", "file://relative"], "blob_store"),

@@ -42,6 +42,7 @@ const char* kUsage = R"(usage: dsec COMMAND [OPTIONS]
   up also takes --gc-grace-s S: unreferenced layers older than S are deleted (default 600)
      --blob-store URI: where the node reads layer blobs: file:///DIR or http(s)://HOST/PREFIX
         (default file://<data-dir>/blobs, the platform's own blob directory)
+     --blob-store-ca FILE: CA certificates (PEM) an https:// store is checked against
      --loader auto|direct|fanotify|fuse: how layer data reaches the node (default auto:
         direct for file://, else fanotify where the kernel allows it, else fuse)
      --cache-mb N: node cache limit (unused layers evicted past it; default none)
@@ -193,6 +194,7 @@ int cmdUp(const Args& a) {
   // fetch them from elsewhere (a shared mount, a web server holding a copy).
   eo.cache.storeUri = a.get("blob-store", "file://" + dataDir + "/blobs");
   eo.cache.loader = a.get("loader", "auto");
+  eo.cache.storeOptions.caFile = a.get("blob-store-ca");
   if (!a.get("cache-mb").empty()) eo.cache.limitBytes = std::atoll(a.get("cache-mb").c_str()) << 20;
   if (!a.get("loader-timeout-s").empty()) {
     eo.cache.loaderPingTimeoutS = std::atof(a.get("loader-timeout-s").c_str());
@@ -535,7 +537,7 @@ int main(int argc, char** argv) {
       return die("usage: dsec loader fanotify --store URI --control-fd N (started by dsec up)");
     }
     return edge::runFanotifyLoaderProcess(std::atoi(a.get("control-fd", "3").c_str()),
-                                          a.get("store"));
+                                          a.get("store"), a.get("store-ca"));
   }
   if (cmd == "image") return cmdImage(a);
   if (cmd == "sandbox") return cmdSandbox(a);

@@ -264,6 +264,7 @@ class HttpStore final : public BlobStore {
     curl_easy_setopt(c, CURLOPT_PROTOCOLS_STR, "http,https");
     curl_easy_setopt(c, CURLOPT_TCP_NODELAY, 1L);
     curl_easy_setopt(c, CURLOPT_CONNECTTIMEOUT_MS, long(opts_.connectTimeoutS * 1000));
+    if (!opts_.caFile.empty()) curl_easy_setopt(c, CURLOPT_CAINFO, opts_.caFile.c_str());
     curl_easy_setopt(c, CURLOPT_LOW_SPEED_LIMIT, 1024L);
     curl_easy_setopt(c, CURLOPT_LOW_SPEED_TIME, std::max(1L, long(opts_.stallTimeoutS)));
     if (fn) {
@@ -314,6 +315,9 @@ Result<std::unique_ptr<BlobStore>> BlobStore::open(const std::string& uri, BlobS
     size_t hostStart = uri.find("//") + 2;
     if (hostStart >= uri.size() || uri[hostStart] == '/') {
       return invalidArg("blob_store", "no host in " + uri);
+    }
+    if (!opts.caFile.empty() && ::access(opts.caFile.c_str(), R_OK) != 0) {
+      return invalidArg("blob_store_ca", "cannot read " + opts.caFile);
     }
     std::call_once(curlInit, [] { curl_global_init(CURL_GLOBAL_DEFAULT); });
     return std::unique_ptr<BlobStore>(new HttpStore(uri, opts));

@@ -25,6 +25,7 @@ struct BlobStoreOptions {
   double backoffS = 0.05;         // before the 2nd try; doubles each time, capped at 2 s
   double connectTimeoutS = 5;     // http: TCP + TLS connect
   double stallTimeoutS = 15;      // http: a transfer moving < 1 KB/s this long is aborted
+  std::string caFile;             // https: trust these CA certificates (PEM) instead of the system's
 };
 
 class BlobStore {
@@ -35,6 +36,7 @@ class BlobStore {
   virtual ~BlobStore() = default;
 
   const std::string& uri() const { return uri_; }
+  const BlobStoreOptions& options() const { return opts_; }
   // "file" or "http".
   virtual const char* scheme() const = 0;
   // A file:// store: the path of `name` in place. Remote stores: "".

@@ -90,9 +90,11 @@ int staleLoader(const std::string& file) {
 
 }  // namespace
 
-int runFanotifyLoaderProcess(int ctl, const std::string& storeUri) {
+int runFanotifyLoaderProcess(int ctl, const std::string& storeUri, const std::string& caFile) {
   ::signal(SIGPIPE, SIG_IGN);
-  auto store = image::BlobStore::open(storeUri);
+  image::BlobStoreOptions so;
+  so.caFile = caFile;
+  auto store = image::BlobStore::open(storeUri, so);
   if (!store.isOk()) {
     log::error("loader: " + store.status().toString());
     return 1;
@@ -190,6 +192,9 @@ Status FanotifyLoader::spawnHelper() {
   posix_spawn_file_actions_addopen(&fa, 0, "/dev/null", O_RDONLY, 0);
   std::vector<std::string> args = {"dsec", "loader", "fanotify", "--store", store_->uri(),
                                    "--control-fd", "3"};
+  if (!store_->options().caFile.empty()) {
+    args.insert(args.end(), {"--store-ca", store_->options().caFile});
+  }
   std::vector<char*> argv;
   for (auto& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);

@@ -70,6 +70,6 @@ class FanotifyLoader final : public Loader {
 
 // `dsec loader fanotify`: serves the requests of the edge on control fd `ctl`
 // (see fanotify_loader.cc) until told to exit or killed.
-int runFanotifyLoaderProcess(int ctl, const std::string& storeUri);
+int runFanotifyLoaderProcess(int ctl, const std::string& storeUri, const std::string& caFile);
 
 }  // namespace dsec::edge
