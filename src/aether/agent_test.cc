@@ -512,11 +512,14 @@ TEST(AgentExecTest, UserSwitching) {
   EXPECT_EQ(o.result["ok"], false);
   EXPECT_EQ(o.result["code"], "invalid_argument");
   EXPECT_EQ(o.result["field"], "user");
-  // Capabilities outside Docker's default set are gone from the bounding set
-  // (CAP_SYS_ADMIN is bit 21).
+  // Capabilities outside Docker's default set, and CAP_NET_RAW (bit 13) and
+  // CAP_MKNOD (bit 27), are gone from the bounding set (CAP_SYS_ADMIN is bit 21).
   o = a.exec(4, shExec("grep CapBnd /proc/self/status"));
-  ASSERT_EQ(o.out.size(), std::string("CapBnd:\t00000000a80425fb\n").size()) << o.out;
-  EXPECT_EQ(o.out, "CapBnd:\t00000000a80425fb\n");
+  ASSERT_EQ(o.out.size(), std::string("CapBnd:\t00000000a00405fb\n").size()) << o.out;
+  EXPECT_EQ(o.out, "CapBnd:\t00000000a00405fb\n");
+  // Under the syscall profile, with no_new_privs.
+  o = a.exec(5, shExec("grep -E '^(NoNewPrivs|Seccomp):' /proc/self/status"));
+  EXPECT_EQ(o.out, "NoNewPrivs:\t1\nSeccomp:\t2\n");
 }
 
 TEST(AgentExecTest, FlowControlBoundsMemory) {

@@ -86,7 +86,10 @@ Status mountOverlay(const RootfsConfig& r) {
       return Status(Code::kInternal, "mount overlay: too many layers for the mount options");
     }
   }
-  Status st = mountOrError("overlay", r.target, "overlay", 0, opts.c_str(), "mount overlay");
+  // nodev: device nodes in image layers or written by the sandbox are inert;
+  // the usable ones live on the separate /dev tmpfs.
+  Status st =
+      mountOrError("overlay", r.target, "overlay", MS_NODEV, opts.c_str(), "mount overlay");
   if (::chdir("/") < 0) return sysError("chdir /");
   return st;
 }

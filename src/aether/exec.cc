@@ -4,6 +4,7 @@
 #include <sched.h>
 #include <grp.h>
 #include <linux/capability.h>
+#include <linux/seccomp.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
@@ -20,15 +21,20 @@
 #define CLOSE_RANGE_CLOEXEC (1U << 2)
 #endif
 
+#include "aether/seccomp.h"
+
 namespace dsec::aether {
 
 namespace {
 
-// Docker's default capability set; everything else leaves the bounding set.
+// Docker's default capability set less CAP_NET_RAW (no raw or packet
+// sockets: spoofing and sniffing) and CAP_MKNOD (no device nodes: a block
+// node made in /dev would reach the host's disks); everything else leaves
+// the bounding set.
 constexpr int kKeptCaps[] = {
-    CAP_CHOWN,      CAP_DAC_OVERRIDE, CAP_FOWNER,      CAP_FSETID,           CAP_KILL,
-    CAP_SETGID,     CAP_SETUID,       CAP_SETPCAP,     CAP_NET_BIND_SERVICE, CAP_NET_RAW,
-    CAP_SYS_CHROOT, CAP_MKNOD,        CAP_AUDIT_WRITE, CAP_SETFCAP,
+    CAP_CHOWN,  CAP_DAC_OVERRIDE,     CAP_FOWNER,     CAP_FSETID,      CAP_KILL,
+    CAP_SETGID, CAP_SETUID,           CAP_SETPCAP,    CAP_NET_BIND_SERVICE,
+    CAP_SYS_CHROOT, CAP_AUDIT_WRITE,  CAP_SETFCAP,
 };
 constexpr int kMaxCap = 63;
 
@@ -41,6 +47,7 @@ enum ChildStage : int32_t {
   kStageSetgid,
   kStageSetuid,
   kStageChdir,
+  kStageSeccomp,
   kStageExec,
 };
 
@@ -66,6 +73,8 @@ struct ChildPlan {
   uint64_t keep_mask = 0;
   bool set_nofile = false;
   struct rlimit nofile;
+  bool seccomp = false;
+  struct sock_fprog filter;
   int stdin_fd = -1, stdout_fd = -1, stderr_fd = -1, status_fd = -1;
   sigset_t empty_mask;
 };
@@ -137,6 +146,14 @@ bool moveFd(int from, int to) {
   }
   if (::chdir(p.cwd) < 0) childFail(p, kStageChdir, errno);
   ::umask(022);
+  if (p.seccomp) {
+    // no_new_privs: setuid binaries cannot raise privileges, and an
+    // unprivileged process may install the filter.
+    if (::prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0 ||
+        ::syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER, 0, &p.filter) < 0) {
+      childFail(p, kStageSeccomp, errno);
+    }
+  }
 
   // execvpe() would search the PATH of aether's own environment; the exec's
   // PATH was resolved into candidates before fork. Error handling follows
@@ -228,6 +245,8 @@ const char* stageName(int32_t stage) {
       return "dup2";
     case kStageCaps:
       return "drop capabilities";
+    case kStageSeccomp:
+      return "install the seccomp filter";
     case kStageSetgroups:
       return "setgroups";
     case kStageSetgid:
@@ -291,6 +310,10 @@ Result<SpawnedExec> spawnExec(const ExecRequest& req, const ExecSettings& settin
     plan.nofile = *settings.child_nofile;
   }
   for (int cap : kKeptCaps) plan.keep_mask |= uint64_t{1} << cap;
+  static const std::vector<sock_filter> kFilter = defaultSyscallFilter();
+  plan.seccomp = settings.seccomp;
+  plan.filter = sock_fprog{static_cast<unsigned short>(kFilter.size()),
+                           const_cast<sock_filter*>(kFilter.data())};
   sigemptyset(&plan.empty_mask);
 
   std::vector<std::string> env = req.env ? *req.env : settings.default_env;

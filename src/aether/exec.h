@@ -43,6 +43,8 @@ struct ExecSettings {
   // Drop capabilities outside Docker's default set from the child's bounding
   // and inheritable sets. Needs CAP_SETPCAP, so only meaningful as root.
   bool drop_caps = true;
+  // Run children under the default syscall profile (seccomp.h) with no_new_privs.
+  bool seccomp = true;
   // aether raises its own open-file limit to serve many execs; children get
   // this one back (nullopt: leave theirs as inherited).
   std::optional<struct rlimit> child_nofile;

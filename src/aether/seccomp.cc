@@ -1,0 +1,78 @@
+#include "aether/seccomp.h"
+
+#include <linux/audit.h>
+#include <linux/sched.h>
+#include <linux/seccomp.h>
+#include <stddef.h>
+#include <sys/ioctl.h>
+#include <sys/syscall.h>
+
+#include <cerrno>
+#include <cstdint>
+
+namespace dsec::aether {
+
+namespace {
+constexpr uint32_t kX32Bit = 0x40000000;
+constexpr uint32_t kNamespaceFlags = CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWUSER |
+                                     CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWCGROUP | 0x80 /*CLONE_NEWTIME*/;
+
+sock_filter stmt(uint16_t code, uint32_t k) { return BPF_STMT(code, k); }
+sock_filter jump(uint16_t code, uint32_t k, uint8_t jt, uint8_t jf) {
+  return BPF_JUMP(code, k, jt, jf);
+}
+}  // namespace
+
+const std::vector<int>& deniedSyscalls() {
+  static const std::vector<int> kDenied = {
+      SYS_init_module, SYS_finit_module, SYS_delete_module, SYS_kexec_load,
+      SYS_kexec_file_load, SYS_bpf, SYS_perf_event_open, SYS_keyctl, SYS_add_key,
+      SYS_request_key, SYS_userfaultfd, SYS_io_uring_setup, SYS_io_uring_enter,
+      SYS_io_uring_register, SYS_mount, SYS_umount2, SYS_pivot_root, SYS_move_mount,
+      SYS_open_tree, SYS_fsopen, SYS_fsconfig, SYS_fsmount, SYS_fspick, SYS_mount_setattr,
+      SYS_unshare, SYS_setns, SYS_swapon, SYS_swapoff, SYS_reboot, SYS_settimeofday,
+      SYS_clock_settime, SYS_clock_adjtime, SYS_acct, SYS_quotactl, SYS_lookup_dcookie,
+      SYS_open_by_handle_at, SYS_name_to_handle_at, SYS_iopl, SYS_ioperm, SYS_syslog,
+      SYS_fanotify_init, SYS_uselib, SYS_vhangup, SYS_nfsservctl, SYS_create_module,
+      SYS_get_kernel_syms, SYS_query_module, SYS__sysctl, SYS_afs_syscall, SYS_tuxcall,
+      SYS_security, SYS_vserver, SYS_kcmp, SYS_process_vm_writev,
+  };
+  return kDenied;
+}
+
+std::vector<sock_filter> defaultSyscallFilter() {
+  std::vector<sock_filter> f;
+  auto eperm = SECCOMP_RET_ERRNO | (EPERM & SECCOMP_RET_DATA);
+  // Architecture: x86-64 only.
+  f.push_back(stmt(BPF_LD | BPF_W | BPF_ABS, offsetof(seccomp_data, arch)));
+  f.push_back(jump(BPF_JMP | BPF_JEQ | BPF_K, AUDIT_ARCH_X86_64, 1, 0));
+  f.push_back(stmt(BPF_RET | BPF_K, SECCOMP_RET_KILL_PROCESS));
+  f.push_back(stmt(BPF_LD | BPF_W | BPF_ABS, offsetof(seccomp_data, nr)));
+  // The x32 ABI shares the architecture value; refuse its numbers.
+  f.push_back(jump(BPF_JMP | BPF_JGE | BPF_K, kX32Bit, 0, 1));
+  f.push_back(stmt(BPF_RET | BPF_K, eperm));
+  for (int nr : deniedSyscalls()) {
+    f.push_back(jump(BPF_JMP | BPF_JEQ | BPF_K, uint32_t(nr), 0, 1));
+    f.push_back(stmt(BPF_RET | BPF_K, eperm));
+  }
+  // clone3: ENOSYS, so libc falls back to clone, whose flags we can read.
+  f.push_back(jump(BPF_JMP | BPF_JEQ | BPF_K, SYS_clone3, 0, 1));
+  f.push_back(stmt(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | (ENOSYS & SECCOMP_RET_DATA)));
+  // clone(flags, ...): no new namespaces. (x86-64: flags are the first argument.)
+  f.push_back(jump(BPF_JMP | BPF_JEQ | BPF_K, SYS_clone, 0, 4));
+  f.push_back(stmt(BPF_LD | BPF_W | BPF_ABS, offsetof(seccomp_data, args[0])));
+  f.push_back(jump(BPF_JMP | BPF_JSET | BPF_K, kNamespaceFlags, 0, 1));
+  f.push_back(stmt(BPF_RET | BPF_K, eperm));
+  f.push_back(stmt(BPF_RET | BPF_K, SECCOMP_RET_ALLOW));
+  // ioctl(fd, TIOCSTI | TIOCLINUX, ...): no typing into someone's terminal.
+  f.push_back(jump(BPF_JMP | BPF_JEQ | BPF_K, SYS_ioctl, 0, 5));
+  f.push_back(stmt(BPF_LD | BPF_W | BPF_ABS, offsetof(seccomp_data, args[1])));
+  f.push_back(jump(BPF_JMP | BPF_JEQ | BPF_K, TIOCSTI, 2, 0));
+  f.push_back(jump(BPF_JMP | BPF_JEQ | BPF_K, TIOCLINUX, 1, 0));
+  f.push_back(stmt(BPF_RET | BPF_K, SECCOMP_RET_ALLOW));
+  f.push_back(stmt(BPF_RET | BPF_K, eperm));
+  f.push_back(stmt(BPF_RET | BPF_K, SECCOMP_RET_ALLOW));
+  return f;
+}
+
+}  // namespace dsec::aether
