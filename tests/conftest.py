@@ -10,8 +10,8 @@ Contract (see also tests/README.md):
     a broken build).
 
 One `dsec up` serves the whole session, on a fresh data dir and a free port. At
-the end it gets SIGTERM and must exit within 30 s leaving no mounts, no sandbox
-cgroups and no dsec-aether processes behind.
+the end it gets SIGTERM and must exit within 30 s leaving no mounts, no loop
+devices on its data dir, no sandbox cgroups and no dsec-aether processes behind.
 """
 
 from __future__ import annotations
@@ -62,15 +62,16 @@ def unavailable(reason: str):
     pytest.skip(reason)
 
 
-from helpers import (DIGEST_RE, HOST_ENV_MARKER, aether_pids, mounts_containing,  # noqa: E402
-                     sandbox_cgroup_dirs, tail)
+from helpers import (DIGEST_RE, HOST_ENV_MARKER, aether_pids, loop_devices_backed_by,  # noqa: E402
+                     mounts_containing, sandbox_cgroup_dirs, tail, wait_until)
 
 
 # ----- the server -----------------------------------------------------------------
 
 class Server:
-    def __init__(self, data_dir: Path):
+    def __init__(self, data_dir: Path, extra_args=()):
         self.data_dir = data_dir
+        self.extra_args = list(extra_args)  # more `dsec up` options
         self.log_path = data_dir.parent / (data_dir.name + ".log")
         self.proc = None
         self.client = None
@@ -122,7 +123,8 @@ class Server:
         env = dict(os.environ)
         env[HOST_ENV_MARKER] = "host-only-value"  # must never show up inside a sandbox
         self.proc = subprocess.Popen(
-            [str(dsec_bin()), "up", "--data-dir", str(self.data_dir), "--listen", "127.0.0.1:0"],
+            [str(dsec_bin()), "up", "--data-dir", str(self.data_dir), "--listen", "127.0.0.1:0",
+             *self.extra_args],
             stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
             start_new_session=True, env=env)
         up = self.data_dir / "up.json"
@@ -229,6 +231,9 @@ def server():
     mounts = mounts_containing(str(data_dir))
     if mounts:
         problems.append(f"mounts left under the data dir: {mounts[:10]}")
+    # An autoclear loop device goes once the kernel lets go of its filesystem.
+    if not wait_until(lambda: not loop_devices_backed_by(str(data_dir)), 5):
+        problems.append(f"loop devices left on the data dir: {loop_devices_backed_by(str(data_dir))}")
     cgroups = sorted(sandbox_cgroup_dirs() - cg_before)
     if cgroups:
         problems.append(f"sandbox cgroups left: {cgroups[:10]}")

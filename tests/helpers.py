@@ -29,6 +29,19 @@ def mounts_containing(text: str) -> list:
     return out
 
 
+def loop_devices_backed_by(prefix: str) -> list:
+    """Loop devices whose backing file lies under `prefix` (deleted ones too)."""
+    out = []
+    for f in glob.glob("/sys/block/loop*/loop/backing_file"):
+        try:
+            backing = Path(f).read_text().strip()
+        except OSError:
+            continue  # detached meanwhile
+        if backing.startswith(prefix):
+            out.append(f"/dev/{f.split('/')[3]}: {backing}")
+    return out
+
+
 def sandbox_cgroup_dirs() -> set:
     """Every cgroup directory named sb-* below a `dsec` cgroup (v1 and v2 layouts)."""
     found = set()

@@ -39,6 +39,9 @@ const char* kUsage = R"(usage: dsec COMMAND [OPTIONS]
         Run the platform and an edge in one process (REST API, SQLite state,
         local blob store). Stops on SIGTERM/SIGINT, destroying its sandboxes.
   up also takes --gc-grace-s S: unreferenced layers older than S are deleted (default 600)
+     --disk-quota auto|btrfs|tmpfs|none: how disk_mb is enforced (default auto: btrfs,
+        else tmpfs; see docs/container-backend.md) and --disk-pool-mb N: size of the
+        sparse btrfs pool image (default: the free space of the data dir)
   image import --name NAME[:TAG] [--kind base|workspace|toolkit|diff]
                [--format auto|rootfs|oci|docker] PATH
         Build EROFS layers from a root filesystem (dir or tarball), an OCI image
@@ -174,6 +177,12 @@ int cmdUp(const Args& a) {
   edge::EdgeOptions eo;
   eo.dataDir = dataDir + "/edge";
   eo.aetherPath = aether;
+  eo.diskQuota = a.get("disk-quota", "auto");
+  if (!a.get("disk-pool-mb").empty()) {
+    long long mb = std::atoll(a.get("disk-pool-mb").c_str());
+    if (mb <= 0) return die("--disk-pool-mb must be a positive number of MiB");
+    eo.diskPoolBytes = int64_t(mb) << 20;
+  }
   platform::Store* st = store->get();
   eo.blobPath = [dataDir, st](const std::string& digest) -> Result<edge::LayerCache::LayerFiles> {
     // In `dsec up` the node reads the platform's blob directory directly.
