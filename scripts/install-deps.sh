@@ -10,6 +10,8 @@ PKGS=(
   libgtest-dev libgmock-dev libcurl4-openssl-dev libfuse3-dev fuse3
   # images and sandboxes
   erofs-utils busybox-static debootstrap e2fsprogs iproute2 util-linux
+  # mkfs.btrfs for the sandbox disk-quota pool (made once per edge start)
+  btrfs-progs
   # tests, demo, benchmarks
   python3 python3-pytest python3-yaml crun procps strace nginx-light openssl
 )

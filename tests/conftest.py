@@ -10,8 +10,8 @@ Contract (see also tests/README.md):
     a broken build).
 
 One `dsec up` serves the whole session, on a fresh data dir and a free port. At
-the end it gets SIGTERM and must exit within 30 s leaving no mounts, no sandbox
-cgroups and no dsec-aether processes behind.
+the end it gets SIGTERM and must exit within 30 s leaving no mounts, no loop
+devices on its data dir, no sandbox cgroups and no dsec-aether processes behind.
 """
 
 from __future__ import annotations
@@ -62,8 +62,8 @@ def unavailable(reason: str):
     pytest.skip(reason)
 
 
-from helpers import (DIGEST_RE, HOST_ENV_MARKER, aether_pids, mounts_containing,  # noqa: E402
-                     sandbox_cgroup_dirs, tail)
+from helpers import (DIGEST_RE, HOST_ENV_MARKER, aether_pids, edge_cgroup, loop_devices_backed_by,  # noqa: E402
+                     mounts_containing, sandbox_cgroup_dirs, tail, wait_until)
 
 
 # ----- the server -----------------------------------------------------------------
@@ -71,7 +71,7 @@ from helpers import (DIGEST_RE, HOST_ENV_MARKER, aether_pids, mounts_containing,
 class Server:
     def __init__(self, data_dir: Path, extra_args=()):
         self.data_dir = data_dir
-        self.extra_args = [str(a) for a in extra_args]
+        self.extra_args = [str(a) for a in extra_args]  # more `dsec up` options
         self.log_path = data_dir.parent / (data_dir.name + ".log")
         self.proc = None
         self.client = None
@@ -195,8 +195,10 @@ def server():
     global _SERVER
     _check_prerequisites()
     data_dir = Path(tempfile.mkdtemp(prefix="dsec-t-", dir="/tmp"))
-    cg_before = sandbox_cgroup_dirs()
-    aether_before = aether_pids()
+    # Only this server's sandboxes count: other dsec instances may run on the host.
+    edge = edge_cgroup(data_dir)
+    cg_before = sandbox_cgroup_dirs(edge)
+    aether_before = aether_pids(edge)
     srv = Server(data_dir)
     try:
         srv.start()
@@ -231,10 +233,13 @@ def server():
     mounts = mounts_containing(str(data_dir))
     if mounts:
         problems.append(f"mounts left under the data dir: {mounts[:10]}")
-    cgroups = sorted(sandbox_cgroup_dirs() - cg_before)
+    # An autoclear loop device goes once the kernel lets go of its filesystem.
+    if not wait_until(lambda: not loop_devices_backed_by(str(data_dir)), 5):
+        problems.append(f"loop devices left on the data dir: {loop_devices_backed_by(str(data_dir))}")
+    cgroups = sorted(sandbox_cgroup_dirs(edge) - cg_before)
     if cgroups:
         problems.append(f"sandbox cgroups left: {cgroups[:10]}")
-    stray = aether_pids() - aether_before
+    stray = aether_pids(edge) - aether_before
     if stray:
         problems.append(f"dsec-aether processes left: {sorted(stray)}")
     log = srv.log_tail(400)

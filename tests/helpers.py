@@ -29,11 +29,33 @@ def mounts_containing(text: str) -> list:
     return out
 
 
-def sandbox_cgroup_dirs() -> set:
-    """Every cgroup directory named sb-* below a `dsec` cgroup (v1 and v2 layouts)."""
+def loop_devices_backed_by(prefix: str) -> list:
+    """Loop devices whose backing file lies under `prefix` (deleted ones too)."""
+    out = []
+    for f in glob.glob("/sys/block/loop*/loop/backing_file"):
+        try:
+            backing = Path(f).read_text().strip()
+        except OSError:
+            continue  # detached meanwhile
+        if backing.startswith(prefix):
+            out.append(f"/dev/{f.split('/')[3]}: {backing}")
+    return out
+
+
+def edge_cgroup(data_dir) -> str:
+    """The cgroup an edge on `data_dir` puts its sandboxes under ("e-<hash>")."""
+    import hashlib
+    real = os.path.realpath(os.path.join(str(data_dir), "edge"))
+    return "e-" + hashlib.sha256(real.encode()).hexdigest()[:12]
+
+
+def sandbox_cgroup_dirs(edge: str = "*") -> set:
+    """Every cgroup directory named sb-* below a `dsec` cgroup (v1 and v2 layouts),
+    only those of edge cgroup `edge` if given (so other dsec instances on the
+    host do not count)."""
     found = set()
     for pat in ("/sys/fs/cgroup/dsec/sb-*", "/sys/fs/cgroup/*/dsec/sb-*",
-                "/sys/fs/cgroup/*/dsec/*/sb-*", "/sys/fs/cgroup/dsec/*/sb-*"):
+                f"/sys/fs/cgroup/*/dsec/{edge}/sb-*", f"/sys/fs/cgroup/dsec/{edge}/sb-*"):
         found.update(p for p in glob.glob(pat) if os.path.isdir(p))
     return found
 
@@ -61,8 +83,9 @@ def cgroup_dirs_named(name: str) -> list:
     return out
 
 
-def aether_pids() -> set:
-    """PIDs of processes running dsec-aether (by argv[0] or by executable name)."""
+def aether_pids(edge: str = "") -> set:
+    """PIDs of processes running dsec-aether (by argv[0] or by executable name);
+    with `edge`, only those in that edge's cgroups."""
     pids = set()
     for d in os.listdir("/proc"):
         if not d.isdigit():
@@ -78,6 +101,12 @@ def aether_pids() -> set:
                 hit = "dsec-aether" in os.path.basename(os.readlink(f"/proc/{d}/exe"))
             except OSError:
                 pass
+        if hit and edge:
+            try:
+                with open(f"/proc/{d}/cgroup") as f:
+                    hit = f"/{edge}/" in f.read()
+            except OSError:
+                hit = False
         if hit:
             pids.add(int(d))
     return pids

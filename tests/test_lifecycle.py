@@ -13,7 +13,7 @@ import pytest
 
 import dsec
 from conftest import Server, _check_prerequisites
-from helpers import mounts_containing, sandbox_cgroup_dirs
+from helpers import loop_devices_backed_by, mounts_containing, sandbox_cgroup_dirs, wait_until
 
 
 @pytest.fixture
@@ -58,8 +58,10 @@ def test_sigterm_ends_blocked_execs_and_cleans_up(own_server):
 
 def test_restart_after_kill_marks_sandboxes_lost_and_removes_orphans(own_server):
     s = own_server
-    sb = s.client.create("busybox:latest")
-    assert sb.exec("echo hi").stdout == "hi\n"
+    sb = s.client.create("busybox:latest", disk_mb=32)
+    assert sb.exec("echo hi > /f && cat /f").stdout == "hi\n"
+    sandboxes = s.data_dir / "edge" / "sandboxes"
+    mounts_before = mounts_containing(str(sandboxes))
     os.kill(s.proc.pid, signal.SIGKILL)  # a crash: nothing is cleaned up
     s.proc.wait(10)
     s._log.close()
@@ -70,7 +72,16 @@ def test_restart_after_kill_marks_sandboxes_lost_and_removes_orphans(own_server)
     r = s.client.get(sb.id)
     assert r.state == "failed" and "lost" in (r.info.get("error") or ""), r.info
     assert sb.id not in {os.path.basename(p) for p in sandbox_cgroup_dirs()}
-    # and it serves new sandboxes
-    sb2 = s.client.create("busybox:latest")
+    # The crashed run's sandbox pool (a mount, maybe with a loop device) was
+    # replaced, not stacked, and its sandbox directory is gone.
+    assert mounts_containing(str(sandboxes)) == mounts_before, s.log_tail()
+    assert not (sandboxes / sb.id).exists()
+    # and it serves new sandboxes, with their disk quota
+    sb2 = s.client.create("busybox:latest", disk_mb=16)
     assert sb2.exec("echo again").stdout == "again\n"
+    assert sb2.exec("dd if=/dev/zero of=/big bs=1M count=32").exit_code != 0
     sb2.destroy()
+    assert s.stop() == 0
+    assert not mounts_containing(str(s.data_dir))
+    assert wait_until(lambda: not loop_devices_backed_by(str(s.data_dir)), 5), \
+        loop_devices_backed_by(str(s.data_dir))

@@ -49,6 +49,9 @@ const char* kUsage = R"(usage: dsec COMMAND [OPTIONS]
      --loader-timeout-s S: a loader process silent this long is restarted (default 5)
      --prefetch-window-s S: chunks read this long after a layer is attached are
         prefetched when it is next attached with a cold cache (default 15)
+     --disk-quota auto|btrfs|tmpfs|none: how disk_mb is enforced (default auto: btrfs,
+        else tmpfs; see docs/container-backend.md) and --disk-pool-mb N: size of the
+        sparse btrfs pool image (default: the free space of the data dir)
   image import --name NAME[:TAG] [--kind base|workspace|toolkit|diff]
                [--format auto|rootfs|oci|docker] PATH
         Build EROFS layers from a root filesystem (dir or tarball), an OCI image
@@ -186,6 +189,12 @@ int cmdUp(const Args& a) {
   edge::EdgeOptions eo;
   eo.dataDir = dataDir + "/edge";
   eo.aetherPath = aether;
+  eo.diskQuota = a.get("disk-quota", "auto");
+  if (!a.get("disk-pool-mb").empty()) {
+    long long mb = std::atoll(a.get("disk-pool-mb").c_str());
+    if (mb <= 0) return die("--disk-pool-mb must be a positive number of MiB");
+    eo.diskPoolBytes = int64_t(mb) << 20;
+  }
   platform::Store* st = store->get();
   eo.lookup = [dataDir, st](const std::string& digest) {
     return platform::Platform::describeLayer(st, dataDir, digest);

@@ -53,8 +53,11 @@ Result<std::unique_ptr<Edge>> Edge::start(EdgeOptions opts) {
   ContainerOptions co;
   co.aetherPath = e->opts_.aetherPath;
   co.sandboxRoot = e->opts_.dataDir + "/sandboxes";
+  co.diskQuota = e->opts_.diskQuota;
+  co.diskPoolBytes = e->opts_.diskPoolBytes;
   ASSIGN_OR_RETURN(auto container, ContainerBackend::make(co, e->cgroups_.get(),
                                                           e->layers_.get(), e->reactor_.get()));
+  e->diskQuotaInfo_ = container->diskQuotaInfo();
   if (int orphans = container->cleanupOrphans(); orphans > 0) {
     log::warn("removed leftovers of " + std::to_string(orphans) + " orphan sandboxes");
   }
@@ -66,7 +69,8 @@ Result<std::unique_ptr<Edge>> Edge::start(EdgeOptions opts) {
 Edge::~Edge() { shutdown(); }
 
 std::string Edge::describe() const {
-  return "cgroups " + cgroups_->describe() + " under " + opts_.cgroupParent + ", layers mounted by " + layers_->mountMethod() +
+  return "cgroups " + cgroups_->describe() + " under " + opts_.cgroupParent +
+         ", layers mounted by " + layers_->mountMethod() + ", disk quota by " + diskQuotaInfo_ +
          ", blobs from " + cache_->storeUri() + " by the " + cache_->loaderName() + " loader" +
          ", backends: container";
 }

@@ -28,6 +28,11 @@ struct EdgeOptions {
   std::string cgroupRoot = "/sys/fs/cgroup";
   // Cgroup subtree of this edge; empty: "dsec/e-<hash of dataDir>".
   std::string cgroupParent;
+  // How each sandbox's writable layer is bounded by its disk_mb: "auto",
+  // "btrfs", "tmpfs" or "none" (disk_quota.h); the btrfs pool image's size
+  // where one is made (0: the free space of the data dir's filesystem).
+  std::string diskQuota = "auto";
+  int64_t diskPoolBytes = 0;
 };
 
 struct ExecSpec {
@@ -107,6 +112,7 @@ class Edge {
   std::unique_ptr<LayerCache> layers_;
   std::unique_ptr<Reactor> reactor_;
   std::map<std::string, std::unique_ptr<Backend>> backends_;
+  std::string diskQuotaInfo_;  // the container backend's, set at start
 
   mutable std::mutex mu_;  // guards sandboxes_, backendOf_, onDeath_
   std::map<std::string, std::shared_ptr<Instance>> sandboxes_;

@@ -15,6 +15,7 @@
 #include "common/fd.h"
 #include "common/log.h"
 #include "common/util.h"
+#include "edge/loop_device.h"
 
 namespace dsec::edge {
 
@@ -32,6 +33,9 @@ std::string unescapeMountPath(const std::string& s) {
   }
   return out;
 }
+
+// AUTOCLEAR: the device goes once the mount lets go of it.
+constexpr uint32_t kLayerLoopFlags = LO_FLAGS_READ_ONLY | LO_FLAGS_AUTOCLEAR;
 
 std::string hexOf(const std::string& digest) {
   return startsWith(digest, "sha256:") ? digest.substr(7) : digest;
@@ -87,33 +91,6 @@ Status LayerCache::cleanupStale() {
   return Status::ok();
 }
 
-namespace {
-// Attaches `file` read-only to a free loop device (autoclear); returns its path.
-Result<std::string> attachLoop(const std::string& file, UniqueFd& held) {
-  UniqueFd ctl(::open("/dev/loop-control", O_RDWR | O_CLOEXEC));
-  if (!ctl) return sysError("open /dev/loop-control");
-  UniqueFd f(::open(file.c_str(), O_RDONLY | O_CLOEXEC));
-  if (!f) return sysError("open " + file);
-  for (int attempt = 0; attempt < 16; ++attempt) {
-    int n = ::ioctl(ctl.get(), LOOP_CTL_GET_FREE);
-    if (n < 0) return sysError("LOOP_CTL_GET_FREE");
-    std::string dev = "/dev/loop" + std::to_string(n);
-    UniqueFd loop(::open(dev.c_str(), O_RDWR | O_CLOEXEC));
-    if (!loop) return sysError("open " + dev);
-    loop_config cfg{};
-    cfg.fd = uint32_t(f.get());
-    cfg.info.lo_flags = LO_FLAGS_READ_ONLY | LO_FLAGS_AUTOCLEAR;
-    if (::ioctl(loop.get(), LOOP_CONFIGURE, &cfg) != 0) {
-      if (errno == EBUSY) continue;  // raced with another user of that device
-      return sysError("LOOP_CONFIGURE " + dev);
-    }
-    held = std::move(loop);  // AUTOCLEAR detaches it once the mount lets go
-    return dev;
-  }
-  return Status(Code::kResourceExhausted, "no free loop device");
-}
-}  // namespace
-
 Status LayerCache::mountLayer(const LayerFiles& files, const std::string& target) {
   unsigned long flags = MS_RDONLY | MS_NODEV | MS_NOSUID;
   if (method_ == "file") {
@@ -128,10 +105,10 @@ Status LayerCache::mountLayer(const LayerFiles& files, const std::string& target
     method_ = "loop";
   }
   UniqueFd metaLoop, dataLoop;
-  ASSIGN_OR_RETURN(std::string metaDev, attachLoop(files.meta, metaLoop));
+  ASSIGN_OR_RETURN(std::string metaDev, attachLoop(files.meta, kLayerLoopFlags, metaLoop));
   std::string opts;
   if (!files.data.empty()) {
-    ASSIGN_OR_RETURN(std::string dataDev, attachLoop(files.data, dataLoop));
+    ASSIGN_OR_RETURN(std::string dataDev, attachLoop(files.data, kLayerLoopFlags, dataLoop));
     opts = "device=" + dataDev;
   }
   if (::mount(metaDev.c_str(), target.c_str(), "erofs", flags, opts.c_str()) != 0) {

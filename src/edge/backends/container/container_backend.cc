@@ -14,6 +14,8 @@
 
 #include <cstring>
 #include <dirent.h>
+#include <utility>
+#include <vector>
 #include <nlohmann/json.hpp>
 
 #include "common/log.h"
@@ -132,6 +134,18 @@ Result<UniqueFd> sealedCopy(const std::string& path) {
   return UniqueFd(high);
 }
 
+// Names of the sandbox directories ("sb-...") in `root`.
+std::vector<std::string> sandboxDirs(const std::string& root) {
+  std::vector<std::string> names;
+  if (DIR* d = ::opendir(root.c_str())) {
+    while (auto* e = ::readdir(d)) {
+      if (startsWith(e->d_name, "sb-")) names.emplace_back(e->d_name);
+    }
+    ::closedir(d);
+  }
+  return names;
+}
+
 void killAndReap(int pidfd) {
   if (pidfd < 0) return;
   syscall(SYS_pidfd_send_signal, pidfd, SIGKILL, nullptr, 0);
@@ -151,6 +165,29 @@ Result<std::unique_ptr<ContainerBackend>> ContainerBackend::make(ContainerOption
   std::unique_ptr<ContainerBackend> b(new ContainerBackend(opts, cgroups, layers, reactor));
   ASSIGN_OR_RETURN(b->aetherMemfd_, sealedCopy(opts.aetherPath));
   RETURN_IF_ERROR(makeDirs(opts.sandboxRoot, 0700));
+  // A crashed predecessor's leftovers go before the disk quota may mount on
+  // sandboxRoot itself: its sandboxes' processes (with their cgroups), then
+  // its mounts (its sandbox pool, its sandboxes' tmpfs), then directories.
+  for (auto& id : cgroups->list()) {
+    (void)cgroups->remove(id);
+    ++b->orphans_;
+  }
+  for (auto& mp : mountsUnder(opts.sandboxRoot)) {
+    if (::umount2(mp.c_str(), MNT_DETACH) == 0) log::info("removed stale mount " + mp);
+  }
+  // Directories a run with another mechanism left (tmpfs mount points, plain
+  // upper dirs) would be hidden under a pool mounted here. Subvolumes of a
+  // btrfs root are refused (EXDEV) and left to cleanupOrphans.
+  for (auto& name : sandboxDirs(opts.sandboxRoot)) {
+    if (removeTree(opts.sandboxRoot + "/" + name).isOk()) ++b->orphans_;
+  }
+  // Before any agent is cloned, so that every agent's mount namespace has it.
+  DiskQuotaOptions qo;
+  qo.root = opts.sandboxRoot;
+  qo.poolImage = opts.diskPoolImage.empty() ? opts.sandboxRoot + ".img" : opts.diskPoolImage;
+  qo.poolBytes = opts.diskPoolBytes;
+  qo.mode = opts.diskQuota;
+  ASSIGN_OR_RETURN(b->quota_, openDiskQuota(qo));
   // One spawn up front, so a broken aether fails start-up, not the first create.
   ASSIGN_OR_RETURN(Agent probe, b->spawnAgent());
   b->spares_.push_back(std::move(probe));
@@ -245,6 +282,7 @@ Result<std::unique_ptr<Instance>> ContainerBackend::create(const SandboxSpec& sp
   inst->id_ = spec.id;
   inst->cgroups_ = cgroups_;
   inst->dir_ = opts_.sandboxRoot + "/" + spec.id;
+  bool dirMade = false;
   bool cgroupMade = false;
 
   // Undo whatever was done if any step fails.
@@ -253,11 +291,15 @@ Result<std::unique_ptr<Instance>> ContainerBackend::create(const SandboxSpec& sp
     killAndReap(inst->pidfd_.get());
     if (cgroupMade) (void)cgroups_->remove(spec.id);
     for (auto& d : inst->layers_) layers_->release(d);
-    (void)removeTree(inst->dir_);
+    if (dirMade) (void)quota_->remove(spec.id);
     return st.withContext("create " + spec.id);
   };
 
-  if (::mkdir(inst->dir_.c_str(), 0700) != 0) return fail(sysError("mkdir " + inst->dir_));
+  if (spec.diskBytes <= 0) return invalidArg("disk_mb", "disk_mb must be positive");
+  // The sandbox's directory, bounded by disk_mb: upper and work live in it.
+  if (Status st = quota_->create(spec.id, spec.diskBytes); !st.isOk()) return fail(st);
+  dirMade = true;
+  laps.lap("disk");
   for (const char* sub : {"/upper", "/work", "/rootfs"}) {
     std::string d = inst->dir_ + sub;
     if (::mkdir(d.c_str(), 0755) != 0) return fail(sysError("mkdir " + d));
@@ -352,7 +394,7 @@ void ContainerBackend::cleanerLoop() {
     killAndReap(c.pidfd.get());
     c.pidfd.reset();
     Status st = cgroups_->remove(c.id);
-    Status rm = removeTree(opts_.sandboxRoot + "/" + c.id);
+    Status rm = quota_->remove(c.id);
     if (!st.isOk()) log::error("cleanup " + c.id + ": " + st.toString());
     if (!rm.isOk()) log::error("cleanup " + c.id + ": " + rm.toString());
     lk.lock();
@@ -375,6 +417,8 @@ void ContainerBackend::shutdown() {
   spares_.clear();
   std::unique_lock lk(cleanMu_);
   cleanCv_.wait(lk, [&] { return cleanQueue_.empty() && !cleaning_; });
+  // Every sandbox directory is gone: the pool (mount, loop device, image) may go.
+  if (quota_) quota_->close();
 }
 
 ContainerBackend::~ContainerBackend() {
@@ -388,22 +432,14 @@ ContainerBackend::~ContainerBackend() {
 }
 
 int ContainerBackend::cleanupOrphans() {
-  int n = 0;
-  for (auto& id : cgroups_->list()) {
-    (void)cgroups_->remove(id);
+  int n = std::exchange(orphans_, 0);
+  // Processes, mounts and plain directories went in make(); what is left are
+  // subvolumes of a btrfs root, which only the quota can remove.
+  for (auto& name : sandboxDirs(opts_.sandboxRoot)) {
+    if (Status st = quota_->remove(name); !st.isOk()) {
+      log::error("cleanup orphan " + name + ": " + st.toString());
+    }
     ++n;
-  }
-  for (auto& mp : mountsUnder(opts_.sandboxRoot)) ::umount2(mp.c_str(), MNT_DETACH);
-  if (DIR* d = ::opendir(opts_.sandboxRoot.c_str())) {
-    std::vector<std::string> names;
-    while (auto* e = ::readdir(d)) {
-      if (startsWith(e->d_name, "sb-")) names.emplace_back(e->d_name);
-    }
-    ::closedir(d);
-    for (auto& name : names) {
-      (void)removeTree(opts_.sandboxRoot + "/" + name);
-      ++n;
-    }
   }
   return n;
 }

@@ -3,6 +3,8 @@
 // sealed in-memory copy of dsec-aether exec'd as the sandbox's PID 1. aether
 // then mounts overlayfs over the node's shared EROFS layer mounts, pivots into
 // it and enters a new cgroup namespace (docs/agent-protocol.md, start-up).
+// The sandbox's directory (overlay upper and work) is bounded by its disk_mb
+// through a DiskQuota (disk_quota.h).
 #pragma once
 
 #include <condition_variable>
@@ -15,6 +17,7 @@
 
 #include "common/fd.h"
 #include "edge/backend.h"
+#include "edge/disk_quota.h"
 #include "edge/image/layer_cache.h"
 
 namespace dsec::edge {
@@ -26,10 +29,19 @@ struct ContainerOptions {
   // Agents cloned ahead of demand (fresh namespaces, waiting for their init
   // frame), so a create skips clone and exec. 0 disables the pool.
   size_t spareAgents = 4;
+  // Disk quota mechanism ("auto", "btrfs", "tmpfs", "none") and, for btrfs
+  // on a non-btrfs host, the pool image and its size (0: the free space).
+  std::string diskQuota = "auto";
+  std::string diskPoolImage;  // empty: <sandboxRoot>.img
+  int64_t diskPoolBytes = 0;
 };
 
 class ContainerBackend : public Backend {
  public:
+  // Also removes a crashed predecessor's sandboxes (cgroups with their
+  // processes, mounts, directories) before it sets up the disk quota, which
+  // may mount on opts.sandboxRoot; cleanupOrphans reports them and removes
+  // what only the quota can.
   static Result<std::unique_ptr<ContainerBackend>> make(ContainerOptions opts, Cgroups* cgroups,
                                                         LayerCache* layers, Reactor* reactor);
   ~ContainerBackend() override;
@@ -40,6 +52,8 @@ class ContainerBackend : public Backend {
   Status destroy(Instance& inst) override;
   int cleanupOrphans() override;
   void shutdown() override;
+  // The mechanism bounding each sandbox's writable layer, for logs.
+  std::string diskQuotaInfo() const { return quota_->describe(); }
 
  private:
   ContainerBackend(ContainerOptions opts, Cgroups* cgroups, LayerCache* layers, Reactor* reactor)
@@ -50,6 +64,8 @@ class ContainerBackend : public Backend {
   LayerCache* layers_;   // not owned
   Reactor* reactor_;     // not owned
   UniqueFd aetherMemfd_;  // sealed copy of dsec-aether, exec'd by every sandbox
+  std::unique_ptr<DiskQuota> quota_;  // set up before the first agent is cloned
+  int orphans_ = 0;  // leftovers make() removed, for cleanupOrphans' count
 
   // An agent in fresh namespaces that has not been sent its init frame yet.
   struct Agent {

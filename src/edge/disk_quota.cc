@@ -1,0 +1,214 @@
+#include "edge/disk_quota.h"
+
+#include <fcntl.h>
+#include <sys/mount.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
+
+#include "common/fd.h"
+#include "common/log.h"
+#include "common/util.h"
+#include "edge/btrfs_quota.h"
+
+namespace dsec::edge {
+
+const char* diskQuotaKindName(DiskQuotaKind kind) {
+  switch (kind) {
+    case DiskQuotaKind::kBtrfs: return "btrfs";
+    case DiskQuotaKind::kTmpfs: return "tmpfs";
+    case DiskQuotaKind::kNone: return "none";
+  }
+  return "?";
+}
+
+Result<std::vector<DiskQuotaKind>> diskQuotaCandidates(std::string_view mode) {
+  // Disk-backed first: a tmpfs turns disk_mb into memory, which a sandbox
+  // with disk_mb > memory_mb (the defaults: 1024 > 512) hits as an OOM kill.
+  if (mode == "auto") return std::vector{DiskQuotaKind::kBtrfs, DiskQuotaKind::kTmpfs};
+  if (mode == "btrfs") return std::vector{DiskQuotaKind::kBtrfs};
+  if (mode == "tmpfs") return std::vector{DiskQuotaKind::kTmpfs};
+  if (mode == "none") return std::vector{DiskQuotaKind::kNone};
+  return invalidArg("disk-quota", "unknown disk quota mode '" + std::string(mode) +
+                                      "' (auto, btrfs, tmpfs or none)");
+}
+
+Result<int64_t> poolImageBytes(int64_t requested, int64_t freeBytes) {
+  int64_t bytes = requested > 0 ? requested : freeBytes;
+  bytes &= ~((1ll << 20) - 1);
+  if (bytes < kMinPoolBytes) {
+    return Status(Code::kFailedPrecondition,
+                  "the sandbox pool would be " + humanBytes(bytes) + " (" +
+                      (requested > 0 ? "as configured" : "the free space") + "), less than " +
+                      humanBytes(kMinPoolBytes));
+  }
+  return bytes;
+}
+
+std::string tmpfsMountData(int64_t bytes, int64_t pageSize) {
+  int64_t pages = (bytes + pageSize - 1) / pageSize;
+  return "size=" + std::to_string(pages * pageSize) + ",mode=0700";
+}
+
+std::string humanBytes(int64_t bytes) {
+  static const char* const kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
+  double v = double(bytes);
+  int u = 0;
+  while (v >= 1024 && u < 5) {
+    v /= 1024;
+    ++u;
+  }
+  char buf[32];
+  if (u == 0 || v >= 100 || v == double(int64_t(v))) {
+    std::snprintf(buf, sizeof buf, "%.0f %s", v, kUnits[u]);
+  } else {
+    std::snprintf(buf, sizeof buf, "%.1f %s", v, kUnits[u]);
+  }
+  return buf;
+}
+
+Status bindShared(const std::string& dir) {
+  if (::mount(dir.c_str(), dir.c_str(), nullptr, MS_BIND, nullptr) != 0) {
+    return sysError("bind " + dir);
+  }
+  if (::mount(nullptr, dir.c_str(), nullptr, MS_SHARED, nullptr) != 0) {
+    Status st = sysError("make-shared " + dir);
+    ::umount2(dir.c_str(), MNT_DETACH);
+    return st;
+  }
+  return Status::ok();
+}
+
+namespace {
+
+Status checkName(const std::string& name) {
+  if (name.empty() || name == "." || name == ".." || name.find('/') != std::string::npos) {
+    return invalidArg("id", "bad sandbox directory name '" + name + "'");
+  }
+  return Status::ok();
+}
+
+// A tmpfs per sandbox. <root> is bound on itself and made shared, so a tmpfs
+// mounted on <root>/<name> after an agent was cloned (the spare pool) still
+// appears in that agent's mount namespace (until it makes its tree private).
+class TmpfsQuota : public DiskQuota {
+ public:
+  explicit TmpfsQuota(std::string root) : root_(std::move(root)) {}
+  ~TmpfsQuota() override { close(); }
+
+  Status open() {
+    RETURN_IF_ERROR(bindShared(root_));
+    bound_ = true;
+    // A kernel without tmpfs (or one refusing size=) shows now, not at the
+    // first create.
+    std::string probe = root_ + "/.probe";
+    ::rmdir(probe.c_str());
+    RETURN_IF_ERROR(mountAt(probe, kMinProbeBytes));
+    ::umount2(probe.c_str(), MNT_DETACH);
+    ::rmdir(probe.c_str());
+    return Status::ok();
+  }
+
+  DiskQuotaKind kind() const override { return DiskQuotaKind::kTmpfs; }
+  std::string describe() const override {
+    return "tmpfs, one per sandbox under " + root_ + " (RAM, charged to its memory cgroup)";
+  }
+  int overLimitErrno() const override { return ENOSPC; }
+
+  Status create(const std::string& name, int64_t bytes) override {
+    RETURN_IF_ERROR(checkName(name));
+    return mountAt(root_ + "/" + name, bytes);
+  }
+
+  Status remove(const std::string& name) override {
+    RETURN_IF_ERROR(checkName(name));
+    std::string dir = root_ + "/" + name;
+    // EINVAL: not a mount point (a failed create's leftover, or none).
+    if (::umount2(dir.c_str(), MNT_DETACH) != 0 && errno != EINVAL && errno != ENOENT) {
+      return sysError("umount " + dir);
+    }
+    return removeTree(dir);
+  }
+
+  void close() override {
+    if (bound_ && ::umount2(root_.c_str(), MNT_DETACH) == 0) bound_ = false;
+  }
+
+ private:
+  static constexpr int64_t kMinProbeBytes = 1 << 20;
+
+  Status mountAt(const std::string& dir, int64_t bytes) {
+    if (::mkdir(dir.c_str(), 0700) != 0) return sysError("mkdir " + dir);
+    std::string data = tmpfsMountData(bytes, ::sysconf(_SC_PAGESIZE));
+    if (::mount("tmpfs", dir.c_str(), "tmpfs", 0, data.c_str()) != 0) {
+      Status st = sysError("mount tmpfs on " + dir);
+      ::rmdir(dir.c_str());
+      return st;
+    }
+    return Status::ok();
+  }
+
+  const std::string root_;
+  bool bound_ = false;
+};
+
+// Plain directories: nothing enforced.
+class NoQuota : public DiskQuota {
+ public:
+  explicit NoQuota(std::string root) : root_(std::move(root)) {}
+  DiskQuotaKind kind() const override { return DiskQuotaKind::kNone; }
+  std::string describe() const override { return "none (disk_mb is not enforced)"; }
+  int overLimitErrno() const override { return 0; }
+  Status create(const std::string& name, int64_t) override {
+    RETURN_IF_ERROR(checkName(name));
+    std::string dir = root_ + "/" + name;
+    if (::mkdir(dir.c_str(), 0700) != 0) return sysError("mkdir " + dir);
+    return Status::ok();
+  }
+  Status remove(const std::string& name) override {
+    RETURN_IF_ERROR(checkName(name));
+    return removeTree(root_ + "/" + name);
+  }
+  void close() override {}
+
+ private:
+  const std::string root_;
+};
+
+Result<std::unique_ptr<DiskQuota>> openKind(DiskQuotaKind kind, const DiskQuotaOptions& opts) {
+  switch (kind) {
+    case DiskQuotaKind::kBtrfs: return openBtrfsQuota(opts);
+    case DiskQuotaKind::kTmpfs: {
+      auto q = std::make_unique<TmpfsQuota>(opts.root);
+      RETURN_IF_ERROR(q->open());
+      return std::unique_ptr<DiskQuota>(std::move(q));
+    }
+    case DiskQuotaKind::kNone: return std::unique_ptr<DiskQuota>(new NoQuota(opts.root));
+  }
+  return internalError("unknown disk quota kind");
+}
+
+}  // namespace
+
+Result<std::unique_ptr<DiskQuota>> openDiskQuota(const DiskQuotaOptions& opts) {
+  ASSIGN_OR_RETURN(auto kinds, diskQuotaCandidates(opts.mode));
+  std::string reasons;
+  for (DiskQuotaKind kind : kinds) {
+    auto q = openKind(kind, opts);
+    if (q.isOk()) {
+      if (kind == DiskQuotaKind::kNone) log::warn("disk quota off: disk_mb is not enforced");
+      if (kind == DiskQuotaKind::kTmpfs && opts.mode == "auto") {
+        log::warn("disk quota falls back to tmpfs: sandbox files take RAM (" + reasons + ")");
+      }
+      return q;
+    }
+    std::string why = std::string(diskQuotaKindName(kind)) + ": " + q.status().message();
+    log::info("disk quota: " + why);
+    reasons += (reasons.empty() ? "" : "; ") + why;
+  }
+  return Status(Code::kFailedPrecondition, "no disk quota mechanism works here (" + reasons + ")");
+}
+
+}  // namespace dsec::edge

@@ -1,0 +1,98 @@
+// Per-sandbox disk quota on the writable layer. Each sandbox's directory
+// <root>/<name> (its overlay upper, work and mount-point dirs) is made in a
+// place whose size is bounded by the sandbox's disk_mb, so writes past it fail
+// inside that sandbox only, and deleting files frees room again.
+//
+// Mechanisms, chosen once per edge (openDiskQuota) in this order for "auto":
+//   btrfs  one btrfs for the node: <root> itself when it is already a btrfs
+//          with quotas enabled, else a sparse image file mounted on <root>
+//          through a loop device, made fresh at every start. A subvolume per
+//          sandbox, created with its qgroup limit in the same ioctl (simple
+//          quotas on Linux 6.7+, full qgroups before). Disk-backed; over the
+//          limit a write fails with EDQUOT ("Disk quota exceeded").
+//   tmpfs  a tmpfs of size=disk_mb per sandbox mounted on <root>/<name> (and
+//          <root> a shared mount, so agents cloned earlier see it). Exact
+//          ENOSPC, but RAM-backed: the pages are charged to the sandbox's
+//          memory cgroup. Needs only tmpfs, so it is the fallback.
+//   none   plain directories: disk_mb is not enforced (only when asked for).
+// Project quotas (XFS/ext4 prjquota) are not implemented: see
+// docs/container-backend.md.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/status.h"
+
+namespace dsec::edge {
+
+enum class DiskQuotaKind { kBtrfs, kTmpfs, kNone };
+
+const char* diskQuotaKindName(DiskQuotaKind kind);
+
+struct DiskQuotaOptions {
+  std::string root;  // sandbox directories are <root>/<name>; must exist
+  // The btrfs pool image, used when <root> is not on a btrfs with quotas on.
+  // Replaced at every start; must not be under <root>.
+  std::string poolImage;
+  // Nominal size of the (sparse) pool image; 0: the free space of the
+  // filesystem holding it at start.
+  int64_t poolBytes = 0;
+  std::string mode = "auto";  // "auto", "btrfs", "tmpfs" or "none"
+};
+
+// Where sandboxes' writable layers live and what bounds them. Thread-safe:
+// create and remove of different names may run in parallel.
+class DiskQuota {
+ public:
+  virtual ~DiskQuota() = default;
+  virtual DiskQuotaKind kind() const = 0;
+  // For logs: mechanism and where ("btrfs simple quotas on a 80 GiB sparse
+  // loop image /var/lib/dsec/edge/sandboxes.img").
+  virtual std::string describe() const = 0;
+  // The errno a write over the limit fails with inside the sandbox (EDQUOT,
+  // ENOSPC), 0 when nothing is enforced.
+  virtual int overLimitErrno() const = 0;
+  // Makes the empty directory <root>/<name> (mode 0700) holding at most
+  // `bytes` of files. kAlreadyExists when it exists; other errors are the
+  // failed call's sysError. On error nothing is left behind.
+  virtual Status create(const std::string& name, int64_t bytes) = 0;
+  // Removes <root>/<name> and everything in it; a missing one is fine. The
+  // sandbox's processes must be gone. Space may return to the pool a little
+  // later (btrfs drops a subvolume in the background).
+  virtual Status remove(const std::string& name) = 0;
+  // Tears down what open made (unmounts the pool, lets its loop device go,
+  // deletes its image). Sandboxes must have been removed. Idempotent.
+  virtual void close() = 0;
+};
+
+// Parses a mode into the mechanisms to try, in order. kInvalidArgument
+// (field "disk-quota") for an unknown mode.
+Result<std::vector<DiskQuotaKind>> diskQuotaCandidates(std::string_view mode);
+
+// Opens the first mechanism of opts.mode that works here, logging why each
+// earlier one did not. Mounts made earlier under opts.root (a crashed edge's)
+// must have been removed by the caller. kFailedPrecondition with every
+// reason when none works.
+Result<std::unique_ptr<DiskQuota>> openDiskQuota(const DiskQuotaOptions& opts);
+
+// Size of the btrfs pool image: `requested` when set, else the free space of
+// its filesystem, rounded down to MiB; kFailedPrecondition below kMinPoolBytes.
+constexpr int64_t kMinPoolBytes = 256ll << 20;
+Result<int64_t> poolImageBytes(int64_t requested, int64_t freeBytes);
+
+// mount(2) data for a sandbox's tmpfs of `bytes` (rounded up to whole pages).
+std::string tmpfsMountData(int64_t bytes, int64_t pageSize);
+
+// Binds `dir` on itself as a shared mount. Mounts made on or under it later,
+// and their unmounts, then reach the mount namespaces cloned from ours in the
+// meantime (spare agents, other processes') where the copy is still a peer.
+Status bindShared(const std::string& dir);
+
+// "80 GiB", "512 MiB", "1.5 GiB": for logs.
+std::string humanBytes(int64_t bytes);
+
+}  // namespace dsec::edge

@@ -1,0 +1,278 @@
+#include "edge/disk_quota.h"
+
+#include <fcntl.h>
+#include <glob.h>
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <string>
+#include <thread>
+
+#include "common/util.h"
+#include "edge/btrfs_quota.h"
+#include "edge/image/layer_cache.h"
+
+namespace dsec::edge {
+namespace {
+
+TEST(DiskQuotaCandidates, AutoPrefersDiskOverRam) {
+  auto c = diskQuotaCandidates("auto");
+  ASSERT_TRUE(c.isOk());
+  EXPECT_EQ(*c, (std::vector{DiskQuotaKind::kBtrfs, DiskQuotaKind::kTmpfs}));
+  EXPECT_EQ(*diskQuotaCandidates("btrfs"), std::vector{DiskQuotaKind::kBtrfs});
+  EXPECT_EQ(*diskQuotaCandidates("tmpfs"), std::vector{DiskQuotaKind::kTmpfs});
+  EXPECT_EQ(*diskQuotaCandidates("none"), std::vector{DiskQuotaKind::kNone});
+}
+
+TEST(DiskQuotaCandidates, UnknownModeNamesTheOption) {
+  for (const char* bad : {"", "xfs", "BTRFS", "auto "}) {
+    auto c = diskQuotaCandidates(bad);
+    ASSERT_FALSE(c.isOk()) << bad;
+    EXPECT_EQ(c.status().code(), Code::kInvalidArgument);
+    EXPECT_EQ(c.status().field(), "disk-quota");
+  }
+}
+
+TEST(PoolImageBytes, RequestedWinsOverFreeSpace) {
+  EXPECT_EQ(*poolImageBytes(1ll << 30, 80ll << 30), 1ll << 30);
+  EXPECT_EQ(*poolImageBytes(0, 80ll << 30), 80ll << 30);
+}
+
+TEST(PoolImageBytes, RoundsDownToMiB) {
+  EXPECT_EQ(*poolImageBytes(0, (300ll << 20) + 12345), 300ll << 20);
+  EXPECT_EQ(*poolImageBytes((1ll << 30) + 1, 0), 1ll << 30);
+}
+
+TEST(PoolImageBytes, TooSmallIsAPrecondition) {
+  auto r = poolImageBytes(0, 100ll << 20);
+  ASSERT_FALSE(r.isOk());
+  EXPECT_EQ(r.status().code(), Code::kFailedPrecondition);
+  EXPECT_NE(r.status().message().find("free space"), std::string::npos) << r.status().message();
+  r = poolImageBytes(16ll << 20, 80ll << 30);
+  ASSERT_FALSE(r.isOk());
+  EXPECT_NE(r.status().message().find("as configured"), std::string::npos);
+  EXPECT_TRUE(poolImageBytes(kMinPoolBytes, 0).isOk());
+}
+
+TEST(TmpfsMountData, RoundsUpToPages) {
+  EXPECT_EQ(tmpfsMountData(32ll << 20, 4096), "size=33554432,mode=0700");
+  EXPECT_EQ(tmpfsMountData(1, 4096), "size=4096,mode=0700");
+  EXPECT_EQ(tmpfsMountData(4097, 4096), "size=8192,mode=0700");
+}
+
+TEST(HumanBytes, PicksAUnit) {
+  EXPECT_EQ(humanBytes(512), "512 B");
+  EXPECT_EQ(humanBytes(256ll << 20), "256 MiB");
+  EXPECT_EQ(humanBytes(3ll << 29), "1.5 GiB");
+  EXPECT_EQ(humanBytes(80ll << 30), "80 GiB");
+}
+
+TEST(KernelHasFilesystem, ReadsProcFilesystems) {
+  EXPECT_TRUE(kernelHasFilesystem("proc"));
+  EXPECT_FALSE(kernelHasFilesystem("no-such-fs"));
+  EXPECT_FALSE(kernelHasFilesystem("nodev"));
+}
+
+// ---- against the real kernel (root; skipped with the reason otherwise) ----
+
+struct TempDir {
+  std::string path;
+  TempDir() {
+    char tmpl[] = "/tmp/dsec-quota-test-XXXXXX";
+    if (::mkdtemp(tmpl)) path = tmpl;
+  }
+  ~TempDir() {
+    if (!path.empty()) (void)removeTree(path);
+  }
+};
+
+// Writes `bytes` zeros to a new file; returns the errno that stopped it (0
+// when all were written) and the count written in `written`.
+int writeZeros(const std::string& path, int64_t bytes, int64_t* written) {
+  *written = 0;
+  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return errno;
+  std::string chunk(1 << 20, '\0');
+  int err = 0;
+  while (*written < bytes) {
+    ssize_t n = ::write(fd, chunk.data(), size_t(std::min<int64_t>(bytes - *written, 1 << 20)));
+    if (n < 0) {
+      err = errno;
+      break;
+    }
+    *written += n;
+  }
+  if (err == 0 && ::fsync(fd) != 0) err = errno;
+  ::close(fd);
+  return err;
+}
+
+// Loop devices whose backing file is `file`.
+std::vector<std::string> loopsBackedBy(const std::string& file) {
+  std::vector<std::string> out;
+  glob_t g;
+  if (::glob("/sys/block/loop*/loop/backing_file", 0, nullptr, &g) != 0) return out;
+  for (size_t i = 0; i < g.gl_pathc; ++i) {
+    auto b = readFile(g.gl_pathv[i]);
+    if (b.isOk() && startsWith(*b, file)) out.push_back(g.gl_pathv[i]);
+  }
+  globfree(&g);
+  return out;
+}
+
+bool eventually(const std::function<bool()>& pred) {
+  for (int i = 0; i < 100; ++i) {
+    if (pred()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return pred();
+}
+
+std::string btrfsSkipReason() {
+  if (::geteuid() != 0) return "needs root (mount, loop devices)";
+  if (!kernelHasFilesystem("btrfs")) return "the kernel has no btrfs";
+  if (::access("/usr/sbin/mkfs.btrfs", X_OK) != 0 && ::access("/sbin/mkfs.btrfs", X_OK) != 0 &&
+      ::access("/usr/bin/mkfs.btrfs", X_OK) != 0) {
+    return "mkfs.btrfs not installed (btrfs-progs)";
+  }
+  if (::access("/dev/loop-control", W_OK) != 0) return "no /dev/loop-control";
+  return {};
+}
+
+TEST(BtrfsQuota, LimitsEachSandboxAndCleansUp) {
+  if (auto why = btrfsSkipReason(); !why.empty()) GTEST_SKIP() << why;
+  TempDir tmp;
+  ASSERT_FALSE(tmp.path.empty());
+  DiskQuotaOptions o;
+  o.root = tmp.path + "/sandboxes";
+  o.poolImage = tmp.path + "/sandboxes.img";
+  o.poolBytes = 1ll << 30;
+  o.mode = "btrfs";
+  ASSERT_TRUE(makeDirs(o.root, 0700).isOk());
+  auto q = openDiskQuota(o);
+  ASSERT_TRUE(q.isOk()) << q.status().toString();
+  DiskQuota& dq = **q;
+  EXPECT_EQ(dq.kind(), DiskQuotaKind::kBtrfs);
+  EXPECT_EQ(dq.overLimitErrno(), EDQUOT);
+  EXPECT_NE(dq.describe().find("1 GiB sparse loop image " + o.poolImage), std::string::npos)
+      << dq.describe();
+  struct stat st;
+  ASSERT_EQ(::stat(o.poolImage.c_str(), &st), 0);
+  EXPECT_LT(st.st_blocks * 512, 64ll << 20) << "the pool image should be sparse";
+
+  constexpr int64_t kLimit = 8 << 20;
+  ASSERT_TRUE(dq.create("sb-a", kLimit).isOk());
+  ASSERT_TRUE(dq.create("sb-b", kLimit).isOk());
+  EXPECT_EQ(dq.create("sb-a", kLimit).code(), Code::kAlreadyExists);
+  EXPECT_EQ(dq.create("../x", kLimit).code(), Code::kInvalidArgument);
+  ASSERT_EQ(::stat((o.root + "/sb-a").c_str(), &st), 0);
+  EXPECT_TRUE(S_ISDIR(st.st_mode));
+  EXPECT_EQ(st.st_mode & 07777, 0700u);
+
+  int64_t written = 0;
+  std::string big = o.root + "/sb-a/big";
+  EXPECT_EQ(writeZeros(big, 2 * kLimit, &written), EDQUOT);
+  EXPECT_GT(written, kLimit / 2);
+  EXPECT_LE(written, kLimit);
+  // The other sandbox is not charged for it.
+  EXPECT_EQ(writeZeros(o.root + "/sb-b/f", kLimit * 3 / 4, &written), 0);
+  // Deleting gives the room back at once.
+  ASSERT_EQ(::unlink(big.c_str()), 0);
+  EXPECT_EQ(writeZeros(o.root + "/sb-a/again", kLimit * 3 / 4, &written), 0);
+
+  // A btrfs root with quotas already on is used in place (no image of its own).
+  ASSERT_EQ(::mkdir((o.root + "/nested").c_str(), 0700), 0);
+  DiskQuotaOptions n = o;
+  n.root = o.root + "/nested";
+  n.poolImage = tmp.path + "/never-made.img";
+  auto nq = openDiskQuota(n);
+  ASSERT_TRUE(nq.isOk()) << nq.status().toString();
+  EXPECT_EQ((*nq)->describe().find("image"), std::string::npos) << (*nq)->describe();
+  ASSERT_TRUE((*nq)->create("sb-n", kLimit).isOk());
+  EXPECT_EQ(writeZeros(n.root + "/sb-n/big", 2 * kLimit, &written), EDQUOT);
+  EXPECT_TRUE((*nq)->remove("sb-n").isOk());
+  (*nq)->close();
+  EXPECT_NE(::access(n.poolImage.c_str(), F_OK), 0);
+  ASSERT_EQ(::rmdir(n.root.c_str()), 0);
+
+  // A plain directory (not a subvolume) is removed too; a missing one is fine.
+  ASSERT_EQ(::mkdir((o.root + "/sb-plain").c_str(), 0700), 0);
+  EXPECT_TRUE(dq.remove("sb-plain").isOk());
+  for (const char* name : {"sb-a", "sb-b", "sb-missing"}) {
+    EXPECT_TRUE(dq.remove(name).isOk()) << name;
+    EXPECT_NE(::access((o.root + "/" + name).c_str(), F_OK), 0) << name;
+  }
+  dq.close();
+  dq.close();  // idempotent
+  EXPECT_TRUE(mountsUnder(tmp.path).empty());
+  EXPECT_NE(::access(o.poolImage.c_str(), F_OK), 0) << "pool image left";
+  EXPECT_TRUE(eventually([&] { return loopsBackedBy(o.poolImage).empty(); }))
+      << "loop device left: " << loopsBackedBy(o.poolImage).front();
+}
+
+TEST(BtrfsQuota, TooSmallPoolIsUnavailable) {
+  if (auto why = btrfsSkipReason(); !why.empty()) GTEST_SKIP() << why;
+  TempDir tmp;
+  DiskQuotaOptions o;
+  o.root = tmp.path + "/sandboxes";
+  o.poolImage = tmp.path + "/sandboxes.img";
+  o.poolBytes = 64ll << 20;
+  o.mode = "btrfs";
+  ASSERT_TRUE(makeDirs(o.root, 0700).isOk());
+  auto q = openDiskQuota(o);
+  ASSERT_FALSE(q.isOk());
+  EXPECT_EQ(q.status().code(), Code::kFailedPrecondition);
+  EXPECT_TRUE(mountsUnder(tmp.path).empty());
+  EXPECT_NE(::access(o.poolImage.c_str(), F_OK), 0);
+}
+
+TEST(TmpfsQuota, GivesEnospcAndCleansUp) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root (mount)";
+  TempDir tmp;
+  ASSERT_FALSE(tmp.path.empty());
+  DiskQuotaOptions o;
+  o.root = tmp.path + "/sandboxes";
+  o.mode = "tmpfs";
+  ASSERT_TRUE(makeDirs(o.root, 0700).isOk());
+  auto q = openDiskQuota(o);
+  ASSERT_TRUE(q.isOk()) << q.status().toString();
+  DiskQuota& dq = **q;
+  EXPECT_EQ(dq.kind(), DiskQuotaKind::kTmpfs);
+  EXPECT_EQ(dq.overLimitErrno(), ENOSPC);
+  constexpr int64_t kLimit = 2 << 20;
+  ASSERT_TRUE(dq.create("sb-a", kLimit).isOk());
+  EXPECT_EQ(dq.create("sb-a", kLimit).code(), Code::kAlreadyExists);
+  int64_t written = 0;
+  std::string big = o.root + "/sb-a/big";
+  EXPECT_EQ(writeZeros(big, 2 * kLimit, &written), ENOSPC);
+  EXPECT_EQ(written, kLimit);
+  ASSERT_EQ(::unlink(big.c_str()), 0);
+  EXPECT_EQ(writeZeros(o.root + "/sb-a/again", kLimit / 2, &written), 0);
+  EXPECT_TRUE(dq.remove("sb-a").isOk());
+  EXPECT_TRUE(dq.remove("sb-a").isOk());
+  EXPECT_NE(::access((o.root + "/sb-a").c_str(), F_OK), 0);
+  dq.close();
+  EXPECT_TRUE(mountsUnder(tmp.path).empty());
+}
+
+TEST(NoQuota, PlainDirectories) {
+  TempDir tmp;
+  ASSERT_FALSE(tmp.path.empty());
+  DiskQuotaOptions o;
+  o.root = tmp.path;
+  o.mode = "none";
+  auto q = openDiskQuota(o);
+  ASSERT_TRUE(q.isOk());
+  EXPECT_EQ((*q)->overLimitErrno(), 0);
+  ASSERT_TRUE((*q)->create("sb-a", 1).isOk());
+  int64_t written = 0;
+  EXPECT_EQ(writeZeros(tmp.path + "/sb-a/f", 1 << 20, &written), 0);
+  EXPECT_TRUE((*q)->remove("sb-a").isOk());
+  EXPECT_NE(::access((tmp.path + "/sb-a").c_str(), F_OK), 0);
+}
+
+}  // namespace
+}  // namespace dsec::edge

@@ -1,0 +1,152 @@
+"""disk_mb: each sandbox's writable layer is bounded by its disk_mb. Writes past
+it fail inside that sandbox only (EDQUOT with the btrfs mechanism, ENOSPC with
+tmpfs: docs/container-backend.md), the sandbox keeps working, deleting frees
+room, and teardown leaves nothing behind."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+import dsec
+from conftest import Server, _check_prerequisites, unavailable
+from helpers import expect_error, loop_devices_backed_by, mounts_containing, unique, wait_until
+
+MiB = 1 << 20
+# What a writer over the limit is told, by mechanism.
+ERRNO_TEXT = {"btrfs": "Disk quota exceeded", "tmpfs": "No space left on device"}
+
+
+def mechanism_of(server: Server) -> str:
+    """The disk quota mechanism the server chose (from its start-up line)."""
+    with open(server.log_path, "rb") as f:
+        head = f.read(1 << 20).decode("utf-8", "replace")
+    m = re.search(r"disk quota by (\w+)", head)
+    assert m, f"no 'disk quota by' in the server log:\n{server.log_tail()}"
+    kind = m.group(1)
+    if kind not in ERRNO_TEXT:
+        unavailable(f"the server enforces no disk quota here ({kind}): see its log")
+    return kind
+
+
+@pytest.fixture(scope="module")
+def mechanism(server) -> str:
+    return mechanism_of(server)
+
+
+def fill(sb, path: str, mb: int):
+    """dd of `mb` MiB of zeros to `path` inside the sandbox; the ExecResult."""
+    return sb.exec(f"dd if=/dev/zero of={path} bs=1M count={mb} && sync", timeout=60)
+
+
+def file_size(sb, path: str) -> int:
+    r = sb.exec(f"wc -c < {path}")
+    assert r.ok, r.stderr
+    return int(r.stdout)
+
+
+def check_quota_behaviour(client, image, make, kind):
+    small = make(image, disk_mb=32)
+    other = make(image, disk_mb=64)
+
+    r = fill(small, "/big", 64)
+    assert r.exit_code != 0, f"64 MiB fit in disk_mb=32: {r!r}"
+    assert ERRNO_TEXT[kind] in r.stderr, r.stderr
+    size = file_size(small, "/big")
+    assert 24 * MiB < size <= 32 * MiB, size
+
+    # The full sandbox still runs, reads, lists, and refuses more bytes.
+    assert small.exec("echo alive").stdout == "alive\n"
+    assert small.read_file("/etc/passwd").startswith(b"root:")
+    assert any(e.name == "big" for e in small.list_dir("/"))
+    e = expect_error(lambda: small.write_file("/more.bin", b"x" * (4 * MiB)),
+                     dsec.ResourceExhausted, status=429)
+    assert ERRNO_TEXT[kind].lower() in str(e).lower(), e
+
+    # Other sandboxes are not charged for it.
+    r = fill(other, "/f", 48)
+    assert r.ok, r.stderr
+    assert file_size(other, "/f") == 48 * MiB
+
+    # pack_diff reads the full upper dir; a sandbox made from the diff does not
+    # count the diff (a lower layer) against its own disk_mb.
+    snap = unique("quota")
+    img = small.pack_diff(snap, "1")
+    restored = make(None, snapshot=f"{snap}:1", disk_mb=16)
+    assert file_size(restored, "/big") == size
+    try:
+        # Deleting frees the room: writes work again, through exec and files.
+        assert small.exec("rm -f /big /more.bin").ok
+        assert small.exec("test -e /big").exit_code == 1
+        r = fill(small, "/again", 24)
+        assert r.ok, r.stderr
+        small.write_file("/more.bin", b"y" * (4 * MiB))
+        assert file_size(small, "/more.bin") == 4 * MiB
+    finally:
+        restored.destroy()
+        client.delete_image(f"{snap}:1")
+    return small, other, img
+
+
+def sandbox_dir(server: Server, sandbox_id: str) -> Path:
+    return server.data_dir / "edge" / "sandboxes" / sandbox_id
+
+
+def test_writes_past_disk_mb_fail_in_that_sandbox_only(server, client, busybox, make_sandbox,
+                                                       mechanism):
+    small, other, _ = check_quota_behaviour(client, busybox, make_sandbox, mechanism)
+    # Teardown removes the sandbox's directory (subvolume, tmpfs) off the request path.
+    d = sandbox_dir(server, small.id)
+    assert d.is_dir()
+    small.destroy()
+    assert wait_until(lambda: not d.exists(), 10), f"{d} left after destroy"
+    assert other.exec("echo ok").stdout == "ok\n"
+
+
+def test_smallest_disk_mb_still_runs(make_sandbox, busybox, mechanism):
+    sb = make_sandbox(busybox, disk_mb=16)
+    assert sb.exec("echo tiny > /t && cat /t").stdout == "tiny\n"
+    r = fill(sb, "/big", 32)
+    assert r.exit_code != 0 and ERRNO_TEXT[mechanism] in r.stderr, r.stderr
+
+
+@pytest.fixture
+def tmpfs_server(tmp_path_factory, server):
+    """A private `dsec up --disk-quota tmpfs` (the fallback mechanism)."""
+    _check_prerequisites()
+    s = Server(tmp_path_factory.mktemp("tmpfsq") / "data", extra_args=["--disk-quota", "tmpfs"])
+    s.data_dir.mkdir()
+    s.start()
+    s.import_image("busybox:latest", Path(os.environ.get(
+        "DSEC_IMAGE_CACHE", "/var/cache/dsec/test-images")) / "busybox.tar")
+    yield s
+    if s.proc.poll() is None:
+        s.stop()
+
+
+def test_tmpfs_fallback_gives_enospc(tmpfs_server):
+    s = tmpfs_server
+    assert mechanism_of(s) == "tmpfs"
+    made = []
+
+    def make(image, **kw):
+        sb = s.client.create(image, **kw)
+        made.append(sb)
+        return sb
+
+    try:
+        small, _, _ = check_quota_behaviour(s.client, "busybox:latest", make, "tmpfs")
+        d = sandbox_dir(s, small.id)
+        small.destroy()
+        assert wait_until(lambda: not d.exists(), 10), f"{d} left after destroy"
+    finally:
+        for sb in made:
+            with contextlib.suppress(dsec.DsecError):
+                sb.destroy()
+    assert s.stop() == 0
+    assert not mounts_containing(str(s.data_dir))
+    assert not loop_devices_backed_by(str(s.data_dir))
