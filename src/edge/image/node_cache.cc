@@ -59,7 +59,10 @@ Result<std::unique_ptr<NodeCache>> NodeCache::open(NodeCacheOptions opts, LayerL
   } else {
     return invalidArg("loader", "loader must be auto, direct, fanotify or fuse, not " + want);
   }
-  if (c->loader_) c->recorder_ = std::thread([p = c.get()] { p->recorder(); });
+  if (c->loader_) {
+    c->recorder_ = std::thread([p = c.get()] { p->recorder(); });
+    c->prefetcher_ = std::thread([p = c.get()] { p->prefetchLoop(); });
+  }
   log::info("node cache " + c->opts_.dir + ": store " + c->opts_.storeUri + ", loader " +
             c->loaderName() +
             (c->opts_.limitBytes > 0 ? ", limit " + std::to_string(c->opts_.limitBytes >> 20) + " MiB"
@@ -74,7 +77,7 @@ NodeCache::~NodeCache() {
   }
   cv_.notify_all();
   if (recorder_.joinable()) recorder_.join();
-  for (auto& t : prefetchers_) t.join();
+  if (prefetcher_.joinable()) prefetcher_.join();
   std::vector<std::string> attached;
   {
     std::lock_guard lk(mu_);
@@ -149,26 +152,46 @@ Result<LayerFiles> NodeCache::prepare(const std::string& digest) {
   e.attachedAt = monoSeconds();
   e.recorded = !order.empty();
   if (cold && !order.empty() && !stopping_) {
-    prefetchers_.emplace_back(&NodeCache::prefetch, this, files.data, std::move(order),
-                              index->chunkSize, e.prefetched);
+    prefetchQueue_.push_back({files.data, std::move(order), index->chunkSize, e.prefetched});
+    cv_.notify_all();
   }
   return files;
 }
 
-void NodeCache::prefetch(std::string dataPath, std::vector<int64_t> order, int64_t chunkSize,
-                         std::shared_ptr<std::atomic<int64_t>> counter) {
-  // A plain read of each chunk: the loader fetches it as for any reader.
-  UniqueFd fd(::open(dataPath.c_str(), O_RDONLY | O_CLOEXEC));
-  if (!fd) return;
-  char byte;
-  for (int64_t i : order) {
-    {
-      std::lock_guard lk(mu_);
-      if (stopping_) return;
-    }
-    if (::pread(fd.get(), &byte, 1, i * chunkSize) == 1) ++*counter;
+void NodeCache::prefetchLoop() {
+  std::unique_lock lk(mu_);
+  for (;;) {
+    cv_.wait(lk, [this] { return stopping_ || !prefetchQueue_.empty(); });
+    if (stopping_) return;
+    PrefetchJob job = std::move(prefetchQueue_.front());
+    prefetchQueue_.pop_front();
+    lk.unlock();
+    prefetch(job);
+    lk.lock();
   }
-  log::info("prefetched " + std::to_string(counter->load()) + " chunks of " + dataPath);
+}
+
+void NodeCache::prefetch(const PrefetchJob& job) {
+  // A plain read of each chunk: the loader fetches (and verifies) it as for
+  // any reader. A few readers at once, taking chunks in the recorded order, so
+  // a store with high latency still streams.
+  std::atomic<size_t> next{0};
+  auto reader = [&] {
+    UniqueFd fd(::open(job.dataPath.c_str(), O_RDONLY | O_CLOEXEC));
+    if (!fd) return;
+    char byte;
+    for (size_t k; (k = next++) < job.order.size();) {
+      {
+        std::lock_guard lk(mu_);
+        if (stopping_) return;
+      }
+      if (::pread(fd.get(), &byte, 1, job.order[k] * job.chunkSize) == 1) ++*job.counter;
+    }
+  };
+  std::vector<std::thread> readers;
+  for (int i = 0; i < 4; ++i) readers.emplace_back(reader);
+  for (auto& t : readers) t.join();
+  log::info("prefetched " + std::to_string(job.counter->load()) + " chunks of " + job.dataPath);
 }
 
 void NodeCache::recorder() {

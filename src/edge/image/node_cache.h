@@ -10,6 +10,7 @@
 #pragma once
 
 #include <condition_variable>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -82,20 +83,27 @@ class NodeCache {
   std::string pathOf(const std::string& digest, const char* suffix) const;
   Status fetchWhole(const std::string& name, const std::string& digest, const std::string& dest);
   void recorder();
-  void prefetch(std::string dataPath, std::vector<int64_t> order, int64_t chunkSize,
-                std::shared_ptr<std::atomic<int64_t>> counter);
+  struct PrefetchJob {
+    std::string dataPath;
+    std::vector<int64_t> order;
+    int64_t chunkSize;
+    std::shared_ptr<std::atomic<int64_t>> counter;
+  };
+  void prefetchLoop();
+  void prefetch(const PrefetchJob& job);
 
   NodeCacheOptions opts_;
   LayerLookup lookup_;
   std::unique_ptr<image::BlobStore> store_;
   std::unique_ptr<Loader> loader_;  // null: direct
 
-  std::mutex mu_;  // guards entries_, stopping_, prefetchers_
+  std::mutex mu_;  // guards entries_, stopping_, prefetchQueue_
   std::map<std::string, Entry> entries_;  // by layer digest
   bool stopping_ = false;
   std::condition_variable cv_;
   std::thread recorder_;
-  std::vector<std::thread> prefetchers_;
+  std::deque<PrefetchJob> prefetchQueue_;
+  std::thread prefetcher_;
 };
 
 }  // namespace dsec::edge
