@@ -4,6 +4,7 @@
 #include <signal.h>
 #include <sys/epoll.h>
 #include <sys/ioctl.h>
+#include <linux/seccomp.h>
 #include <sys/prctl.h>
 #include <sys/signalfd.h>
 #include <sys/timerfd.h>
@@ -17,6 +18,7 @@
 #include <exception>
 
 #include "aether/json_fields.h"
+#include "aether/seccomp.h"
 
 namespace dsec::aether {
 
@@ -36,6 +38,7 @@ enum Kind : uint64_t {
   kStderrKind,
   kStdinKind,
   kTimerKind,
+  kSeccompKind,  // the "stream" is the listener's fd
 };
 
 constexpr uint64_t tag(Kind kind, uint32_t stream) { return (uint64_t{kind} << 32) | stream; }
@@ -144,6 +147,9 @@ int Agent::run() {
           break;
         case kTimerKind:
           onTimer(stream);
+          break;
+        case kSeccompKind:
+          onSeccompNotify(static_cast<int>(stream), ev);
           break;
       }
     }
@@ -318,6 +324,9 @@ void Agent::dispatch(Frame& f) {
     case FrameType::kFileRead:
       handleFileRead(f);
       return;
+    case FrameType::kAudit:
+      handleAudit(f);
+      return;
     case FrameType::kList:
     case FrameType::kStat:
     case FrameType::kMkdir:
@@ -357,6 +366,11 @@ void Agent::handleExec(const Frame& f) {
   Result<SpawnedExec> spawned = spawnExec(*req, options_.exec);
   if (!spawned.isOk()) return sendError(f.stream, spawned.status());
   e->proc = std::move(spawned).value();
+  if (e->proc.seccomp_listener) {
+    int fd = e->proc.seccomp_listener.get();
+    watch(fd, tag(kSeccompKind, static_cast<uint32_t>(fd)), EPOLLIN);
+    listeners_[fd] = std::move(e->proc.seccomp_listener);
+  }
   e->out[0].fd = std::move(e->proc.stdout_r);
   e->out[1].fd = std::move(e->proc.stderr_r);
 
@@ -375,6 +389,41 @@ void Agent::handleExec(const Frame& f) {
   }
   pid_streams_[e->proc.pid] = f.stream;
   execs_[f.stream] = std::move(e);
+}
+
+void Agent::onSeccompNotify(int fd, uint32_t events) {
+  auto it = listeners_.find(fd);
+  if (it == listeners_.end()) return;
+  if (events & EPOLLIN) {
+    // Each refused call waits in the kernel until answered: answer every one.
+    for (;;) {
+      struct seccomp_notif req;
+      std::memset(&req, 0, sizeof req);
+      if (::ioctl(fd, SECCOMP_IOCTL_NOTIF_RECV, &req) < 0) break;  // EAGAIN, or the caller died
+      ++denied_[syscallName(req.data.nr)];
+      struct seccomp_notif_resp resp;
+      std::memset(&resp, 0, sizeof resp);
+      resp.id = req.id;
+      resp.error = -EPERM;
+      (void)::ioctl(fd, SECCOMP_IOCTL_NOTIF_SEND, &resp);  // ENOENT: the caller is gone
+    }
+  }
+  if (events & (EPOLLHUP | EPOLLERR)) {
+    unwatch(fd);
+    listeners_.erase(it);
+  }
+}
+
+void Agent::handleAudit(const Frame& f) {
+  if (!acceptRequest(f)) return;
+  Json denied = Json::object();
+  uint64_t total = 0;
+  for (auto& [name, n] : denied_) {
+    denied[name] = n;
+    total += n;
+  }
+  Json out = {{"ok", true}, {"denied_syscalls", denied}, {"denied_total", total}};
+  sendFrame(f.stream, FrameType::kResult, dumpJson(out));
 }
 
 void Agent::handleStdin(const Frame& f) {

@@ -98,6 +98,8 @@ class Agent {
   void handleData(const proto::Frame& f);
   void handleFileRead(const proto::Frame& f);
   void handleSimpleFileOp(const proto::Frame& f);
+  void handleAudit(const proto::Frame& f);
+  void onSeccompNotify(int fd, uint32_t events);
 
   void reapChildren();
   void onPipeReadable(uint32_t stream, int which);
@@ -138,6 +140,10 @@ class Agent {
   size_t stdin_buffered_ = 0;
 
   std::map<uint32_t, std::unique_ptr<Exec>> execs_;
+  // Seccomp listeners of live process trees, by fd; a listener hangs up when
+  // the last process under its filter is gone.
+  std::map<int, UniqueFd> listeners_;
+  std::map<std::string, uint64_t> denied_;  // refused syscalls by name (audit)
   std::unordered_map<pid_t, uint32_t> pid_streams_;
   std::map<uint32_t, FileWriter> writes_;
   std::map<uint32_t, FileReader> reads_;

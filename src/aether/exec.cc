@@ -7,6 +7,7 @@
 #include <linux/seccomp.h>
 #include <signal.h>
 #include <sys/prctl.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -74,6 +75,7 @@ struct ChildPlan {
   bool set_nofile = false;
   struct rlimit nofile;
   bool seccomp = false;
+  bool seccomp_notify = false;
   struct sock_fprog filter;
   int stdin_fd = -1, stdout_fd = -1, stderr_fd = -1, status_fd = -1;
   sigset_t empty_mask;
@@ -149,9 +151,29 @@ bool moveFd(int from, int to) {
   if (p.seccomp) {
     // no_new_privs: setuid binaries cannot raise privileges, and an
     // unprivileged process may install the filter.
-    if (::prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0 ||
-        ::syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER, 0, &p.filter) < 0) {
-      childFail(p, kStageSeccomp, errno);
+    if (::prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0) childFail(p, kStageSeccomp, errno);
+    long listener = ::syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER,
+                              p.seccomp_notify ? SECCOMP_FILTER_FLAG_NEW_LISTENER : 0, &p.filter);
+    if (listener < 0) childFail(p, kStageSeccomp, errno);
+    if (p.seccomp_notify) {
+      // Hand the listener to the agent over the status socket.
+      ChildReport r{0, 0};
+      iovec iov{&r, sizeof r};
+      alignas(cmsghdr) char ctl[CMSG_SPACE(sizeof(int))];
+      std::memset(ctl, 0, sizeof ctl);
+      msghdr m{};
+      m.msg_iov = &iov;
+      m.msg_iovlen = 1;
+      m.msg_control = ctl;
+      m.msg_controllen = sizeof ctl;
+      cmsghdr* c = CMSG_FIRSTHDR(&m);
+      c->cmsg_level = SOL_SOCKET;
+      c->cmsg_type = SCM_RIGHTS;
+      c->cmsg_len = CMSG_LEN(sizeof(int));
+      int lfd = static_cast<int>(listener);
+      std::memcpy(CMSG_DATA(c), &lfd, sizeof lfd);
+      if (::sendmsg(p.status_fd, &m, MSG_NOSIGNAL) < 0) childFail(p, kStageSeccomp, errno);
+      ::close(lfd);
     }
   }
 
@@ -310,10 +332,13 @@ Result<SpawnedExec> spawnExec(const ExecRequest& req, const ExecSettings& settin
     plan.nofile = *settings.child_nofile;
   }
   for (int cap : kKeptCaps) plan.keep_mask |= uint64_t{1} << cap;
-  static const std::vector<sock_filter> kFilter = defaultSyscallFilter();
+  static const std::vector<sock_filter> kFilter = defaultSyscallFilter(false);
+  static const std::vector<sock_filter> kNotifyFilter = defaultSyscallFilter(true);
   plan.seccomp = settings.seccomp;
-  plan.filter = sock_fprog{static_cast<unsigned short>(kFilter.size()),
-                           const_cast<sock_filter*>(kFilter.data())};
+  plan.seccomp_notify = settings.seccomp && settings.seccomp_notify;
+  const auto& filter = plan.seccomp_notify ? kNotifyFilter : kFilter;
+  plan.filter = sock_fprog{static_cast<unsigned short>(filter.size()),
+                           const_cast<sock_filter*>(filter.data())};
   sigemptyset(&plan.empty_mask);
 
   std::vector<std::string> env = req.env ? *req.env : settings.default_env;
@@ -359,7 +384,15 @@ Result<SpawnedExec> spawnExec(const ExecRequest& req, const ExecSettings& settin
   }
   RETURN_IF_ERROR(makePipe(out.stdout_r, child_out));
   RETURN_IF_ERROR(makePipe(out.stderr_r, child_err));
-  RETURN_IF_ERROR(makePipe(out.status_r, child_status));
+  {
+    // A socket, not a pipe: the child may pass its seccomp listener over it.
+    int sv[2];
+    if (::socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) < 0) {
+      return sysError("socketpair");
+    }
+    out.status_r.reset(sv[0]);
+    child_status.reset(sv[1]);
+  }
   RETURN_IF_ERROR(setNonblocking(out.stdout_r.get()));
   RETURN_IF_ERROR(setNonblocking(out.stderr_r.get()));
   RETURN_IF_ERROR(setNonblocking(out.status_r.get()));
@@ -378,19 +411,48 @@ Result<SpawnedExec> spawnExec(const ExecRequest& req, const ExecSettings& settin
                       &plan);
   if (pid < 0) return sysError("clone");
   out.pid = pid;
+  // vfork: the child has exec'd or exited by now, so everything it reported
+  // is waiting: its seccomp listener, or why it failed.
+  for (;;) {
+    ChildReport r{};
+    iovec iov{&r, sizeof r};
+    alignas(cmsghdr) char ctl[CMSG_SPACE(sizeof(int))];
+    msghdr m{};
+    m.msg_iov = &iov;
+    m.msg_iovlen = 1;
+    m.msg_control = ctl;
+    m.msg_controllen = sizeof ctl;
+    ssize_t n = ::recvmsg(out.status_r.get(), &m, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    for (cmsghdr* c = CMSG_FIRSTHDR(&m); c; c = CMSG_NXTHDR(&m, c)) {
+      if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
+        int fd;
+        std::memcpy(&fd, CMSG_DATA(c), sizeof fd);
+        out.seccomp_listener.reset(fd);
+        (void)setNonblocking(fd);
+      }
+    }
+    if (n == static_cast<ssize_t>(sizeof r) && r.stage != 0) {
+      out.fail_stage = r.stage;
+      out.fail_errno = r.err;
+    }
+  }
   out.argv0 = req.argv[0];
   out.cwd = std::move(cwd);
   return out;
 }
 
 std::string spawnFailureMessage(const SpawnedExec& spawned) {
-  if (!spawned.status_r) return {};
-  ChildReport r{};
-  ssize_t n;
-  do {
-    n = ::read(spawned.status_r.get(), &r, sizeof r);
-  } while (n < 0 && errno == EINTR);
-  if (n != static_cast<ssize_t>(sizeof r)) return {};
+  ChildReport r{spawned.fail_stage, spawned.fail_errno};
+  if (r.stage == 0) {
+    if (!spawned.status_r) return {};
+    ssize_t n;
+    do {
+      n = ::read(spawned.status_r.get(), &r, sizeof r);
+    } while (n < 0 && errno == EINTR);
+    if (n != static_cast<ssize_t>(sizeof r) || r.stage == 0) return {};
+  }
   std::string msg = "dsec: ";
   msg += stageName(r.stage);
   if (r.stage == kStageExec) msg += " " + spawned.argv0;

@@ -45,6 +45,9 @@ struct ExecSettings {
   bool drop_caps = true;
   // Run children under the default syscall profile (seccomp.h) with no_new_privs.
   bool seccomp = true;
+  // Refused syscalls go to a listener the agent answers (and counts) rather
+  // than failing in the kernel (SpawnedExec::seccomp_listener).
+  bool seccomp_notify = true;
   // aether raises its own open-file limit to serve many execs; children get
   // this one back (nullopt: leave theirs as inherited).
   std::optional<struct rlimit> child_nofile;
@@ -56,6 +59,9 @@ struct SpawnedExec {
   UniqueFd stdout_r;        // nonblocking
   UniqueFd stderr_r;        // nonblocking
   UniqueFd status_r;        // nonblocking; for spawnFailureMessage()
+  UniqueFd seccomp_listener;  // notifications of refused syscalls (settings.seccomp_notify)
+  int32_t fail_stage = 0;     // a failure the child reported before exec (0: none)
+  int32_t fail_errno = 0;
   struct timespec started;  // CLOCK_MONOTONIC at fork
   std::string argv0;
   std::string cwd;

@@ -9,6 +9,8 @@
 
 #include <cerrno>
 #include <cstdint>
+#include <string>
+#include <utility>
 
 namespace dsec::aether {
 
@@ -40,9 +42,36 @@ const std::vector<int>& deniedSyscalls() {
   return kDenied;
 }
 
-std::vector<sock_filter> defaultSyscallFilter() {
+std::string syscallName(int nr) {
+  static const std::pair<int, const char*> kNames[] = {
+      {SYS_init_module, "init_module"}, {SYS_finit_module, "finit_module"},
+      {SYS_delete_module, "delete_module"}, {SYS_kexec_load, "kexec_load"},
+      {SYS_kexec_file_load, "kexec_file_load"}, {SYS_bpf, "bpf"},
+      {SYS_perf_event_open, "perf_event_open"}, {SYS_keyctl, "keyctl"}, {SYS_add_key, "add_key"},
+      {SYS_request_key, "request_key"}, {SYS_userfaultfd, "userfaultfd"},
+      {SYS_io_uring_setup, "io_uring_setup"}, {SYS_io_uring_enter, "io_uring_enter"},
+      {SYS_io_uring_register, "io_uring_register"}, {SYS_mount, "mount"}, {SYS_umount2, "umount2"},
+      {SYS_pivot_root, "pivot_root"}, {SYS_move_mount, "move_mount"}, {SYS_open_tree, "open_tree"},
+      {SYS_fsopen, "fsopen"}, {SYS_fsconfig, "fsconfig"}, {SYS_fsmount, "fsmount"},
+      {SYS_fspick, "fspick"}, {SYS_mount_setattr, "mount_setattr"}, {SYS_unshare, "unshare"},
+      {SYS_setns, "setns"}, {SYS_swapon, "swapon"}, {SYS_swapoff, "swapoff"}, {SYS_reboot, "reboot"},
+      {SYS_settimeofday, "settimeofday"}, {SYS_clock_settime, "clock_settime"},
+      {SYS_clock_adjtime, "clock_adjtime"}, {SYS_acct, "acct"}, {SYS_quotactl, "quotactl"},
+      {SYS_lookup_dcookie, "lookup_dcookie"}, {SYS_open_by_handle_at, "open_by_handle_at"},
+      {SYS_name_to_handle_at, "name_to_handle_at"}, {SYS_iopl, "iopl"}, {SYS_ioperm, "ioperm"},
+      {SYS_syslog, "syslog"}, {SYS_fanotify_init, "fanotify_init"}, {SYS_uselib, "uselib"},
+      {SYS_vhangup, "vhangup"}, {SYS_kcmp, "kcmp"}, {SYS_process_vm_writev, "process_vm_writev"},
+      {SYS_clone, "clone"}, {SYS_ioctl, "ioctl"},
+  };
+  for (auto& [n, name] : kNames) {
+    if (n == nr) return name;
+  }
+  return "syscall-" + std::to_string(nr);
+}
+
+std::vector<sock_filter> defaultSyscallFilter(bool notify) {
   std::vector<sock_filter> f;
-  auto eperm = SECCOMP_RET_ERRNO | (EPERM & SECCOMP_RET_DATA);
+  auto eperm = notify ? SECCOMP_RET_USER_NOTIF : SECCOMP_RET_ERRNO | (EPERM & SECCOMP_RET_DATA);
   // Architecture: x86-64 only.
   f.push_back(stmt(BPF_LD | BPF_W | BPF_ABS, offsetof(seccomp_data, arch)));
   f.push_back(jump(BPF_JMP | BPF_JEQ | BPF_K, AUDIT_ARCH_X86_64, 1, 0));

@@ -14,13 +14,20 @@
 
 #include <linux/filter.h>
 
+#include <string>
 #include <vector>
 
 namespace dsec::aether {
 
-std::vector<sock_filter> defaultSyscallFilter();
+// With notify, the refused calls stop at SECCOMP_RET_USER_NOTIF instead of
+// failing in the kernel, so the agent can count them (audit) before it
+// answers EPERM; install with SECCOMP_FILTER_FLAG_NEW_LISTENER then.
+std::vector<sock_filter> defaultSyscallFilter(bool notify = false);
 
 // Syscall numbers refused with EPERM (for tests and docs).
 const std::vector<int>& deniedSyscalls();
+// "mount" for SYS_mount, "clone" for namespace-creating clones, "ioctl" for
+// TIOCSTI/TIOCLINUX; "syscall-<nr>" for anything else (the x32 ABI).
+std::string syscallName(int nr);
 
 }  // namespace dsec::aether

@@ -33,6 +33,7 @@ const char* frameTypeName(FrameType type) {
     case FrameType::kStat: return "stat";
     case FrameType::kMkdir: return "mkdir";
     case FrameType::kRemove: return "remove";
+    case FrameType::kAudit: return "audit";
     case FrameType::kResult: return "result";
     case FrameType::kCancel: return "cancel";
   }

@@ -36,6 +36,7 @@ enum class FrameType : uint8_t {
   kStat = 0x24,       // edge -> aether: stat a path (JSON)
   kMkdir = 0x25,      // edge -> aether: make a directory (JSON)
   kRemove = 0x26,     // edge -> aether: remove a path (JSON)
+  kAudit = 0x27,      // edge -> aether: denied-syscall counts ({}); kResult answers
   kResult = 0x2F,     // aether -> edge: outcome of a request (JSON)
   kCancel = 0x31,     // edge -> aether: abandon the stream's request
 };

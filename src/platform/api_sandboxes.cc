@@ -322,6 +322,18 @@ void Platform::getSandbox(const std::string& id, http::Response& res) {
   sendJson(res, 200, dumpJson(j));
 }
 
+void Platform::getAudit(const std::string& id, http::Response& res) {
+  auto rec = runningSandbox(id);
+  if (!rec.isOk()) return sendError(res, rec.status());
+  auto r = edge_->fileCall(id, proto::FrameType::kAudit, "{}");
+  if (!r.isOk()) return sendError(res, r.status());
+  json j = json::parse(*r, nullptr, false);
+  if (!j.is_object()) return sendError(res, Status(Code::kInternal, "agent sent a bad audit"));
+  j.erase("ok");
+  j["id"] = id;
+  sendJson(res, 200, dumpJson(j));
+}
+
 void Platform::deleteSandbox(const std::string& id, http::Response& res) {
   auto rec = destroy(id, "stopped", "");
   if (!rec.isOk()) return sendError(res, rec.status());

@@ -241,6 +241,10 @@ void Platform::handle(http::Request& req, http::Response& res) {
       if (m == "POST") return execSandbox(id, req, res);
       return methodNotAllowed();
     }
+    if (n == 5 && parts[4] == "audit") {
+      if (m == "GET") return getAudit(id, res);
+      return methodNotAllowed();
+    }
     if (n == 5 && parts[4] == "pack_diff") {
       if (m == "POST") return packDiff(id, req, res);
       return methodNotAllowed();

@@ -64,6 +64,7 @@ class Platform {
   void deleteSandbox(const std::string& id, http::Response& res);
   void execSandbox(const std::string& id, http::Request& req, http::Response& res);
   void packDiff(const std::string& id, http::Request& req, http::Response& res);
+  void getAudit(const std::string& id, http::Response& res);
   void files(const std::string& id, const std::string& op, http::Request& req,
              http::Response& res);
   // Images and blobs (api_images.cc).

@@ -99,6 +99,25 @@ def test_dangerous_syscall_is_refused(probe, name):
     assert probe[name] == 1, f"{name}: errno {probe[name]} ({os.strerror(probe[name])}), want EPERM"
 
 
+def test_refused_syscalls_are_counted_per_sandbox(probe, deb, module_sandboxes, busybox, server):
+    audit = deb.audit()
+    denied = audit["denied_syscalls"]
+    for name in ("init_module", "bpf", "mount", "unshare", "keyctl", "perf_event_open",
+                 "clone", "ioctl"):
+        assert denied.get(name, 0) >= 1, audit
+    assert audit["denied_total"] == sum(denied.values())
+    # A fresh neighbour has a clean record; a stopped sandbox has none to give.
+    nb = module_sandboxes(busybox)
+    assert nb.audit()["denied_total"] == 0
+    before = deb.audit()["denied_total"]
+    deb.exec(["sh", "-c", "mount -t tmpfs x /mnt; true"])
+    assert deb.audit()["denied_total"] > before
+    from test_contract import conforms
+    conforms(server.raw("GET", f"/v1/sandboxes/{nb.id}/audit"), "/v1/sandboxes/{id}/audit", "GET")
+    status, _, _, doc = server.raw("GET", "/v1/sandboxes/sb-0000000000000000/audit")
+    assert status == 404 and doc["error"]["code"] == "not_found"
+
+
 def test_clone3_falls_back_and_ordinary_work_goes_on(probe):
     assert probe["clone3"] == 38  # ENOSYS: libc uses clone, which the filter can read
     assert probe["subprocess"] == 0

@@ -543,6 +543,12 @@ class Sandbox:
                                        json_body={"name": name, "tag": tag},
                                        timeout=max(self.client.timeout, 300.0)))
 
+    def audit(self) -> dict:
+        """What the sandbox tried and was refused: ``{"denied_syscalls":
+        {"mount": 2, ...}, "denied_total": 2}`` counted since it started, so a
+        trainer can flag trajectories that probed their sandbox."""
+        return self.client._call("GET", f"/v1/sandboxes/{_q(self.id)}/audit")
+
     def destroy(self) -> "Sandbox":
         """Stops and removes the sandbox (repeat calls are fine)."""
         self.info = self.client._call("DELETE", self._p(), timeout=max(self.client.timeout, 60.0))
