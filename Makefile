@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 # Debian's interpreter, which has python3-pytest (a pyenv python3 may shadow it).
 PYTHON      ?= /usr/bin/python3
 
-.PHONY: all build deps images test unit e2e demo bench clean
+.PHONY: all build deps images lazy-images test unit e2e demo bench bench-lazy clean
 
 all: build
 
@@ -25,6 +25,10 @@ build: $(BUILD_DIR)/CMakeCache.txt
 
 images:
 	@scripts/build-test-images.sh $(IMAGE_CACHE)
+
+# bench/lazy's >1 GB three-layer image (minutes, once; cached under $(IMAGE_CACHE)/lazy).
+lazy-images: images
+	@scripts/build-lazy-image.sh $(IMAGE_CACHE)
 
 unit: build
 	cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS)
@@ -48,6 +52,10 @@ bench: build images
 	bench/exec
 	bench/throughput
 	bench/density
+
+# Separate from `bench`: it needs a >1 GB image and takes a few minutes.
+bench-lazy: build lazy-images
+	bench/lazy
 
 clean:
 	rm -rf $(BUILD_DIR)

@@ -126,7 +126,11 @@ def _raise_nofile(n):
 class Server:
     """A private `dsec up` on 127.0.0.1:0 with its own data dir."""
 
-    def __init__(self, dsec, cache, nofile=65536, tmp_root=None, keep=False, up_timeout=60.0):
+    def __init__(self, dsec, cache, nofile=65536, tmp_root=None, keep=False, up_timeout=60.0,
+                 data_dir=None, extra_args=(), log_name="server.log", needs_busybox=True):
+        """data_dir: an existing data dir to run on (the caller owns it: stop()
+        leaves it); default a new temp dir that stop() removes unless keep.
+        extra_args: more `dsec up` options (--blob-store, --loader, ...)."""
         self.dsec = dsec
         self.cache = cache
         self.nofile = nofile
@@ -134,7 +138,11 @@ class Server:
         self.keep = keep
         self.up_timeout = up_timeout
         self.proc = None
-        self.data_dir = None
+        self.data_dir = data_dir
+        self.own_dir = data_dir is None
+        self.extra_args = list(extra_args)
+        self.log_name = log_name
+        self.needs_busybox = needs_busybox
         self.url = None
         self.pid = None
         self.token = None
@@ -145,11 +153,13 @@ class Server:
             raise BenchError("%s not found or not executable (build dsec first, or --dsec PATH)"
                              % self.dsec)
         tar = os.path.join(self.cache, "busybox.tar")
-        if not os.path.isfile(tar):
+        if self.needs_busybox and not os.path.isfile(tar):
             raise BenchError("%s missing: run scripts/build-test-images.sh %s" % (tar, self.cache))
-        self.data_dir = tempfile.mkdtemp(prefix="dsec-bench-", dir=self.tmp_root)
-        self._log = open(os.path.join(self.data_dir, "server.log"), "w+b")
+        if self.own_dir:
+            self.data_dir = tempfile.mkdtemp(prefix="dsec-bench-", dir=self.tmp_root)
+        self._log = open(os.path.join(self.data_dir, self.log_name), "w+b")
         cmd = [self.dsec, "up", "--data-dir", self.data_dir, "--listen", "127.0.0.1:0"]
+        cmd += self.extra_args
         note("starting %s" % " ".join(cmd))
         # Own session: a ^C at the terminal reaches us, and we stop the server
         # in order (SIGTERM, wait), rather than both dying at once.
@@ -181,12 +191,15 @@ class Server:
               "version": health.get("version"), "data_dir": self.data_dir})
         return self
 
-    def import_image(self, name=IMAGE_NAME, tar=None):
+    def import_image(self, name=IMAGE_NAME, tar=None, kind=None, timeout=300):
         tar = tar or os.path.join(self.cache, "busybox.tar")
-        cmd = [self.dsec, "image", "import", "--data-dir", self.data_dir, "--name", name, tar]
+        cmd = [self.dsec, "image", "import", "--data-dir", self.data_dir, "--name", name]
+        if kind:
+            cmd += ["--kind", kind]
+        cmd.append(tar)
         t0 = time.monotonic()
         r = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, timeout=300)
+                           stderr=subprocess.STDOUT, timeout=timeout)
         if r.returncode != 0:
             raise BenchError("%s failed (%d):\n%s" % (" ".join(cmd), r.returncode,
                                                        r.stdout.decode(errors="replace")[-2000:]))
@@ -220,7 +233,7 @@ class Server:
                 rc = self.proc.wait()
         elif self.proc:
             rc = self.proc.returncode
-        if self.data_dir and not self.keep:
+        if self.data_dir and self.own_dir and not self.keep:
             self._remove_data_dir()
         return rc
 
