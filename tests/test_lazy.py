@@ -75,7 +75,7 @@ class Lazy:
     def start(self, *extra):
         self.srv = Server(self.data_dir, ["--blob-store", self.nginx.slow_url, "--loader",
                                           "fanotify", "--loader-timeout-s", "2",
-                                          "--prefetch-window-s", "1", *extra])
+                                          "--prefetch-window-s", "5", *extra])
         self.srv.start()
         return self.srv
 
@@ -98,7 +98,7 @@ class Lazy:
                 return l
         raise AssertionError(f"layer {digest} not on the node: {self.node()}")
 
-    def random_toolkit(self, name: str, big_mb: int = 6) -> str:
+    def random_toolkit(self, name: str, big_mb: int = 4) -> str:
         """Imports a toolkit layer holding /opt/<name>/big (random) and small.txt;
         returns its layer digest."""
         root = self.tmp / f"src-{name}"
@@ -166,13 +166,13 @@ def test_reads_exact_bytes_and_fetches_only_what_is_read(lazy):
         want = lazy.files["lazy-a"]
         assert sha_in(sb, "/opt/lazy-a/small.txt") == want["/opt/lazy-a/small.txt"]
         s = lazy.layer_stats(layer)
-        assert s["attached"] and s["chunks"] >= 6
-        # Only the chunk(s) holding small.txt (if any) were fetched, not the 6 MiB.
+        assert s["attached"] and s["chunks"] >= 4
+        # Only the chunk(s) holding small.txt (if any) were fetched, not the 4 MiB.
         assert s["bytes_fetched"] <= 1 * MiB, s
         assert sha_in(sb, "/opt/lazy-a/big") == want["/opt/lazy-a/big"]
         s = lazy.layer_stats(layer)
         assert s["chunks_cached"] == s["chunks"], s
-        assert s["bytes_fetched"] >= 6 * MiB and s["bytes_read"] >= 6 * MiB, s
+        assert s["bytes_fetched"] >= 4 * MiB and s["bytes_read"] >= 4 * MiB, s
         # Read again: served from the node cache, nothing fetched.
         before = s["bytes_fetched"]
         assert sha_in(sb, "/opt/lazy-a/big") == want["/opt/lazy-a/big"]
@@ -187,9 +187,16 @@ def _read_while(lazy, name: str, action) -> tuple:
     try:
         pid = lazy.node()["loader_pids"][0]
         out = {}
-        t = threading.Thread(target=lambda: out.update(sha=sha_in(sb, f"/opt/{name}/big")))
+
+        def read():
+            t0 = time.monotonic()
+            out["sha"] = sha_in(sb, f"/opt/{name}/big")
+            out["s"] = time.monotonic() - t0
+
+        t = threading.Thread(target=read)
         t.start()
         time.sleep(1.0)
+        assert t.is_alive(), "the read ended before the loader was disturbed: the store is too fast"
         action(pid)
         t.join(120)
         assert not t.is_alive(), "the read never finished"
@@ -269,15 +276,20 @@ def test_metrics_per_layer_and_node(lazy):
 
 
 def test_cache_survives_restart_then_limit_evicts_and_prefetch_refills(lazy):
-    layer = lazy.random_toolkit("lazy-keep", big_mb=4)
+    layer = lazy.random_toolkit("lazy-keep", big_mb=3)
     want = lazy.files["lazy-keep"]["/opt/lazy-keep/big"]
     sb = lazy.client.create("busybox", toolkits=["lazy-keep"])
     assert sha_in(sb, "/opt/lazy-keep/big") == want
     sb.destroy()
-    time.sleep(2.5)  # past --prefetch-window-s: the read order is recorded
+    # Past --prefetch-window-s (5 s after the layer was attached) the read
+    # order is recorded.
     cache = lazy.data_dir / "edge" / "cache"
     data_hex = lazy.data_blob(layer).name
+    deadline = time.monotonic() + 15
+    while not (cache / f"{data_hex}.order").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert (cache / f"{data_hex}.order").exists()
+    assert len((cache / f"{data_hex}.order").read_text().split()) >= 3
 
     # Restart: the cached chunks are still there, nothing is fetched again.
     lazy.stop()
@@ -301,10 +313,10 @@ def test_cache_survives_restart_then_limit_evicts_and_prefetch_refills(lazy):
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             s = lazy.layer_stats(layer)
-            if s["chunks_prefetched"] >= 4:
+            if s["chunks_prefetched"] >= 3:
                 break
             time.sleep(0.2)
-        assert s["chunks_prefetched"] >= 4, s
+        assert s["chunks_prefetched"] >= 3, s
         assert s["chunks_cached"] >= s["chunks_prefetched"], s
         fetched = s["bytes_fetched"]
         assert sha_in(sb, "/opt/lazy-keep/big") == want

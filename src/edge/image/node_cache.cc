@@ -94,9 +94,12 @@ std::string NodeCache::pathOf(const std::string& digest, const char* suffix) con
 }
 
 Status NodeCache::fetchWhole(const std::string& name, const std::string& digest,
-                             const std::string& dest) {
+                             const std::string& dest, int64_t* fetched) {
   if (::access(dest.c_str(), F_OK) == 0) return Status::ok();
-  return store_->fetchVerified(name, hexOf(digest), dest);
+  RETURN_IF_ERROR(store_->fetchVerified(name, hexOf(digest), dest));
+  struct stat st;
+  if (::stat(dest.c_str(), &st) == 0) *fetched += st.st_size;
+  return Status::ok();
 }
 
 Result<LayerFiles> NodeCache::prepare(const std::string& digest) {
@@ -112,15 +115,21 @@ Result<LayerFiles> NodeCache::prepare(const std::string& digest) {
     return files;
   }
   LayerFiles files{pathOf(d.digest, ".meta"), ""};
-  RETURN_IF_ERROR(fetchWhole(image::blobName(d.digest), d.digest, files.meta));
+  int64_t whole = 0;
+  RETURN_IF_ERROR(fetchWhole(image::blobName(d.digest), d.digest, files.meta, &whole));
   ::utimensat(AT_FDCWD, files.meta.c_str(), nullptr, 0);  // LRU clock for trim()
-  {
+  auto account = [&] {
     std::lock_guard lk(mu_);
     entries_[digest].desc = d;
-  }
+    entries_[digest].wholeBytesFetched += whole;
+    whole = 0;
+  };
+  account();
   if (d.dataDigest.empty()) return files;
   std::string chunks = pathOf(d.dataDigest, ".chunks");
-  RETURN_IF_ERROR(fetchWhole(image::chunkIndexName(d.dataDigest), d.chunksDigest, chunks));
+  Status ci = fetchWhole(image::chunkIndexName(d.dataDigest), d.chunksDigest, chunks, &whole);
+  account();
+  RETURN_IF_ERROR(ci);
   ASSIGN_OR_RETURN(std::string bytes, readFile(chunks));
   ASSIGN_OR_RETURN(image::ChunkIndex idx, image::ChunkIndex::parse(bytes));
   if (idx.dataSize != d.dataSize) {
@@ -204,9 +213,9 @@ void NodeCache::recorder() {
           now - e.attachedAt < opts_.recordWindowS) {
         continue;
       }
-      e.recorded = true;
       auto order = loader_->readOrder(e.desc.dataDigest);
-      if (order.empty()) continue;
+      if (order.empty()) continue;  // nothing read yet: record once something is
+      e.recorded = true;
       std::string text;
       for (int64_t i : order) text += std::to_string(i) + "\n";
       if (Status st = writeFileAtomic(pathOf(e.desc.dataDigest, ".order"), text, 0600);
@@ -310,6 +319,7 @@ std::vector<NodeCache::LayerInfo> NodeCache::layers() {
   std::lock_guard lk(mu_);
   for (auto& [digest, e] : entries_) {
     LayerInfo li{digest, e.desc.dataDigest, e.desc.dataSize, e.attached, *e.prefetched, e.past};
+    li.stats.bytesFetched += e.wholeBytesFetched;
     if (loader_ && e.attached && !e.desc.dataDigest.empty()) {
       li.stats += loader_->stats(e.desc.dataDigest);
     }

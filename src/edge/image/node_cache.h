@@ -77,11 +77,14 @@ class NodeCache {
     double attachedAt = 0;
     bool recorded = false;
     LayerStats past;  // counters of earlier attachments
+    int64_t wholeBytesFetched = 0;  // metadata image and chunk index
     std::shared_ptr<std::atomic<int64_t>> prefetched = std::make_shared<std::atomic<int64_t>>(0);
   };
   NodeCache() = default;
   std::string pathOf(const std::string& digest, const char* suffix) const;
-  Status fetchWhole(const std::string& name, const std::string& digest, const std::string& dest);
+  // Fetches name to dest unless it is there; adds the bytes fetched to *fetched.
+  Status fetchWhole(const std::string& name, const std::string& digest, const std::string& dest,
+                    int64_t* fetched);
   void recorder();
   struct PrefetchJob {
     std::string dataPath;
