@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <tuple>
 
 #include "common/log.h"
 #include "common/util.h"
@@ -56,6 +57,8 @@ struct FanotifyFiller::File {
   std::string dataDigest;
   std::shared_ptr<const image::ChunkIndex> index;
   UniqueFd fd;  // for SEEK_HOLE probes: lseek raises no events
+  std::mutex writeMu;
+  UniqueFd writeFd;  // a copy of an event's fd (writes raise no events), for read-ahead
   bool marked = false;
   std::unique_ptr<std::atomic<uint8_t>[]> have;     // chunk present in the file
   std::unique_ptr<std::atomic<uint8_t>[]> touched;  // chunk read at least once
@@ -85,9 +88,10 @@ Status FanotifyFiller::probe(const std::string& dir) {
 }
 
 Result<std::unique_ptr<FanotifyFiller>> FanotifyFiller::start(image::BlobStore* store,
-                                                              int workers) {
+                                                              int workers, int readAhead) {
   std::unique_ptr<FanotifyFiller> f(new FanotifyFiller());
   f->store_ = store;
+  f->readAhead_ = readAhead;
   f->fan_.reset(::fanotify_init(FAN_CLOEXEC | FAN_NONBLOCK | FAN_CLASS_PRE_CONTENT,
                                 O_RDWR | O_LARGEFILE | O_CLOEXEC));
   if (!f->fan_) return sysError("fanotify_init");
@@ -242,14 +246,34 @@ void FanotifyFiller::readLoop() {
 void FanotifyFiller::workLoop() {
   for (;;) {
     Event ev;
+    std::shared_ptr<File> aheadFile;
+    int64_t aheadChunk = -1;
     {
       std::unique_lock lk(mu_);
-      cv_.wait(lk, [this] { return stopping_ || !queue_.empty(); });
+      cv_.wait(lk, [this] { return stopping_ || !queue_.empty() || !ahead_.empty(); });
       if (stopping_) return;
-      ev = queue_.front();
-      queue_.pop_front();
+      if (!queue_.empty()) {
+        ev = queue_.front();
+        queue_.pop_front();
+      } else {
+        std::tie(aheadFile, aheadChunk) = ahead_.front();
+        ahead_.pop_front();
+      }
     }
-    handle(ev);
+    if (!aheadFile) {
+      handle(ev);
+      continue;
+    }
+    int fd;
+    {
+      std::lock_guard lk(aheadFile->writeMu);
+      fd = aheadFile->writeFd.get();
+    }
+    // Best effort: a reader that needs the chunk fetches it again if this fails.
+    if (Status st = ensureChunk(*aheadFile, aheadChunk, fd); !st.isOk()) {
+      log::warn("read-ahead " + aheadFile->path + " chunk " + std::to_string(aheadChunk) + ": " +
+                st.toString());
+    }
   }
 }
 
@@ -291,6 +315,19 @@ void FanotifyFiller::handle(const Event& ev) {
     }
   }
   if (hit) ++f->cacheHits;
+  bool sequential = first > 0 && f->touched[size_t(first - 1)];
+  for (int64_t i = first; i < last && !sequential; ++i) sequential = f->have[size_t(i)] != 0;
+  if (readAhead_ > 0 && sequential) {
+    {
+      std::lock_guard lk(f->writeMu);
+      if (!f->writeFd) f->writeFd.reset(::fcntl(ev.fd, F_DUPFD_CLOEXEC, 0));
+    }
+    std::lock_guard lk(mu_);
+    for (int64_t i = last + 1; i <= std::min(idx.chunkCount() - 1, last + readAhead_); ++i) {
+      if (!f->have[size_t(i)] && !inflight_.count({f.get(), i})) ahead_.push_back({f, i});
+    }
+    cv_.notify_all();
+  }
   respond(ev.fd, true);
   if (f->haveCount == idx.chunkCount()) {
     // Complete: reads need no more events from this filler.

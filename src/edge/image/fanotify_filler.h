@@ -34,7 +34,11 @@ namespace dsec::edge {
 class FanotifyFiller {
  public:
   // `workers` threads fetch in parallel. `store` must outlive the filler.
-  static Result<std::unique_ptr<FanotifyFiller>> start(image::BlobStore* store, int workers = 8);
+  // readAhead: when a read goes on sequentially (it starts in or right after
+  // a chunk read before), the next readAhead chunks are fetched in the
+  // background too. Only one of the fillers on a file should read ahead.
+  static Result<std::unique_ptr<FanotifyFiller>> start(image::BlobStore* store, int workers = 8,
+                                                       int readAhead = 0);
   ~FanotifyFiller();
 
   // Whether this kernel and the file system holding `dir` support pre-content
@@ -75,6 +79,8 @@ class FanotifyFiller {
   std::map<std::pair<dev_t, ino_t>, std::shared_ptr<File>> files_;
   std::map<std::string, std::shared_ptr<File>> byPath_;
   std::deque<Event> queue_;
+  std::deque<std::pair<std::shared_ptr<File>, int64_t>> ahead_;  // served when queue_ is empty
+  int readAhead_ = 0;
   bool stopping_ = false;
   std::condition_variable chunkCv_;
   std::set<std::pair<File*, int64_t>> inflight_;

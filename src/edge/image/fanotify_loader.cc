@@ -156,7 +156,8 @@ Result<std::unique_ptr<FanotifyLoader>> FanotifyLoader::start(image::BlobStore* 
     log::warn("killing the loader process " + std::to_string(pid) + " of an earlier edge");
     ::kill(pid, SIGKILL);
   }
-  ASSIGN_OR_RETURN(l->local_, FanotifyFiller::start(store));
+  // The edge's filler reads ahead; the loader process's only fills what is read.
+  ASSIGN_OR_RETURN(l->local_, FanotifyFiller::start(store, 8, 2));
   {
     std::lock_guard lk(l->mu_);
     RETURN_IF_ERROR(l->spawnHelper());
