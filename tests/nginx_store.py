@@ -41,8 +41,24 @@ class Nginx:
             raise RuntimeError("nginx is not installed (apt-get install nginx-light)")
         t = self.dir
         (t / "tmp").mkdir()
+        conf = self._write_conf()
+        self.proc = subprocess.Popen([exe, "-c", str(conf)], stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError("nginx exited: " + self.error_log())
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return self
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError("nginx did not listen: " + self.error_log())
+
+    def _write_conf(self) -> Path:
+        t = self.dir
         conf = t / "nginx.conf"
-        # Workers run as root: the blob directory is private to root (0700).
         conf.write_text(f"""
 daemon off;
 master_process on;
@@ -63,19 +79,15 @@ http {{
   }}
 }}
 """)
-        self.proc = subprocess.Popen([exe, "-c", str(conf)], stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError("nginx exited: " + self.error_log())
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
-                return self
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError("nginx did not listen: " + self.error_log())
+        return conf
+
+    def set_slow_rate(self, rate: str) -> None:
+        """Changes the rate of `/slow/` (nginx reloads its configuration; requests
+        in flight finish at the old rate)."""
+        self.slow_rate = rate
+        self._write_conf()
+        self.proc.send_signal(signal.SIGHUP)
+        time.sleep(0.5)
 
     def error_log(self) -> str:
         p = self.dir / "error.log"

@@ -56,6 +56,9 @@ class Loader {
   virtual std::vector<int64_t> readOrder(const std::string& dataDigest) = 0;
   // Processes serving reads outside this one (for operators and tests).
   virtual std::vector<int> helperPids() const { return {}; }
+  // True when a mount made over the path attach() returned can no longer read
+  // (its server died): the layer must be unmounted and attached again.
+  virtual bool broken(const std::string& /*dataDigest*/) { return false; }
 };
 
 }  // namespace dsec::edge

@@ -47,6 +47,9 @@ class NodeCache {
 
   // Fetches what is missing and attaches the data blob to the loader.
   Result<LayerFiles> prepare(const std::string& digest);
+  // True when the layer's mount can no longer read its data (the loader
+  // process serving it died): unmount it, then prepare() it again.
+  bool broken(const std::string& digest);
   // The layer's mount is gone: the loader stops serving its data blob.
   void unmounted(const std::string& digest);
   // Bytes the cache holds on disk (allocated, so sparse copies count what they hold).
