@@ -76,9 +76,10 @@ def loader_procs(needle: str = "") -> list:
 class Lazy:
     """A `dsec up` whose node reads blobs from nginx with the given loader."""
 
-    def __init__(self, tmp: Path, loader: str):
+    def __init__(self, tmp: Path, loader: str, fast: bool = False):
         self.tmp = tmp
         self.loader = loader
+        self.fast = fast  # the store at nginx's full speed, not /slow/ (benchmarks)
         self.data_dir = tmp / "data"
         self.data_dir.mkdir()
         (self.data_dir / "blobs").mkdir(mode=0o700)
@@ -87,7 +88,9 @@ class Lazy:
         self.files = {}  # layer name -> {path in sandbox: sha256}
 
     def start(self, *extra):
-        self.srv = Server(self.data_dir, ["--blob-store", self.nginx.slow_url, "--loader",
+        self.srv = Server(self.data_dir, ["--blob-store",
+                                          self.nginx.url if self.fast else self.nginx.slow_url,
+                                          "--loader",
                                           self.loader, "--loader-timeout-s", "2",
                                           "--prefetch-window-s", "1", *extra])
         self.srv.start()
@@ -387,6 +390,32 @@ def test_cache_survives_restart_then_limit_evicts_and_prefetch_refills(lazy):
         assert sha_in(sb, "/opt/lazy-keep/big") == want
         s = lazy.layer_stats(layer)
         assert s["bytes_fetched"] == fetched and s["cache_hits"] > 0, s
+    finally:
+        sb.destroy()
+
+
+def test_a_crashed_edge_leaves_no_loader_or_mount_after_restart(lazy):
+    lazy.random_toolkit("lazy-crash", big_mb=2)
+    old = lazy.node()["loader_pids"][0]
+    fuse_dir = str(lazy.data_dir / "edge" / "cache" / "fuse")
+    lazy.srv.proc.kill()  # SIGKILL: no clean shutdown
+    lazy.srv.proc.wait(10)
+    # The loader keeps serving whatever sandboxes the dead edge left.
+    assert old in loader_procs(lazy.nginx.url)
+    if lazy.loader == "fuse":
+        assert len(mounts_containing(fuse_dir)) == 1
+    (lazy.data_dir / "up.json").unlink()  # the dead edge's address
+    lazy.start()
+    deadline = time.monotonic() + 10
+    while old in loader_procs() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert old not in loader_procs(), "the loader of the crashed edge is still running"
+    assert loader_procs(lazy.nginx.url) == lazy.node()["loader_pids"]
+    # Exactly the new edge's FUSE mount: the stale one was detached.
+    assert len(mounts_containing(fuse_dir)) == (1 if lazy.loader == "fuse" else 0)
+    sb = lazy.client.create("busybox", toolkits=["lazy-crash"])
+    try:
+        assert sha_in(sb, "/opt/lazy-crash/big") == lazy.files["lazy-crash"]["/opt/lazy-crash/big"]
     finally:
         sb.destroy()
 
