@@ -541,8 +541,9 @@ int main(int argc, char** argv) {
     if (kind == "fuse" && !a.get("store").empty() && !a.get("mount").empty()) {
       return edge::runFuseLoaderProcess(ctl, a.get("store"), a.get("mount"));
     }
-    return die("usage: dsec loader fanotify --store URI --control-fd N\n"
-               "       dsec loader fuse --store URI --mount DIR --control-fd N (started by dsec up)");
+    return die(
+        "usage: dsec loader fanotify --store URI --control-fd N\n"
+        "       dsec loader fuse --store URI --mount DIR --control-fd N (started by dsec up)");
   }
   if (cmd == "image") return cmdImage(a);
   if (cmd == "sandbox") return cmdSandbox(a);

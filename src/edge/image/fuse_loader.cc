@@ -281,7 +281,9 @@ Result<std::string> FuseLoader::call(const std::string& request) {
   auto rep = [&]() -> Result<std::string> {
     RETURN_IF_ERROR(sendMsg(ctl_.get(), request));
     ASSIGN_OR_RETURN(std::string r, recvMsg(ctl_.get(), opts_.pingTimeoutS));
-    if (r.empty()) return Status(Code::kUnavailable, "fuse loader process closed its control socket");
+    if (r.empty()) {
+      return Status(Code::kUnavailable, "fuse loader process closed its control socket");
+    }
     return r;
   }();
   if (!rep.isOk()) {
