@@ -18,6 +18,9 @@ namespace {
 // Blobs are immutable and named by their digest: the kernel may cache names,
 // attributes and pages for as long as it likes.
 constexpr double kCacheTimeoutS = 86400;
+// Chunks fetched ahead of a sequential read, and the threads fetching them.
+constexpr int64_t kReadAheadChunks = 2;
+constexpr int kReadAheadThreads = 2;
 
 bool present(int fd, int64_t off, int64_t end) {
   off_t hole = ::lseek(fd, off, SEEK_HOLE);
@@ -135,6 +138,10 @@ void opRead(fuse_req_t req, fuse_ino_t, size_t size, off_t off, fuse_file_info* 
     return (void)fuse_reply_err(req, EIO);
   }
   if (hit) ++f.cacheHits;
+  if (span.first > 0 && f.touched[size_t(span.first - 1)]) {
+    serverOf(req)->readAhead(*reinterpret_cast<std::shared_ptr<FuseServer::File>*>(fi->fh),
+                             span.first, span.last);
+  }
   size_t n = size_t(std::min<int64_t>(int64_t(size), idx.dataSize - off));
   fuse_bufvec bv = FUSE_BUFVEC_INIT(n);
   bv.buf[0].flags = fuse_buf_flags(FUSE_BUF_IS_FD | FUSE_BUF_FD_SEEK);
@@ -206,6 +213,10 @@ Result<std::unique_ptr<FuseServer>> FuseServer::start(image::BlobStore* store,
     fuse_loop_cfg_destroy(cfg);
   });
   s->loop_.detach();  // see unmount()
+  for (int i = 0; i < kReadAheadThreads; ++i) {
+    s->aheadThreads_.emplace_back([p = s.get()] { p->readAheadLoop(); });
+    s->aheadThreads_.back().detach();
+  }
   return s;
 }
 
@@ -316,6 +327,31 @@ std::vector<std::pair<std::string, uint64_t>> FuseServer::listing() {
   std::vector<std::pair<std::string, uint64_t>> out;
   for (auto& [name, f] : files_) out.push_back({name, f->ino});
   return out;
+}
+
+void FuseServer::readAhead(const std::shared_ptr<File>& f, int64_t, int64_t last) {
+  int64_t end = std::min(f->index->chunkCount(), last + 1 + kReadAheadChunks);
+  std::lock_guard lk(mu_);
+  for (int64_t i = last + 1; i < end; ++i) {
+    if (f->have[size_t(i)] || inflight_.count({f.get(), i})) continue;
+    bool queued = false;
+    for (auto& [qf, qi] : ahead_) queued = queued || (qf == f && qi == i);
+    if (!queued) ahead_.push_back({f, i});
+  }
+  aheadCv_.notify_all();
+}
+
+void FuseServer::readAheadLoop() {
+  for (;;) {
+    std::pair<std::shared_ptr<File>, int64_t> job;
+    {
+      std::unique_lock lk(mu_);
+      aheadCv_.wait(lk, [this] { return !ahead_.empty(); });
+      job = std::move(ahead_.front());
+      ahead_.pop_front();
+    }
+    (void)ensureChunk(*job.first, job.second);
+  }
 }
 
 Status FuseServer::ensureChunks(File& f, int64_t first, int64_t last) {

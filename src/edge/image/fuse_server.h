@@ -14,6 +14,7 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -62,10 +63,15 @@ class FuseServer {
   std::vector<std::pair<std::string, uint64_t>> listing();
   // Makes chunks first..last of f present; the error fails the read.
   Status ensureChunks(File& f, int64_t first, int64_t last);
+  // A read of first..last continued a sequential read: fetch the chunks after
+  // it in the background, so the next read finds them (or their fetch under
+  // way). Best effort: a failed fetch is retried, and reported, by the read.
+  void readAhead(const std::shared_ptr<File>& f, int64_t first, int64_t last);
 
  private:
   FuseServer() = default;
   Status ensureChunk(File& f, int64_t i);
+  void readAheadLoop();
 
   image::BlobStore* store_ = nullptr;
   std::string mountDir_;
@@ -73,7 +79,7 @@ class FuseServer {
   bool mounted_ = false;
   std::thread loop_;
 
-  std::mutex mu_;  // guards files_, inos_, nextIno_, inflight_
+  std::mutex mu_;  // guards files_, inos_, nextIno_, inflight_, ahead_
   std::condition_variable chunkCv_;
   std::map<std::string, std::shared_ptr<File>> files_;  // by hex name
   std::map<std::string, uint64_t> inos_;  // by hex name: kept across remove, so a
@@ -81,6 +87,9 @@ class FuseServer {
   std::map<uint64_t, std::shared_ptr<File>> byIno_;
   uint64_t nextIno_ = 2;
   std::set<std::pair<File*, int64_t>> inflight_;
+  std::condition_variable aheadCv_;
+  std::deque<std::pair<std::shared_ptr<File>, int64_t>> ahead_;  // chunks to read ahead
+  std::vector<std::thread> aheadThreads_;  // detached, like loop_
 };
 
 }  // namespace dsec::edge
