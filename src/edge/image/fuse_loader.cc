@@ -356,7 +356,7 @@ Result<std::string> FuseLoader::attach(const LayerDesc& desc, const std::string&
     RETURN_IF_ERROR(spawnHelper());
   }
   Attached a{cachePath, cachePath.substr(0, cachePath.rfind('.')) + ".chunks", desc.dataDigest,
-             index->chunkCount(), generation_};
+             index->chunkCount()};
   if (Status st = helperAdd(a); !st.isOk()) {
     return Status(Code::kUnavailable, "fuse loader: add " + cachePath + ": " + st.toString());
   }
@@ -404,11 +404,9 @@ std::vector<int> FuseLoader::helperPids() const {
   return helperPid_ > 0 ? std::vector<int>{helperPid_} : std::vector<int>{};
 }
 
-bool FuseLoader::broken(const std::string& dataDigest) {
+uint64_t FuseLoader::generation() {
   std::lock_guard lk(mu_);
-  auto it = attached_.find(dataDigest);
-  if (it == attached_.end()) return false;
-  return !helperAlive() || it->second.generation != generation_;
+  return helperAlive() ? generation_ : UINT64_MAX;
 }
 
 }  // namespace dsec::edge

@@ -8,7 +8,7 @@
 // pings), the kernel aborts its FUSE connection, so every read of its files
 // fails with an error; a sandbox never reads zeros or wrong bytes. The edge
 // then starts a new process on a fresh mount at the same path and marks the
-// layers mounted over the dead one broken (broken() turns true): sandboxes
+// layers mounted over the dead one broken (generation() changes): sandboxes
 // already running on them keep getting EIO for data not already in their page
 // cache (their mounts hold the dead connection), while the next sandbox that
 // acquires such a layer gets it remounted over the new process. See
@@ -54,9 +54,10 @@ class FuseLoader final : public Loader {
   LayerStats stats(const std::string& dataDigest) override;
   std::vector<int64_t> readOrder(const std::string& dataDigest) override;
   std::vector<int> helperPids() const override;
-  // True when the process that served the path attach() returned has died
-  // since: mounts made over it fail every uncached read until remounted.
-  bool broken(const std::string& dataDigest) override;
+  // Bumped by each process started; while the current one is found dead,
+  // a value that matches no attachment (mounts over a dead process fail every
+  // uncached read until remounted).
+  uint64_t generation() override;
 
  private:
   struct Attached {
@@ -64,7 +65,6 @@ class FuseLoader final : public Loader {
     std::string chunksPath;  // its chunk index file
     std::string digest;
     int64_t chunks = 0;
-    uint64_t generation = 0;  // of the process it was attached through
   };
   FuseLoader() = default;
   void supervise();

@@ -143,6 +143,7 @@ Result<LayerFiles> NodeCache::prepare(const std::string& digest) {
     if (::rename(tmp.c_str(), data.c_str()) != 0) return sysError("rename " + data);
   }
   ASSIGN_OR_RETURN(files.data, loader_->attach(d, data, index));
+  uint64_t generation = loader_->generation();
   std::vector<int64_t> order;
   if (auto list = readFile(pathOf(d.dataDigest, ".order")); list.isOk()) {
     std::istringstream in(*list);
@@ -153,6 +154,7 @@ Result<LayerFiles> NodeCache::prepare(const std::string& digest) {
   std::lock_guard lk(mu_);
   Entry& e = entries_[digest];
   e.attached = true;
+  e.loaderGeneration = generation;
   e.attachedAt = monoSeconds();
   e.recorded = !order.empty();
   if (cold && !order.empty() && !stopping_) {
@@ -202,14 +204,19 @@ void NodeCache::recorder() {
 }
 
 bool NodeCache::broken(const std::string& digest) {
-  std::string data;
+  if (!loader_) return false;
+  uint64_t attachedAt;
   {
     std::lock_guard lk(mu_);
     auto it = entries_.find(digest);
-    if (it == entries_.end() || !it->second.attached) return false;
-    data = it->second.desc.dataDigest;
+    if (it == entries_.end() || !it->second.attached || it->second.desc.dataDigest.empty()) {
+      return false;
+    }
+    attachedAt = it->second.loaderGeneration;
   }
-  return loader_ && !data.empty() && loader_->broken(data);
+  // Per layer, not per data blob: two layers sharing a blob were mounted
+  // separately, and remounting one does not heal the other.
+  return loader_->generation() != attachedAt;
 }
 
 void NodeCache::unmounted(const std::string& digest) {

@@ -78,6 +78,7 @@ class NodeCache {
     bool attached = false;
     double attachedAt = 0;
     bool recorded = false;
+    uint64_t loaderGeneration = 0;  // of the loader when attached
     LayerStats past;  // counters of earlier attachments
     std::shared_ptr<std::atomic<int64_t>> prefetched = std::make_shared<std::atomic<int64_t>>(0);
   };
