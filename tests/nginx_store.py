@@ -1,8 +1,10 @@
 """A real nginx from Debian serving a blob directory over HTTP, for the blob
-store tests and benchmarks: `/` at full speed, `/slow/` throttled.
+store tests and benchmarks: `/` at full speed, `/slow/` throttled, and with
+tls=True an https listener with a self-signed certificate (`ca`).
 
 nginx's limit_rate lets every request send one second's worth of bytes at
-once, so a 1 MiB range read at 512k takes about a second, at 2m none."""
+once: a 1 MiB range read at 2m is not slowed at all, at 512k it takes about a
+second (see set_slow_rate)."""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ def free_port() -> int:
 
 
 class Nginx:
-    def __init__(self, root: Path, slow_rate: str = "512k", tls: bool = False):
+    def __init__(self, root: Path, slow_rate: str = "2m", tls: bool = False):
         self.root = Path(root)
         self.slow_rate = slow_rate
         self.dir = Path(tempfile.mkdtemp(prefix="dsec-nginx-"))
@@ -50,7 +52,6 @@ class Nginx:
             raise RuntimeError("nginx is not installed (apt-get install nginx-light)")
         t = self.dir
         (t / "tmp").mkdir()
-        tls = ""
         if self.tls_port:
             # A self-signed certificate for 127.0.0.1; it is its own CA.
             subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes",
@@ -59,10 +60,28 @@ class Nginx:
                             "-addext", "subjectAltName=IP:127.0.0.1"],
                            check=True, capture_output=True, stdin=subprocess.DEVNULL)
             self.ca = t / "cert.pem"
+        conf = self._write_conf()
+        self.proc = subprocess.Popen([exe, "-c", str(conf)], stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError("nginx exited: " + self.error_log())
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return self
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError("nginx did not listen: " + self.error_log())
+
+    def _write_conf(self) -> Path:
+        t = self.dir
+        conf = t / "nginx.conf"
+        tls = ""
+        if self.tls_port:
             tls = (f"listen 127.0.0.1:{self.tls_port} ssl; ssl_certificate {t}/cert.pem; "
                    f"ssl_certificate_key {t}/key.pem;")
-        conf = t / "nginx.conf"
-        # Workers run as root: the blob directory is private to root (0700).
         conf.write_text(f"""
 daemon off;
 master_process on;
@@ -84,19 +103,15 @@ http {{
   }}
 }}
 """)
-        self.proc = subprocess.Popen([exe, "-c", str(conf)], stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError("nginx exited: " + self.error_log())
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
-                return self
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError("nginx did not listen: " + self.error_log())
+        return conf
+
+    def set_slow_rate(self, rate: str) -> None:
+        """Changes the rate of `/slow/` (nginx reloads its configuration; requests
+        in flight finish at the old rate)."""
+        self.slow_rate = rate
+        self._write_conf()
+        self.proc.send_signal(signal.SIGHUP)
+        time.sleep(0.5)
 
     def error_log(self) -> str:
         p = self.dir / "error.log"

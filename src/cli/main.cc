@@ -22,6 +22,7 @@
 #include "common/util.h"
 #include "edge/edge.h"
 #include "edge/image/fanotify_loader.h"
+#include "edge/image/fuse_loader.h"
 #include "image/layer_builder.h"
 #include "image/oci_import.h"
 #include "platform/platform.h"
@@ -541,12 +542,19 @@ int main(int argc, char** argv) {
   }
   if (cmd == "up") return cmdUp(a);
   if (cmd == "loader") {
-    // Internal: a loader process started by the edge (edge/image/fanotify_loader.h).
-    if (a.positional.size() != 2 || a.positional[1] != "fanotify" || a.get("store").empty()) {
-      return die("usage: dsec loader fanotify --store URI --control-fd N (started by dsec up)");
+    // Internal: a loader process started by the edge (edge/image/fanotify_loader.h,
+    // edge/image/fuse_loader.h).
+    std::string kind = a.positional.size() == 2 ? a.positional[1] : "";
+    int ctl = std::atoi(a.get("control-fd", "3").c_str());
+    if (kind == "fanotify" && !a.get("store").empty()) {
+      return edge::runFanotifyLoaderProcess(ctl, a.get("store"), a.get("store-ca"));
     }
-    return edge::runFanotifyLoaderProcess(std::atoi(a.get("control-fd", "3").c_str()),
-                                          a.get("store"), a.get("store-ca"));
+    if (kind == "fuse" && !a.get("store").empty() && !a.get("mount").empty()) {
+      return edge::runFuseLoaderProcess(ctl, a.get("store"), a.get("mount"), a.get("store-ca"));
+    }
+    return die(
+        "usage: dsec loader fanotify --store URI --control-fd N\n"
+        "       dsec loader fuse --store URI --mount DIR --control-fd N (started by dsec up)");
   }
   if (cmd == "image") return cmdImage(a);
   if (cmd == "sandbox") return cmdSandbox(a);

@@ -62,6 +62,7 @@ struct FanotifyFiller::File {
   bool marked = false;
   std::unique_ptr<std::atomic<uint8_t>[]> have;     // chunk present in the file
   std::unique_ptr<std::atomic<uint8_t>[]> touched;  // chunk read at least once
+  std::unique_ptr<std::atomic<uint8_t>[]> ordered;  // chunk in `order`
   std::atomic<int64_t> haveCount{0}, touchedBytes{0}, chunksFetched{0}, bytesFetched{0},
       cacheHits{0}, readRequests{0};
   std::mutex orderMu;
@@ -135,6 +136,7 @@ Status FanotifyFiller::add(const std::string& path, const std::string& dataDiges
   int64_t n = f->index->chunkCount();
   f->have.reset(new std::atomic<uint8_t>[size_t(n)]());
   f->touched.reset(new std::atomic<uint8_t>[size_t(n)]());
+  f->ordered.reset(new std::atomic<uint8_t>[size_t(n)]());
   for (int64_t i = 0; i < n; ++i) {
     int64_t off = i * f->index->chunkSize;
     if (present(f->fd.get(), off, off + f->index->chunkLength(i))) {
@@ -273,6 +275,11 @@ void FanotifyFiller::workLoop() {
     if (Status st = ensureChunk(*aheadFile, aheadChunk, fd); !st.isOk()) {
       log::warn("read-ahead " + aheadFile->path + " chunk " + std::to_string(aheadChunk) + ": " +
                 st.toString());
+    } else if (aheadFile->ordered[size_t(aheadChunk)].exchange(1) == 0) {
+      // Part of what a start reads (its reads may never reach us once the
+      // copy is complete): it belongs in the prefetch list, not in bytes read.
+      std::lock_guard lk(aheadFile->orderMu);
+      aheadFile->order.push_back(aheadChunk);
     }
   }
 }
@@ -302,8 +309,8 @@ void FanotifyFiller::handle(const Event& ev) {
   int64_t last = std::min(idx.chunkCount() - 1, (ev.off + ev.count - 1) / idx.chunkSize);
   bool hit = true;  // every chunk known present before this read
   for (int64_t i = first; i <= last; ++i) {
-    if (f->touched[size_t(i)].exchange(1) == 0) {
-      f->touchedBytes += idx.chunkLength(i);
+    if (f->touched[size_t(i)].exchange(1) == 0) f->touchedBytes += idx.chunkLength(i);
+    if (f->ordered[size_t(i)].exchange(1) == 0) {
       std::lock_guard lk(f->orderMu);
       f->order.push_back(i);
     }

@@ -22,6 +22,7 @@
 
 #include "common/log.h"
 #include "common/util.h"
+#include "edge/image/loader_control.h"
 
 extern char** environ;
 
@@ -29,66 +30,6 @@ namespace dsec::edge {
 
 using json = nlohmann::json;
 
-namespace {
-
-Status sendMsg(int fd, const std::string& m) {
-  if (::send(fd, m.data(), m.size(), MSG_NOSIGNAL) != ssize_t(m.size())) {
-    return sysError("loader control send");
-  }
-  return Status::ok();
-}
-
-// One message within timeoutS (< 0: wait forever); "" at EOF.
-Result<std::string> recvMsg(int fd, double timeoutS) {
-  pollfd p{fd, POLLIN, 0};
-  int ms = timeoutS < 0 ? -1 : int(timeoutS * 1000);
-  int rc;
-  while ((rc = ::poll(&p, 1, ms)) < 0 && errno == EINTR) {
-  }
-  if (rc == 0) return Status(Code::kDeadlineExceeded, "loader did not answer");
-  if (rc < 0) return sysError("loader control poll");
-  std::string buf(1 << 20, '\0');
-  ssize_t n = ::recv(fd, buf.data(), buf.size(), 0);
-  if (n < 0) return sysError("loader control recv");
-  buf.resize(size_t(n));
-  return buf;
-}
-
-json statsJson(const LayerStats& s) {
-  return {{"chunks_cached", s.chunksCached}, {"chunks_fetched", s.chunksFetched},
-          {"bytes_fetched", s.bytesFetched}, {"cache_hits", s.cacheHits},
-          {"read_requests", s.readRequests}, {"bytes_read", s.bytesRead}};
-}
-
-LayerStats statsFrom(const json& j) {
-  LayerStats s;
-  s.chunksCached = j.value("chunks_cached", int64_t(0));
-  s.chunksFetched = j.value("chunks_fetched", int64_t(0));
-  s.bytesFetched = j.value("bytes_fetched", int64_t(0));
-  s.cacheHits = j.value("cache_hits", int64_t(0));
-  s.readRequests = j.value("read_requests", int64_t(0));
-  s.bytesRead = j.value("bytes_read", int64_t(0));
-  return s;
-}
-
-Result<std::shared_ptr<const image::ChunkIndex>> loadIndex(const std::string& path) {
-  ASSIGN_OR_RETURN(std::string bytes, readFile(path));
-  ASSIGN_OR_RETURN(image::ChunkIndex idx, image::ChunkIndex::parse(bytes));
-  return std::make_shared<const image::ChunkIndex>(std::move(idx));
-}
-
-// The pid in `file` if that process is a dsec loader.
-int staleLoader(const std::string& file) {
-  auto s = readFile(file);
-  if (!s.isOk()) return -1;
-  int pid = atoi(s->c_str());
-  if (pid <= 1) return -1;
-  auto cmd = readFile("/proc/" + std::to_string(pid) + "/cmdline");
-  if (!cmd.isOk() || cmd->find(std::string("loader\0fanotify", 15)) == std::string::npos) return -1;
-  return pid;
-}
-
-}  // namespace
 
 int runFanotifyLoaderProcess(int ctl, const std::string& storeUri, const std::string& caFile) {
   ::signal(SIGPIPE, SIG_IGN);
@@ -152,7 +93,7 @@ Result<std::unique_ptr<FanotifyLoader>> FanotifyLoader::start(image::BlobStore* 
   l->opts_ = std::move(opts);
   RETURN_IF_ERROR(makeDirs(l->opts_.runDir, 0700));
   // A loader left by an edge that crashed serves sandboxes that are reaped now.
-  if (int pid = staleLoader(l->opts_.runDir + "/loader.pid"); pid > 0) {
+  if (int pid = staleLoaderPid(l->opts_.runDir + "/loader.pid"); pid > 0) {
     log::warn("killing the loader process " + std::to_string(pid) + " of an earlier edge");
     ::kill(pid, SIGKILL);
   }

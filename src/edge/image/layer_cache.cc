@@ -123,10 +123,24 @@ Status LayerCache::mountLayer(const LayerFiles& files, const std::string& target
 Result<std::string> LayerCache::acquire(const std::string& digest) {
   std::lock_guard lk(mu_);
   auto it = layers_.find(digest);
+  int refs = 0;
   if (it != layers_.end()) {
-    ++it->second.refs;
-    it->second.lastUsed = monoSeconds();
-    return it->second.path;
+    if (!cache_->broken(digest)) {
+      ++it->second.refs;
+      it->second.lastUsed = monoSeconds();
+      return it->second.path;
+    }
+    // Mounted over a loader process that died: sandboxes running on it keep
+    // their (failing) mount, which their own mount namespaces hold; new ones
+    // get a fresh mount over the new process. Their refs carry over, so
+    // release() stays balanced.
+    log::warn("layer " + digest + ": its loader process died; remounting it for new sandboxes");
+    if (::umount2(it->second.path.c_str(), MNT_DETACH) != 0 && errno != EINVAL) {
+      return sysError("umount broken layer " + it->second.path);
+    }
+    refs = it->second.refs;
+    layers_.erase(it);
+    cache_->unmounted(digest);
   }
   ASSIGN_OR_RETURN(LayerFiles files, cache_->prepare(digest));
   std::string target = mountRoot_ + "/" + hexOf(digest);
@@ -140,7 +154,7 @@ Result<std::string> LayerCache::acquire(const std::string& digest) {
     cache_->unmounted(digest);
     return st;
   }
-  layers_[digest] = Entry{target, 1, monoSeconds()};
+  layers_[digest] = Entry{target, refs + 1, monoSeconds()};
   trimLocked();
   return target;
 }

@@ -56,6 +56,10 @@ class Loader {
   virtual std::vector<int64_t> readOrder(const std::string& dataDigest) = 0;
   // Processes serving reads outside this one (for operators and tests).
   virtual std::vector<int> helperPids() const { return {}; }
+  // Changes whenever the paths attach() returned so far stop serving reads
+  // (their server died): a mount made over such a path, under an older
+  // generation, must be unmounted and its layer attached again.
+  virtual uint64_t generation() { return 0; }
 };
 
 }  // namespace dsec::edge

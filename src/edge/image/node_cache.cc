@@ -13,6 +13,7 @@
 #include "common/log.h"
 #include "common/util.h"
 #include "edge/image/fanotify_loader.h"
+#include "edge/image/fuse_loader.h"
 
 namespace dsec::edge {
 
@@ -55,7 +56,13 @@ Result<std::unique_ptr<NodeCache>> NodeCache::open(NodeCacheOptions opts, LayerL
     ASSIGN_OR_RETURN(auto l, FanotifyLoader::start(c->store_.get(), fo));
     c->loader_ = std::move(l);
   } else if (want == "fuse") {
-    return Status(Code::kFailedPrecondition, "the fuse loader is not built yet");
+    FuseLoaderOptions fo;
+    fo.selfExe = c->opts_.selfExe;
+    fo.runDir = c->opts_.dir;
+    fo.mountDir = c->opts_.dir + "/fuse";
+    fo.pingTimeoutS = c->opts_.loaderPingTimeoutS;
+    ASSIGN_OR_RETURN(auto l, FuseLoader::start(c->store_.get(), fo));
+    c->loader_ = std::move(l);
   } else {
     return invalidArg("loader", "loader must be auto, direct, fanotify or fuse, not " + want);
   }
@@ -148,6 +155,7 @@ Result<LayerFiles> NodeCache::prepare(const std::string& digest) {
     if (::rename(tmp.c_str(), data.c_str()) != 0) return sysError("rename " + data);
   }
   ASSIGN_OR_RETURN(files.data, loader_->attach(d, data, index));
+  uint64_t generation = loader_->generation();
   std::vector<int64_t> order;
   if (auto list = readFile(pathOf(d.dataDigest, ".order")); list.isOk()) {
     std::istringstream in(*list);
@@ -158,6 +166,7 @@ Result<LayerFiles> NodeCache::prepare(const std::string& digest) {
   std::lock_guard lk(mu_);
   Entry& e = entries_[digest];
   e.attached = true;
+  e.loaderGeneration = generation;
   e.attachedAt = monoSeconds();
   e.recorded = !order.empty();
   if (cold && !order.empty() && !stopping_) {
@@ -226,6 +235,22 @@ void NodeCache::recorder() {
   }
 }
 
+bool NodeCache::broken(const std::string& digest) {
+  if (!loader_) return false;
+  uint64_t attachedAt;
+  {
+    std::lock_guard lk(mu_);
+    auto it = entries_.find(digest);
+    if (it == entries_.end() || !it->second.attached || it->second.desc.dataDigest.empty()) {
+      return false;
+    }
+    attachedAt = it->second.loaderGeneration;
+  }
+  // Per layer, not per data blob: two layers sharing a blob were mounted
+  // separately, and remounting one does not heal the other.
+  return loader_->generation() != attachedAt;
+}
+
 void NodeCache::unmounted(const std::string& digest) {
   std::string data;
   {
@@ -244,6 +269,9 @@ int64_t NodeCache::usedBytes() const {
   DIR* d = ::opendir(opts_.dir.c_str());
   if (!d) return 0;
   while (dirent* e = ::readdir(d)) {
+    // Regular files only: a stat of the fuse loader's mount point would wait
+    // on a hung loader.
+    if (e->d_type != DT_REG && e->d_type != DT_UNKNOWN) continue;
     struct stat st;
     if (::fstatat(::dirfd(d), e->d_name, &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISREG(st.st_mode)) {
       total += int64_t(st.st_blocks) * 512;

@@ -48,6 +48,9 @@ class NodeCache {
 
   // Fetches what is missing and attaches the data blob to the loader.
   Result<LayerFiles> prepare(const std::string& digest);
+  // True when the layer's mount can no longer read its data (the loader
+  // process serving it died): unmount it, then prepare() it again.
+  bool broken(const std::string& digest);
   // The layer's mount is gone: the loader stops serving its data blob.
   void unmounted(const std::string& digest);
   // Bytes the cache holds on disk (allocated, so sparse copies count what they hold).
@@ -76,6 +79,7 @@ class NodeCache {
     bool attached = false;
     double attachedAt = 0;
     bool recorded = false;
+    uint64_t loaderGeneration = 0;  // of the loader when attached
     LayerStats past;  // counters of earlier attachments
     int64_t wholeBytesFetched = 0;  // metadata image and chunk index
     std::shared_ptr<std::atomic<int64_t>> prefetched = std::make_shared<std::atomic<int64_t>>(0);
