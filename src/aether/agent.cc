@@ -327,6 +327,9 @@ void Agent::dispatch(Frame& f) {
     case FrameType::kAudit:
       handleAudit(f);
       return;
+    case FrameType::kPolicy:
+      handlePolicy(f);
+      return;
     case FrameType::kList:
     case FrameType::kStat:
     case FrameType::kMkdir:
@@ -424,6 +427,29 @@ void Agent::handleAudit(const Frame& f) {
   }
   Json out = {{"ok", true}, {"denied_syscalls", denied}, {"denied_total", total}};
   sendFrame(f.stream, FrameType::kResult, dumpJson(out));
+}
+
+void Agent::handlePolicy(const Frame& f) {
+  if (!acceptRequest(f)) return;
+  Result<Json> j = parseObject(f.payload);
+  if (!j.isOk()) return sendError(f.stream, j.status());
+  std::vector<std::string> lists[2];
+  const char* names[2] = {"readonly", "hidden"};
+  for (int k = 0; k < 2; ++k) {
+    auto it = j->find(names[k]);
+    if (it == j->end()) continue;
+    if (!it->is_array()) return sendError(f.stream, invalidArg(names[k], "must be a list of paths"));
+    for (auto& p : *it) {
+      if (!p.is_string() || p.get<std::string>().empty() || p.get<std::string>()[0] != '/') {
+        return sendError(f.stream, invalidArg(names[k], "paths must be absolute"));
+      }
+      lists[k].push_back(p.get<std::string>());
+    }
+  }
+  Status st = fs_policy_.apply(lists[0], lists[1]);
+  if (!st.isOk()) return sendError(f.stream, st);
+  sendFrame(f.stream, FrameType::kResult,
+            dumpJson(Json{{"ok", true}, {"mounts", fs_policy_.mounts()}}));
 }
 
 void Agent::handleStdin(const Frame& f) {

@@ -19,6 +19,7 @@
 
 #include "aether/exec.h"
 #include "aether/files.h"
+#include "aether/fs_policy.h"
 #include "common/fd.h"
 #include "common/frame.h"
 #include "common/status.h"
@@ -99,6 +100,7 @@ class Agent {
   void handleFileRead(const proto::Frame& f);
   void handleSimpleFileOp(const proto::Frame& f);
   void handleAudit(const proto::Frame& f);
+  void handlePolicy(const proto::Frame& f);
   void onSeccompNotify(int fd, uint32_t events);
 
   void reapChildren();
@@ -144,6 +146,7 @@ class Agent {
   // the last process under its filter is gone.
   std::map<int, UniqueFd> listeners_;
   std::map<std::string, uint64_t> denied_;  // refused syscalls by name (audit)
+  FsPolicy fs_policy_;
   std::unordered_map<pid_t, uint32_t> pid_streams_;
   std::map<uint32_t, FileWriter> writes_;
   std::map<uint32_t, FileReader> reads_;

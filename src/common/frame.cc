@@ -34,6 +34,7 @@ const char* frameTypeName(FrameType type) {
     case FrameType::kMkdir: return "mkdir";
     case FrameType::kRemove: return "remove";
     case FrameType::kAudit: return "audit";
+    case FrameType::kPolicy: return "policy";
     case FrameType::kResult: return "result";
     case FrameType::kCancel: return "cancel";
   }

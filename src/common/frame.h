@@ -37,6 +37,7 @@ enum class FrameType : uint8_t {
   kMkdir = 0x25,      // edge -> aether: make a directory (JSON)
   kRemove = 0x26,     // edge -> aether: remove a path (JSON)
   kAudit = 0x27,      // edge -> aether: denied-syscall counts ({}); kResult answers
+  kPolicy = 0x28,     // edge -> aether: file rules of the policy in force (JSON)
   kResult = 0x2F,     // aether -> edge: outcome of a request (JSON)
   kCancel = 0x31,     // edge -> aether: abandon the stream's request
 };

@@ -6,6 +6,7 @@
 #include "common/log.h"
 #include "common/util.h"
 #include "platform/api_util.h"
+#include "platform/policy.h"
 #include "platform/platform.h"
 
 namespace dsec::platform {
@@ -34,7 +35,13 @@ json toApi(const SandboxRecord& r) {
             {"node", r.node},
             {"created_at", isoTime(r.createdAt)},
             {"expires_at", r.expiresAt > 0 ? json(isoTime(r.expiresAt)) : json(nullptr)},
-            {"error", r.error.empty() ? json(nullptr) : json(r.error)}};
+            {"error", r.error.empty() ? json(nullptr) : json(r.error)},
+            {"policy", r.policy},
+            {"readonly_paths", r.readonlyPaths},
+            {"hidden_paths", r.hiddenPaths}};
+  json phases = json::array();
+  for (auto& p : r.phases) phases.push_back({{"policy", p.policy}, {"at", isoTime(p.at)}});
+  j["phases"] = phases;
   return j;
 }
 
@@ -86,7 +93,7 @@ Result<int> parseMode(const std::optional<std::string>& s, int def) {
 void Platform::createSandbox(http::Request& req, http::Response& res) {
   auto parsed = parseObject(req, {"image", "backend", "cpu", "memory_mb", "disk_mb", "pids",
                                   "ttl_s", "env", "labels", "workspaces", "toolkits", "diffs",
-                                  "snapshot"});
+                                  "snapshot", "policy", "readonly_paths", "hidden_paths"});
   if (!parsed.isOk()) return sendError(res, parsed.status());
   const json& j = *parsed;
   SandboxRecord r;
@@ -128,6 +135,17 @@ void Platform::createSandbox(http::Request& req, http::Response& res) {
     if (!labels.isOk()) return fail(labels.status());
     if (Status st = validateLabels(*labels); !st.isOk()) return fail(st);
     r.labels = *labels;
+    auto policy = getString(j, "policy", "default", 64);
+    if (!policy.isOk()) return fail(policy.status());
+    if (auto p = findPolicy(*policy, "policy"); !p.isOk()) return fail(p.status());
+    r.policy = *policy;
+    for (auto [field, out] : {std::pair{"readonly_paths", &r.readonlyPaths},
+                              std::pair{"hidden_paths", &r.hiddenPaths}}) {
+      auto paths = getStringList(j, field);
+      if (!paths.isOk()) return fail(paths.status());
+      if (Status st = validatePolicyPaths(*paths, field); !st.isOk()) return fail(st);
+      *out = *paths;
+    }
   }
   // Resolve the image, then the layers stacked on it at create time:
   // workspaces, toolkits, diffs, each list bottom first.
@@ -231,6 +249,11 @@ void Platform::createSandbox(http::Request& req, http::Response& res) {
   spec.diskBytes = r.diskMb << 20;
   spec.pids = r.pids;
   Status st = edge_->create(r.backend, spec);
+  if (st.isOk()) {
+    r.phases.push_back({r.policy, nowSeconds()});
+    st = applyPolicy(r);
+    if (!st.isOk()) (void)edge_->destroy(r.id);
+  }
   if (!st.isOk()) {
     // Nothing half-made: the edge cleaned up; drop the record too.
     log::warn("create " + r.id + " failed: " + st.toString());
@@ -248,6 +271,7 @@ void Platform::createSandbox(http::Request& req, http::Response& res) {
     std::lock_guard lk(mu_);
     cancelled = deleteRequested_.erase(r.id) > 0 || stopping_;
     auto& cur = sandboxes_[r.id];
+    cur.phases = r.phases;
     cur.state = cancelled ? "stopped" : "running";
     cur.updatedAt = nowSeconds();
     if (cancelled) {
@@ -320,6 +344,73 @@ void Platform::getSandbox(const std::string& id, http::Response& res) {
     }
   }
   sendJson(res, 200, dumpJson(j));
+}
+
+Status Platform::applyPolicy(const SandboxRecord& r) {
+  ASSIGN_OR_RETURN(Policy p, findPolicy(r.policy, "policy"));
+  json body = {{"readonly", p.readonlyPaths}, {"hidden", p.hiddenPaths}};
+  for (auto& x : r.readonlyPaths) body["readonly"].push_back(x);
+  for (auto& x : r.hiddenPaths) body["hidden"].push_back(x);
+  auto res = edge_->fileCall(r.id, proto::FrameType::kPolicy, body.dump());
+  if (!res.isOk()) {
+    Status st = res.status();
+    return st.withContext("apply policy " + r.policy);
+  }
+  return Status::ok();
+}
+
+void Platform::setPhase(const std::string& id, http::Request& req, http::Response& res) {
+  auto j = parseObject(req, {"policy", "readonly_paths", "hidden_paths"});
+  if (!j.isOk()) return sendError(res, j.status());
+  auto name = getString(*j, "policy", "", 64);
+  if (!name.isOk()) return sendError(res, name.status());
+  if (name->empty()) return sendError(res, invalidArg("policy", "policy is required"));
+  if (auto p = findPolicy(*name, "policy"); !p.isOk()) return sendError(res, p.status());
+  std::vector<std::string> extra[2];
+  const char* fields[2] = {"readonly_paths", "hidden_paths"};
+  for (int k = 0; k < 2; ++k) {
+    auto paths = getStringList(*j, fields[k]);
+    if (!paths.isOk()) return sendError(res, paths.status());
+    if (Status st = validatePolicyPaths(*paths, fields[k]); !st.isOk()) return sendError(res, st);
+    extra[k] = *paths;
+  }
+  auto rec = runningSandbox(id);
+  if (!rec.isOk()) return sendError(res, rec.status());
+  SandboxRecord r = *rec;
+  r.policy = *name;
+  r.readonlyPaths = extra[0];
+  r.hiddenPaths = extra[1];
+  r.phases.push_back({r.policy, nowSeconds()});
+  r.updatedAt = nowSeconds();
+  if (Status st = applyPolicy(r); !st.isOk()) return sendError(res, st);
+  {
+    std::lock_guard lk(mu_);
+    auto it = sandboxes_.find(id);
+    if (it == sandboxes_.end() || it->second.state != "running") {
+      return sendError(res, Status(Code::kFailedPrecondition, "sandbox " + id + " stopped"));
+    }
+    it->second.policy = r.policy;
+    it->second.readonlyPaths = r.readonlyPaths;
+    it->second.hiddenPaths = r.hiddenPaths;
+    it->second.phases = r.phases;
+    it->second.updatedAt = r.updatedAt;
+    r = it->second;
+  }
+  // Recorded before it is acknowledged.
+  if (Status st = store_->putSandbox(r); !st.isOk()) return sendError(res, st);
+  sendJson(res, 200, dumpJson(toApi(r)));
+}
+
+void Platform::listPolicies(http::Response& res) {
+  json arr = json::array();
+  for (const auto& p : builtinPolicies()) {
+    arr.push_back({{"name", p.name},
+                   {"description", p.description},
+                   {"readonly_paths", p.readonlyPaths},
+                   {"hidden_paths", p.hiddenPaths},
+                   {"egress", p.egress}});
+  }
+  sendJson(res, 200, dumpJson(json{{"policies", arr}}));
 }
 
 void Platform::getAudit(const std::string& id, http::Response& res) {

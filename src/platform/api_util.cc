@@ -79,6 +79,18 @@ Result<std::map<std::string, std::string>> getStringMap(const json& j, const cha
   return out;
 }
 
+Result<std::vector<std::string>> getStringList(const json& j, const char* field) {
+  std::vector<std::string> out;
+  auto it = j.find(field);
+  if (it == j.end() || it->is_null()) return out;
+  if (!it->is_array()) return invalidArg(field, std::string(field) + " must be a list of strings");
+  for (auto& v : *it) {
+    if (!v.is_string()) return invalidArg(field, std::string(field) + " must be a list of strings");
+    out.push_back(v.get<std::string>());
+  }
+  return out;
+}
+
 std::string dumpJson(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
 
 }  // namespace dsec::platform

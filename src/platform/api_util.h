@@ -6,6 +6,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <vector>
 
 #include "common/http_server.h"
 #include "common/status.h"
@@ -28,6 +29,8 @@ Result<std::string> getString(const json& j, const char* field, const std::strin
                               size_t maxLen);
 // A {"k": "v"} object of strings.
 Result<std::map<std::string, std::string>> getStringMap(const json& j, const char* field);
+// A list of strings; empty when absent or null.
+Result<std::vector<std::string>> getStringList(const json& j, const char* field);
 
 // JSON with invalid UTF-8 replaced (exec output is arbitrary bytes).
 std::string dumpJson(const json& j);

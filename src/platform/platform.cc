@@ -241,6 +241,10 @@ void Platform::handle(http::Request& req, http::Response& res) {
       if (m == "POST") return execSandbox(id, req, res);
       return methodNotAllowed();
     }
+    if (n == 5 && parts[4] == "phase") {
+      if (m == "POST") return setPhase(id, req, res);
+      return methodNotAllowed();
+    }
     if (n == 5 && parts[4] == "audit") {
       if (m == "GET") return getAudit(id, res);
       return methodNotAllowed();
@@ -258,6 +262,9 @@ void Platform::handle(http::Request& req, http::Response& res) {
     if (n == 3 && m == "GET") return listLayers(res);
     if (n == 4 && m == "GET") return getLayer(parts[3], res);
     if (n == 4 && m == "DELETE") return deleteLayer(parts[3], res);
+    return methodNotAllowed();
+  } else if (coll == "policies" && n == 3) {
+    if (m == "GET") return listPolicies(res);
     return methodNotAllowed();
   } else if (coll == "node" && n == 3) {
     if (m == "GET") return getNode(res);

@@ -65,6 +65,10 @@ class Platform {
   void execSandbox(const std::string& id, http::Request& req, http::Response& res);
   void packDiff(const std::string& id, http::Request& req, http::Response& res);
   void getAudit(const std::string& id, http::Response& res);
+  void setPhase(const std::string& id, http::Request& req, http::Response& res);
+  void listPolicies(http::Response& res);
+  // Applies the file rules of r's policy (plus its extra paths) in the sandbox.
+  Status applyPolicy(const SandboxRecord& r);
   void files(const std::string& id, const std::string& op, http::Request& req,
              http::Response& res);
   // Images and blobs (api_images.cc).

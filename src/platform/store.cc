@@ -58,7 +58,11 @@ std::string sandboxToJson(const SandboxRecord& r) {
             {"disk_mb", r.diskMb}, {"pids", r.pids},        {"ttl_s", r.ttlS},
             {"env", r.env},       {"labels", r.labels},     {"created_at", r.createdAt},
             {"updated_at", r.updatedAt}, {"expires_at", r.expiresAt},
-            {"stopped_at", r.stoppedAt}};
+            {"stopped_at", r.stoppedAt}, {"policy", r.policy},
+            {"readonly_paths", r.readonlyPaths}, {"hidden_paths", r.hiddenPaths}};
+  json phases = json::array();
+  for (auto& p : r.phases) phases.push_back({{"policy", p.policy}, {"at", p.at}});
+  j["phases"] = phases;
   return j.dump();
 }
 
@@ -89,6 +93,12 @@ Result<SandboxRecord> sandboxFromJson(const std::string& s) {
     r.updatedAt = j.at("updated_at");
     r.expiresAt = j.at("expires_at");
     r.stoppedAt = j.at("stopped_at");
+    r.policy = j.value("policy", "default");
+    r.readonlyPaths = j.value("readonly_paths", Strings{});
+    r.hiddenPaths = j.value("hidden_paths", Strings{});
+    if (auto it = j.find("phases"); it != j.end() && it->is_array()) {
+      for (auto& p : *it) r.phases.push_back({p.at("policy"), p.at("at")});
+    }
     return r;
   } catch (const json::exception& e) {
     return internalError(std::string("corrupt sandbox record: ") + e.what());

@@ -36,6 +36,15 @@ struct SandboxRecord {
   double updatedAt = 0;
   double expiresAt = 0;  // 0: never
   double stoppedAt = 0;
+  // Security policy in force (platform/policy.h) with the caller's extra
+  // paths, and every switch of it: the phases of the sandbox's life.
+  std::string policy = "default";
+  std::vector<std::string> readonlyPaths, hiddenPaths;
+  struct Phase {
+    std::string policy;
+    double at = 0;
+  };
+  std::vector<Phase> phases;
 };
 
 struct ImageRecord {

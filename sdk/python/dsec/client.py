@@ -289,6 +289,7 @@ class Client:
                toolkits: Optional[Sequence[str]] = None,
                diffs: Optional[Sequence[str]] = None,
                snapshot: Optional[str] = None,
+               policy: Optional[str] = None,
                timeout: Optional[float] = None, **extra: Any) -> "Sandbox":
         """Creates a sandbox and returns it once it is running (or failed).
 
@@ -296,7 +297,9 @@ class Client:
         image, in that order (each an image ref of that kind or a layer digest),
         so a toolkit can change without rebuilding the base. ``snapshot`` (an
         image made by ``Sandbox.pack_diff``) restores that sandbox's files on
-        the stack it was made on; ``image`` may then be omitted.
+        the stack it was made on; ``image`` may then be omitted. ``policy``
+        names the security policy it starts under (``client.policies()``;
+        default ``"default"``); ``Sandbox.set_phase`` switches it later.
         Raises NotFound for an unknown image, InvalidArgument (with ``field``)
         for a bad parameter. ``extra`` keys are sent as they are.
         """
@@ -309,7 +312,8 @@ class Client:
                      ("pids", pids), ("ttl_s", ttl_s), ("env", env), ("labels", labels),
                      ("workspaces", list(workspaces) if workspaces is not None else None),
                      ("toolkits", list(toolkits) if toolkits is not None else None),
-                     ("diffs", list(diffs) if diffs is not None else None)):
+                     ("diffs", list(diffs) if diffs is not None else None),
+                     ("policy", policy)):
             if v is not None:
                 req[k] = v
         req.update(extra)
@@ -340,6 +344,11 @@ class Client:
                                         timeout=max(self.timeout, 60.0)))
 
     # ----- images and blobs -----------------------------------------------------
+
+    def policies(self) -> List[Dict[str, Any]]:
+        """The security policies sandboxes can run under (name, description,
+        readonly_paths, hidden_paths, egress)."""
+        return self._call("GET", "/v1/policies")["policies"]
 
     def images(self) -> List[Image]:
         return [Image(i) for i in self._call("GET", "/v1/images").get("images", [])]
@@ -542,6 +551,21 @@ class Sandbox:
         return Image(self.client._call("POST", f"/v1/sandboxes/{_q(self.id)}/pack_diff",
                                        json_body={"name": name, "tag": tag},
                                        timeout=max(self.client.timeout, 300.0)))
+
+    def set_phase(self, policy: str, readonly_paths: Optional[Sequence[str]] = None,
+                  hidden_paths: Optional[Sequence[str]] = None) -> "Sandbox":
+        """Switches the sandbox to another security policy, e.g. ``"eval"``
+        once an agent's rollout is done: it takes effect at once for every
+        process in the sandbox, running ones included, and is recorded in
+        ``info["phases"]``. ``readonly_paths``/``hidden_paths`` add paths to
+        the policy's own."""
+        body: Dict[str, Any] = {"policy": policy}
+        if readonly_paths is not None:
+            body["readonly_paths"] = list(readonly_paths)
+        if hidden_paths is not None:
+            body["hidden_paths"] = list(hidden_paths)
+        self.info = self.client._call("POST", f"/v1/sandboxes/{_q(self.id)}/phase", json_body=body)
+        return self
 
     def audit(self) -> dict:
         """What the sandbox tried and was refused: ``{"denied_syscalls":

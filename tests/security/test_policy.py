@@ -1,0 +1,96 @@
+"""Per-phase security policies: a sandbox starts under one and switches live;
+the file rules bind every process, running ones included, whatever the uid."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import dsec
+from helpers import expect_error
+
+
+def test_builtin_policies_are_listed(client):
+    names = {p["name"]: p for p in client.policies()}
+    assert {"default", "rollout", "eval"} <= set(names)
+    assert "/usr" in names["eval"]["readonly_paths"]
+    assert all(p["egress"] == [] for p in names.values())
+
+
+def test_eval_phase_stops_bash_tampering_even_for_a_running_process(make_sandbox, debian):
+    sb = make_sandbox(debian)
+    assert sb.info["policy"] == "default" and [p["policy"] for p in sb.info["phases"]] == ["default"]
+    # Tampering works while the phase allows it (the sandbox's own files)...
+    assert sb.exec("cp /bin/true /usr/local/bin/probe && rm /usr/local/bin/probe").exit_code == 0
+    # ...a process started before the switch keeps trying to write system paths.
+    r = sb.exec("(while :; do if echo x > /usr/bin/tamper 2>/dev/null; then echo ok; "
+                "else echo denied; fi > /tmp/loop.out; sleep 0.1; done) >/dev/null 2>&1 & echo bg")
+    assert r.stdout == "bg\n"
+    time.sleep(0.5)
+    assert sb.exec("cat /tmp/loop.out").stdout == "ok\n"
+
+    sb.set_phase("eval", hidden_paths=["/root/answers"], readonly_paths=["/opt"])
+    assert sb.info["policy"] == "eval"
+    assert [p["policy"] for p in sb.info["phases"]] == ["default", "eval"]
+    time.sleep(0.5)
+    assert sb.exec("cat /tmp/loop.out").stdout == "denied\n", "a running process still writes"
+    for cmd in ("cp /bin/sh /bin/bash", "echo evil >> /etc/passwd", "rm /usr/bin/env",
+                "touch /lib/x", "touch /opt/x"):
+        r = sb.exec(cmd)
+        assert r.exit_code != 0 and "Read-only file system" in r.stderr, (cmd, r)
+    # The rest of the sandbox is the agent's to use.
+    assert sb.exec("echo fine > /tmp/ok && echo fine > /root/ok && cat /tmp/ok").stdout == "fine\n"
+    # As any user, and no way to undo it from inside.
+    assert sb.exec("touch /usr/x", user="nobody").exit_code != 0
+    r = sb.exec("mount -o remount,rw /usr; umount /usr; touch /usr/x")
+    assert r.exit_code != 0
+
+    # Back to rollout: writable again; the history is kept, also across GETs.
+    sb.set_phase("rollout")
+    assert sb.exec("touch /usr/x && rm /usr/x").exit_code == 0
+    got = sb.client.get(sb.id).info
+    assert [p["policy"] for p in got["phases"]] == ["default", "eval", "rollout"]
+
+
+def test_hidden_paths_are_invisible(make_sandbox, debian):
+    sb = make_sandbox(debian)
+    assert sb.exec("mkdir -p /srv/answers && echo 42 > /srv/answers/key && "
+                   "echo secret > /srv/grader.txt").exit_code == 0
+    sb.set_phase("eval", hidden_paths=["/srv/answers", "/srv/grader.txt"])
+    r = sb.exec("cat /srv/answers/key; ls /srv/answers; cat /srv/grader.txt")
+    assert "42" not in r.stdout and "secret" not in r.stdout
+    assert sb.exec("echo x > /srv/answers/new").exit_code != 0
+    sb.set_phase("rollout")
+    assert sb.exec("cat /srv/answers/key").stdout == "42\n"
+
+
+def test_policy_can_be_chosen_at_create(make_sandbox, busybox, server):
+    from test_contract import conforms
+    sb = make_sandbox(busybox, policy="eval")
+    assert sb.info["policy"] == "eval"
+    r = sb.exec("touch /bin/x")
+    assert r.exit_code != 0 and "Read-only" in r.stderr
+    doc = conforms(server.raw("POST", f"/v1/sandboxes/{sb.id}/phase", body={"policy": "rollout"}),
+                   "/v1/sandboxes/{id}/phase", "POST")
+    assert doc["policy"] == "rollout"
+    conforms(server.raw("GET", "/v1/policies"), "/v1/policies", "GET")
+
+
+def test_bad_policies_and_paths_are_refused(client, server, busybox, bb):
+    before = {s.id for s in client.list()}
+    expect_error(lambda: client.create(busybox, policy="nope"), dsec.InvalidArgument, "policy")
+    expect_error(lambda: client.create(busybox, policy="eval", readonly_paths=["relative"]),
+                 dsec.InvalidArgument, "readonly_paths")
+    assert {s.id for s in client.list()} == before, "a refused create left a sandbox"
+    for body, field in (({"policy": "nope"}, "policy"), ({}, "policy"),
+                        ({"policy": "eval", "hidden_paths": ["/proc/self"]}, "hidden_paths"),
+                        ({"policy": "eval", "readonly_paths": ["/a/../b"]}, "readonly_paths"),
+                        ({"policy": "eval", "readonly_paths": "/usr"}, "readonly_paths"),
+                        ({"policy": "eval", "bogus": 1}, "bogus")):
+        status, _, _, doc = server.raw("POST", f"/v1/sandboxes/{bb.id}/phase", body=body)
+        assert status == 400 and doc["error"]["field"] == field, (body, doc)
+    assert bb.client.get(bb.id).info["policy"] == "default"
+    status, _, _, doc = server.raw("POST", "/v1/sandboxes/sb-0000000000000000/phase",
+                                   body={"policy": "eval"})
+    assert status == 404
