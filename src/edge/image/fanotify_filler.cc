@@ -12,6 +12,7 @@
 
 #include "common/log.h"
 #include "common/util.h"
+#include "edge/image/loader_control.h"
 
 // Debian 12's headers predate pre-content events (Linux 6.14).
 #ifndef FAN_PRE_ACCESS
@@ -34,11 +35,6 @@ struct RangeInfo {
   uint64_t count;
 };
 
-// True when [off, end) of fd has no hole.
-bool present(int fd, int64_t off, int64_t end) {
-  off_t hole = ::lseek(fd, off, SEEK_HOLE);
-  return hole >= 0 && hole >= end;
-}
 }  // namespace
 
 LayerStats& LayerStats::operator+=(const LayerStats& o) {
@@ -139,7 +135,7 @@ Status FanotifyFiller::add(const std::string& path, const std::string& dataDiges
   f->ordered.reset(new std::atomic<uint8_t>[size_t(n)]());
   for (int64_t i = 0; i < n; ++i) {
     int64_t off = i * f->index->chunkSize;
-    if (present(f->fd.get(), off, off + f->index->chunkLength(i))) {
+    if (chunkPresent(f->fd.get(), off, off + f->index->chunkLength(i))) {
       f->have[size_t(i)] = 1;
       ++f->haveCount;
     }
@@ -364,27 +360,14 @@ Status FanotifyFiller::ensureChunk(File& f, int64_t i, int eventFd) {
   const auto& idx = *f.index;
   int64_t off = i * idx.chunkSize;
   int64_t len = idx.chunkLength(i);
-  if (present(f.fd.get(), off, off + len)) {  // filled by the other filler
+  if (chunkPresent(f.fd.get(), off, off + len)) {  // filled by the other filler
     f.have[size_t(i)] = 1;
     ++f.haveCount;
     return done(Status::ok());
   }
-  std::string buf(size_t(len), '\0');
-  Status st;
-  for (int attempt = 0; attempt < 2; ++attempt) {
-    st = store_->readAt(image::blobName(f.dataDigest), off, size_t(len), buf.data());
-    if (!st.isOk()) return done(st);
-    if (idx.verify(i, buf)) break;
-    st = Status(Code::kDataLoss, "chunk " + std::to_string(i) + " of " + f.dataDigest +
-                                     " does not match its checksum");
-    log::warn(st.message() + (attempt == 0 ? "; fetching it again" : ""));
-  }
-  if (!st.isOk()) return done(st);
-  for (int64_t w = 0; w < len;) {
-    ssize_t r = ::pwrite(eventFd, buf.data() + w, size_t(len - w), off + w);
-    if (r < 0 && errno == EINTR) continue;
-    if (r <= 0) return done(sysError("write " + f.path));
-    w += r;
+  if (Status st = fetchChunkInto(store_, f.dataDigest, idx, i, eventFd, f.path);
+      !st.isOk()) {
+    return done(st);
   }
   f.have[size_t(i)] = 1;
   ++f.haveCount;

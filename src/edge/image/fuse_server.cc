@@ -22,10 +22,6 @@ constexpr double kCacheTimeoutS = 86400;
 constexpr int64_t kReadAheadChunks = 2;
 constexpr int kReadAheadThreads = 2;
 
-bool present(int fd, int64_t off, int64_t end) {
-  off_t hole = ::lseek(fd, off, SEEK_HOLE);
-  return hole >= 0 && hole >= end;
-}
 
 std::string hexOf(const std::string& digest) {
   return startsWith(digest, "sha256:") ? digest.substr(7) : digest;
@@ -253,7 +249,7 @@ Status FuseServer::add(const std::string& cachePath, const std::string& dataDige
   f->touched.reset(new std::atomic<uint8_t>[size_t(n)]());
   for (int64_t i = 0; i < n; ++i) {
     int64_t off = i * f->index->chunkSize;
-    if (present(f->fd.get(), off, off + f->index->chunkLength(i))) {
+    if (chunkPresent(f->fd.get(), off, off + f->index->chunkLength(i))) {
       f->have[size_t(i)] = 1;
       ++f->haveCount;
     }
@@ -376,27 +372,14 @@ Status FuseServer::ensureChunk(File& f, int64_t i) {
   const auto& idx = *f.index;
   int64_t off = i * idx.chunkSize;
   int64_t len = idx.chunkLength(i);
-  if (present(f.fd.get(), off, off + len)) {  // filled by another loader meanwhile
+  if (chunkPresent(f.fd.get(), off, off + len)) {  // filled by another loader meanwhile
     f.have[size_t(i)] = 1;
     ++f.haveCount;
     return done(Status::ok());
   }
-  std::string buf(size_t(len), '\0');
-  Status st;
-  for (int attempt = 0; attempt < 2; ++attempt) {
-    st = store_->readAt(image::blobName(f.dataDigest), off, size_t(len), buf.data());
-    if (!st.isOk()) return done(st);
-    if (idx.verify(i, buf)) break;
-    st = Status(Code::kDataLoss, "chunk " + std::to_string(i) + " of " + f.dataDigest +
-                                     " does not match its checksum");
-    log::warn(st.message() + (attempt == 0 ? "; fetching it again" : ""));
-  }
-  if (!st.isOk()) return done(st);
-  for (int64_t w = 0; w < len;) {
-    ssize_t r = ::pwrite(f.fd.get(), buf.data() + w, size_t(len - w), off + w);
-    if (r < 0 && errno == EINTR) continue;
-    if (r <= 0) return done(sysError("write " + f.cachePath));
-    w += r;
+  if (Status st = fetchChunkInto(store_, f.dataDigest, idx, i, f.fd.get(), f.cachePath);
+      !st.isOk()) {
+    return done(st);
   }
   f.have[size_t(i)] = 1;
   ++f.haveCount;

@@ -1,5 +1,9 @@
 #include "edge/image/loader_control.h"
 
+#include "common/log.h"
+
+#include <unistd.h>
+
 #include <poll.h>
 #include <sys/socket.h>
 
@@ -79,6 +83,36 @@ ChunkSpan chunkSpan(int64_t chunkSize, int64_t dataSize, int64_t off, int64_t le
   s.first = off / chunkSize;
   s.last = (end - 1) / chunkSize;
   return s;
+}
+
+bool chunkPresent(int fd, int64_t off, int64_t end) {
+  off_t hole = ::lseek(fd, off, SEEK_HOLE);
+  return hole >= 0 && hole >= end;
+}
+
+Status fetchChunkInto(image::BlobStore* store, const std::string& dataDigest,
+                      const image::ChunkIndex& idx, int64_t i, int writeFd,
+                      const std::string& what) {
+  int64_t off = i * idx.chunkSize;
+  int64_t len = idx.chunkLength(i);
+  std::string buf(size_t(len), '\0');
+  Status st;
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    st = store->readAt(image::blobName(dataDigest), off, size_t(len), buf.data());
+    if (!st.isOk()) return st;
+    if (idx.verify(i, buf)) break;
+    st = Status(Code::kDataLoss, "chunk " + std::to_string(i) + " of " + dataDigest +
+                                     " does not match its checksum");
+    log::warn(st.message() + (attempt == 0 ? "; fetching it again" : ""));
+  }
+  RETURN_IF_ERROR(st);
+  for (int64_t w = 0; w < len;) {
+    ssize_t r = ::pwrite(writeFd, buf.data() + w, size_t(len - w), off + w);
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) return sysError("write " + what);
+    w += r;
+  }
+  return Status::ok();
 }
 
 }  // namespace dsec::edge

@@ -12,6 +12,7 @@
 
 #include "common/status.h"
 #include "edge/image/loader.h"
+#include "image/blob_store.h"
 #include "image/chunk_index.h"
 
 namespace dsec::edge {
@@ -24,6 +25,17 @@ Result<std::string> recvMsg(int fd, double timeoutS);
 
 nlohmann::json statsJson(const LayerStats& s);
 LayerStats statsFrom(const nlohmann::json& j);
+
+// True when [off, end) of fd has no hole (SEEK_HOLE raises no fanotify event):
+// in a sparse cache copy, those bytes were filled and verified.
+bool chunkPresent(int fd, int64_t off, int64_t end);
+
+// Fetches chunk i of data blob `dataDigest` from the store, checks it against
+// the index (fetching once more on a mismatch; kDataLoss after that), and
+// writes it at its offset through writeFd. `what` names the file in errors.
+Status fetchChunkInto(image::BlobStore* store, const std::string& dataDigest,
+                      const image::ChunkIndex& idx, int64_t i, int writeFd,
+                      const std::string& what);
 
 // Reads and parses a chunk index file.
 Result<std::shared_ptr<const image::ChunkIndex>> loadIndex(const std::string& path);
