@@ -170,9 +170,19 @@ void FanotifyLoader::killHelper() {
 
 Result<std::string> FanotifyLoader::call(const std::string& request) {
   if (!ctl_) return Status(Code::kUnavailable, "no loader process");
-  RETURN_IF_ERROR(sendMsg(ctl_.get(), request));
-  ASSIGN_OR_RETURN(std::string rep, recvMsg(ctl_.get(), opts_.pingTimeoutS));
-  if (rep.empty()) return Status(Code::kUnavailable, "loader process closed its control socket");
+  Status sent = sendMsg(ctl_.get(), request);
+  Result<std::string> rep = sent.isOk() ? recvMsg(ctl_.get(), opts_.pingTimeoutS)
+                                        : Result<std::string>(sent);
+  if (rep.isOk() && rep->empty()) {
+    rep = Status(Code::kUnavailable, "loader process closed its control socket");
+  }
+  if (!rep.isOk()) {
+    // A late answer would pair with the next request: this process is done
+    // (the edge's filler serves alone until the supervisor starts the next).
+    log::warn("loader process " + std::to_string(helperPid_) + ": " + rep.status().message() +
+              "; killing it");
+    killHelper();
+  }
   return rep;
 }
 
