@@ -448,8 +448,34 @@ void Agent::handlePolicy(const Frame& f) {
   }
   Status st = fs_policy_.apply(lists[0], lists[1]);
   if (!st.isOk()) return sendError(f.stream, st);
+  // And Landlock for execs from now on: a second layer under the mounts, for
+  // top-level paths only (/usr, /etc, ...). A Landlock rule covers all that is
+  // beneath it, so a deeper path would make its parent refuse new entries
+  // (/root could take no new file to keep /root/answers read-only); those
+  // rest on the mounts alone.
+  std::vector<std::string> locked;
+  for (const auto& list : lists) {
+    for (const auto& p : list) {
+      if (p.size() > 1 && p.find('/', 1) == std::string::npos) locked.push_back(p);
+    }
+  }
+  landlock_.reset();
+  options_.exec.landlock_ruleset = -1;
+  bool landlocked = false;
+  if (!locked.empty()) {
+    Result<UniqueFd> rs = buildWriteRuleset(locked);
+    if (rs.isOk()) {
+      landlock_ = std::move(*rs);
+      options_.exec.landlock_ruleset = landlock_.get();
+      landlocked = true;
+    } else if (rs.status().code() != Code::kFailedPrecondition) {
+      (void)fs_policy_.apply({}, {});
+      return sendError(f.stream, rs.status());
+    }
+  }
   sendFrame(f.stream, FrameType::kResult,
-            dumpJson(Json{{"ok", true}, {"mounts", fs_policy_.mounts()}}));
+            dumpJson(Json{{"ok", true}, {"mounts", fs_policy_.mounts()},
+                          {"landlock", landlocked}}));
 }
 
 void Agent::handleStdin(const Frame& f) {

@@ -20,6 +20,7 @@
 #include "aether/exec.h"
 #include "aether/files.h"
 #include "aether/fs_policy.h"
+#include "aether/landlock.h"
 #include "common/fd.h"
 #include "common/frame.h"
 #include "common/status.h"
@@ -147,6 +148,7 @@ class Agent {
   std::map<int, UniqueFd> listeners_;
   std::map<std::string, uint64_t> denied_;  // refused syscalls by name (audit)
   FsPolicy fs_policy_;
+  UniqueFd landlock_;  // the ruleset later execs run under (landlock.h); -1: none
   std::unordered_map<pid_t, uint32_t> pid_streams_;
   std::map<uint32_t, FileWriter> writes_;
   std::map<uint32_t, FileReader> reads_;

@@ -48,6 +48,7 @@ enum ChildStage : int32_t {
   kStageSetgid,
   kStageSetuid,
   kStageChdir,
+  kStageLandlock,
   kStageSeccomp,
   kStageExec,
 };
@@ -76,6 +77,7 @@ struct ChildPlan {
   struct rlimit nofile;
   bool seccomp = false;
   bool seccomp_notify = false;
+  int landlock_fd = -1;
   struct sock_fprog filter;
   int stdin_fd = -1, stdout_fd = -1, stderr_fd = -1, status_fd = -1;
   sigset_t empty_mask;
@@ -148,10 +150,15 @@ bool moveFd(int from, int to) {
   }
   if (::chdir(p.cwd) < 0) childFail(p, kStageChdir, errno);
   ::umask(022);
-  if (p.seccomp) {
+  if (p.seccomp || p.landlock_fd >= 0) {
     // no_new_privs: setuid binaries cannot raise privileges, and an
-    // unprivileged process may install the filter.
+    // unprivileged process may restrict itself.
     if (::prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0) childFail(p, kStageSeccomp, errno);
+  }
+  if (p.landlock_fd >= 0 && ::syscall(SYS_landlock_restrict_self, p.landlock_fd, 0) != 0) {
+    childFail(p, kStageLandlock, errno);
+  }
+  if (p.seccomp) {
     long listener = ::syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER,
                               p.seccomp_notify ? SECCOMP_FILTER_FLAG_NEW_LISTENER : 0, &p.filter);
     if (listener < 0) childFail(p, kStageSeccomp, errno);
@@ -269,6 +276,8 @@ const char* stageName(int32_t stage) {
       return "drop capabilities";
     case kStageSeccomp:
       return "install the seccomp filter";
+    case kStageLandlock:
+      return "enter the Landlock domain";
     case kStageSetgroups:
       return "setgroups";
     case kStageSetgid:
@@ -336,6 +345,7 @@ Result<SpawnedExec> spawnExec(const ExecRequest& req, const ExecSettings& settin
   static const std::vector<sock_filter> kNotifyFilter = defaultSyscallFilter(true);
   plan.seccomp = settings.seccomp;
   plan.seccomp_notify = settings.seccomp && settings.seccomp_notify;
+  plan.landlock_fd = settings.landlock_ruleset;
   const auto& filter = plan.seccomp_notify ? kNotifyFilter : kFilter;
   plan.filter = sock_fprog{static_cast<unsigned short>(filter.size()),
                            const_cast<sock_filter*>(filter.data())};

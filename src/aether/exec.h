@@ -48,6 +48,8 @@ struct ExecSettings {
   // Refused syscalls go to a listener the agent answers (and counts) rather
   // than failing in the kernel (SpawnedExec::seccomp_listener).
   bool seccomp_notify = true;
+  // A Landlock ruleset (landlock.h) each child restricts itself with; -1: none.
+  int landlock_ruleset = -1;
   // aether raises its own open-file limit to serve many execs; children get
   // this one back (nullopt: leave theirs as inherited).
   std::optional<struct rlimit> child_nofile;

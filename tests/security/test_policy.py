@@ -41,6 +41,10 @@ def test_eval_phase_stops_bash_tampering_even_for_a_running_process(make_sandbox
         assert r.exit_code != 0 and "Read-only file system" in r.stderr, (cmd, r)
     # The rest of the sandbox is the agent's to use.
     assert sb.exec("echo fine > /tmp/ok && echo fine > /root/ok && cat /tmp/ok").stdout == "fine\n"
+    # Execs from now on also run in a Landlock domain: beyond the read-only
+    # mounts, not even a new top-level entry (where no mount is) can be made.
+    r = sb.exec("mkdir /newtop")
+    assert r.exit_code != 0 and "Permission denied" in r.stderr, r
     # As any user, and no way to undo it from inside.
     assert sb.exec("touch /usr/x", user="nobody").exit_code != 0
     r = sb.exec("mount -o remount,rw /usr; umount /usr; touch /usr/x")
@@ -48,7 +52,7 @@ def test_eval_phase_stops_bash_tampering_even_for_a_running_process(make_sandbox
 
     # Back to rollout: writable again; the history is kept, also across GETs.
     sb.set_phase("rollout")
-    assert sb.exec("touch /usr/x && rm /usr/x").exit_code == 0
+    assert sb.exec("touch /usr/x && rm /usr/x && mkdir /newtop && rmdir /newtop").exit_code == 0
     got = sb.client.get(sb.id).info
     assert [p["policy"] for p in got["phases"]] == ["default", "eval", "rollout"]
 
