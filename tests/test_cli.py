@@ -65,3 +65,27 @@ def test_cli_exec_output_is_byte_exact(server, busybox):
         assert out.stdout == b"\xff\x00\x80x"
     finally:
         server.cli("sandbox", "rm", "--data-dir", server.data_dir, sid)
+
+
+def test_up_logs_to_a_bounded_rotated_file(tmp_path):
+    import signal
+    import time
+    from conftest import Server, _check_prerequisites
+    _check_prerequisites()
+    log = tmp_path / "dsec.log"
+    srv = Server(tmp_path / "data", ["--log-file", log, "--log-max-mb", "1"])
+    srv.start()
+    try:
+        assert "dsec up: serving" in log.read_text()
+        assert srv.log_tail().strip() == "", "with --log-file nothing should go to stderr"
+    finally:
+        assert srv.stop() in (0, -signal.SIGTERM, 128 + signal.SIGTERM)
+    assert "dsec up: stopped" in log.read_text()
+    assert log.stat().st_mode & 0o077 == 0
+    for bad, needle in ((["--log-file", tmp_path / "no" / "such" / "dir.log"], "--log-file"),
+                        (["--log-file", log, "--log-max-mb", "0"], "--log-max-mb")):
+        r = subprocess.run([str(dsec_bin()), "up", "--data-dir", str(tmp_path / "d2"),
+                            "--listen", "127.0.0.1:0", *map(str, bad)],
+                           capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL)
+        assert r.returncode != 0 and needle in r.stderr, r.stderr
+    assert not (tmp_path / "d2").exists()

@@ -48,6 +48,8 @@ const char* kUsage = R"(usage: dsec COMMAND [OPTIONS]
         direct for file://, else fanotify where the kernel allows it, else fuse)
      --cache-mb N: node cache limit (unused layers evicted past it; default none)
      --loader-timeout-s S: a loader process silent this long is restarted (default 5)
+     --log-file PATH [--log-max-mb N]: log there instead of stderr, rotated to PATH.1
+        past N MiB (default 64); at most 1000 lines a second, the rest counted
      --prefetch-window-s S: chunks read this long after a layer is attached are
         prefetched when it is next attached with a cold cache (default 15)
      --disk-quota auto|btrfs|tmpfs|none: how disk_mb is enforced (default auto: btrfs,
@@ -147,6 +149,13 @@ int cmdUp(const Args& a) {
   std::string lvl = a.get("log-level", "info");
   if (lvl == "debug") log::setLevel(log::Level::kDebug);
   if (lvl == "warn") log::setLevel(log::Level::kWarn);
+  if (!a.get("log-file").empty()) {
+    long long maxMb = a.get("log-max-mb").empty() ? 64 : std::atoll(a.get("log-max-mb").c_str());
+    if (maxMb < 1) return die("--log-max-mb must be at least 1");
+    if (!log::setFile(a.get("log-file"), maxMb << 20)) {
+      return die("cannot open --log-file " + a.get("log-file") + ": " + strerror(errno));
+    }
+  }
   if (geteuid() != 0) return die("dsec up must run as root (it builds namespaces and cgroups)");
   size_t colon = listen.rfind(':');
   if (colon == std::string::npos) return die("--listen must be HOST:PORT");
