@@ -89,3 +89,24 @@ def test_up_logs_to_a_bounded_rotated_file(tmp_path):
                            capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL)
         assert r.returncode != 0 and needle in r.stderr, r.stderr
     assert not (tmp_path / "d2").exists()
+
+
+def test_cli_policy_phase_and_audit(server, busybox, client):
+    d = server.data_dir
+    r = server.cli("sandbox", "create", "--data-dir", d, "--image", "busybox", "--policy", "rollout")
+    assert r.returncode == 0, r
+    sid = SB_ID_RE.search(r.stdout).group(0)
+    server.created.add(sid)
+    try:
+        assert client.get(sid).info["policy"] == "rollout"
+        r = server.cli("sandbox", "phase", "--data-dir", d, sid, "eval", "--hide", "/root")
+        assert r.returncode == 0, r
+        assert [l.split()[1] for l in r.stdout.splitlines()] == ["rollout", "eval"]
+        assert client.get(sid).info["hidden_paths"] == ["/root"]
+        r = server.cli("exec", "--data-dir", d, sid, "--", "sh", "-c", "mount -t tmpfs x /mnt; true")
+        r = server.cli("sandbox", "audit", "--data-dir", d, sid)
+        assert r.returncode == 0 and "mount 1" in r.stdout and "total 1" in r.stdout, r
+        r = server.cli("sandbox", "phase", "--data-dir", d, sid, "nope")
+        assert r.returncode != 0 and "policy" in r.stderr, r
+    finally:
+        server.cli("sandbox", "rm", "--data-dir", d, sid)

@@ -65,9 +65,11 @@ const char* kUsage = R"(usage: dsec COMMAND [OPTIONS]
   layer ls
   gc [--grace-s S]                       Delete layers no image names and no sandbox uses
   sandbox create --image REF [--workspace REF]... [--toolkit REF]... [--diff REF]...
-                 [--cpu N] [--memory-mb N] [--ttl-s N] [--label K=V]... [--env K=V]...
+                 [--cpu N] [--memory-mb N] [--ttl-s N] [--policy P] [--label K=V]... [--env K=V]...
   sandbox ls [--label K=V]...
   sandbox rm ID...
+  sandbox phase ID POLICY [--readonly PATH]... [--hide PATH]...   Switch its security policy
+  sandbox audit ID                       Syscalls it tried and was refused
   sandbox exec ID [--timeout S] [--user U] [--cwd DIR] -- CMD [ARG...]
   exec ID ... -- CMD [ARG...]            (same as sandbox exec)
 
@@ -472,7 +474,7 @@ int cmdExec(const Args& a, const std::string& id) {
 }
 
 int cmdSandbox(const Args& a) {
-  if (a.positional.size() < 2) return die("usage: dsec sandbox create|ls|rm|exec");
+  if (a.positional.size() < 2) return die("usage: dsec sandbox create|ls|rm|exec|phase|audit");
   const std::string& sub = a.positional[1];
   if (sub == "exec") {
     if (a.positional.size() != 3) return die("usage: dsec sandbox exec ID -- CMD [ARG...]");
@@ -487,6 +489,7 @@ int cmdSandbox(const Args& a) {
     if (!a.get("cpu").empty()) body["cpu"] = std::atof(a.get("cpu").c_str());
     if (!a.get("memory-mb").empty()) body["memory_mb"] = std::atoll(a.get("memory-mb").c_str());
     if (!a.get("ttl-s").empty()) body["ttl_s"] = std::atoll(a.get("ttl-s").c_str());
+    if (!a.get("policy").empty()) body["policy"] = a.get("policy");
     for (auto [flag, field] : {std::pair{"workspace", "workspaces"}, std::pair{"toolkit", "toolkits"},
                                std::pair{"diff", "diffs"}}) {
       if (!a.all(flag).empty()) body[field] = a.all(flag);
@@ -531,6 +534,35 @@ int cmdSandbox(const Args& a) {
       }
     }
     return rc;
+  }
+  if (sub == "phase") {
+    // dsec sandbox phase ID POLICY [--readonly PATH]... [--hide PATH]...
+    if (a.positional.size() != 4) {
+      return die("usage: dsec sandbox phase ID POLICY [--readonly PATH]... [--hide PATH]...");
+    }
+    json body = {{"policy", a.positional[3]}};
+    if (!a.all("readonly").empty()) body["readonly_paths"] = a.all("readonly");
+    if (!a.all("hide").empty()) body["hidden_paths"] = a.all("hide");
+    auto r = c.request("POST", "/v1/sandboxes/" + a.positional[2] + "/phase", body.dump());
+    if (!r.isOk()) return die(r.status().toString());
+    if (r->status != 200) return apiError(*r);
+    json s = json::parse(r->body);
+    for (auto& p : s["phases"]) {
+      std::cout << p["at"].get<std::string>() << " " << p["policy"].get<std::string>() << "\n";
+    }
+    return 0;
+  }
+  if (sub == "audit") {
+    if (a.positional.size() != 3) return die("usage: dsec sandbox audit ID");
+    auto r = c.request("GET", "/v1/sandboxes/" + a.positional[2] + "/audit");
+    if (!r.isOk()) return die(r.status().toString());
+    if (r->status != 200) return apiError(*r);
+    json s = json::parse(r->body);
+    for (auto& [name, n] : s["denied_syscalls"].items()) {
+      std::cout << name << " " << n.get<int64_t>() << "\n";
+    }
+    std::cout << "total " << s["denied_total"].get<int64_t>() << "\n";
+    return 0;
   }
   return die("unknown sandbox command '" + sub + "'");
 }
