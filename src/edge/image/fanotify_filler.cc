@@ -48,21 +48,13 @@ LayerStats& LayerStats::operator+=(const LayerStats& o) {
   return *this;
 }
 
-struct FanotifyFiller::File {
-  std::string path;
-  std::string dataDigest;
-  std::shared_ptr<const image::ChunkIndex> index;
-  UniqueFd fd;  // for SEEK_HOLE probes: lseek raises no events
+// fd is opened read-only, for SEEK_HOLE probes (lseek raises no events);
+// chunks are written through an event's fd, whose writes raise none either.
+struct FanotifyFiller::File : SparseCopy {
   std::mutex writeMu;
-  UniqueFd writeFd;  // a copy of an event's fd (writes raise no events), for read-ahead
+  UniqueFd writeFd;  // a copy of an event's fd, for read-ahead
   bool marked = false;
-  std::unique_ptr<std::atomic<uint8_t>[]> have;     // chunk present in the file
-  std::unique_ptr<std::atomic<uint8_t>[]> touched;  // chunk read at least once
   std::unique_ptr<std::atomic<uint8_t>[]> ordered;  // chunk in `order`
-  std::atomic<int64_t> haveCount{0}, touchedBytes{0}, chunksFetched{0}, bytesFetched{0},
-      cacheHits{0}, readRequests{0};
-  std::mutex orderMu;
-  std::vector<int64_t> order;
 };
 
 Status FanotifyFiller::probe(const std::string& dir) {
@@ -120,26 +112,11 @@ Status FanotifyFiller::add(const std::string& path, const std::string& dataDiges
   f->path = path;
   f->dataDigest = dataDigest;
   f->index = std::move(index);
-  f->fd.reset(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  if (!f->fd) return sysError("open " + path);
+  RETURN_IF_ERROR(f->open(O_RDONLY));
+  int64_t n = f->index->chunkCount();
+  f->ordered.reset(new std::atomic<uint8_t>[size_t(n)]());
   struct stat st;
   if (::fstat(f->fd.get(), &st) != 0) return sysError("stat " + path);
-  if (st.st_size != f->index->dataSize) {
-    return Status(Code::kFailedPrecondition, path + " is " + std::to_string(st.st_size) +
-                                                 " bytes, its chunk index says " +
-                                                 std::to_string(f->index->dataSize));
-  }
-  int64_t n = f->index->chunkCount();
-  f->have.reset(new std::atomic<uint8_t>[size_t(n)]());
-  f->touched.reset(new std::atomic<uint8_t>[size_t(n)]());
-  f->ordered.reset(new std::atomic<uint8_t>[size_t(n)]());
-  for (int64_t i = 0; i < n; ++i) {
-    int64_t off = i * f->index->chunkSize;
-    if (chunkPresent(f->fd.get(), off, off + f->index->chunkLength(i))) {
-      f->have[size_t(i)] = 1;
-      ++f->haveCount;
-    }
-  }
   std::lock_guard lk(mu_);
   if (byPath_.count(path)) return Status::ok();
   if (f->haveCount < n) {
@@ -177,15 +154,7 @@ LayerStats FanotifyFiller::stats(const std::string& path) {
     if (it == byPath_.end()) return {};
     f = it->second;
   }
-  LayerStats s;
-  s.chunks = f->index->chunkCount();
-  s.chunksCached = f->haveCount;
-  s.chunksFetched = f->chunksFetched;
-  s.bytesFetched = f->bytesFetched;
-  s.cacheHits = f->cacheHits;
-  s.readRequests = f->readRequests;
-  s.bytesRead = f->touchedBytes;
-  return s;
+  return f->stats();
 }
 
 std::vector<int64_t> FanotifyFiller::readOrder(const std::string& path) {
@@ -268,7 +237,7 @@ void FanotifyFiller::workLoop() {
       fd = aheadFile->writeFd.get();
     }
     // Best effort: a reader that needs the chunk fetches it again if this fails.
-    if (Status st = ensureChunk(*aheadFile, aheadChunk, fd); !st.isOk()) {
+    if (Status st = aheadFile->ensure(aheadChunk, store_, fd); !st.isOk()) {
       log::warn("read-ahead " + aheadFile->path + " chunk " + std::to_string(aheadChunk) + ": " +
                 st.toString());
     } else if (aheadFile->ordered[size_t(aheadChunk)].exchange(1) == 0) {
@@ -311,7 +280,7 @@ void FanotifyFiller::handle(const Event& ev) {
       f->order.push_back(i);
     }
     if (!f->have[size_t(i)]) hit = false;
-    Status st = ensureChunk(*f, i, ev.fd);
+    Status st = f->ensure(i, store_, ev.fd);
     if (!st.isOk()) {
       log::error("fill " + f->path + " chunk " + std::to_string(i) + ": " + st.toString());
       return respond(ev.fd, false);
@@ -327,7 +296,7 @@ void FanotifyFiller::handle(const Event& ev) {
     }
     std::lock_guard lk(mu_);
     for (int64_t i = last + 1; i <= std::min(idx.chunkCount() - 1, last + readAhead_); ++i) {
-      if (!f->have[size_t(i)] && !inflight_.count({f.get(), i})) ahead_.push_back({f, i});
+      if (!f->have[size_t(i)] && !f->fetching(i)) ahead_.push_back({f, i});
     }
     cv_.notify_all();
   }
@@ -341,39 +310,6 @@ void FanotifyFiller::handle(const Event& ev) {
       f->marked = false;
     }
   }
-}
-
-Status FanotifyFiller::ensureChunk(File& f, int64_t i, int eventFd) {
-  if (f.have[size_t(i)]) return Status::ok();
-  {
-    std::unique_lock lk(mu_);
-    chunkCv_.wait(lk, [&] { return !inflight_.count({&f, i}); });
-    if (f.have[size_t(i)]) return Status::ok();
-    inflight_.insert({&f, i});
-  }
-  auto done = [&](Status st) {
-    std::lock_guard lk(mu_);
-    inflight_.erase({&f, i});
-    chunkCv_.notify_all();
-    return st;
-  };
-  const auto& idx = *f.index;
-  int64_t off = i * idx.chunkSize;
-  int64_t len = idx.chunkLength(i);
-  if (chunkPresent(f.fd.get(), off, off + len)) {  // filled by the other filler
-    f.have[size_t(i)] = 1;
-    ++f.haveCount;
-    return done(Status::ok());
-  }
-  if (Status st = fetchChunkInto(store_, f.dataDigest, idx, i, eventFd, f.path);
-      !st.isOk()) {
-    return done(st);
-  }
-  f.have[size_t(i)] = 1;
-  ++f.haveCount;
-  ++f.chunksFetched;
-  f.bytesFetched += len;
-  return done(Status::ok());
 }
 
 }  // namespace dsec::edge

@@ -64,8 +64,6 @@ class FanotifyFiller {
   void readLoop();
   void workLoop();
   void handle(const Event& ev);
-  // Makes chunk i of f present; ok at once if it already is.
-  Status ensureChunk(File& f, int64_t i, int eventFd);
   void respond(int fd, bool allow);
 
   image::BlobStore* store_ = nullptr;
@@ -74,7 +72,7 @@ class FanotifyFiller {
   std::thread reader_;
   std::vector<std::thread> workers_;
 
-  std::mutex mu_;  // guards files_, queue_, stopping_, inflight_
+  std::mutex mu_;  // guards files_, queue_, ahead_, stopping_
   std::condition_variable cv_;
   std::map<std::pair<dev_t, ino_t>, std::shared_ptr<File>> files_;
   std::map<std::string, std::shared_ptr<File>> byPath_;
@@ -82,8 +80,6 @@ class FanotifyFiller {
   std::deque<std::pair<std::shared_ptr<File>, int64_t>> ahead_;  // served when queue_ is empty
   int readAhead_ = 0;
   bool stopping_ = false;
-  std::condition_variable chunkCv_;
-  std::set<std::pair<File*, int64_t>> inflight_;
 };
 
 }  // namespace dsec::edge

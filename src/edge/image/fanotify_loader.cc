@@ -9,12 +9,7 @@
 // (sandboxes may still read them); the next edge on the data dir ends it.
 #include "edge/image/fanotify_loader.h"
 
-#include <fcntl.h>
-#include <poll.h>
 #include <signal.h>
-#include <spawn.h>
-#include <sys/socket.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstring>
@@ -23,8 +18,6 @@
 #include "common/log.h"
 #include "common/util.h"
 #include "edge/image/loader_control.h"
-
-extern char** environ;
 
 namespace dsec::edge {
 
@@ -111,11 +104,7 @@ FanotifyLoader::~FanotifyLoader() {
   {
     std::lock_guard lk(mu_);
     stopping_ = true;
-    if (ctl_ && call(json{{"op", "exit"}}.dump()).isOk()) {
-      int status;
-      for (int i = 0; i < 200 && ::waitpid(helperPid_, &status, WNOHANG) == 0; ++i) ::usleep(5000);
-    }
-    killHelper();
+    proc_.stop(opts_.pingTimeoutS, 1.0);
   }
   stopCv_.notify_all();
   if (supervisor_.joinable()) supervisor_.join();
@@ -123,63 +112,30 @@ FanotifyLoader::~FanotifyLoader() {
 }
 
 Status FanotifyLoader::spawnHelper() {
-  int sv[2];
-  if (::socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) != 0) {
-    return sysError("socketpair");
-  }
-  UniqueFd mine(sv[0]), theirs(sv[1]);
-  posix_spawn_file_actions_t fa;
-  posix_spawn_file_actions_init(&fa);
-  posix_spawn_file_actions_adddup2(&fa, theirs.get(), 3);
-  posix_spawn_file_actions_addopen(&fa, 0, "/dev/null", O_RDONLY, 0);
   std::vector<std::string> args = {"dsec", "loader", "fanotify", "--store", store_->uri(),
                                    "--control-fd", "3"};
   if (!store_->options().caFile.empty()) {
     args.insert(args.end(), {"--store-ca", store_->options().caFile});
   }
-  std::vector<char*> argv;
-  for (auto& a : args) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  pid_t pid;
-  int rc = posix_spawn(&pid, opts_.selfExe.c_str(), &fa, nullptr, argv.data(), environ);
-  posix_spawn_file_actions_destroy(&fa);
-  if (rc != 0) return sysError("spawn " + opts_.selfExe + " loader", rc);
-  helperPid_ = pid;
-  ctl_ = std::move(mine);
-  (void)writeFileAtomic(opts_.runDir + "/loader.pid", std::to_string(pid) + "\n", 0600);
+  RETURN_IF_ERROR(proc_.spawn(opts_.selfExe, args, opts_.runDir + "/loader.pid"));
   for (auto& [_, a] : attached_) {
     if (Status st = helperAdd(a); !st.isOk()) {
       log::warn("loader process: re-adding " + a.path + ": " + st.toString());
     }
   }
-  log::info("loader process " + std::to_string(pid) + " started (" +
+  log::info("loader process " + std::to_string(proc_.pid()) + " started (" +
             std::to_string(attached_.size()) + " files)");
   return Status::ok();
 }
 
-void FanotifyLoader::killHelper() {
-  ctl_.reset();
-  if (helperPid_ > 0) {
-    ::kill(helperPid_, SIGKILL);
-    int status;
-    while (::waitpid(helperPid_, &status, 0) < 0 && errno == EINTR) {
-    }
-    helperPid_ = -1;
-  }
-}
+void FanotifyLoader::killHelper() { proc_.kill(); }
 
 Result<std::string> FanotifyLoader::call(const std::string& request) {
-  if (!ctl_) return Status(Code::kUnavailable, "no loader process");
-  Status sent = sendMsg(ctl_.get(), request);
-  Result<std::string> rep = sent.isOk() ? recvMsg(ctl_.get(), opts_.pingTimeoutS)
-                                        : Result<std::string>(sent);
-  if (rep.isOk() && rep->empty()) {
-    rep = Status(Code::kUnavailable, "loader process closed its control socket");
-  }
-  if (!rep.isOk()) {
+  auto rep = proc_.call(request, opts_.pingTimeoutS);
+  if (!rep.isOk() && proc_.pid() > 0) {
     // A late answer would pair with the next request: this process is done
     // (the edge's filler serves alone until the supervisor starts the next).
-    log::warn("loader process " + std::to_string(helperPid_) + ": " + rep.status().message() +
+    log::warn("loader process " + std::to_string(proc_.pid()) + ": " + rep.status().message() +
               "; killing it");
     killHelper();
   }
@@ -190,11 +146,7 @@ Status FanotifyLoader::helperAdd(const Attached& a) {
   ASSIGN_OR_RETURN(std::string rep, call(json{{"op", "add"}, {"path", a.path},
                                               {"digest", a.digest}, {"chunks", a.chunksPath}}
                                              .dump()));
-  json j = json::parse(rep, nullptr, false);
-  if (!j.is_object() || !j.value("ok", false)) {
-    return Status(Code::kInternal, j.is_object() ? j.value("error", rep) : rep);
-  }
-  return Status::ok();
+  return replyStatus(rep);
 }
 
 void FanotifyLoader::supervise() {
@@ -202,26 +154,12 @@ void FanotifyLoader::supervise() {
   while (!stopping_) {
     stopCv_.wait_for(lk, std::chrono::milliseconds(500));
     if (stopping_) break;
-    int status;
-    int pid = helperPid_;
-    bool dead = pid <= 0 || ::waitpid(pid, &status, WNOHANG) == pid;
-    if (dead) helperPid_ = -1;
-    std::string why = dead ? "exited" : "";
-    if (!dead) {
-      auto rep = call(json{{"op", "ping"}}.dump());
-      json j = rep.isOk() ? json::parse(*rep, nullptr, false) : json();
-      if (j.is_object() && j.value("ok", false)) {
-        std::map<std::string, std::string> digestOf;
-        for (auto& [d, a] : attached_) digestOf[a.path] = d;
-        auto stats = j.find("stats");
-        if (stats != j.end() && stats->is_object()) {
-          for (auto it = stats->begin(); it != stats->end(); ++it) {
-            if (digestOf.count(it.key())) helperStats_[digestOf[it.key()]] = statsFrom(*it);
-          }
-        }
-        continue;
-      }
-      why = rep.isOk() ? "answered badly" : rep.status().message();
+    int pid = proc_.pid();
+    std::string why = "is gone";
+    if (proc_.alive("loader process")) {
+      Status ping = refreshHelperStats();
+      if (ping.isOk()) continue;
+      why = ping.message();
     }
     log::warn("loader process " + std::to_string(pid) + " " + why + "; restarting it");
     killHelper();
@@ -253,10 +191,10 @@ void FanotifyLoader::detach(const std::string& dataDigest) {
   helperStats_.erase(dataDigest);
 }
 
-void FanotifyLoader::refreshHelperStats() {
-  auto rep = call(json{{"op", "ping"}}.dump());
-  json j = rep.isOk() ? json::parse(*rep, nullptr, false) : json();
-  if (!j.is_object() || !j.value("ok", false)) return;
+Status FanotifyLoader::refreshHelperStats() {
+  ASSIGN_OR_RETURN(std::string rep, call(json{{"op", "ping"}}.dump()));
+  json j = json::parse(rep, nullptr, false);
+  if (!j.is_object() || !j.value("ok", false)) return Status(Code::kInternal, "answered badly");
   std::map<std::string, std::string> digestOf;
   for (auto& [d, a] : attached_) digestOf[a.path] = d;
   auto stats = j.find("stats");
@@ -265,6 +203,7 @@ void FanotifyLoader::refreshHelperStats() {
       if (digestOf.count(it.key())) helperStats_[digestOf[it.key()]] = statsFrom(*it);
     }
   }
+  return Status::ok();
 }
 
 LayerStats FanotifyLoader::stats(const std::string& dataDigest) {
@@ -275,7 +214,7 @@ LayerStats FanotifyLoader::stats(const std::string& dataDigest) {
     auto it = attached_.find(dataDigest);
     if (it == attached_.end()) return {};
     path = it->second.path;
-    refreshHelperStats();
+    (void)refreshHelperStats();
     if (helperStats_.count(dataDigest)) helper = helperStats_[dataDigest];
   }
   LayerStats s = local_->stats(path);
@@ -288,7 +227,7 @@ LayerStats FanotifyLoader::stats(const std::string& dataDigest) {
 
 std::vector<int> FanotifyLoader::helperPids() const {
   std::lock_guard lk(mu_);
-  return helperPid_ > 0 ? std::vector<int>{helperPid_} : std::vector<int>{};
+  return proc_.pid() > 0 ? std::vector<int>{proc_.pid()} : std::vector<int>{};
 }
 
 std::vector<int64_t> FanotifyLoader::readOrder(const std::string& dataDigest) {

@@ -16,6 +16,7 @@
 #include "common/fd.h"
 #include "edge/image/fanotify_filler.h"
 #include "edge/image/loader.h"
+#include "edge/image/loader_control.h"
 #include "image/blob_store.h"
 
 namespace dsec::edge {
@@ -52,7 +53,7 @@ class FanotifyLoader final : public Loader {
   // One request/response with the loader process; mu_ held.
   Result<std::string> call(const std::string& request);
   Status helperAdd(const Attached& a);  // mu_ held
-  void refreshHelperStats();            // mu_ held
+  Status refreshHelperStats();          // mu_ held; pings the process
 
   image::BlobStore* store_ = nullptr;
   FanotifyLoaderOptions opts_;
@@ -61,8 +62,7 @@ class FanotifyLoader final : public Loader {
   mutable std::mutex mu_;  // guards everything below
   std::map<std::string, Attached> attached_;  // by data digest
   std::map<std::string, LayerStats> helperStats_;  // by data digest, from the last ping
-  UniqueFd ctl_;
-  int helperPid_ = -1;
+  LoaderProcess proc_;
   bool stopping_ = false;
   std::thread supervisor_;
   std::condition_variable stopCv_;

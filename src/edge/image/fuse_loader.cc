@@ -15,11 +15,8 @@
 
 #include <fcntl.h>
 #include <signal.h>
-#include <spawn.h>
 #include <sys/mount.h>
-#include <sys/socket.h>
 #include <sys/stat.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstring>
@@ -31,8 +28,6 @@
 #include "edge/image/fuse_server.h"
 #include "edge/image/layer_cache.h"
 #include "edge/image/loader_control.h"
-
-extern char** environ;
 
 namespace dsec::edge {
 
@@ -186,17 +181,8 @@ FuseLoader::~FuseLoader() {
   {
     std::lock_guard lk(mu_);
     stopping_ = true;
-    if (ctl_ && helperPid_ > 0 && call(json{{"op", "exit"}}.dump()).isOk()) {
-      int status;
-      for (int i = 0; i < 200; ++i) {
-        if (::waitpid(helperPid_, &status, WNOHANG) == helperPid_) {
-          helperPid_ = -1;
-          break;
-        }
-        ::usleep(5000);
-      }
-    }
-    killHelper();
+    proc_.stop(opts_.pingTimeoutS, 1.0);
+    killHelper();  // the mount and the counters
   }
   stopCv_.notify_all();
   if (supervisor_.joinable()) supervisor_.join();
@@ -205,32 +191,15 @@ FuseLoader::~FuseLoader() {
 }
 
 Status FuseLoader::spawnHelper() {
-  int sv[2];
-  if (::socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) != 0) {
-    return sysError("socketpair");
-  }
-  UniqueFd mine(sv[0]), theirs(sv[1]);
-  posix_spawn_file_actions_t fa;
-  posix_spawn_file_actions_init(&fa);
-  posix_spawn_file_actions_adddup2(&fa, theirs.get(), 3);
-  posix_spawn_file_actions_addopen(&fa, 0, "/dev/null", O_RDONLY, 0);
   std::vector<std::string> args = {"dsec",  "loader", "fuse",           "--store",
                                    store_->uri(), "--mount", opts_.mountDir, "--control-fd",
                                    "3"};
   if (!store_->options().caFile.empty()) {
     args.insert(args.end(), {"--store-ca", store_->options().caFile});
   }
-  std::vector<char*> argv;
-  for (auto& a : args) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  pid_t pid;
-  int rc = posix_spawn(&pid, opts_.selfExe.c_str(), &fa, nullptr, argv.data(), environ);
-  posix_spawn_file_actions_destroy(&fa);
-  if (rc != 0) return sysError("spawn " + opts_.selfExe + " loader fuse", rc);
-  helperPid_ = pid;
-  ctl_ = std::move(mine);
-  (void)writeFileAtomic(opts_.runDir + "/loader.pid", std::to_string(pid) + "\n", 0600);
-  auto hello = recvMsg(ctl_.get(), opts_.startTimeoutS);
+  RETURN_IF_ERROR(proc_.spawn(opts_.selfExe, args, opts_.runDir + "/loader.pid"));
+  int pid = proc_.pid();
+  auto hello = proc_.receive(opts_.startTimeoutS);
   json j = hello.isOk() ? json::parse(*hello, nullptr, false) : json();
   if (!j.is_object() || !j.value("ok", false)) {
     std::string why = !hello.isOk()   ? hello.status().message()
@@ -253,49 +222,22 @@ Status FuseLoader::spawnHelper() {
 }
 
 void FuseLoader::killHelper() {
-  if (helperPid_ > 0) {
-    abortConnection(opts_.mountDir);
-    ::kill(helperPid_, SIGKILL);
-    int status;
-    while (::waitpid(helperPid_, &status, 0) < 0 && errno == EINTR) {
-    }
-    helperPid_ = -1;
-  }
-  ctl_.reset();
+  if (proc_.pid() > 0) abortConnection(opts_.mountDir);
+  proc_.kill();
   // Counters of the process gone are kept for the layers it served.
   for (auto& [d, s] : helperStats_) past_[d] += s;
   helperStats_.clear();
   detachMounts(opts_.mountDir);
 }
 
-bool FuseLoader::helperAlive() {
-  if (helperPid_ <= 0) return false;
-  int status;
-  if (::waitpid(helperPid_, &status, WNOHANG) == helperPid_) {
-    log::warn("fuse loader process " + std::to_string(helperPid_) + " died (" +
-              (WIFSIGNALED(status) ? "signal " + std::to_string(WTERMSIG(status))
-                                   : "exit " + std::to_string(WEXITSTATUS(status))) +
-              ")");
-    helperPid_ = -1;
-    return false;
-  }
-  return true;
-}
+bool FuseLoader::helperAlive() { return proc_.alive("fuse loader process"); }
 
 Result<std::string> FuseLoader::call(const std::string& request) {
-  if (!ctl_) return Status(Code::kUnavailable, "no fuse loader process");
-  auto rep = [&]() -> Result<std::string> {
-    RETURN_IF_ERROR(sendMsg(ctl_.get(), request));
-    ASSIGN_OR_RETURN(std::string r, recvMsg(ctl_.get(), opts_.pingTimeoutS));
-    if (r.empty()) {
-      return Status(Code::kUnavailable, "fuse loader process closed its control socket");
-    }
-    return r;
-  }();
-  if (!rep.isOk()) {
+  auto rep = proc_.call(request, opts_.pingTimeoutS);
+  if (!rep.isOk() && proc_.pid() > 0) {
     // A late answer would pair with the next request: this process is done
     // (the supervisor starts the next one).
-    log::warn("fuse loader process " + std::to_string(helperPid_) + ": " +
+    log::warn("fuse loader process " + std::to_string(proc_.pid()) + ": " +
               rep.status().message() + "; killing it");
     killHelper();
   }
@@ -306,11 +248,7 @@ Status FuseLoader::helperAdd(const Attached& a) {
   ASSIGN_OR_RETURN(std::string rep, call(json{{"op", "add"}, {"path", a.path},
                                               {"digest", a.digest}, {"chunks", a.chunksPath}}
                                              .dump()));
-  json j = json::parse(rep, nullptr, false);
-  if (!j.is_object() || !j.value("ok", false)) {
-    return Status(Code::kInternal, j.is_object() ? j.value("error", rep) : rep);
-  }
-  return Status::ok();
+  return replyStatus(rep);
 }
 
 void FuseLoader::refreshStats() {
@@ -330,7 +268,7 @@ void FuseLoader::supervise() {
   while (!stopping_) {
     stopCv_.wait_for(lk, std::chrono::milliseconds(500));
     if (stopping_) break;
-    int pid = helperPid_;
+    int pid = proc_.pid();
     std::string why;
     if (!helperAlive()) {
       why = "is gone";
@@ -407,7 +345,7 @@ std::vector<int64_t> FuseLoader::readOrder(const std::string& dataDigest) {
 
 std::vector<int> FuseLoader::helperPids() const {
   std::lock_guard lk(mu_);
-  return helperPid_ > 0 ? std::vector<int>{helperPid_} : std::vector<int>{};
+  return proc_.pid() > 0 ? std::vector<int>{proc_.pid()} : std::vector<int>{};
 }
 
 uint64_t FuseLoader::generation() {

@@ -24,6 +24,7 @@
 
 #include "common/fd.h"
 #include "edge/image/loader.h"
+#include "edge/image/loader_control.h"
 #include "image/blob_store.h"
 
 namespace dsec::edge {
@@ -82,8 +83,7 @@ class FuseLoader final : public Loader {
   std::map<std::string, Attached> attached_;         // by data digest
   std::map<std::string, LayerStats> helperStats_;    // by data digest, current process
   std::map<std::string, LayerStats> past_;           // by data digest, earlier processes
-  UniqueFd ctl_;
-  int helperPid_ = -1;
+  LoaderProcess proc_;
   uint64_t generation_ = 0;  // bumped by each process started
   bool stopping_ = false;
   std::thread supervisor_;

@@ -28,19 +28,10 @@ std::string hexOf(const std::string& digest) {
 }
 }  // namespace
 
-struct FuseServer::File {
+// The sparse copy (fd read-write: chunks are written and replies spliced from it).
+struct FuseServer::File : SparseCopy {
   std::string name;  // hex of the data digest
-  std::string cachePath;
-  std::string dataDigest;
-  std::shared_ptr<const image::ChunkIndex> index;
-  UniqueFd fd;  // the sparse copy, read-write
   uint64_t ino = 0;
-  std::unique_ptr<std::atomic<uint8_t>[]> have;     // chunk present in the copy
-  std::unique_ptr<std::atomic<uint8_t>[]> touched;  // chunk read at least once
-  std::atomic<int64_t> haveCount{0}, touchedBytes{0}, chunksFetched{0}, bytesFetched{0},
-      cacheHits{0}, readRequests{0};
-  std::mutex orderMu;
-  std::vector<int64_t> order;
 };
 
 namespace {
@@ -232,28 +223,10 @@ Status FuseServer::add(const std::string& cachePath, const std::string& dataDige
   }
   auto f = std::make_shared<File>();
   f->name = name;
-  f->cachePath = cachePath;
+  f->path = cachePath;
   f->dataDigest = dataDigest;
   f->index = std::move(index);
-  f->fd.reset(::open(cachePath.c_str(), O_RDWR | O_CLOEXEC));
-  if (!f->fd) return sysError("open " + cachePath);
-  struct stat st;
-  if (::fstat(f->fd.get(), &st) != 0) return sysError("stat " + cachePath);
-  if (st.st_size != f->index->dataSize) {
-    return Status(Code::kFailedPrecondition, cachePath + " is " + std::to_string(st.st_size) +
-                                                 " bytes, its chunk index says " +
-                                                 std::to_string(f->index->dataSize));
-  }
-  int64_t n = f->index->chunkCount();
-  f->have.reset(new std::atomic<uint8_t>[size_t(n)]());
-  f->touched.reset(new std::atomic<uint8_t>[size_t(n)]());
-  for (int64_t i = 0; i < n; ++i) {
-    int64_t off = i * f->index->chunkSize;
-    if (chunkPresent(f->fd.get(), off, off + f->index->chunkLength(i))) {
-      f->have[size_t(i)] = 1;
-      ++f->haveCount;
-    }
-  }
+  RETURN_IF_ERROR(f->open(O_RDWR));
   std::lock_guard lk(mu_);
   if (files_.count(name)) return Status::ok();
   auto ino = inos_.find(name);
@@ -285,17 +258,7 @@ void FuseServer::remove(const std::string& dataDigest) {
 std::map<std::string, LayerStats> FuseServer::stats() {
   std::lock_guard lk(mu_);
   std::map<std::string, LayerStats> out;
-  for (auto& [name, f] : files_) {
-    LayerStats s;
-    s.chunks = f->index->chunkCount();
-    s.chunksCached = f->haveCount;
-    s.chunksFetched = f->chunksFetched;
-    s.bytesFetched = f->bytesFetched;
-    s.cacheHits = f->cacheHits;
-    s.readRequests = f->readRequests;
-    s.bytesRead = f->touchedBytes;
-    out[name] = s;
-  }
+  for (auto& [name, f] : files_) out[name] = f->stats();
   return out;
 }
 
@@ -329,7 +292,7 @@ void FuseServer::readAhead(const std::shared_ptr<File>& f, int64_t, int64_t last
   int64_t end = std::min(f->index->chunkCount(), last + 1 + kReadAheadChunks);
   std::lock_guard lk(mu_);
   for (int64_t i = last + 1; i < end; ++i) {
-    if (f->have[size_t(i)] || inflight_.count({f.get(), i})) continue;
+    if (f->have[size_t(i)] || f->fetching(i)) continue;
     bool queued = false;
     for (auto& [qf, qi] : ahead_) queued = queued || (qf == f && qi == i);
     if (!queued) ahead_.push_back({f, i});
@@ -346,46 +309,13 @@ void FuseServer::readAheadLoop() {
       job = std::move(ahead_.front());
       ahead_.pop_front();
     }
-    (void)ensureChunk(*job.first, job.second);
+    (void)job.first->ensure(job.second, store_, job.first->fd.get());
   }
 }
 
 Status FuseServer::ensureChunks(File& f, int64_t first, int64_t last) {
-  for (int64_t i = first; i <= last; ++i) RETURN_IF_ERROR(ensureChunk(f, i));
+  for (int64_t i = first; i <= last; ++i) RETURN_IF_ERROR(f.ensure(i, store_, f.fd.get()));
   return Status::ok();
-}
-
-Status FuseServer::ensureChunk(File& f, int64_t i) {
-  if (f.have[size_t(i)]) return Status::ok();
-  {
-    std::unique_lock lk(mu_);
-    chunkCv_.wait(lk, [&] { return !inflight_.count({&f, i}); });
-    if (f.have[size_t(i)]) return Status::ok();
-    inflight_.insert({&f, i});
-  }
-  auto done = [&](Status st) {
-    std::lock_guard lk(mu_);
-    inflight_.erase({&f, i});
-    chunkCv_.notify_all();
-    return st;
-  };
-  const auto& idx = *f.index;
-  int64_t off = i * idx.chunkSize;
-  int64_t len = idx.chunkLength(i);
-  if (chunkPresent(f.fd.get(), off, off + len)) {  // filled by another loader meanwhile
-    f.have[size_t(i)] = 1;
-    ++f.haveCount;
-    return done(Status::ok());
-  }
-  if (Status st = fetchChunkInto(store_, f.dataDigest, idx, i, f.fd.get(), f.cachePath);
-      !st.isOk()) {
-    return done(st);
-  }
-  f.have[size_t(i)] = 1;
-  ++f.haveCount;
-  ++f.chunksFetched;
-  f.bytesFetched += len;
-  return done(Status::ok());
 }
 
 }  // namespace dsec::edge

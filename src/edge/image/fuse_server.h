@@ -70,7 +70,6 @@ class FuseServer {
 
  private:
   FuseServer() = default;
-  Status ensureChunk(File& f, int64_t i);
   void readAheadLoop();
 
   image::BlobStore* store_ = nullptr;
@@ -79,14 +78,12 @@ class FuseServer {
   bool mounted_ = false;
   std::thread loop_;
 
-  std::mutex mu_;  // guards files_, inos_, nextIno_, inflight_, ahead_
-  std::condition_variable chunkCv_;
+  std::mutex mu_;  // guards files_, inos_, nextIno_, ahead_
   std::map<std::string, std::shared_ptr<File>> files_;  // by hex name
   std::map<std::string, uint64_t> inos_;  // by hex name: kept across remove, so a
                                           // dentry the kernel cached stays valid
   std::map<uint64_t, std::shared_ptr<File>> byIno_;
   uint64_t nextIno_ = 2;
-  std::set<std::pair<File*, int64_t>> inflight_;
   std::condition_variable aheadCv_;
   std::deque<std::pair<std::shared_ptr<File>, int64_t>> ahead_;  // chunks to read ahead
   std::vector<std::thread> aheadThreads_;  // detached, like loop_

@@ -4,13 +4,20 @@
 
 #include <unistd.h>
 
+#include <fcntl.h>
 #include <poll.h>
+#include <signal.h>
+#include <spawn.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
 
 #include <algorithm>
 #include <cstdlib>
 
 #include "common/util.h"
+
+extern char** environ;
 
 namespace dsec::edge {
 
@@ -113,6 +120,167 @@ Status fetchChunkInto(image::BlobStore* store, const std::string& dataDigest,
     w += r;
   }
   return Status::ok();
+}
+
+Status LoaderProcess::spawn(const std::string& selfExe, const std::vector<std::string>& args,
+                            const std::string& pidFile) {
+  kill();
+  int sv[2];
+  if (::socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) != 0) {
+    return sysError("socketpair");
+  }
+  UniqueFd mine(sv[0]), theirs(sv[1]);
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_adddup2(&fa, theirs.get(), 3);
+  posix_spawn_file_actions_addopen(&fa, 0, "/dev/null", O_RDONLY, 0);
+  std::vector<std::string> copy = args;
+  std::vector<char*> argv;
+  for (auto& a : copy) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  pid_t pid;
+  int rc = posix_spawn(&pid, selfExe.c_str(), &fa, nullptr, argv.data(), environ);
+  posix_spawn_file_actions_destroy(&fa);
+  if (rc != 0) return sysError("spawn " + selfExe + " loader", rc);
+  pid_ = pid;
+  ctl_ = std::move(mine);
+  (void)writeFileAtomic(pidFile, std::to_string(pid) + "\n", 0600);
+  return Status::ok();
+}
+
+Result<std::string> LoaderProcess::call(const std::string& request, double timeoutS) {
+  if (!ctl_) return Status(Code::kUnavailable, "no loader process");
+  RETURN_IF_ERROR(sendMsg(ctl_.get(), request));
+  ASSIGN_OR_RETURN(std::string rep, recvMsg(ctl_.get(), timeoutS));
+  if (rep.empty()) return Status(Code::kUnavailable, "loader process closed its control socket");
+  return rep;
+}
+
+Status replyStatus(const std::string& reply) {
+  json j = json::parse(reply, nullptr, false);
+  if (!j.is_object() || !j.value("ok", false)) {
+    return Status(Code::kInternal, j.is_object() ? j.value("error", reply) : reply);
+  }
+  return Status::ok();
+}
+
+Status LoaderProcess::callOk(const json& request, double timeoutS) {
+  ASSIGN_OR_RETURN(std::string rep, call(request.dump(), timeoutS));
+  return replyStatus(rep);
+}
+
+Result<std::string> LoaderProcess::receive(double timeoutS) {
+  if (!ctl_) return Status(Code::kUnavailable, "no loader process");
+  return recvMsg(ctl_.get(), timeoutS);
+}
+
+bool LoaderProcess::alive(const std::string& what) {
+  if (pid_ <= 0) return false;
+  int status;
+  if (::waitpid(pid_, &status, WNOHANG) != pid_) return true;
+  log::warn(what + " " + std::to_string(pid_) + " died (" +
+            (WIFSIGNALED(status) ? "signal " + std::to_string(WTERMSIG(status))
+                                 : "exit " + std::to_string(WEXITSTATUS(status))) +
+            ")");
+  pid_ = -1;
+  ctl_.reset();
+  return false;
+}
+
+void LoaderProcess::stop(double timeoutS, double waitS) {
+  if (ctl_ && pid_ > 0 && callOk(json{{"op", "exit"}}, timeoutS).isOk()) {
+    int status;
+    for (double waited = 0; waited < waitS; waited += 0.005) {
+      if (::waitpid(pid_, &status, WNOHANG) == pid_) {
+        pid_ = -1;
+        break;
+      }
+      ::usleep(5000);
+    }
+  }
+  kill();
+}
+
+void LoaderProcess::kill() {
+  ctl_.reset();
+  if (pid_ > 0) {
+    ::kill(pid_, SIGKILL);
+    int status;
+    while (::waitpid(pid_, &status, 0) < 0 && errno == EINTR) {
+    }
+    pid_ = -1;
+  }
+}
+
+Status SparseCopy::open(int flags) {
+  fd.reset(::open(path.c_str(), flags | O_CLOEXEC));
+  if (!fd) return sysError("open " + path);
+  struct stat st;
+  if (::fstat(fd.get(), &st) != 0) return sysError("stat " + path);
+  if (st.st_size != index->dataSize) {
+    return Status(Code::kFailedPrecondition, path + " is " + std::to_string(st.st_size) +
+                                                 " bytes, its chunk index says " +
+                                                 std::to_string(index->dataSize));
+  }
+  int64_t n = index->chunkCount();
+  have.reset(new std::atomic<uint8_t>[size_t(n)]());
+  touched.reset(new std::atomic<uint8_t>[size_t(n)]());
+  for (int64_t i = 0; i < n; ++i) {
+    int64_t off = i * index->chunkSize;
+    if (chunkPresent(fd.get(), off, off + index->chunkLength(i))) {
+      have[size_t(i)] = 1;
+      ++haveCount;
+    }
+  }
+  return Status::ok();
+}
+
+bool SparseCopy::fetching(int64_t i) {
+  std::lock_guard lk(inflightMu_);
+  return inflight_.count(i) > 0;
+}
+
+Status SparseCopy::ensure(int64_t i, image::BlobStore* store, int writeFd) {
+  if (have[size_t(i)]) return Status::ok();
+  {
+    std::unique_lock lk(inflightMu_);
+    inflightCv_.wait(lk, [&] { return !inflight_.count(i); });
+    if (have[size_t(i)]) return Status::ok();
+    inflight_.insert(i);
+  }
+  auto done = [&](Status st) {
+    std::lock_guard lk(inflightMu_);
+    inflight_.erase(i);
+    inflightCv_.notify_all();
+    return st;
+  };
+  int64_t off = i * index->chunkSize;
+  int64_t len = index->chunkLength(i);
+  if (chunkPresent(fd.get(), off, off + len)) {  // filled by another loader meanwhile
+    have[size_t(i)] = 1;
+    ++haveCount;
+    return done(Status::ok());
+  }
+  if (Status st = fetchChunkInto(store, dataDigest, *index, i, writeFd, path); !st.isOk()) {
+    return done(st);
+  }
+  have[size_t(i)] = 1;
+  ++haveCount;
+  ++chunksFetched;
+  bytesFetched += len;
+  return done(Status::ok());
+}
+
+LayerStats SparseCopy::stats() const {
+  LayerStats s;
+  s.chunks = index->chunkCount();
+  s.chunksCached = haveCount;
+  s.chunksFetched = chunksFetched;
+  s.bytesFetched = bytesFetched;
+  s.cacheHits = cacheHits;
+  s.readRequests = readRequests;
+  s.bytesRead = touchedBytes;
+  return s;
 }
 
 }  // namespace dsec::edge
