@@ -10,6 +10,8 @@ PKGS=(
   libgtest-dev libgmock-dev libcurl4-openssl-dev libfuse3-dev fuse3
   # images and sandboxes
   erofs-utils busybox-static debootstrap e2fsprogs iproute2 util-linux
+  # nft for sandbox egress (NAT and the host's input/forward filters)
+  nftables
   # mkfs.btrfs for the sandbox disk-quota pool (made once per edge start)
   btrfs-progs
   # tests, demo, benchmarks
