@@ -14,6 +14,8 @@ PKGS=(
   nftables
   # mkfs.btrfs for the sandbox disk-quota pool (made once per edge start)
   btrfs-progs
+  # the eBPF egress filter (clang -target bpf, libbpf skeleton)
+  clang libbpf-dev bpftool
   # tests, demo, benchmarks
   python3 python3-pytest python3-yaml crun procps strace nginx-light openssl
 )

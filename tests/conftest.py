@@ -64,6 +64,7 @@ def unavailable(reason: str):
 
 from helpers import (DIGEST_RE, HOST_ENV_MARKER, aether_pids, edge_cgroup, loop_devices_backed_by,  # noqa: E402
                      mounts_containing, sandbox_cgroup_dirs, tail, wait_until)
+from outside_host import ADDR as OUTSIDE_ADDR  # noqa: E402
 
 
 # ----- the server -----------------------------------------------------------------
@@ -146,6 +147,11 @@ class Server:
         self.client = dsec.Client.from_data_dir(str(self.data_dir), timeout=30)
         self.url = self.client.url
         self.pid = self.client.server_pid or self.proc.pid
+        self.port = int(self.url.rsplit(":", 1)[1].split("/")[0])
+        status, _, _, node = self.raw("GET", "/v1/node")
+        egress = (node or {}).get("egress", {}) if status == 200 else {}
+        self.egress_tag = egress.get("tag", "")
+        self.egress_unavailable = egress.get("unavailable_reason", "no /v1/node")
         token = self.data_dir / "token"
         mode = token.stat().st_mode & 0o777
         if mode & 0o077:
@@ -199,7 +205,9 @@ def server():
     edge = edge_cgroup(data_dir)
     cg_before = sandbox_cgroup_dirs(edge)
     aether_before = aether_pids(edge)
-    srv = Server(data_dir)
+    # The built-in `setup` policy may reach the test's outside host (tests/outside_host.py).
+    srv = Server(data_dir, extra_args=["--setup-egress", f"{OUTSIDE_ADDR}:8080",
+                                       "--setup-dns", OUTSIDE_ADDR])
     try:
         srv.start()
     except Exception as e:
@@ -236,6 +244,19 @@ def server():
     # An autoclear loop device goes once the kernel lets go of its filesystem.
     if not wait_until(lambda: not loop_devices_backed_by(str(data_dir)), 5):
         problems.append(f"loop devices left on the data dir: {loop_devices_backed_by(str(data_dir))}")
+    if srv.egress_tag:
+        def veths():
+            links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True,
+                                   text=True).stdout
+            return [l for l in links.splitlines() if f"dsec {srv.egress_tag} " in l]
+        # A veth goes with its sandbox's netns, which the kernel frees in the background.
+        wait_until(lambda: not veths(), 10)
+        left = veths()
+        if left:
+            problems.append(f"sandbox veths left: {left[:5]}")
+        tables = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True).stdout
+        if f"dsec_{srv.egress_tag}" in tables:
+            problems.append(f"nftables table dsec_{srv.egress_tag} left")
     cgroups = sorted(sandbox_cgroup_dirs(edge) - cg_before)
     if cgroups:
         problems.append(f"sandbox cgroups left: {cgroups[:10]}")

@@ -1,5 +1,6 @@
 #include "aether/agent.h"
 
+#include <arpa/inet.h>
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/epoll.h>
@@ -39,7 +40,18 @@ enum Kind : uint64_t {
   kStdinKind,
   kTimerKind,
   kSeccompKind,  // the "stream" is the listener's fd
+  kDeniedTimerKind,
 };
+
+// Denied-syscall counts go to the edge unasked, at most this often, so a
+// flood of refused calls costs one small frame per interval.
+constexpr int64_t kDeniedPushIntervalMs = 100;
+
+int64_t monotonicMs() {
+  struct timespec ts;
+  ::clock_gettime(CLOCK_MONOTONIC, &ts);
+  return int64_t(ts.tv_sec) * 1000 + ts.tv_nsec / 1000000;
+}
 
 constexpr uint64_t tag(Kind kind, uint32_t stream) { return (uint64_t{kind} << 32) | stream; }
 
@@ -151,6 +163,13 @@ int Agent::run() {
         case kSeccompKind:
           onSeccompNotify(static_cast<int>(stream), ev);
           break;
+        case kDeniedTimerKind: {
+          uint64_t expirations;
+          (void)!::read(denied_timer_.get(), &expirations, sizeof expirations);
+          denied_timer_armed_ = false;
+          pushDenied();
+          break;
+        }
       }
     }
   }
@@ -404,17 +423,44 @@ void Agent::onSeccompNotify(int fd, uint32_t events) {
       std::memset(&req, 0, sizeof req);
       if (::ioctl(fd, SECCOMP_IOCTL_NOTIF_RECV, &req) < 0) break;  // EAGAIN, or the caller died
       ++denied_[syscallName(req.data.nr)];
+      ++denied_total_;
       struct seccomp_notif_resp resp;
       std::memset(&resp, 0, sizeof resp);
       resp.id = req.id;
       resp.error = -EPERM;
       (void)::ioctl(fd, SECCOMP_IOCTL_NOTIF_SEND, &resp);  // ENOENT: the caller is gone
     }
+    scheduleDeniedPush();
   }
   if (events & (EPOLLHUP | EPOLLERR)) {
     unwatch(fd);
     listeners_.erase(it);
   }
+}
+
+void Agent::scheduleDeniedPush() {
+  if (denied_total_ == denied_pushed_ || denied_timer_armed_) return;
+  int64_t now = monotonicMs();
+  if (now - denied_pushed_at_ms_ >= kDeniedPushIntervalMs) return pushDenied();
+  // Within the interval: one trailing push carries whatever came meanwhile.
+  if (!denied_timer_) {
+    denied_timer_.reset(::timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC));
+    if (!denied_timer_) return pushDenied();
+    watch(denied_timer_.get(), tag(kDeniedTimerKind, 0), EPOLLIN);
+  }
+  struct itimerspec its {};
+  int64_t wait = kDeniedPushIntervalMs - (now - denied_pushed_at_ms_);
+  its.it_value.tv_sec = wait / 1000;
+  its.it_value.tv_nsec = (wait % 1000) * 1000000;
+  ::timerfd_settime(denied_timer_.get(), 0, &its, nullptr);
+  denied_timer_armed_ = true;
+}
+
+void Agent::pushDenied() {
+  if (denied_total_ == denied_pushed_) return;
+  denied_pushed_ = denied_total_;
+  denied_pushed_at_ms_ = monotonicMs();
+  sendFrame(0, FrameType::kDenied, dumpJson(Json{{"denied_total", denied_total_}}));
 }
 
 void Agent::handleAudit(const Frame& f) {
@@ -446,7 +492,20 @@ void Agent::handlePolicy(const Frame& f) {
       lists[k].push_back(p.get<std::string>());
     }
   }
-  Status st = fs_policy_.apply(lists[0], lists[1]);
+  std::string resolvConf;
+  if (auto it = j->find("dns"); it != j->end()) {
+    if (!it->is_array()) return sendError(f.stream, invalidArg("dns", "must be a list of addresses"));
+    for (auto& a : *it) {
+      unsigned char buf[16];
+      if (!a.is_string() || (inet_pton(AF_INET, a.get<std::string>().c_str(), buf) != 1 &&
+                             inet_pton(AF_INET6, a.get<std::string>().c_str(), buf) != 1)) {
+        return sendError(f.stream, invalidArg("dns", "resolvers must be IP addresses"));
+      }
+      resolvConf += "nameserver " + a.get<std::string>() + "\n";
+    }
+    if (!resolvConf.empty()) resolvConf = "# written by dsec for the sandbox's policy\n" + resolvConf;
+  }
+  Status st = fs_policy_.apply(lists[0], lists[1], resolvConf);
   if (!st.isOk()) return sendError(f.stream, st);
   // And Landlock for execs from now on: a second layer under the mounts, for
   // top-level paths only (/usr, /etc, ...). A Landlock rule covers all that is

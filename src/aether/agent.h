@@ -101,6 +101,10 @@ class Agent {
   void handleFileRead(const proto::Frame& f);
   void handleSimpleFileOp(const proto::Frame& f);
   void handleAudit(const proto::Frame& f);
+  // Tells the edge the denied-syscall total, now or at the end of the
+  // current interval (kDeniedPushIntervalMs).
+  void scheduleDeniedPush();
+  void pushDenied();
   void handlePolicy(const proto::Frame& f);
   void onSeccompNotify(int fd, uint32_t events);
 
@@ -147,6 +151,11 @@ class Agent {
   // the last process under its filter is gone.
   std::map<int, UniqueFd> listeners_;
   std::map<std::string, uint64_t> denied_;  // refused syscalls by name (audit)
+  uint64_t denied_total_ = 0;
+  uint64_t denied_pushed_ = 0;      // the total the edge was last told (kDenied)
+  int64_t denied_pushed_at_ms_ = -1000000;
+  UniqueFd denied_timer_;           // the trailing push within an interval
+  bool denied_timer_armed_ = false;
   FsPolicy fs_policy_;
   UniqueFd landlock_;  // the ruleset later execs run under (landlock.h); -1: none
   std::unordered_map<pid_t, uint32_t> pid_streams_;

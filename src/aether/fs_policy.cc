@@ -28,12 +28,27 @@ void FsPolicy::clear() {
 }
 
 Status FsPolicy::apply(const std::vector<std::string>& readonly,
-                       const std::vector<std::string>& hidden) {
+                       const std::vector<std::string>& hidden, const std::string& resolvConf) {
   clear();
   auto fail = [this](Status st) {
     clear();
     return st;
   };
+  if (!resolvConf.empty()) {
+    // Beside it, then renamed over it: a symlink (systemd-resolved images)
+    // is replaced, never followed.
+    const char* tmp = "/etc/.resolv.conf.dsec";
+    int fd = ::open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0644);
+    if (fd < 0) return fail(sysError("write /etc/resolv.conf"));
+    bool ok = ::write(fd, resolvConf.data(), resolvConf.size()) == ssize_t(resolvConf.size());
+    ::fchmod(fd, 0644);
+    ::close(fd);
+    if (!ok || ::rename(tmp, "/etc/resolv.conf") != 0) {
+      Status st = sysError("write /etc/resolv.conf");
+      ::unlink(tmp);
+      return fail(st);
+    }
+  }
   for (const auto& p : readonly) {
     struct stat st;
     if (::lstat(p.c_str(), &st) != 0 || S_ISLNK(st.st_mode)) continue;

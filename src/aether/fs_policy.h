@@ -18,8 +18,11 @@ class FsPolicy {
   // Replaces the rules in force with these. Paths are absolute inside the
   // sandbox; missing ones and symlinks (their targets are listed too, or not
   // at all) are skipped. On failure the previous rules are gone and none of
-  // the new ones is left half-applied.
-  Status apply(const std::vector<std::string>& readonly, const std::vector<std::string>& hidden);
+  // the new ones is left half-applied. A non-empty `resolvConf` replaces
+  // /etc/resolv.conf (the policy's DNS resolvers) while no rule is in force,
+  // so it is written even when the new rules make /etc read-only.
+  Status apply(const std::vector<std::string>& readonly, const std::vector<std::string>& hidden,
+               const std::string& resolvConf = {});
   const std::vector<std::string>& mounts() const { return mounts_; }
 
  private:

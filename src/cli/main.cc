@@ -55,6 +55,11 @@ const char* kUsage = R"(usage: dsec COMMAND [OPTIONS]
      --disk-quota auto|btrfs|tmpfs|none: how disk_mb is enforced (default auto: btrfs,
         else tmpfs; see docs/container-backend.md) and --disk-pool-mb N: size of the
         sparse btrfs pool image (default: the free space of the data dir)
+     --setup-egress LIST: what the built-in `setup` policy may reach, comma-separated
+        (10.0.0.0/8:80, mirror.example:443, [2001:db8::/32]:443; default: nothing)
+     --setup-dns LIST: resolvers `setup` sandboxes use (allowed on port 53)
+     --egress-subnet CIDR: IPv4 subnet of the veths of sandboxes with egress (default
+        10.88.0.0/16) and --egress-nat yes|no: masquerade them out of the host (default yes)
   image import --name NAME[:TAG] [--kind base|workspace|toolkit|diff]
                [--format auto|rootfs|oci|docker] PATH
         Build EROFS layers from a root filesystem (dir or tarball), an OCI image
@@ -207,6 +212,12 @@ int cmdUp(const Args& a) {
     if (mb <= 0) return die("--disk-pool-mb must be a positive number of MiB");
     eo.diskPoolBytes = int64_t(mb) << 20;
   }
+  eo.egressSubnet = a.get("egress-subnet", "10.88.0.0/16");
+  if (std::string nat = a.get("egress-nat", "yes"); nat == "yes" || nat == "no") {
+    eo.egressNat = nat == "yes";
+  } else {
+    return die("--egress-nat must be yes or no");
+  }
   platform::Store* st = store->get();
   eo.lookup = [dataDir, st](const std::string& digest) {
     return platform::Platform::describeLayer(st, dataDir, digest);
@@ -230,6 +241,12 @@ int cmdUp(const Args& a) {
   po.dataDir = dataDir;
   po.token = *token;
   if (!a.get("gc-grace-s").empty()) po.gcGraceS = std::atof(a.get("gc-grace-s").c_str());
+  for (auto [flag, out] : {std::pair{"setup-egress", &po.setupEgress},
+                           std::pair{"setup-dns", &po.setupDns}}) {
+    for (auto& x : splitString(a.get(flag), ',')) {
+      if (!x.empty()) out->push_back(x);
+    }
+  }
   auto plat = platform::Platform::start(po, store->get(), edge->get());
   if (!plat.isOk()) return die("platform: " + plat.status().toString());
 

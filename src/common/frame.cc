@@ -35,6 +35,7 @@ const char* frameTypeName(FrameType type) {
     case FrameType::kRemove: return "remove";
     case FrameType::kAudit: return "audit";
     case FrameType::kPolicy: return "policy";
+    case FrameType::kDenied: return "denied";
     case FrameType::kResult: return "result";
     case FrameType::kCancel: return "cancel";
   }

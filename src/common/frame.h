@@ -38,6 +38,7 @@ enum class FrameType : uint8_t {
   kRemove = 0x26,     // edge -> aether: remove a path (JSON)
   kAudit = 0x27,      // edge -> aether: denied-syscall counts ({}); kResult answers
   kPolicy = 0x28,     // edge -> aether: file rules of the policy in force (JSON)
+  kDenied = 0x29,     // aether -> edge, stream 0, unasked: {"denied_total": N} (rate-limited)
   kResult = 0x2F,     // aether -> edge: outcome of a request (JSON)
   kCancel = 0x31,     // edge -> aether: abandon the stream's request
 };

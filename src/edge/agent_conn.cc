@@ -122,6 +122,13 @@ bool AgentConn::onReadable() {
     }
     proto::Frame f;
     while (decoder_.next(f)) {
+      if (f.stream == 0 && f.type == proto::FrameType::kDenied) {
+        auto j = nlohmann::json::parse(f.payload, nullptr, false);
+        if (j.is_object() && j.contains("denied_total") && j["denied_total"].is_number_unsigned()) {
+          deniedSyscalls_.store(j["denied_total"].get<uint64_t>(), std::memory_order_relaxed);
+        }
+        continue;
+      }
       if (auto s = streamFor(f.stream)) {
         s->push(std::move(f));
       }

@@ -9,6 +9,7 @@
 #include <deque>
 #include <functional>
 #include <map>
+#include <atomic>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -67,6 +68,9 @@ class AgentConn {
   // Fails every stream with `why` and refuses further sends.
   void fail(const Status& why);
   bool dead() const;
+  // Syscalls the sandbox's seccomp profile refused, as the agent last said
+  // (it tells unasked, at most every 100 ms; kDenied frames).
+  uint64_t deniedSyscalls() const { return deniedSyscalls_.load(std::memory_order_relaxed); }
 
  private:
   std::shared_ptr<AgentStream> streamFor(uint32_t id);
@@ -81,6 +85,7 @@ class AgentConn {
   uint32_t nextId_ = 1;
   bool dead_ = false;
   Status deathReason_;
+  std::atomic<uint64_t> deniedSyscalls_{0};
 };
 
 // One epoll thread for all agent connections and agent pidfds of an edge.

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "common/fd.h"
 #include "common/status.h"
 #include "edge/agent_conn.h"
 #include "edge/cgroup.h"
@@ -40,6 +41,8 @@ class Instance {
   // The node-local directory holding the sandbox's writes in overlayfs form
   // (whiteouts, opaque dirs), or empty when the backend has none.
   virtual std::string upperDir() const = 0;
+  // An fd of the sandbox's network namespace (to plumb egress into it).
+  virtual Result<UniqueFd> openNetns() const = 0;
 };
 
 class Backend {

@@ -221,7 +221,13 @@ Result<std::unique_ptr<Cgroups>> Cgroups::detectWith(std::shared_ptr<CgroupFs> f
                   "cgroup v1 needs memory, cpu and pids hierarchies under " + root);
   }
   cg->v1Freezer_ = pick({"freezer"});  // optional: without it, freeze() is unavailable
-  for (auto* base : {&cg->v1Memory_, &cg->v1Cpu_, &cg->v1Pids_, &cg->v1Freezer_}) {
+  // Hybrid hosts mount a controller-less v2 hierarchy beside the v1 ones: a
+  // group there is what cgroup eBPF programs (egress filters) attach to.
+  if (auto t = cg->fs_->fsType(root + "/unified"); t.isOk() && *t == CGROUP2_SUPER_MAGIC) {
+    cg->v1Unified_ = root + "/unified";
+  }
+  for (auto* base :
+       {&cg->v1Memory_, &cg->v1Cpu_, &cg->v1Pids_, &cg->v1Freezer_, &cg->v1Unified_}) {
     if (base->empty()) continue;
     std::string cur = *base;
     for (auto& part : splitString(parent, '/')) {
@@ -242,7 +248,18 @@ std::vector<std::string> Cgroups::dirsOf(const std::string& id) const {
                                    v1Cpu_ + "/" + parent_ + "/" + id,
                                    v1Pids_ + "/" + parent_ + "/" + id};
   if (!v1Freezer_.empty()) dirs.push_back(v1Freezer_ + "/" + parent_ + "/" + id);
+  if (!v1Unified_.empty()) dirs.push_back(v1Unified_ + "/" + parent_ + "/" + id);
   return dirs;
+}
+
+std::string Cgroups::v2Parent() const {
+  if (mode_ == Mode::kV2) return root_ + "/" + parent_;
+  return v1Unified_.empty() ? std::string() : v1Unified_ + "/" + parent_;
+}
+
+std::string Cgroups::v2DirOf(const std::string& id) const {
+  std::string p = v2Parent();
+  return p.empty() ? p : p + "/" + id;
 }
 
 Status Cgroups::freeze(const std::string& id, bool frozen) {
@@ -255,7 +272,7 @@ Status Cgroups::freeze(const std::string& id, bool frozen) {
     if (v1Freezer_.empty()) {
       return Status(Code::kFailedPrecondition, "no freezer cgroup hierarchy on this host");
     }
-    knob = dirs[3] + "/freezer.state";
+    knob = v1Freezer_ + "/" + parent_ + "/" + id + "/freezer.state";
     want = frozen ? "FROZEN" : "THAWED";
   }
   RETURN_IF_ERROR(fs_->write(knob, want));
@@ -392,6 +409,7 @@ std::vector<std::string> Cgroups::hierarchies() const {
   if (mode_ == Mode::kV2) return {root_};
   std::vector<std::string> out = {v1Memory_, v1Cpu_, v1Pids_};
   if (!v1Freezer_.empty()) out.push_back(v1Freezer_);
+  if (!v1Unified_.empty()) out.push_back(v1Unified_);
   return out;
 }
 

@@ -102,6 +102,12 @@ class Cgroups {
   std::vector<std::string> list() const;
   // Directories that make up the sandbox's cgroups.
   std::vector<std::string> dirsOf(const std::string& id) const;
+  // The parent group in a cgroup v2 hierarchy (v2: the parent itself; hybrid:
+  // its twin in the controller-less unified hierarchy), where cgroup eBPF
+  // programs for all of this edge's sandboxes attach; empty on pure v1.
+  std::string v2Parent() const;
+  // The sandbox's group under v2Parent(), or empty.
+  std::string v2DirOf(const std::string& id) const;
 
  private:
   Cgroups() = default;
@@ -119,6 +125,8 @@ class Cgroups {
   std::string parent_;
   // v1: controller mount points, e.g. {"memory", "/sys/fs/cgroup/memory"}.
   std::string v1Memory_, v1Cpu_, v1Pids_, v1Freezer_;
+  // Hybrid: the v2 hierarchy without controllers (root/unified), or empty.
+  std::string v1Unified_;
   // The hierarchy roots a sandbox has a group in (v2: one).
   std::vector<std::string> hierarchies() const;
 };

@@ -62,6 +62,16 @@ Result<std::unique_ptr<Edge>> Edge::start(EdgeOptions opts) {
     log::warn("removed leftovers of " + std::to_string(orphans) + " orphan sandboxes");
   }
   e->backends_["container"] = std::move(container);
+  // The egress filter covers every sandbox of this edge from here on; where
+  // it cannot run, no sandbox gets egress (each stays on its own loopback).
+  if (std::string dir = e->cgroups_->v2Parent(); dir.empty()) {
+    e->egressWhy_ = "no cgroup v2 hierarchy for the eBPF egress filter";
+  } else if (auto f = net::EgressFilter::start(dir); !f.isOk()) {
+    e->egressWhy_ = f.status().message();
+  } else {
+    e->filter_ = std::move(*f);
+  }
+  if (!e->egressWhy_.empty()) log::warn("edge: sandbox egress unavailable: " + e->egressWhy_);
   log::info("edge: " + e->describe());
   return e;
 }
@@ -72,6 +82,9 @@ std::string Edge::describe() const {
   return "cgroups " + cgroups_->describe() + " under " + opts_.cgroupParent +
          ", layers mounted by " + layers_->mountMethod() + ", disk quota by " + diskQuotaInfo_ +
          ", blobs from " + cache_->storeUri() + " by the " + cache_->loaderName() + " loader" +
+         ", egress " +
+         (filter_ ? "by policy (eBPF filter at " + cgroups_->v2Parent() + ")"
+                  : "unavailable: " + egressWhy_) +
          ", backends: container";
 }
 
@@ -124,12 +137,28 @@ Status Edge::create(const std::string& backend, const SandboxSpec& spec) {
   }
   sandboxes_[spec.id] = std::shared_ptr<Instance>(std::move(inst).value());
   backendOf_[spec.id] = bit->second.get();
+  if (filter_) {
+    // Until this entry exists the filter denies the group everything but
+    // loopback; with it, the sandbox is known (and its denials counted).
+    auto cg = net::EgressFilter::cgroupId(cgroups_->v2DirOf(spec.id));
+    Status st = cg.isOk() ? filter_->addSandbox(*cg) : cg.status();
+    if (!st.isOk()) {
+      auto doomed = sandboxes_[spec.id];
+      Backend* b = backendOf_[spec.id];
+      sandboxes_.erase(spec.id);
+      backendOf_.erase(spec.id);
+      (void)b->destroy(*doomed);
+      return st.withContext("egress filter");
+    }
+    egressCg_[spec.id] = *cg;
+  }
   return Status::ok();
 }
 
 Status Edge::destroy(const std::string& id) {
   std::shared_ptr<Instance> inst;
   Backend* backend = nullptr;
+  uint64_t cg = 0;
   {
     std::lock_guard lk(mu_);
     auto it = sandboxes_.find(id);
@@ -139,8 +168,97 @@ Status Edge::destroy(const std::string& id) {
     backend = backendOf_[id];
     sandboxes_.erase(it);
     backendOf_.erase(id);
+    if (auto c = egressCg_.find(id); c != egressCg_.end()) {
+      cg = c->second;
+      egressCg_.erase(c);
+    }
   }
-  return backend->destroy(*inst);
+  Status st = backend->destroy(*inst);
+  if (cg != 0) filter_->removeSandbox(cg);
+  std::lock_guard lk(egressMu_);
+  if (veths_.erase(id) && egressNet_) {
+    // Deleted now rather than left to go with the netns: a socket the
+    // sandbox left behind (a peer that stopped answering a FIN) can keep a
+    // netns alive for minutes, and its veth and /30 with it.
+    if (Status d = egressNet_->detach(id); !d.isOk()) log::warn("egress: " + d.toString());
+  }
+  return st;
+}
+
+Status Edge::setEgress(const std::string& id, const std::vector<net::EgressRule>& rules) {
+  std::shared_ptr<Instance> inst;
+  uint64_t cg = 0;
+  {
+    std::lock_guard lk(mu_);
+    auto it = sandboxes_.find(id);
+    if (it == sandboxes_.end() || !it->second) return notFound("sandbox " + id + " not found");
+    inst = it->second;
+    if (auto c = egressCg_.find(id); c != egressCg_.end()) cg = c->second;
+  }
+  if (!filter_ || cg == 0) {
+    if (rules.empty()) return Status::ok();  // closed already: nothing to cut
+    return Status(Code::kFailedPrecondition,
+                  "this node cannot give sandboxes egress: " + egressWhy_, 0, "egress");
+  }
+  // Cutting needs only the filter; granting first gives the sandbox a path out.
+  if (!rules.empty()) {
+    std::lock_guard lk(egressMu_);
+    if (!egressNet_) {
+      EgressNetConfig c;
+      c.subnet = opts_.egressSubnet;
+      c.enableNat = opts_.egressNat;
+      c.tag = egressTag();
+      ASSIGN_OR_RETURN(egressNet_, EgressNet::start(c));
+      auto live = sandboxIds();
+      if (int n = egressNet_->cleanupOrphans({live.begin(), live.end()}); n > 0) {
+        log::warn("egress: removed " + std::to_string(n) + " orphan veth links");
+      }
+    }
+    if (!veths_.count(id)) {
+      ASSIGN_OR_RETURN(UniqueFd ns, inst->openNetns());
+      auto att = egressNet_->attach(id, ns.get());
+      if (!att.isOk()) return Status(att.status()).withContext("egress for " + id);
+      veths_.insert(id);
+    }
+  }
+  return filter_->setRules(cg, rules);
+}
+
+std::string Edge::egressTag() const { return "e" + sha256Hex(opts_.cgroupParent).substr(0, 12); }
+
+std::map<std::string, uint64_t> Edge::egressDenialCounts() {
+  std::map<std::string, uint64_t> cgs;
+  {
+    std::lock_guard lk(mu_);
+    for (auto& [id, cg] : egressCg_) cgs[id] = cg;
+  }
+  std::map<std::string, uint64_t> out;
+  for (auto& [id, cg] : cgs) {
+    if (auto d = filter_->denials(cg); d.isOk() && d->count > 0) out[id] = d->count;
+  }
+  return out;
+}
+
+std::map<std::string, uint64_t> Edge::syscallDenialCounts() const {
+  std::map<std::string, uint64_t> out;
+  std::lock_guard lk(mu_);
+  for (auto& [id, inst] : sandboxes_) {
+    if (!inst) continue;
+    if (auto conn = inst->agent(); conn && conn->deniedSyscalls() > 0) {
+      out[id] = conn->deniedSyscalls();
+    }
+  }
+  return out;
+}
+
+Result<net::EgressDenials> Edge::egressDenials(const std::string& id) {
+  uint64_t cg = 0;
+  {
+    std::lock_guard lk(mu_);
+    if (auto c = egressCg_.find(id); c != egressCg_.end()) cg = c->second;
+  }
+  if (cg == 0) return net::EgressDenials{};
+  return filter_->denials(cg);
 }
 
 Result<ExecResult> Edge::exec(const std::string& id, const ExecSpec& spec,
@@ -345,6 +463,12 @@ void Edge::shutdown() {
     if (Status st = destroy(id); !st.isOk()) log::error("shutdown: " + st.toString());
   }
   for (auto& [name, b] : backends_) b->shutdown();
+  {
+    std::lock_guard lk(egressMu_);
+    if (egressNet_) (void)egressNet_->stop();
+    egressNet_.reset();
+  }
+  filter_.reset();
   if (layers_) layers_->close();
   cache_.reset();
   if (cgroups_) cgroups_->removeParent();

@@ -9,6 +9,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -16,6 +17,8 @@
 #include "edge/backend.h"
 #include "edge/cgroup.h"
 #include "edge/image/layer_cache.h"
+#include "edge/net/egress_filter.h"
+#include "edge/net/egress_net.h"
 #include "image/layer_builder.h"
 
 namespace dsec::edge {
@@ -33,6 +36,10 @@ struct EdgeOptions {
   // where one is made (0: the free space of the data dir's filesystem).
   std::string diskQuota = "auto";
   int64_t diskPoolBytes = 0;
+  // Sandbox egress (policies with an allow-list): the IPv4 subnet their veth
+  // /30s come from, and whether the host masquerades them (edge/net/egress_net.h).
+  std::string egressSubnet = "10.88.0.0/16";
+  bool egressNat = true;
 };
 
 struct ExecSpec {
@@ -89,6 +96,25 @@ class Edge {
                                const std::string& json);
 
   Result<CgroupStats> stats(const std::string& id);
+
+  // Replaces the sandbox's egress allow-list; running processes' next
+  // connect/sendmsg sees it. Empty: no egress (its own loopback only). The
+  // first non-empty list gives the sandbox a veth (edge/net/egress_net.h); it
+  // keeps it, closed by the filter, when the list empties again.
+  // kFailedPrecondition when this node cannot filter egress (no cgroup v2
+  // hierarchy, eBPF refused): then no sandbox here gets any.
+  Status setEgress(const std::string& id, const std::vector<net::EgressRule>& rules);
+  // Connects and sends the egress filter refused so far, and the last target.
+  Result<net::EgressDenials> egressDenials(const std::string& id);
+  // Why egress is unavailable on this node, or empty when it is available.
+  std::string egressUnavailable() const { return egressWhy_; }
+  // Marks this edge's veth aliases ("dsec <tag> <id>") and names its
+  // nftables table (dsec_<tag>).
+  std::string egressTag() const;
+  // Egress denials of every sandbox that has any (for metrics).
+  std::map<std::string, uint64_t> egressDenialCounts();
+  // Refused syscalls of every sandbox that has any, as its agent last said.
+  std::map<std::string, uint64_t> syscallDenialCounts() const;
   // pack_diff: freezes the sandbox, builds an EROFS layer of its writes (its
   // overlay upper dir, whiteouts and opaque dirs included) under workDir,
   // thaws it. The sandbox keeps running.
@@ -113,10 +139,17 @@ class Edge {
   std::unique_ptr<Reactor> reactor_;
   std::map<std::string, std::unique_ptr<Backend>> backends_;
   std::string diskQuotaInfo_;  // the container backend's, set at start
+  std::unique_ptr<net::EgressFilter> filter_;  // null when egressWhy_ says why
+  std::string egressWhy_;
 
-  mutable std::mutex mu_;  // guards sandboxes_, backendOf_, onDeath_
+  std::mutex egressMu_;  // guards egressNet_, veths_
+  std::unique_ptr<EgressNet> egressNet_;  // started with the first veth
+  std::set<std::string> veths_;           // sandboxes that have one
+
+  mutable std::mutex mu_;  // guards sandboxes_, backendOf_, egressCg_, onDeath_
   std::map<std::string, std::shared_ptr<Instance>> sandboxes_;
   std::map<std::string, Backend*> backendOf_;
+  std::map<std::string, uint64_t> egressCg_;  // sandbox -> cgroup id in the filter
   std::function<void(const std::string&, const std::string&)> onDeath_;
 };
 

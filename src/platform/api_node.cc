@@ -43,7 +43,11 @@ void Platform::getNode(http::Response& res) {
                {"loader_pids", cache.loaderPids()},
                {"cache", {{"used_bytes", cache.usedBytes()}, {"limit_bytes", cache.limitBytes()}}},
                {"totals", totals},
-               {"layers", layers}};
+               {"layers", layers},
+               {"egress",
+                {{"available", edge_->egressUnavailable().empty()},
+                 {"unavailable_reason", edge_->egressUnavailable()},
+                 {"tag", edge_->egressTag()}}}};
   sendJson(res, 200, body.dump());
 }
 
@@ -85,6 +89,19 @@ void Platform::getMetrics(http::Response& res) {
   out += "dsec_node_cache_bytes " + std::to_string(cache.usedBytes()) + "\n";
   family("dsec_node_cache_limit_bytes", "gauge", "Node cache size limit (0: none).");
   out += "dsec_node_cache_limit_bytes " + std::to_string(cache.limitBytes()) + "\n";
+  // Only sandboxes that tried something: a scrape stays small on a node of
+  // thousands of well-behaved ones.
+  family("dsec_sandbox_egress_denied_total", "counter",
+         "Connects and sends of a sandbox that its policy's egress filter refused.");
+  for (auto& [id, n] : edge_->egressDenialCounts()) {
+    out += "dsec_sandbox_egress_denied_total{sandbox=\"" + id + "\"} " + std::to_string(n) + "\n";
+  }
+  family("dsec_sandbox_syscalls_denied_total", "counter",
+         "Syscalls of a sandbox that its seccomp profile refused (as of the agent's last report, "
+         "at most 100 ms old).");
+  for (auto& [id, n] : edge_->syscallDenialCounts()) {
+    out += "dsec_sandbox_syscalls_denied_total{sandbox=\"" + id + "\"} " + std::to_string(n) + "\n";
+  }
   (void)res.send(200, "text/plain; version=0.0.4", out);
 }
 

@@ -137,7 +137,7 @@ void Platform::createSandbox(http::Request& req, http::Response& res) {
     r.labels = *labels;
     auto policy = getString(j, "policy", "default", 64);
     if (!policy.isOk()) return fail(policy.status());
-    if (auto p = findPolicy(*policy, "policy"); !p.isOk()) return fail(p.status());
+    if (auto p = policies_->find(*policy, "policy"); !p.isOk()) return fail(p.status());
     r.policy = *policy;
     for (auto [field, out] : {std::pair{"readonly_paths", &r.readonlyPaths},
                               std::pair{"hidden_paths", &r.hiddenPaths}}) {
@@ -347,15 +347,27 @@ void Platform::getSandbox(const std::string& id, http::Response& res) {
 }
 
 Status Platform::applyPolicy(const SandboxRecord& r) {
-  ASSIGN_OR_RETURN(Policy p, findPolicy(r.policy, "policy"));
+  ASSIGN_OR_RETURN(Policy p, policies_->find(r.policy, "policy"));
+  ASSIGN_OR_RETURN(auto rules, egressRules(p));
   json body = {{"readonly", p.readonlyPaths}, {"hidden", p.hiddenPaths}};
   for (auto& x : r.readonlyPaths) body["readonly"].push_back(x);
   for (auto& x : r.hiddenPaths) body["hidden"].push_back(x);
-  auto res = edge_->fileCall(r.id, proto::FrameType::kPolicy, body.dump());
-  if (!res.isOk()) {
-    Status st = res.status();
-    return st.withContext("apply policy " + r.policy);
+  if (!p.dns.empty()) body["dns"] = p.dns;
+  auto applyFiles = [&]() -> Status {
+    auto res = edge_->fileCall(r.id, proto::FrameType::kPolicy, body.dump());
+    return res.isOk() ? Status::ok() : res.status();
+  };
+  // Closing goes first and opening last, so a switch is never more open
+  // than either policy, even for a moment.
+  Status st;
+  if (rules.empty()) {
+    st = edge_->setEgress(r.id, {});
+    if (st.isOk()) st = applyFiles();
+  } else {
+    st = applyFiles();
+    if (st.isOk()) st = edge_->setEgress(r.id, rules);
   }
+  if (!st.isOk()) return st.withContext("apply policy " + r.policy);
   return Status::ok();
 }
 
@@ -365,7 +377,7 @@ void Platform::setPhase(const std::string& id, http::Request& req, http::Respons
   auto name = getString(*j, "policy", "", 64);
   if (!name.isOk()) return sendError(res, name.status());
   if (name->empty()) return sendError(res, invalidArg("policy", "policy is required"));
-  if (auto p = findPolicy(*name, "policy"); !p.isOk()) return sendError(res, p.status());
+  if (auto p = policies_->find(*name, "policy"); !p.isOk()) return sendError(res, p.status());
   std::vector<std::string> extra[2];
   const char* fields[2] = {"readonly_paths", "hidden_paths"};
   for (int k = 0; k < 2; ++k) {
@@ -401,18 +413,6 @@ void Platform::setPhase(const std::string& id, http::Request& req, http::Respons
   sendJson(res, 200, dumpJson(toApi(r)));
 }
 
-void Platform::listPolicies(http::Response& res) {
-  json arr = json::array();
-  for (const auto& p : builtinPolicies()) {
-    arr.push_back({{"name", p.name},
-                   {"description", p.description},
-                   {"readonly_paths", p.readonlyPaths},
-                   {"hidden_paths", p.hiddenPaths},
-                   {"egress", p.egress}});
-  }
-  sendJson(res, 200, dumpJson(json{{"policies", arr}}));
-}
-
 void Platform::getAudit(const std::string& id, http::Response& res) {
   auto rec = runningSandbox(id);
   if (!rec.isOk()) return sendError(res, rec.status());
@@ -422,6 +422,10 @@ void Platform::getAudit(const std::string& id, http::Response& res) {
   if (!j.is_object()) return sendError(res, Status(Code::kInternal, "agent sent a bad audit"));
   j.erase("ok");
   j["id"] = id;
+  auto eg = edge_->egressDenials(id);
+  if (!eg.isOk()) return sendError(res, eg.status());
+  j["egress_denied"] = eg->count;
+  j["egress_last_denied"] = eg->last;
   sendJson(res, 200, dumpJson(j));
 }
 

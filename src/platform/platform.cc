@@ -59,6 +59,10 @@ Result<std::unique_ptr<Platform>> Platform::start(PlatformOptions opts, Store* s
   p->store_ = store;
   p->edge_ = edge;
   RETURN_IF_ERROR(makeDirs(p->opts_.dataDir + "/blobs/sha256", 0700));
+  RETURN_IF_ERROR(validateEgress(p->opts_.setupEgress, "setup_egress"));
+  RETURN_IF_ERROR(validateDns(p->opts_.setupDns, "setup_dns"));
+  ASSIGN_OR_RETURN(p->policies_,
+                   Policies::open(store, builtinPolicies(p->opts_.setupEgress, p->opts_.setupDns)));
   ASSIGN_OR_RETURN(auto records, store->loadSandboxes());
   double now = nowSeconds();
   int lost = 0;
@@ -265,6 +269,11 @@ void Platform::handle(http::Request& req, http::Response& res) {
     return methodNotAllowed();
   } else if (coll == "policies" && n == 3) {
     if (m == "GET") return listPolicies(res);
+    if (m == "POST") return createPolicy(req, res);
+    return methodNotAllowed();
+  } else if (coll == "policies" && n == 4) {
+    if (m == "GET") return getPolicy(parts[3], res);
+    if (m == "DELETE") return deletePolicy(parts[3], res);
     return methodNotAllowed();
   } else if (coll == "node" && n == 3) {
     if (m == "GET") return getNode(res);

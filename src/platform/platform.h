@@ -14,10 +14,12 @@
 #include <set>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "common/http_server.h"
 #include "common/status.h"
 #include "edge/edge.h"
+#include "platform/policy.h"
 #include "platform/store.h"
 
 namespace dsec::platform {
@@ -28,6 +30,10 @@ struct PlatformOptions {
   double stoppedRetentionS = 3600;  // stopped sandboxes stay listed this long
   double gcGraceS = 600;            // unreferenced layers older than this are collected
   double gcIntervalS = 60;          // how often the janitor collects
+  // What the built-in `setup` policy allows (platform/policy.h): egress
+  // entries and DNS resolvers; none by default.
+  std::vector<std::string> setupEgress;
+  std::vector<std::string> setupDns;
 };
 
 class Platform {
@@ -66,7 +72,13 @@ class Platform {
   void packDiff(const std::string& id, http::Request& req, http::Response& res);
   void getAudit(const std::string& id, http::Response& res);
   void setPhase(const std::string& id, http::Request& req, http::Response& res);
+  // Policies (api_policies.cc).
   void listPolicies(http::Response& res);
+  void createPolicy(http::Request& req, http::Response& res);
+  void getPolicy(const std::string& name, http::Response& res);
+  void deletePolicy(const std::string& name, http::Response& res);
+  // The filter rules of p's egress and DNS entries, host names resolved now.
+  Result<std::vector<edge::net::EgressRule>> egressRules(const Policy& p);
   // Applies the file rules of r's policy (plus its extra paths) in the sandbox.
   Status applyPolicy(const SandboxRecord& r);
   void files(const std::string& id, const std::string& op, http::Request& req,
@@ -113,6 +125,7 @@ class Platform {
 
   PlatformOptions opts_;
   Store* store_ = nullptr;     // not owned
+  std::unique_ptr<Policies> policies_;
   edge::Edge* edge_ = nullptr;  // not owned
   std::mutex gcMu_;  // one collection at a time; held while images and layers are deleted
 

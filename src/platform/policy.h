@@ -1,10 +1,21 @@
 // Security policies: named documents a sandbox runs under, switched live by
-// phase (setup → rollout → eval). Today a policy carries file rules (paths
+// phase (setup → rollout → eval). A policy carries file rules (paths
 // read-only or hidden for every process in the sandbox, whatever its uid) and
-// its egress, which is always none: a sandbox's network namespace has only
-// loopback until egress allow-lists (eBPF cgroup filters) exist.
+// network egress: an allow-list of addresses, prefixes and host names with
+// ports (edge/net/egress_rules.h), enforced by the edge's eBPF cgroup filter,
+// and the DNS resolvers the sandbox may use (written to its /etc/resolv.conf
+// and allowed on port 53). No egress entry means no egress: the sandbox's
+// network namespace then reaches only its own loopback.
+//
+// Built-ins: default, setup, rollout, eval. `setup` allows what the operator
+// gives `dsec up --setup-egress/--setup-dns` (e.g. a package mirror), nothing
+// by default. Users add their own policies through the API; those are stored
+// and survive restarts. Built-ins cannot be replaced or deleted.
 #pragma once
 
+#include <map>
+#include <mutex>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -12,20 +23,56 @@
 
 namespace dsec::platform {
 
+class Store;
+
 struct Policy {
   std::string name;
   std::string description;
   std::vector<std::string> readonlyPaths;
   std::vector<std::string> hiddenPaths;
-  std::vector<std::string> egress;  // allow-list; empty: none
+  std::vector<std::string> egress;  // allow-list entries; empty: no egress
+  std::vector<std::string> dns;     // resolver addresses; each allowed on port 53
+  bool builtin = false;
+  double createdAt = 0;
+
+  nlohmann::json toJson() const;
 };
 
-// The built-in policies: default, rollout, eval.
-const std::vector<Policy>& builtinPolicies();
-// kInvalidArgument naming `field` for an unknown name.
-Result<Policy> findPolicy(const std::string& name, const std::string& field);
+// The built-in policies; `setup` with the given allow-list and resolvers.
+std::vector<Policy> builtinPolicies(const std::vector<std::string>& setupEgress = {},
+                                    const std::vector<std::string>& setupDns = {});
+
 // Checks extra paths a caller adds to a policy: absolute, normalised, not "/"
 // and not under /proc, /sys or /dev (the sandbox needs them as they are).
 Status validatePolicyPaths(const std::vector<std::string>& paths, const std::string& field);
+// Checks egress entries (syntax only; host names are resolved when applied).
+Status validateEgress(const std::vector<std::string>& entries, const std::string& field);
+// Checks resolver addresses: IPv4 or IPv6 literals, at most 3 (resolv.conf's limit).
+Status validateDns(const std::vector<std::string>& servers, const std::string& field);
+
+// Built-ins plus the user's policies. Thread-safe.
+class Policies {
+ public:
+  // Loads the user's policies from `store` (kept, not owned).
+  static Result<std::unique_ptr<Policies>> open(Store* store, std::vector<Policy> builtins);
+
+  // kInvalidArgument naming `field` for an unknown name, listing the names.
+  Result<Policy> find(const std::string& name, const std::string& field) const;
+  std::vector<Policy> list() const;
+  // Validates a policy document from the API ({"name", "description",
+  // "readonly_paths", "hidden_paths", "egress", "dns"}) and stores it before
+  // returning. kAlreadyExists (409) for a name in use, built-in or not.
+  Result<Policy> create(const nlohmann::json& doc);
+  // kNotFound for an unknown name; kFailedPrecondition for a built-in.
+  // The caller checks that no live sandbox runs under it.
+  Status remove(const std::string& name);
+
+ private:
+  Policies() = default;
+  Store* store_ = nullptr;
+  std::vector<Policy> builtins_;
+  mutable std::mutex mu_;  // guards custom_
+  std::map<std::string, Policy> custom_;
+};
 
 }  // namespace dsec::platform

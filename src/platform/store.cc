@@ -125,7 +125,8 @@ Result<std::unique_ptr<SqliteStore>> SqliteStore::open(const std::string& path) 
       "created_at REAL NOT NULL);"
       "CREATE TABLE IF NOT EXISTS images(name TEXT NOT NULL, tag TEXT NOT NULL, "
       "layers TEXT NOT NULL, size INTEGER NOT NULL, created_at REAL NOT NULL, "
-      "PRIMARY KEY(name, tag));"));
+      "PRIMARY KEY(name, tag));"
+      "CREATE TABLE IF NOT EXISTS policies(name TEXT PRIMARY KEY, doc TEXT NOT NULL);"));
   // Columns added after the first release of the schema; "duplicate column"
   // means the database already has them.
   for (const char* alter : {"ALTER TABLE images ADD COLUMN kind TEXT NOT NULL DEFAULT 'base'",
@@ -321,6 +322,33 @@ Status SqliteStore::deleteImage(const std::string& name, const std::string& tag)
   if (st.step() != SQLITE_DONE) return sqlError(db_, "deleteImage");
   if (sqlite3_changes(db_) == 0) return notFound("image " + name + ":" + tag + " not found");
   return Status::ok();
+}
+
+Status SqliteStore::putPolicy(const std::string& name, const std::string& doc) {
+  std::lock_guard lk(mu_);
+  Stmt st(db_, "INSERT OR REPLACE INTO policies(name, doc) VALUES(?1, ?2)");
+  st.bind(1, name).bind(2, doc);
+  if (st.step() != SQLITE_DONE) return sqlError(db_, "putPolicy");
+  return Status::ok();
+}
+
+Status SqliteStore::deletePolicy(const std::string& name) {
+  std::lock_guard lk(mu_);
+  Stmt st(db_, "DELETE FROM policies WHERE name=?1");
+  st.bind(1, name);
+  if (st.step() != SQLITE_DONE) return sqlError(db_, "deletePolicy");
+  if (sqlite3_changes(db_) == 0) return notFound("policy " + name + " not found");
+  return Status::ok();
+}
+
+Result<std::vector<std::string>> SqliteStore::loadPolicies() {
+  std::lock_guard lk(mu_);
+  Stmt st(db_, "SELECT doc FROM policies ORDER BY name");
+  std::vector<std::string> out;
+  int rc;
+  while ((rc = st.step()) == SQLITE_ROW) out.push_back(st.text(0));
+  if (rc != SQLITE_DONE) return sqlError(db_, "loadPolicies");
+  return out;
 }
 
 }  // namespace dsec::platform

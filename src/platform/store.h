@@ -92,6 +92,12 @@ class Store {
   virtual Result<ImageRecord> getImage(const std::string& name, const std::string& tag) = 0;
   virtual Result<std::vector<ImageRecord>> listImages() = 0;
   virtual Status deleteImage(const std::string& name, const std::string& tag) = 0;
+
+  // User-defined security policies (platform/policy.h), as JSON documents.
+  virtual Status putPolicy(const std::string& name, const std::string& doc) = 0;
+  // kNotFound for an unknown name.
+  virtual Status deletePolicy(const std::string& name) = 0;
+  virtual Result<std::vector<std::string>> loadPolicies() = 0;
 };
 
 // SQLite in WAL mode with synchronous=NORMAL: a commit is in the OS when it
@@ -118,6 +124,9 @@ class SqliteStore : public Store {
   Result<ImageRecord> getImage(const std::string& name, const std::string& tag) override;
   Result<std::vector<ImageRecord>> listImages() override;
   Status deleteImage(const std::string& name, const std::string& tag) override;
+  Status putPolicy(const std::string& name, const std::string& doc) override;
+  Status deletePolicy(const std::string& name) override;
+  Result<std::vector<std::string>> loadPolicies() override;
 
  private:
   SqliteStore() = default;

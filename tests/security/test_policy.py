@@ -13,9 +13,12 @@ from helpers import expect_error
 
 def test_builtin_policies_are_listed(client):
     names = {p["name"]: p for p in client.policies()}
-    assert {"default", "rollout", "eval"} <= set(names)
+    assert {"default", "setup", "rollout", "eval"} <= set(names)
     assert "/usr" in names["eval"]["readonly_paths"]
-    assert all(p["egress"] == [] for p in names.values())
+    # Only setup has egress, and only what `dsec up --setup-egress/--setup-dns` gave it.
+    assert all(p["egress"] == [] and p["dns"] == [] for n, p in names.items()
+               if p["builtin"] and n != "setup")
+    assert names["setup"]["egress"] == ["10.89.0.2:8080"] and names["setup"]["dns"] == ["10.89.0.2"]
 
 
 def test_eval_phase_stops_bash_tampering_even_for_a_running_process(make_sandbox, debian):

@@ -9,6 +9,8 @@ import os
 
 import pytest
 
+from helpers import wait_until
+
 PROBE = r"""
 import ctypes, errno, json, os, socket
 libc = ctypes.CDLL(None, use_errno=True)
@@ -116,6 +118,18 @@ def test_refused_syscalls_are_counted_per_sandbox(probe, deb, module_sandboxes, 
     conforms(server.raw("GET", f"/v1/sandboxes/{nb.id}/audit"), "/v1/sandboxes/{id}/audit", "GET")
     status, _, _, doc = server.raw("GET", "/v1/sandboxes/sb-0000000000000000/audit")
     assert status == 404 and doc["error"]["code"] == "not_found"
+
+    # The same counts reach /v1/metrics without asking each agent: the agent
+    # reports them unasked at most every 100 ms. Clean sandboxes are left out.
+    total = deb.audit()["denied_total"]
+
+    def metric():
+        text = server.raw("GET", "/v1/metrics")[2].decode()
+        line = f'dsec_sandbox_syscalls_denied_total{{sandbox="{deb.id}"}} '
+        got = [l for l in text.splitlines() if l.startswith(line)]
+        assert f'sandbox="{nb.id}"' not in text
+        return int(got[0].split()[-1]) if got else None
+    assert wait_until(lambda: metric() == total, 3), (metric(), total)
 
 
 def test_clone3_falls_back_and_ordinary_work_goes_on(probe):

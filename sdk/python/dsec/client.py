@@ -346,9 +346,39 @@ class Client:
     # ----- images and blobs -----------------------------------------------------
 
     def policies(self) -> List[Dict[str, Any]]:
-        """The security policies sandboxes can run under (name, description,
-        readonly_paths, hidden_paths, egress)."""
+        """The security policies sandboxes can run under: the built-ins
+        (default, setup, rollout, eval) and the user's own, each with name,
+        description, readonly_paths, hidden_paths, egress, dns, builtin."""
         return self._call("GET", "/v1/policies")["policies"]
+
+    def policy(self, name: str) -> Dict[str, Any]:
+        """``GET /v1/policies/{name}``; unknown → NotFound."""
+        return self._call("GET", "/v1/policies/" + _q(name))
+
+    def create_policy(self, name: str, *, description: str = "",
+                      egress: Optional[Sequence[str]] = None,
+                      dns: Optional[Sequence[str]] = None,
+                      readonly_paths: Optional[Sequence[str]] = None,
+                      hidden_paths: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+        """Stores a policy of your own. ``egress`` is an allow-list of
+        ``"10.0.0.0/8"``, ``"192.0.2.7:80,443"``, ``"[2001:db8::/32]:443"``
+        or ``"mirror.example:80"`` (names resolved by the platform when a
+        sandbox switches to the policy); ``dns`` the resolvers written to the
+        sandbox's /etc/resolv.conf (allowed on port 53). A name in use →
+        Conflict (409)."""
+        body: Dict[str, Any] = {"name": name}
+        if description:
+            body["description"] = description
+        for key, val in (("egress", egress), ("dns", dns), ("readonly_paths", readonly_paths),
+                         ("hidden_paths", hidden_paths)):
+            if val is not None:
+                body[key] = list(val)
+        return self._call("POST", "/v1/policies", json_body=body)
+
+    def delete_policy(self, name: str) -> None:
+        """Deletes one of your policies; refused (409) while a live sandbox
+        runs under it, and for built-ins."""
+        self._call("DELETE", "/v1/policies/" + _q(name))
 
     def images(self) -> List[Image]:
         return [Image(i) for i in self._call("GET", "/v1/images").get("images", [])]
@@ -569,8 +599,10 @@ class Sandbox:
 
     def audit(self) -> dict:
         """What the sandbox tried and was refused: ``{"denied_syscalls":
-        {"mount": 2, ...}, "denied_total": 2}`` counted since it started, so a
-        trainer can flag trajectories that probed their sandbox."""
+        {"mount": 2, ...}, "denied_total": 2, "egress_denied": 1,
+        "egress_last_denied": "192.0.2.9:443"}`` counted since it started, so
+        a trainer can flag trajectories that probed their sandbox or its
+        network."""
         return self.client._call("GET", f"/v1/sandboxes/{_q(self.id)}/audit")
 
     def destroy(self) -> "Sandbox":

@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cctype>
 #include <charconv>
 #include <cstring>
@@ -267,7 +268,7 @@ Result<Attachment> EgressNet::attach(const std::string& sandboxId, int netnsFd) 
   Attachment a;
   a.hostIfname = ifnameFor(sandboxId);
   a.prefixLen = kSlotPrefix;
-  uint32_t slot;
+  uint32_t slot = 0;
   {
     std::lock_guard lock(mu_);
     if (stopped_) return Status(Code::kFailedPrecondition, "egress network is stopped");
@@ -275,7 +276,31 @@ Result<Attachment> EgressNet::attach(const std::string& sandboxId, int netnsFd) 
       return Status(Code::kAlreadyExists,
                     "sandbox " + sandboxId + " already has egress (" + a.hostIfname + ")");
     }
-    ASSIGN_OR_RETURN(slot, allocateLocked());
+    // A /30 whose host address some link already has (another edge on this
+    // host, or the leftovers of one that crashed, on the same subnet) would
+    // route the sandbox's traffic into the wrong veth: skip those.
+    std::vector<uint32_t> inUse;
+    {
+      std::lock_guard rl(rtnlMu_);
+      ASSIGN_OR_RETURN(inUse, host_.listAddresses4());
+    }
+    std::vector<uint32_t> skipped;
+    Status err;
+    for (;;) {
+      auto s = allocateLocked();
+      if (!s.isOk()) {
+        err = s.status();
+        break;
+      }
+      if (std::find(inUse.begin(), inUse.end(), slotAddress(*s, 1)) == inUse.end()) {
+        slot = *s;
+        break;
+      }
+      skipped.push_back(*s);
+    }
+    // Back to the pool: whoever holds them now may let go later.
+    for (uint32_t x : skipped) free_.insert(x);
+    if (!err.isOk()) return err;
     attached_[sandboxId] = slot;
   }
   a.gateway = slotAddress(slot, 1);

@@ -450,6 +450,18 @@ TEST_F(EgressNetTest, DetachFreesTheSlotForReuse) {
   EXPECT_EQ(ipv4String(c->gateway), "10.77.1.1");
 }
 
+TEST_F(EgressNetTest, SkipsASlotWhoseHostAddressAnotherLinkHas) {
+  // Another edge (or a crashed one's leftover) on the same subnet holds 10.77.2.1.
+  startNet(true, "10.77.2.0/24");
+  UniqueFd other = newNetns(), ns1 = newNetns();
+  ASSERT_TRUE(rtnl_->createVeth("dvforeign", "eth0", other.get()).isOk());
+  ASSERT_TRUE(rtnl_->addAddress4("dvforeign", ip("10.77.2.1"), 30).isOk());
+  auto a = net_->attach("a", ns1.get());
+  ASSERT_TRUE(a.isOk()) << a.status().toString();
+  EXPECT_EQ(ipv4String(a->gateway), "10.77.2.5");
+  EXPECT_TRUE(rtnl_->deleteLink("dvforeign").isOk());
+}
+
 TEST_F(EgressNetTest, ForgottenSlotWaitsForItsLinkToGo) {
   startNet();
   UniqueFd ns1 = newNetns(), ns2 = newNetns(), ns3 = newNetns();

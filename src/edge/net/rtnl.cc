@@ -334,4 +334,27 @@ Result<std::vector<Link>> Rtnl::listLinks() {
   return links;
 }
 
+Result<std::vector<uint32_t>> Rtnl::listAddresses4() {
+  Request req(RTM_GETADDR, NLM_F_DUMP);
+  ifaddrmsg ifa{};
+  ifa.ifa_family = AF_INET;
+  req.header(ifa);
+  std::vector<uint32_t> out;
+  RETURN_IF_ERROR(exchange(req, "list addresses", [&](const nlmsghdr& h) {
+    if (h.nlmsg_type != RTM_NEWADDR || h.nlmsg_len < NLMSG_LENGTH(sizeof(ifaddrmsg))) return;
+    const auto* m = reinterpret_cast<const ifaddrmsg*>(NLMSG_DATA(&h));
+    if (m->ifa_family != AF_INET) return;
+    const char* p = reinterpret_cast<const char*>(m) + NLMSG_ALIGN(sizeof(ifaddrmsg));
+    const char* end = reinterpret_cast<const char*>(&h) + h.nlmsg_len;
+    forEachAttr(p, end, [&](int type, const char* v, size_t len) {
+      if (type == IFA_LOCAL && len >= 4) {
+        uint32_t a;
+        std::memcpy(&a, v, 4);
+        out.push_back(a);
+      }
+    });
+  }));
+  return out;
+}
+
 }  // namespace dsec::edge

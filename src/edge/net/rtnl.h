@@ -63,6 +63,9 @@ class Rtnl {
   Status deleteLink(const std::string& name);
   // Every link of this netns (an RTM_GETLINK dump).
   Result<std::vector<Link>> listLinks();
+  // Every IPv4 address on any link of this netns (network order; an
+  // RTM_GETADDR dump).
+  Result<std::vector<uint32_t>> listAddresses4();
 
  private:
   explicit Rtnl(UniqueFd fd) : fd_(std::move(fd)) {}

@@ -64,6 +64,13 @@ class ContainerInstance : public Instance {
   Result<int64_t> oomKills() const override { return cgroups_->oomKills(id_); }
   Status freeze(bool frozen) override { return cgroups_->freeze(id_, frozen); }
   std::string upperDir() const override { return dir_ + "/upper"; }
+  Result<UniqueFd> openNetns() const override {
+    // pid_ is our child and not reaped while the instance lives: no reuse.
+    std::string path = "/proc/" + std::to_string(pid_) + "/ns/net";
+    int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return sysError("open " + path);
+    return UniqueFd(fd);
+  }
 
   std::string id_;
   std::string dir_;

@@ -1,0 +1,75 @@
+// The edge's eBPF egress filter (egress.bpf.c): cgroup connect4/6 and
+// sendmsg4/6 programs, and a cgroup_skb/egress program for the packets of
+// connections opened earlier, attached once, with BPF_F_ALLOW_MULTI, to the
+// edge's cgroup v2 parent group, so they cover every sandbox process. A sandbox is
+// an entry keyed by its own cgroup id; its allow-list is a set of LPM-trie
+// entries. Anything not allowed fails with EPERM (connect) or is dropped with
+// EPERM (sendmsg), and is counted per sandbox.
+//
+// Closed by default: a process in a group under the parent that is not (yet)
+// a known sandbox, or a sandbox with no rules, reaches only its own loopback.
+// The programs are attached with BPF_PROG_ATTACH, which outlives this process:
+// after a crash the sandboxes stay filtered by the last rules they had (never
+// opened up); the next start() detaches such leftovers once its own programs
+// are in place. Thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "common/fd.h"
+#include "common/status.h"
+#include "edge/net/egress_rules.h"
+
+struct egress_bpf;
+
+namespace dsec::edge::net {
+
+struct EgressDenials {
+  uint64_t count = 0;  // connects and sends refused since the sandbox started
+  std::string last;    // the last refused destination, "1.2.3.4:80" or "[::1]:80"
+};
+
+class EgressFilter {
+ public:
+  // Loads the programs and attaches them to `cgroupDir` (a cgroup v2 dir).
+  // kFailedPrecondition when the kernel refuses (no BPF, no cgroup v2, not
+  // privileged), with the kernel's reason.
+  static Result<std::unique_ptr<EgressFilter>> start(const std::string& cgroupDir);
+  // Detaches the programs.
+  ~EgressFilter();
+
+  // The cgroup id of a cgroup v2 directory (what bpf_get_current_cgroup_id gives).
+  static Result<uint64_t> cgroupId(const std::string& dir);
+
+  // Makes the group a known sandbox with no rules (loopback only).
+  Status addSandbox(uint64_t cg);
+  // Replaces the sandbox's allow-list. New entries are in place before old
+  // ones go, so a connect racing with the switch sees the old or the new
+  // rules, never none; a process's next connect sees the new ones.
+  Status setRules(uint64_t cg, const std::vector<EgressRule>& rules);
+  // Forgets the sandbox and its rules (its group is going away).
+  void removeSandbox(uint64_t cg);
+  Result<EgressDenials> denials(uint64_t cg) const;
+
+ private:
+  EgressFilter() = default;
+  Status attachAll();
+  void detachStale();
+
+  std::string dir_;
+  UniqueFd cgFd_;
+  egress_bpf* skel_ = nullptr;
+  std::vector<std::pair<int, int>> attached_;  // (prog fd, attach type)
+
+  mutable std::mutex mu_;  // guards keys_
+  // Per sandbox the LPM keys it has now (raw key bytes; family in the first byte of the tag).
+  std::map<uint64_t, std::set<std::string>> keys_;
+};
+
+}  // namespace dsec::edge::net
