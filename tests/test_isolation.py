@@ -183,3 +183,30 @@ def _try_echo(sb):
         return sb.exec("echo ok", timeout=5).stdout == "ok\n"
     except dsec.DsecError:
         return False
+
+
+def test_open_files_are_bounded(deb):
+    # Soft 1024, hard at most 65536 whatever the node's own limit, and no way
+    # to raise the hard limit (no CAP_SYS_RESOURCE).
+    r = deb.exec(["python3", "-c", """
+import resource
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+print(soft, hard)
+try:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard + 1)); print("raised")
+except (ValueError, OSError) as e:
+    print("refused")
+resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+fds = []
+try:
+    while True:
+        fds.append(open("/dev/null"))
+except OSError as e:
+    print("stopped at", len(fds) + 3, e.errno)
+"""])
+    lines = r.stdout.split("\n")
+    soft, hard = map(int, lines[0].split())
+    assert soft == min(1024, hard) and hard <= 65536, r.stdout
+    assert lines[1] == "refused", r.stdout
+    stopped = int(lines[2].split()[2])
+    assert hard - 8 <= stopped <= hard and lines[2].endswith(" 24"), r.stdout  # EMFILE

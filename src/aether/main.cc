@@ -107,12 +107,22 @@ int realMain(int argc, char** argv) {
   AgentOptions options;
   options.exec.drop_caps = ::geteuid() == 0;
   // Every exec costs aether four or five descriptors; don't let the usual
-  // soft limit of 1024 cap concurrency, but hand children the limit they expect.
+  // soft limit of 1024 cap concurrency. Children get a bounded limit of their
+  // own whatever the edge had (a node may run with a hard limit of 1M): soft
+  // 1024, hard at most kChildNofileMax; without CAP_SYS_RESOURCE they cannot
+  // raise it.
+  constexpr rlim_t kChildNofileMax = 65536;
   struct rlimit nofile;
-  if (::getrlimit(RLIMIT_NOFILE, &nofile) == 0 && nofile.rlim_cur < nofile.rlim_max) {
-    struct rlimit raised = nofile;
-    raised.rlim_cur = std::min<rlim_t>(nofile.rlim_max, 1u << 20);
-    if (::setrlimit(RLIMIT_NOFILE, &raised) == 0) options.exec.child_nofile = nofile;
+  if (::getrlimit(RLIMIT_NOFILE, &nofile) == 0) {
+    struct rlimit child;
+    child.rlim_max = std::min<rlim_t>(nofile.rlim_max, kChildNofileMax);
+    child.rlim_cur = std::min<rlim_t>(child.rlim_max, 1024);
+    options.exec.child_nofile = child;
+    if (nofile.rlim_cur < nofile.rlim_max) {
+      struct rlimit raised = nofile;
+      raised.rlim_cur = std::min<rlim_t>(nofile.rlim_max, 1u << 20);
+      (void)::setrlimit(RLIMIT_NOFILE, &raised);
+    }
   }
   if (!no_init) {
     Result<proto::Frame> first = readFirstFrame(conn.get(), decoder);
