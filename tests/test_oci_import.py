@@ -67,7 +67,9 @@ def sha(b: bytes) -> str:
     return "sha256:" + hashlib.sha256(b).hexdigest()
 
 
-def build_oci(path: Path, layers: list) -> None:
+def build_oci(path: Path, layers: list, config: dict = None) -> None:
+    """An OCI layout tar of `layers` (raw tars, bottom first); `config` is the
+    image config's runtime "config" object (User, Env, WorkingDir, ...)."""
     blobs = {}
     descs = []
     for i, raw in enumerate(layers):
@@ -75,8 +77,7 @@ def build_oci(path: Path, layers: list) -> None:
         blobs[sha(data)] = data
         descs.append({"mediaType": "application/vnd.oci.image.layer.v1.tar" +
                       ("+gzip" if i == 0 else ""), "digest": sha(data), "size": len(data)})
-    config = json.dumps({"architecture": "amd64", "os": "linux",
-                         "rootfs": {"type": "layers", "diff_ids": [sha(l) for l in layers]}}).encode()
+    config = image_config(layers, config)
     blobs[sha(config)] = config
     manifest = json.dumps({"schemaVersion": 2,
                            "mediaType": "application/vnd.oci.image.manifest.v1+json",
@@ -94,14 +95,25 @@ def build_oci(path: Path, layers: list) -> None:
             _add(tf, "blobs/sha256/" + d.split(":")[1], data, mode=0o644)
 
 
-def build_docker_save(path: Path, layers: list) -> None:
+def image_config(layers: list, config: dict = None) -> bytes:
+    doc = {"architecture": "amd64", "os": "linux",
+           "rootfs": {"type": "layers", "diff_ids": [sha(l) for l in layers]}}
+    if config is not None:
+        doc["config"] = config
+    return json.dumps(doc).encode()
+
+
+def build_docker_save(path: Path, layers: list, config: dict = None) -> None:
+    """A `docker save` tar of `layers`; `config` as for build_oci (None: the
+    config file is a bare {})."""
     with tarfile.open(path, "w") as tf:
         names = []
         for i, raw in enumerate(layers):
             name = f"l{i}/layer.tar"
             _add(tf, name, raw, mode=0o644)
             names.append(name)
-        _add(tf, "config.json", b"{}", mode=0o644)
+        _add(tf, "config.json", b"{}" if config is None else image_config(layers, config),
+             mode=0o644)
         _add(tf, "manifest.json", json.dumps(
             [{"Config": "config.json", "RepoTags": ["x:latest"], "Layers": names}]).encode(),
             mode=0o644)

@@ -231,6 +231,17 @@ def test_auth_header_and_create_body(fake, cl):
     assert sb.memory_mb == 512 and sb.info == SB
 
 
+def test_create_user_and_sandbox_user(fake, cl):
+    answer = dict(SB, user="1000", working_dir="/work")
+    fake.routes[("POST", "/v1/sandboxes")] = lambda h, r: h.send_json(201, answer)
+    sb = cl.create("app:1", user=1000)
+    assert json.loads(fake.requests[-1]["body"]) == {"image": "app:1", "backend": "container",
+                                                     "user": "1000"}
+    assert (sb.user, sb.working_dir) == ("1000", "/work")
+    cl.create("app:1")
+    assert "user" not in json.loads(fake.requests[-1]["body"])
+
+
 def test_no_token_sends_no_auth_header(fake, monkeypatch, tmp_path):
     monkeypatch.delenv("DSEC_TOKEN", raising=False)
     monkeypatch.setenv("DSEC_DATA_DIR", str(tmp_path))  # holds no token file
@@ -372,6 +383,12 @@ def test_has_blob_and_images(fake, cl):
     assert json.loads(fake.requests[-1]["body"]) == {"name": "deb", "tag": "v1",
                                                      "layers": ["sha256:aa"], "kind": "base"}
     assert im.ref == "deb:v1" and im.layers == ["sha256:aa"]
+    # an answer without config (an older server) reads as an empty one
+    assert im.config == {"user": "", "env": [], "working_dir": ""}
+    cfg = {"user": "app", "env": ["A=1"], "working_dir": "/w"}
+    cl.create_image("deb", "v1", ["sha256:aa"], config=cfg)
+    assert json.loads(fake.requests[-1]["body"])["config"] == cfg
+    assert dsec.Image(dict(img, config=cfg)).config == cfg
     assert [i.ref for i in cl.images()] == ["deb:v1"]
     cl.delete_image("deb:v1")
     assert fake.requests[-1]["path"] == "/v1/images/deb:v1"

@@ -63,7 +63,8 @@ const char* kUsage = R"(usage: dsec COMMAND [OPTIONS]
   image import --name NAME[:TAG] [--kind base|workspace|toolkit|diff]
                [--format auto|rootfs|oci|docker] PATH
         Build EROFS layers from a root filesystem (dir or tarball), an OCI image
-        layout (dir or tar) or a `docker save` archive (one layer per image layer)
+        layout (dir or tar) or a `docker save` archive (one layer per image layer);
+        the image config's User, Env and WorkingDir become the sandboxes' defaults
   image ls
   image tag SRC NAME[:TAG]
   image rm NAME[:TAG]...
@@ -71,6 +72,7 @@ const char* kUsage = R"(usage: dsec COMMAND [OPTIONS]
   gc [--grace-s S]                       Delete layers no image names and no sandbox uses
   sandbox create --image REF [--workspace REF]... [--toolkit REF]... [--diff REF]...
                  [--cpu N] [--memory-mb N] [--ttl-s N] [--policy P] [--label K=V]... [--env K=V]...
+                 [--user U]   who execs run as by default (else the image's User, else root)
   sandbox ls [--label K=V]...
   sandbox rm ID...
   sandbox phase ID POLICY [--readonly PATH]... [--hide PATH]...   Switch its security policy
@@ -387,14 +389,14 @@ int cmdImage(const Args& a) {
   } else {
     return die("--format must be auto, rootfs, oci or docker");
   }
-  auto layers = image::importImage(a.positional[2], format, work);
-  if (!layers.isOk()) {
+  auto imported = image::importImage(a.positional[2], format, work);
+  if (!imported.isOk()) {
     (void)removeTree(work);
-    return die(layers.status().toString());
+    return die(imported.status().toString());
   }
   json digests = json::array();
   int64_t total = 0;
-  for (auto& layer : *layers) {
+  for (auto& layer : imported->layers) {
     // The data blob first: the metadata image names it when it is uploaded.
     for (auto [target, path] : {std::pair{"/v1/blobs/" + layer.dataDigest, layer.dataPath},
                                 std::pair{"/v1/blobs/" + layer.digest + "?data=" +
@@ -415,12 +417,21 @@ int cmdImage(const Args& a) {
   }
   (void)removeTree(work);
   json body = {{"name", name}, {"tag", tag}, {"layers", digests}, {"kind", a.get("kind", "base")}};
+  const image::ImageConfig& config = imported->config;
+  if (!config.empty()) {
+    body["config"] = {
+        {"user", config.user}, {"env", config.env}, {"working_dir", config.workingDir}};
+  }
   auto r = c.request("POST", "/v1/images", body.dump());
   if (!r.isOk()) return die(r.status().toString());
   if (r->status != 201) return apiError(*r);
   for (auto& d : digests) std::cout << d.get<std::string>() << "\n";
-  std::cerr << "imported " << name << ":" << tag << " from " << image::formatName(format)
-            << ": " << digests.size() << " layer(s), " << total << " bytes\n";
+  std::cerr << "imported " << name << ":" << tag << " from " << image::formatName(format) << ": "
+            << digests.size() << " layer(s), " << total << " bytes";
+  if (!config.user.empty()) std::cerr << ", user " << config.user;
+  if (!config.workingDir.empty()) std::cerr << ", working dir " << config.workingDir;
+  if (!config.env.empty()) std::cerr << ", " << config.env.size() << " env var(s)";
+  std::cerr << "\n";
   return 0;
 }
 
@@ -507,6 +518,7 @@ int cmdSandbox(const Args& a) {
     if (!a.get("memory-mb").empty()) body["memory_mb"] = std::atoll(a.get("memory-mb").c_str());
     if (!a.get("ttl-s").empty()) body["ttl_s"] = std::atoll(a.get("ttl-s").c_str());
     if (!a.get("policy").empty()) body["policy"] = a.get("policy");
+    if (!a.get("user").empty()) body["user"] = a.get("user");
     for (auto [flag, field] : {std::pair{"workspace", "workspaces"}, std::pair{"toolkit", "toolkits"},
                                std::pair{"diff", "diffs"}}) {
       if (!a.all(flag).empty()) body[field] = a.all(flag);

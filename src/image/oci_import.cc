@@ -81,8 +81,14 @@ std::string blobFile(const std::string& root, const std::string& digest) {
   return root + "/blobs/" + algo + "/" + hex;
 }
 
-// The layer blobs of an OCI layout, bottom first.
-Result<std::vector<std::string>> ociLayers(const std::string& root) {
+// What an image archive holds: its layer tars, bottom first, and its config file.
+struct ArchiveParts {
+  std::vector<std::string> layers;
+  std::string config;
+};
+
+// The layer blobs and config blob of an OCI layout.
+Result<ArchiveParts> ociParts(const std::string& root) {
   ASSIGN_OR_RETURN(json node, readJson(root + "/index.json"));
   for (int depth = 0; depth < 4; ++depth) {
     if (!node.contains("manifests") && node.contains("layers")) break;  // an image manifest
@@ -107,34 +113,70 @@ Result<std::vector<std::string>> ociLayers(const std::string& root) {
   if (layers == node.end() || !layers->is_array()) {
     return invalidArg("path", "OCI manifest has no layers");
   }
-  std::vector<std::string> out;
+  ArchiveParts out;
   for (auto& l : *layers) {
     std::string file = blobFile(root, l.value("digest", ""));
     if (file.empty() || !exists(file)) {
       return invalidArg("path", "layer blob " + l.value("digest", "?") + " missing from layout");
     }
-    out.push_back(file);
+    out.layers.push_back(file);
+  }
+  std::string digest;
+  if (auto c = node.find("config"); c != node.end() && c->is_object()) {
+    if (auto d = c->find("digest"); d != c->end() && d->is_string()) digest = d->get<std::string>();
+  }
+  if (digest.empty()) return invalidArg("path", "OCI manifest names no config blob");
+  out.config = blobFile(root, digest);
+  if (out.config.empty() || !exists(out.config)) {
+    return invalidArg("path", "config blob " + digest + " missing from layout");
   }
   return out;
 }
 
-// The layer tars of a `docker save` archive, bottom first.
-Result<std::vector<std::string>> dockerLayers(const std::string& root) {
+// The layer tars and config file of a `docker save` archive.
+Result<ArchiveParts> dockerParts(const std::string& root) {
   ASSIGN_OR_RETURN(json m, readJson(root + "/manifest.json"));
   if (!m.is_array() || m.empty() || !m[0].contains("Layers") || !m[0]["Layers"].is_array()) {
     return invalidArg("path", "manifest.json lists no image with Layers");
   }
-  std::vector<std::string> out;
+  // Paths inside the archive only: a crafted manifest must not make the
+  // import read the importing host's files.
+  auto inside = [&](const std::string& rel) {
+    return !rel.empty() && rel[0] != '/' && rel.find("..") == std::string::npos;
+  };
+  ArchiveParts out;
   for (auto& l : m[0]["Layers"]) {
     if (!l.is_string()) return invalidArg("path", "bad Layers entry in manifest.json");
     std::string rel = l.get<std::string>();
-    if (rel.empty() || rel[0] == '/' || rel.find("..") != std::string::npos) {
-      return invalidArg("path", "layer path " + rel + " leaves the archive");
-    }
+    if (!inside(rel)) return invalidArg("path", "layer path " + rel + " leaves the archive");
     if (!exists(root + "/" + rel)) return invalidArg("path", "layer " + rel + " missing");
-    out.push_back(root + "/" + rel);
+    out.layers.push_back(root + "/" + rel);
   }
+  auto config = m[0].find("Config");
+  if (config == m[0].end() || !config->is_string()) {
+    return invalidArg("path", "manifest.json names no Config");
+  }
+  std::string rel = config->get<std::string>();
+  if (!inside(rel)) return invalidArg("path", "config path " + rel + " leaves the archive");
+  if (!exists(root + "/" + rel)) return invalidArg("path", "config " + rel + " missing");
+  out.config = root + "/" + rel;
   return out;
+}
+
+// "/a/./b//../c/" -> "/a/c", as Go's path.Clean (what Docker applies to WORKDIR).
+std::string cleanAbsolutePath(const std::string& p) {
+  std::vector<std::string> parts;
+  for (auto& part : splitString(p, '/')) {
+    if (part.empty() || part == ".") continue;
+    if (part == "..") {
+      if (!parts.empty()) parts.pop_back();
+      continue;
+    }
+    parts.push_back(part);
+  }
+  std::string out;
+  for (auto& part : parts) out += "/" + part;
+  return out.empty() ? "/" : out;
 }
 
 }  // namespace
@@ -209,30 +251,74 @@ Status translateWhiteouts(const std::string& root) {
   return Status::ok();
 }
 
-Result<std::vector<BuiltLayer>> importImage(const std::string& path, ArchiveFormat format,
-                                            const std::string& workDir) {
+Result<ImageConfig> parseImageConfig(const std::string& text, const std::string& what) {
+  json j = json::parse(text, nullptr, false);
+  if (j.is_discarded() || !j.is_object()) {
+    return invalidArg("path", "image config " + what + " is not a JSON object");
+  }
+  ImageConfig out;
+  auto c = j.find("config");
+  if (c == j.end() || c->is_null()) return out;
+  if (!c->is_object()) return invalidArg("path", "\"config\" of " + what + " is not an object");
+  auto readString = [&](const char* key, std::string* dst) -> Status {
+    auto it = c->find(key);
+    if (it == c->end() || it->is_null()) return Status::ok();
+    if (!it->is_string()) {
+      return invalidArg("path", std::string("config.") + key + " of " + what + " is not a string");
+    }
+    *dst = it->get<std::string>();
+    return Status::ok();
+  };
+  RETURN_IF_ERROR(readString("User", &out.user));
+  RETURN_IF_ERROR(readString("WorkingDir", &out.workingDir));
+  if (!out.workingDir.empty()) {
+    if (out.workingDir[0] != '/') {
+      return invalidArg("path",
+                        "config.WorkingDir of " + what + " is not absolute: " + out.workingDir);
+    }
+    out.workingDir = cleanAbsolutePath(out.workingDir);
+  }
+  if (auto env = c->find("Env"); env != c->end() && !env->is_null()) {
+    if (!env->is_array()) return invalidArg("path", "config.Env of " + what + " is not a list");
+    for (auto& e : *env) {
+      if (!e.is_string()) {
+        return invalidArg("path", "config.Env of " + what + " holds a non-string");
+      }
+      out.env.push_back(e.get<std::string>());
+    }
+  }
+  return out;
+}
+
+Result<ImportedImage> importImage(const std::string& path, ArchiveFormat format,
+                                  const std::string& workDir) {
   RETURN_IF_ERROR(makeDirs(workDir, 0700));
+  ImportedImage out;
   if (format == ArchiveFormat::kRootfs) {
     ASSIGN_OR_RETURN(BuiltLayer l, buildLayer(path, workDir + "/layer0"));
-    return std::vector<BuiltLayer>{l};
+    out.layers.push_back(std::move(l));
+    return out;
   }
   std::string root = path;
   if (!isDir(path)) {
     root = workDir + "/archive";
     RETURN_IF_ERROR(extractArchive(path, root, false));
   }
-  ASSIGN_OR_RETURN(auto tars, format == ArchiveFormat::kOciLayout ? ociLayers(root)
-                                                                  : dockerLayers(root));
-  if (tars.empty()) return invalidArg("path", "the image has no layers");
-  std::vector<BuiltLayer> out;
-  for (size_t i = 0; i < tars.size(); ++i) {
+  ASSIGN_OR_RETURN(ArchiveParts parts,
+                   format == ArchiveFormat::kOciLayout ? ociParts(root) : dockerParts(root));
+  if (parts.layers.empty()) return invalidArg("path", "the image has no layers");
+  // The config first: it is cheap, and a bad one should fail before minutes
+  // of layer building.
+  ASSIGN_OR_RETURN(std::string configText, readFile(parts.config));
+  ASSIGN_OR_RETURN(out.config, parseImageConfig(configText, parts.config.substr(root.size() + 1)));
+  for (size_t i = 0; i < parts.layers.size(); ++i) {
     std::string tree = workDir + "/tree" + std::to_string(i);
-    RETURN_IF_ERROR(extractArchive(tars[i], tree, true));
+    RETURN_IF_ERROR(extractArchive(parts.layers[i], tree, true));
     RETURN_IF_ERROR(translateWhiteouts(tree).withContext("layer " + std::to_string(i)));
     auto built = buildLayer(tree, workDir + "/layer" + std::to_string(i));
     (void)removeTree(tree);
     if (!built.isOk()) return std::move(built).takeStatus();
-    out.push_back(std::move(built).value());
+    out.layers.push_back(std::move(built).value());
   }
   if (root != path) (void)removeTree(root);
   return out;

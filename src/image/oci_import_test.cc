@@ -6,6 +6,10 @@
 #include <sys/xattr.h>
 #include <unistd.h>
 
+#include <tuple>
+#include <utility>
+
+#include "common/sha256.h"
 #include "common/util.h"
 
 namespace dsec::image {
@@ -48,6 +52,130 @@ TEST(OciImportTest, DetectsFormatsOfDirectories) {
   EXPECT_EQ(*detectFormat(dir + "/docker"), ArchiveFormat::kDockerSave);
   EXPECT_EQ(*detectFormat(dir + "/rootfs"), ArchiveFormat::kRootfs);
   EXPECT_EQ(detectFormat(dir + "/nope").status().code(), Code::kNotFound);
+  ASSERT_TRUE(removeTree(dir).isOk());
+}
+
+TEST(OciImportTest, ParsesTheConfigFields) {
+  auto c = parseImageConfig(
+      R"({"architecture":"amd64","config":{"User":"1000:1000","Env":["FOO=bar","PATH=/bin"],)"
+      R"("WorkingDir":"/work/./sub//x/../","Cmd":["sh"]}})",
+      "cfg");
+  ASSERT_TRUE(c.isOk()) << c.status().toString();
+  EXPECT_EQ(c->user, "1000:1000");
+  EXPECT_EQ(c->env, (std::vector<std::string>{"FOO=bar", "PATH=/bin"}));
+  EXPECT_EQ(c->workingDir, "/work/sub") << "normalised as Docker's WORKDIR is";
+  // Fields, or the whole "config", may be absent or null: an empty config.
+  for (const char* text : {R"({})", R"({"config":null})", R"({"config":{}})",
+                           R"({"config":{"User":null,"Env":null,"WorkingDir":""}})"}) {
+    auto e = parseImageConfig(text, "cfg");
+    ASSERT_TRUE(e.isOk()) << text << ": " << e.status().toString();
+    EXPECT_TRUE(e->empty()) << text;
+  }
+  EXPECT_EQ(parseImageConfig(R"({"config":{"WorkingDir":"/.."}})", "cfg")->workingDir, "/");
+  for (const char* bad : {"not json", R"([])", R"({"config":"x"})", R"({"config":{"User":0}})",
+                          R"({"config":{"Env":"A=B"}})", R"({"config":{"Env":[1]}})",
+                          R"({"config":{"WorkingDir":"rel/dir"}})"}) {
+    auto e = parseImageConfig(bad, "cfg");
+    EXPECT_EQ(e.status().code(), Code::kInvalidArgument) << bad;
+    EXPECT_EQ(e.status().field(), "path") << bad;
+    EXPECT_NE(e.status().message().find("cfg"), std::string::npos) << e.status().message();
+  }
+}
+
+// Writes `data` as a blob of the OCI layout at `root`; returns its digest.
+std::string putBlob(const std::string& root, const std::string& data) {
+  std::string hex = sha256Hex(data);
+  EXPECT_TRUE(writeFileAtomic(root + "/blobs/sha256/" + hex, data).isOk());
+  return "sha256:" + hex;
+}
+
+// Builds an OCI layout and a `docker save` tree holding one layer `layerTar`
+// and the config `config`; `withConfig` false leaves the config file out.
+void buildArchives(const std::string& dir, const std::string& layerTar, const std::string& config,
+                   bool withConfig) {
+  std::string oci = dir + "/oci";
+  ASSERT_TRUE(makeDirs(oci + "/blobs/sha256").isOk());
+  ASSERT_TRUE(writeFileAtomic(oci + "/oci-layout", R"({"imageLayoutVersion":"1.0.0"})").isOk());
+  std::string layer = putBlob(oci, layerTar);
+  std::string cfg = "sha256:" + sha256Hex(config);
+  if (withConfig) {
+    ASSERT_EQ(putBlob(oci, config), cfg);
+  }
+  std::string manifest = R"({"schemaVersion":2,"config":{"digest":")" + cfg + R"(","size":)" +
+                         std::to_string(config.size()) + R"(},"layers":[{"digest":")" + layer +
+                         R"(","size":)" + std::to_string(layerTar.size()) + "}]}";
+  std::string m = putBlob(oci, manifest);
+  ASSERT_TRUE(writeFileAtomic(oci + "/index.json",
+                              R"({"schemaVersion":2,"manifests":[{"digest":")" + m + R"("}]})")
+                  .isOk());
+
+  std::string docker = dir + "/docker";
+  ASSERT_TRUE(makeDirs(docker + "/l0").isOk());
+  ASSERT_TRUE(writeFileAtomic(docker + "/l0/layer.tar", layerTar).isOk());
+  if (withConfig) {
+    ASSERT_TRUE(writeFileAtomic(docker + "/cfg.json", config).isOk());
+  }
+  ASSERT_TRUE(
+      writeFileAtomic(docker + "/manifest.json",
+                      R"([{"Config":"cfg.json","RepoTags":["x:1"],"Layers":["l0/layer.tar"]}])")
+          .isOk());
+}
+
+TEST(OciImportTest, ImportsTheConfigOfOciLayoutsAndDockerSaves) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root to extract layers with their owners";
+  if (access("/usr/bin/mkfs.erofs", X_OK) != 0) GTEST_SKIP() << "mkfs.erofs not installed";
+  std::string dir = "/tmp/dsec-cfg-test-" + randomHex(4);
+  ASSERT_TRUE(makeDirs(dir + "/src/work").isOk());
+  ASSERT_TRUE(makeDirs(dir + "/src/etc").isOk());
+  ASSERT_TRUE(writeFileAtomic(dir + "/src/etc/passwd", "app:x:1000:1000::/work:/bin/sh\n").isOk());
+  ASSERT_TRUE(runCommand({"tar", "-C", dir + "/src", "-cf", dir + "/layer.tar", "."}).isOk());
+  auto layerTar = readFile(dir + "/layer.tar");
+  ASSERT_TRUE(layerTar.isOk());
+  std::string config =
+      R"({"architecture":"amd64","os":"linux","config":{"User":"app","Env":["FOO=bar"],)"
+      R"("WorkingDir":"/work"},"rootfs":{"type":"layers","diff_ids":[]}})";
+  buildArchives(dir, *layerTar, config, true);
+  for (auto [sub, format] : {std::pair{"oci", ArchiveFormat::kOciLayout},
+                             std::pair{"docker", ArchiveFormat::kDockerSave}}) {
+    ASSERT_EQ(*detectFormat(dir + "/" + sub), format);
+    auto img = importImage(dir + "/" + sub, format, dir + "/work-" + sub);
+    ASSERT_TRUE(img.isOk()) << sub << ": " << img.status().toString();
+    EXPECT_EQ(img->layers.size(), 1u);
+    EXPECT_EQ(img->config.user, "app") << sub;
+    EXPECT_EQ(img->config.env, std::vector<std::string>{"FOO=bar"}) << sub;
+    EXPECT_EQ(img->config.workingDir, "/work") << sub;
+  }
+  // A root filesystem has no config.
+  auto rootfs = importImage(dir + "/src", ArchiveFormat::kRootfs, dir + "/work-rootfs");
+  ASSERT_TRUE(rootfs.isOk()) << rootfs.status().toString();
+  EXPECT_TRUE(rootfs->config.empty());
+  ASSERT_TRUE(removeTree(dir).isOk());
+}
+
+TEST(OciImportTest, AMissingConfigIsRefusedBeforeAnyLayerIsBuilt) {
+  std::string dir = "/tmp/dsec-nocfg-test-" + randomHex(4);
+  ASSERT_TRUE(makeDirs(dir).isOk());
+  buildArchives(dir, "not even a tar", R"({"config":{}})", false);
+  for (auto [sub, format, want] :
+       {std::tuple{"oci", ArchiveFormat::kOciLayout, "config blob"},
+        std::tuple{"docker", ArchiveFormat::kDockerSave, "config cfg.json missing"}}) {
+    auto img = importImage(dir + "/" + sub, format, dir + "/work-" + sub);
+    EXPECT_EQ(img.status().code(), Code::kInvalidArgument) << sub;
+    EXPECT_EQ(img.status().field(), "path") << sub;
+    EXPECT_NE(img.status().message().find(want), std::string::npos) << img.status().message();
+  }
+  // A manifest that names no config at all, and one whose Config leaves the archive.
+  ASSERT_TRUE(
+      writeFileAtomic(dir + "/docker/manifest.json", R"([{"Layers":["l0/layer.tar"]}])").isOk());
+  auto none = importImage(dir + "/docker", ArchiveFormat::kDockerSave, dir + "/work-none");
+  EXPECT_NE(none.status().message().find("names no Config"), std::string::npos)
+      << none.status().toString();
+  ASSERT_TRUE(writeFileAtomic(dir + "/docker/manifest.json",
+                              R"([{"Config":"../../etc/passwd","Layers":["l0/layer.tar"]}])")
+                  .isOk());
+  auto escape = importImage(dir + "/docker", ArchiveFormat::kDockerSave, dir + "/work-esc");
+  EXPECT_NE(escape.status().message().find("leaves the archive"), std::string::npos)
+      << escape.status().toString();
   ASSERT_TRUE(removeTree(dir).isOk());
 }
 

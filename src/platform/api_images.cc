@@ -38,6 +38,7 @@ json imageToApi(const ImageRecord& r) {
             {"created_at", isoTime(r.createdAt)}};
   json parent = r.parent.empty() ? json(nullptr) : json::parse(r.parent, nullptr, false);
   j["parent"] = parent.is_discarded() ? json(nullptr) : parent;
+  j["config"] = imageConfigToApi(r.config);
   return j;
 }
 
@@ -150,7 +151,7 @@ void Platform::headBlob(const std::string& digest, http::Response& res) {
 }
 
 void Platform::createImage(http::Request& req, http::Response& res) {
-  auto j = parseObject(req, {"name", "tag", "layers", "kind", "from"});
+  auto j = parseObject(req, {"name", "tag", "layers", "kind", "from", "config"});
   if (!j.isOk()) return sendError(res, j.status());
   auto name = getString(*j, "name", "", 200);
   if (!name.isOk()) return sendError(res, name.status());
@@ -164,9 +165,10 @@ void Platform::createImage(http::Request& req, http::Response& res) {
   }
   if (r.name != *name) return sendError(res, invalidArg("name", "name must not contain ':'"));
   if (!from->empty()) {
-    // Tagging: the new name points at the same layers, with the same kind.
-    if (j->contains("layers") || j->contains("kind")) {
-      return sendError(res, invalidArg("from", "give either from, or layers (and kind)"));
+    // Tagging: the new name points at the same layers, with the same kind
+    // and config.
+    if (j->contains("layers") || j->contains("kind") || j->contains("config")) {
+      return sendError(res, invalidArg("from", "give either from, or layers (kind, config)"));
     }
     std::string fname, ftag;
     if (Status st = parseImageRef(*from, fname, ftag); !st.isOk()) {
@@ -177,6 +179,7 @@ void Platform::createImage(http::Request& req, http::Response& res) {
     r.layers = src->layers;
     r.size = src->size;
     r.kind = src->kind;
+    r.config = src->config;
   } else {
     auto kind = getString(*j, "kind", "base", 16);
     if (!kind.isOk()) return sendError(res, kind.status());
@@ -184,6 +187,11 @@ void Platform::createImage(http::Request& req, http::Response& res) {
       return sendError(res, invalidArg("kind", "kind must be base, workspace, toolkit or diff"));
     }
     r.kind = *kind;
+    if (auto config = j->find("config"); config != j->end()) {
+      auto parsed = parseImageConfig(*config);
+      if (!parsed.isOk()) return sendError(res, parsed.status());
+      r.config = std::move(parsed).value();
+    }
     auto layers = j->find("layers");
     if (layers == j->end() || !layers->is_array() || layers->empty() || layers->size() > 128) {
       return sendError(res, invalidArg("layers", "layers must be a list of 1 to 128 digests"));

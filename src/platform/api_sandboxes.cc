@@ -31,6 +31,8 @@ json toApi(const SandboxRecord& r) {
             {"pids", r.pids},
             {"ttl_s", r.ttlS},
             {"env", r.env},
+            {"user", r.user},
+            {"working_dir", r.workingDir},
             {"labels", r.labels},
             {"node", r.node},
             {"created_at", isoTime(r.createdAt)},
@@ -51,16 +53,6 @@ Status validateLabels(const std::map<std::string, std::string>& labels) {
   for (auto& [k, v] : labels) {
     if (!std::regex_match(k, kKey)) return invalidArg("labels", "invalid label key '" + k + "'");
     if (v.size() > 255) return invalidArg("labels", "label value of '" + k + "' is too long");
-  }
-  return Status::ok();
-}
-
-Status validateEnv(const std::map<std::string, std::string>& env, const char* field) {
-  for (auto& [k, v] : env) {
-    if (k.empty() || k.find('=') != std::string::npos || k.find('\0') != std::string::npos ||
-        v.find('\0') != std::string::npos) {
-      return invalidArg(field, std::string("invalid environment variable name '") + k + "'");
-    }
   }
   return Status::ok();
 }
@@ -93,7 +85,7 @@ Result<int> parseMode(const std::optional<std::string>& s, int def) {
 void Platform::createSandbox(http::Request& req, http::Response& res) {
   auto parsed = parseObject(req, {"image", "backend", "cpu", "memory_mb", "disk_mb", "pids",
                                   "ttl_s", "env", "labels", "workspaces", "toolkits", "diffs",
-                                  "snapshot", "policy", "readonly_paths", "hidden_paths"});
+                                  "snapshot", "policy", "readonly_paths", "hidden_paths", "user"});
   if (!parsed.isOk()) return sendError(res, parsed.status());
   const json& j = *parsed;
   SandboxRecord r;
@@ -131,6 +123,10 @@ void Platform::createSandbox(http::Request& req, http::Response& res) {
     if (!env.isOk()) return fail(env.status());
     if (Status st = validateEnv(*env, "env"); !st.isOk()) return fail(st);
     r.env = *env;
+    auto user = getString(j, "user", "", 64);
+    if (!user.isOk()) return fail(user.status());
+    if (Status st = validateUserSpec(*user, "user"); !st.isOk()) return fail(st);
+    r.user = *user;
     auto labels = getStringMap(j, "labels");
     if (!labels.isOk()) return fail(labels.status());
     if (Status st = validateLabels(*labels); !st.isOk()) return fail(st);
@@ -197,13 +193,22 @@ void Platform::createSandbox(http::Request& req, http::Response& res) {
     }
     return Status::ok();
   };
+  image::ImageConfig imageConfig;  // none for a bare layer digest
   {
-    auto base = resolveLayers(r.image, "", "image");
-    if (!base.isOk()) return fail(base.status());
-    r.layers = *base;
-    if (!startsWith(r.image, "sha256:")) {
+    if (startsWith(r.image, "sha256:")) {
+      auto base = resolveLayers(r.image, "", "image");
+      if (!base.isOk()) return fail(base.status());
+      r.layers = *base;
+    } else {
+      // One read, so layers and config come from the same version of the image.
       std::string name, tag;
-      (void)parseImageRef(r.image, name, tag);
+      if (Status st = parseImageRef(r.image, name, tag); !st.isOk()) {
+        return fail(invalidArg("image", st.message()));
+      }
+      auto img = store_->getImage(name, tag);
+      if (!img.isOk()) return fail(img.status());
+      r.layers = img->layers;
+      imageConfig = img->config;
       r.image = name + ":" + tag;
     }
     for (auto [field, kind, asked] : {std::tuple{"workspaces", "workspace", &r.workspaces},
@@ -218,6 +223,15 @@ void Platform::createSandbox(http::Request& req, http::Response& res) {
       }
     }
     if (r.layers.size() > 128) return fail(invalidArg("image", "more than 128 layers"));
+  }
+  // The image's config gives the defaults, as a container runtime applies it;
+  // what the request says wins.
+  {
+    std::map<std::string, std::string> env = envMap(imageConfig.env);
+    for (auto& [k, v] : r.env) env[k] = v;
+    r.env = std::move(env);
+    if (r.user.empty()) r.user = imageConfig.user;
+    r.workingDir = imageConfig.workingDir;
   }
   r.id = "sb-" + randomHex(8);
   r.state = "creating";
@@ -249,6 +263,17 @@ void Platform::createSandbox(http::Request& req, http::Response& res) {
   spec.diskBytes = r.diskMb << 20;
   spec.pids = r.pids;
   Status st = edge_->create(r.backend, spec);
+  if (st.isOk() && !r.workingDir.empty()) {
+    // As Docker does: a WorkingDir the image lacks is made (root's, 0755), or
+    // every exec would fail to chdir into it.
+    json mk = {{"path", r.workingDir}, {"parents", true}, {"mode", 0755}};
+    auto made = edge_->fileCall(r.id, proto::FrameType::kMkdir, mk.dump());
+    if (!made.isOk()) {
+      st = made.status();
+      st.withContext("working_dir " + r.workingDir);
+      (void)edge_->destroy(r.id);
+    }
+  }
   if (st.isOk()) {
     r.phases.push_back({r.policy, nowSeconds()});
     st = applyPolicy(r);
@@ -477,10 +502,12 @@ void Platform::execSandbox(const std::string& id, http::Request& req, http::Resp
   if (!cwd->empty() && (*cwd)[0] != '/') {
     return sendError(res, invalidArg("cwd", "cwd must be an absolute path"));
   }
-  spec.cwd = *cwd;
+  // Unset cwd and user fall back to the sandbox's (from its image config).
+  spec.cwd = cwd->empty() ? sb->workingDir : *cwd;
   auto user = getString(j, "user", "", 64);
   if (!user.isOk()) return sendError(res, user.status());
-  spec.user = *user;
+  if (Status st = validateUserSpec(*user, "user"); !st.isOk()) return sendError(res, st);
+  spec.user = user->empty() ? sb->user : *user;
   auto timeout = getNumber(j, "timeout_s", 60, 0.001, 86400);
   if (!timeout.isOk()) return sendError(res, timeout.status());
   spec.timeoutMs = std::max<int64_t>(1, int64_t(*timeout * 1000));

@@ -1,6 +1,9 @@
 #include "platform/api_util.h"
 
+#include <cctype>
 #include <cmath>
+
+#include "common/util.h"
 
 namespace dsec::platform {
 
@@ -87,6 +90,97 @@ Result<std::vector<std::string>> getStringList(const json& j, const char* field)
   for (auto& v : *it) {
     if (!v.is_string()) return invalidArg(field, std::string(field) + " must be a list of strings");
     out.push_back(v.get<std::string>());
+  }
+  return out;
+}
+
+Status validateEnv(const std::map<std::string, std::string>& env, const std::string& field) {
+  for (auto& [k, v] : env) {
+    if (k.empty() || k.find('=') != std::string::npos || k.find('\0') != std::string::npos ||
+        v.find('\0') != std::string::npos) {
+      return invalidArg(field, "invalid environment variable name '" + k + "'");
+    }
+  }
+  return Status::ok();
+}
+
+Status validateUserSpec(const std::string& user, const std::string& field) {
+  if (user.empty()) return Status::ok();
+  if (user.size() > 64) return invalidArg(field, field + " is longer than 64 bytes");
+  for (char c : user) {
+    auto u = static_cast<unsigned char>(c);
+    if (u < 0x20 || u == 0x7f || std::isspace(u)) {
+      return invalidArg(field, field + " must not contain whitespace or control characters");
+    }
+  }
+  size_t colon = user.find(':');
+  if (colon != std::string::npos &&
+      (colon == 0 || colon + 1 == user.size() || user.find(':', colon + 1) != std::string::npos)) {
+    return invalidArg(field,
+                      field + " must be name, uid, name:group or uid:gid, not '" + user + "'");
+  }
+  return Status::ok();
+}
+
+Result<image::ImageConfig> parseImageConfig(const json& config) {
+  image::ImageConfig c;
+  if (config.is_null()) return c;
+  if (!config.is_object()) return invalidArg("config", "config must be an object");
+  for (auto& [k, v] : config.items()) {
+    if (k != "user" && k != "env" && k != "working_dir") {
+      return invalidArg("config." + k, "unknown field 'config." + k + "'");
+    }
+  }
+  auto user = getString(config, "user", "", 64);
+  if (!user.isOk()) return invalidArg("config.user", "config." + user.status().message());
+  RETURN_IF_ERROR(validateUserSpec(*user, "config.user"));
+  c.user = *user;
+
+  if (auto env = config.find("env"); env != config.end() && !env->is_null()) {
+    if (!env->is_array() || env->size() > kMaxConfigEnv) {
+      return invalidArg("config.env", "config.env must be a list of at most " +
+                                          std::to_string(kMaxConfigEnv) + " \"K=V\" strings");
+    }
+    for (auto& e : *env) {
+      if (!e.is_string()) return invalidArg("config.env", "config.env items must be strings");
+      std::string kv = e.get<std::string>();
+      size_t eq = kv.find('=');
+      if (eq == std::string::npos || eq == 0) {
+        return invalidArg("config.env", "config.env item '" + kv + "' is not K=V");
+      }
+      RETURN_IF_ERROR(validateEnv({{kv.substr(0, eq), kv.substr(eq + 1)}}, "config.env"));
+      c.env.push_back(std::move(kv));
+    }
+  }
+
+  auto dir = getString(config, "working_dir", "", kMaxWorkingDir);
+  if (!dir.isOk()) return invalidArg("config.working_dir", "config." + dir.status().message());
+  if (!dir->empty()) {
+    bool normal = (*dir)[0] == '/';
+    if (normal && *dir != "/") {
+      for (auto& part : splitString(dir->substr(1), '/')) {
+        normal = normal && !part.empty() && part != "." && part != "..";
+      }
+    }
+    if (!normal) {
+      return invalidArg(
+          "config.working_dir",
+          "config.working_dir must be an absolute, normalised path, not '" + *dir + "'");
+    }
+  }
+  c.workingDir = *dir;
+  return c;
+}
+
+json imageConfigToApi(const image::ImageConfig& c) {
+  return {{"user", c.user}, {"env", c.env}, {"working_dir", c.workingDir}};
+}
+
+std::map<std::string, std::string> envMap(const std::vector<std::string>& env) {
+  std::map<std::string, std::string> out;
+  for (auto& kv : env) {
+    size_t eq = kv.find('=');
+    if (eq != std::string::npos && eq > 0) out[kv.substr(0, eq)] = kv.substr(eq + 1);
   }
   return out;
 }

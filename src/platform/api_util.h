@@ -10,6 +10,7 @@
 
 #include "common/http_server.h"
 #include "common/status.h"
+#include "image/image_config.h"
 
 namespace dsec::platform {
 
@@ -31,6 +32,29 @@ Result<std::string> getString(const json& j, const char* field, const std::strin
 Result<std::map<std::string, std::string>> getStringMap(const json& j, const char* field);
 // A list of strings; empty when absent or null.
 Result<std::vector<std::string>> getStringList(const json& j, const char* field);
+
+// Environment variables: a name that is non-empty and holds no '=' or NUL, a
+// value without NUL. Errors name `field`.
+Status validateEnv(const std::map<std::string, std::string>& env, const std::string& field);
+
+// Who a command runs as: a name, uid, name:group or uid:gid, at most 64 bytes,
+// without whitespace, control characters or NUL, each side of the one ':'
+// non-empty. "" (unset) is fine. Whether a name exists is up to the sandbox's
+// /etc/passwd, checked when a command runs. Errors name `field`.
+Status validateUserSpec(const std::string& user, const std::string& field);
+
+constexpr size_t kMaxConfigEnv = 256;
+constexpr size_t kMaxWorkingDir = 1024;
+
+// The "config" of POST /v1/images: an object with only "user" (as
+// validateUserSpec), "env" (a list of at most 256 "K=V" strings, K as
+// validateEnv) and "working_dir" (absolute, normalised, at most 1024 bytes),
+// each optional. Errors name "config" or "config.<key>".
+Result<image::ImageConfig> parseImageConfig(const json& config);
+// {"user","env","working_dir"}, all present (empty when unset).
+json imageConfigToApi(const image::ImageConfig& c);
+// The image config's Env as a map; a later entry of a key wins (as in Docker).
+std::map<std::string, std::string> envMap(const std::vector<std::string>& env);
 
 // JSON with invalid UTF-8 replaced (exec output is arbitrary bytes).
 std::string dumpJson(const json& j);

@@ -51,15 +51,32 @@ class Stmt {
 }  // namespace
 
 std::string sandboxToJson(const SandboxRecord& r) {
-  json j = {{"id", r.id},         {"backend", r.backend},   {"image", r.image},
-            {"layers", r.layers}, {"state", r.state},       {"node", r.node},
-            {"workspaces", r.workspaces}, {"toolkits", r.toolkits}, {"diffs", r.diffs},
-            {"error", r.error},   {"cpu", r.cpu},           {"memory_mb", r.memoryMb},
-            {"disk_mb", r.diskMb}, {"pids", r.pids},        {"ttl_s", r.ttlS},
-            {"env", r.env},       {"labels", r.labels},     {"created_at", r.createdAt},
-            {"updated_at", r.updatedAt}, {"expires_at", r.expiresAt},
-            {"stopped_at", r.stoppedAt}, {"policy", r.policy},
-            {"readonly_paths", r.readonlyPaths}, {"hidden_paths", r.hiddenPaths}};
+  json j = {{"id", r.id},
+            {"backend", r.backend},
+            {"image", r.image},
+            {"layers", r.layers},
+            {"state", r.state},
+            {"node", r.node},
+            {"workspaces", r.workspaces},
+            {"toolkits", r.toolkits},
+            {"diffs", r.diffs},
+            {"error", r.error},
+            {"cpu", r.cpu},
+            {"memory_mb", r.memoryMb},
+            {"disk_mb", r.diskMb},
+            {"pids", r.pids},
+            {"ttl_s", r.ttlS},
+            {"env", r.env},
+            {"user", r.user},
+            {"working_dir", r.workingDir},
+            {"labels", r.labels},
+            {"created_at", r.createdAt},
+            {"updated_at", r.updatedAt},
+            {"expires_at", r.expiresAt},
+            {"stopped_at", r.stoppedAt},
+            {"policy", r.policy},
+            {"readonly_paths", r.readonlyPaths},
+            {"hidden_paths", r.hiddenPaths}};
   json phases = json::array();
   for (auto& p : r.phases) phases.push_back({{"policy", p.policy}, {"at", p.at}});
   j["phases"] = phases;
@@ -88,6 +105,8 @@ Result<SandboxRecord> sandboxFromJson(const std::string& s) {
     r.pids = j.at("pids");
     r.ttlS = j.at("ttl_s");
     r.env = j.at("env").get<std::map<std::string, std::string>>();
+    r.user = j.value("user", "");  // absent in records written before image configs
+    r.workingDir = j.value("working_dir", "");
     r.labels = j.at("labels").get<std::map<std::string, std::string>>();
     r.createdAt = j.at("created_at");
     r.updatedAt = j.at("updated_at");
@@ -133,7 +152,8 @@ Result<std::unique_ptr<SqliteStore>> SqliteStore::open(const std::string& path) 
                             "ALTER TABLE blobs ADD COLUMN kind TEXT NOT NULL DEFAULT ''",
                             "ALTER TABLE images ADD COLUMN parent TEXT NOT NULL DEFAULT ''",
                             "ALTER TABLE blobs ADD COLUMN data TEXT NOT NULL DEFAULT ''",
-                            "ALTER TABLE blobs ADD COLUMN chunks TEXT NOT NULL DEFAULT ''"}) {
+                            "ALTER TABLE blobs ADD COLUMN chunks TEXT NOT NULL DEFAULT ''",
+                            "ALTER TABLE images ADD COLUMN config TEXT NOT NULL DEFAULT ''"}) {
     Status st = s->exec(alter);
     if (!st.isOk() && st.message().find("duplicate column") == std::string::npos) return st;
   }
@@ -266,12 +286,35 @@ Status SqliteStore::deleteBlob(const std::string& digest) {
   return Status::ok();
 }
 
+namespace {
+// The config column: '' when the image has none, else {"user","env","working_dir"}.
+std::string configToColumn(const image::ImageConfig& c) {
+  if (c.empty()) return "";
+  return json{{"user", c.user}, {"env", c.env}, {"working_dir", c.workingDir}}.dump();
+}
+
+image::ImageConfig configFromColumn(const std::string& text) {
+  image::ImageConfig c;
+  json j = json::parse(text, nullptr, false);
+  if (!j.is_object()) return c;
+  if (auto u = j.find("user"); u != j.end() && u->is_string()) c.user = *u;
+  if (auto w = j.find("working_dir"); w != j.end() && w->is_string()) c.workingDir = *w;
+  if (auto e = j.find("env"); e != j.end() && e->is_array()) {
+    for (auto& kv : *e) {
+      if (kv.is_string()) c.env.push_back(kv);
+    }
+  }
+  return c;
+}
+}  // namespace
+
 Status SqliteStore::putImage(const ImageRecord& r) {
   std::lock_guard lk(mu_);
-  Stmt st(db_, "INSERT OR REPLACE INTO images(name, tag, layers, size, created_at, kind, parent) "
-               "VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7)");
+  Stmt st(db_,
+          "INSERT OR REPLACE INTO images(name, tag, layers, size, created_at, kind, parent, "
+          "config) VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)");
   st.bind(1, r.name).bind(2, r.tag).bind(3, json(r.layers).dump()).bind(4, r.size);
-  st.bind(5, r.createdAt).bind(6, r.kind).bind(7, r.parent);
+  st.bind(5, r.createdAt).bind(6, r.kind).bind(7, r.parent).bind(8, configToColumn(r.config));
   if (st.step() != SQLITE_DONE) return sqlError(db_, "putImage");
   return Status::ok();
 }
@@ -279,8 +322,8 @@ Status SqliteStore::putImage(const ImageRecord& r) {
 namespace {
 ImageRecord imageFromRow(const std::string& name, const std::string& tag, const std::string& layers,
                          int64_t size, double created, const std::string& kind,
-                         const std::string& parent) {
-  ImageRecord r{name, tag, {}, size, created, kind, parent};
+                         const std::string& parent, const std::string& config) {
+  ImageRecord r{name, tag, {}, size, created, kind, parent, configFromColumn(config)};
   json j = json::parse(layers, nullptr, false);
   if (j.is_array()) {
     for (auto& l : j) {
@@ -293,23 +336,29 @@ ImageRecord imageFromRow(const std::string& name, const std::string& tag, const 
 
 Result<ImageRecord> SqliteStore::getImage(const std::string& name, const std::string& tag) {
   std::lock_guard lk(mu_);
-  Stmt st(db_, "SELECT name, tag, layers, size, created_at, kind, parent FROM images WHERE name=?1 AND tag=?2");
+  Stmt st(db_,
+          "SELECT name, tag, layers, size, created_at, kind, parent, config FROM images "
+          "WHERE name=?1 AND tag=?2");
   st.bind(1, name).bind(2, tag);
   int rc = st.step();
-  if (rc == SQLITE_ROW) return imageFromRow(st.text(0), st.text(1), st.text(2), st.i64(3), st.dbl(4), st.text(5),
-                        st.text(6));
+  if (rc == SQLITE_ROW) {
+    return imageFromRow(st.text(0), st.text(1), st.text(2), st.i64(3), st.dbl(4), st.text(5),
+                        st.text(6), st.text(7));
+  }
   if (rc == SQLITE_DONE) return notFound("image " + name + ":" + tag + " not found");
   return sqlError(db_, "getImage");
 }
 
 Result<std::vector<ImageRecord>> SqliteStore::listImages() {
   std::lock_guard lk(mu_);
-  Stmt st(db_, "SELECT name, tag, layers, size, created_at, kind, parent FROM images ORDER BY name, tag");
+  Stmt st(db_,
+          "SELECT name, tag, layers, size, created_at, kind, parent, config FROM images "
+          "ORDER BY name, tag");
   std::vector<ImageRecord> out;
   int rc;
   while ((rc = st.step()) == SQLITE_ROW) {
     out.push_back(imageFromRow(st.text(0), st.text(1), st.text(2), st.i64(3), st.dbl(4), st.text(5),
-                        st.text(6)));
+                               st.text(6), st.text(7)));
   }
   if (rc != SQLITE_DONE) return sqlError(db_, "listImages");
   return out;

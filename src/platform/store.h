@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "common/status.h"
+#include "image/image_config.h"
 
 struct sqlite3;
 
@@ -30,7 +31,13 @@ struct SandboxRecord {
   int64_t diskMb = 1024;
   int64_t pids = 1024;
   int64_t ttlS = 3600;
+  // The image config's Env with the create request's env over it, per key.
   std::map<std::string, std::string> env;
+  // Who execs run as and where, when the call does not say: the create
+  // request's user, else the image config's User; its WorkingDir. Empty: root,
+  // and the user's home directory.
+  std::string user;
+  std::string workingDir;
   std::map<std::string, std::string> labels;
   double createdAt = 0;
   double updatedAt = 0;
@@ -57,6 +64,9 @@ struct ImageRecord {
   // For a pack_diff snapshot: the stack it was made on, as JSON
   // {"image","workspaces","toolkits"}; empty otherwise.
   std::string parent;
+  // User, Env and WorkingDir of the OCI image it was imported from; applied
+  // to sandboxes created with it as their `image`.
+  image::ImageConfig config;
 };
 
 // A layer blob in the store. Its kind is set when an image first names it.

@@ -1,6 +1,7 @@
 #include "platform/store.h"
 
 #include <gtest/gtest.h>
+#include <sqlite3.h>
 
 #include "common/util.h"
 
@@ -42,6 +43,64 @@ TEST(StoreTest, SandboxesSurviveReopen) {
   EXPECT_TRUE((*s)->deleteImage("busybox", "latest").isOk());
   EXPECT_EQ((*s)->deleteImage("busybox", "latest").code(), Code::kNotFound);
   ASSERT_TRUE(removeTree(dir).isOk());
+}
+
+TEST(StoreTest, ImageConfigsPersistAndOldDatabasesUpgrade) {
+  std::string dir = "/tmp/dsec-store-test-" + randomHex(4);
+  ASSERT_TRUE(makeDirs(dir).isOk());
+  {
+    // The images table as first released: no kind, parent or config.
+    sqlite3* db = nullptr;
+    ASSERT_EQ(sqlite3_open((dir + "/state.db").c_str(), &db), SQLITE_OK);
+    ASSERT_EQ(sqlite3_exec(db,
+                           "CREATE TABLE images(name TEXT NOT NULL, tag TEXT NOT NULL, "
+                           "layers TEXT NOT NULL, size INTEGER NOT NULL, created_at REAL NOT NULL, "
+                           "PRIMARY KEY(name, tag));"
+                           "INSERT INTO images VALUES('old', 'latest', '[\"sha256:aa\"]', 1, 2);",
+                           nullptr, nullptr, nullptr),
+              SQLITE_OK);
+    sqlite3_close(db);
+  }
+  auto s = SqliteStore::open(dir + "/state.db");
+  ASSERT_TRUE(s.isOk()) << s.status().toString();
+  auto old = (*s)->getImage("old", "latest");
+  ASSERT_TRUE(old.isOk()) << old.status().toString();
+  EXPECT_TRUE(old->config.empty());
+  EXPECT_EQ(old->kind, "base");
+
+  ImageRecord r{"app", "1", {"sha256:aa"}, 10, 1};
+  r.config = {"1000:1000", {"FOO=bar", "PATH=/bin"}, "/work"};
+  ASSERT_TRUE((*s)->putImage(r).isOk());
+  auto back = (*s)->getImage("app", "1");
+  ASSERT_TRUE(back.isOk());
+  EXPECT_EQ(back->config, r.config);
+  auto all = (*s)->listImages();
+  ASSERT_TRUE(all.isOk());
+  ASSERT_EQ(all->size(), 2u);
+  EXPECT_EQ((*all)[0].config, r.config);  // "app" sorts before "old"
+  ASSERT_TRUE(removeTree(dir).isOk());
+}
+
+TEST(StoreTest, SandboxUserAndWorkingDirRoundTripAndOldRecordsRead) {
+  SandboxRecord r;
+  r.id = "sb-2";
+  r.backend = "container";
+  r.image = "app:1";
+  r.state = "running";
+  r.user = "1000:1000";
+  r.workingDir = "/work";
+  auto back = sandboxFromJson(sandboxToJson(r));
+  ASSERT_TRUE(back.isOk()) << back.status().toString();
+  EXPECT_EQ(back->user, "1000:1000");
+  EXPECT_EQ(back->workingDir, "/work");
+  // A record written before sandboxes had a user.
+  auto old = sandboxFromJson(
+      R"({"id":"sb-3","backend":"container","image":"x:1","layers":[],"state":"stopped",)"
+      R"("cpu":1,"memory_mb":512,"disk_mb":1024,"pids":1024,"ttl_s":0,"env":{},"labels":{},)"
+      R"("created_at":1,"updated_at":1,"expires_at":0,"stopped_at":2})");
+  ASSERT_TRUE(old.isOk()) << old.status().toString();
+  EXPECT_EQ(old->user, "");
+  EXPECT_EQ(old->workingDir, "");
 }
 
 }  // namespace

@@ -290,6 +290,7 @@ class Client:
                diffs: Optional[Sequence[str]] = None,
                snapshot: Optional[str] = None,
                policy: Optional[str] = None,
+               user: Optional[Union[str, int]] = None,
                timeout: Optional[float] = None, **extra: Any) -> "Sandbox":
         """Creates a sandbox and returns it once it is running (or failed).
 
@@ -300,6 +301,13 @@ class Client:
         the stack it was made on; ``image`` may then be omitted. ``policy``
         names the security policy it starts under (``client.policies()``;
         default ``"default"``); ``Sandbox.set_phase`` switches it later.
+
+        The image's config (``Image.config``, from an imported OCI or Docker
+        image) gives the defaults: execs run as its ``user`` in its
+        ``working_dir`` (made if missing) with its ``env``. ``user`` (a name,
+        uid, ``"name:group"`` or ``"uid:gid"``; ``"root"`` or ``0`` for root)
+        replaces the image's user, and ``env`` overrides its variables key by
+        key; an exec's own ``user``/``cwd``/``env`` win over both.
         Raises NotFound for an unknown image, InvalidArgument (with ``field``)
         for a bad parameter. ``extra`` keys are sent as they are.
         """
@@ -313,7 +321,7 @@ class Client:
                      ("workspaces", list(workspaces) if workspaces is not None else None),
                      ("toolkits", list(toolkits) if toolkits is not None else None),
                      ("diffs", list(diffs) if diffs is not None else None),
-                     ("policy", policy)):
+                     ("policy", policy), ("user", str(user) if user is not None else None)):
             if v is not None:
                 req[k] = v
         req.update(extra)
@@ -392,18 +400,22 @@ class Client:
         return self._call("DELETE", "/v1/images/" + _q(ref, safe=":"))
 
     def create_image(self, name: str, tag: str, layers: Sequence[str],
-                     kind: str = "base") -> Image:
+                     kind: str = "base", config: Optional[Dict[str, Any]] = None) -> Image:
         """Creates (or replaces) ``name:tag`` from uploaded layer digests, bottom first.
 
         ``kind`` is base, workspace, toolkit or diff; a layer keeps the kind of
-        the first image that names it (Conflict otherwise).
+        the first image that names it (Conflict otherwise). ``config``
+        (``{"user": ..., "env": ["K=V", ...], "working_dir": ...}``, each key
+        optional) sets the defaults of sandboxes created from the image; a bad
+        value raises InvalidArgument with ``field`` ``config.<key>``.
         """
-        return Image(self._call("POST", "/v1/images",
-                                json_body={"name": name, "tag": tag, "layers": list(layers),
-                                           "kind": kind}))
+        body: Dict[str, Any] = {"name": name, "tag": tag, "layers": list(layers), "kind": kind}
+        if config is not None:
+            body["config"] = config
+        return Image(self._call("POST", "/v1/images", json_body=body))
 
     def tag_image(self, source: str, name: str, tag: str = "latest") -> Image:
-        """Points ``name:tag`` at the layers (and kind) of the image ``source``."""
+        """Points ``name:tag`` at the layers (kind and config) of the image ``source``."""
         return Image(self._call("POST", "/v1/images",
                                 json_body={"name": name, "tag": tag, "from": source}))
 
@@ -518,8 +530,9 @@ def _chunks(f: BinaryIO) -> Iterator[bytes]:
 
 class Sandbox:
     """A sandbox on the server. ``info`` is the last Sandbox object the server
-    returned; ``id``, ``state``, ``backend``, ``image`` and ``labels`` come from it
-    and other keys are reachable as attributes (``sb.memory_mb``, ``sb.stats``).
+    returned; ``id``, ``state``, ``backend``, ``image``, ``labels``, ``user`` and
+    ``working_dir`` come from it and other keys are reachable as attributes
+    (``sb.memory_mb``, ``sb.stats``).
     Used as a context manager it is destroyed on exit."""
 
     def __init__(self, client: Client, info: Dict[str, Any]):
@@ -543,6 +556,18 @@ class Sandbox:
     @property
     def labels(self) -> Dict[str, str]:
         return self.info.get("labels") or {}
+
+    @property
+    def user(self) -> Optional[str]:
+        """Who execs run as when they do not say: the create call's ``user``,
+        else the image config's, else ``""`` (root)."""
+        return self.info.get("user")
+
+    @property
+    def working_dir(self) -> Optional[str]:
+        """Where execs start when they give no ``cwd``: the image config's
+        working dir, else ``""`` (the user's home directory)."""
+        return self.info.get("working_dir")
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_") or name in ("client", "info", "id"):
@@ -654,6 +679,8 @@ class Sandbox:
         A command that fails still returns its ExecResult; errors are raised only
         when the call itself fails (e.g. Conflict if the sandbox is not running).
         ``encoding="base64"`` makes ``stdout_bytes`` / ``stderr_bytes`` exact.
+        Without ``user`` / ``cwd`` it runs as the sandbox's ``user`` in its
+        ``working_dir`` (see ``Client.create``); ``env`` adds to the sandbox's.
         """
         body = self._exec_body(cmd, timeout, env, cwd, user, stdin, max_output_bytes,
                                encoding, False)

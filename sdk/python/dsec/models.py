@@ -69,9 +69,17 @@ class FileEntry(Record):
 
 
 class Image(Record):
-    """An image: name, tag, ref ("name:tag"), kind, layers (bottom first), size, created_at."""
+    """An image: name, tag, ref ("name:tag"), kind, layers (bottom first), size,
+    created_at, parent, and config."""
 
     __slots__ = ()
+
+    @property
+    def config(self) -> Dict[str, Any]:
+        """``{"user": str, "env": ["K=V", ...], "working_dir": str}`` from the
+        OCI/Docker image it was imported from (empty values when it had none):
+        the defaults of sandboxes created from it."""
+        return self.raw.get("config") or {"user": "", "env": [], "working_dir": ""}
 
 
 def _decode(value: Optional[str], b64: Optional[str]) -> bytes:
