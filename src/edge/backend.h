@@ -38,6 +38,8 @@ class Instance {
   virtual Result<int64_t> oomKills() const = 0;
   // Stops (or resumes) every process of the sandbox.
   virtual Status freeze(bool frozen) = 0;
+  // Changes the sandbox's CPU, memory and pids limits in place.
+  virtual Status setLimits(const CgroupLimits& limits) = 0;
   // The node-local directory holding the sandbox's writes in overlayfs form
   // (whiteouts, opaque dirs), or empty when the backend has none.
   virtual std::string upperDir() const = 0;

@@ -226,8 +226,7 @@ Result<std::unique_ptr<Cgroups>> Cgroups::detectWith(std::shared_ptr<CgroupFs> f
   if (auto t = cg->fs_->fsType(root + "/unified"); t.isOk() && *t == CGROUP2_SUPER_MAGIC) {
     cg->v1Unified_ = root + "/unified";
   }
-  for (auto* base :
-       {&cg->v1Memory_, &cg->v1Cpu_, &cg->v1Pids_, &cg->v1Freezer_, &cg->v1Unified_}) {
+  for (auto* base : {&cg->v1Memory_, &cg->v1Cpu_, &cg->v1Pids_, &cg->v1Freezer_, &cg->v1Unified_}) {
     if (base->empty()) continue;
     std::string cur = *base;
     for (auto& part : splitString(parent, '/')) {
@@ -300,38 +299,48 @@ Status Cgroups::create(const std::string& id, const CgroupLimits& limits) {
       return st;
     }
   }
+  if (Status st = setLimits(id, limits); !st.isOk()) {
+    (void)remove(id);
+    return st;
+  }
+  return Status::ok();
+}
+
+Status Cgroups::setLimits(const std::string& id, const CgroupLimits& limits) {
+  auto dirs = dirsOf(id);
   int64_t quota = std::llround(limits.cpu * double(kCpuPeriodUs));
   if (quota < 1000) quota = 1000;
   Status st;
   if (mode_ == Mode::kV2) {
     const std::string& d = dirs[0];
-    if (limits.memoryBytes > 0) {
-      st = fs_->write(d + "/memory.max", std::to_string(limits.memoryBytes));
-      // Without swap accounting the knob is absent; that is fine.
-      if (st.isOk()) (void)fs_->write(d + "/memory.swap.max", "0");
-    }
+    st = fs_->write(d + "/memory.max",
+                    limits.memoryBytes > 0 ? std::to_string(limits.memoryBytes) : "max");
+    // Without swap accounting the knob is absent; that is fine.
+    if (st.isOk() && limits.memoryBytes > 0) (void)fs_->write(d + "/memory.swap.max", "0");
     if (st.isOk()) {
       st = fs_->write(d + "/cpu.max", std::to_string(quota) + " " + std::to_string(kCpuPeriodUs));
     }
-    if (st.isOk() && limits.pids > 0) st = fs_->write(d + "/pids.max", std::to_string(limits.pids));
-  } else {
-    if (limits.memoryBytes > 0) {
-      st = fs_->write(dirs[0] + "/memory.limit_in_bytes", std::to_string(limits.memoryBytes));
-      if (st.isOk() && fs_->writable(dirs[0] + "/memory.memsw.limit_in_bytes")) {
-        (void)fs_->write(dirs[0] + "/memory.memsw.limit_in_bytes",
-                         std::to_string(limits.memoryBytes));
-      }
+    if (st.isOk()) {
+      st = fs_->write(d + "/pids.max", limits.pids > 0 ? std::to_string(limits.pids) : "max");
     }
+  } else {
+    std::string mem = limits.memoryBytes > 0 ? std::to_string(limits.memoryBytes) : "-1";
+    bool memsw = fs_->writable(dirs[0] + "/memory.memsw.limit_in_bytes");
+    // v1 refuses a memory.limit_in_bytes above memsw's limit (EINVAL): when
+    // raising, memsw goes first; when lowering, last.
+    st = fs_->write(dirs[0] + "/memory.limit_in_bytes", mem);
+    if (!st.isOk() && st.sysErrno() == EINVAL && memsw) {
+      st = fs_->write(dirs[0] + "/memory.memsw.limit_in_bytes", mem);
+      if (st.isOk()) st = fs_->write(dirs[0] + "/memory.limit_in_bytes", mem);
+    }
+    if (st.isOk() && memsw) (void)fs_->write(dirs[0] + "/memory.memsw.limit_in_bytes", mem);
     if (st.isOk()) st = fs_->write(dirs[1] + "/cpu.cfs_period_us", std::to_string(kCpuPeriodUs));
     if (st.isOk()) st = fs_->write(dirs[1] + "/cpu.cfs_quota_us", std::to_string(quota));
-    if (st.isOk() && limits.pids > 0) {
-      st = fs_->write(dirs[2] + "/pids.max", std::to_string(limits.pids));
+    if (st.isOk()) {
+      st = fs_->write(dirs[2] + "/pids.max", limits.pids > 0 ? std::to_string(limits.pids) : "max");
     }
   }
-  if (!st.isOk()) {
-    (void)remove(id);
-    return st.withContext("cgroup limits");
-  }
+  if (!st.isOk()) return st.withContext("cgroup limits");
   return Status::ok();
 }
 

@@ -82,6 +82,10 @@ class Cgroups {
 
   // Creates the sandbox's groups and writes limits. On failure removes what it made.
   Status create(const std::string& id, const CgroupLimits& limits);
+  // Rewrites the limits of existing groups (0 memory or pids: unlimited).
+  // Lowering memory below what the sandbox uses makes the kernel reclaim,
+  // then OOM-kill inside the sandbox.
+  Status setLimits(const std::string& id, const CgroupLimits& limits);
   // Moves pid into every group of the sandbox.
   Status attach(const std::string& id, pid_t pid);
   Result<CgroupStats> stats(const std::string& id) const;

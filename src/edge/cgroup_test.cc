@@ -313,12 +313,19 @@ TEST(CgroupV2FakeTest, CreateLimitsStatsRemove) {
   EXPECT_EQ(fs->knob(d + "/cpu.max"), "50000 100000");
   EXPECT_EQ(fs->knob(d + "/pids.max"), "32");
 
-  // Unlimited memory and pids leave the defaults; cpu is always set.
+  // Unlimited memory and pids are written as "max" (so setLimits can lift a
+  // limit again); cpu is always set.
   ASSERT_TRUE(cg->create("sb-2", CgroupLimits{2.0, 0, 0}).isOk());
   const std::string d2 = cg->dirsOf("sb-2")[0];
-  EXPECT_EQ(fs->knob(d2 + "/memory.max"), "max\n");
-  EXPECT_EQ(fs->knob(d2 + "/pids.max"), "max\n");
+  EXPECT_EQ(fs->knob(d2 + "/memory.max"), "max");
+  EXPECT_EQ(fs->knob(d2 + "/pids.max"), "max");
   EXPECT_EQ(fs->knob(d2 + "/cpu.max"), "200000 100000");
+
+  // Limits change in place.
+  ASSERT_TRUE(cg->setLimits("sb-1", CgroupLimits{0.25, 64 << 20, 16}).isOk());
+  EXPECT_EQ(fs->knob(d + "/memory.max"), std::to_string(64 << 20));
+  EXPECT_EQ(fs->knob(d + "/cpu.max"), "25000 100000");
+  EXPECT_EQ(fs->knob(d + "/pids.max"), "16");
 
   fs->addProcess(4242, kRoot);
   fs->addProcess(4243, kRoot);

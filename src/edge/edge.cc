@@ -224,6 +224,12 @@ Status Edge::setEgress(const std::string& id, const std::vector<net::EgressRule>
   return filter_->setRules(cg, rules);
 }
 
+Status Edge::setLimits(const std::string& id, const CgroupLimits& limits) {
+  auto inst = find(id);
+  if (!inst) return notFound("sandbox " + id + " not found");
+  return inst->setLimits(limits);
+}
+
 std::string Edge::egressTag() const { return "e" + sha256Hex(opts_.cgroupParent).substr(0, 12); }
 
 std::map<std::string, uint64_t> Edge::egressDenialCounts() {

@@ -96,6 +96,8 @@ class Edge {
                                const std::string& json);
 
   Result<CgroupStats> stats(const std::string& id);
+  // Changes a running sandbox's CPU, memory and pids limits.
+  Status setLimits(const std::string& id, const CgroupLimits& limits);
 
   // Replaces the sandbox's egress allow-list; running processes' next
   // connect/sendmsg sees it. Empty: no egress (its own loopback only). The

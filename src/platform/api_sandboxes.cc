@@ -6,8 +6,8 @@
 #include "common/log.h"
 #include "common/util.h"
 #include "platform/api_util.h"
-#include "platform/policy.h"
 #include "platform/platform.h"
+#include "platform/policy.h"
 
 namespace dsec::platform {
 
@@ -100,8 +100,8 @@ void Platform::createSandbox(http::Request& req, http::Response& res) {
     auto backend = getString(j, "backend", "container", 32);
     if (!backend.isOk()) return fail(backend.status());
     if (*backend != "container") {
-      return fail(invalidArg("backend", "unknown or unavailable backend '" + *backend +
-                                            "' (available: container)"));
+      return fail(invalidArg(
+          "backend", "unknown or unavailable backend '" + *backend + "' (available: container)"));
     }
     r.backend = *backend;
     auto cpu = getNumber(j, "cpu", 1.0, 0.05, 64);
@@ -164,8 +164,8 @@ void Platform::createSandbox(http::Request& req, http::Response& res) {
       return fail(invalidArg("snapshot", sname + ":" + stag + " is not a pack_diff snapshot"));
     }
     if (!r.image.empty() && r.image != parent.value("image", "")) {
-      return fail(invalidArg("image", "the snapshot was made on " +
-                                          parent.value("image", "") + ", not " + r.image));
+      return fail(invalidArg(
+          "image", "the snapshot was made on " + parent.value("image", "") + ", not " + r.image));
     }
     r.image = parent.value("image", "");
     stack["workspaces"] = parent.value("workspaces", json::array());
@@ -211,9 +211,9 @@ void Platform::createSandbox(http::Request& req, http::Response& res) {
       imageConfig = img->config;
       r.image = name + ":" + tag;
     }
-    for (auto [field, kind, asked] : {std::tuple{"workspaces", "workspace", &r.workspaces},
-                                      std::tuple{"toolkits", "toolkit", &r.toolkits},
-                                      std::tuple{"diffs", "diff", &r.diffs}}) {
+    for (auto [field, kind, asked] :
+         {std::tuple{"workspaces", "workspace", &r.workspaces},
+          std::tuple{"toolkits", "toolkit", &r.toolkits}, std::tuple{"diffs", "diff", &r.diffs}}) {
       if (Status st = stackOn(field, kind, asked); !st.isOk()) return fail(st);
     }
     std::set<std::string> seen;
@@ -374,6 +374,16 @@ void Platform::getSandbox(const std::string& id, http::Response& res) {
 Status Platform::applyPolicy(const SandboxRecord& r) {
   ASSIGN_OR_RETURN(Policy p, policies_->find(r.policy, "policy"));
   ASSIGN_OR_RETURN(auto rules, egressRules(p));
+  // The lower of the sandbox's own limits and the policy's ceilings, every
+  // switch (so leaving a tighter policy lifts its ceilings again).
+  edge::CgroupLimits lim;
+  lim.cpu = p.limits.cpu > 0 ? std::min(r.cpu, p.limits.cpu) : r.cpu;
+  int64_t memMb = p.limits.memoryMb > 0 ? std::min(r.memoryMb, p.limits.memoryMb) : r.memoryMb;
+  lim.memoryBytes = memMb << 20;
+  lim.pids = p.limits.pids > 0 ? std::min(r.pids, p.limits.pids) : r.pids;
+  if (Status st = edge_->setLimits(r.id, lim); !st.isOk()) {
+    return st.withContext("apply policy " + r.policy);
+  }
   json body = {{"readonly", p.readonlyPaths}, {"hidden", p.hiddenPaths}};
   for (auto& x : r.readonlyPaths) body["readonly"].push_back(x);
   for (auto& x : r.hiddenPaths) body["hidden"].push_back(x);
@@ -511,9 +521,19 @@ void Platform::execSandbox(const std::string& id, http::Request& req, http::Resp
   auto timeout = getNumber(j, "timeout_s", 60, 0.001, 86400);
   if (!timeout.isOk()) return sendError(res, timeout.status());
   spec.timeoutMs = std::max<int64_t>(1, int64_t(*timeout * 1000));
+  // The policy in force caps time and output (PolicyLimits); a caller that
+  // asks for more gets the policy's figure.
+  PolicyLimits caps;
+  if (auto pol = policies_->find(sb->policy, "policy"); pol.isOk()) caps = pol->limits;
+  if (caps.maxExecTimeoutS > 0) {
+    spec.timeoutMs = std::min<int64_t>(spec.timeoutMs,
+                                       std::max<int64_t>(1, int64_t(caps.maxExecTimeoutS * 1000)));
+  }
   auto cap = getInt(j, "max_output_bytes", 1 << 20, 0, kMaxOutputCap);
   if (!cap.isOk()) return sendError(res, cap.status());
   spec.maxOutput = *cap;
+  if (caps.maxOutputBytes > 0)
+    spec.maxOutput = std::min<int64_t>(spec.maxOutput, caps.maxOutputBytes);
   auto encoding = getString(j, "encoding", "utf-8", 16);
   if (!encoding.isOk()) return sendError(res, encoding.status());
   if (*encoding != "utf-8" && *encoding != "base64") {
@@ -543,7 +563,8 @@ void Platform::execSandbox(const std::string& id, http::Request& req, http::Resp
   }
   auto stream = getBool(j, "stream", false);
   if (!stream.isOk()) return sendError(res, stream.status());
-  bool streaming = *stream || req.header("accept").find("application/x-ndjson") != std::string::npos;
+  bool streaming =
+      *stream || req.header("accept").find("application/x-ndjson") != std::string::npos;
 
   auto resultJson = [&](const edge::ExecResult& r) {
     return json{{"exit_code", r.exitCode},   {"signal", r.signal},

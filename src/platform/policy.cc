@@ -35,9 +35,50 @@ Result<std::vector<std::string>> stringList(const json& j, const char* field) {
   return out;
 }
 
+Result<PolicyLimits> limitsFromJson(const json& j) {
+  PolicyLimits l;
+  auto it = j.find("limits");
+  if (it == j.end() || it->is_null()) return l;
+  if (!it->is_object()) return invalidArg("limits", "limits must be an object");
+  // The same ranges as a sandbox's own limits and an exec's options.
+  struct Num {
+    const char* key;
+    double min, max;
+    bool integer;
+  };
+  const Num nums[] = {{"cpu", 0.05, 64, false},
+                      {"memory_mb", 16, 262144, true},
+                      {"pids", 16, 65536, true},
+                      {"max_output_bytes", 0, 64 << 20, true},
+                      {"max_exec_timeout_s", 0.001, 86400, false}};
+  for (auto& [k, v] : it->items()) {
+    const Num* n = nullptr;
+    for (auto& x : nums) {
+      if (k == x.key) n = &x;
+    }
+    std::string field = "limits." + k;
+    if (!n) return invalidArg(field, "unknown limit '" + k + "'");
+    if (!v.is_number() || (n->integer && !v.is_number_integer())) {
+      return invalidArg(field, field + " must be a" + (n->integer ? "n integer" : " number"));
+    }
+    double d = v.get<double>();
+    if (d < n->min || d > n->max) {
+      char range[64];
+      snprintf(range, sizeof range, "%g and %g", n->min, n->max);
+      return invalidArg(field, field + " must be between " + range);
+    }
+    if (k == "cpu") l.cpu = d;
+    if (k == "memory_mb") l.memoryMb = v.get<int64_t>();
+    if (k == "pids") l.pids = v.get<int64_t>();
+    if (k == "max_output_bytes") l.maxOutputBytes = v.get<int64_t>();
+    if (k == "max_exec_timeout_s") l.maxExecTimeoutS = d;
+  }
+  return l;
+}
+
 Result<Policy> fromJson(const json& j, bool fromApi) {
-  static const char* kKeys[] = {"name",   "description", "readonly_paths", "hidden_paths",
-                                "egress", "dns",         "created_at",     "builtin"};
+  static const char* kKeys[] = {"name", "description", "readonly_paths", "hidden_paths", "egress",
+                                "dns",  "limits",      "created_at",     "builtin"};
   if (!j.is_object()) return invalidArg("body", "a policy is a JSON object");
   for (auto& [k, v] : j.items()) {
     bool known = false;
@@ -68,11 +109,22 @@ Result<Policy> fromJson(const json& j, bool fromApi) {
   RETURN_IF_ERROR(validateEgress(p.egress, "egress"));
   ASSIGN_OR_RETURN(p.dns, stringList(j, "dns"));
   RETURN_IF_ERROR(validateDns(p.dns, "dns"));
+  ASSIGN_OR_RETURN(p.limits, limitsFromJson(j));
   if (auto c = j.find("created_at"); c != j.end() && c->is_number()) p.createdAt = *c;
   return p;
 }
 
 }  // namespace
+
+json limitsToJson(const PolicyLimits& l) {
+  json j = json::object();
+  if (l.cpu > 0) j["cpu"] = l.cpu;
+  if (l.memoryMb > 0) j["memory_mb"] = l.memoryMb;
+  if (l.pids > 0) j["pids"] = l.pids;
+  if (l.maxOutputBytes > 0) j["max_output_bytes"] = l.maxOutputBytes;
+  if (l.maxExecTimeoutS > 0) j["max_exec_timeout_s"] = l.maxExecTimeoutS;
+  return j;
+}
 
 json Policy::toJson() const {
   return {{"name", name},
@@ -81,48 +133,34 @@ json Policy::toJson() const {
           {"hidden_paths", hiddenPaths},
           {"egress", egress},
           {"dns", dns},
+          {"limits", limitsToJson(limits)},
           {"builtin", builtin},
           {"created_at", createdAt}};
 }
 
 std::vector<Policy> builtinPolicies(const std::vector<std::string>& setupEgress,
                                     const std::vector<std::string>& setupDns) {
-  std::vector<Policy> out = {
-      {"default",
-       "closed: no egress; the sandbox may change any of its own files",
-       {},
-       {},
-       {},
-       {},
-       true,
-       0},
-      {"setup",
-       "preparing a workplace: egress only to the operator's allow-list (dsec up "
-       "--setup-egress, --setup-dns; none unless given)",
-       {},
-       {},
-       setupEgress,
-       setupDns,
-       true,
-       0},
-      {"rollout",
-       "an agent at work: no egress; the sandbox may change any of its own files",
-       {},
-       {},
-       {},
-       {},
-       true,
-       0},
-      {"eval",
-       "grading: no egress; system paths read-only for every process whatever its uid (no "
-       "replacing /bin/bash or a library); more paths may be hidden or made read-only",
-       kSystemPaths,
-       {},
-       {},
-       {},
-       true,
-       0},
+  auto make = [](const char* name, const char* description) {
+    Policy p;
+    p.name = name;
+    p.description = description;
+    p.builtin = true;
+    return p;
   };
+  std::vector<Policy> out;
+  out.push_back(make("default", "closed: no egress; the sandbox may change any of its own files"));
+  out.push_back(make("setup",
+                     "preparing a workplace: egress only to the operator's allow-list (dsec up "
+                     "--setup-egress, --setup-dns; none unless given)"));
+  out.back().egress = setupEgress;
+  out.back().dns = setupDns;
+  out.push_back(
+      make("rollout", "an agent at work: no egress; the sandbox may change any of its own files"));
+  out.push_back(make("eval",
+                     "grading: no egress; system paths read-only for every process whatever its "
+                     "uid (no replacing /bin/bash or a library); more paths may be hidden or made "
+                     "read-only"));
+  out.back().readonlyPaths = kSystemPaths;
   return out;
 }
 

@@ -13,6 +13,7 @@
 // and survive restarts. Built-ins cannot be replaced or deleted.
 #pragma once
 
+#include <cstdint>
 #include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
@@ -25,6 +26,19 @@ namespace dsec::platform {
 
 class Store;
 
+// Ceilings a policy puts on a sandbox while it runs under it; 0: none. The
+// cgroup limits in force are the lower of these and the sandbox's own
+// (create-time) limits, rewritten at every switch; an exec asking for more
+// output or time than the policy allows gets the policy's figure.
+struct PolicyLimits {
+  double cpu = 0;  // cores
+  int64_t memoryMb = 0;
+  int64_t pids = 0;
+  int64_t maxOutputBytes = 0;  // per exec and stream
+  double maxExecTimeoutS = 0;
+  bool operator==(const PolicyLimits&) const = default;
+};
+
 struct Policy {
   std::string name;
   std::string description;
@@ -32,6 +46,7 @@ struct Policy {
   std::vector<std::string> hiddenPaths;
   std::vector<std::string> egress;  // allow-list entries; empty: no egress
   std::vector<std::string> dns;     // resolver addresses; each allowed on port 53
+  PolicyLimits limits;
   bool builtin = false;
   double createdAt = 0;
 
@@ -60,7 +75,7 @@ class Policies {
   Result<Policy> find(const std::string& name, const std::string& field) const;
   std::vector<Policy> list() const;
   // Validates a policy document from the API ({"name", "description",
-  // "readonly_paths", "hidden_paths", "egress", "dns"}) and stores it before
+  // "readonly_paths", "hidden_paths", "egress", "dns", "limits"}) and stores it before
   // returning. kAlreadyExists (409) for a name in use, built-in or not.
   Result<Policy> create(const nlohmann::json& doc);
   // kNotFound for an unknown name; kFailedPrecondition for a built-in.

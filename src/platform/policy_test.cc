@@ -71,7 +71,8 @@ TEST_F(PolicyTest, UserPoliciesAreValidatedStoredAndSurviveReopen) {
               {"hidden_paths", {"/srv/answers"}},
               {"readonly_paths", {"/opt/tests"}},
               {"egress", {"192.0.2.0/24:443", "mirror.example:80"}},
-              {"dns", {"192.0.2.53"}}};
+              {"dns", {"192.0.2.53"}},
+              {"limits", {{"cpu", 0.5}, {"pids", 64}, {"max_output_bytes", 1024}}}};
   auto p = policies_->create(doc);
   ASSERT_TRUE(p.isOk()) << p.status().toString();
   EXPECT_FALSE(p->builtin);
@@ -86,6 +87,7 @@ TEST_F(PolicyTest, UserPoliciesAreValidatedStoredAndSurviveReopen) {
   EXPECT_EQ(found->hiddenPaths, std::vector<std::string>{"/srv/answers"});
   EXPECT_EQ(found->egress.size(), 2u);
   EXPECT_EQ(found->dns, std::vector<std::string>{"192.0.2.53"});
+  EXPECT_EQ(found->limits, (PolicyLimits{0.5, 0, 64, 1024, 0}));
   EXPECT_EQ(policies_->list().size(), 5u);
 
   EXPECT_EQ(policies_->remove("eval").code(), Code::kFailedPrecondition);
@@ -111,6 +113,10 @@ TEST_F(PolicyTest, BadDocumentsNameTheField) {
       {json{{"name", "x"}, {"readonly_paths", {"rel"}}}, "readonly_paths"},
       {json{{"name", "x"}, {"builtin", true}}, "builtin"},
       {json{{"name", "x"}, {"colour", "red"}}, "colour"},
+      {json{{"name", "x"}, {"limits", {{"pids", 4}}}}, "limits.pids"},
+      {json{{"name", "x"}, {"limits", {{"memory_mb", 1.5}}}}, "limits.memory_mb"},
+      {json{{"name", "x"}, {"limits", {{"swap", 1}}}}, "limits.swap"},
+      {json{{"name", "x"}, {"limits", 3}}, "limits"},
   };
   for (auto& c : cases) {
     auto p = policies_->create(c.doc);

@@ -101,3 +101,36 @@ def test_bad_policies_and_paths_are_refused(client, server, busybox, bb):
     status, _, _, doc = server.raw("POST", "/v1/sandboxes/sb-0000000000000000/phase",
                                    body={"policy": "eval"})
     assert status == 404
+
+
+def test_policy_limits_cap_a_running_sandbox_and_lift_on_leaving(client, make_sandbox, debian):
+    name = "tight-" + str(int(time.time() * 1000) % 100000)
+    client.create_policy(name, limits={"pids": 32, "max_output_bytes": 100,
+                                       "max_exec_timeout_s": 1, "memory_mb": 64})
+    try:
+        sb = make_sandbox(debian, memory_mb=512)
+        assert len(sb.exec("head -c 1000 /dev/zero | tr '\\0' x").stdout) == 1000
+        sb.set_phase(name)
+        # Output and time: the exec's own asks are capped.
+        r = sb.exec("head -c 1000 /dev/zero | tr '\\0' x", max_output_bytes=10000)
+        assert len(r.stdout) == 100 and r.truncated, r
+        r = sb.exec("sleep 5", timeout=30)
+        assert r.timed_out, r
+        # Processes: the cgroup's pids limit came down (32 < the sandbox's 1024).
+        r = sb.exec("python3 -c \"import os, time\nn=0\ntry:\n  for i in range(64):\n"
+                    "    if os.fork()==0:\n      time.sleep(0.3); os._exit(0)\n    n+=1\n"
+                    "except OSError as e: print('refused after', n)\n"
+                    "while True:\n  try: os.wait()\n  except ChildProcessError: break\"", timeout=30)
+        assert "refused after" in r.stdout and int(r.stdout.split()[-1]) < 32, r
+        # Memory: 64 MB now, so a 200 MB hog is killed.
+        r = sb.exec("python3 -c \"b = bytearray(200 << 20); print('survived')\"", timeout=30)
+        assert "survived" not in r.stdout and (r.oom_killed or r.exit_code != 0), r
+        # Leaving the policy lifts its ceilings.
+        sb.set_phase("default")
+        r = sb.exec("python3 -c \"b = bytearray(200 << 20); print('survived')\"", timeout=30)
+        assert r.stdout == "survived\n", r
+        assert len(sb.exec("head -c 1000 /dev/zero | tr '\\0' x").stdout) == 1000
+    finally:
+        if "sb" in locals():
+            sb.destroy()
+        client.delete_policy(name)

@@ -367,13 +367,17 @@ class Client:
                       egress: Optional[Sequence[str]] = None,
                       dns: Optional[Sequence[str]] = None,
                       readonly_paths: Optional[Sequence[str]] = None,
-                      hidden_paths: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+                      hidden_paths: Optional[Sequence[str]] = None,
+                      limits: Optional[Dict[str, float]] = None) -> Dict[str, Any]:
         """Stores a policy of your own. ``egress`` is an allow-list of
         ``"10.0.0.0/8"``, ``"192.0.2.7:80,443"``, ``"[2001:db8::/32]:443"``
         or ``"mirror.example:80"`` (names resolved by the platform when a
         sandbox switches to the policy); ``dns`` the resolvers written to the
-        sandbox's /etc/resolv.conf (allowed on port 53). A name in use →
-        Conflict (409)."""
+        sandbox's /etc/resolv.conf (allowed on port 53). ``limits`` are
+        ceilings while a sandbox runs under the policy: ``cpu``,
+        ``memory_mb``, ``pids`` (the lower of these and the sandbox's own
+        apply) and ``max_output_bytes``, ``max_exec_timeout_s`` per exec. A
+        name in use → Conflict (409)."""
         body: Dict[str, Any] = {"name": name}
         if description:
             body["description"] = description
@@ -381,6 +385,8 @@ class Client:
                          ("hidden_paths", hidden_paths)):
             if val is not None:
                 body[key] = list(val)
+        if limits is not None:
+            body["limits"] = dict(limits)
         return self._call("POST", "/v1/policies", json_body=body)
 
     def delete_policy(self, name: str) -> None:

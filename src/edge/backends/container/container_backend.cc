@@ -63,6 +63,7 @@ class ContainerInstance : public Instance {
   Result<CgroupStats> stats() const override { return cgroups_->stats(id_); }
   Result<int64_t> oomKills() const override { return cgroups_->oomKills(id_); }
   Status freeze(bool frozen) override { return cgroups_->freeze(id_, frozen); }
+  Status setLimits(const CgroupLimits& limits) override { return cgroups_->setLimits(id_, limits); }
   std::string upperDir() const override { return dir_ + "/upper"; }
   Result<UniqueFd> openNetns() const override {
     // pid_ is our child and not reaped while the instance lives: no reuse.
