@@ -505,8 +505,15 @@ void Agent::handlePolicy(const Frame& f) {
     }
     if (!resolvConf.empty()) resolvConf = "# written by dsec for the sandbox's policy\n" + resolvConf;
   }
+  SyscallProfile profile = SyscallProfile::kDefault;
+  if (auto it = j->find("syscalls"); it != j->end()) {
+    if (!it->is_string() || !parseSyscallProfile(it->get<std::string>(), &profile)) {
+      return sendError(f.stream, invalidArg("syscalls", "syscalls must be default or strict"));
+    }
+  }
   Status st = fs_policy_.apply(lists[0], lists[1], resolvConf);
   if (!st.isOk()) return sendError(f.stream, st);
+  options_.exec.syscall_profile = profile;
   // And Landlock for execs from now on: a second layer under the mounts, for
   // top-level paths only (/usr, /etc, ...). A Landlock rule covers all that is
   // beneath it, so a deeper path would make its parent refuse new entries

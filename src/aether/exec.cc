@@ -343,10 +343,16 @@ Result<SpawnedExec> spawnExec(const ExecRequest& req, const ExecSettings& settin
   for (int cap : kKeptCaps) plan.keep_mask |= uint64_t{1} << cap;
   static const std::vector<sock_filter> kFilter = defaultSyscallFilter(false);
   static const std::vector<sock_filter> kNotifyFilter = defaultSyscallFilter(true);
+  static const std::vector<sock_filter> kStrictFilter =
+      syscallFilter(SyscallProfile::kStrict, false);
+  static const std::vector<sock_filter> kStrictNotifyFilter =
+      syscallFilter(SyscallProfile::kStrict, true);
   plan.seccomp = settings.seccomp;
   plan.seccomp_notify = settings.seccomp && settings.seccomp_notify;
   plan.landlock_fd = settings.landlock_ruleset;
-  const auto& filter = plan.seccomp_notify ? kNotifyFilter : kFilter;
+  const bool strict = settings.syscall_profile == SyscallProfile::kStrict;
+  const auto& filter = strict ? (plan.seccomp_notify ? kStrictNotifyFilter : kStrictFilter)
+                              : (plan.seccomp_notify ? kNotifyFilter : kFilter);
   plan.filter = sock_fprog{static_cast<unsigned short>(filter.size()),
                            const_cast<sock_filter*>(filter.data())};
   sigemptyset(&plan.empty_mask);

@@ -13,6 +13,7 @@
 #include <string_view>
 #include <vector>
 
+#include "aether/seccomp.h"
 #include "common/fd.h"
 #include "common/status.h"
 
@@ -50,6 +51,8 @@ struct ExecSettings {
   bool seccomp_notify = true;
   // A Landlock ruleset (landlock.h) each child restricts itself with; -1: none.
   int landlock_ruleset = -1;
+  // The seccomp profile of execs from now on (a policy's "syscalls").
+  SyscallProfile syscall_profile = SyscallProfile::kDefault;
   // aether raises its own open-file limit to serve many execs; children get
   // this one back (nullopt: leave theirs as inherited).
   std::optional<struct rlimit> child_nofile;

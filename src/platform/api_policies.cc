@@ -29,7 +29,7 @@ void Platform::getPolicy(const std::string& name, http::Response& res) {
 void Platform::createPolicy(http::Request& req, http::Response& res) {
   auto j =
       parseObject(req, {"name", "description", "readonly_paths", "hidden_paths", "egress", "dns",
-                             "limits"});
+                             "limits", "syscalls"});
   if (!j.isOk()) return sendError(res, j.status());
   auto p = policies_->create(*j);
   if (!p.isOk()) return sendError(res, p.status());

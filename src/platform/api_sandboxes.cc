@@ -388,6 +388,7 @@ Status Platform::applyPolicy(const SandboxRecord& r) {
   for (auto& x : r.readonlyPaths) body["readonly"].push_back(x);
   for (auto& x : r.hiddenPaths) body["hidden"].push_back(x);
   if (!p.dns.empty()) body["dns"] = p.dns;
+  body["syscalls"] = p.syscalls;
   auto applyFiles = [&]() -> Status {
     auto res = edge_->fileCall(r.id, proto::FrameType::kPolicy, body.dump());
     return res.isOk() ? Status::ok() : res.status();

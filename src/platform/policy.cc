@@ -77,8 +77,9 @@ Result<PolicyLimits> limitsFromJson(const json& j) {
 }
 
 Result<Policy> fromJson(const json& j, bool fromApi) {
-  static const char* kKeys[] = {"name", "description", "readonly_paths", "hidden_paths", "egress",
-                                "dns",  "limits",      "created_at",     "builtin"};
+  static const char* kKeys[] = {"name",   "description", "readonly_paths", "hidden_paths",
+                                "egress", "dns",         "limits",         "syscalls",
+                                "created_at", "builtin"};
   if (!j.is_object()) return invalidArg("body", "a policy is a JSON object");
   for (auto& [k, v] : j.items()) {
     bool known = false;
@@ -110,6 +111,12 @@ Result<Policy> fromJson(const json& j, bool fromApi) {
   ASSIGN_OR_RETURN(p.dns, stringList(j, "dns"));
   RETURN_IF_ERROR(validateDns(p.dns, "dns"));
   ASSIGN_OR_RETURN(p.limits, limitsFromJson(j));
+  if (auto sc = j.find("syscalls"); sc != j.end() && !sc->is_null()) {
+    if (!sc->is_string() || (*sc != "default" && *sc != "strict")) {
+      return invalidArg("syscalls", "syscalls must be \"default\" or \"strict\"");
+    }
+    p.syscalls = sc->get<std::string>();
+  }
   if (auto c = j.find("created_at"); c != j.end() && c->is_number()) p.createdAt = *c;
   return p;
 }
@@ -134,6 +141,7 @@ json Policy::toJson() const {
           {"egress", egress},
           {"dns", dns},
           {"limits", limitsToJson(limits)},
+          {"syscalls", syscalls},
           {"builtin", builtin},
           {"created_at", createdAt}};
 }
@@ -159,8 +167,9 @@ std::vector<Policy> builtinPolicies(const std::vector<std::string>& setupEgress,
   out.push_back(make("eval",
                      "grading: no egress; system paths read-only for every process whatever its "
                      "uid (no replacing /bin/bash or a library); more paths may be hidden or made "
-                     "read-only"));
+                     "read-only; the strict syscall profile"));
   out.back().readonlyPaths = kSystemPaths;
+  out.back().syscalls = "strict";
   return out;
 }
 

@@ -47,6 +47,10 @@ struct Policy {
   std::vector<std::string> egress;  // allow-list entries; empty: no egress
   std::vector<std::string> dns;     // resolver addresses; each allowed on port 53
   PolicyLimits limits;
+  // The seccomp profile of execs under the policy: "default", or "strict"
+  // (also no ptrace, no other processes' memory, only unix/inet/inet6/netlink
+  // sockets; src/aether/seccomp.h).
+  std::string syscalls = "default";
   bool builtin = false;
   double createdAt = 0;
 

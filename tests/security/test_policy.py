@@ -134,3 +134,37 @@ def test_policy_limits_cap_a_running_sandbox_and_lift_on_leaving(client, make_sa
         if "sb" in locals():
             sb.destroy()
         client.delete_policy(name)
+
+
+STRICT_PROBE = r'''
+import ctypes, errno, socket
+libc = ctypes.CDLL(None, use_errno=True)
+def err(fn):
+    try:
+        fn(); return 0
+    except OSError as e:
+        return e.errno
+print(libc.ptrace(0, 0, 0, 0) == 0 or ctypes.get_errno(),   # PTRACE_TRACEME
+      err(lambda: socket.socket(38, socket.SOCK_SEQPACKET)),  # AF_ALG
+      err(lambda: socket.socket(40, socket.SOCK_STREAM)),     # AF_VSOCK
+      err(lambda: socket.socket(socket.AF_INET, socket.SOCK_STREAM)),
+      err(lambda: socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)))
+'''
+
+
+def test_eval_runs_later_execs_under_the_strict_syscall_profile(make_sandbox, debian):
+    sb = make_sandbox(debian)
+    # default: ptrace works, AF_ALG is simply absent here, vsock is refused.
+    ok, alg, vsock, inet, unix = sb.exec(["python3", "-c", STRICT_PROBE]).stdout.split()
+    assert ok == "True" and alg != "1" and vsock == "1" and inet == unix == "0"
+    before = sb.audit()["denied_syscalls"]
+    sb.set_phase("eval")
+    ok, alg, vsock, inet, unix = sb.exec(["python3", "-c", STRICT_PROBE]).stdout.split()
+    assert ok == "1" and alg == "1" and vsock == "1" and inet == unix == "0"
+    after = sb.audit()["denied_syscalls"]
+    assert after.get("ptrace", 0) > before.get("ptrace", 0), after
+    assert after.get("socket", 0) >= before.get("socket", 0) + 2, after
+    # Back to rollout: later execs get the default profile again.
+    sb.set_phase("rollout")
+    ok = sb.exec(["python3", "-c", STRICT_PROBE]).stdout.split()[0]
+    assert ok == "True"

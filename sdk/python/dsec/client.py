@@ -368,7 +368,8 @@ class Client:
                       dns: Optional[Sequence[str]] = None,
                       readonly_paths: Optional[Sequence[str]] = None,
                       hidden_paths: Optional[Sequence[str]] = None,
-                      limits: Optional[Dict[str, float]] = None) -> Dict[str, Any]:
+                      limits: Optional[Dict[str, float]] = None,
+                      syscalls: Optional[str] = None) -> Dict[str, Any]:
         """Stores a policy of your own. ``egress`` is an allow-list of
         ``"10.0.0.0/8"``, ``"192.0.2.7:80,443"``, ``"[2001:db8::/32]:443"``
         or ``"mirror.example:80"`` (names resolved by the platform when a
@@ -376,7 +377,9 @@ class Client:
         sandbox's /etc/resolv.conf (allowed on port 53). ``limits`` are
         ceilings while a sandbox runs under the policy: ``cpu``,
         ``memory_mb``, ``pids`` (the lower of these and the sandbox's own
-        apply) and ``max_output_bytes``, ``max_exec_timeout_s`` per exec. A
+        apply) and ``max_output_bytes``, ``max_exec_timeout_s`` per exec.
+        ``syscalls`` is the seccomp profile of execs under it: ``"default"``
+        or ``"strict"`` (no ptrace, only unix/inet/inet6/netlink sockets). A
         name in use → Conflict (409)."""
         body: Dict[str, Any] = {"name": name}
         if description:
@@ -387,6 +390,8 @@ class Client:
                 body[key] = list(val)
         if limits is not None:
             body["limits"] = dict(limits)
+        if syscalls is not None:
+            body["syscalls"] = syscalls
         return self._call("POST", "/v1/policies", json_body=body)
 
     def delete_policy(self, name: str) -> None:
