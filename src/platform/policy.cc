@@ -4,6 +4,7 @@
 
 #include "common/util.h"
 #include "edge/net/egress_rules.h"
+#include "platform/api_util.h"
 #include "platform/store.h"
 
 namespace dsec::platform {
@@ -21,18 +22,6 @@ bool validName(const std::string& n) {
     if (!(islower(c) || isdigit(c) || c == '-' || c == '_' || c == '.')) return false;
   }
   return true;
-}
-
-Result<std::vector<std::string>> stringList(const json& j, const char* field) {
-  std::vector<std::string> out;
-  auto it = j.find(field);
-  if (it == j.end() || it->is_null()) return out;
-  if (!it->is_array()) return invalidArg(field, std::string(field) + " must be a list of strings");
-  for (auto& v : *it) {
-    if (!v.is_string()) return invalidArg(field, std::string(field) + " must be a list of strings");
-    out.push_back(v.get<std::string>());
-  }
-  return out;
 }
 
 Result<PolicyLimits> limitsFromJson(const json& j) {
@@ -77,9 +66,8 @@ Result<PolicyLimits> limitsFromJson(const json& j) {
 }
 
 Result<Policy> fromJson(const json& j, bool fromApi) {
-  static const char* kKeys[] = {"name",   "description", "readonly_paths", "hidden_paths",
-                                "egress", "dns",         "limits",         "syscalls",
-                                "created_at", "builtin"};
+  static const char* kKeys[] = {"name", "description", "readonly_paths", "hidden_paths", "egress",
+                                "dns",  "limits",      "syscalls",       "created_at",   "builtin"};
   if (!j.is_object()) return invalidArg("body", "a policy is a JSON object");
   for (auto& [k, v] : j.items()) {
     bool known = false;
@@ -102,13 +90,13 @@ Result<Policy> fromJson(const json& j, bool fromApi) {
     }
     p.description = d->get<std::string>();
   }
-  ASSIGN_OR_RETURN(p.readonlyPaths, stringList(j, "readonly_paths"));
+  ASSIGN_OR_RETURN(p.readonlyPaths, getStringList(j, "readonly_paths"));
   RETURN_IF_ERROR(validatePolicyPaths(p.readonlyPaths, "readonly_paths"));
-  ASSIGN_OR_RETURN(p.hiddenPaths, stringList(j, "hidden_paths"));
+  ASSIGN_OR_RETURN(p.hiddenPaths, getStringList(j, "hidden_paths"));
   RETURN_IF_ERROR(validatePolicyPaths(p.hiddenPaths, "hidden_paths"));
-  ASSIGN_OR_RETURN(p.egress, stringList(j, "egress"));
+  ASSIGN_OR_RETURN(p.egress, getStringList(j, "egress"));
   RETURN_IF_ERROR(validateEgress(p.egress, "egress"));
-  ASSIGN_OR_RETURN(p.dns, stringList(j, "dns"));
+  ASSIGN_OR_RETURN(p.dns, getStringList(j, "dns"));
   RETURN_IF_ERROR(validateDns(p.dns, "dns"));
   ASSIGN_OR_RETURN(p.limits, limitsFromJson(j));
   if (auto sc = j.find("syscalls"); sc != j.end() && !sc->is_null()) {

@@ -18,15 +18,14 @@
 #include <thread>
 
 #include "common/util.h"
+#include "edge/net/net_test_util.h"
 
 namespace dsec::edge {
 namespace {
 
-uint32_t ip(const char* s) {
-  in_addr a{};
-  inet_pton(AF_INET, s, &a);
-  return a.s_addr;
-}
+using testing::ip;
+using testing::newNetns;
+using testing::runIn;
 
 sockaddr_in sockAddr(uint32_t addr, uint16_t port) {
   sockaddr_in sa{};
@@ -34,23 +33,6 @@ sockaddr_in sockAddr(uint32_t addr, uint16_t port) {
   sa.sin_addr.s_addr = addr;
   sa.sin_port = htons(port);
   return sa;
-}
-
-// Runs fn on a thread inside the netns `nsFd`; the calling thread stays put.
-void runIn(int nsFd, const std::function<void()>& fn) {
-  std::thread([&] {
-    ASSERT_EQ(setns(nsFd, CLONE_NEWNET), 0) << strerror(errno);
-    fn();
-  }).join();
-}
-
-UniqueFd newNetns() {
-  UniqueFd fd;
-  std::thread([&] {
-    if (unshare(CLONE_NEWNET) == 0)
-      fd.reset(open("/proc/thread-self/ns/net", O_RDONLY | O_CLOEXEC));
-  }).join();
-  return fd;
 }
 
 // A socket that lives in the netns `nsFd` (or here for -1).

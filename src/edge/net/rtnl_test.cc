@@ -14,33 +14,14 @@
 #include <set>
 #include <thread>
 
+#include "edge/net/net_test_util.h"
+
 namespace dsec::edge {
 namespace {
 
-uint32_t ip(const char* s) {
-  in_addr a{};
-  inet_pton(AF_INET, s, &a);
-  return a.s_addr;
-}
-
-// Runs fn on a thread inside the netns `nsFd`; the calling thread stays put.
-void runIn(int nsFd, const std::function<void()>& fn) {
-  std::thread([&] {
-    ASSERT_EQ(setns(nsFd, CLONE_NEWNET), 0) << strerror(errno);
-    fn();
-  }).join();
-}
-
-// A new, empty netns, held by the returned fd only (the thread that made it
-// exits).
-UniqueFd newNetns() {
-  UniqueFd fd;
-  std::thread([&] {
-    if (unshare(CLONE_NEWNET) == 0)
-      fd.reset(open("/proc/thread-self/ns/net", O_RDONLY | O_CLOEXEC));
-  }).join();
-  return fd;
-}
+using testing::ip;
+using testing::newNetns;
+using testing::runIn;
 
 // Every test runs its main thread in a fresh netns standing in for the host,
 // so nothing it makes (or leaks on a crash) reaches the real host; TearDown
