@@ -160,6 +160,15 @@ Result<LayerCache::Mounted> LayerCache::acquireMount(const std::string& digest) 
       idmapped = std::make_shared<UniqueFd>(std::move(*clone));
     } else {
       st = clone.status();
+      // The start-up check idmaps a tmpfs; a kernel that can do that but not
+      // EROFS ends here, at every create.
+      if (st.sysErrno() == EINVAL) {
+        st = Status(st.code(),
+                    st.message() +
+                        " (EROFS on this kernel cannot be idmapped: run "
+                        "`dsec up --userns off`)",
+                    EINVAL);
+      }
       ::umount2(target.c_str(), MNT_DETACH);
       ::rmdir(target.c_str());
     }

@@ -246,13 +246,15 @@ Result<std::unique_ptr<ContainerBackend>> ContainerBackend::make(ContainerOption
   qo.poolBytes = opts.diskPoolBytes;
   qo.mode = opts.diskQuota;
   ASSIGN_OR_RETURN(b->quota_, openDiskQuota(qo));
-  if (b->userns_) {
-    // Agents start with their working directory here and look up their own
-    // sandbox's directory in it as host uid `base`: that needs search (only)
-    // permission. Its parents stay 0700, and each sandbox's directory is 0700
-    // and owned by `base`, so no other host user gains anything.
-    if (::chmod(opts.sandboxRoot.c_str(), 0711) != 0) return sysError("chmod " + opts.sandboxRoot);
-  }
+  // With user namespaces, agents start with their working directory here and
+  // look up their own sandbox's directory in it as host uid `base`: that
+  // needs search (only) permission. Its parents stay 0700, and each sandbox's
+  // directory is 0700 and owned by `base`, so no other host user gains
+  // anything. Without, back to 0700 (a plain directory keeps its mode
+  // across runs).
+  mode_t rootMode = b->userns_ ? 0711 : 0700;
+  if (::chmod(opts.sandboxRoot.c_str(), rootMode) != 0)
+    return sysError("chmod " + opts.sandboxRoot);
   // One spawn up front, so a broken aether fails start-up, not the first create.
   ASSIGN_OR_RETURN(Agent probe, b->spawnAgent());
   b->spares_.push_back(std::move(probe));
