@@ -102,6 +102,7 @@ struct ChildArgs {
   // root, entered while the child still has host root's file access (the
   // path is 0700 root), so aether reaches its sandbox's dir relative to it.
   int goFd = -1;
+  int goWriteFd = -1;  // the edge's end, closed first so the edge's death is EOF
   int statusFd = -1;
   const char* workDir = nullptr;
 };
@@ -132,6 +133,7 @@ int childMain(void* p) {
     // Raw syscalls: glibc's set*id wrappers would signal the edge's threads,
     // with which we share memory.
     char c;
+    close(a->goWriteFd);
     if (read(a->goFd, &c, 1) != 1) childFail(status, kExitUserns);
     if (chdir(a->workDir) != 0) childFail(status, kExitUserns);
     if (syscall(SYS_setgroups, 0, nullptr) != 0 || syscall(SYS_setresgid, 0, 0, 0) != 0 ||
@@ -288,6 +290,7 @@ Result<ContainerBackend::Agent> ContainerBackend::spawnAgent() {
     statusWr.reset(::fcntl(low.get(), F_DUPFD_CLOEXEC, 100));
     if (!statusWr) return sysError("dup status pipe");
     args.goFd = goRd.get();
+    args.goWriteFd = goWr.get();
     args.statusFd = statusWr.get();
     args.workDir = opts_.sandboxRoot.c_str();
   }
