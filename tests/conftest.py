@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -206,8 +207,11 @@ def server():
     cg_before = sandbox_cgroup_dirs(edge)
     aether_before = aether_pids(edge)
     # The built-in `setup` policy may reach the test's outside host (tests/outside_host.py).
+    # $DSEC_UP_ARGS adds options (e.g. `--userns off` to run the suite without
+    # user namespaces).
     srv = Server(data_dir, extra_args=["--setup-egress", f"{OUTSIDE_ADDR}:8080",
-                                       "--setup-dns", OUTSIDE_ADDR])
+                                       "--setup-dns", OUTSIDE_ADDR,
+                                       *shlex.split(os.environ.get("DSEC_UP_ARGS", ""))])
     try:
         srv.start()
     except Exception as e:

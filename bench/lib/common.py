@@ -282,6 +282,8 @@ def base_parser(name, description):
                    help="SDK, or the stdlib REST client in bench/lib (default %(default)s: SDK if importable)")
     p.add_argument("--tmp", default=None, help="parent of temp dirs (default: $TMPDIR or /tmp)")
     p.add_argument("--keep", action="store_true", help="keep the server's data dir")
+    p.add_argument("--userns", choices=("auto", "off"), default=None,
+                   help="`dsec up --userns` of the server (default: dsec's own, auto)")
     return p
 
 
@@ -345,7 +347,9 @@ def run_main(name, body):
 
 
 def start_server(args, cleanup, nofile=65536):
-    srv = Server(args.dsec, args.cache, nofile=nofile, tmp_root=args.tmp, keep=args.keep)
+    extra = ["--userns", args.userns] if getattr(args, "userns", None) else []
+    srv = Server(args.dsec, args.cache, nofile=nofile, tmp_root=args.tmp, keep=args.keep,
+                 extra_args=extra)
     def stop():
         rc = srv.stop()
         if rc not in (0, None, -signal.SIGTERM):

@@ -250,6 +250,19 @@ Result<InitConfig> parseInitConfig(std::string_view payload) {
   if (it != j.end() && !it->is_null()) {
     if (!it->is_object()) return invalidArg("rootfs", "rootfs must be an object");
     RootfsConfig r;
+    RETURN_IF_ERROR(readBool(*it, "mount_fd", r.mountFd));
+    if (r.mountFd) {
+      RETURN_IF_ERROR(readString(*it, "target", true, r.target));
+      bool dotdot = r.target == ".." || r.target.rfind("../", 0) == 0 ||
+                    r.target.find("/../") != std::string::npos ||
+                    (r.target.size() >= 3 && r.target.compare(r.target.size() - 3, 3, "/..") == 0);
+      if (r.target.empty() || r.target.find('\0') != std::string::npos || dotdot ||
+          r.target.size() >= 4096) {
+        return invalidArg("rootfs.target", "rootfs.target must be a path without '..'");
+      }
+      c.rootfs = std::move(r);
+      return c;
+    }
     RETURN_IF_ERROR(readStringList(*it, "lower", true, r.lower));
     if (r.lower.empty()) return invalidArg("rootfs.lower", "rootfs.lower must not be empty");
     RETURN_IF_ERROR(readPath(*it, "upper", r.upper));
@@ -285,14 +298,29 @@ Status bringUpInterface(const char* name) {
   return Status::ok();
 }
 
-Status setupContainer(const InitConfig& config) {
+Status setupContainer(const InitConfig& config, int rootfsFd) {
+  if (config.rootfs && config.rootfs->mountFd != (rootfsFd >= 0)) {
+    return invalidArg("rootfs.mount_fd", config.rootfs->mountFd
+                                             ? "mount_fd is set but no mount fd came with init"
+                                             : "a mount fd came with init without mount_fd");
+  }
   if (config.rootfs) {
     const RootfsConfig& r = *config.rootfs;
     // Nothing mounted from here on may propagate back to the host.
     if (::mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) < 0) {
       return sysError("make / private");
     }
-    RETURN_IF_ERROR(mountOverlay(r));
+    if (r.mountFd) {
+      // The edge's overlay (host user namespace, nodev) joins our mount
+      // namespace. Its flags are not locked for us, which is why seccomp
+      // denies mount calls to everything that runs after this setup.
+      if (::syscall(SYS_move_mount, rootfsFd, "", AT_FDCWD, r.target.c_str(),
+                    0x4 /*MOVE_MOUNT_F_EMPTY_PATH*/) < 0) {
+        return sysError("attach rootfs " + r.target);
+      }
+    } else {
+      RETURN_IF_ERROR(mountOverlay(r));
+    }
     const std::string& root = r.target;
     RETURN_IF_ERROR(ensureDir(root + "/proc", 0555));
     RETURN_IF_ERROR(mountOrError("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC,

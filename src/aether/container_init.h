@@ -13,6 +13,10 @@
 namespace dsec::aether {
 
 struct RootfsConfig {
+  // mount_fd: the edge built the root (user namespace mode) and passed it as
+  // a mount fd with the init frame; lower, upper and work are then absent
+  // and target may be relative to aether's working directory.
+  bool mountFd = false;
   std::vector<std::string> lower;  // top layer first
   std::string upper;
   std::string work;
@@ -25,17 +29,20 @@ struct InitConfig {
   std::vector<std::string> env;        // default environment of execs
 };
 
-// kInvalidArgument (with the field) on malformed JSON or paths that would
-// break overlayfs' option syntax (',' or ':' in a layer path).
+// kInvalidArgument (with the field) on malformed JSON, paths that would
+// break overlayfs' option syntax (',' or ':' in a layer path), or a relative
+// target with a ".." component.
 Result<InitConfig> parseInitConfig(std::string_view payload);
 
-// With a rootfs: private mounts, overlay, /proc, /sys, /dev, Docker's masked
+// With a rootfs: private mounts, overlay (or, with mount_fd, attaching
+// `rootfsFd`, the mount the edge passed with the init frame), /proc, /sys, /dev, Docker's masked
 // and read-only /proc and /sys paths, pivot_root,
 // hostname and /etc/hosts, lo up, a new cgroup namespace. Always: aether's
 // own oom_score_adj -1000 (best effort: a user namespace may not allow it).
 // The first failing step's error comes back with the step as context
 // ("mount overlay: …").
-Status setupContainer(const InitConfig& config);
+// kInvalidArgument when mount_fd and rootfsFd disagree.
+Status setupContainer(const InitConfig& config, int rootfsFd = -1);
 
 // Sets the IFF_UP flag of interface `name` through SIOCSIFFLAGS.
 Status bringUpInterface(const char* name);

@@ -6,6 +6,8 @@
 #include <fcntl.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -53,15 +55,37 @@ Status writeAllBlocking(int fd, std::string_view data) {
   return Status::ok();
 }
 
-// Before the event loop exists: a blocking read of the first frame.
-Result<proto::Frame> readFirstFrame(int fd, proto::FrameDecoder& decoder) {
+// Before the event loop exists: a blocking read of the first frame. A file
+// descriptor sent along with it (SCM_RIGHTS: the rootfs mount in user
+// namespace mode) lands in `passed`; any further ones are closed.
+Result<proto::Frame> readFirstFrame(int fd, proto::FrameDecoder& decoder, UniqueFd& passed) {
   char buf[65536];
   proto::Frame f;
   while (!decoder.next(f)) {
-    ssize_t n = ::read(fd, buf, sizeof buf);
+    struct iovec iov = {buf, sizeof buf};
+    alignas(struct cmsghdr) char control[CMSG_SPACE(4 * sizeof(int))];
+    struct msghdr msg = {};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control;
+    msg.msg_controllen = sizeof control;
+    ssize_t n = ::recvmsg(fd, &msg, MSG_CMSG_CLOEXEC);
     if (n < 0) {
       if (errno == EINTR) continue;
       return sysError("read connection");
+    }
+    for (struct cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
+      if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+      size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+      for (size_t i = 0; i < count; ++i) {
+        int got;
+        std::memcpy(&got, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+        if (passed) {
+          ::close(got);
+        } else {
+          passed.reset(got);
+        }
+      }
     }
     if (n == 0) return Status(Code::kUnavailable, "connection closed before init");
     RETURN_IF_ERROR(decoder.feed(buf, static_cast<size_t>(n)));
@@ -125,7 +149,8 @@ int realMain(int argc, char** argv) {
     }
   }
   if (!no_init) {
-    Result<proto::Frame> first = readFirstFrame(conn.get(), decoder);
+    UniqueFd rootfsFd;
+    Result<proto::Frame> first = readFirstFrame(conn.get(), decoder, rootfsFd);
     if (!first.isOk()) {
       std::fprintf(stderr, "dsec-aether: %s\n", first.status().toString().c_str());
       return 1;
@@ -136,7 +161,8 @@ int realMain(int argc, char** argv) {
     }
     Result<InitConfig> config = parseInitConfig(first->payload);
     if (!config.isOk()) return failStartup(conn.get(), config.status());
-    Status st = setupContainer(*config);
+    Status st = setupContainer(*config, rootfsFd.get());
+    rootfsFd.reset();  // attached (or refused): the sandbox must not keep it
     if (!st.isOk()) return failStartup(conn.get(), st);
     options.exec.default_env = config->env;
   }

@@ -60,6 +60,8 @@ const char* kUsage = R"(usage: dsec COMMAND [OPTIONS]
      --setup-dns LIST: resolvers `setup` sandboxes use (allowed on port 53)
      --egress-subnet CIDR: IPv4 subnet of the veths of sandboxes with egress (default
         10.88.0.0/16) and --egress-nat yes|no: masquerade them out of the host (default yes)
+     --userns auto|off: run each sandbox in a user namespace, root inside = host uid
+        100000 (default auto: where the kernel supports it; see docs/security.md)
   image import --name NAME[:TAG] [--kind base|workspace|toolkit|diff]
                [--format auto|rootfs|oci|docker] PATH
         Build EROFS layers from a root filesystem (dir or tarball), an OCI image
@@ -220,6 +222,8 @@ int cmdUp(const Args& a) {
   } else {
     return die("--egress-nat must be yes or no");
   }
+  eo.userns = a.get("userns", "auto");
+  if (eo.userns != "auto" && eo.userns != "off") return die("--userns must be auto or off");
   platform::Store* st = store->get();
   eo.lookup = [dataDir, st](const std::string& digest) {
     return platform::Platform::describeLayer(st, dataDir, digest);

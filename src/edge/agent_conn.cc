@@ -3,7 +3,9 @@
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
+#include <sys/uio.h>
 
+#include <cstring>
 #include <nlohmann/json.hpp>
 
 #include "common/log.h"
@@ -79,7 +81,8 @@ bool AgentConn::dead() const {
   return dead_;
 }
 
-Status AgentConn::send(uint32_t stream, proto::FrameType type, std::string_view payload) {
+Status AgentConn::send(uint32_t stream, proto::FrameType type, std::string_view payload,
+                       int passFd) {
   if (payload.size() > proto::kMaxPayload) return internalError("frame payload too large");
   std::string wire;
   wire.reserve(payload.size() + proto::kHeaderSize);
@@ -88,7 +91,24 @@ Status AgentConn::send(uint32_t stream, proto::FrameType type, std::string_view 
   if (dead()) return Status(Code::kUnavailable, "sandbox agent is gone");
   size_t off = 0;
   while (off < wire.size()) {
-    ssize_t n = ::send(sock_.get(), wire.data() + off, wire.size() - off, MSG_NOSIGNAL);
+    ssize_t n;
+    if (off == 0 && passFd >= 0) {
+      struct iovec iov = {wire.data(), wire.size()};
+      alignas(struct cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+      struct msghdr msg = {};
+      msg.msg_iov = &iov;
+      msg.msg_iovlen = 1;
+      msg.msg_control = control;
+      msg.msg_controllen = sizeof control;
+      struct cmsghdr* c = CMSG_FIRSTHDR(&msg);
+      c->cmsg_level = SOL_SOCKET;
+      c->cmsg_type = SCM_RIGHTS;
+      c->cmsg_len = CMSG_LEN(sizeof(int));
+      std::memcpy(CMSG_DATA(c), &passFd, sizeof(int));
+      n = ::sendmsg(sock_.get(), &msg, MSG_NOSIGNAL);
+    } else {
+      n = ::send(sock_.get(), wire.data() + off, wire.size() - off, MSG_NOSIGNAL);
+    }
     if (n < 0) {
       if (errno == EINTR) continue;
       Status st = errno == EAGAIN ? Status(Code::kUnavailable, "sandbox agent stopped reading")

@@ -60,8 +60,10 @@ class AgentConn {
   void closeStream(uint32_t id);
 
   // Sends one frame whole. Blocks while the socket is full (bounded by a send
-  // timeout). kUnavailable once the connection is dead.
-  Status send(uint32_t stream, proto::FrameType type, std::string_view payload);
+  // timeout). kUnavailable once the connection is dead. passFd >= 0 goes
+  // along with the frame's first byte (SCM_RIGHTS; the caller keeps its
+  // copy): the init frame's rootfs mount in user namespace mode.
+  Status send(uint32_t stream, proto::FrameType type, std::string_view payload, int passFd = -1);
 
   // Reactor side: drains readable bytes. False once the connection is dead.
   bool onReadable();

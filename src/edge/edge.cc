@@ -1,9 +1,12 @@
 #include "edge/edge.h"
 
-#include <nlohmann/json.hpp>
+#include <sys/mount.h>
+#include <sys/stat.h>
 
+#include <cerrno>
 #include <climits>
 #include <cstdlib>
+#include <nlohmann/json.hpp>
 
 #include "common/log.h"
 #include "common/sha256.h"
@@ -46,7 +49,11 @@ Result<std::unique_ptr<Edge>> Edge::start(EdgeOptions opts) {
   if (e->opts_.cache.dir.empty()) e->opts_.cache.dir = e->opts_.dataDir + "/cache";
   ASSIGN_OR_RETURN(e->cache_, NodeCache::open(e->opts_.cache, e->opts_.lookup));
   ASSIGN_OR_RETURN(e->cgroups_, Cgroups::detect(e->opts_.cgroupRoot, e->opts_.cgroupParent));
+  UsernsOptions uo{e->opts_.userns, e->opts_.usernsBase, e->opts_.usernsLength};
+  ASSIGN_OR_RETURN(e->userns_, detectUserns(uo));
+  log::info("edge: user namespaces " + e->userns_.reason);
   e->layers_ = std::make_unique<LayerCache>(e->opts_.dataDir + "/layers", e->cache_.get());
+  if (e->userns_.enabled) e->layers_->setIdmap(e->userns_.fd.get());
   RETURN_IF_ERROR(e->layers_->cleanupStale());
   e->reactor_ = std::make_unique<Reactor>();
   RETURN_IF_ERROR(e->reactor_->start());
@@ -55,6 +62,7 @@ Result<std::unique_ptr<Edge>> Edge::start(EdgeOptions opts) {
   co.sandboxRoot = e->opts_.dataDir + "/sandboxes";
   co.diskQuota = e->opts_.diskQuota;
   co.diskPoolBytes = e->opts_.diskPoolBytes;
+  co.userns = &e->userns_;
   ASSIGN_OR_RETURN(auto container, ContainerBackend::make(co, e->cgroups_.get(),
                                                           e->layers_.get(), e->reactor_.get()));
   e->diskQuotaInfo_ = container->diskQuotaInfo();
@@ -85,7 +93,7 @@ std::string Edge::describe() const {
          ", egress " +
          (filter_ ? "by policy (eBPF filter at " + cgroups_->v2Parent() + ")"
                   : "unavailable: " + egressWhy_) +
-         ", backends: container";
+         ", user namespaces " + userns_.reason + ", backends: container";
 }
 
 void Edge::setDeathHandler(std::function<void(const std::string&, const std::string&)> h) {
@@ -440,9 +448,29 @@ Result<image::BuiltLayer> Edge::packDiff(const std::string& id, const std::strin
   if (!inst) return notRunning(id);
   std::string upper = inst->upperDir();
   if (upper.empty()) return Status(Code::kFailedPrecondition, "this backend cannot pack_diff");
+  // In a user namespace the upper dir holds host ids (root inside = base);
+  // the layer is built from a read-only view that maps them back to 0-based
+  // ones, so snapshots stay portable between nodes and modes. The overlay's
+  // own whiteouts belong to host 0 and show as the overflow id there: only
+  // their 0:0 device number makes them whiteouts.
+  std::string view;
+  if (userns_.enabled) {
+    RETURN_IF_ERROR(makeDirs(workDir, 0700));
+    view = workDir + "/upper-view";
+    if (::mkdir(view.c_str(), 0700) != 0 && errno != EEXIST) return sysError("mkdir " + view);
+    auto m = idmappedClone(upper, userns_.inverseFd.get(), true);
+    if (!m.isOk()) return std::move(m).takeStatus().withContext("pack_diff " + id);
+    RETURN_IF_ERROR(attachMount(m->get(), view));
+  }
   // Frozen, so the layer is one consistent moment of the sandbox's files.
-  RETURN_IF_ERROR(inst->freeze(true));
-  auto layer = image::buildLayer(upper, workDir);
+  Status frozen = inst->freeze(true);
+  Result<image::BuiltLayer> layer = internalError("pack_diff: not built");
+  if (frozen.isOk()) layer = image::buildLayer(view.empty() ? upper : view, workDir);
+  if (!view.empty()) {
+    if (::umount2(view.c_str(), MNT_DETACH) != 0) log::error("pack_diff: umount " + view);
+    ::rmdir(view.c_str());
+  }
+  if (!frozen.isOk()) return frozen;
   Status thaw = inst->freeze(false);
   if (!thaw.isOk()) log::error("pack_diff " + id + ": thaw: " + thaw.toString());
   return layer;

@@ -19,6 +19,7 @@
 #include "edge/image/layer_cache.h"
 #include "edge/net/egress_filter.h"
 #include "edge/net/egress_net.h"
+#include "edge/userns.h"
 #include "image/layer_builder.h"
 
 namespace dsec::edge {
@@ -40,6 +41,12 @@ struct EdgeOptions {
   // /30s come from, and whether the host masquerades them (edge/net/egress_net.h).
   std::string egressSubnet = "10.88.0.0/16";
   bool egressNat = true;
+  // User namespaces for container sandboxes (edge/userns.h): "auto" (on where
+  // the kernel supports it, detected at start) or "off"; root inside maps to
+  // host uid usernsBase, ids 0..usernsLength-1 are mapped. One range per node.
+  std::string userns = "auto";
+  uint32_t usernsBase = 100000;
+  uint32_t usernsLength = 65536;
 };
 
 struct ExecSpec {
@@ -129,6 +136,9 @@ class Edge {
   void shutdown();
 
   std::string describe() const;
+  // Whether sandboxes run in user namespaces, their range, and why (not) -
+  // fixed at start.
+  const Userns& userns() const { return userns_; }
 
  private:
   Edge() = default;
@@ -141,6 +151,7 @@ class Edge {
   std::unique_ptr<Reactor> reactor_;
   std::map<std::string, std::unique_ptr<Backend>> backends_;
   std::string diskQuotaInfo_;  // the container backend's, set at start
+  Userns userns_;              // detected at start, then read-only
   std::unique_ptr<net::EgressFilter> filter_;  // null when egressWhy_ says why
   std::string egressWhy_;
 

@@ -8,10 +8,12 @@
 
 #include <functional>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
 
+#include "common/fd.h"
 #include "common/status.h"
 #include "edge/image/node_cache.h"
 
@@ -30,8 +32,23 @@ class LayerCache {
   Status cleanupStale();
   // Unmounts every layer and mountRoot itself.
   void close();
-  // Mounts the layer if needed, takes a reference, returns its mount point.
-  Result<std::string> acquire(const std::string& digest);
+  // From now on every layer mounted also gets a detached, read-only clone of
+  // its mount idmapped through `usernsFd` (edge/userns.h), made once and kept
+  // beside the mount. Call before the first acquire; the fd is not owned and
+  // must outlive this cache.
+  void setIdmap(int usernsFd) { idmapFd_ = usernsFd; }
+  // Mounts the layer if needed, takes a reference, returns its mount point
+  // and, with setIdmap, its idmapped clone (shared: stays open while the
+  // caller holds it even if the layer is remounted meanwhile).
+  struct Mounted {
+    std::string path;
+    std::shared_ptr<UniqueFd> idmapped;  // null without setIdmap
+  };
+  Result<Mounted> acquireMount(const std::string& digest);
+  Result<std::string> acquire(const std::string& digest) {
+    ASSIGN_OR_RETURN(Mounted m, acquireMount(digest));
+    return m.path;
+  }
   void release(const std::string& digest);
   // Unmounts the layer if it is mounted and unused (ok when not mounted);
   // kFailedPrecondition while a sandbox holds it.
@@ -44,6 +61,7 @@ class LayerCache {
  private:
   struct Entry {
     std::string path;
+    std::shared_ptr<UniqueFd> idmapped;
     int refs = 0;
     double lastUsed = 0;
   };
@@ -58,6 +76,7 @@ class LayerCache {
   std::map<std::string, Entry> layers_;
   std::string method_ = "file";
   bool rootBound_ = false;
+  int idmapFd_ = -1;  // set once before use
 };
 
 // Mount points under `prefix` in this mount namespace, deepest first.

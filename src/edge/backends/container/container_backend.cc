@@ -44,6 +44,10 @@ constexpr int kExitAgentFd = 121;
 constexpr int kExitExecFd = 122;
 constexpr int kExitCloseRange = 123;
 constexpr int kExitExec = 124;
+constexpr int kExitUserns = 125;
+// In user namespace mode: the close-on-exec status pipe's write end in the
+// child; EOF on it tells the edge the child exec'd.
+constexpr int kStatusFd = 5;
 
 const char* childFailure(int code) {
   switch (code) {
@@ -52,6 +56,8 @@ const char* childFailure(int code) {
     case kExitExecFd: return "could not pass the agent binary";
     case kExitCloseRange: return "close_range(2) failed (kernel < 5.9?)";
     case kExitExec: return "execveat of the sealed agent binary failed (vm.memfd_noexec?)";
+    case kExitUserns:
+      return "could not become root of its user namespace";
   }
   return "exited early";
 }
@@ -90,28 +96,74 @@ struct ChildArgs {
   int devNull;
   char* const* argv;
   char* const* envp;
+  // User namespace mode only (else -1/null). goFd: read end of a pipe the
+  // edge writes a byte to once the child's uid/gid maps are in place.
+  // statusFd (high, close-on-exec): write end the child reports a failure's
+  // exit code on; EOF without a byte means it exec'd. workDir: the sandbox
+  // root, entered while the child still has host root's file access (the
+  // path is 0700 root), so aether reaches its sandbox's dir relative to it.
+  int goFd = -1;
+  int goWriteFd = -1;  // the edge's end, closed first so the edge's death is EOF
+  int statusFd = -1;
+  const char* workDir = nullptr;
 };
+
+// The child in user namespace mode does not run under CLONE_VFORK, so its
+// failure must be told through the status pipe before it exits. (errno is
+// shared with the parent thread under CLONE_VM: it is never read here.)
+[[noreturn]] void childFail(int statusFd, int code) {
+  if (statusFd >= 0) {
+    char c = char(code);
+    (void)!write(statusFd, &c, 1);
+  }
+  _exit(code);
+}
 
 int childMain(void* p) {
   auto* a = static_cast<ChildArgs*>(p);
+  int status = a->statusFd;
   sigset_t none;
   sigemptyset(&none);
   sigprocmask(SIG_SETMASK, &none, nullptr);
   // Spares are spawned by a low-priority thread; the sandbox must not inherit that.
   setpriority(PRIO_PROCESS, 0, 0);
-  if (dup2(a->devNull, 0) < 0 || dup2(a->devNull, 1) < 0) _exit(kExitStdio);
+  if (a->goFd >= 0) {
+    // Until the edge has written our maps we are an unmapped id; afterwards
+    // we must become the namespace's root by setresuid/setresgid: until then
+    // our credentials keep host uid 0 and with it host root's file access.
+    // Raw syscalls: glibc's set*id wrappers would signal the edge's threads,
+    // with which we share memory.
+    char c;
+    close(a->goWriteFd);
+    if (read(a->goFd, &c, 1) != 1) childFail(status, kExitUserns);
+    if (chdir(a->workDir) != 0) childFail(status, kExitUserns);
+    if (syscall(SYS_setgroups, 0, nullptr) != 0 || syscall(SYS_setresgid, 0, 0, 0) != 0 ||
+        syscall(SYS_setresuid, 0, 0, 0) != 0) {
+      childFail(status, kExitUserns);
+    }
+  }
+  if (dup2(a->devNull, 0) < 0 || dup2(a->devNull, 1) < 0) childFail(status, kExitStdio);
   // dup2 onto itself would keep CLOEXEC; the agent must inherit fd 3.
   if (a->agentFd == kAgentFd ? fcntl(kAgentFd, F_SETFD, 0) < 0
                              : dup2(a->agentFd, kAgentFd) < 0) {
-    _exit(kExitAgentFd);
+    childFail(status, kExitAgentFd);
   }
-  if (dup2(a->execFd, kExecFd) < 0) _exit(kExitExecFd);
-  if (fcntl(kExecFd, F_SETFD, FD_CLOEXEC) < 0) _exit(kExitExecFd);
+  if (dup2(a->execFd, kExecFd) < 0) childFail(status, kExitExecFd);
+  if (fcntl(kExecFd, F_SETFD, FD_CLOEXEC) < 0) childFail(status, kExitExecFd);
+  int keep = kExecFd;
+  if (status >= 0) {
+    // statusFd is high (>= 100), so the dup2s above left it alone.
+    if (dup2(status, kStatusFd) < 0 || fcntl(kStatusFd, F_SETFD, FD_CLOEXEC) < 0) {
+      childFail(status, kExitUserns);
+    }
+    status = kStatusFd;
+    keep = kStatusFd;
+  }
   // Nothing of the edge (API sockets, other sandboxes' agents) may reach the
   // sandbox: without close_range, refuse to start rather than leak.
-  if (syscall(SYS_close_range, kExecFd + 1, ~0U, 0) != 0) _exit(kExitCloseRange);
+  if (syscall(SYS_close_range, keep + 1, ~0U, 0) != 0) childFail(status, kExitCloseRange);
   syscall(SYS_execveat, kExecFd, "", a->argv, a->envp, AT_EMPTY_PATH);
-  _exit(kExitExec);
+  childFail(status, kExitExec);
 }
 
 Result<UniqueFd> sealedCopy(const std::string& path) {
@@ -171,6 +223,7 @@ Result<std::unique_ptr<ContainerBackend>> ContainerBackend::make(ContainerOption
                                                                   LayerCache* layers,
                                                                   Reactor* reactor) {
   std::unique_ptr<ContainerBackend> b(new ContainerBackend(opts, cgroups, layers, reactor));
+  b->userns_ = opts.userns != nullptr && opts.userns->enabled;
   ASSIGN_OR_RETURN(b->aetherMemfd_, sealedCopy(opts.aetherPath));
   RETURN_IF_ERROR(makeDirs(opts.sandboxRoot, 0700));
   // A crashed predecessor's leftovers go before the disk quota may mount on
@@ -196,6 +249,15 @@ Result<std::unique_ptr<ContainerBackend>> ContainerBackend::make(ContainerOption
   qo.poolBytes = opts.diskPoolBytes;
   qo.mode = opts.diskQuota;
   ASSIGN_OR_RETURN(b->quota_, openDiskQuota(qo));
+  // With user namespaces, agents start with their working directory here and
+  // look up their own sandbox's directory in it as host uid `base`: that
+  // needs search (only) permission. Its parents stay 0700, and each sandbox's
+  // directory is 0700 and owned by `base`, so no other host user gains
+  // anything. Without, back to 0700 (a plain directory keeps its mode
+  // across runs).
+  mode_t rootMode = b->userns_ ? 0711 : 0700;
+  if (::chmod(opts.sandboxRoot.c_str(), rootMode) != 0)
+    return sysError("chmod " + opts.sandboxRoot);
   // One spawn up front, so a broken aether fails start-up, not the first create.
   ASSIGN_OR_RETURN(Agent probe, b->spawnAgent());
   b->spares_.push_back(std::move(probe));
@@ -215,24 +277,72 @@ Result<ContainerBackend::Agent> ContainerBackend::spawnAgent() {
   static char env0[] = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
   char* envp[] = {env0, nullptr};
   ChildArgs args{theirs.get(), aetherMemfd_.get(), devNull.get(), argv, envp};
+  // User namespace mode: the go pipe (edge -> child) and the status pipe
+  // (child -> edge), see ChildArgs.
+  UniqueFd goRd, goWr, statusRd, statusWr;
+  if (userns_) {
+    int go[2], status[2];
+    if (::pipe2(go, O_CLOEXEC) != 0) return sysError("pipe");
+    goRd.reset(go[0]);
+    goWr.reset(go[1]);
+    if (::pipe2(status, O_CLOEXEC) != 0) return sysError("pipe");
+    statusRd.reset(status[0]);
+    UniqueFd low(status[1]);
+    statusWr.reset(::fcntl(low.get(), F_DUPFD_CLOEXEC, 100));
+    if (!statusWr) return sysError("dup status pipe");
+    args.goFd = goRd.get();
+    args.goWriteFd = goWr.get();
+    args.statusFd = statusWr.get();
+    args.workDir = opts_.sandboxRoot.c_str();
+  }
   alignas(16) static thread_local char stack[kChildStackSize];
   int pidfd = -1;
-  int flags = CLONE_VM | CLONE_VFORK | CLONE_PIDFD | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWUTS |
-              CLONE_NEWIPC | CLONE_NEWNET | SIGCHLD;
+  int flags = CLONE_VM | CLONE_PIDFD | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWUTS | CLONE_NEWIPC |
+              CLONE_NEWNET | SIGCHLD;
+  // CLONE_VFORK would suspend us until the exec, but a child in a new user
+  // namespace must wait for us to write its maps first. Either way the child
+  // uses `stack` (ours, thread-local) until it execs or exits, so we return
+  // only after one of those.
+  flags |= userns_ ? CLONE_NEWUSER : CLONE_VFORK;
   pid_t pid = ::clone(childMain, stack + sizeof stack, flags, &args, &pidfd);
   if (pid < 0) return sysError("clone");
   Agent a;
   a.pid = pid;
   a.pidfd.reset(pidfd);
-  // CLONE_VFORK: by now the child has exec'd the agent or exited. Catch the
-  // latter here instead of as a start-up timeout later.
-  siginfo_t info{};
-  if (waitid(idtype_t(P_PIDFD), id_t(pidfd), &info, WEXITED | WNOHANG | WNOWAIT) == 0 &&
-      info.si_pid != 0) {
-    int code = info.si_code == CLD_EXITED ? info.si_status : -1;
-    killAndReap(pidfd);
-    return Status(Code::kInternal, std::string("sandbox agent did not start: ") +
-                                       childFailure(code));
+  if (userns_) {
+    statusWr.reset();
+    goRd.reset();
+    Status st = writeIdMaps(pid, opts_.userns->mapLine());
+    if (!st.isOk()) {
+      killAndReap(pidfd);  // the child is blocked on the go pipe: safe to kill
+      return st.withContext("sandbox agent's user namespace");
+    }
+    if (::write(goWr.get(), "g", 1) != 1) {
+      st = sysError("write go pipe");
+      killAndReap(pidfd);
+      return st;
+    }
+    char code = 0;
+    ssize_t n;
+    while ((n = ::read(statusRd.get(), &code, 1)) < 0 && errno == EINTR) {
+    }
+    if (n != 0) {
+      // The child failed before exec; reaping it also means it left `stack`.
+      killAndReap(pidfd);
+      return Status(Code::kInternal, std::string("sandbox agent did not start: ") +
+                                         childFailure(n == 1 ? code : -1));
+    }
+  } else {
+    // CLONE_VFORK: by now the child has exec'd the agent or exited. Catch the
+    // latter here instead of as a start-up timeout later.
+    siginfo_t info{};
+    if (waitid(idtype_t(P_PIDFD), id_t(pidfd), &info, WEXITED | WNOHANG | WNOWAIT) == 0 &&
+        info.si_pid != 0) {
+      int code = info.si_code == CLD_EXITED ? info.si_status : -1;
+      killAndReap(pidfd);
+      return Status(Code::kInternal,
+                    std::string("sandbox agent did not start: ") + childFailure(code));
+    }
   }
   a.conn = std::make_shared<AgentConn>(std::move(ours), "agent-" + std::to_string(pid));
   if (Status st = reactor_->add(a.conn); !st.isOk()) {
@@ -312,15 +422,41 @@ Result<std::unique_ptr<Instance>> ContainerBackend::create(const SandboxSpec& sp
     std::string d = inst->dir_ + sub;
     if (::mkdir(d.c_str(), 0755) != 0) return fail(sysError("mkdir " + d));
   }
+  if (userns_) {
+    // Root inside is host uid `base`: it owns its directory (which stays
+    // 0700, closed to every other host user) and its writable layer.
+    uid_t id = opts_.userns->base;
+    for (const char* sub : {"", "/upper", "/work"}) {
+      std::string d = inst->dir_ + sub;
+      if (::chown(d.c_str(), id, id) != 0) return fail(sysError("chown " + d));
+    }
+  }
   laps.lap("mkdir");
   json lower = json::array();
+  std::vector<std::shared_ptr<UniqueFd>> idmapped;  // held until the overlay is made
   for (auto it = spec.layers.rbegin(); it != spec.layers.rend(); ++it) {
-    auto mp = layers_->acquire(*it);
+    auto mp = layers_->acquireMount(*it);
     if (!mp.isOk()) return fail(std::move(mp).takeStatus());
     inst->layers_.push_back(*it);
-    lower.push_back(*mp);  // overlayfs wants the top layer first
+    lower.push_back(mp->path);  // overlayfs wants the top layer first
+    if (userns_) {
+      if (!mp->idmapped) return fail(internalError("layer " + *it + " has no idmapped mount"));
+      idmapped.push_back(mp->idmapped);
+    }
   }
   laps.lap("layers");
+  // User namespace mode: the edge makes the overlay (see edge/userns.h for
+  // why the sandbox cannot); aether attaches it where it used to mount it.
+  UniqueFd rootfsMount;
+  if (userns_) {
+    std::vector<int> fds;
+    for (auto& f : idmapped) fds.push_back(f->get());
+    auto m = makeOverlay(fds, inst->dir_ + "/upper", inst->dir_ + "/work");
+    if (!m.isOk()) return fail(m.status());
+    rootfsMount = std::move(*m);
+    idmapped.clear();
+    laps.lap("overlay");
+  }
   CgroupLimits limits{spec.cpu, spec.memoryBytes, spec.pids};
   if (Status st = cgroups_->create(spec.id, limits); !st.isOk()) return fail(st);
   cgroupMade = true;
@@ -340,15 +476,22 @@ Result<std::unique_ptr<Instance>> ContainerBackend::create(const SandboxSpec& sp
   // 0. Needs CAP_SYS_RESOURCE, which some hosts withhold: best effort.
   (void)writeKnob("/proc/" + std::to_string(inst->pid_) + "/oom_score_adj", "-1000");
   laps.lap("attach");
-  json init = {{"hostname", spec.id},
-               {"rootfs",
-                {{"lower", lower},
-                 {"upper", inst->dir_ + "/upper"},
-                 {"work", inst->dir_ + "/work"},
-                 {"target", inst->dir_ + "/rootfs"}}}};
-  if (Status st = inst->conn_->send(0, proto::FrameType::kInit, init.dump()); !st.isOk()) {
+  json init = {{"hostname", spec.id}};
+  if (userns_) {
+    // Relative to aether's working directory, the sandbox root (ChildArgs):
+    // the absolute path crosses 0700 directories of host root.
+    init["rootfs"] = {{"mount_fd", true}, {"target", spec.id + "/rootfs"}};
+  } else {
+    init["rootfs"] = {{"lower", lower},
+                      {"upper", inst->dir_ + "/upper"},
+                      {"work", inst->dir_ + "/work"},
+                      {"target", inst->dir_ + "/rootfs"}};
+  }
+  if (Status st = inst->conn_->send(0, proto::FrameType::kInit, init.dump(), rootfsMount.get());
+      !st.isOk()) {
     return fail(st);
   }
+  rootfsMount.reset();  // aether has its own reference now
   double deadline = monoSeconds() + opts_.startTimeoutS;
   for (;;) {
     auto f = inst->conn_->control()->next(deadline);

@@ -1,8 +1,14 @@
 // The native container backend: clone(2) into new mount, pid, uts, ipc and
-// net namespaces (CLONE_VM|CLONE_VFORK, so no page tables are copied), with the
-// sealed in-memory copy of dsec-aether exec'd as the sandbox's PID 1. aether
-// then mounts overlayfs over the node's shared EROFS layer mounts, pivots into
-// it and enters a new cgroup namespace (docs/agent-protocol.md, start-up).
+// net namespaces (CLONE_VM, so no page tables are copied), with the sealed
+// in-memory copy of dsec-aether exec'd as the sandbox's PID 1. aether then
+// mounts the sandbox's overlayfs root, pivots into it and enters a new cgroup
+// namespace (docs/agent-protocol.md, start-up).
+//
+// With a user namespace (edge/userns.h) the clone adds CLONE_NEWUSER, the
+// edge writes the child's uid/gid maps before it may exec, and the edge
+// builds the overlay over idmapped layers itself and passes it to aether as a
+// mount fd with the init frame. Without one, aether mounts the overlay over
+// the node's shared EROFS layer mounts by path.
 // The sandbox's directory (overlay upper and work) is bounded by its disk_mb
 // through a DiskQuota (disk_quota.h).
 #pragma once
@@ -19,6 +25,7 @@
 #include "edge/backend.h"
 #include "edge/disk_quota.h"
 #include "edge/image/layer_cache.h"
+#include "edge/userns.h"
 
 namespace dsec::edge {
 
@@ -34,6 +41,9 @@ struct ContainerOptions {
   std::string diskQuota = "auto";
   std::string diskPoolImage;  // empty: <sandboxRoot>.img
   int64_t diskPoolBytes = 0;
+  // Sandboxes run in user namespaces when set and enabled. Not owned; must
+  // outlive the backend. The layer cache must have the same idmap set.
+  const Userns* userns = nullptr;
 };
 
 class ContainerBackend : public Backend {
@@ -65,6 +75,7 @@ class ContainerBackend : public Backend {
   Reactor* reactor_;     // not owned
   UniqueFd aetherMemfd_;  // sealed copy of dsec-aether, exec'd by every sandbox
   std::unique_ptr<DiskQuota> quota_;  // set up before the first agent is cloned
+  bool userns_ = false;               // opts_.userns is set and enabled
   int orphans_ = 0;  // leftovers make() removed, for cleanupOrphans' count
 
   // An agent in fresh namespaces that has not been sent its init frame yet.

@@ -1,0 +1,228 @@
+#include "edge/userns.h"
+
+#include <fcntl.h>
+#include <sched.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstring>
+
+#include "common/util.h"
+
+// Debian 12's headers predate parts of the mount API.
+#ifndef MOUNT_ATTR_RDONLY
+#define MOUNT_ATTR_RDONLY 0x00000001
+#endif
+#ifndef MOUNT_ATTR_NODEV
+#define MOUNT_ATTR_NODEV 0x00000004
+#endif
+#ifndef MOUNT_ATTR_IDMAP
+#define MOUNT_ATTR_IDMAP 0x00100000
+#endif
+
+namespace dsec::edge {
+
+namespace {
+
+constexpr unsigned kOpenTreeClone = 1;            // OPEN_TREE_CLONE
+constexpr unsigned kOpenTreeCloexec = O_CLOEXEC;  // OPEN_TREE_CLOEXEC
+constexpr unsigned kMoveMountFEmptyPath = 0x4;    // MOVE_MOUNT_F_EMPTY_PATH
+constexpr unsigned kFsopenCloexec = 1;            // FSOPEN_CLOEXEC
+constexpr unsigned kFsconfigSetString = 1;        // FSCONFIG_SET_STRING
+constexpr unsigned kFsconfigSetFd = 5;            // FSCONFIG_SET_FD
+constexpr unsigned kFsconfigCmdCreate = 6;        // FSCONFIG_CMD_CREATE
+constexpr unsigned kFsmountCloexec = 1;           // FSMOUNT_CLOEXEC
+
+struct MountAttr {
+  uint64_t attrSet, attrClr, propagation, usernsFd;
+};
+
+int mountSetattr(int fd, const char* path, unsigned flags, MountAttr* a) {
+  return int(::syscall(SYS_mount_setattr, fd, path, flags, a, sizeof *a));
+}
+
+// The kernel's messages about a failed fsconfig/fsmount ("e overlay: ...").
+std::string fsLog(int fs) {
+  std::string out;
+  char buf[512];
+  for (;;) {
+    ssize_t n = ::read(fs, buf, sizeof buf);
+    if (n <= 0) break;
+    if (!out.empty()) out += "; ";
+    out.append(buf, size_t(n));
+  }
+  return out;
+}
+
+Status fsError(const std::string& what, int fs) {
+  int err = errno;
+  std::string log = fsLog(fs);
+  return sysError(log.empty() ? what : what + " (" + log + ")", err);
+}
+
+// The throwaway child only has to exist until its namespace has an fd; it
+// waits for EOF on a pipe, so it must close its copy of the write end.
+int waitForParent(void* p) {
+  auto* fds = static_cast<int*>(p);
+  ::close(fds[1]);
+  char c;
+  while (::read(fds[0], &c, 1) < 0 && errno == EINTR) {
+  }
+  _exit(0);
+}
+
+Status writeMap(pid_t pid, const char* file, const std::string& map) {
+  std::string path = "/proc/" + std::to_string(pid) + "/" + file;
+  UniqueFd fd(::open(path.c_str(), O_WRONLY | O_CLOEXEC));
+  if (!fd) return sysError("open " + path);
+  if (::write(fd.get(), map.data(), map.size()) != ssize_t(map.size())) {
+    return sysError("write " + path);
+  }
+  return Status::ok();
+}
+
+}  // namespace
+
+Status writeIdMaps(pid_t pid, const std::string& map) {
+  RETURN_IF_ERROR(writeMap(pid, "uid_map", map));
+  return writeMap(pid, "gid_map", map);
+}
+
+std::string Userns::mapLine() const {
+  return "0 " + std::to_string(base) + " " + std::to_string(length) + "\n";
+}
+
+Result<UniqueFd> makeUsernsFd(const std::string& map) {
+  int p[2];
+  if (::pipe2(p, O_CLOEXEC) != 0) return sysError("pipe");
+  UniqueFd rd(p[0]), wr(p[1]);
+  // No CLONE_VM: the child gets a copy of this stack and of `fds`.
+  alignas(16) char stack[16 * 1024];
+  int fds[2] = {rd.get(), wr.get()};
+  pid_t pid = ::clone(waitForParent, stack + sizeof stack, CLONE_NEWUSER | SIGCHLD, fds);
+  if (pid < 0) return sysError("clone(CLONE_NEWUSER)");
+  Status st = writeIdMaps(pid, map);
+  UniqueFd ns;
+  if (st.isOk()) {
+    std::string path = "/proc/" + std::to_string(pid) + "/ns/user";
+    ns.reset(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+    if (!ns) st = sysError("open " + path);
+  }
+  wr.reset();  // EOF: the child exits
+  while (::waitpid(pid, nullptr, 0) < 0 && errno == EINTR) {
+  }
+  if (!st.isOk()) return st;
+  return ns;
+}
+
+Result<UniqueFd> idmappedClone(const std::string& dir, int usernsFd, bool readOnly) {
+  UniqueFd m(
+      int(::syscall(SYS_open_tree, AT_FDCWD, dir.c_str(), kOpenTreeClone | kOpenTreeCloexec)));
+  if (!m) return sysError("open_tree " + dir);
+  MountAttr a{};
+  a.attrSet = MOUNT_ATTR_IDMAP | (readOnly ? MOUNT_ATTR_RDONLY : 0);
+  a.usernsFd = uint64_t(usernsFd);
+  if (mountSetattr(m.get(), "", AT_EMPTY_PATH, &a) != 0) {
+    return sysError("idmap mount of " + dir);
+  }
+  return m;
+}
+
+Result<UniqueFd> makeOverlay(const std::vector<int>& lowerFds, const std::string& upper,
+                             const std::string& work) {
+  UniqueFd fs(int(::syscall(SYS_fsopen, "overlay", kFsopenCloexec)));
+  if (!fs) return sysError("fsopen overlay");
+  auto config = [&](unsigned cmd, const char* key, const char* value, int aux) {
+    return ::syscall(SYS_fsconfig, fs.get(), cmd, key, value, aux) == 0;
+  };
+  for (int fd : lowerFds) {
+    if (!config(kFsconfigSetFd, "lowerdir+", nullptr, fd))
+      return fsError("overlay lowerdir+", fs.get());
+  }
+  // The options the sandbox's own mount(2) used before user namespaces:
+  // without index, metacopy and redirect_dir the upper dir is a plain tree of
+  // the sandbox's writes that pack_diff can turn into a layer.
+  const std::pair<const char*, const char*> opts[] = {{"upperdir", upper.c_str()},
+                                                      {"workdir", work.c_str()},
+                                                      {"index", "off"},
+                                                      {"metacopy", "off"},
+                                                      {"redirect_dir", "off"}};
+  for (auto [key, value] : opts) {
+    if (!config(kFsconfigSetString, key, value, 0)) {
+      return fsError(std::string("overlay ") + key, fs.get());
+    }
+  }
+  if (!config(kFsconfigCmdCreate, nullptr, nullptr, 0)) return fsError("overlay create", fs.get());
+  // nodev: device nodes in image layers or written by the sandbox are inert;
+  // the usable ones live on the sandbox's separate /dev tmpfs.
+  UniqueFd m(int(::syscall(SYS_fsmount, fs.get(), kFsmountCloexec, MOUNT_ATTR_NODEV)));
+  if (!m) return fsError("fsmount overlay", fs.get());
+  return m;
+}
+
+Status attachMount(int mountFd, const std::string& target) {
+  if (::syscall(SYS_move_mount, mountFd, "", AT_FDCWD, target.c_str(), kMoveMountFEmptyPath) != 0) {
+    return sysError("move_mount to " + target);
+  }
+  return Status::ok();
+}
+
+Result<Userns> detectUserns(const UsernsOptions& opts) {
+  Userns u;
+  u.base = opts.base;
+  u.length = opts.length;
+  if (opts.mode != "auto" && opts.mode != "off") {
+    return invalidArg("userns", "userns must be auto or off, not '" + opts.mode + "'");
+  }
+  if (opts.length == 0 || opts.base == 0 || uint64_t(opts.base) + opts.length > (1ull << 32) - 1) {
+    return invalidArg("userns",
+                      "the host id range must be non-empty, exclude 0 and fit in 32 bits");
+  }
+  if (opts.mode == "off") {
+    u.reason = "off (--userns off)";
+    return u;
+  }
+  auto off = [&](const Status& why) -> Userns {
+    u.reason = "off: unsupported here: " + why.toString();
+    return std::move(u);
+  };
+  auto ns = makeUsernsFd(u.mapLine());
+  if (!ns.isOk()) return off(ns.status());
+  std::string inverse = std::to_string(opts.base) + " 0 " + std::to_string(opts.length) + "\n";
+  auto inv = makeUsernsFd(inverse);
+  if (!inv.isOk()) return off(inv.status());
+  // Idmapped mounts and overlay layers by fd, tried on a throwaway tmpfs: a
+  // kernel lacking either is found now, not at the first create.
+  UniqueFd fs(int(::syscall(SYS_fsopen, "tmpfs", kFsopenCloexec)));
+  if (!fs || ::syscall(SYS_fsconfig, fs.get(), kFsconfigCmdCreate, nullptr, nullptr, 0) != 0) {
+    return off(sysError("fsopen tmpfs"));
+  }
+  UniqueFd tmp(int(::syscall(SYS_fsmount, fs.get(), kFsmountCloexec, 0)));
+  if (!tmp) return off(sysError("fsmount tmpfs"));
+  UniqueFd clone(int(
+      ::syscall(SYS_open_tree, tmp.get(), "", kOpenTreeClone | kOpenTreeCloexec | AT_EMPTY_PATH)));
+  if (!clone) return off(sysError("open_tree(OPEN_TREE_CLONE)"));
+  MountAttr a{};
+  a.attrSet = MOUNT_ATTR_IDMAP;
+  a.usernsFd = uint64_t(ns->get());
+  if (mountSetattr(clone.get(), "", AT_EMPTY_PATH, &a) != 0) {
+    return off(sysError("idmapped mount (mount_setattr MOUNT_ATTR_IDMAP)"));
+  }
+  UniqueFd ov(int(::syscall(SYS_fsopen, "overlay", kFsopenCloexec)));
+  if (!ov) return off(sysError("fsopen overlay"));
+  if (::syscall(SYS_fsconfig, ov.get(), kFsconfigSetFd, "lowerdir+", nullptr, clone.get()) != 0) {
+    return off(sysError("overlay lowerdir+ by fd (Linux >= 6.8)"));
+  }
+  u.enabled = true;
+  u.fd = std::move(*ns);
+  u.inverseFd = std::move(*inv);
+  u.reason = "on: root inside is host uid " + std::to_string(opts.base) + " (ids 0-" +
+             std::to_string(opts.length - 1) + " map to " + std::to_string(opts.base) + "-" +
+             std::to_string(uint64_t(opts.base) + opts.length - 1) + ")";
+  return u;
+}
+
+}  // namespace dsec::edge

@@ -1,0 +1,85 @@
+// User namespaces for container sandboxes (issue 4): root inside a sandbox is
+// root only within a user namespace that maps 0..length-1 to the node's host
+// range base..base+length-1, so on the host it is an unprivileged uid.
+//
+// Design (docs/container-backend.md, "User namespaces"): the edge, as host
+// root in the initial user namespace, builds each sandbox's overlay itself
+// over idmapped clones of the node's EROFS layer mounts (files owned by 0
+// appear as host `base`) with the upper dir owned by host `base`, and hands
+// the finished detached mount to the sandbox's init as an fd. The sandbox
+// never mounts its own root: overlayfs inside a user namespace would ignore
+// the trusted.overlay.* xattrs image layers use for opaque dirs.
+//
+// Everything here works on mount fds (open_tree, mount_setattr, fsopen,
+// fsconfig, fsmount); the kernel needs Linux >= 6.8 ("lowerdir+" by fd) and
+// idmapped mounts on EROFS and on the sandbox's upper filesystem.
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/fd.h"
+#include "common/status.h"
+
+namespace dsec::edge {
+
+// The node's sandbox id range and whether it is used.
+struct UsernsOptions {
+  std::string mode = "auto";  // "auto": on where the kernel supports it; "off"
+  uint32_t base = 100000;     // host uid/gid of root inside
+  uint32_t length = 65536;    // ids 0..length-1 inside are mapped
+};
+
+// What detectUserns found. Not thread-safe to mutate; read-only after start.
+struct Userns {
+  bool enabled = false;
+  uint32_t base = 0;
+  uint32_t length = 0;
+  std::string reason;  // why it is off (or "on": the mapping), for logs and GET /v1/node
+  // A user namespace with the node's mapping ("0 base length"): the idmap of
+  // layer clones. Valid when enabled.
+  UniqueFd fd;
+  // The inverse mapping ("base 0 length"): an idmapped view of an upper dir
+  // through it shows host `base` as 0 (pack_diff). Valid when enabled.
+  UniqueFd inverseFd;
+  // "0 100000 65536\n": what the edge writes to each sandbox's uid_map and gid_map.
+  std::string mapLine() const;
+};
+
+// kInvalidArgument ("userns") for a mode other than auto/off or a range that
+// is empty, overflows 32 bits or includes host id 0. Otherwise an enabled
+// Userns when mode is auto and this kernel can: create a user namespace,
+// idmap a mount, and take overlay lower layers by fd; else a disabled one
+// whose reason says which step failed.
+Result<Userns> detectUserns(const UsernsOptions& opts);
+
+// A user namespace whose uid_map and gid_map are both `map` ("0 100000
+// 65536"), kept alive by the returned /proc/PID/ns/user fd after the
+// throwaway child that made it has exited. Errors name the failing step.
+Result<UniqueFd> makeUsernsFd(const std::string& map);
+
+// Writes `map` ("0 100000 65536\n") to /proc/PID/uid_map and gid_map of a
+// child just cloned into a new user namespace (setgroups stays "allow", so
+// the sandbox's own setgroups(2) works). sysError of the failing write.
+Status writeIdMaps(pid_t pid, const std::string& map);
+
+// A detached clone of the mount at `dir` (not recursive) idmapped through
+// `usernsFd`; read-only when asked. The caller owns the mount: closing the
+// fd drops it. sysError of open_tree or mount_setattr (EINVAL: the
+// filesystem does not support idmapped mounts).
+Result<UniqueFd> idmappedClone(const std::string& dir, int usernsFd, bool readOnly);
+
+// A detached overlay mount (nodev, like the sandboxes' roots have always
+// been) of `lowerFds` (mount fds, top layer first) with `upper` and `work`
+// (host paths), index, metacopy and redirect_dir off. The error carries the
+// kernel's fs_context log line when it has one.
+Result<UniqueFd> makeOverlay(const std::vector<int>& lowerFds, const std::string& upper,
+                             const std::string& work);
+
+// Attaches a detached mount at `target` (an existing directory).
+Status attachMount(int mountFd, const std::string& target);
+
+}  // namespace dsec::edge
