@@ -55,6 +55,8 @@ const char* kUsage = R"(usage: dsec COMMAND [OPTIONS]
      --disk-quota auto|btrfs|tmpfs|none: how disk_mb is enforced (default auto: btrfs,
         else tmpfs; see docs/container-backend.md) and --disk-pool-mb N: size of the
         sparse btrfs pool image (default: the free space of the data dir)
+     --trajectory-retention-s S: trajectories whose last step is older are deleted
+        (default 604800, a week; 0: never)
      --setup-egress LIST: what the built-in `setup` policy may reach, comma-separated
         (10.0.0.0/8:80, mirror.example:443, [2001:db8::/32]:443; default: nothing)
      --setup-dns LIST: resolvers `setup` sandboxes use (allowed on port 53)
@@ -247,6 +249,10 @@ int cmdUp(const Args& a) {
   po.dataDir = dataDir;
   po.token = *token;
   if (!a.get("gc-grace-s").empty()) po.gcGraceS = std::atof(a.get("gc-grace-s").c_str());
+  if (!a.get("trajectory-retention-s").empty()) {
+    po.trajectoryRetentionS = std::atof(a.get("trajectory-retention-s").c_str());
+    if (po.trajectoryRetentionS < 0) return die("--trajectory-retention-s must be >= 0");
+  }
   for (auto [flag, out] : {std::pair{"setup-egress", &po.setupEgress},
                            std::pair{"setup-dns", &po.setupDns}}) {
     for (auto& x : splitString(a.get(flag), ',')) {

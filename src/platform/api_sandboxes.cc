@@ -1,9 +1,12 @@
 // /v1/sandboxes: create, list, get, destroy, exec, files.
+#include <charconv>
+#include <cstring>
 #include <regex>
 #include <set>
 #include <tuple>
 
 #include "common/log.h"
+#include "common/sha256.h"
 #include "common/util.h"
 #include "platform/api_util.h"
 #include "platform/platform.h"
@@ -471,56 +474,54 @@ void Platform::deleteSandbox(const std::string& id, http::Response& res) {
   sendJson(res, 200, dumpJson(toApi(*rec)));
 }
 
-void Platform::execSandbox(const std::string& id, http::Request& req, http::Response& res) {
-  auto parsed = parseObject(req, {"cmd", "env", "cwd", "user", "timeout_s", "stdin", "stdin_b64",
-                                  "max_output_bytes", "encoding", "stream"});
-  if (!parsed.isOk()) return sendError(res, parsed.status());
-  const json& j = *parsed;
+Result<Platform::ExecPlan> Platform::planExec(const std::string& id, const json& j,
+                                              http::Request& req) {
   auto sb = runningSandbox(id);
-  if (!sb.isOk()) return sendError(res, sb.status());
+  if (!sb.isOk()) return sb.status();
 
-  edge::ExecSpec spec;
+  ExecPlan plan;
+  edge::ExecSpec& spec = plan.spec;
   auto cmd = j.find("cmd");
-  if (cmd == j.end() || cmd->is_null()) return sendError(res, invalidArg("cmd", "cmd is required"));
+  if (cmd == j.end() || cmd->is_null()) return invalidArg("cmd", "cmd is required");
   if (cmd->is_string()) {
     std::string s = cmd->get<std::string>();
-    if (s.empty()) return sendError(res, invalidArg("cmd", "cmd is empty"));
+    if (s.empty()) return invalidArg("cmd", "cmd is empty");
     spec.argv = {"/bin/sh", "-c", s};
   } else if (cmd->is_array() && !cmd->empty()) {
     for (auto& a : *cmd) {
-      if (!a.is_string()) return sendError(res, invalidArg("cmd", "cmd items must be strings"));
+      if (!a.is_string()) return invalidArg("cmd", "cmd items must be strings");
       spec.argv.push_back(a.get<std::string>());
     }
   } else {
-    return sendError(res, invalidArg("cmd", "cmd must be a non-empty list or a string"));
+    return invalidArg("cmd", "cmd must be a non-empty list or a string");
   }
   size_t argBytes = 0;
   for (auto& a : spec.argv) {
     if (a.find('\0') != std::string::npos) {
-      return sendError(res, invalidArg("cmd", "cmd must not contain NUL"));
+      return invalidArg("cmd", "cmd must not contain NUL");
     }
     argBytes += a.size();
   }
-  if (argBytes > (512u << 10)) return sendError(res, invalidArg("cmd", "cmd longer than 512 KiB"));
+  if (argBytes > (512u << 10)) return invalidArg("cmd", "cmd longer than 512 KiB");
   auto env = getStringMap(j, "env");
-  if (!env.isOk()) return sendError(res, env.status());
-  if (Status st = validateEnv(*env, "env"); !st.isOk()) return sendError(res, st);
+  if (!env.isOk()) return env.status();
+  if (Status st = validateEnv(*env, "env"); !st.isOk()) return st;
   std::map<std::string, std::string> merged = sb->env;
   for (auto& [k, v] : *env) merged[k] = v;
   for (auto& [k, v] : merged) spec.env.push_back(k + "=" + v);
   auto cwd = getString(j, "cwd", "", 4096);
-  if (!cwd.isOk()) return sendError(res, cwd.status());
+  if (!cwd.isOk()) return cwd.status();
   if (!cwd->empty() && (*cwd)[0] != '/') {
-    return sendError(res, invalidArg("cwd", "cwd must be an absolute path"));
+    return invalidArg("cwd", "cwd must be an absolute path");
   }
   // Unset cwd and user fall back to the sandbox's (from its image config).
   spec.cwd = cwd->empty() ? sb->workingDir : *cwd;
   auto user = getString(j, "user", "", 64);
-  if (!user.isOk()) return sendError(res, user.status());
-  if (Status st = validateUserSpec(*user, "user"); !st.isOk()) return sendError(res, st);
+  if (!user.isOk()) return user.status();
+  if (Status st = validateUserSpec(*user, "user"); !st.isOk()) return st;
   spec.user = user->empty() ? sb->user : *user;
   auto timeout = getNumber(j, "timeout_s", 60, 0.001, 86400);
-  if (!timeout.isOk()) return sendError(res, timeout.status());
+  if (!timeout.isOk()) return timeout.status();
   spec.timeoutMs = std::max<int64_t>(1, int64_t(*timeout * 1000));
   // The policy in force caps time and output (PolicyLimits); a caller that
   // asks for more gets the policy's figure.
@@ -531,25 +532,25 @@ void Platform::execSandbox(const std::string& id, http::Request& req, http::Resp
                                        std::max<int64_t>(1, int64_t(caps.maxExecTimeoutS * 1000)));
   }
   auto cap = getInt(j, "max_output_bytes", 1 << 20, 0, kMaxOutputCap);
-  if (!cap.isOk()) return sendError(res, cap.status());
+  if (!cap.isOk()) return cap.status();
   spec.maxOutput = *cap;
   if (caps.maxOutputBytes > 0)
     spec.maxOutput = std::min<int64_t>(spec.maxOutput, caps.maxOutputBytes);
   auto encoding = getString(j, "encoding", "utf-8", 16);
-  if (!encoding.isOk()) return sendError(res, encoding.status());
+  if (!encoding.isOk()) return encoding.status();
   if (*encoding != "utf-8" && *encoding != "base64") {
-    return sendError(res, invalidArg("encoding", "encoding must be utf-8 or base64"));
+    return invalidArg("encoding", "encoding must be utf-8 or base64");
   }
-  bool b64 = *encoding == "base64";
+  plan.b64 = *encoding == "base64";
   if (j.contains("stdin") && j.contains("stdin_b64")) {
-    return sendError(res, invalidArg("stdin", "give stdin or stdin_b64, not both"));
+    return invalidArg("stdin", "give stdin or stdin_b64, not both");
   }
   auto stdinText = getString(j, "stdin", "", kMaxStdin);
   if (!stdinText.isOk()) {
     // NUL is fine in stdin; only the type and size matter here.
     auto it = j.find("stdin");
     if (!it->is_string() || it->get<std::string>().size() > kMaxStdin) {
-      return sendError(res, stdinText.status());
+      return stdinText.status();
     }
     spec.stdinData = it->get<std::string>();
   } else if (j.contains("stdin")) {
@@ -557,34 +558,92 @@ void Platform::execSandbox(const std::string& id, http::Request& req, http::Resp
   }
   if (j.contains("stdin_b64")) {
     auto raw = getString(j, "stdin_b64", "", kMaxStdin * 4 / 3 + 4);
-    if (!raw.isOk()) return sendError(res, raw.status());
+    if (!raw.isOk()) return raw.status();
     auto dec = base64Decode(*raw);
-    if (!dec.isOk()) return sendError(res, invalidArg("stdin_b64", "stdin_b64 is not base64"));
+    if (!dec.isOk()) return invalidArg("stdin_b64", "stdin_b64 is not base64");
     spec.stdinData = std::move(*dec);
   }
   auto stream = getBool(j, "stream", false);
-  if (!stream.isOk()) return sendError(res, stream.status());
-  bool streaming =
+  if (!stream.isOk()) return stream.status();
+  plan.streaming =
       *stream || req.header("accept").find("application/x-ndjson") != std::string::npos;
+  return plan;
 
-  auto resultJson = [&](const edge::ExecResult& r) {
-    return json{{"exit_code", r.exitCode},   {"signal", r.signal},
-                {"truncated", r.truncated},  {"timed_out", r.timedOut},
-                {"oom_killed", r.oomKilled}, {"duration_ms", r.durationMs}};
-  };
+
+}
+
+namespace {
+
+json execResultJson(const edge::ExecResult& r, bool b64) {
+  json out = {{"exit_code", r.exitCode},   {"signal", r.signal},
+              {"truncated", r.truncated},  {"timed_out", r.timedOut},
+              {"oom_killed", r.oomKilled}, {"duration_ms", r.durationMs}};
+  if (b64) {
+    out["stdout"] = base64Encode(r.out);
+    out["stderr"] = base64Encode(r.err);
+    out["encoding"] = "base64";
+  } else {
+    out["stdout"] = r.out;
+    out["stderr"] = r.err;
+  }
+  return out;
+}
+
+}  // namespace
+
+// Sends a step's outcome: the Dsec-Replayed header always, and for JSON
+// results also "replayed", "trajectory_id" and "step" in the object.
+void Platform::sendStep(http::Response& res, const StepKey& key, const StepOutcome& o) {
+  res.setHeader("Dsec-Replayed", o.replayed ? "true" : "false");
+  res.setHeader("Dsec-Step-Digest", o.digest);
+  if (o.contentType == "application/json") {
+    json j = json::parse(o.body, nullptr, false);
+    if (j.is_object()) {
+      j["replayed"] = o.replayed;
+      j["trajectory_id"] = key.trajectory;
+      j["step"] = key.step;
+      return sendJson(res, o.status, dumpJson(j));
+    }
+  }
+  (void)res.send(o.status, o.contentType, o.body);
+}
+
+void Platform::execSandbox(const std::string& id, http::Request& req, http::Response& res) {
+  auto parsed = parseObject(req, {"cmd", "env", "cwd", "user", "timeout_s", "stdin", "stdin_b64",
+                                  "max_output_bytes", "encoding", "stream", "trajectory_id",
+                                  "step"});
+  if (!parsed.isOk()) return sendError(res, parsed.status());
+  json j = *parsed;
+  auto key = Chronus::parseKey(j.contains("trajectory_id") ? &j["trajectory_id"] : nullptr,
+                               j.contains("step") ? &j["step"] : nullptr);
+  if (!key.isOk()) return sendError(res, key.status());
+  j.erase("trajectory_id");
+  j.erase("step");
+  if (*key) {
+    // A step is replayed whole, so it runs whole: no streaming.
+    bool streamAsked = j.value("stream", false) ||
+                       req.header("accept").find("application/x-ndjson") != std::string::npos;
+    if (streamAsked) {
+      return sendError(res, invalidArg("stream", "a trajectory step cannot be streamed"));
+    }
+    auto out = chronus_->once(**key, "exec", id, j, [&]() -> Result<StepOutcome> {
+      ASSIGN_OR_RETURN(ExecPlan plan, planExec(id, j, req));
+      ASSIGN_OR_RETURN(edge::ExecResult r, edge_->exec(id, plan.spec, nullptr));
+      return StepOutcome{200, "application/json", dumpJson(execResultJson(r, plan.b64))};
+    });
+    if (!out.isOk()) return sendError(res, out.status());
+    return sendStep(res, **key, *out);
+  }
+  auto planned = planExec(id, j, req);
+  if (!planned.isOk()) return sendError(res, planned.status());
+  edge::ExecSpec& spec = planned->spec;
+  const bool b64 = planned->b64;
+  const bool streaming = planned->streaming;
+
   if (!streaming) {
     auto r = edge_->exec(id, spec, nullptr);
     if (!r.isOk()) return sendError(res, r.status());
-    json out = resultJson(*r);
-    if (b64) {
-      out["stdout"] = base64Encode(r->out);
-      out["stderr"] = base64Encode(r->err);
-      out["encoding"] = "base64";
-    } else {
-      out["stdout"] = r->out;
-      out["stderr"] = r->err;
-    }
-    return sendJson(res, 200, dumpJson(out));
+    return sendJson(res, 200, dumpJson(execResultJson(*r, b64)));
   }
   if (Status st = res.beginChunked(200, "application/x-ndjson"); !st.isOk()) return;
   auto sink = [&](bool isErr, std::string_view data) -> Status {
@@ -599,7 +658,10 @@ void Platform::execSandbox(const std::string& id, http::Request& req, http::Resp
   auto r = edge_->exec(id, spec, sink);
   json last;
   if (r.isOk()) {
-    last = resultJson(*r);
+    last = execResultJson(*r, false);
+    last.erase("stdout");
+    last.erase("stderr");
+    last.erase("encoding");
     last["type"] = "exit";
   } else {
     last = {{"type", "error"},
@@ -609,9 +671,117 @@ void Platform::execSandbox(const std::string& id, http::Request& req, http::Resp
   (void)res.finish();
 }
 
+// A file call as a trajectory step (?trajectory_id=&step=): writes, reads,
+// removes and mkdirs run once; the request digest covers the path, the mode
+// and the content written.
+void Platform::fileStep(const std::string& id, const std::string& op, const StepKey& key,
+                        http::Request& req, http::Response& res) {
+  const std::string& m = req.method;
+  constexpr size_t kMaxStepBytes = 64u << 20;  // a step's result is kept whole
+  json request;
+  std::string kind;
+  std::function<Result<StepOutcome>()> run;
+  std::string content;
+  if (op == "mkdir") {
+    if (m != "POST") return sendError(res, invalidArg("method", "use POST for mkdir"));
+    auto j = parseObject(req, {"path", "parents", "mode"});
+    if (!j.isOk()) return sendError(res, j.status());
+    kind = "mkdir";
+    request = *j;
+    run = [&, body = *j]() -> Result<StepOutcome> {
+      RETURN_IF_ERROR(runningSandbox(id).status());
+      auto path = getString(body, "path", "", 4096);
+      if (!path.isOk()) return path.status();
+      if (path->empty() || (*path)[0] != '/') return invalidArg("path", "path must be absolute");
+      ASSIGN_OR_RETURN(bool parents, getBool(body, "parents", true));
+      ASSIGN_OR_RETURN(int64_t mode, getInt(body, "mode", 0755, 0, 07777));
+      json args = {{"path", *path}, {"parents", parents}, {"mode", mode}};
+      RETURN_IF_ERROR(edge_->fileCall(id, proto::FrameType::kMkdir, args.dump()).status());
+      return StepOutcome{200, "application/json", "{}"};
+    };
+  } else if (op.empty()) {
+    auto path = sandboxPath(req);
+    if (!path.isOk()) return sendError(res, path.status());
+    request = {{"path", *path}};
+    if (m == "PUT") {
+      auto mode = parseMode(req.param("mode"), 0644);
+      if (!mode.isOk()) return sendError(res, mode.status());
+      auto body = req.readBody(kMaxStepBytes);
+      if (!body.isOk()) return sendError(res, body.status());
+      content = std::move(*body);
+      kind = "write";
+      request["mode"] = *mode;
+      request["sha256"] = sha256Hex(content);
+      request["size"] = content.size();
+      run = [&, p = *path, md = *mode]() -> Result<StepOutcome> {
+        RETURN_IF_ERROR(runningSandbox(id).status());
+        size_t off = 0;
+        auto src = [&](char* buf, size_t n) -> Result<size_t> {
+          size_t k = std::min(n, content.size() - off);
+          std::memcpy(buf, content.data() + off, k);
+          off += k;
+          return k;
+        };
+        ASSIGN_OR_RETURN(uint64_t size, edge_->writeFile(id, p, md, src));
+        return StepOutcome{200, "application/json", dumpJson(json{{"path", p}, {"size", size}})};
+      };
+    } else if (m == "GET") {
+      kind = "read";
+      run = [&, p = *path]() -> Result<StepOutcome> {
+        RETURN_IF_ERROR(runningSandbox(id).status());
+        std::string data;
+        auto onSize = [](std::optional<uint64_t>) { return Status::ok(); };
+        auto sink = [&](std::string_view d) -> Status {
+          if (data.size() + d.size() > kMaxStepBytes) {
+            return Status(Code::kPayloadTooLarge, "a trajectory step reads at most 64 MiB");
+          }
+          data.append(d);
+          return Status::ok();
+        };
+        RETURN_IF_ERROR(edge_->readFile(id, p, onSize, sink));
+        return StepOutcome{200, "application/octet-stream", std::move(data)};
+      };
+    } else if (m == "DELETE") {
+      std::string rec = req.param("recursive").value_or("false");
+      if (rec != "true" && rec != "false") {
+        return sendError(res, invalidArg("recursive", "recursive must be true or false"));
+      }
+      kind = "remove";
+      request["recursive"] = rec == "true";
+      run = [&, p = *path, r = rec == "true"]() -> Result<StepOutcome> {
+        RETURN_IF_ERROR(runningSandbox(id).status());
+        json args = {{"path", p}, {"recursive", r}};
+        RETURN_IF_ERROR(edge_->fileCall(id, proto::FrameType::kRemove, args.dump()).status());
+        return StepOutcome{200, "application/json", "{}"};
+      };
+    }
+  }
+  if (!run) {
+    return sendError(res, invalidArg("trajectory_id",
+                                     "only file writes, reads, removes and mkdirs are steps"));
+  }
+  auto out = chronus_->once(key, kind, id, request, run);
+  if (!out.isOk()) return sendError(res, out.status());
+  sendStep(res, key, *out);
+}
+
 void Platform::files(const std::string& id, const std::string& op, http::Request& req,
                      http::Response& res) {
   const std::string& m = req.method;
+  {
+    auto t = req.param("trajectory_id");
+    auto s = req.param("step");
+    json tj = t ? json(*t) : json(nullptr);
+    json sj = nullptr;
+    if (s) {
+      int64_t v = -1;
+      auto [end, ec] = std::from_chars(s->data(), s->data() + s->size(), v);
+      sj = (ec == std::errc() && end == s->data() + s->size()) ? json(v) : json(*s);
+    }
+    auto key = Chronus::parseKey(t ? &tj : nullptr, s ? &sj : nullptr);
+    if (!key.isOk()) return sendError(res, key.status());
+    if (*key) return fileStep(id, op, **key, req, res);
+  }
   auto sb = runningSandbox(id);
   if (!sb.isOk()) return sendError(res, sb.status());
   if (op == "mkdir") {

@@ -63,6 +63,7 @@ Result<std::unique_ptr<Platform>> Platform::start(PlatformOptions opts, Store* s
   RETURN_IF_ERROR(validateDns(p->opts_.setupDns, "setup_dns"));
   ASSIGN_OR_RETURN(p->policies_,
                    Policies::open(store, builtinPolicies(p->opts_.setupEgress, p->opts_.setupDns)));
+  p->chronus_ = std::make_unique<Chronus>(store);
   ASSIGN_OR_RETURN(auto records, store->loadSandboxes());
   double now = nowSeconds();
   int lost = 0;
@@ -183,6 +184,11 @@ void Platform::janitor() {
     if (gcDue) {
       auto removed = collectGarbage(opts_.gcGraceS);
       if (!removed.isOk()) log::error("gc: " + removed.status().toString());
+      if (opts_.trajectoryRetentionS > 0) {
+        auto n = store_->deleteTrajectoriesBefore(now - opts_.trajectoryRetentionS);
+        if (!n.isOk()) log::error("trajectory retention: " + n.status().toString());
+        if (n.isOk() && *n > 0) log::info("retention: deleted " + std::to_string(*n) + " steps");
+      }
     }
     for (auto& id : purge) (void)store_->deleteSandbox(id);
     for (auto& id : expired) {
@@ -266,6 +272,13 @@ void Platform::handle(http::Request& req, http::Response& res) {
     if (n == 3 && m == "GET") return listLayers(res);
     if (n == 4 && m == "GET") return getLayer(parts[3], res);
     if (n == 4 && m == "DELETE") return deleteLayer(parts[3], res);
+    return methodNotAllowed();
+  } else if (coll == "trajectories" && n == 3) {
+    if (m == "GET") return listTrajectories(res);
+    return methodNotAllowed();
+  } else if (coll == "trajectories" && n == 4) {
+    if (m == "GET") return exportTrajectory(parts[3], res);
+    if (m == "DELETE") return deleteTrajectory(parts[3], res);
     return methodNotAllowed();
   } else if (coll == "policies" && n == 3) {
     if (m == "GET") return listPolicies(res);

@@ -19,6 +19,7 @@
 #include "common/http_server.h"
 #include "common/status.h"
 #include "edge/edge.h"
+#include "platform/chronus.h"
 #include "platform/policy.h"
 #include "platform/store.h"
 
@@ -34,6 +35,8 @@ struct PlatformOptions {
   // entries and DNS resolvers; none by default.
   std::vector<std::string> setupEgress;
   std::vector<std::string> setupDns;
+  // Trajectories whose last step is older than this are deleted (0: never).
+  double trajectoryRetentionS = 7 * 86400;
 };
 
 class Platform {
@@ -69,9 +72,24 @@ class Platform {
   void getSandbox(const std::string& id, http::Response& res);
   void deleteSandbox(const std::string& id, http::Response& res);
   void execSandbox(const std::string& id, http::Request& req, http::Response& res);
+  // An exec request checked against the running sandbox: what to run and how
+  // to answer. Errors name the field.
+  struct ExecPlan {
+    edge::ExecSpec spec;
+    bool b64 = false;
+    bool streaming = false;
+  };
+  Result<ExecPlan> planExec(const std::string& id, const nlohmann::json& j, http::Request& req);
+  void sendStep(http::Response& res, const StepKey& key, const StepOutcome& o);
+  void fileStep(const std::string& id, const std::string& op, const StepKey& key,
+                http::Request& req, http::Response& res);
   void packDiff(const std::string& id, http::Request& req, http::Response& res);
   void getAudit(const std::string& id, http::Response& res);
   void setPhase(const std::string& id, http::Request& req, http::Response& res);
+  // Trajectories (api_trajectories.cc).
+  void listTrajectories(http::Response& res);
+  void exportTrajectory(const std::string& id, http::Response& res);
+  void deleteTrajectory(const std::string& id, http::Response& res);
   // Policies (api_policies.cc).
   void listPolicies(http::Response& res);
   void createPolicy(http::Request& req, http::Response& res);
@@ -126,6 +144,7 @@ class Platform {
   PlatformOptions opts_;
   Store* store_ = nullptr;     // not owned
   std::unique_ptr<Policies> policies_;
+  std::unique_ptr<Chronus> chronus_;
   edge::Edge* edge_ = nullptr;  // not owned
   std::mutex gcMu_;  // one collection at a time; held while images and layers are deleted
 

@@ -20,6 +20,7 @@ class Stmt {
   Stmt(sqlite3* db, const char* sql) : db_(db) {
     rc_ = sqlite3_prepare_v2(db, sql, -1, &st_, nullptr);
   }
+  Stmt(sqlite3* db, const std::string& sql) : Stmt(db, sql.c_str()) {}
   ~Stmt() { sqlite3_finalize(st_); }
   bool ok() const { return rc_ == SQLITE_OK; }
   Stmt& bind(int i, const std::string& v) {
@@ -34,8 +35,17 @@ class Stmt {
     sqlite3_bind_double(st_, i, v);
     return *this;
   }
+  Stmt& bindBlob(int i, const std::string& v) {
+    sqlite3_bind_blob(st_, i, v.data(), int(v.size()), SQLITE_TRANSIENT);
+    return *this;
+  }
   int step() { return sqlite3_step(st_); }
+  // Text and blob columns alike (sqlite3_column_blob for a BLOB).
   std::string text(int col) {
+    if (sqlite3_column_type(st_, col) == SQLITE_BLOB) {
+      auto* b = static_cast<const char*>(sqlite3_column_blob(st_, col));
+      return b ? std::string(b, sqlite3_column_bytes(st_, col)) : "";
+    }
     auto* p = sqlite3_column_text(st_, col);
     return p ? std::string(reinterpret_cast<const char*>(p), sqlite3_column_bytes(st_, col)) : "";
   }
@@ -145,7 +155,11 @@ Result<std::unique_ptr<SqliteStore>> SqliteStore::open(const std::string& path) 
       "CREATE TABLE IF NOT EXISTS images(name TEXT NOT NULL, tag TEXT NOT NULL, "
       "layers TEXT NOT NULL, size INTEGER NOT NULL, created_at REAL NOT NULL, "
       "PRIMARY KEY(name, tag));"
-      "CREATE TABLE IF NOT EXISTS policies(name TEXT PRIMARY KEY, doc TEXT NOT NULL);"));
+      "CREATE TABLE IF NOT EXISTS policies(name TEXT PRIMARY KEY, doc TEXT NOT NULL);"
+      "CREATE TABLE IF NOT EXISTS trajectory_steps(trajectory TEXT NOT NULL, step INTEGER NOT NULL, "
+      "digest TEXT NOT NULL, kind TEXT NOT NULL, sandbox TEXT NOT NULL, request TEXT NOT NULL, "
+      "status INTEGER NOT NULL, content_type TEXT NOT NULL, body BLOB NOT NULL, "
+      "started_at REAL NOT NULL, finished_at REAL NOT NULL, PRIMARY KEY(trajectory, step));"));
   // Columns added after the first release of the schema; "duplicate column"
   // means the database already has them.
   for (const char* alter : {"ALTER TABLE images ADD COLUMN kind TEXT NOT NULL DEFAULT 'base'",
@@ -398,6 +412,98 @@ Result<std::vector<std::string>> SqliteStore::loadPolicies() {
   while ((rc = st.step()) == SQLITE_ROW) out.push_back(st.text(0));
   if (rc != SQLITE_DONE) return sqlError(db_, "loadPolicies");
   return out;
+}
+
+namespace {
+TrajectoryStep stepFromRow(Stmt& st) {
+  TrajectoryStep s;
+  s.trajectory = st.text(0);
+  s.step = st.i64(1);
+  s.digest = st.text(2);
+  s.kind = st.text(3);
+  s.sandbox = st.text(4);
+  s.request = st.text(5);
+  s.status = int(st.i64(6));
+  s.contentType = st.text(7);
+  s.body = st.text(8);
+  s.startedAt = st.dbl(9);
+  s.finishedAt = st.dbl(10);
+  return s;
+}
+constexpr const char* kStepColumns =
+    "trajectory, step, digest, kind, sandbox, request, status, content_type, body, started_at, "
+    "finished_at";
+}  // namespace
+
+Status SqliteStore::putStep(const TrajectoryStep& s) {
+  std::lock_guard lk(mu_);
+  Stmt st(db_, std::string("INSERT INTO trajectory_steps(") + kStepColumns +
+                   ") VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)");
+  st.bind(1, s.trajectory).bind(2, s.step).bind(3, s.digest).bind(4, s.kind).bind(5, s.sandbox);
+  st.bind(6, s.request).bind(7, int64_t(s.status)).bind(8, s.contentType).bindBlob(9, s.body);
+  st.bind(10, s.startedAt).bind(11, s.finishedAt);
+  int rc = st.step();
+  if (rc == SQLITE_CONSTRAINT) {
+    return Status(Code::kAlreadyExists, "step " + std::to_string(s.step) + " of trajectory " +
+                                            s.trajectory + " is already stored");
+  }
+  if (rc != SQLITE_DONE) return sqlError(db_, "putStep");
+  return Status::ok();
+}
+
+Result<TrajectoryStep> SqliteStore::getStep(const std::string& trajectory, int64_t step) {
+  std::lock_guard lk(mu_);
+  Stmt st(db_, std::string("SELECT ") + kStepColumns +
+                   " FROM trajectory_steps WHERE trajectory=?1 AND step=?2");
+  st.bind(1, trajectory).bind(2, step);
+  int rc = st.step();
+  if (rc == SQLITE_ROW) return stepFromRow(st);
+  if (rc == SQLITE_DONE) return notFound("step not stored");
+  return sqlError(db_, "getStep");
+}
+
+Result<std::vector<TrajectoryStep>> SqliteStore::loadTrajectory(const std::string& trajectory) {
+  std::lock_guard lk(mu_);
+  Stmt st(db_, std::string("SELECT ") + kStepColumns +
+                   " FROM trajectory_steps WHERE trajectory=?1 ORDER BY step");
+  st.bind(1, trajectory);
+  std::vector<TrajectoryStep> out;
+  int rc;
+  while ((rc = st.step()) == SQLITE_ROW) out.push_back(stepFromRow(st));
+  if (rc != SQLITE_DONE) return sqlError(db_, "loadTrajectory");
+  return out;
+}
+
+Result<std::vector<TrajectorySummary>> SqliteStore::listTrajectories() {
+  std::lock_guard lk(mu_);
+  Stmt st(db_,
+          "SELECT trajectory, COUNT(*), MIN(started_at), MAX(finished_at) FROM trajectory_steps "
+          "GROUP BY trajectory ORDER BY trajectory");
+  std::vector<TrajectorySummary> out;
+  int rc;
+  while ((rc = st.step()) == SQLITE_ROW) {
+    out.push_back({st.text(0), st.i64(1), st.dbl(2), st.dbl(3)});
+  }
+  if (rc != SQLITE_DONE) return sqlError(db_, "listTrajectories");
+  return out;
+}
+
+Result<int64_t> SqliteStore::deleteTrajectory(const std::string& trajectory) {
+  std::lock_guard lk(mu_);
+  Stmt st(db_, "DELETE FROM trajectory_steps WHERE trajectory=?1");
+  st.bind(1, trajectory);
+  if (st.step() != SQLITE_DONE) return sqlError(db_, "deleteTrajectory");
+  return int64_t(sqlite3_changes(db_));
+}
+
+Result<int64_t> SqliteStore::deleteTrajectoriesBefore(double t) {
+  std::lock_guard lk(mu_);
+  Stmt st(db_,
+          "DELETE FROM trajectory_steps WHERE trajectory IN (SELECT trajectory FROM "
+          "trajectory_steps GROUP BY trajectory HAVING MAX(finished_at) < ?1)");
+  st.bind(1, t);
+  if (st.step() != SQLITE_DONE) return sqlError(db_, "deleteTrajectoriesBefore");
+  return int64_t(sqlite3_changes(db_));
 }
 
 }  // namespace dsec::platform

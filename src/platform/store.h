@@ -79,6 +79,29 @@ struct BlobRecord {
   std::string chunks;  // for a data blob: the digest of its chunk index (image/chunk_index.h)
 };
 
+// One step of a trajectory (Chronus): a call made once, its result kept so
+// that a repeat returns it instead of running again.
+struct TrajectoryStep {
+  std::string trajectory;
+  int64_t step = 0;
+  std::string digest;       // "sha256:..." of the request (chronus.h)
+  std::string kind;         // exec | write | read | mkdir | remove
+  std::string sandbox;      // where it ran first
+  std::string request;      // JSON summary of the request (for export)
+  int status = 200;         // HTTP status of the stored result
+  std::string contentType;  // of body
+  std::string body;         // the result as sent
+  double startedAt = 0;
+  double finishedAt = 0;
+};
+
+struct TrajectorySummary {
+  std::string id;
+  int64_t steps = 0;
+  double firstAt = 0;
+  double lastAt = 0;
+};
+
 class Store {
  public:
   virtual ~Store() = default;
@@ -108,6 +131,18 @@ class Store {
   // kNotFound for an unknown name.
   virtual Status deletePolicy(const std::string& name) = 0;
   virtual Result<std::vector<std::string>> loadPolicies() = 0;
+
+  // Trajectories. putStep refuses (kAlreadyExists) a step already stored.
+  virtual Status putStep(const TrajectoryStep& s) = 0;
+  // kNotFound when the step is not stored.
+  virtual Result<TrajectoryStep> getStep(const std::string& trajectory, int64_t step) = 0;
+  // Steps in order of step number.
+  virtual Result<std::vector<TrajectoryStep>> loadTrajectory(const std::string& trajectory) = 0;
+  virtual Result<std::vector<TrajectorySummary>> listTrajectories() = 0;
+  // Returns how many steps went (0: unknown trajectory).
+  virtual Result<int64_t> deleteTrajectory(const std::string& trajectory) = 0;
+  // Deletes whole trajectories whose last step finished before `t`; returns how many.
+  virtual Result<int64_t> deleteTrajectoriesBefore(double t) = 0;
 };
 
 // SQLite in WAL mode with synchronous=NORMAL: a commit is in the OS when it
@@ -137,6 +172,12 @@ class SqliteStore : public Store {
   Status putPolicy(const std::string& name, const std::string& doc) override;
   Status deletePolicy(const std::string& name) override;
   Result<std::vector<std::string>> loadPolicies() override;
+  Status putStep(const TrajectoryStep& s) override;
+  Result<TrajectoryStep> getStep(const std::string& trajectory, int64_t step) override;
+  Result<std::vector<TrajectoryStep>> loadTrajectory(const std::string& trajectory) override;
+  Result<std::vector<TrajectorySummary>> listTrajectories() override;
+  Result<int64_t> deleteTrajectory(const std::string& trajectory) override;
+  Result<int64_t> deleteTrajectoriesBefore(double t) override;
 
  private:
   SqliteStore() = default;

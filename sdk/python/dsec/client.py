@@ -353,6 +353,23 @@ class Client:
 
     # ----- images and blobs -----------------------------------------------------
 
+    # ----- trajectories (Chronus) ---------------------------------------------
+
+    def trajectories(self) -> List[Dict[str, Any]]:
+        """``[{"id","steps","first_at","last_at"}]`` of the stored trajectories."""
+        return self._call("GET", "/v1/trajectories")["trajectories"]
+
+    def export_trajectory(self, trajectory_id: str) -> List[Dict[str, Any]]:
+        """Every step of a trajectory, in order, as the server's JSON lines:
+        request, result (or ``result_b64`` for file bytes), status, timings."""
+        data = self._call("GET", "/v1/trajectories/" + _q(trajectory_id), raw=True,
+                          headers={"Accept": "application/x-ndjson"})
+        return [json.loads(line) for line in data.decode("utf-8").splitlines() if line]
+
+    def delete_trajectory(self, trajectory_id: str) -> int:
+        """Deletes a trajectory's steps; returns how many. Unknown → NotFound."""
+        return self._call("DELETE", "/v1/trajectories/" + _q(trajectory_id))["deleted_steps"]
+
     def policies(self) -> List[Dict[str, Any]]:
         """The security policies sandboxes can run under: the built-ins
         (default, setup, rollout, eval) and the user's own, each with name,
@@ -684,7 +701,8 @@ class Sandbox:
              env: Optional[Dict[str, str]] = None, cwd: Optional[str] = None,
              user: Optional[Union[str, int]] = None, stdin: Union[None, str, bytes] = None,
              max_output_bytes: Optional[int] = None,
-             encoding: Optional[str] = None) -> ExecResult:
+             encoding: Optional[str] = None, trajectory_id: Optional[str] = None,
+             step: Optional[int] = None) -> ExecResult:
         """Runs ``cmd`` (a list = argv, a string = ``/bin/sh -c``) and waits.
 
         A command that fails still returns its ExecResult; errors are raised only
@@ -692,9 +710,15 @@ class Sandbox:
         ``encoding="base64"`` makes ``stdout_bytes`` / ``stderr_bytes`` exact.
         Without ``user`` / ``cwd`` it runs as the sandbox's ``user`` in its
         ``working_dir`` (see ``Client.create``); ``env`` adds to the sandbox's.
+        With ``trajectory_id`` and ``step`` the call is a trajectory step: it
+        runs once, and a repeat returns the stored result with
+        ``replayed=True`` (see :meth:`trajectory`).
         """
         body = self._exec_body(cmd, timeout, env, cwd, user, stdin, max_output_bytes,
                                encoding, False)
+        if trajectory_id is not None or step is not None:
+            body["trajectory_id"] = trajectory_id
+            body["step"] = step
         doc = self.client._call("POST", self._p("/exec"), json_body=body,
                                 timeout=self._exec_timeout(timeout))
         return ExecResult.from_json(doc, base64_output=(encoding == "base64"))
@@ -715,9 +739,13 @@ class Sandbox:
 
     # ----- files ----------------------------------------------------------------
 
-    def read_file(self, path: str, timeout: Optional[float] = None) -> bytes:
-        """The whole content of ``path`` (absolute, inside the sandbox)."""
-        return self.client._call("GET", self._p("/files"), query=[("path", path)], raw=True,
+    def read_file(self, path: str, timeout: Optional[float] = None,
+                  trajectory_id: Optional[str] = None, step: Optional[int] = None) -> bytes:
+        """The whole content of ``path`` (absolute, inside the sandbox); as a
+        trajectory step, the content read the first time (at most 64 MiB)."""
+        return self.client._call("GET", self._p("/files"),
+                                 query=[("path", path)] + _step_query(trajectory_id, step),
+                                 raw=True,
                                  headers={"Accept": "application/octet-stream"},
                                  timeout=timeout)
 
@@ -740,14 +768,18 @@ class Sandbox:
         return n
 
     def write_file(self, path: str, data: Union[bytes, str, BinaryIO, Iterable[bytes]],
-                   mode: int = 0o644, timeout: Optional[float] = None) -> Dict[str, Any]:
+                   mode: int = 0o644, timeout: Optional[float] = None,
+                   trajectory_id: Optional[str] = None,
+                   step: Optional[int] = None) -> Dict[str, Any]:
         """Writes ``data`` (bytes, str as UTF-8, a binary file object, or an
-        iterable of bytes chunks; streamed) to ``path``; returns ``{"path","size"}``."""
+        iterable of bytes chunks; streamed) to ``path``; returns ``{"path","size"}``
+        (and ``replayed`` for a trajectory step, at most 64 MiB)."""
         body, hdrs = _body_and_length(data)
         hdrs["Content-Type"] = "application/octet-stream"
         t = timeout if timeout is not None else max(self.client.timeout, 300.0)
         return self.client._call("PUT", self._p("/files"),
-                                 query=[("path", path), ("mode", format(int(mode), "04o"))],
+                                 query=[("path", path), ("mode", format(int(mode), "04o"))]
+                                 + _step_query(trajectory_id, step),
                                  body=body, headers=hdrs, timeout=t)
 
     def list_dir(self, path: str) -> List[FileEntry]:
@@ -771,9 +803,19 @@ class Sandbox:
             body["mode"] = int(mode)
         self.client._call("POST", self._p("/files/mkdir"), json_body=body)
 
-    def remove(self, path: str, recursive: bool = False) -> None:
+    def remove(self, path: str, recursive: bool = False, trajectory_id: Optional[str] = None,
+               step: Optional[int] = None) -> None:
         self.client._call("DELETE", self._p("/files"),
-                          query=[("path", path), ("recursive", "true" if recursive else "false")])
+                          query=[("path", path), ("recursive", "true" if recursive else "false")]
+                          + _step_query(trajectory_id, step))
+
+    def trajectory(self, trajectory_id: str, start: int = 0) -> "Trajectory":
+        """Calls on this sandbox numbered as steps of ``trajectory_id``, from
+        ``start``: a trainer that is preempted and replays its own code from
+        the beginning gets every completed step back from the log (nothing
+        runs again: ``echo x >> f`` appends once) and continues live at the
+        first new one. The same step with a different call → Conflict (409)."""
+        return Trajectory(self, trajectory_id, start)
 
 
 def _iter_ndjson(resp: Any) -> Iterator[Dict[str, Any]]:
@@ -842,3 +884,41 @@ def _stream_ndjson(self: Client, path: str, body: Dict[str, Any],
 
 
 Client._stream_ndjson = _stream_ndjson  # type: ignore[attr-defined]
+
+
+def _step_query(trajectory_id: Optional[str], step: Optional[int]) -> List[Tuple[str, str]]:
+    if trajectory_id is None and step is None:
+        return []
+    return [("trajectory_id", "" if trajectory_id is None else str(trajectory_id)),
+            ("step", "" if step is None else str(step))]
+
+
+class Trajectory:
+    """Numbers the calls made through it as consecutive steps of one
+    trajectory (``sandbox.trajectory(id)``). ``next_step`` is the number the
+    next call gets."""
+
+    def __init__(self, sandbox: "Sandbox", trajectory_id: str, start: int = 0):
+        self.sandbox = sandbox
+        self.id = trajectory_id
+        self.next_step = int(start)
+
+    def _take(self) -> int:
+        n = self.next_step
+        self.next_step += 1
+        return n
+
+    def exec(self, cmd: Union[str, Sequence[str]], **kw: Any) -> ExecResult:
+        return self.sandbox.exec(cmd, trajectory_id=self.id, step=self._take(), **kw)
+
+    def write_file(self, path: str, data: Any, **kw: Any) -> Dict[str, Any]:
+        return self.sandbox.write_file(path, data, trajectory_id=self.id, step=self._take(), **kw)
+
+    def read_file(self, path: str, **kw: Any) -> bytes:
+        return self.sandbox.read_file(path, trajectory_id=self.id, step=self._take(), **kw)
+
+    def remove(self, path: str, recursive: bool = False) -> None:
+        self.sandbox.remove(path, recursive=recursive, trajectory_id=self.id, step=self._take())
+
+    def export(self) -> List[Dict[str, Any]]:
+        return self.sandbox.client.export_trajectory(self.id)

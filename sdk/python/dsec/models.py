@@ -100,7 +100,7 @@ class ExecResult:
     """
 
     __slots__ = ("exit_code", "signal", "stdout_bytes", "stderr_bytes", "truncated",
-                 "timed_out", "oom_killed", "duration_ms", "raw")
+                 "timed_out", "oom_killed", "duration_ms", "replayed", "raw")
 
     def __init__(self, raw: Dict[str, Any], stdout: bytes = b"", stderr: bytes = b""):
         self.raw = dict(raw)
@@ -111,6 +111,8 @@ class ExecResult:
         self.oom_killed = bool(raw.get("oom_killed", False))
         dm = raw.get("duration_ms")
         self.duration_ms = float(dm) if dm is not None else 0.0
+        # A trajectory step answered from the log, without running anything.
+        self.replayed = bool(raw.get("replayed", False))
         self.stdout_bytes = stdout
         self.stderr_bytes = stderr
 

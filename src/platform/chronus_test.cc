@@ -1,0 +1,117 @@
+#include "platform/chronus.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <filesystem>
+#include <thread>
+
+#include "common/util.h"
+
+namespace dsec::platform {
+namespace {
+
+using json = nlohmann::json;
+
+class ChronusTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = "/tmp/dsec-chronus-test-" + randomHex(4);
+    ASSERT_TRUE(makeDirs(dir_).isOk());
+    auto s = SqliteStore::open(dir_ + "/state.db");
+    ASSERT_TRUE(s.isOk());
+    store_ = std::move(*s);
+    chronus_ = std::make_unique<Chronus>(store_.get());
+  }
+  void TearDown() override {
+    chronus_.reset();
+    store_.reset();
+    std::filesystem::remove_all(dir_);
+  }
+  std::string dir_;
+  std::unique_ptr<SqliteStore> store_;
+  std::unique_ptr<Chronus> chronus_;
+};
+
+TEST_F(ChronusTest, RunsOnceReplaysAndRefusesAnotherRequest) {
+  int runs = 0;
+  auto run = [&]() -> Result<StepOutcome> {
+    ++runs;
+    return StepOutcome{200, "application/json", "{\"n\":" + std::to_string(runs) + "}"};
+  };
+  StepKey key{"t1", 0};
+  json req = {{"cmd", "echo x >> f"}};
+  auto a = chronus_->once(key, "exec", "sb-1", req, run);
+  ASSERT_TRUE(a.isOk());
+  EXPECT_FALSE(a->replayed);
+  auto b = chronus_->once(key, "exec", "sb-2", req, run);
+  ASSERT_TRUE(b.isOk());
+  EXPECT_TRUE(b->replayed);
+  EXPECT_EQ(b->body, a->body);
+  EXPECT_EQ(runs, 1);
+  auto c = chronus_->once(key, "exec", "sb-1", json{{"cmd", "other"}}, run);
+  ASSERT_FALSE(c.isOk());
+  EXPECT_EQ(c.status().code(), Code::kConflict);
+  EXPECT_EQ(c.status().field(), "step");
+  EXPECT_NE(c.status().message().find(a->digest), std::string::npos);
+  // Another kind with the same body is another request.
+  EXPECT_FALSE(chronus_->once(key, "read", "sb-1", req, run).isOk());
+  EXPECT_EQ(runs, 1);
+}
+
+TEST_F(ChronusTest, FailuresAreNotStepsAndTheLogIsDurable) {
+  StepKey key{"t2", 3};
+  auto fail = []() -> Result<StepOutcome> { return notFound("no such file"); };
+  EXPECT_EQ(chronus_->once(key, "read", "sb", json{{"path", "/x"}}, fail).status().code(),
+            Code::kNotFound);
+  auto ok = []() -> Result<StepOutcome> {
+    return StepOutcome{200, "application/octet-stream", "hi"};
+  };
+  ASSERT_TRUE(chronus_->once(key, "read", "sb", json{{"path", "/x"}}, ok).isOk());
+  // A new Chronus on the same store (a restarted platform) replays it.
+  Chronus again(store_.get());
+  auto r = again.once(key, "read", "sb", json{{"path", "/x"}}, fail);
+  ASSERT_TRUE(r.isOk());
+  EXPECT_TRUE(r->replayed);
+  EXPECT_EQ(r->body, "hi");
+  auto steps = store_->loadTrajectory("t2");
+  ASSERT_TRUE(steps.isOk());
+  ASSERT_EQ(steps->size(), 1u);
+  EXPECT_EQ((*steps)[0].kind, "read");
+}
+
+TEST_F(ChronusTest, ARepeatInFlightWaitsForTheFirst) {
+  std::atomic<int> runs{0};
+  auto slow = [&]() -> Result<StepOutcome> {
+    ++runs;
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    return StepOutcome{200, "application/json", "{}"};
+  };
+  StepKey key{"t3", 1};
+  std::vector<std::thread> threads;
+  std::atomic<int> replayed{0};
+  for (int i = 0; i < 4; ++i) {
+    threads.emplace_back([&] {
+      auto r = chronus_->once(key, "exec", "sb", json{{"cmd", "sleep"}}, slow);
+      ASSERT_TRUE(r.isOk());
+      if (r->replayed) ++replayed;
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(runs.load(), 1);
+  EXPECT_EQ(replayed.load(), 3);
+}
+
+TEST_F(ChronusTest, KeysAreChecked) {
+  json t = "ok-1", s = 2, bad = "bad id", neg = -1, str = "2";
+  EXPECT_FALSE(Chronus::parseKey(nullptr, nullptr)->has_value());
+  EXPECT_EQ(Chronus::parseKey(&t, &s)->value().step, 2);
+  EXPECT_EQ(Chronus::parseKey(&t, nullptr).status().field(), "step");
+  EXPECT_EQ(Chronus::parseKey(nullptr, &s).status().field(), "trajectory_id");
+  EXPECT_EQ(Chronus::parseKey(&bad, &s).status().field(), "trajectory_id");
+  EXPECT_EQ(Chronus::parseKey(&t, &neg).status().field(), "step");
+  EXPECT_EQ(Chronus::parseKey(&t, &str).status().field(), "step");
+}
+
+}  // namespace
+}  // namespace dsec::platform
