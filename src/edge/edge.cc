@@ -167,6 +167,7 @@ Status Edge::destroy(const std::string& id) {
   std::shared_ptr<Instance> inst;
   Backend* backend = nullptr;
   uint64_t cg = 0;
+  bool wasPaused = false;
   {
     std::lock_guard lk(mu_);
     auto it = sandboxes_.find(id);
@@ -180,7 +181,10 @@ Status Edge::destroy(const std::string& id) {
       cg = c->second;
       egressCg_.erase(c);
     }
+    wasPaused = paused_.erase(id) > 0;
   }
+  // A frozen task takes its SIGKILL only once thawed (cgroup v1 freezer).
+  if (wasPaused) (void)inst->freeze(false);
   Status st = backend->destroy(*inst);
   if (cg != 0) filter_->removeSandbox(cg);
   std::lock_guard lk(egressMu_);
@@ -230,6 +234,19 @@ Status Edge::setEgress(const std::string& id, const std::vector<net::EgressRule>
     }
   }
   return filter_->setRules(cg, rules);
+}
+
+Status Edge::pause(const std::string& id, bool paused) {
+  auto inst = find(id);
+  if (!inst) return notFound("sandbox " + id + " not found");
+  RETURN_IF_ERROR(inst->freeze(paused));
+  std::lock_guard lk(mu_);
+  if (paused) {
+    paused_.insert(id);
+  } else {
+    paused_.erase(id);
+  }
+  return Status::ok();
 }
 
 Status Edge::setLimits(const std::string& id, const CgroupLimits& limits) {

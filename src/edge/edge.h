@@ -103,6 +103,9 @@ class Edge {
                                const std::string& json);
 
   Result<CgroupStats> stats(const std::string& id);
+  // Freezes (no CPU used, memory kept) or thaws every process of a sandbox.
+  // A paused sandbox is thawed before it is destroyed or snapshotted.
+  Status pause(const std::string& id, bool paused);
   // Changes a running sandbox's CPU, memory and pids limits.
   Status setLimits(const std::string& id, const CgroupLimits& limits);
 
@@ -159,10 +162,11 @@ class Edge {
   std::unique_ptr<EgressNet> egressNet_;  // started with the first veth
   std::set<std::string> veths_;           // sandboxes that have one
 
-  mutable std::mutex mu_;  // guards sandboxes_, backendOf_, egressCg_, onDeath_
+  mutable std::mutex mu_;  // guards sandboxes_, backendOf_, egressCg_, paused_, onDeath_
   std::map<std::string, std::shared_ptr<Instance>> sandboxes_;
   std::map<std::string, Backend*> backendOf_;
   std::map<std::string, uint64_t> egressCg_;  // sandbox -> cgroup id in the filter
+  std::set<std::string> paused_;
   std::function<void(const std::string&, const std::string&)> onDeath_;
 };
 

@@ -33,6 +33,8 @@ json toApi(const SandboxRecord& r) {
             {"disk_mb", r.diskMb},
             {"pids", r.pids},
             {"ttl_s", r.ttlS},
+            {"idle_timeout_s", r.idleTimeoutS},
+            {"auto_pause_s", r.autoPauseS},
             {"env", r.env},
             {"user", r.user},
             {"working_dir", r.workingDir},
@@ -87,7 +89,8 @@ Result<int> parseMode(const std::optional<std::string>& s, int def) {
 
 void Platform::createSandbox(http::Request& req, http::Response& res) {
   auto parsed = parseObject(req, {"image", "backend", "cpu", "memory_mb", "disk_mb", "pids",
-                                  "ttl_s", "env", "labels", "workspaces", "toolkits", "diffs",
+                                  "ttl_s", "idle_timeout_s", "auto_pause_s", "env", "labels",
+                                  "workspaces", "toolkits", "diffs",
                                   "snapshot", "policy", "readonly_paths", "hidden_paths", "user"});
   if (!parsed.isOk()) return sendError(res, parsed.status());
   const json& j = *parsed;
@@ -122,6 +125,12 @@ void Platform::createSandbox(http::Request& req, http::Response& res) {
     auto ttl = getInt(j, "ttl_s", 3600, 0, 604800);
     if (!ttl.isOk()) return fail(ttl.status());
     r.ttlS = *ttl;
+    auto idle = getInt(j, "idle_timeout_s", 0, 0, 604800);
+    if (!idle.isOk()) return fail(idle.status());
+    r.idleTimeoutS = *idle;
+    auto autoPause = getInt(j, "auto_pause_s", 0, 0, 604800);
+    if (!autoPause.isOk()) return fail(autoPause.status());
+    r.autoPauseS = *autoPause;
     auto env = getStringMap(j, "env");
     if (!env.isOk()) return fail(env.status());
     if (Status st = validateEnv(*env, "env"); !st.isOk()) return fail(st);
@@ -860,6 +869,37 @@ void Platform::files(const std::string& id, const std::string& op, http::Request
     return;
   }
   sendError(res, invalidArg("method", "method " + m + " not allowed on files"));
+}
+
+void Platform::pauseSandbox(const std::string& id, bool pause, http::Response& res) {
+  SandboxRecord r;
+  {
+    std::lock_guard lk(mu_);
+    auto it = sandboxes_.find(id);
+    if (it == sandboxes_.end()) return sendError(res, notFound("sandbox " + id + " not found"));
+    const std::string& st = it->second.state;
+    if (st == (pause ? "paused" : "running")) return sendJson(res, 200, dumpJson(toApi(it->second)));
+    if (st != "running" && st != "paused") {
+      return sendError(res, Status(Code::kFailedPrecondition,
+                                   "sandbox " + id + " is " + st + ", not running"));
+    }
+  }
+  if (Status st = edge_->pause(id, pause); !st.isOk()) return sendError(res, st);
+  {
+    std::lock_guard lk(mu_);
+    auto it = sandboxes_.find(id);
+    if (it == sandboxes_.end()) return sendError(res, notFound("sandbox " + id + " not found"));
+    if (it->second.state == "running" || it->second.state == "paused") {
+      it->second.state = pause ? "paused" : "running";
+    }
+    it->second.updatedAt = nowSeconds();
+    lastCall_[id] = nowSeconds();
+    r = it->second;
+  }
+  // Recorded before it is acknowledged.
+  if (Status st = store_->putSandbox(r); !st.isOk()) return sendError(res, st);
+  log::info("sandbox " + id + (pause ? " paused" : " resumed"));
+  sendJson(res, 200, dumpJson(toApi(r)));
 }
 
 }  // namespace dsec::platform

@@ -157,6 +157,37 @@ Result<SandboxRecord> Platform::destroy(const std::string& id, const std::string
   return rec;
 }
 
+void Platform::autoPause(const std::string& id) {
+  {
+    std::lock_guard lk(mu_);
+    auto it = sandboxes_.find(id);
+    if (it == sandboxes_.end() || it->second.state != "running") return;
+  }
+  if (Status st = edge_->pause(id, true); !st.isOk()) {
+    log::error("auto-pause " + id + ": " + st.toString());
+    return;
+  }
+  SandboxRecord r;
+  {
+    std::lock_guard lk(mu_);
+    auto it = sandboxes_.find(id);
+    if (it == sandboxes_.end()) return;
+    if (it->second.state != "running") {
+      // Destroyed or resumed meanwhile: a call won; thaw if it still exists.
+      lastCall_[id] = nowSeconds();
+      if (it->second.state == "paused") return;
+      (void)edge_->pause(id, false);
+      return;
+    }
+    it->second.state = "paused";
+    it->second.updatedAt = nowSeconds();
+    r = it->second;
+  }
+  if (Status st = store_->putSandbox(r); !st.isOk())
+    log::error("auto-pause " + id + ": " + st.toString());
+  log::info("sandbox " + id + ": paused after " + std::to_string(r.autoPauseS) + " s idle");
+}
+
 void Platform::onSandboxDeath(const std::string& id, const std::string& why) {
   auto st = destroy(id, "failed", why);
   if (!st.isOk()) log::error("recording death of " + id + ": " + st.status().toString());
@@ -169,15 +200,26 @@ void Platform::janitor() {
     janitorCv_.wait_for(lk, std::chrono::seconds(1));
     if (stopping_) break;
     double now = nowSeconds();
-    std::vector<std::string> expired, purge;
+    std::vector<std::string> expired, purge, idle, toPause;
     for (auto& [id, r] : sandboxes_) {
-      if (r.state == "running" && r.expiresAt > 0 && r.expiresAt <= now) expired.push_back(id);
+      bool live = r.state == "running" || r.state == "paused";
+      if (live && r.expiresAt > 0 && r.expiresAt <= now) expired.push_back(id);
+      auto lc = lastCall_.find(id);
+      double last = lc == lastCall_.end() ? r.createdAt : std::max(r.createdAt, lc->second);
+      if (live && r.idleTimeoutS > 0 && now - last >= double(r.idleTimeoutS)) {
+        idle.push_back(id);
+      } else if (r.state == "running" && r.autoPauseS > 0 && now - last >= double(r.autoPauseS)) {
+        toPause.push_back(id);
+      }
       if ((r.state == "stopped" || r.state == "failed") &&
           r.stoppedAt + opts_.stoppedRetentionS <= now) {
         purge.push_back(id);
       }
     }
-    for (auto& id : purge) sandboxes_.erase(id);
+    for (auto& id : purge) {
+      sandboxes_.erase(id);
+      lastCall_.erase(id);
+    }
     bool gcDue = now - lastGc >= opts_.gcIntervalS;
     if (gcDue) lastGc = now;
     lk.unlock();
@@ -196,19 +238,49 @@ void Platform::janitor() {
       auto st = destroy(id, "stopped", "ttl expired");
       if (!st.isOk()) log::error("ttl destroy " + id + ": " + st.status().toString());
     }
+    for (auto& id : idle) {
+      log::info("sandbox " + id + ": idle timeout");
+      auto st = destroy(id, "stopped", "idle timeout");
+      if (!st.isOk()) log::error("idle destroy " + id + ": " + st.status().toString());
+    }
+    for (auto& id : toPause) autoPause(id);
     lk.lock();
   }
 }
 
 Result<SandboxRecord> Platform::runningSandbox(const std::string& id) {
-  std::lock_guard lk(mu_);
-  auto it = sandboxes_.find(id);
-  if (it == sandboxes_.end()) return notFound("sandbox " + id + " not found");
-  if (it->second.state != "running") {
-    return Status(Code::kFailedPrecondition,
-                  "sandbox " + id + " is " + it->second.state + ", not running");
+  {
+    std::lock_guard lk(mu_);
+    auto it = sandboxes_.find(id);
+    if (it == sandboxes_.end()) return notFound("sandbox " + id + " not found");
+    if (it->second.state == "running") {
+      lastCall_[id] = nowSeconds();
+      return it->second;
+    }
+    if (it->second.state != "paused") {
+      return Status(Code::kFailedPrecondition,
+                    "sandbox " + id + " is " + it->second.state + ", not running");
+    }
   }
-  return it->second;
+  // A call to a paused sandbox resumes it first.
+  RETURN_IF_ERROR(edge_->pause(id, false).withContext("resume " + id));
+  SandboxRecord r;
+  {
+    std::lock_guard lk(mu_);
+    auto it = sandboxes_.find(id);
+    if (it == sandboxes_.end()) return notFound("sandbox " + id + " not found");
+    if (it->second.state == "paused") it->second.state = "running";
+    if (it->second.state != "running") {
+      return Status(Code::kFailedPrecondition,
+                    "sandbox " + id + " is " + it->second.state + ", not running");
+    }
+    it->second.updatedAt = nowSeconds();
+    lastCall_[id] = nowSeconds();
+    r = it->second;
+  }
+  RETURN_IF_ERROR(store_->putSandbox(r));
+  log::info("sandbox " + id + " resumed by a call");
+  return r;
 }
 
 void Platform::handle(http::Request& req, http::Response& res) {
@@ -232,8 +304,8 @@ void Platform::handle(http::Request& req, http::Response& res) {
   const std::string& coll = parts[2];
   size_t n = parts.size();
   auto methodNotAllowed = [&] {
-    sendError(res, Status(Code::kInvalidArgument, "method " + m + " not allowed on " + req.path,
-                          0, "method"));
+    sendError(res, Status(Code::kInvalidArgument, "method " + m + " not allowed on " + req.path, 0,
+                          "method"));
   };
   if (coll == "sandboxes") {
     if (n == 3) {
@@ -249,6 +321,10 @@ void Platform::handle(http::Request& req, http::Response& res) {
     }
     if (n == 5 && parts[4] == "exec") {
       if (m == "POST") return execSandbox(id, req, res);
+      return methodNotAllowed();
+    }
+    if (n == 5 && (parts[4] == "pause" || parts[4] == "resume")) {
+      if (m == "POST") return pauseSandbox(id, parts[4] == "pause", res);
       return methodNotAllowed();
     }
     if (n == 5 && parts[4] == "phase") {

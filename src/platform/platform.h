@@ -86,6 +86,9 @@ class Platform {
   void packDiff(const std::string& id, http::Request& req, http::Response& res);
   void getAudit(const std::string& id, http::Response& res);
   void setPhase(const std::string& id, http::Request& req, http::Response& res);
+  void pauseSandbox(const std::string& id, bool pause, http::Response& res);
+  // The janitor's: pauses a running sandbox that has been idle (auto_pause_s).
+  void autoPause(const std::string& id);
   // Trajectories (api_trajectories.cc).
   void listTrajectories(http::Response& res);
   void exportTrajectory(const std::string& id, http::Response& res);
@@ -132,6 +135,8 @@ class Platform {
   // Digests of layers stacked by sandboxes that are not stopped or failed.
   std::set<std::string> layersInUse();
 
+  // The sandbox if it runs, after resuming it if it was paused; counts as a
+  // call for its idle timers.
   Result<SandboxRecord> runningSandbox(const std::string& id);
   // Stops a sandbox for good and returns its final record. Waits out a
   // create or destroy already in progress instead of failing.
@@ -150,6 +155,7 @@ class Platform {
 
   std::mutex mu_;  // guards sandboxes_, deleteRequested_, stopping_
   std::map<std::string, SandboxRecord> sandboxes_;
+  std::map<std::string, double> lastCall_;  // guarded by mu_: for idle timeouts and auto-pause
   // Sandboxes asked to stop while still being created; createSandbox honours it.
   std::set<std::string> deleteRequested_;
   bool stopping_ = false;

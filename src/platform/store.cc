@@ -76,6 +76,8 @@ std::string sandboxToJson(const SandboxRecord& r) {
             {"disk_mb", r.diskMb},
             {"pids", r.pids},
             {"ttl_s", r.ttlS},
+            {"idle_timeout_s", r.idleTimeoutS},
+            {"auto_pause_s", r.autoPauseS},
             {"env", r.env},
             {"user", r.user},
             {"working_dir", r.workingDir},
@@ -114,6 +116,8 @@ Result<SandboxRecord> sandboxFromJson(const std::string& s) {
     r.diskMb = j.at("disk_mb");
     r.pids = j.at("pids");
     r.ttlS = j.at("ttl_s");
+    r.idleTimeoutS = j.value("idle_timeout_s", int64_t(0));
+    r.autoPauseS = j.value("auto_pause_s", int64_t(0));
     r.env = j.at("env").get<std::map<std::string, std::string>>();
     r.user = j.value("user", "");  // absent in records written before image configs
     r.workingDir = j.value("working_dir", "");

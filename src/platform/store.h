@@ -23,7 +23,7 @@ struct SandboxRecord {
   // Extra layers stacked on the image at create time, as asked (refs or digests).
   std::vector<std::string> workspaces, toolkits, diffs;
   std::vector<std::string> layers;  // resolved, bottom first
-  std::string state;                // creating | running | stopping | stopped | failed
+  std::string state;                // creating | running | paused | stopping | stopped | failed
   std::string node = "local";
   std::string error;
   double cpu = 1.0;
@@ -31,6 +31,10 @@ struct SandboxRecord {
   int64_t diskMb = 1024;
   int64_t pids = 1024;
   int64_t ttlS = 3600;
+  // Destroyed after this long without a call (0: never); paused after this
+  // long without a call (0: never). A call to a paused sandbox resumes it.
+  int64_t idleTimeoutS = 0;
+  int64_t autoPauseS = 0;
   // The image config's Env with the create request's env over it, per key.
   std::map<std::string, std::string> env;
   // Who execs run as and where, when the call does not say: the create

@@ -291,6 +291,7 @@ class Client:
                snapshot: Optional[str] = None,
                policy: Optional[str] = None,
                user: Optional[Union[str, int]] = None,
+               idle_timeout_s: Optional[int] = None, auto_pause_s: Optional[int] = None,
                timeout: Optional[float] = None, **extra: Any) -> "Sandbox":
         """Creates a sandbox and returns it once it is running (or failed).
 
@@ -308,6 +309,10 @@ class Client:
         uid, ``"name:group"`` or ``"uid:gid"``; ``"root"`` or ``0`` for root)
         replaces the image's user, and ``env`` overrides its variables key by
         key; an exec's own ``user``/``cwd``/``env`` win over both.
+        The sandbox belongs to the platform, not to this client: it runs
+        until deleted, its ``ttl_s`` passes, or it has had no call for
+        ``idle_timeout_s``; ``auto_pause_s`` pauses it (frozen: no CPU, memory
+        kept) after that long without a call, and the next call resumes it.
         Raises NotFound for an unknown image, InvalidArgument (with ``field``)
         for a bad parameter. ``extra`` keys are sent as they are.
         """
@@ -321,7 +326,8 @@ class Client:
                      ("workspaces", list(workspaces) if workspaces is not None else None),
                      ("toolkits", list(toolkits) if toolkits is not None else None),
                      ("diffs", list(diffs) if diffs is not None else None),
-                     ("policy", policy), ("user", str(user) if user is not None else None)):
+                     ("policy", policy), ("user", str(user) if user is not None else None),
+                     ("idle_timeout_s", idle_timeout_s), ("auto_pause_s", auto_pause_s)):
             if v is not None:
                 req[k] = v
         req.update(extra)
@@ -808,6 +814,16 @@ class Sandbox:
         self.client._call("DELETE", self._p("/files"),
                           query=[("path", path), ("recursive", "true" if recursive else "false")]
                           + _step_query(trajectory_id, step))
+
+    def pause(self) -> "Sandbox":
+        """Freezes every process of the sandbox (no CPU used, memory kept);
+        state ``paused``. The next exec or file call resumes it."""
+        self.info = self.client._call("POST", self._p("/pause"))
+        return self
+
+    def resume(self) -> "Sandbox":
+        self.info = self.client._call("POST", self._p("/resume"))
+        return self
 
     def trajectory(self, trajectory_id: str, start: int = 0) -> "Trajectory":
         """Calls on this sandbox numbered as steps of ``trajectory_id``, from
