@@ -84,3 +84,43 @@ def test_auto_pause_and_idle_timeout(make_sandbox, busybox, server):
         field = next(iter(bad))
         expect_error(lambda: server.client.create("busybox:latest", **bad), dsec.InvalidArgument,
                      field=field)
+
+
+def _cpu_usage_usec(server, sandbox_id):
+    """The sandbox's CPU time from its cgroup v2 group (pure v2, or the
+    controller-less twin a hybrid host has): cpu.stat's usage_usec."""
+    from helpers import edge_cgroup
+    edge = edge_cgroup(server.data_dir)
+    for root in ("/sys/fs/cgroup", "/sys/fs/cgroup/unified"):
+        path = f"{root}/dsec/{edge}/{sandbox_id}/cpu.stat"
+        try:
+            with open(path) as f:
+                for line in f:
+                    k, v = line.split()
+                    if k == "usage_usec":
+                        return int(v)
+        except OSError:
+            continue
+    return None
+
+
+def test_pause_stops_cpu_use_by_the_cgroups_count(make_sandbox, busybox, server):
+    import pytest
+    sb = make_sandbox(busybox)
+    if _cpu_usage_usec(server, sb.id) is None:
+        pytest.skip("no cgroup v2 cpu.stat for the sandbox on this host")
+    assert sb.exec("(while :; do :; done) >/dev/null 2>&1 & echo bg").stdout == "bg\n"
+    a = _cpu_usage_usec(server, sb.id)
+    time.sleep(1.0)
+    b = _cpu_usage_usec(server, sb.id)
+    assert b - a > 300_000, f"the busy loop used only {b - a} us in 1 s"
+    sb.pause()
+    time.sleep(0.2)  # let the freeze settle
+    c = _cpu_usage_usec(server, sb.id)
+    time.sleep(1.0)
+    d = _cpu_usage_usec(server, sb.id)
+    assert d - c < 20_000, f"a paused sandbox used {d - c} us of CPU in 1 s"
+    sb.resume()
+    e = _cpu_usage_usec(server, sb.id)
+    time.sleep(1.0)
+    assert _cpu_usage_usec(server, sb.id) - e > 300_000
