@@ -319,22 +319,27 @@ Result<ExecRequest> parseExecRequest(std::string_view payload) {
   return r;
 }
 
-Result<SpawnedExec> spawnExec(const ExecRequest& req, const ExecSettings& settings) {
-  // The sandbox's own user database, read fresh: programs in it may add users.
-  // Root needs neither file: an unreadable one (a layer whose loader died
-  // fails with EIO) must not stop root's execs, which is how such a sandbox
-  // is inspected. Anyone else needs them.
-  const std::string& user = req.user.empty() ? std::string("root") : req.user;
-  const bool root = user == "root" || user == "0" || user == "0:0" || user == "root:root";
+namespace {
+
+// The credentials of `user` from the sandbox's own user database, read
+// fresh: programs in it may add users.
+Result<Credentials> execCredentials(const std::string& user, const ExecSettings& settings) {
   Result<std::string> passwd = readSmallFile(settings.passwd_path);
   Result<std::string> group = readSmallFile(settings.group_path);
-  if (root) {
-    if (!passwd.isOk()) passwd = std::string();
-    if (!group.isOk()) group = std::string();
-  }
-  if (!passwd.isOk()) return passwd.status();
-  if (!group.isOk()) return group.status();
-  ASSIGN_OR_RETURN(Credentials creds, resolveUser(user, *passwd, *group));
+  if (passwd.isOk() && group.isOk()) return resolveUser(user, *passwd, *group);
+  // A user that is root without the files needs neither: an unreadable one
+  // (a layer whose loader died fails with EIO) must not stop root's execs,
+  // which is how such a sandbox is inspected. Anyone else gets the read's error.
+  Result<Credentials> root = resolveUser(user, "", "");
+  if (root.isOk() && root->uid == 0 && root->gid == 0) return root;
+  return passwd.isOk() ? group.status() : passwd.status();
+}
+
+}  // namespace
+
+Result<SpawnedExec> spawnExec(const ExecRequest& req, const ExecSettings& settings) {
+  ASSIGN_OR_RETURN(Credentials creds,
+                   execCredentials(req.user.empty() ? "root" : req.user, settings));
 
   ChildPlan plan;
   plan.switch_user = ::geteuid() == 0;

@@ -534,8 +534,7 @@ Result<Platform::ExecPlan> Platform::planExec(const std::string& id, const json&
   spec.timeoutMs = std::max<int64_t>(1, int64_t(*timeout * 1000));
   // The policy in force caps time and output (PolicyLimits); a caller that
   // asks for more gets the policy's figure.
-  PolicyLimits caps;
-  if (auto pol = policies_->find(sb->policy, "policy"); pol.isOk()) caps = pol->limits;
+  const PolicyLimits caps = policies_->limitsOf(sb->policy);
   if (caps.maxExecTimeoutS > 0) {
     spec.timeoutMs = std::min<int64_t>(spec.timeoutMs,
                                        std::max<int64_t>(1, int64_t(caps.maxExecTimeoutS * 1000)));
@@ -680,6 +679,28 @@ void Platform::execSandbox(const std::string& id, http::Request& req, http::Resp
   (void)res.finish();
 }
 
+namespace {
+
+// The agent's kMkdir arguments from a mkdir request body.
+Result<json> mkdirArgs(const json& body) {
+  ASSIGN_OR_RETURN(std::string path, getString(body, "path", "", 4096));
+  if (path.empty() || path[0] != '/') return invalidArg("path", "path must be absolute");
+  ASSIGN_OR_RETURN(bool parents, getBool(body, "parents", true));
+  ASSIGN_OR_RETURN(int64_t mode, getInt(body, "mode", 0755, 0, 07777));
+  return json{{"path", path}, {"parents", parents}, {"mode", mode}};
+}
+
+// The `recursive` query parameter of a remove: "true" or "false" (default).
+Result<bool> recursiveParam(const http::Request& req) {
+  std::string rec = req.param("recursive").value_or("false");
+  if (rec != "true" && rec != "false") {
+    return invalidArg("recursive", "recursive must be true or false");
+  }
+  return rec == "true";
+}
+
+}  // namespace
+
 // A file call as a trajectory step (?trajectory_id=&step=): writes, reads,
 // removes and mkdirs run once; the request digest covers the path, the mode
 // and the content written.
@@ -699,12 +720,7 @@ void Platform::fileStep(const std::string& id, const std::string& op, const Step
     request = *j;
     run = [&, body = *j]() -> Result<StepOutcome> {
       RETURN_IF_ERROR(runningSandbox(id).status());
-      auto path = getString(body, "path", "", 4096);
-      if (!path.isOk()) return path.status();
-      if (path->empty() || (*path)[0] != '/') return invalidArg("path", "path must be absolute");
-      ASSIGN_OR_RETURN(bool parents, getBool(body, "parents", true));
-      ASSIGN_OR_RETURN(int64_t mode, getInt(body, "mode", 0755, 0, 07777));
-      json args = {{"path", *path}, {"parents", parents}, {"mode", mode}};
+      ASSIGN_OR_RETURN(json args, mkdirArgs(body));
       RETURN_IF_ERROR(edge_->fileCall(id, proto::FrameType::kMkdir, args.dump()).status());
       return StepOutcome{200, "application/json", "{}"};
     };
@@ -751,13 +767,11 @@ void Platform::fileStep(const std::string& id, const std::string& op, const Step
         return StepOutcome{200, "application/octet-stream", std::move(data)};
       };
     } else if (m == "DELETE") {
-      std::string rec = req.param("recursive").value_or("false");
-      if (rec != "true" && rec != "false") {
-        return sendError(res, invalidArg("recursive", "recursive must be true or false"));
-      }
+      auto recursive = recursiveParam(req);
+      if (!recursive.isOk()) return sendError(res, recursive.status());
       kind = "remove";
-      request["recursive"] = rec == "true";
-      run = [&, p = *path, r = rec == "true"]() -> Result<StepOutcome> {
+      request["recursive"] = *recursive;
+      run = [&, p = *path, r = *recursive]() -> Result<StepOutcome> {
         RETURN_IF_ERROR(runningSandbox(id).status());
         json args = {{"path", p}, {"recursive", r}};
         RETURN_IF_ERROR(edge_->fileCall(id, proto::FrameType::kRemove, args.dump()).status());
@@ -797,17 +811,9 @@ void Platform::files(const std::string& id, const std::string& op, http::Request
     if (m != "POST") return sendError(res, invalidArg("method", "use POST for mkdir"));
     auto j = parseObject(req, {"path", "parents", "mode"});
     if (!j.isOk()) return sendError(res, j.status());
-    auto path = getString(*j, "path", "", 4096);
-    if (!path.isOk()) return sendError(res, path.status());
-    if (path->empty() || (*path)[0] != '/') {
-      return sendError(res, invalidArg("path", "path must be absolute"));
-    }
-    auto parents = getBool(*j, "parents", true);
-    if (!parents.isOk()) return sendError(res, parents.status());
-    auto mode = getInt(*j, "mode", 0755, 0, 07777);
-    if (!mode.isOk()) return sendError(res, mode.status());
-    json body = {{"path", *path}, {"parents", *parents}, {"mode", *mode}};
-    auto r = edge_->fileCall(id, proto::FrameType::kMkdir, body.dump());
+    auto args = mkdirArgs(*j);
+    if (!args.isOk()) return sendError(res, args.status());
+    auto r = edge_->fileCall(id, proto::FrameType::kMkdir, args->dump());
     if (!r.isOk()) return sendError(res, r.status());
     return sendJson(res, 200, "{}");
   }
@@ -825,12 +831,10 @@ void Platform::files(const std::string& id, const std::string& op, http::Request
   }
   if (!op.empty()) return sendError(res, notFound("no such endpoint: " + req.path));
   if (m == "DELETE") {
-    std::string rec = req.param("recursive").value_or("false");
-    if (rec != "true" && rec != "false") {
-      return sendError(res, invalidArg("recursive", "recursive must be true or false"));
-    }
+    auto recursive = recursiveParam(req);
+    if (!recursive.isOk()) return sendError(res, recursive.status());
     auto r = edge_->fileCall(id, proto::FrameType::kRemove,
-                             json{{"path", *path}, {"recursive", rec == "true"}}.dump());
+                             json{{"path", *path}, {"recursive", *recursive}}.dump());
     if (!r.isOk()) return sendError(res, r.status());
     return sendJson(res, 200, "{}");
   }

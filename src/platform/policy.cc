@@ -233,6 +233,15 @@ Result<Policy> Policies::find(const std::string& name, const std::string& field)
   return invalidArg(field, "unknown policy '" + name + "' (available: " + names + ")");
 }
 
+PolicyLimits Policies::limitsOf(const std::string& name) const {
+  for (const auto& p : builtins_) {
+    if (p.name == name) return p.limits;
+  }
+  std::lock_guard lk(mu_);
+  auto it = custom_.find(name);
+  return it == custom_.end() ? PolicyLimits{} : it->second.limits;
+}
+
 std::vector<Policy> Policies::list() const {
   std::vector<Policy> out = builtins_;
   std::lock_guard lk(mu_);

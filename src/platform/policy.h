@@ -78,6 +78,9 @@ class Policies {
   // kInvalidArgument naming `field` for an unknown name, listing the names.
   Result<Policy> find(const std::string& name, const std::string& field) const;
   std::vector<Policy> list() const;
+  // Just the limits of a policy (every exec asks), without copying the rest;
+  // none for an unknown name.
+  PolicyLimits limitsOf(const std::string& name) const;
   // Validates a policy document from the API ({"name", "description",
   // "readonly_paths", "hidden_paths", "egress", "dns", "limits"}) and stores it before
   // returning. kAlreadyExists (409) for a name in use, built-in or not.

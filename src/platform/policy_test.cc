@@ -88,6 +88,9 @@ TEST_F(PolicyTest, UserPoliciesAreValidatedStoredAndSurviveReopen) {
   EXPECT_EQ(found->egress.size(), 2u);
   EXPECT_EQ(found->dns, std::vector<std::string>{"192.0.2.53"});
   EXPECT_EQ(found->limits, (PolicyLimits{0.5, 0, 64, 1024, 0}));
+  EXPECT_EQ(policies_->limitsOf("grading-v2"), found->limits);
+  EXPECT_EQ(policies_->limitsOf("eval"), PolicyLimits{});
+  EXPECT_EQ(policies_->limitsOf("no-such-policy"), PolicyLimits{});
   EXPECT_EQ(policies_->list().size(), 5u);
 
   EXPECT_EQ(policies_->remove("eval").code(), Code::kFailedPrecondition);
