@@ -73,7 +73,10 @@ from outside_host import ADDR as OUTSIDE_ADDR  # noqa: E402
 class Server:
     def __init__(self, data_dir: Path, extra_args=()):
         self.data_dir = data_dir
-        self.extra_args = [str(a) for a in extra_args]  # more `dsec up` options
+        # More `dsec up` options; $DSEC_UP_ARGS adds to every server's (e.g.
+        # `--userns off` to run the suite without user namespaces).
+        self.extra_args = [str(a) for a in extra_args] + shlex.split(
+            os.environ.get("DSEC_UP_ARGS", ""))
         self.log_path = data_dir.parent / (data_dir.name + ".log")
         self.proc = None
         self.client = None
@@ -207,11 +210,8 @@ def server():
     cg_before = sandbox_cgroup_dirs(edge)
     aether_before = aether_pids(edge)
     # The built-in `setup` policy may reach the test's outside host (tests/outside_host.py).
-    # $DSEC_UP_ARGS adds options (e.g. `--userns off` to run the suite without
-    # user namespaces).
     srv = Server(data_dir, extra_args=["--setup-egress", f"{OUTSIDE_ADDR}:8080",
-                                       "--setup-dns", OUTSIDE_ADDR,
-                                       *shlex.split(os.environ.get("DSEC_UP_ARGS", ""))])
+                                       "--setup-dns", OUTSIDE_ADDR])
     try:
         srv.start()
     except Exception as e:

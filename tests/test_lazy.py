@@ -11,7 +11,6 @@ import ctypes
 import hashlib
 import json
 import os
-import shlex
 import shutil
 import signal
 import subprocess
@@ -93,8 +92,7 @@ class Lazy:
                                           self.nginx.url if self.fast else self.nginx.slow_url,
                                           "--loader",
                                           self.loader, "--loader-timeout-s", "2",
-                                          "--prefetch-window-s", "1", *extra,
-                                          *shlex.split(os.environ.get("DSEC_UP_ARGS", ""))])
+                                          "--prefetch-window-s", "1", *extra])
         self.srv.start()
         return self.srv
 
