@@ -13,7 +13,8 @@ import pytest
 
 import dsec
 from conftest import Server, _check_prerequisites
-from helpers import loop_devices_backed_by, mounts_containing, sandbox_cgroup_dirs, wait_until
+from helpers import (aether_pids, edge_cgroup, loop_devices_backed_by, mounts_containing,
+                     sandbox_cgroup_dirs, wait_until)
 
 
 @pytest.fixture
@@ -56,16 +57,22 @@ def test_sigterm_ends_blocked_execs_and_cleans_up(own_server):
     assert sb.id not in {os.path.basename(p) for p in sandbox_cgroup_dirs()}
 
 
-def test_restart_after_kill_marks_sandboxes_lost_and_removes_orphans(own_server):
+def test_restart_after_the_node_lost_its_sandboxes_marks_them_lost_and_removes_leftovers(
+        own_server):
     s = own_server
     sb = s.client.create("busybox:latest", disk_mb=32)
     assert sb.exec("echo hi > /f && cat /f").stdout == "hi\n"
     sandboxes = s.data_dir / "edge" / "sandboxes"
     mounts_before = mounts_containing(str(sandboxes))
+    edge = edge_cgroup(s.data_dir)
+    agents = aether_pids(edge)
     os.kill(s.proc.pid, signal.SIGKILL)  # a crash: nothing is cleaned up
     s.proc.wait(10)
     s._log.close()
-    # the agent sees its connection close and exits; its cgroup stays behind
+    # ... and the sandbox's PID 1 dies too (test_restart.py covers the usual
+    # case, where it lives on and is re-adopted); its cgroup stays behind
+    for pid in agents:
+        os.kill(pid, signal.SIGKILL)
     assert sb.id in {os.path.basename(p) for p in sandbox_cgroup_dirs()}
     (s.data_dir / "up.json").unlink()  # stale: the crashed run could not remove it
     s.start()

@@ -8,6 +8,7 @@
 #include <linux/seccomp.h>
 #include <sys/prctl.h>
 #include <sys/signalfd.h>
+#include <sys/socket.h>
 #include <sys/timerfd.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -108,6 +109,12 @@ Status Agent::start() {
     return sysError("epoll_ctl connection");
   }
   conn_events_ = EPOLLIN;
+  if (options_.reattach_fd >= 0) {
+    // A copy of the /dev/null holding reattach_fd, to put back after a
+    // reattach (the sandbox's own /dev is not to be trusted by then).
+    reattach_null_.reset(::fcntl(options_.reattach_fd, F_DUPFD_CLOEXEC, 10));
+    if (!reattach_null_) return sysError("dup reattach fd");
+  }
   scratch_.resize(proto::kDataChunk);
   in_buf_.reset(new char[kReadSize]);
 
@@ -177,6 +184,75 @@ int Agent::run() {
   return exit_code_;
 }
 
+void Agent::edgeGone() {
+  if (options_.reattach_fd < 0) {
+    done_ = true;
+    return;
+  }
+  // Nobody is left to tell how the running requests end: kill them, as a
+  // closed connection always did. What the sandbox started in the
+  // background, its files and its policy stay.
+  for (auto& [stream, e] : execs_) {
+    killGroup(*e, SIGKILL);
+    closeStdin(*e);
+  }
+  execs_.clear();
+  pid_streams_.clear();
+  writes_.clear();
+  reads_.clear();
+  out_.clear();
+  out_off_ = 0;
+  queued_ = 0;
+  stdin_buffered_ = 0;
+  pipes_paused_ = false;
+  decoder_ = proto::FrameDecoder{};
+  unwatch(conn_.get());
+  int sv[2];
+  if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0, sv) != 0) {
+    logError("reattach", sysError("socketpair"));
+    exit_code_ = 1;
+    done_ = true;
+    return;
+  }
+  UniqueFd edge_end(sv[1]);
+  conn_.reset(sv[0]);
+  // The edge's end blocks like any socket the edge is handed.
+  int flags = ::fcntl(edge_end.get(), F_GETFL);
+  if (flags >= 0) ::fcntl(edge_end.get(), F_SETFL, flags & ~O_NONBLOCK);
+  if (::dup3(edge_end.get(), options_.reattach_fd, O_CLOEXEC) < 0) {
+    logError("reattach", sysError("dup3"));
+    exit_code_ = 1;
+    done_ = true;
+    return;
+  }
+  struct epoll_event ev {};
+  ev.events = EPOLLIN;
+  ev.data.u64 = tag(kConnKind, 0);
+  if (::epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, conn_.get(), &ev) < 0) {
+    logError("reattach", sysError("epoll_ctl"));
+    exit_code_ = 1;
+    done_ = true;
+    return;
+  }
+  conn_events_ = EPOLLIN;
+  awaiting_reattach_ = true;
+}
+
+void Agent::handleReattach(const Frame&) {
+  if (awaiting_reattach_) {
+    // The edge holds its end now; ours must go, or its death would not be EOF.
+    if (::dup3(reattach_null_.get(), options_.reattach_fd, O_CLOEXEC) < 0) {
+      logError("reattach", sysError("dup3"));
+    }
+    awaiting_reattach_ = false;
+  }
+  Json hello = {{"version", 1}, {"pid", ::getpid()}, {"reattached", true}};
+  sendFrame(0, FrameType::kHello, dumpJson(hello));
+  // The new edge knows nothing of what was refused so far.
+  denied_pushed_ = 0;
+  pushDenied();
+}
+
 void Agent::shutdown() {
   for (auto& [stream, e] : execs_) {
     killGroup(*e, SIGKILL);
@@ -195,11 +271,11 @@ void Agent::handleConnReadable() {
   ssize_t n = ::read(conn_.get(), in_buf_.get(), kReadSize);
   if (n < 0) {
     if (errno == EINTR || errno == EAGAIN) return;
-    done_ = true;  // the edge is gone
+    edgeGone();
     return;
   }
   if (n == 0) {
-    done_ = true;
+    edgeGone();
     return;
   }
   Status st = decoder_.feed(in_buf_.get(), static_cast<size_t>(n));
@@ -234,7 +310,7 @@ void Agent::flushOutput() {
     if (n < 0) {
       if (errno == EINTR) continue;
       if (errno == EAGAIN) return;
-      done_ = true;  // EPIPE, ECONNRESET: the edge is gone
+      edgeGone();  // EPIPE, ECONNRESET
       return;
     }
     out_off_ += static_cast<size_t>(n);
@@ -349,6 +425,12 @@ void Agent::dispatch(Frame& f) {
     case FrameType::kPolicy:
       handlePolicy(f);
       return;
+    case FrameType::kReattach:
+      if (f.stream == 0) {
+        handleReattach(f);
+        return;
+      }
+      break;
     case FrameType::kList:
     case FrameType::kStat:
     case FrameType::kMkdir:

@@ -42,6 +42,15 @@ constexpr size_t kStdinHighWater = 32u << 20;
 
 struct AgentOptions {
   ExecSettings exec;
+  // When >= 0 (a sandbox's PID 1): losing the edge does not end the agent.
+  // Its execs are killed and unfinished transfers dropped, as at the end of
+  // run(), but the sandbox lives on: aether makes a fresh socket pair, keeps
+  // one end as its connection and puts the other on this descriptor (which
+  // must be held open, on /dev/null, meanwhile). A restarted edge takes that
+  // end with pidfd_getfd(2) and sends kReattach, whereupon aether puts
+  // /dev/null back on the descriptor (so the edge's death is an EOF again)
+  // and answers with a hello.
+  int reattach_fd = -1;
 };
 
 class Agent {
@@ -106,6 +115,10 @@ class Agent {
   void scheduleDeniedPush();
   void pushDenied();
   void handlePolicy(const proto::Frame& f);
+  void handleReattach(const proto::Frame& f);
+  // The edge closed the connection or it failed: ends run(), or with
+  // reattach_fd waits for the next edge.
+  void edgeGone();
   void onSeccompNotify(int fd, uint32_t events);
 
   void reapChildren();
@@ -137,6 +150,8 @@ class Agent {
   UniqueFd sigchld_;
   bool done_ = false;
   int exit_code_ = 0;
+  bool awaiting_reattach_ = false;  // reattach_fd holds the edge's end of conn_
+  UniqueFd reattach_null_;          // /dev/null, put back on reattach_fd after a reattach
 
   // Outgoing frames, in chunks of a few hundred KiB; the front is partly sent.
   std::deque<std::string> out_;

@@ -246,6 +246,7 @@ Result<InitConfig> parseInitConfig(std::string_view payload) {
     return invalidArg("hostname", "hostname must be at most 64 of [A-Za-z0-9.-]");
   }
   RETURN_IF_ERROR(readStringList(j, "env", false, c.env));
+  RETURN_IF_ERROR(readBool(j, "reattach", c.reattach));
   auto it = j.find("rootfs");
   if (it != j.end() && !it->is_null()) {
     if (!it->is_object()) return invalidArg("rootfs", "rootfs must be an object");

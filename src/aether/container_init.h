@@ -27,6 +27,9 @@ struct InitConfig {
   std::string hostname;
   std::optional<RootfsConfig> rootfs;  // absent: stay in the current root
   std::vector<std::string> env;        // default environment of execs
+  // Outlive the edge: wait for the next one to reattach instead of exiting
+  // when the connection closes (AgentOptions::reattach_fd).
+  bool reattach = false;
 };
 
 // kInvalidArgument (with the field) on malformed JSON, paths that would

@@ -28,6 +28,10 @@ namespace dsec::aether {
 namespace {
 
 constexpr int kConnFd = 3;
+// Where a sandbox's PID 1 leaves the edge's end of a fresh connection when
+// the edge goes away (AgentOptions::reattach_fd); held on /dev/null until
+// then. Claimed first thing, before anything else may be given that number.
+constexpr int kReattachFd = 9;
 
 // pipe() and friends must never hand out 0-2 (they would become an exec's
 // stdio by accident), so make sure those are open.
@@ -117,6 +121,15 @@ int realMain(int argc, char** argv) {
     }
   }
   ensureStdFds();
+  if (!no_init) {
+    int null = ::open("/dev/null", O_RDWR | O_CLOEXEC);
+    if (null < 0 || ::dup3(null, kReattachFd, O_CLOEXEC) < 0) {
+      std::fprintf(stderr, "dsec-aether: cannot reserve fd %d: %s\n", kReattachFd,
+                   std::strerror(errno));
+      return 2;
+    }
+    ::close(null);
+  }
   if (::fcntl(kConnFd, F_SETFD, FD_CLOEXEC) < 0) {
     std::fprintf(stderr, "dsec-aether: fd 3 is not open: %s\n", std::strerror(errno));
     return 2;
@@ -165,6 +178,7 @@ int realMain(int argc, char** argv) {
     rootfsFd.reset();  // attached (or refused): the sandbox must not keep it
     if (!st.isOk()) return failStartup(conn.get(), st);
     options.exec.default_env = config->env;
+    if (config->reattach) options.reattach_fd = kReattachFd;
   }
 
   Agent agent(std::move(conn), std::move(options), std::move(decoder));

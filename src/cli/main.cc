@@ -39,7 +39,9 @@ const char* kUsage = R"(usage: dsec COMMAND [OPTIONS]
 
   up [--data-dir DIR] [--listen HOST:PORT] [--aether PATH] [--log-level debug|info|warn]
         Run the platform and an edge in one process (REST API, SQLite state,
-        local blob store). Stops on SIGTERM/SIGINT, destroying its sandboxes.
+        local blob store). Stops on SIGTERM/SIGINT, destroying its sandboxes
+        (unless --live-restore). A crash destroys none: the next start on the
+        same data dir re-adopts them.
   up also takes --gc-grace-s S: unreferenced layers older than S are deleted (default 600)
      --blob-store URI: where the node reads layer blobs: file:///DIR or http(s)://HOST/PREFIX
         (default file://<data-dir>/blobs, the platform's own blob directory)
@@ -64,6 +66,8 @@ const char* kUsage = R"(usage: dsec COMMAND [OPTIONS]
         10.88.0.0/16) and --egress-nat yes|no: masquerade them out of the host (default yes)
      --userns auto|off: run each sandbox in a user namespace, root inside = host uid
         100000 (default auto: where the kernel supports it; see docs/security.md)
+     --live-restore yes|no: a graceful stop leaves running sandboxes for the next
+        start to re-adopt, e.g. across an upgrade (default no: it destroys them)
   image import --name NAME[:TAG] [--kind base|workspace|toolkit|diff]
                [--format auto|rootfs|oci|docker] PATH
         Build EROFS layers from a root filesystem (dir or tarball), an OCI image
@@ -226,6 +230,11 @@ int cmdUp(const Args& a) {
   }
   eo.userns = a.get("userns", "auto");
   if (eo.userns != "auto" && eo.userns != "off") return die("--userns must be auto or off");
+  if (std::string lr = a.get("live-restore", "no"); lr == "yes" || lr == "no") {
+    eo.liveRestore = lr == "yes";
+  } else {
+    return die("--live-restore must be yes or no");
+  }
   platform::Store* st = store->get();
   eo.lookup = [dataDir, st](const std::string& digest) {
     return platform::Platform::describeLayer(st, dataDir, digest);
@@ -248,6 +257,7 @@ int cmdUp(const Args& a) {
   platform::PlatformOptions po;
   po.dataDir = dataDir;
   po.token = *token;
+  po.liveRestore = eo.liveRestore;
   if (!a.get("gc-grace-s").empty()) po.gcGraceS = std::atof(a.get("gc-grace-s").c_str());
   if (!a.get("trajectory-retention-s").empty()) {
     po.trajectoryRetentionS = std::atof(a.get("trajectory-retention-s").c_str());

@@ -20,6 +20,7 @@ const char* frameTypeName(FrameType type) {
   switch (type) {
     case FrameType::kHello: return "hello";
     case FrameType::kInit: return "init";
+    case FrameType::kReattach: return "reattach";
     case FrameType::kExec: return "exec";
     case FrameType::kStdin: return "stdin";
     case FrameType::kStdout: return "stdout";

@@ -23,6 +23,7 @@ namespace dsec::proto {
 enum class FrameType : uint8_t {
   kHello = 0x01,      // aether -> edge, stream 0: agent ready (JSON)
   kInit = 0x02,       // edge -> aether, stream 0: sandbox setup (JSON)
+  kReattach = 0x03,   // edge -> aether, stream 0: a new edge took over the connection
   kExec = 0x10,       // edge -> aether: start a process (JSON)
   kStdin = 0x11,      // edge -> aether: stdin bytes; empty payload closes stdin
   kStdout = 0x12,     // aether -> edge: stdout bytes

@@ -45,7 +45,12 @@ class Instance {
   virtual std::string upperDir() const = 0;
   // An fd of the sandbox's network namespace (to plumb egress into it).
   virtual Result<UniqueFd> openNetns() const = 0;
+  // The host pid of the sandbox's PID 1 (recorded so a restarted edge can
+  // find it again), -1 when there is none.
+  virtual pid_t initPid() const { return -1; }
 };
+
+struct SandboxState;
 
 class Backend {
  public:
@@ -60,11 +65,22 @@ class Backend {
   // no call reaches it any more; its processes are reaped and its mounts,
   // cgroups and files removed in the background (shutdown() waits for that).
   virtual Status destroy(Instance& inst) = 0;
+  // Takes over a sandbox that an earlier edge on this node left running
+  // (crashed, or stopped with live restore): reconnects to its agent, takes
+  // references on its layers and watches its PID 1 again. The caller checked
+  // that state.pid is still that PID 1. On error the sandbox is left as it
+  // was, for the caller to remove as an orphan.
+  virtual Result<std::unique_ptr<Instance>> adopt(const SandboxState& state,
+                                                  std::function<void()> onDeath) = 0;
+  // Removes what is left of a sandbox that could not be adopted: kills its
+  // processes, removes its cgroups and directory.
+  virtual void removeOrphan(const std::string& id) = 0;
   // Removes leftovers of sandboxes no record owns (after a crash); returns how many.
   virtual int cleanupOrphans() = 0;
   // Stops background work and waits until every destroyed sandbox is fully
-  // torn down.
-  virtual void shutdown() {}
+  // torn down. With keepSandboxes (live restore) what the sandboxes still
+  // running need stays in place for the next edge.
+  virtual void shutdown(bool keepSandboxes = false) { (void)keepSandboxes; }
 };
 
 }  // namespace dsec::edge

@@ -158,6 +158,12 @@ class BtrfsQuota : public DiskQuota {
     image_.clear();
   }
 
+  void keepForNextEdge() override {
+    mounted_ = false;
+    bound_ = false;
+    image_.clear();
+  }
+
   void setBound() { bound_ = true; }
   void setMounted() { mounted_ = true; }
 
@@ -274,6 +280,18 @@ Result<std::unique_ptr<DiskQuota>> openBtrfsQuota(const DiskQuotaOptions& opts) 
   if (::fstatfs(rootFd.get(), &sf) != 0) return sysError("statfs " + opts.root);
   if (sf.f_type == BTRFS_SUPER_MAGIC) {
     std::string mode = quotaModeOf(rootFd.get());
+    if (!mode.empty() && opts.adopt && !opts.poolImage.empty() && isMountPoint(opts.root) &&
+        ::access(opts.poolImage.c_str(), F_OK) == 0) {
+      // Our own pool, left mounted by the edge before us for the sandboxes
+      // it left running: ours again, to tear down when we are done.
+      struct stat img;
+      int64_t size = ::stat(opts.poolImage.c_str(), &img) == 0 ? int64_t(img.st_size) : 0;
+      auto q = std::make_unique<BtrfsQuota>(opts.root, std::move(rootFd), opts.poolImage, size,
+                                            std::move(mode));
+      q->setBound();
+      q->setMounted();
+      return std::unique_ptr<DiskQuota>(std::move(q));
+    }
     if (!mode.empty()) {
       return std::unique_ptr<DiskQuota>(
           new BtrfsQuota(opts.root, std::move(rootFd), "", 0, std::move(mode)));

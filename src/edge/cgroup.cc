@@ -406,6 +406,9 @@ Status Cgroups::killAndRemove(const std::string& dir) const {
 }
 
 Status Cgroups::remove(const std::string& id) {
+  // A frozen task takes its SIGKILL only once thawed (the v1 freezer; v2's
+  // cgroup.kill would not care, but the group may be an earlier run's).
+  (void)freeze(id, false);
   Status first;
   for (auto& d : dirsOf(id)) {
     Status st = killAndRemove(d);

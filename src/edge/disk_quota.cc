@@ -1,5 +1,7 @@
 #include "edge/disk_quota.h"
 
+#include "edge/image/layer_cache.h"
+
 #include <fcntl.h>
 #include <sys/mount.h>
 #include <sys/stat.h>
@@ -69,6 +71,13 @@ std::string humanBytes(int64_t bytes) {
   return buf;
 }
 
+bool isMountPoint(const std::string& path) {
+  for (auto& mp : mountsUnder(path)) {
+    if (mp == path) return true;
+  }
+  return false;
+}
+
 Status bindShared(const std::string& dir) {
   if (::mount(dir.c_str(), dir.c_str(), nullptr, MS_BIND, nullptr) != 0) {
     return sysError("bind " + dir);
@@ -98,7 +107,12 @@ class TmpfsQuota : public DiskQuota {
   explicit TmpfsQuota(std::string root) : root_(std::move(root)) {}
   ~TmpfsQuota() override { close(); }
 
-  Status open() {
+  Status open(bool adopt) {
+    // The earlier edge's shared bind is still there when its sandboxes are.
+    if (adopt && isMountPoint(root_)) {
+      bound_ = true;
+      return Status::ok();
+    }
     RETURN_IF_ERROR(bindShared(root_));
     bound_ = true;
     // A kernel without tmpfs (or one refusing size=) shows now, not at the
@@ -135,6 +149,7 @@ class TmpfsQuota : public DiskQuota {
   void close() override {
     if (bound_ && ::umount2(root_.c_str(), MNT_DETACH) == 0) bound_ = false;
   }
+  void keepForNextEdge() override { bound_ = false; }
 
  private:
   static constexpr int64_t kMinProbeBytes = 1 << 20;
@@ -172,6 +187,7 @@ class NoQuota : public DiskQuota {
     return removeTree(root_ + "/" + name);
   }
   void close() override {}
+  void keepForNextEdge() override {}
 
  private:
   const std::string root_;
@@ -182,7 +198,7 @@ Result<std::unique_ptr<DiskQuota>> openKind(DiskQuotaKind kind, const DiskQuotaO
     case DiskQuotaKind::kBtrfs: return openBtrfsQuota(opts);
     case DiskQuotaKind::kTmpfs: {
       auto q = std::make_unique<TmpfsQuota>(opts.root);
-      RETURN_IF_ERROR(q->open());
+      RETURN_IF_ERROR(q->open(opts.adopt));
       return std::unique_ptr<DiskQuota>(std::move(q));
     }
     case DiskQuotaKind::kNone: return std::unique_ptr<DiskQuota>(new NoQuota(opts.root));

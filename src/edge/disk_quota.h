@@ -42,6 +42,9 @@ struct DiskQuotaOptions {
   // filesystem holding it at start.
   int64_t poolBytes = 0;
   std::string mode = "auto";  // "auto", "btrfs", "tmpfs" or "none"
+  // Sandboxes of an earlier edge live on under <root>: take over the pool (or
+  // shared bind) it left mounted there instead of making a fresh one.
+  bool adopt = false;
 };
 
 // Where sandboxes' writable layers live and what bounds them. Thread-safe:
@@ -67,6 +70,10 @@ class DiskQuota {
   // Tears down what open made (unmounts the pool, lets its loop device go,
   // deletes its image). Sandboxes must have been removed. Idempotent.
   virtual void close() = 0;
+  // Live restore: leaves the pool and every directory as they are for the
+  // next edge (which opens them with DiskQuotaOptions::adopt); close() and
+  // the destructor then do nothing.
+  virtual void keepForNextEdge() = 0;
 };
 
 // Parses a mode into the mechanisms to try, in order. kInvalidArgument
@@ -91,6 +98,8 @@ std::string tmpfsMountData(int64_t bytes, int64_t pageSize);
 // and their unmounts, then reach the mount namespaces cloned from ours in the
 // meantime (spare agents, other processes') where the copy is still a peer.
 Status bindShared(const std::string& dir);
+// Whether something is mounted on `path` itself (in our mount namespace).
+bool isMountPoint(const std::string& path);
 
 // "80 GiB", "512 MiB", "1.5 GiB": for logs.
 std::string humanBytes(int64_t bytes);

@@ -57,17 +57,35 @@ Result<std::unique_ptr<Edge>> Edge::start(EdgeOptions opts) {
   RETURN_IF_ERROR(e->layers_->cleanupStale());
   e->reactor_ = std::make_unique<Reactor>();
   RETURN_IF_ERROR(e->reactor_->start());
+  // Sandboxes an earlier edge on this data dir left running (it crashed, or
+  // stopped with live restore): those whose PID 1 is still the recorded
+  // process are re-adopted below; the rest are orphans.
+  e->stateDir_ = std::make_unique<SandboxStateDir>(e->opts_.dataDir + "/state");
+  RETURN_IF_ERROR(e->stateDir_->open());
+  std::vector<SandboxState> live;
+  std::set<std::string> keep;
+  for (auto& s : e->stateDir_->loadAll()) {
+    auto started = processStartTime(s.pid);
+    if (s.backend == "container" && started.isOk() && *started == s.startTime) {
+      keep.insert(s.spec.id);
+      live.push_back(std::move(s));
+    } else {
+      log::warn("sandbox " + s.spec.id + " of an earlier edge is gone; removing its leftovers");
+      e->stateDir_->remove(s.spec.id);
+    }
+  }
   ContainerOptions co;
   co.aetherPath = e->opts_.aetherPath;
   co.sandboxRoot = e->opts_.dataDir + "/sandboxes";
   co.diskQuota = e->opts_.diskQuota;
   co.diskPoolBytes = e->opts_.diskPoolBytes;
   co.userns = &e->userns_;
-  ASSIGN_OR_RETURN(auto container, ContainerBackend::make(co, e->cgroups_.get(),
-                                                          e->layers_.get(), e->reactor_.get()));
+  ASSIGN_OR_RETURN(auto container, ContainerBackend::make(co, e->cgroups_.get(), e->layers_.get(),
+                                                          e->reactor_.get(), keep));
   e->diskQuotaInfo_ = container->diskQuotaInfo();
   if (int orphans = container->cleanupOrphans(); orphans > 0) {
     log::warn("removed leftovers of " + std::to_string(orphans) + " orphan sandboxes");
+    e->countOrphans("sandbox", orphans);
   }
   e->backends_["container"] = std::move(container);
   // The egress filter covers every sandbox of this edge from here on; where
@@ -80,8 +98,125 @@ Result<std::unique_ptr<Edge>> Edge::start(EdgeOptions opts) {
     e->filter_ = std::move(*f);
   }
   if (!e->egressWhy_.empty()) log::warn("edge: sandbox egress unavailable: " + e->egressWhy_);
+  e->adoptAll(std::move(live));
+  // The filter knows the adopted sandboxes' rules now: the earlier edge's
+  // programs, which kept them meanwhile, may go.
+  if (e->filter_) e->filter_->detachStale();
+  // Its loader process kept filling for them meanwhile too.
+  if (e->adopted_.empty() || !e->cache_->staleLoaderServesAdopted()) {
+    e->cache_->endStaleLoader();
+  } else {
+    e->staleLoaderHeld_ = true;
+  }
   log::info("edge: " + e->describe());
   return e;
+}
+
+std::function<void()> Edge::deathHandlerFor(const std::string& id) {
+  return [this, id] {
+    std::function<void(const std::string&, const std::string&)> h;
+    {
+      std::lock_guard lk(mu_);
+      if (!sandboxes_.count(id)) return;  // being destroyed on purpose
+      h = onDeath_;
+    }
+    log::warn("sandbox " + id + ": agent exited unexpectedly");
+    if (h) h(id, "sandbox agent (PID 1) exited unexpectedly");
+  };
+}
+
+void Edge::countOrphans(const std::string& kind, int n) {
+  if (n > 0) orphans_[kind] += n;
+}
+
+std::map<std::string, int> Edge::orphansRemoved() const {
+  std::lock_guard lk(mu_);
+  return orphans_;
+}
+
+std::vector<std::string> Edge::adoptedIds() const {
+  std::lock_guard lk(mu_);
+  return {adopted_.begin(), adopted_.end()};
+}
+
+void Edge::adoptAll(std::vector<SandboxState> live) {
+  if (live.empty()) return;
+  bool anyEgress = false;
+  for (auto& s : live) {
+    const std::string id = s.spec.id;
+    Backend* b = backends_.at(s.backend).get();
+    {
+      std::lock_guard lk(mu_);
+      sandboxes_[id] = nullptr;  // as in create: a death meanwhile is not a destroy
+    }
+    auto inst = b->adopt(s, deathHandlerFor(id));
+    if (!inst.isOk()) {
+      log::warn("sandbox " + id + " cannot be re-adopted, removing it: " +
+                inst.status().toString());
+      {
+        std::lock_guard lk(mu_);
+        sandboxes_.erase(id);
+      }
+      b->removeOrphan(id);
+      stateDir_->remove(id);
+      countOrphans("sandbox", 1);
+      continue;
+    }
+    uint64_t cg = 0;
+    if (filter_) {
+      auto id64 = net::EgressFilter::cgroupId(cgroups_->v2DirOf(id));
+      Status st = id64.isOk() ? filter_->addSandbox(*id64) : id64.status();
+      if (st.isOk()) st = filter_->setRules(*id64, s.egress);
+      if (!st.isOk()) log::error("adopt " + id + ": egress filter: " + st.toString());
+      if (id64.isOk()) cg = *id64;
+    }
+    anyEgress = anyEgress || !s.egress.empty();
+    std::lock_guard lk(mu_);
+    sandboxes_[id] = std::shared_ptr<Instance>(std::move(inst).value());
+    backendOf_[id] = b;
+    if (cg != 0) egressCg_[id] = cg;
+    if (s.paused) paused_.insert(id);
+    adopted_.insert(id);
+    states_[id] = std::move(s);
+  }
+  // The adopted sandboxes that had a path out keep it (their veths outlived
+  // the edge, and so did the nftables table, replaced here); every other
+  // veth of this edge is an orphan.
+  if (anyEgress && filter_) {
+    std::lock_guard lk(egressMu_);
+    EgressNetConfig c;
+    c.subnet = opts_.egressSubnet;
+    c.enableNat = opts_.egressNat;
+    c.tag = egressTag();
+    auto net = EgressNet::start(c);
+    if (!net.isOk()) {
+      log::error("adopt: egress path: " + net.status().toString());
+      return;
+    }
+    egressNet_ = std::move(*net);
+    auto ids = adoptedIds();
+    countOrphans("veth", egressNet_->cleanupOrphans({ids.begin(), ids.end()}));
+    for (auto& id : ids) {
+      if (egressNet_->hasLink(id)) veths_.insert(id);
+    }
+  }
+  log::info("re-adopted " + std::to_string(adopted_.size()) + " sandboxes of an earlier edge");
+}
+
+void Edge::updateState(const std::string& id, const std::function<void(SandboxState&)>& change) {
+  SandboxState copy;
+  {
+    std::lock_guard lk(mu_);
+    auto it = states_.find(id);
+    if (it == states_.end()) return;
+    change(it->second);
+    copy = it->second;
+  }
+  // A sandbox destroyed meanwhile has its file removed after this put at
+  // worst; the next start then finds its PID 1 gone and drops the record.
+  if (Status st = stateDir_->put(copy); !st.isOk()) {
+    log::error("sandbox " + id + ": state: " + st.toString());
+  }
 }
 
 Edge::~Edge() { shutdown(); }
@@ -127,22 +262,31 @@ Status Edge::create(const std::string& backend, const SandboxSpec& spec) {
     if (sandboxes_.count(spec.id)) return Status(Code::kAlreadyExists, spec.id + " exists");
     sandboxes_[spec.id] = nullptr;
   }
-  auto onDeath = [this, id = spec.id] {
-    std::function<void(const std::string&, const std::string&)> h;
-    {
-      std::lock_guard lk(mu_);
-      if (!sandboxes_.count(id)) return;  // being destroyed on purpose
-      h = onDeath_;
+  auto inst = bit->second->create(spec, deathHandlerFor(spec.id));
+  // Recorded before the create is acknowledged, so that an edge restarted
+  // from here on re-adopts the sandbox.
+  SandboxState state;
+  if (inst.isOk()) {
+    state.backend = backend;
+    state.spec = spec;
+    state.pid = (*inst)->initPid();
+    auto started = processStartTime(state.pid);
+    Status st = started.isOk() ? Status::ok() : started.status();
+    if (st.isOk()) {
+      state.startTime = *started;
+      st = stateDir_->put(state);
     }
-    log::warn("sandbox " + id + ": agent exited unexpectedly");
-    if (h) h(id, "sandbox agent (PID 1) exited unexpectedly");
-  };
-  auto inst = bit->second->create(spec, onDeath);
+    if (!st.isOk()) {
+      (void)bit->second->destroy(**inst);
+      inst = st.withContext("record " + spec.id);
+    }
+  }
   std::lock_guard lk(mu_);
   if (!inst.isOk()) {
     sandboxes_.erase(spec.id);
     return inst.status();
   }
+  states_[spec.id] = std::move(state);
   sandboxes_[spec.id] = std::shared_ptr<Instance>(std::move(inst).value());
   backendOf_[spec.id] = bit->second.get();
   if (filter_) {
@@ -155,7 +299,9 @@ Status Edge::create(const std::string& backend, const SandboxSpec& spec) {
       Backend* b = backendOf_[spec.id];
       sandboxes_.erase(spec.id);
       backendOf_.erase(spec.id);
+      states_.erase(spec.id);
       (void)b->destroy(*doomed);
+      stateDir_->remove(spec.id);
       return st.withContext("egress filter");
     }
     egressCg_[spec.id] = *cg;
@@ -168,6 +314,7 @@ Status Edge::destroy(const std::string& id) {
   Backend* backend = nullptr;
   uint64_t cg = 0;
   bool wasPaused = false;
+  bool endStale = false;
   {
     std::lock_guard lk(mu_);
     auto it = sandboxes_.find(id);
@@ -182,10 +329,18 @@ Status Edge::destroy(const std::string& id) {
       egressCg_.erase(c);
     }
     wasPaused = paused_.erase(id) > 0;
+    states_.erase(id);
+    if (adopted_.erase(id) && adopted_.empty() && staleLoaderHeld_) {
+      endStale = true;
+      staleLoaderHeld_ = false;
+    }
   }
   // A frozen task takes its SIGKILL only once thawed (cgroup v1 freezer).
   if (wasPaused) (void)inst->freeze(false);
   Status st = backend->destroy(*inst);
+  stateDir_->remove(id);
+  // The last sandbox that read through the earlier edge's loader is gone.
+  if (endStale) cache_->endStaleLoader();
   if (cg != 0) filter_->removeSandbox(cg);
   std::lock_guard lk(egressMu_);
   if (veths_.erase(id) && egressNet_) {
@@ -233,19 +388,24 @@ Status Edge::setEgress(const std::string& id, const std::vector<net::EgressRule>
       veths_.insert(id);
     }
   }
-  return filter_->setRules(cg, rules);
+  RETURN_IF_ERROR(filter_->setRules(cg, rules));
+  updateState(id, [&](SandboxState& s) { s.egress = rules; });
+  return Status::ok();
 }
 
 Status Edge::pause(const std::string& id, bool paused) {
   auto inst = find(id);
   if (!inst) return notFound("sandbox " + id + " not found");
   RETURN_IF_ERROR(inst->freeze(paused));
-  std::lock_guard lk(mu_);
-  if (paused) {
-    paused_.insert(id);
-  } else {
-    paused_.erase(id);
+  {
+    std::lock_guard lk(mu_);
+    if (paused) {
+      paused_.insert(id);
+    } else {
+      paused_.erase(id);
+    }
   }
+  updateState(id, [&](SandboxState& s) { s.paused = paused; });
   return Status::ok();
 }
 
@@ -510,19 +670,36 @@ std::vector<std::string> Edge::sandboxIds() const {
 
 void Edge::shutdown() {
   if (!reactor_) return;
-  for (auto& id : sandboxIds()) {
-    if (Status st = destroy(id); !st.isOk()) log::error("shutdown: " + st.toString());
+  // Live restore: running sandboxes stay, with their cgroups, directories
+  // and state files, the disk quota's pool, the egress filter's programs and
+  // path, and the loader process; the next edge re-adopts them.
+  const bool keep = opts_.liveRestore && !sandboxIds().empty();
+  if (keep) {
+    log::info("live restore: leaving " + std::to_string(sandboxIds().size()) +
+              " sandboxes running for the next edge");
+  } else {
+    for (auto& id : sandboxIds()) {
+      if (Status st = destroy(id); !st.isOk()) log::error("shutdown: " + st.toString());
+    }
   }
-  for (auto& [name, b] : backends_) b->shutdown();
+  for (auto& [name, b] : backends_) b->shutdown(keep);
   {
     std::lock_guard lk(egressMu_);
-    if (egressNet_) (void)egressNet_->stop();
+    if (egressNet_) {
+      if (keep) {
+        egressNet_->keepForNextEdge();
+      } else {
+        (void)egressNet_->stop();
+      }
+    }
     egressNet_.reset();
   }
+  if (filter_ && keep) filter_->keepAttachedForNextEdge();
   filter_.reset();
   if (layers_) layers_->close();
+  if (cache_ && keep) cache_->keepLoaderForNextEdge();
   cache_.reset();
-  if (cgroups_) cgroups_->removeParent();
+  if (cgroups_ && !keep) cgroups_->removeParent();
   reactor_->stop();
   reactor_.reset();
 }

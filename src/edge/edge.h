@@ -19,6 +19,7 @@
 #include "edge/image/layer_cache.h"
 #include "edge/net/egress_filter.h"
 #include "edge/net/egress_net.h"
+#include "edge/sandbox_state.h"
 #include "edge/userns.h"
 #include "image/layer_builder.h"
 
@@ -47,6 +48,11 @@ struct EdgeOptions {
   std::string userns = "auto";
   uint32_t usernsBase = 100000;
   uint32_t usernsLength = 65536;
+  // Live restore (like Docker's live-restore): a graceful stop leaves the
+  // sandboxes running, with what they need (mounts, loader process, egress
+  // filter and path), for the next edge on this data dir to re-adopt. A crash
+  // leaves them running either way.
+  bool liveRestore = false;
 };
 
 struct ExecSpec {
@@ -135,7 +141,14 @@ class Edge {
   Status evictLayer(const std::string& digest) { return layers_->evict(digest); }
   NodeCache& nodeCache() { return *cache_; }
   std::vector<std::string> sandboxIds() const;
-  // Destroys every sandbox and unmounts every layer.
+  // Sandboxes this edge took over at start from an earlier one.
+  std::vector<std::string> adoptedIds() const;
+  // What start() found of earlier runs that no record owned, or whose
+  // sandbox could not be re-adopted, and removed: by kind ("sandbox": its
+  // processes, cgroups and directory; "veth": a host link of its egress).
+  std::map<std::string, int> orphansRemoved() const;
+  // Destroys every sandbox and unmounts every layer; with live restore,
+  // leaves running sandboxes (and what they need) to the next edge.
   void shutdown();
 
   std::string describe() const;
@@ -146,6 +159,13 @@ class Edge {
  private:
   Edge() = default;
   std::shared_ptr<Instance> find(const std::string& id) const;
+  // start(): takes over the sandboxes an earlier edge left (their states).
+  void adoptAll(std::vector<SandboxState> live);
+  // The callback a backend runs when a sandbox dies on its own.
+  std::function<void()> deathHandlerFor(const std::string& id);
+  // Rewrites a sandbox's state file after `change` (mu_ not held).
+  void updateState(const std::string& id, const std::function<void(SandboxState&)>& change);
+  void countOrphans(const std::string& kind, int n);
 
   EdgeOptions opts_;
   std::unique_ptr<Cgroups> cgroups_;
@@ -168,6 +188,12 @@ class Edge {
   std::map<std::string, uint64_t> egressCg_;  // sandbox -> cgroup id in the filter
   std::set<std::string> paused_;
   std::function<void(const std::string&, const std::string&)> onDeath_;
+  std::map<std::string, SandboxState> states_;  // what stateDir_ holds, per sandbox
+  std::set<std::string> adopted_;               // taken over at start, still here
+  std::map<std::string, int> orphans_;          // set in start(), read-only after
+
+  std::unique_ptr<SandboxStateDir> stateDir_;
+  bool staleLoaderHeld_ = false;  // an earlier edge's loader process serves adopted_
 };
 
 }  // namespace dsec::edge

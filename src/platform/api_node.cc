@@ -107,6 +107,19 @@ void Platform::getMetrics(http::Response& res) {
   for (auto& [id, n] : edge_->syscallDenialCounts()) {
     out += "dsec_sandbox_syscalls_denied_total{sandbox=\"" + id + "\"} " + std::to_string(n) + "\n";
   }
+  family("dsec_orphans_removed_total", "counter",
+         "Leftovers of earlier runs that no record owned, removed at start, by kind "
+         "(sandbox: its processes, cgroups, mounts and directory; veth; loader process).");
+  auto orphans = edge_->orphansRemoved();
+  orphans["sandbox"] += orphanSandboxes_;
+  for (const char* kind : {"sandbox", "veth"}) orphans[kind] += 0;  // always listed
+  for (auto& [kind, n] : orphans) {
+    out += "dsec_orphans_removed_total{kind=\"" + kind + "\"} " + std::to_string(n) + "\n";
+  }
+  family("dsec_sandboxes_readopted", "gauge",
+         "Sandboxes of an earlier run (crashed or stopped with live restore) re-adopted at "
+         "start and still running.");
+  out += "dsec_sandboxes_readopted " + std::to_string(edge_->adoptedIds().size()) + "\n";
   (void)res.send(200, "text/plain; version=0.0.4", out);
 }
 

@@ -66,10 +66,24 @@ Result<std::unique_ptr<Platform>> Platform::start(PlatformOptions opts, Store* s
   p->chronus_ = std::make_unique<Chronus>(store);
   ASSIGN_OR_RETURN(auto records, store->loadSandboxes());
   double now = nowSeconds();
-  int lost = 0;
+  int lost = 0, kept = 0;
+  // What the edge re-adopted from its predecessor (this process restarted:
+  // crashed, or stopped with live restore) carries on as recorded.
+  auto adoptedList = edge->adoptedIds();
+  std::set<std::string> adopted(adoptedList.begin(), adoptedList.end());
   for (auto& r : records) {
-    if (r.state != "stopped" && r.state != "failed") {
-      // The edge came up without it (this process restarted): it is gone.
+    bool live = r.state == "running" || r.state == "paused";
+    if (live && adopted.erase(r.id)) {
+      // The record decides: a pause or resume the crash cut short is redone.
+      if (Status st = edge->pause(r.id, r.state == "paused"); !st.isOk()) {
+        log::warn("sandbox " + r.id + ": " + st.toString());
+      }
+      p->lastCall_[r.id] = now;  // idle time counts from the restart
+      ++kept;
+    } else if (r.state != "stopped" && r.state != "failed") {
+      // The edge came up without it, or it was half made or half destroyed
+      // (never acknowledged as running): it is gone.
+      if (adopted.erase(r.id)) (void)edge->destroy(r.id);
       r.error = "lost: the node restarted while the sandbox was " + r.state;
       r.state = "failed";
       r.updatedAt = r.stoppedAt = now;
@@ -78,6 +92,13 @@ Result<std::unique_ptr<Platform>> Platform::start(PlatformOptions opts, Store* s
     }
     p->sandboxes_[r.id] = r;
   }
+  // Sandboxes the edge still ran that no record owns as live.
+  for (auto& id : adopted) {
+    log::warn("sandbox " + id + " has no record here; destroying it");
+    (void)edge->destroy(id);
+    ++p->orphanSandboxes_;
+  }
+  if (kept) log::info("carrying on with " + std::to_string(kept) + " sandboxes of an earlier run");
   if (lost) log::warn("marked " + std::to_string(lost) + " sandboxes of an earlier run as lost");
   edge->setDeathHandler([raw = p.get()](const std::string& id, const std::string& why) {
     raw->onSandboxDeath(id, why);
@@ -104,11 +125,12 @@ void Platform::shutdown() {
   }
   janitorCv_.notify_all();
   if (janitorThread_.joinable()) janitorThread_.join();
+  if (opts_.liveRestore) return;  // they carry on; the next start re-adopts them
   std::vector<std::string> live;
   {
     std::lock_guard lk(mu_);
     for (auto& [id, r] : sandboxes_) {
-      if (r.state == "running") live.push_back(id);
+      if (r.state == "running" || r.state == "paused") live.push_back(id);
     }
     // Creates in flight see stopping_ and undo themselves.
   }

@@ -37,6 +37,9 @@ struct PlatformOptions {
   std::vector<std::string> setupDns;
   // Trajectories whose last step is older than this are deleted (0: never).
   double trajectoryRetentionS = 7 * 86400;
+  // Live restore (edge::EdgeOptions::liveRestore): shutdown() leaves live
+  // sandboxes running, recorded as they are, for the next start.
+  bool liveRestore = false;
 };
 
 class Platform {
@@ -155,6 +158,7 @@ class Platform {
 
   std::mutex mu_;  // guards sandboxes_, deleteRequested_, stopping_
   std::map<std::string, SandboxRecord> sandboxes_;
+  int orphanSandboxes_ = 0;  // set in start(): sandboxes the edge ran that no record owned
   std::map<std::string, double> lastCall_;  // guarded by mu_: for idle timeouts and auto-pause
   // Sandboxes asked to stop while still being created; createSandbox honours it.
   std::set<std::string> deleteRequested_;

@@ -85,11 +85,9 @@ Result<std::unique_ptr<FanotifyLoader>> FanotifyLoader::start(image::BlobStore* 
   l->store_ = store;
   l->opts_ = std::move(opts);
   RETURN_IF_ERROR(makeDirs(l->opts_.runDir, 0700));
-  // A loader left by an edge that crashed serves sandboxes that are reaped now.
-  if (int pid = staleLoaderPid(l->opts_.runDir + "/loader.pid"); pid > 0) {
-    log::warn("killing the loader process " + std::to_string(pid) + " of an earlier edge");
-    ::kill(pid, SIGKILL);
-  }
+  // A loader left by an earlier edge keeps filling for the sandboxes it
+  // left, until ours marks the same files (endStaleHelper).
+  l->stalePid_ = staleLoaderPid(l->opts_.runDir + "/loader.pid");
   // The edge's filler reads ahead; the loader process's only fills what is read.
   ASSIGN_OR_RETURN(l->local_, FanotifyFiller::start(store, 8, 2));
   {
@@ -101,14 +99,35 @@ Result<std::unique_ptr<FanotifyLoader>> FanotifyLoader::start(image::BlobStore* 
 }
 
 FanotifyLoader::~FanotifyLoader() {
+  endStaleHelper();
   {
     std::lock_guard lk(mu_);
     stopping_ = true;
-    proc_.stop(opts_.pingTimeoutS, 1.0);
+    if (keepHelper_) {
+      proc_.release();
+    } else {
+      proc_.stop(opts_.pingTimeoutS, 1.0);
+    }
   }
   stopCv_.notify_all();
   if (supervisor_.joinable()) supervisor_.join();
-  ::unlink((opts_.runDir + "/loader.pid").c_str());
+  if (!keepHelper_) ::unlink((opts_.runDir + "/loader.pid").c_str());
+}
+
+void FanotifyLoader::keepHelperForNextEdge() {
+  std::lock_guard lk(mu_);
+  keepHelper_ = true;
+}
+
+void FanotifyLoader::endStaleHelper() {
+  std::lock_guard lk(mu_);
+  if (stalePid_ <= 0) return;
+  // Checked again: the pid was found at start and may have been reused.
+  if (stalePid_ != proc_.pid() && isLoaderProcess(stalePid_)) {
+    log::warn("killing the loader process " + std::to_string(stalePid_) + " of an earlier edge");
+    ::kill(stalePid_, SIGKILL);
+  }
+  stalePid_ = -1;
 }
 
 Status FanotifyLoader::spawnHelper() {

@@ -38,6 +38,8 @@ class FanotifyLoader final : public Loader {
   void detach(const std::string& dataDigest) override;
   LayerStats stats(const std::string& dataDigest) override;
   std::vector<int> helperPids() const override;
+  void keepHelperForNextEdge() override;
+  void endStaleHelper() override;
   std::vector<int64_t> readOrder(const std::string& dataDigest) override;
 
  private:
@@ -64,6 +66,8 @@ class FanotifyLoader final : public Loader {
   std::map<std::string, LayerStats> helperStats_;  // by data digest, from the last ping
   LoaderProcess proc_;
   bool stopping_ = false;
+  bool keepHelper_ = false;  // live restore: leave proc_ running at the end
+  int stalePid_ = -1;        // an earlier edge's loader process, until endStaleHelper
   std::thread supervisor_;
   std::condition_variable stopCv_;
 };

@@ -161,12 +161,10 @@ Result<std::unique_ptr<FuseLoader>> FuseLoader::start(image::BlobStore* store,
   l->store_ = store;
   l->opts_ = std::move(opts);
   RETURN_IF_ERROR(makeDirs(l->opts_.runDir, 0700));
-  // A loader left by an edge that crashed serves sandboxes that are reaped now.
-  if (int pid = staleLoaderPid(l->opts_.runDir + "/loader.pid"); pid > 0) {
-    log::warn("killing the loader process " + std::to_string(pid) + " of an earlier edge");
-    abortConnection(l->opts_.mountDir);
-    ::kill(pid, SIGKILL);
-  }
+  // A loader left by an earlier edge serves the mounts of the sandboxes it
+  // left over its own FUSE connection: it runs on (its mount detached here)
+  // until they are gone (endStaleHelper).
+  l->stalePid_ = staleLoaderPid(l->opts_.runDir + "/loader.pid");
   detachMounts(l->opts_.mountDir);
   RETURN_IF_ERROR(makeDirs(l->opts_.mountDir, 0755));
   {
@@ -178,16 +176,39 @@ Result<std::unique_ptr<FuseLoader>> FuseLoader::start(image::BlobStore* store,
 }
 
 FuseLoader::~FuseLoader() {
+  endStaleHelper();
   {
     std::lock_guard lk(mu_);
     stopping_ = true;
-    proc_.stop(opts_.pingTimeoutS, 1.0);
-    killHelper();  // the mount and the counters
+    if (keepHelper_) {
+      proc_.release();  // it serves on, its mount in place
+    } else {
+      proc_.stop(opts_.pingTimeoutS, 1.0);
+      killHelper();  // the mount and the counters
+    }
   }
   stopCv_.notify_all();
   if (supervisor_.joinable()) supervisor_.join();
+  if (keepHelper_) return;
   ::unlink((opts_.runDir + "/loader.pid").c_str());
   ::rmdir(opts_.mountDir.c_str());
+}
+
+void FuseLoader::keepHelperForNextEdge() {
+  std::lock_guard lk(mu_);
+  keepHelper_ = true;
+}
+
+void FuseLoader::endStaleHelper() {
+  std::lock_guard lk(mu_);
+  if (stalePid_ <= 0) return;
+  // Checked again: the pid was found at start and may have been reused. Its
+  // death ends its connection: reads through it fail (EIO), never zeros.
+  if (stalePid_ != proc_.pid() && isLoaderProcess(stalePid_)) {
+    log::warn("killing the loader process " + std::to_string(stalePid_) + " of an earlier edge");
+    ::kill(stalePid_, SIGKILL);
+  }
+  stalePid_ = -1;
 }
 
 Status FuseLoader::spawnHelper() {

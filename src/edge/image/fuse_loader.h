@@ -55,6 +55,9 @@ class FuseLoader final : public Loader {
   LayerStats stats(const std::string& dataDigest) override;
   std::vector<int64_t> readOrder(const std::string& dataDigest) override;
   std::vector<int> helperPids() const override;
+  void keepHelperForNextEdge() override;
+  void endStaleHelper() override;
+  bool staleHelperServesAdopted() const override { return true; }
   // Bumped by each process started; while the current one is found dead,
   // a value that matches no attachment (mounts over a dead process fail every
   // uncached read until remounted).
@@ -86,6 +89,8 @@ class FuseLoader final : public Loader {
   LoaderProcess proc_;
   uint64_t generation_ = 0;  // bumped by each process started
   bool stopping_ = false;
+  bool keepHelper_ = false;  // live restore: leave proc_ running at the end
+  int stalePid_ = -1;        // an earlier edge's loader process, until endStaleHelper
   std::thread supervisor_;
   std::condition_variable stopCv_;
 };

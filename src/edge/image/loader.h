@@ -60,6 +60,19 @@ class Loader {
   // (their server died): a mount made over such a path, under an older
   // generation, must be unmounted and its layer attached again.
   virtual uint64_t generation() { return 0; }
+  // Live restore: leaves the loader process serving what is attached so far
+  // to the sandboxes that outlive this edge (it keeps serving once its
+  // control socket closes); the next edge's loader ends it.
+  virtual void keepHelperForNextEdge() {}
+  // Ends the loader process an earlier edge left (found at start, and left
+  // running meanwhile so that the sandboxes it served never read unfilled
+  // bytes).
+  virtual void endStaleHelper() {}
+  // Whether that process must live until the sandboxes adopted from the
+  // earlier edge are gone: true when their layer mounts read through a
+  // connection only it serves (FUSE); false when this loader serves the same
+  // files as soon as they are attached again (fanotify).
+  virtual bool staleHelperServesAdopted() const { return false; }
 };
 
 }  // namespace dsec::edge

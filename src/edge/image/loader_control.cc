@@ -68,19 +68,23 @@ Result<std::shared_ptr<const image::ChunkIndex>> loadIndex(const std::string& pa
   return std::make_shared<const image::ChunkIndex>(std::move(idx));
 }
 
+bool isLoaderProcess(int pid) {
+  if (pid <= 1) return false;
+  auto cmd = readFile("/proc/" + std::to_string(pid) + "/cmdline");
+  if (!cmd.isOk()) return false;
+  for (const char* kind : {"fanotify", "fuse"}) {
+    if (cmd->find(std::string("loader\0", 7) + kind + std::string(1, '\0')) != std::string::npos) {
+      return true;
+    }
+  }
+  return false;
+}
+
 int staleLoaderPid(const std::string& pidFile) {
   auto s = readFile(pidFile);
   if (!s.isOk()) return -1;
   int pid = std::atoi(s->c_str());
-  if (pid <= 1) return -1;
-  auto cmd = readFile("/proc/" + std::to_string(pid) + "/cmdline");
-  if (!cmd.isOk()) return -1;
-  for (const char* kind : {"fanotify", "fuse"}) {
-    if (cmd->find(std::string("loader\0", 7) + kind + std::string(1, '\0')) != std::string::npos) {
-      return pid;
-    }
-  }
-  return -1;
+  return isLoaderProcess(pid) ? pid : -1;
 }
 
 ChunkSpan chunkSpan(int64_t chunkSize, int64_t dataSize, int64_t off, int64_t len) {

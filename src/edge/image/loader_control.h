@@ -71,6 +71,11 @@ class LoaderProcess {
   void stop(double timeoutS, double waitS);
   // SIGKILL, reap, close the socket. Fine when there is no process.
   void kill();
+  // Closes the socket and forgets the process, leaving it running.
+  void release() {
+    ctl_.reset();
+    pid_ = -1;
+  }
   int pid() const { return pid_; }
   bool connected() const { return ctl_.valid(); }
 
@@ -117,6 +122,8 @@ Result<std::shared_ptr<const image::ChunkIndex>> loadIndex(const std::string& pa
 // The pid written in `pidFile` if that process is still a `dsec loader`
 // (either kind), else -1: what an edge that crashed left running.
 int staleLoaderPid(const std::string& pidFile);
+// Whether `pid` is a `dsec loader` process (either kind).
+bool isLoaderProcess(int pid);
 
 // The chunks a read of [off, off+len) touches, clamped to the blob: first..last
 // inclusive; empty (first > last) for a read at or past the end or of 0 bytes.

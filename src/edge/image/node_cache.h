@@ -72,6 +72,14 @@ class NodeCache {
   const char* loaderName() const { return loader_ ? loader_->name() : "direct"; }
   const std::string& storeUri() const { return opts_.storeUri; }
   std::vector<int> loaderPids() const { return loader_ ? loader_->helperPids() : std::vector<int>{}; }
+  // The loader's hand-over between edges (see Loader).
+  void keepLoaderForNextEdge() {
+    if (loader_) loader_->keepHelperForNextEdge();
+  }
+  void endStaleLoader() {
+    if (loader_) loader_->endStaleHelper();
+  }
+  bool staleLoaderServesAdopted() const { return loader_ && loader_->staleHelperServesAdopted(); }
 
  private:
   struct Entry {

@@ -104,7 +104,6 @@ Result<std::unique_ptr<EgressFilter>> EgressFilter::start(const std::string& cgr
                   std::string("cannot load the eBPF egress filter: ") + strerror(err), err);
   }
   if (Status st = f->attachAll(); !st.isOk()) return st;
-  f->detachStale();
   return f;
 }
 

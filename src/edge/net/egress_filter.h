@@ -39,10 +39,20 @@ class EgressFilter {
  public:
   // Loads the programs and attaches them to `cgroupDir` (a cgroup v2 dir).
   // kFailedPrecondition when the kernel refuses (no BPF, no cgroup v2, not
-  // privileged), with the kernel's reason.
+  // privileged), with the kernel's reason. Programs an earlier run left
+  // attached stay until detachStale().
   static Result<std::unique_ptr<EgressFilter>> start(const std::string& cgroupDir);
-  // Detaches the programs.
+  // Detaches the programs (unless keepAttachedForNextEdge).
   ~EgressFilter();
+  // Detaches the programs an earlier run of this edge left attached (it
+  // crashed, or stopped with live restore): they keep its sandboxes to their
+  // rules (and unknown groups closed) until this filter knows the sandboxes
+  // re-adopted, so call it after their addSandbox/setRules.
+  void detachStale();
+  // Live restore: leaves the programs attached, with their maps, so the
+  // sandboxes that outlive this edge keep their egress until the next edge's
+  // filter takes over.
+  void keepAttachedForNextEdge() { attached_.clear(); }
 
   // The cgroup id of a cgroup v2 directory (what bpf_get_current_cgroup_id gives).
   static Result<uint64_t> cgroupId(const std::string& dir);
@@ -60,7 +70,6 @@ class EgressFilter {
  private:
   EgressFilter() = default;
   Status attachAll();
-  void detachStale();
 
   std::string dir_;
   UniqueFd cgFd_;

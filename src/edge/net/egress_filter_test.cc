@@ -157,14 +157,25 @@ TEST_F(EgressFilterTest, IPv6RulesAndPortRanges) {
 }
 
 TEST_F(EgressFilterTest, ASecondStartReplacesTheFirstsPrograms) {
-  // A crashed edge's programs stay attached; the next start detaches them.
+  // A crashed edge's programs stay attached; the next start detaches them
+  // once it knows the sandboxes it re-adopts.
+  auto rules = compileEgress({entry("198.51.100.7:53")}, "egress");
+  ASSERT_TRUE(filter_->addSandbox(cg_).isOk());
+  ASSERT_TRUE(filter_->setRules(cg_, *rules).isOk());
+  filter_->keepAttachedForNextEdge();  // as if it had crashed
   auto second = EgressFilter::start(parent_);
   ASSERT_TRUE(second.isOk()) << second.status().toString();
+  // Both attached: the new one does not know the group yet, so it is closed.
+  EXPECT_EQ(inGroup(sb_, [] { return udpConnect(AF_INET, "198.51.100.7", 53); }), EPERM);
   ASSERT_TRUE((*second)->addSandbox(cg_).isOk());
-  auto rules = compileEgress({entry("198.51.100.7:53")}, "egress");
   ASSERT_TRUE((*second)->setRules(cg_, *rules).isOk());
-  // Had the first filter's programs stayed, they would still deny this.
   EXPECT_EQ(inGroup(sb_, [] { return udpConnect(AF_INET, "198.51.100.7", 53); }), 0);
+  // The old programs, with their rules, go; the new ones alone decide.
+  (*second)->detachStale();
+  auto narrower = compileEgress({entry("198.51.100.8:53")}, "egress");
+  ASSERT_TRUE((*second)->setRules(cg_, *narrower).isOk());
+  EXPECT_EQ(inGroup(sb_, [] { return udpConnect(AF_INET, "198.51.100.8", 53); }), 0);
+  EXPECT_EQ(inGroup(sb_, [] { return udpConnect(AF_INET, "198.51.100.7", 53); }), EPERM);
 }
 
 }  // namespace

@@ -96,6 +96,15 @@ class EgressNet {
   // Deletes the nftables table (a missing one is ok). Idempotent. Leaves
   // ip_forward and the links as they are.
   Status stop();
+  // Live restore: leaves the table (and the links) for the next edge, whose
+  // start() replaces the table in one transaction; stop() then does nothing.
+  void keepForNextEdge() {
+    std::lock_guard lock(mu_);
+    stopped_ = true;
+  }
+  // Whether the host link of the sandbox exists (one a re-adopted sandbox
+  // kept from the edge before).
+  bool hasLink(const std::string& sandboxId) { return !linkGone(ifnameFor(sandboxId)); }
 
   // Whether start() found ip_forward at 0 and set it to 1.
   bool enabledIpForward() const { return enabledIpForward_; }

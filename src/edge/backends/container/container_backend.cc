@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <sched.h>
 #include <signal.h>
+#include <poll.h>
 #include <sys/mman.h>
 #include <sys/mount.h>
 #include <sys/resource.h>
@@ -20,6 +21,7 @@
 
 #include "common/log.h"
 #include "common/util.h"
+#include "edge/sandbox_state.h"
 
 #ifndef CLONE_PIDFD
 #define CLONE_PIDFD 0x00001000
@@ -71,6 +73,7 @@ class ContainerInstance : public Instance {
   Status freeze(bool frozen) override { return cgroups_->freeze(id_, frozen); }
   Status setLimits(const CgroupLimits& limits) override { return cgroups_->setLimits(id_, limits); }
   std::string upperDir() const override { return dir_ + "/upper"; }
+  pid_t initPid() const override { return pid_; }
   Result<UniqueFd> openNetns() const override {
     // pid_ is our child and not reaped while the instance lives: no reuse.
     std::string path = "/proc/" + std::to_string(pid_) + "/ns/net";
@@ -82,7 +85,7 @@ class ContainerInstance : public Instance {
   std::string id_;
   std::string dir_;
   std::vector<std::string> layers_;  // acquired from the layer cache
-  pid_t pid_ = -1;
+  pid_t pid_ = -1;  // our child, or an adopted PID 1 pinned by pidfd_
   UniqueFd pidfd_;
   std::shared_ptr<AgentConn> conn_;
   Cgroups* cgroups_ = nullptr;
@@ -212,35 +215,57 @@ void killAndReap(int pidfd) {
   siginfo_t info;
   // A PID 1 is reaped only after every process of its namespace is gone, so
   // once this returns the sandbox has no processes left.
-  while (waitid(idtype_t(P_PIDFD), id_t(pidfd), &info, WEXITED) != 0 && errno == EINTR) {
+  int rc;
+  while ((rc = waitid(idtype_t(P_PIDFD), id_t(pidfd), &info, WEXITED)) != 0 && errno == EINTR) {
+  }
+  if (rc != 0 && errno == ECHILD) {
+    // An adopted sandbox is not our child (its parent was the edge before
+    // us): its pidfd turns readable once it has exited, and a PID 1 exits
+    // only after the rest of its namespace.
+    struct pollfd p = {pidfd, POLLIN, 0};
+    while (::poll(&p, 1, -1) < 0 && errno == EINTR) {
+    }
   }
 }
+
+// The sandbox agent's reattach descriptor (aether/main.cc).
+constexpr int kAgentReattachFd = 9;
+
+#ifndef SYS_pidfd_getfd
+#define SYS_pidfd_getfd 438
+#endif
 
 }  // namespace
 
 Result<std::unique_ptr<ContainerBackend>> ContainerBackend::make(ContainerOptions opts,
                                                                   Cgroups* cgroups,
                                                                   LayerCache* layers,
-                                                                  Reactor* reactor) {
+                                                                  Reactor* reactor,
+                                                                  const std::set<std::string>& keep) {
   std::unique_ptr<ContainerBackend> b(new ContainerBackend(opts, cgroups, layers, reactor));
   b->userns_ = opts.userns != nullptr && opts.userns->enabled;
+  b->keep_ = keep;
   ASSIGN_OR_RETURN(b->aetherMemfd_, sealedCopy(opts.aetherPath));
   RETURN_IF_ERROR(makeDirs(opts.sandboxRoot, 0700));
   // A crashed predecessor's leftovers go before the disk quota may mount on
   // sandboxRoot itself: its sandboxes' processes (with their cgroups), then
   // its mounts (its sandbox pool, its sandboxes' tmpfs), then directories.
+  // Sandboxes being re-adopted keep all of that, and the quota's pool too.
   for (auto& id : cgroups->list()) {
+    if (keep.count(id)) continue;
     (void)cgroups->remove(id);
-    ++b->orphans_;
+    b->orphans_.insert(id);
   }
-  for (auto& mp : mountsUnder(opts.sandboxRoot)) {
-    if (::umount2(mp.c_str(), MNT_DETACH) == 0) log::info("removed stale mount " + mp);
-  }
-  // Directories a run with another mechanism left (tmpfs mount points, plain
-  // upper dirs) would be hidden under a pool mounted here. Subvolumes of a
-  // btrfs root are refused (EXDEV) and left to cleanupOrphans.
-  for (auto& name : sandboxDirs(opts.sandboxRoot)) {
-    if (removeTree(opts.sandboxRoot + "/" + name).isOk()) ++b->orphans_;
+  if (keep.empty()) {
+    for (auto& mp : mountsUnder(opts.sandboxRoot)) {
+      if (::umount2(mp.c_str(), MNT_DETACH) == 0) log::info("removed stale mount " + mp);
+    }
+    // Directories a run with another mechanism left (tmpfs mount points, plain
+    // upper dirs) would be hidden under a pool mounted here. Subvolumes of a
+    // btrfs root are refused (EXDEV) and left to cleanupOrphans.
+    for (auto& name : sandboxDirs(opts.sandboxRoot)) {
+      if (removeTree(opts.sandboxRoot + "/" + name).isOk()) b->orphans_.insert(name);
+    }
   }
   // Before any agent is cloned, so that every agent's mount namespace has it.
   DiskQuotaOptions qo;
@@ -248,7 +273,19 @@ Result<std::unique_ptr<ContainerBackend>> ContainerBackend::make(ContainerOption
   qo.poolImage = opts.diskPoolImage.empty() ? opts.sandboxRoot + ".img" : opts.diskPoolImage;
   qo.poolBytes = opts.diskPoolBytes;
   qo.mode = opts.diskQuota;
+  qo.adopt = !keep.empty();
   ASSIGN_OR_RETURN(b->quota_, openDiskQuota(qo));
+  if (!keep.empty()) {
+    // The other sandboxes' directories go through the quota (a tmpfs or a
+    // subvolume each); cleanupOrphans counts them.
+    for (auto& name : sandboxDirs(opts.sandboxRoot)) {
+      if (keep.count(name)) continue;
+      if (Status st = b->quota_->remove(name); !st.isOk()) {
+        log::error("cleanup orphan " + name + ": " + st.toString());
+      }
+      b->orphans_.insert(name);
+    }
+  }
   // With user namespaces, agents start with their working directory here and
   // look up their own sandbox's directory in it as host uid `base`: that
   // needs search (only) permission. Its parents stay 0700, and each sandbox's
@@ -476,7 +513,8 @@ Result<std::unique_ptr<Instance>> ContainerBackend::create(const SandboxSpec& sp
   // 0. Needs CAP_SYS_RESOURCE, which some hosts withhold: best effort.
   (void)writeKnob("/proc/" + std::to_string(inst->pid_) + "/oom_score_adj", "-1000");
   laps.lap("attach");
-  json init = {{"hostname", spec.id}};
+  // The sandbox outlives this edge: the next one reattaches to its agent.
+  json init = {{"hostname", spec.id}, {"reattach", true}};
   if (userns_) {
     // Relative to aether's working directory, the sandbox root (ChildArgs):
     // the absolute path crosses 0700 directories of host root.
@@ -508,6 +546,87 @@ Result<std::unique_ptr<Instance>> ContainerBackend::create(const SandboxSpec& sp
     return fail(st);
   }
   log::debug("create " + spec.id + " ms: " + laps.str());
+  return std::unique_ptr<Instance>(std::move(inst));
+}
+
+Result<std::unique_ptr<Instance>> ContainerBackend::adopt(const SandboxState& state,
+                                                          std::function<void()> onDeath) {
+  auto inst = std::make_unique<ContainerInstance>();
+  inst->id_ = state.spec.id;
+  inst->cgroups_ = cgroups_;
+  inst->dir_ = opts_.sandboxRoot + "/" + state.spec.id;
+  inst->pid_ = state.pid;
+  auto fail = [&](Status st) -> Status {
+    if (inst->conn_) reactor_->remove(inst->conn_);
+    for (auto& d : inst->layers_) layers_->release(d);
+    return st.withContext("adopt " + state.spec.id);
+  };
+  int pidfd = int(syscall(SYS_pidfd_open, state.pid, 0));
+  if (pidfd < 0) return fail(sysError("pidfd_open"));
+  inst->pidfd_.reset(pidfd);
+  // With the pid pinned, make sure it is still the PID 1 we recorded.
+  auto started = processStartTime(state.pid);
+  if (!started.isOk() || *started != state.startTime) {
+    return fail(Status(Code::kNotFound, "its PID 1 is gone"));
+  }
+  // A paused sandbox's agent is frozen too, and cannot notice the old edge
+  // go: it runs just long enough to reattach.
+  if (state.paused) {
+    if (Status st = cgroups_->freeze(state.spec.id, false); !st.isOk()) return fail(st);
+  }
+  // The agent noticed the old edge's end close and left the end of a fresh
+  // connection on its reattach descriptor (aether/agent.h); until it has,
+  // that holds /dev/null.
+  UniqueFd sock;
+  double deadline = monoSeconds() + opts_.startTimeoutS;
+  for (;;) {
+    UniqueFd fd(int(syscall(SYS_pidfd_getfd, pidfd, kAgentReattachFd, 0)));
+    if (!fd) return fail(sysError("pidfd_getfd"));
+    struct stat st;
+    if (::fstat(fd.get(), &st) == 0 && S_ISSOCK(st.st_mode)) {
+      sock = std::move(fd);
+      break;
+    }
+    if (monoSeconds() > deadline) {
+      return fail(Status(Code::kUnavailable, "its agent offers no connection to reattach"));
+    }
+    ::usleep(5000);
+  }
+  ::fcntl(sock.get(), F_SETFD, FD_CLOEXEC);
+  inst->conn_ = std::make_shared<AgentConn>(std::move(sock), "agent-" + std::to_string(state.pid));
+  if (Status st = reactor_->add(inst->conn_); !st.isOk()) {
+    inst->conn_.reset();
+    return fail(st);
+  }
+  if (Status st = inst->conn_->send(0, proto::FrameType::kReattach, "{}"); !st.isOk()) {
+    return fail(st);
+  }
+  deadline = monoSeconds() + opts_.startTimeoutS;
+  for (;;) {
+    auto f = inst->conn_->control()->next(deadline);
+    if (!f.isOk()) return fail(Status(Code::kUnavailable, "its agent did not answer: " +
+                                                              f.status().message()));
+    if (f->type == proto::FrameType::kHello) break;
+    if (f->type == proto::FrameType::kResult) {
+      Status st = resultStatus(f->payload);
+      return fail(st.isOk() ? internalError("reattach: unexpected result") : st);
+    }
+  }
+  if (state.paused) {
+    if (Status st = cgroups_->freeze(state.spec.id, true); !st.isOk()) return fail(st);
+  }
+  // The layers stay mounted inside the sandbox whatever happens here; the
+  // references keep the node from evicting what it still uses.
+  for (auto& d : state.spec.layers) {
+    if (auto m = layers_->acquire(d); m.isOk()) {
+      inst->layers_.push_back(d);
+    } else {
+      log::warn("adopt " + state.spec.id + ": layer " + d + ": " + m.status().toString());
+    }
+  }
+  if (Status st = reactor_->watchExit(inst->pidfd_.get(), std::move(onDeath)); !st.isOk()) {
+    return fail(st);
+  }
   return std::unique_ptr<Instance>(std::move(inst));
 }
 
@@ -554,7 +673,7 @@ void ContainerBackend::cleanerLoop() {
   }
 }
 
-void ContainerBackend::shutdown() {
+void ContainerBackend::shutdown(bool keepSandboxes) {
   {
     std::lock_guard lk(spareMu_);
     stopSpares_ = true;
@@ -568,8 +687,15 @@ void ContainerBackend::shutdown() {
   spares_.clear();
   std::unique_lock lk(cleanMu_);
   cleanCv_.wait(lk, [&] { return cleanQueue_.empty() && !cleaning_; });
-  // Every sandbox directory is gone: the pool (mount, loop device, image) may go.
-  if (quota_) quota_->close();
+  // Every sandbox directory is gone: the pool (mount, loop device, image) may
+  // go, unless sandboxes live on for the next edge.
+  if (quota_) {
+    if (keepSandboxes) {
+      quota_->keepForNextEdge();
+    } else {
+      quota_->close();
+    }
+  }
 }
 
 ContainerBackend::~ContainerBackend() {
@@ -582,17 +708,24 @@ ContainerBackend::~ContainerBackend() {
   if (cleaner_.joinable()) cleaner_.join();
 }
 
+void ContainerBackend::removeOrphan(const std::string& id) {
+  // Removing the cgroups kills (and waits for) every process in them.
+  if (Status st = cgroups_->remove(id); !st.isOk()) log::error("orphan " + id + ": " + st.toString());
+  if (Status st = quota_->remove(id); !st.isOk()) log::error("orphan " + id + ": " + st.toString());
+}
+
 int ContainerBackend::cleanupOrphans() {
-  int n = std::exchange(orphans_, 0);
+  std::set<std::string> ids = std::exchange(orphans_, {});
   // Processes, mounts and plain directories went in make(); what is left are
   // subvolumes of a btrfs root, which only the quota can remove.
   for (auto& name : sandboxDirs(opts_.sandboxRoot)) {
+    if (keep_.count(name)) continue;
     if (Status st = quota_->remove(name); !st.isOk()) {
       log::error("cleanup orphan " + name + ": " + st.toString());
     }
-    ++n;
+    ids.insert(name);
   }
-  return n;
+  return int(ids.size());
 }
 
 }  // namespace dsec::edge

@@ -18,6 +18,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 
@@ -52,16 +53,22 @@ class ContainerBackend : public Backend {
   // processes, mounts, directories) before it sets up the disk quota, which
   // may mount on opts.sandboxRoot; cleanupOrphans reports them and removes
   // what only the quota can.
+  // The sandboxes in `keep` are being re-adopted (adopt() follows): their
+  // cgroups, directories and mounts, and the disk quota's pool, stay.
   static Result<std::unique_ptr<ContainerBackend>> make(ContainerOptions opts, Cgroups* cgroups,
-                                                        LayerCache* layers, Reactor* reactor);
+                                                        LayerCache* layers, Reactor* reactor,
+                                                        const std::set<std::string>& keep = {});
   ~ContainerBackend() override;
 
   std::string name() const override { return "container"; }
   Result<std::unique_ptr<Instance>> create(const SandboxSpec& spec,
                                            std::function<void()> onDeath) override;
+  Result<std::unique_ptr<Instance>> adopt(const SandboxState& state,
+                                          std::function<void()> onDeath) override;
   Status destroy(Instance& inst) override;
+  void removeOrphan(const std::string& id) override;
   int cleanupOrphans() override;
-  void shutdown() override;
+  void shutdown(bool keepSandboxes = false) override;
   // The mechanism bounding each sandbox's writable layer, for logs.
   std::string diskQuotaInfo() const { return quota_->describe(); }
 
@@ -76,7 +83,8 @@ class ContainerBackend : public Backend {
   UniqueFd aetherMemfd_;  // sealed copy of dsec-aether, exec'd by every sandbox
   std::unique_ptr<DiskQuota> quota_;  // set up before the first agent is cloned
   bool userns_ = false;               // opts_.userns is set and enabled
-  int orphans_ = 0;  // leftovers make() removed, for cleanupOrphans' count
+  std::set<std::string> orphans_;  // sandboxes whose leftovers make() removed, for cleanupOrphans
+  std::set<std::string> keep_;  // make()'s: being re-adopted, never orphans
 
   // An agent in fresh namespaces that has not been sent its init frame yet.
   struct Agent {
