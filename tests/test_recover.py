@@ -355,9 +355,9 @@ def test_recover_after_the_platform_died_and_forgot_the_sandbox(tmp_path):
     tar = os.path.join(os.environ.get("DSEC_IMAGE_CACHE", "/var/cache/dsec/test-images"),
                        "busybox.tar")
     srv = Server(tmp_path / "data")
-    srv.start()
     t = tid()
     try:
+        srv.start()
         srv.import_image("busybox:latest", tar)
         sb = srv.client.create("busybox:latest", labels={"who": "lost"}, env={"K": "v"})
         tr = sb.trajectory(t)
@@ -365,17 +365,18 @@ def test_recover_after_the_platform_died_and_forgot_the_sandbox(tmp_path):
         tr.write_file("/root/data", b"survives a crash\n")
         tr.exec("echo 2 >> /root/log")
     finally:
-        srv.proc.kill()  # SIGKILL: nothing is cleaned up by the process
-        srv.proc.wait()
-        srv._log.close()
+        if srv.proc is not None:
+            srv.proc.kill()  # SIGKILL: nothing is cleaned up by the process
+            srv.proc.wait()
+            srv._log.close()
         (tmp_path / "data" / "up.json").unlink()  # stale: the killed run could not remove it
     db = sqlite3.connect(tmp_path / "data" / "state.db")
     with db:
         db.execute("DELETE FROM sandboxes WHERE id=?", (sb.id,))
     db.close()
     srv = Server(tmp_path / "data")
-    srv.start()
     try:
+        srv.start()
         expect_error(lambda: srv.client.get(sb.id), dsec.NotFound)
         new = srv.client.recover(t)
         assert new.recovery["previous_sandbox"] == sb.id
@@ -387,4 +388,5 @@ def test_recover_after_the_platform_died_and_forgot_the_sandbox(tmp_path):
         assert r.replayed
         new.destroy()
     finally:
-        srv.stop()
+        if srv.proc is not None and srv.proc.poll() is None:
+            srv.stop()

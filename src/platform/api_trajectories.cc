@@ -187,6 +187,9 @@ void Platform::releaseStepBytes(const std::set<std::string>& digests) {
 Status Platform::sweepStepBytes() {
   std::string dir = opts_.dataDir + "/steps";
   std::lock_guard lk(trajMu_);
+  // Retention deletes trajectories behind the cache's back; forgetting it
+  // every GC pass bounds how long it can be stale.
+  trajectories_.clear();
   DIR* d = ::opendir(dir.c_str());
   if (!d) return errno == ENOENT ? Status::ok() : sysError("open " + dir);
   ASSIGN_OR_RETURN(std::set<std::string> used, store_->stepContents());
