@@ -81,18 +81,29 @@ void Platform::deleteTrajectory(const std::string& id, http::Response& res) {
 // ----- the trajectory's sandbox -------------------------------------------------
 
 Result<TrajectoryRecord> Platform::trajectoryRecord(const std::string& trajectory) {
+  auto none = [&] { return notFound("trajectory " + trajectory + " has no record"); };
   {
     std::lock_guard lk(trajMu_);
     auto it = trajectories_.find(trajectory);
-    if (it != trajectories_.end()) return it->second;
+    if (it != trajectories_.end()) {
+      if (it->second.sandbox.empty()) return none();
+      return it->second;
+    }
   }
-  ASSIGN_OR_RETURN(TrajectoryRecord r, store_->getTrajectory(trajectory));
-  r.sandboxDoc.clear();  // only a recover needs it; it reads the store
-  std::lock_guard lk(trajMu_);
-  // A cache, not a registry: bounded by dropping it all now and then.
-  if (trajectories_.size() >= 4096) trajectories_.clear();
-  trajectories_[trajectory] = r;
-  return r;
+  auto r = store_->getTrajectory(trajectory);
+  if (!r.isOk() && r.status().code() != Code::kNotFound) return r.status();
+  // Absence is cached too (an empty sandbox): only this process writes
+  // records, and it updates the cache when it does.
+  TrajectoryRecord cached = r.isOk() ? *r : TrajectoryRecord{};
+  cached.sandboxDoc.clear();  // only a recover needs it; it reads the store
+  {
+    std::lock_guard lk(trajMu_);
+    // A cache, not a registry: bounded by dropping it all now and then.
+    if (trajectories_.size() >= 4096) trajectories_.clear();
+    trajectories_[trajectory] = cached;
+  }
+  if (!r.isOk()) return none();
+  return cached;
 }
 
 std::string Platform::routeStep(const std::string& id, const std::string& trajectory) {

@@ -986,7 +986,7 @@ class Trajectory:
         and gets the one made the first time, replayed."""
         n = self._take()
         if name is None:
-            name = "chronus/" + self.id.replace(":", "-").lstrip(".-")
+            name = "chronus/" + self.id.replace(":", "-")
         if tag is None:
             tag = f"step-{n}"
         return self.sandbox.pack_diff(name, tag, trajectory_id=self.id, step=n)
