@@ -302,7 +302,9 @@ def test_a_rollout_killed_at_random_steps_runs_each_step_once(make_sandbox, busy
     completed = 0  # steps whose result the process printed
     kills = []
     for _ in range(5):
-        at = rnd.randrange(completed, n)  # lines to wait for before the kill
+        # Lines to wait for before the kill: somewhere in the first half of
+        # what is left, so the kills spread over the rollout.
+        at = rnd.randrange(completed, completed + (n - completed) // 2 + 1)
         delay = rnd.uniform(0, 0.05)  # then a little more, to land mid-step
         kills.append((at, round(delay, 3)))
         p = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
