@@ -159,6 +159,32 @@ def test_error_answers_conform(server, busybox):
     conforms(server.raw("GET", "/v1/images/nope:v0"), "/v1/images/{ref}", "GET")
 
 
+def test_checkpoint_and_recover_answers_conform(server, busybox, make_sandbox):
+    sb = make_sandbox(busybox)
+    t = unique("ct")
+    pd = "/v1/sandboxes/{id}/pack_diff"
+    conforms(server.raw("POST", f"/v1/sandboxes/{sb.id}/exec",
+                        body={"cmd": "echo a > /root/a", "trajectory_id": t, "step": 0}),
+             "/v1/sandboxes/{id}/exec", "POST")
+    name = unique("ckpt")
+    img = conforms(server.raw("POST", f"/v1/sandboxes/{sb.id}/pack_diff",
+                              body={"name": name, "trajectory_id": t, "step": 1}), pd, "POST")
+    assert img["replayed"] is False and img["step"] == 1
+    conforms(server.raw("POST", f"/v1/sandboxes/{sb.id}/pack_diff",
+                        body={"name": name + "x", "trajectory_id": t, "step": 1}), pd, "POST")
+    rec = "/v1/trajectories/{trajectory_id}/recover"
+    conforms(server.raw("POST", f"/v1/trajectories/{t}/recover", body={}), rec, "POST")
+    conforms(server.raw("POST", f"/v1/trajectories/{t}/recover", body={"force": 1}), rec, "POST")
+    conforms(server.raw("POST", f"/v1/trajectories/{unique('no')}/recover", body={}), rec,
+             "POST")
+    sb.destroy()
+    doc = conforms(server.raw("POST", f"/v1/trajectories/{t}/recover", body={}), rec, "POST")
+    server.created.add(doc["sandbox"]["id"])
+    make_sandbox.sandboxes.append(server.client.sandbox(doc["sandbox"]["id"]))
+    assert doc["checkpoint_step"] == 1 and doc["reexecuted_steps"] == 0
+    server.client.delete_trajectory(t)
+
+
 def test_image_and_blob_answers_conform(server, busybox):
     conforms(server.raw("GET", "/v1/health", token=None), "/v1/health", "GET")
     conforms(server.raw("GET", "/v1/images"), "/v1/images", "GET")

@@ -225,25 +225,50 @@ void Platform::createImage(http::Request& req, http::Response& res) {
 }
 
 void Platform::packDiff(const std::string& id, http::Request& req, http::Response& res) {
-  auto j = parseObject(req, {"name", "tag"});
-  if (!j.isOk()) return sendError(res, j.status());
-  auto name = getString(*j, "name", "", 200);
+  auto parsed = parseObject(req, {"name", "tag", "trajectory_id", "step"});
+  if (!parsed.isOk()) return sendError(res, parsed.status());
+  json j = *parsed;
+  auto key = Chronus::parseKey(j.contains("trajectory_id") ? &j["trajectory_id"] : nullptr,
+                               j.contains("step") ? &j["step"] : nullptr);
+  if (!key.isOk()) return sendError(res, key.status());
+  j.erase("trajectory_id");
+  j.erase("step");
+  auto name = getString(j, "name", "", 200);
   if (!name.isOk()) return sendError(res, name.status());
-  auto tag = getString(*j, "tag", "latest", 128);
+  auto tag = getString(j, "tag", "latest", 128);
   if (!tag.isOk()) return sendError(res, tag.status());
   ImageRecord img;
   if (Status st = parseImageRef(*name + ":" + *tag, img.name, img.tag); !st.isOk()) {
     return sendError(res, invalidArg(name->empty() ? "name" : "tag", st.message()));
   }
   if (img.name != *name) return sendError(res, invalidArg("name", "name must not contain ':'"));
-  auto sb = runningSandbox(id);
-  if (!sb.isOk()) return sendError(res, sb.status());
+  if (!*key) {
+    auto made = packDiffImage(id, std::move(img));
+    if (!made.isOk()) return sendError(res, made.status());
+    return sendJson(res, 201, imageToApi(*made).dump());
+  }
+  // A checkpoint: a trajectory step like an exec. Its result (the image and
+  // its layers) is kept; a repeat returns it without packing a new layer.
+  // The request is what was asked, tag defaulted, so the digest is stable.
+  json request = {{"name", img.name}, {"tag", img.tag}};
+  const std::string sid = routeStep(id, (*key)->trajectory);
+  auto out = chronus_->once(**key, "checkpoint", sid, request, [&]() -> Result<StepOutcome> {
+    ASSIGN_OR_RETURN(ImageRecord made, packDiffImage(sid, img));
+    return StepOutcome{201, "application/json", imageToApi(made).dump()};
+  });
+  if (!out.isOk()) return sendError(res, out.status());
+  if (!out->replayed) noteStepSandbox((*key)->trajectory, sid);
+  sendStep(res, **key, *out);
+}
+
+Result<ImageRecord> Platform::packDiffImage(const std::string& id, ImageRecord img) {
+  ASSIGN_OR_RETURN(SandboxRecord sb, runningSandbox(id));
   // Built beside the blob store, so the result is renamed into it, not copied.
   std::string work = opts_.dataDir + "/blobs/pack-" + randomHex(6);
   auto layer = edge_->packDiff(id, work);
   if (!layer.isOk()) {
     (void)removeTree(work);
-    return sendError(res, layer.status());
+    return layer.status();
   }
   Status st;
   if (::rename(layer->dataPath.c_str(), blobPath(opts_.dataDir, layer->dataDigest).c_str()) != 0 ||
@@ -253,35 +278,32 @@ void Platform::packDiff(const std::string& id, http::Request& req, http::Respons
   (void)removeTree(work);
   if (st.isOk()) st = linkBlob(layer->dataDigest, layer->dataSize, "");
   if (st.isOk()) st = linkBlob(layer->digest, layer->size, layer->dataDigest);
-  if (!st.isOk()) return sendError(res, st);
+  RETURN_IF_ERROR(st);
   // A snapshot is the sandbox's own diffs plus this one, on the same stack.
   img.kind = "diff";
-  for (auto& ref : sb->diffs) {
-    auto layers = resolveLayers(ref, "diff", "diffs");
-    if (!layers.isOk()) return sendError(res, layers.status());
-    img.layers.insert(img.layers.end(), layers->begin(), layers->end());
+  for (auto& ref : sb.diffs) {
+    ASSIGN_OR_RETURN(auto layers, resolveLayers(ref, "diff", "diffs"));
+    img.layers.insert(img.layers.end(), layers.begin(), layers.end());
   }
   img.layers.push_back(layer->digest);
   for (auto& d : img.layers) {
     auto size = store_->blobSize(d);
     if (size.isOk()) img.size += *size;
   }
-  img.parent = json{{"image", sb->image}, {"workspaces", sb->workspaces},
-                    {"toolkits", sb->toolkits}}.dump();
+  img.parent = json{{"image", sb.image}, {"workspaces", sb.workspaces},
+                    {"toolkits", sb.toolkits}}.dump();
   img.createdAt = nowSeconds();
   {
     std::lock_guard gc(gcMu_);
     auto blob = store_->getBlob(layer->digest);
     if (blob.isOk() && !blob->kind.empty() && blob->kind != "diff") {
-      return sendError(res, Status(Code::kConflict, "the diff equals an existing " + blob->kind +
-                                                        " layer " + layer->digest));
+      return Status(Code::kConflict,
+                    "the diff equals an existing " + blob->kind + " layer " + layer->digest);
     }
-    for (auto& d : img.layers) {
-      if (Status ks = store_->setBlobKind(d, "diff"); !ks.isOk()) return sendError(res, ks);
-    }
-    if (Status ps = store_->putImage(img); !ps.isOk()) return sendError(res, ps);
+    for (auto& d : img.layers) RETURN_IF_ERROR(store_->setBlobKind(d, "diff"));
+    RETURN_IF_ERROR(store_->putImage(img));
   }
-  sendJson(res, 201, imageToApi(img).dump());
+  return img;
 }
 
 std::set<std::string> Platform::layersInUse() {
@@ -340,6 +362,10 @@ Result<std::vector<std::string>> Platform::collectGarbage(double graceS) {
     removed.push_back(b.digest);
   }
   if (!removed.empty()) log::info("gc: removed " + std::to_string(removed.size()) + " blobs");
+  // Bytes of write steps live apart from layers (stepBytesPath); those no
+  // stored step keeps any more (retention, a crash before the step was
+  // stored) go here.
+  if (Status st = sweepStepBytes(); !st.isOk()) log::warn("gc: step bytes: " + st.toString());
   return removed;
 }
 

@@ -87,6 +87,8 @@ Result<int> parseMode(const std::optional<std::string>& s, int def) {
 
 }  // namespace
 
+json sandboxToApi(const SandboxRecord& r) { return toApi(r); }
+
 void Platform::createSandbox(http::Request& req, http::Response& res) {
   auto parsed = parseObject(req, {"image", "backend", "cpu", "memory_mb", "disk_mb", "pids",
                                   "ttl_s", "idle_timeout_s", "auto_pause_s", "env", "labels",
@@ -245,6 +247,14 @@ void Platform::createSandbox(http::Request& req, http::Response& res) {
     if (r.user.empty()) r.user = imageConfig.user;
     r.workingDir = imageConfig.workingDir;
   }
+  auto made = launch(std::move(r));
+  if (!made.isOk()) return fail(made.status());
+  sendJson(res, 201, dumpJson(toApi(*made)));
+}
+
+// From a checked record (layers resolved, env/user/working dir final) to a
+// running sandbox, or to nothing at all.
+Result<SandboxRecord> Platform::launch(SandboxRecord r) {
   r.id = "sb-" + randomHex(8);
   r.state = "creating";
   r.createdAt = r.updatedAt = nowSeconds();
@@ -255,9 +265,7 @@ void Platform::createSandbox(http::Request& req, http::Response& res) {
     shuttingDown = stopping_;
     if (!shuttingDown) sandboxes_[r.id] = r;
   }
-  // Responses are written outside mu_: a client that does not read must not
-  // stall the platform.
-  if (shuttingDown) return fail(Status(Code::kUnavailable, "platform is shutting down"));
+  if (shuttingDown) return Status(Code::kUnavailable, "platform is shutting down");
   // Persisted before the edge acts, so a crash mid-create leaves a record that
   // start-up recovery resolves.
   if (Status st = store_->putSandbox(r); !st.isOk()) {
@@ -265,7 +273,7 @@ void Platform::createSandbox(http::Request& req, http::Response& res) {
       std::lock_guard lk(mu_);
       sandboxes_.erase(r.id);
     }
-    return fail(st);
+    return st;
   }
   edge::SandboxSpec spec;
   spec.id = r.id;
@@ -301,7 +309,7 @@ void Platform::createSandbox(http::Request& req, http::Response& res) {
     }
     stateCv_.notify_all();
     (void)store_->deleteSandbox(r.id);
-    return fail(st);
+    return st;
   }
   bool cancelled;
   {
@@ -321,7 +329,7 @@ void Platform::createSandbox(http::Request& req, http::Response& res) {
   Status ps = store_->putSandbox(r);
   stateCv_.notify_all();
   if (cancelled) {
-    return fail(Status(Code::kConflict, "sandbox " + r.id + " was deleted while being created"));
+    return Status(Code::kConflict, "sandbox " + r.id + " was deleted while being created");
   }
   if (!ps.isOk()) {
     (void)edge_->destroy(r.id);
@@ -331,9 +339,9 @@ void Platform::createSandbox(http::Request& req, http::Response& res) {
     }
     stateCv_.notify_all();
     (void)store_->deleteSandbox(r.id);
-    return fail(ps);
+    return ps;
   }
-  sendJson(res, 201, dumpJson(toApi(r)));
+  return r;
 }
 
 void Platform::listSandboxes(http::Request& req, http::Response& res) {
@@ -634,12 +642,14 @@ void Platform::execSandbox(const std::string& id, http::Request& req, http::Resp
     if (streamAsked) {
       return sendError(res, invalidArg("stream", "a trajectory step cannot be streamed"));
     }
-    auto out = chronus_->once(**key, "exec", id, j, [&]() -> Result<StepOutcome> {
-      ASSIGN_OR_RETURN(ExecPlan plan, planExec(id, j, req));
-      ASSIGN_OR_RETURN(edge::ExecResult r, edge_->exec(id, plan.spec, nullptr));
+    const std::string sid = routeStep(id, (*key)->trajectory);
+    auto out = chronus_->once(**key, "exec", sid, j, [&]() -> Result<StepOutcome> {
+      ASSIGN_OR_RETURN(ExecPlan plan, planExec(sid, j, req));
+      ASSIGN_OR_RETURN(edge::ExecResult r, edge_->exec(sid, plan.spec, nullptr));
       return StepOutcome{200, "application/json", dumpJson(execResultJson(r, plan.b64))};
     });
     if (!out.isOk()) return sendError(res, out.status());
+    if (!out->replayed) noteStepSandbox((*key)->trajectory, sid);
     return sendStep(res, **key, *out);
   }
   auto planned = planExec(id, j, req);
@@ -704,9 +714,11 @@ Result<bool> recursiveParam(const http::Request& req) {
 // A file call as a trajectory step (?trajectory_id=&step=): writes, reads,
 // removes and mkdirs run once; the request digest covers the path, the mode
 // and the content written.
-void Platform::fileStep(const std::string& id, const std::string& op, const StepKey& key,
+void Platform::fileStep(const std::string& asked, const std::string& op, const StepKey& key,
                         http::Request& req, http::Response& res) {
+  const std::string id = routeStep(asked, key.trajectory);
   const std::string& m = req.method;
+  std::string pinned;  // bytes kept for this write, pinned until the step is stored
   constexpr size_t kMaxStepBytes = 64u << 20;  // a step's result is kept whole
   json request;
   std::string kind;
@@ -740,6 +752,9 @@ void Platform::fileStep(const std::string& id, const std::string& op, const Step
       request["size"] = content.size();
       run = [&, p = *path, md = *mode]() -> Result<StepOutcome> {
         RETURN_IF_ERROR(runningSandbox(id).status());
+        // Kept durably before the step can be acknowledged, so a recover can
+        // write them again (the request holds only their digest).
+        ASSIGN_OR_RETURN(pinned, keepStepBytes(content));
         size_t off = 0;
         auto src = [&](char* buf, size_t n) -> Result<size_t> {
           size_t k = std::min(n, content.size() - off);
@@ -748,7 +763,9 @@ void Platform::fileStep(const std::string& id, const std::string& op, const Step
           return k;
         };
         ASSIGN_OR_RETURN(uint64_t size, edge_->writeFile(id, p, md, src));
-        return StepOutcome{200, "application/json", dumpJson(json{{"path", p}, {"size", size}})};
+        StepOutcome o{200, "application/json", dumpJson(json{{"path", p}, {"size", size}})};
+        o.content = pinned;
+        return o;
       };
     } else if (m == "GET") {
       kind = "read";
@@ -784,8 +801,95 @@ void Platform::fileStep(const std::string& id, const std::string& op, const Step
                                      "only file writes, reads, removes and mkdirs are steps"));
   }
   auto out = chronus_->once(key, kind, id, request, run);
+  if (!pinned.empty()) unpinStepBytes(pinned);
   if (!out.isOk()) return sendError(res, out.status());
+  if (!out->replayed) noteStepSandbox(key.trajectory, id);
   sendStep(res, key, *out);
+}
+
+// Re-executes logged step `s` in sandbox `id` for a recover (the request as
+// stored; a write's kept bytes). A result that differs from the logged one is
+// a divergence, returned as an object; null when it matched. An error means
+// the step could not be attempted (the sandbox is gone, bytes are missing)
+// and the recover must stop.
+Result<json> Platform::reexecStep(const std::string& id, const TrajectoryStep& s,
+                                  http::Request& req) {
+  const std::string where = "step " + std::to_string(s.step) + " (" + s.kind + ")";
+  json q = json::parse(s.request, nullptr, false);
+  if (!q.is_object()) return internalError(where + ": the stored request is not a JSON object");
+  json logged = json::parse(s.body, nullptr, false);
+  auto diverged = [&](const std::string& reason, json extra = json::object()) -> json {
+    extra["step"] = s.step;
+    extra["kind"] = s.kind;
+    extra["reason"] = reason;
+    return extra;
+  };
+  // A call that fails while the sandbox still runs is the step behaving
+  // differently now; one that fails because the sandbox went stops it all.
+  auto failed = [&](const Status& st) -> Result<json> {
+    RETURN_IF_ERROR(runningSandbox(id).status());
+    return diverged("failed: " + st.toString());
+  };
+  if (s.kind == "exec") {
+    auto plan = planExec(id, q, req);
+    if (!plan.isOk()) return failed(plan.status());
+    auto r = edge_->exec(id, plan->spec, nullptr);
+    if (!r.isOk()) return failed(r.status());
+    json now = {{"exit_code", r->exitCode},
+                {"signal", r->signal},
+                {"timed_out", r->timedOut},
+                {"oom_killed", r->oomKilled}};
+    json was = json::object();
+    for (auto& [k, v] : now.items()) was[k] = logged.is_object() ? logged.value(k, json()) : json();
+    if (now != was) {
+      return diverged("exit status differs: now " + now.dump() + ", logged " + was.dump(),
+                      {{"logged", was}, {"now", now}});
+    }
+    return json();
+  }
+  if (s.kind == "write") {
+    if (s.content.empty()) {
+      return Status(Code::kFailedPrecondition,
+                    where + " was logged before the bytes of writes were kept: it cannot be "
+                            "re-executed",
+                    0, "trajectory_id");
+    }
+    auto data = readFile(stepBytesPath(s.content));
+    if (!data.isOk()) {
+      return Status(Code::kFailedPrecondition,
+                    where + ": its kept bytes " + s.content +
+                        " cannot be read: " + data.status().message(),
+                    0, "trajectory_id");
+    }
+    if ("sha256:" + sha256Hex(*data) != s.content) {
+      return internalError(where + ": its kept bytes do not match " + s.content);
+    }
+    size_t off = 0;
+    auto src = [&](char* buf, size_t n) -> Result<size_t> {
+      size_t k = std::min(n, data->size() - off);
+      std::memcpy(buf, data->data() + off, k);
+      off += k;
+      return k;
+    };
+    int mode = q.value("mode", 0644);
+    auto w = edge_->writeFile(id, q.value("path", ""), mode, src);
+    if (!w.isOk()) return failed(w.status());
+    return json();
+  }
+  if (s.kind == "mkdir") {
+    auto args = mkdirArgs(q);
+    if (!args.isOk()) return failed(args.status());
+    auto r = edge_->fileCall(id, proto::FrameType::kMkdir, args->dump());
+    if (!r.isOk()) return failed(r.status());
+    return json();
+  }
+  if (s.kind == "remove") {
+    json args = {{"path", q.value("path", "")}, {"recursive", q.value("recursive", false)}};
+    auto r = edge_->fileCall(id, proto::FrameType::kRemove, args.dump());
+    if (!r.isOk()) return failed(r.status());
+    return json();
+  }
+  return json();  // reads and checkpoints change nothing
 }
 
 void Platform::files(const std::string& id, const std::string& op, http::Request& req,

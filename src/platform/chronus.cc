@@ -85,6 +85,7 @@ Result<StepOutcome> Chronus::once(const StepKey& key, const std::string& kind,
   s.body = out->body;
   s.startedAt = started;
   s.finishedAt = nowSeconds();
+  s.content = out->content;
   // Durable before it is acknowledged: a repeat after a crash replays it.
   Status st = store_->putStep(s);
   done();

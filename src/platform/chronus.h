@@ -5,6 +5,9 @@
 // different request is a conflict naming both digests. Steps of a trajectory
 // may run concurrently; a repeat of a step still in flight waits for it.
 //
+// The digest covers the kind and the request, never the sandbox: a step may
+// be replayed through another sandbox (one a recover made) without conflict.
+//
 // Only successful results are stored: a call that failed (the sandbox was
 // gone, a bad path) is not a step, and its repeat runs again. Thread-safe.
 #pragma once
@@ -35,6 +38,9 @@ struct StepOutcome {
   std::string body;
   bool replayed = false;
   std::string digest;
+  // Set by a live write: the digest of the bytes it kept for re-execution
+  // (stored with the step as TrajectoryStep::content).
+  std::string content;
 };
 
 class Chronus {

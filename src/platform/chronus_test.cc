@@ -113,5 +113,23 @@ TEST_F(ChronusTest, KeysAreChecked) {
   EXPECT_EQ(Chronus::parseKey(&t, &str).status().field(), "step");
 }
 
+// A write's kept bytes are named in the step, whatever sandbox it ran in:
+// the digest covers only the kind and the request.
+TEST_F(ChronusTest, KeepsContentAndIgnoresTheSandbox) {
+  auto run = [&]() -> Result<StepOutcome> {
+    StepOutcome o{200, "application/json", "{}"};
+    o.content = "sha256:bytes";
+    return o;
+  };
+  json req = {{"path", "/f"}, {"sha256", "ab"}};
+  auto first = chronus_->once({"t", 0}, "write", "sb-a", req, run);
+  ASSERT_TRUE(first.isOk());
+  EXPECT_EQ(store_->getStep("t", 0)->content, "sha256:bytes");
+  auto again = chronus_->once({"t", 0}, "write", "sb-b", req, run);
+  ASSERT_TRUE(again.isOk()) << again.status().toString();
+  EXPECT_TRUE(again->replayed);
+  EXPECT_EQ(again->digest, first->digest);
+}
+
 }  // namespace
 }  // namespace dsec::platform

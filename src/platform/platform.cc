@@ -378,6 +378,9 @@ void Platform::handle(http::Request& req, http::Response& res) {
     if (m == "GET") return exportTrajectory(parts[3], res);
     if (m == "DELETE") return deleteTrajectory(parts[3], res);
     return methodNotAllowed();
+  } else if (coll == "trajectories" && n == 5 && parts[4] == "recover") {
+    if (m == "POST") return recoverTrajectory(parts[3], req, res);
+    return methodNotAllowed();
   } else if (coll == "policies" && n == 3) {
     if (m == "GET") return listPolicies(res);
     if (m == "POST") return createPolicy(req, res);

@@ -13,6 +13,7 @@
 #include <mutex>
 #include <set>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -71,6 +72,10 @@ class Platform {
 
   // Sandboxes (api_sandboxes.cc).
   void createSandbox(http::Request& req, http::Response& res);
+  // From a checked record (layers resolved; env, user and working dir final;
+  // no phases yet) to a running sandbox with a fresh id, persisted; on error
+  // nothing is left (no record, nothing on the edge).
+  Result<SandboxRecord> launch(SandboxRecord r);
   void listSandboxes(http::Request& req, http::Response& res);
   void getSandbox(const std::string& id, http::Response& res);
   void deleteSandbox(const std::string& id, http::Response& res);
@@ -84,9 +89,17 @@ class Platform {
   };
   Result<ExecPlan> planExec(const std::string& id, const nlohmann::json& j, http::Request& req);
   void sendStep(http::Response& res, const StepKey& key, const StepOutcome& o);
+  // Re-executes a logged mutating step in sandbox `id` (api_sandboxes.cc):
+  // null when its result matches the log, else the divergence as an object;
+  // an error when it could not be attempted (see the definition).
+  Result<nlohmann::json> reexecStep(const std::string& id, const TrajectoryStep& s,
+                                    http::Request& req);
   void fileStep(const std::string& id, const std::string& op, const StepKey& key,
                 http::Request& req, http::Response& res);
   void packDiff(const std::string& id, http::Request& req, http::Response& res);
+  // Packs sandbox `id`'s changes into the diff image named by img.name/tag
+  // and stores it; returns the image.
+  Result<ImageRecord> packDiffImage(const std::string& id, ImageRecord img);
   void getAudit(const std::string& id, http::Response& res);
   void setPhase(const std::string& id, http::Request& req, http::Response& res);
   void pauseSandbox(const std::string& id, bool pause, http::Response& res);
@@ -96,6 +109,30 @@ class Platform {
   void listTrajectories(http::Response& res);
   void exportTrajectory(const std::string& id, http::Response& res);
   void deleteTrajectory(const std::string& id, http::Response& res);
+  // POST /v1/trajectories/{id}/recover: a new sandbox like the trajectory's
+  // lost one, from its latest usable checkpoint, with the mutating steps
+  // logged after it re-executed in order; it becomes the trajectory's sandbox.
+  void recoverTrajectory(const std::string& id, http::Request& req, http::Response& res);
+  Result<nlohmann::json> runRecover(const std::string& id, bool force, http::Request& req);
+  // The sandbox a step of `trajectory` addressed to sandbox `id` runs in: the
+  // trajectory's sandbox if a recover replaced `id`, else `id`.
+  std::string routeStep(const std::string& id, const std::string& trajectory);
+  // After a live step of `trajectory` ran in `sandbox`: if that is not the
+  // trajectory's recorded sandbox, records it with its record (which a
+  // recover needs after the sandbox's own record is purged). Best effort.
+  void noteStepSandbox(const std::string& trajectory, const std::string& sandbox);
+  // The trajectory's record, cached (without sandboxDoc); kNotFound if none.
+  Result<TrajectoryRecord> trajectoryRecord(const std::string& trajectory);
+  // Bytes of write steps, kept content-addressed under <data>/steps/ so a
+  // recover can write them again. keepStepBytes stores them durably and pins
+  // the digest against sweeps until unpinStepBytes (after the step is stored
+  // or failed). releaseStepBytes unlinks those of `digests` no stored step
+  // keeps; sweepStepBytes (run with GC) every such file.
+  std::string stepBytesPath(const std::string& digest) const;
+  Result<std::string> keepStepBytes(std::string_view data);
+  void unpinStepBytes(const std::string& digest);
+  void releaseStepBytes(const std::set<std::string>& digests);
+  Status sweepStepBytes();
   // Policies (api_policies.cc).
   void listPolicies(http::Response& res);
   void createPolicy(http::Request& req, http::Response& res);
@@ -165,6 +202,13 @@ class Platform {
   bool stopping_ = false;
   std::condition_variable stateCv_;  // a record reached a final state or went away
   std::mutex shutdownMu_;  // serializes shutdown()
+  // Chronus' state beyond the step log: guards trajectories_ (a cache of the
+  // store's TrajectoryRecords without their sandboxDoc), recovering_ (one
+  // recover per trajectory at a time) and stepBytesPinned_.
+  std::mutex trajMu_;
+  std::map<std::string, TrajectoryRecord> trajectories_;
+  std::set<std::string> recovering_;
+  std::multiset<std::string> stepBytesPinned_;
   std::condition_variable janitorCv_;
   std::thread janitorThread_;
 };
@@ -172,6 +216,8 @@ class Platform {
 // Helpers shared by the api_*.cc files.
 void sendError(http::Response& res, const Status& st);
 void sendJson(http::Response& res, int status, const std::string& body);
+// A sandbox as the API shows it.
+nlohmann::json sandboxToApi(const SandboxRecord& r);
 // Parses "name[:tag]"; the tag defaults to "latest".
 Status parseImageRef(const std::string& ref, std::string& name, std::string& tag);
 

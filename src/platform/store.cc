@@ -163,7 +163,8 @@ Result<std::unique_ptr<SqliteStore>> SqliteStore::open(const std::string& path) 
       "CREATE TABLE IF NOT EXISTS trajectory_steps(trajectory TEXT NOT NULL, step INTEGER NOT NULL, "
       "digest TEXT NOT NULL, kind TEXT NOT NULL, sandbox TEXT NOT NULL, request TEXT NOT NULL, "
       "status INTEGER NOT NULL, content_type TEXT NOT NULL, body BLOB NOT NULL, "
-      "started_at REAL NOT NULL, finished_at REAL NOT NULL, PRIMARY KEY(trajectory, step));"));
+      "started_at REAL NOT NULL, finished_at REAL NOT NULL, PRIMARY KEY(trajectory, step));"
+      "CREATE TABLE IF NOT EXISTS trajectories(id TEXT PRIMARY KEY, doc TEXT NOT NULL);"));
   // Columns added after the first release of the schema; "duplicate column"
   // means the database already has them.
   for (const char* alter : {"ALTER TABLE images ADD COLUMN kind TEXT NOT NULL DEFAULT 'base'",
@@ -171,7 +172,9 @@ Result<std::unique_ptr<SqliteStore>> SqliteStore::open(const std::string& path) 
                             "ALTER TABLE images ADD COLUMN parent TEXT NOT NULL DEFAULT ''",
                             "ALTER TABLE blobs ADD COLUMN data TEXT NOT NULL DEFAULT ''",
                             "ALTER TABLE blobs ADD COLUMN chunks TEXT NOT NULL DEFAULT ''",
-                            "ALTER TABLE images ADD COLUMN config TEXT NOT NULL DEFAULT ''"}) {
+                            "ALTER TABLE images ADD COLUMN config TEXT NOT NULL DEFAULT ''",
+                            "ALTER TABLE trajectory_steps ADD COLUMN content TEXT NOT NULL "
+                            "DEFAULT ''"}) {
     Status st = s->exec(alter);
     if (!st.isOk() && st.message().find("duplicate column") == std::string::npos) return st;
   }
@@ -432,20 +435,21 @@ TrajectoryStep stepFromRow(Stmt& st) {
   s.body = st.text(8);
   s.startedAt = st.dbl(9);
   s.finishedAt = st.dbl(10);
+  s.content = st.text(11);
   return s;
 }
 constexpr const char* kStepColumns =
     "trajectory, step, digest, kind, sandbox, request, status, content_type, body, started_at, "
-    "finished_at";
+    "finished_at, content";
 }  // namespace
 
 Status SqliteStore::putStep(const TrajectoryStep& s) {
   std::lock_guard lk(mu_);
   Stmt st(db_, std::string("INSERT INTO trajectory_steps(") + kStepColumns +
-                   ") VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)");
+                   ") VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12)");
   st.bind(1, s.trajectory).bind(2, s.step).bind(3, s.digest).bind(4, s.kind).bind(5, s.sandbox);
   st.bind(6, s.request).bind(7, int64_t(s.status)).bind(8, s.contentType).bindBlob(9, s.body);
-  st.bind(10, s.startedAt).bind(11, s.finishedAt);
+  st.bind(10, s.startedAt).bind(11, s.finishedAt).bind(12, s.content);
   int rc = st.step();
   if (rc == SQLITE_CONSTRAINT) {
     return Status(Code::kAlreadyExists, "step " + std::to_string(s.step) + " of trajectory " +
@@ -494,10 +498,24 @@ Result<std::vector<TrajectorySummary>> SqliteStore::listTrajectories() {
 
 Result<int64_t> SqliteStore::deleteTrajectory(const std::string& trajectory) {
   std::lock_guard lk(mu_);
+  RETURN_IF_ERROR(exec("BEGIN IMMEDIATE"));
   Stmt st(db_, "DELETE FROM trajectory_steps WHERE trajectory=?1");
   st.bind(1, trajectory);
-  if (st.step() != SQLITE_DONE) return sqlError(db_, "deleteTrajectory");
-  return int64_t(sqlite3_changes(db_));
+  if (st.step() != SQLITE_DONE) {
+    Status err = sqlError(db_, "deleteTrajectory");
+    (void)exec("ROLLBACK");
+    return err;
+  }
+  int64_t n = sqlite3_changes(db_);
+  Stmt rec(db_, "DELETE FROM trajectories WHERE id=?1");
+  rec.bind(1, trajectory);
+  if (rec.step() != SQLITE_DONE) {
+    Status err = sqlError(db_, "deleteTrajectory record");
+    (void)exec("ROLLBACK");
+    return err;
+  }
+  RETURN_IF_ERROR(exec("COMMIT"));
+  return n;
 }
 
 Result<int64_t> SqliteStore::deleteTrajectoriesBefore(double t) {
@@ -507,7 +525,69 @@ Result<int64_t> SqliteStore::deleteTrajectoriesBefore(double t) {
           "trajectory_steps GROUP BY trajectory HAVING MAX(finished_at) < ?1)");
   st.bind(1, t);
   if (st.step() != SQLITE_DONE) return sqlError(db_, "deleteTrajectoriesBefore");
-  return int64_t(sqlite3_changes(db_));
+  int64_t n = sqlite3_changes(db_);
+  // Records of trajectories without steps, whatever removed the steps.
+  RETURN_IF_ERROR(exec(
+      "DELETE FROM trajectories WHERE id NOT IN (SELECT DISTINCT trajectory FROM trajectory_steps)"));
+  return n;
+}
+
+Result<std::set<std::string>> SqliteStore::stepContents() {
+  std::lock_guard lk(mu_);
+  Stmt st(db_, "SELECT DISTINCT content FROM trajectory_steps WHERE content != ''");
+  std::set<std::string> out;
+  int rc;
+  while ((rc = st.step()) == SQLITE_ROW) out.insert(st.text(0));
+  if (rc != SQLITE_DONE) return sqlError(db_, "stepContents");
+  return out;
+}
+
+Result<bool> SqliteStore::stepContentUsed(const std::string& digest) {
+  std::lock_guard lk(mu_);
+  Stmt st(db_, "SELECT 1 FROM trajectory_steps WHERE content=?1 LIMIT 1");
+  st.bind(1, digest);
+  int rc = st.step();
+  if (rc == SQLITE_ROW) return true;
+  if (rc == SQLITE_DONE) return false;
+  return sqlError(db_, "stepContentUsed");
+}
+
+Status SqliteStore::putTrajectory(const TrajectoryRecord& r) {
+  json doc = {{"sandbox", r.sandbox},
+              {"sandbox_doc", r.sandboxDoc},
+              {"replaced", r.replaced},
+              {"recoveries", json::parse(r.recoveries, nullptr, false)},
+              {"updated_at", r.updatedAt}};
+  if (doc["recoveries"].is_discarded()) doc["recoveries"] = json::array();
+  std::lock_guard lk(mu_);
+  Stmt st(db_, "INSERT INTO trajectories(id, doc) VALUES(?1, ?2) "
+               "ON CONFLICT(id) DO UPDATE SET doc=excluded.doc");
+  st.bind(1, r.id).bind(2, doc.dump());
+  if (st.step() != SQLITE_DONE) return sqlError(db_, "putTrajectory");
+  return Status::ok();
+}
+
+Result<TrajectoryRecord> SqliteStore::getTrajectory(const std::string& id) {
+  std::string text;
+  {
+    std::lock_guard lk(mu_);
+    Stmt st(db_, "SELECT doc FROM trajectories WHERE id=?1");
+    st.bind(1, id);
+    int rc = st.step();
+    if (rc == SQLITE_DONE) return notFound("trajectory " + id + " has no record");
+    if (rc != SQLITE_ROW) return sqlError(db_, "getTrajectory");
+    text = st.text(0);
+  }
+  json doc = json::parse(text, nullptr, false);
+  if (!doc.is_object()) return Status(Code::kInternal, "trajectory " + id + ": corrupt record");
+  TrajectoryRecord r;
+  r.id = id;
+  r.sandbox = doc.value("sandbox", "");
+  r.sandboxDoc = doc.value("sandbox_doc", "");
+  r.replaced = doc.value("replaced", std::vector<std::string>{});
+  r.recoveries = doc.value("recoveries", json::array()).dump();
+  r.updatedAt = doc.value("updated_at", 0.0);
+  return r;
 }
 
 }  // namespace dsec::platform

@@ -6,6 +6,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -89,7 +90,7 @@ struct TrajectoryStep {
   std::string trajectory;
   int64_t step = 0;
   std::string digest;       // "sha256:..." of the request (chronus.h)
-  std::string kind;         // exec | write | read | mkdir | remove
+  std::string kind;         // exec | write | read | mkdir | remove | checkpoint
   std::string sandbox;      // where it ran first
   std::string request;      // JSON summary of the request (for export)
   int status = 200;         // HTTP status of the stored result
@@ -97,6 +98,24 @@ struct TrajectoryStep {
   std::string body;         // the result as sent
   double startedAt = 0;
   double finishedAt = 0;
+  // For a write: "sha256:..." of the bytes written, kept by the platform (in
+  // its data dir's steps/ folder) so the step can be re-executed by a
+  // recover. Empty for other kinds and for writes logged before bytes were kept.
+  std::string content;
+};
+
+// What the platform knows of a trajectory beyond its steps: the sandbox it
+// runs in (the last to run a live step, or the one a recover made), that
+// sandbox's record as it was then (so a recover can rebuild it after the
+// record itself is purged), the sandboxes recovers replaced (steps sent to
+// them go to `sandbox`), and the reports of those recovers.
+struct TrajectoryRecord {
+  std::string id;
+  std::string sandbox;
+  std::string sandboxDoc;             // sandboxToJson of `sandbox`'s record
+  std::vector<std::string> replaced;  // oldest first
+  std::string recoveries = "[]";      // JSON array of recover reports
+  double updatedAt = 0;
 };
 
 struct TrajectorySummary {
@@ -143,10 +162,19 @@ class Store {
   // Steps in order of step number.
   virtual Result<std::vector<TrajectoryStep>> loadTrajectory(const std::string& trajectory) = 0;
   virtual Result<std::vector<TrajectorySummary>> listTrajectories() = 0;
-  // Returns how many steps went (0: unknown trajectory).
+  // Returns how many steps went (0: unknown trajectory); its
+  // TrajectoryRecord goes with them.
   virtual Result<int64_t> deleteTrajectory(const std::string& trajectory) = 0;
-  // Deletes whole trajectories whose last step finished before `t`; returns how many.
+  // Deletes whole trajectories whose last step finished before `t` (and their
+  // records); returns how many steps.
   virtual Result<int64_t> deleteTrajectoriesBefore(double t) = 0;
+  // Every content digest some stored step keeps (TrajectoryStep::content).
+  virtual Result<std::set<std::string>> stepContents() = 0;
+  // Whether any stored step keeps content `digest`.
+  virtual Result<bool> stepContentUsed(const std::string& digest) = 0;
+  // Insert or replace; kNotFound from getTrajectory when there is none.
+  virtual Status putTrajectory(const TrajectoryRecord& r) = 0;
+  virtual Result<TrajectoryRecord> getTrajectory(const std::string& id) = 0;
 };
 
 // SQLite in WAL mode with synchronous=NORMAL: a commit is in the OS when it
@@ -182,6 +210,10 @@ class SqliteStore : public Store {
   Result<std::vector<TrajectorySummary>> listTrajectories() override;
   Result<int64_t> deleteTrajectory(const std::string& trajectory) override;
   Result<int64_t> deleteTrajectoriesBefore(double t) override;
+  Result<std::set<std::string>> stepContents() override;
+  Result<bool> stepContentUsed(const std::string& digest) override;
+  Status putTrajectory(const TrajectoryRecord& r) override;
+  Result<TrajectoryRecord> getTrajectory(const std::string& id) override;
 
  private:
   SqliteStore() = default;

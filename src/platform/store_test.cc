@@ -105,3 +105,79 @@ TEST(StoreTest, SandboxUserAndWorkingDirRoundTripAndOldRecordsRead) {
 
 }  // namespace
 }  // namespace dsec::platform
+
+namespace dsec::platform {
+namespace {
+
+TrajectoryStep stepOf(const std::string& t, int64_t n, const std::string& content) {
+  TrajectoryStep s;
+  s.trajectory = t;
+  s.step = n;
+  s.digest = "sha256:d" + std::to_string(n);
+  s.kind = content.empty() ? "exec" : "write";
+  s.sandbox = "sb-1";
+  s.request = "{}";
+  s.contentType = "application/json";
+  s.body = "{}";
+  s.startedAt = s.finishedAt = 100 + double(n);
+  s.content = content;
+  return s;
+}
+
+// Steps keep the digest of their bytes (also in a database made before the
+// column), the trajectory's record comes and goes with its steps.
+TEST(StoreTest, StepContentsAndTrajectoryRecords) {
+  std::string dir = "/tmp/dsec-store-test-" + randomHex(4);
+  ASSERT_TRUE(makeDirs(dir).isOk());
+  {
+    sqlite3* db = nullptr;
+    ASSERT_EQ(sqlite3_open((dir + "/state.db").c_str(), &db), SQLITE_OK);
+    ASSERT_EQ(sqlite3_exec(db,
+                           "CREATE TABLE trajectory_steps(trajectory TEXT NOT NULL, step INTEGER "
+                           "NOT NULL, digest TEXT NOT NULL, kind TEXT NOT NULL, sandbox TEXT NOT "
+                           "NULL, request TEXT NOT NULL, status INTEGER NOT NULL, content_type "
+                           "TEXT NOT NULL, body BLOB NOT NULL, started_at REAL NOT NULL, "
+                           "finished_at REAL NOT NULL, PRIMARY KEY(trajectory, step));",
+                           nullptr, nullptr, nullptr),
+              SQLITE_OK);
+    sqlite3_close(db);
+  }
+  auto s = SqliteStore::open(dir + "/state.db");
+  ASSERT_TRUE(s.isOk()) << s.status().toString();
+  Store& st = **s;
+  ASSERT_TRUE(st.putStep(stepOf("a", 0, "")).isOk());
+  ASSERT_TRUE(st.putStep(stepOf("a", 1, "sha256:c1")).isOk());
+  ASSERT_TRUE(st.putStep(stepOf("b", 0, "sha256:c1")).isOk());
+  ASSERT_TRUE(st.putStep(stepOf("b", 1, "sha256:c2")).isOk());
+  EXPECT_EQ(st.getStep("a", 1)->content, "sha256:c1");
+  EXPECT_EQ(*st.stepContents(), (std::set<std::string>{"sha256:c1", "sha256:c2"}));
+  EXPECT_EQ(st.getTrajectory("a").status().code(), Code::kNotFound);
+  TrajectoryRecord r;
+  r.id = "a";
+  r.sandbox = "sb-2";
+  r.sandboxDoc = "{\"id\":\"sb-2\"}";
+  r.replaced = {"sb-1"};
+  r.recoveries = "[{\"sandbox\":\"sb-2\"}]";
+  ASSERT_TRUE(st.putTrajectory(r).isOk());
+  auto got = st.getTrajectory("a");
+  ASSERT_TRUE(got.isOk()) << got.status().toString();
+  EXPECT_EQ(got->sandbox, "sb-2");
+  EXPECT_EQ(got->sandboxDoc, r.sandboxDoc);
+  EXPECT_EQ(got->replaced, r.replaced);
+  EXPECT_EQ(got->recoveries, r.recoveries);
+  // Deleting `b` leaves c1 kept by `a`; deleting `a` takes its record.
+  EXPECT_EQ(*st.deleteTrajectory("b"), 2);
+  EXPECT_TRUE(*st.stepContentUsed("sha256:c1"));
+  EXPECT_FALSE(*st.stepContentUsed("sha256:c2"));
+  r.id = "b";
+  ASSERT_TRUE(st.putTrajectory(r).isOk());  // a record without steps: retention drops it
+  EXPECT_EQ(*st.deleteTrajectoriesBefore(0), 0);
+  EXPECT_EQ(st.getTrajectory("b").status().code(), Code::kNotFound);
+  EXPECT_EQ(*st.deleteTrajectory("a"), 2);
+  EXPECT_EQ(st.getTrajectory("a").status().code(), Code::kNotFound);
+  EXPECT_TRUE(st.stepContents()->empty());
+  ASSERT_TRUE(removeTree(dir).isOk());
+}
+
+}  // namespace
+}  // namespace dsec::platform

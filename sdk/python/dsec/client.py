@@ -372,6 +372,32 @@ class Client:
                           headers={"Accept": "application/x-ndjson"})
         return [json.loads(line) for line in data.decode("utf-8").splitlines() if line]
 
+    def recover(self, trajectory_id: str, force: bool = False,
+                timeout: Optional[float] = None) -> "Sandbox":
+        """Rebuilds a trajectory whose sandbox was lost (its node died; it is
+        ``failed``, ``stopped`` or unknown): a new sandbox made as the last one
+        was, from the trajectory's latest checkpoint (else from the image),
+        with every logged exec, write, mkdir and remove after it re-executed in
+        order. It becomes the trajectory's sandbox: steps sent to the old one
+        run there. Stored results do not change, so a trainer that replays its
+        code through ``new.trajectory(trajectory_id)`` gets them (replayed),
+        then goes live.
+
+        Returns the new Sandbox; its ``recovery`` attribute holds the report:
+        ``checkpoint_step`` (or None), ``reexecuted_steps``, ``diverged``
+        (re-executed steps whose exit status differs from the log, or that
+        failed) and ``previous_sandbox``. NotFound for an unknown trajectory;
+        Conflict (field ``force``) while its sandbox still runs, unless
+        ``force``; FailedPrecondition when it cannot be rebuilt (nothing is
+        left behind then)."""
+        body: Dict[str, Any] = {"force": True} if force else {}
+        report = self._call("POST", "/v1/trajectories/" + _q(trajectory_id) + "/recover",
+                            json_body=body,
+                            timeout=timeout if timeout is not None else max(self.timeout, 600.0))
+        sb = Sandbox(self, report["sandbox"])
+        sb.recovery = report
+        return sb
+
     def delete_trajectory(self, trajectory_id: str) -> int:
         """Deletes a trajectory's steps; returns how many. Unknown → NotFound."""
         return self._call("DELETE", "/v1/trajectories/" + _q(trajectory_id))["deleted_steps"]
@@ -632,14 +658,23 @@ class Sandbox:
         self.info = self.client._call("GET", self._p())
         return self
 
-    def pack_diff(self, name: str, tag: str = "latest") -> Image:
+    def pack_diff(self, name: str, tag: str = "latest", trajectory_id: Optional[str] = None,
+                  step: Optional[int] = None) -> Image:
         """Snapshots the sandbox's changes (while it keeps running; it is frozen
         for the moment of the copy) into a ``diff`` image ``name:tag``; create
         from it with ``client.create(snapshot="name:tag")``. Diffs chain: a
-        sandbox made from a snapshot packs into a snapshot of both."""
+        sandbox made from a snapshot packs into a snapshot of both.
+
+        With ``trajectory_id`` and ``step`` it is a trajectory step of kind
+        ``checkpoint`` (see :meth:`Trajectory.checkpoint`): a repeat returns
+        the image made the first time (``Image.raw["replayed"]``) without
+        packing again."""
+        body: Dict[str, Any] = {"name": name, "tag": tag}
+        if trajectory_id is not None or step is not None:
+            body["trajectory_id"] = trajectory_id
+            body["step"] = step
         return Image(self.client._call("POST", f"/v1/sandboxes/{_q(self.id)}/pack_diff",
-                                       json_body={"name": name, "tag": tag},
-                                       timeout=max(self.client.timeout, 300.0)))
+                                       json_body=body, timeout=max(self.client.timeout, 300.0)))
 
     def set_phase(self, policy: str, readonly_paths: Optional[Sequence[str]] = None,
                   hidden_paths: Optional[Sequence[str]] = None) -> "Sandbox":
@@ -803,11 +838,13 @@ class Sandbox:
         except NotFound:
             return False
 
-    def mkdir(self, path: str, parents: bool = True, mode: Optional[int] = None) -> None:
+    def mkdir(self, path: str, parents: bool = True, mode: Optional[int] = None,
+              trajectory_id: Optional[str] = None, step: Optional[int] = None) -> None:
         body: Dict[str, Any] = {"path": path, "parents": bool(parents)}
         if mode is not None:
             body["mode"] = int(mode)
-        self.client._call("POST", self._p("/files/mkdir"), json_body=body)
+        self.client._call("POST", self._p("/files/mkdir"), json_body=body,
+                          query=_step_query(trajectory_id, step))
 
     def remove(self, path: str, recursive: bool = False, trajectory_id: Optional[str] = None,
                step: Optional[int] = None) -> None:
@@ -935,6 +972,24 @@ class Trajectory:
 
     def remove(self, path: str, recursive: bool = False) -> None:
         self.sandbox.remove(path, recursive=recursive, trajectory_id=self.id, step=self._take())
+
+    def mkdir(self, path: str, parents: bool = True, mode: Optional[int] = None) -> None:
+        self.sandbox.mkdir(path, parents=parents, mode=mode, trajectory_id=self.id,
+                           step=self._take())
+
+    def checkpoint(self, name: Optional[str] = None, tag: Optional[str] = None) -> Image:
+        """A step that snapshots the sandbox (``pack_diff``) into a diff image:
+        ``client.recover`` starts from the latest checkpoint and re-executes
+        only the steps after it. ``name`` defaults to ``chronus/<trajectory
+        id>`` (``:`` becomes ``-``, the image name charset) and ``tag`` to
+        ``step-<n>``, so a trainer replaying its code asks for the same image
+        and gets the one made the first time, replayed."""
+        n = self._take()
+        if name is None:
+            name = "chronus/" + self.id.replace(":", "-")
+        if tag is None:
+            tag = f"step-{n}"
+        return self.sandbox.pack_diff(name, tag, trajectory_id=self.id, step=n)
 
     def export(self) -> List[Dict[str, Any]]:
         return self.sandbox.client.export_trajectory(self.id)
