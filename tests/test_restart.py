@@ -155,6 +155,21 @@ def _in_sandbox(pid: int, sandbox_id: str) -> bool:
         return False
 
 
+def test_ttl_and_idle_timeout_still_fire_after_a_restart(crashable):
+    s = crashable
+    edge = edge_cgroup(s.data_dir)
+    ttl = s.client.create("busybox:latest", ttl_s=4)
+    idle = s.client.create("busybox:latest", idle_timeout_s=3)
+    keep = s.client.create("busybox:latest")
+    _crash(s)
+    s.start()
+    assert wait_until(lambda: s.client.get(ttl.id).state == "stopped", 15), s.client.get(ttl.id).info
+    assert wait_until(lambda: s.client.get(idle.id).state == "stopped", 15), s.client.get(idle.id).info
+    assert s.client.get(keep.id).state == "running"
+    assert wait_until(lambda: not ({ttl.id, idle.id} & _ids(sandbox_cgroup_dirs(edge))), 10)
+    _stop_and_check_clean(s)
+
+
 def test_a_second_crash_is_survived_too(crashable):
     s = crashable
     sb = s.client.create("busybox:latest")

@@ -381,6 +381,9 @@ Status Edge::setEgress(const std::string& id, const std::vector<net::EgressRule>
         log::warn("egress: removed " + std::to_string(n) + " orphan veth links");
       }
     }
+    // A sandbox re-adopted with no egress at that moment may still have the
+    // veth an earlier edge gave it.
+    if (!veths_.count(id) && egressNet_->hasLink(id)) veths_.insert(id);
     if (!veths_.count(id)) {
       ASSIGN_OR_RETURN(UniqueFd ns, inst->openNetns());
       auto att = egressNet_->attach(id, ns.get());

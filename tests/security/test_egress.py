@@ -241,3 +241,56 @@ def test_egress_leaves_nothing_behind(client, debian, outside, server):
     assert len(mine) == 1, links()
     sb.destroy()
     assert wait_until(lambda: f"dsec {server.egress_tag} {sb.id}" not in links(), 5), links()
+
+
+def test_egress_is_kept_across_an_edge_crash(tmp_path_factory, outside, server):
+    """A `dsec up` killed with SIGKILL leaves its sandboxes their egress (the
+    filter's programs and the veths outlive it); the next start re-adopts them
+    with their rules, a phase switch after that is recorded, and a second
+    crash keeps it."""
+    import os
+    import signal
+    from pathlib import Path
+
+    from conftest import Server
+    srv = Server(tmp_path_factory.mktemp("egress-crash") / "data",
+                 ["--setup-egress", f"{ADDR}:8080", "--setup-dns", ADDR])
+    srv.data_dir.mkdir()
+    srv.start()
+
+    def crash_and_restart():
+        os.kill(srv.proc.pid, signal.SIGKILL)
+        srv.proc.wait(10)
+        srv._log.close()
+        (srv.data_dir / "up.json").unlink()
+        srv.start()
+
+    links = lambda: subprocess.run(["ip", "-o", "link", "show"], capture_output=True,
+                                   text=True).stdout
+    try:
+        srv.import_image("debian:latest", Path(os.environ.get(
+            "DSEC_IMAGE_CACHE", "/var/cache/dsec/test-images")) / "debian.tar")
+        setup = srv.client.create("debian:latest", policy="setup")
+        closed = srv.client.create("debian:latest")
+        assert probe(setup, ADDR, 8080).startswith("ok")
+        crash_and_restart()
+        setup, closed = srv.client.get(setup.id), srv.client.get(closed.id)
+        assert probe(setup, ADDR, 8080).startswith("ok")
+        assert probe(setup, OTHER_ADDR, 8080) == "EPERM"
+        assert probe(closed, ADDR, 8080) in ("ENETUNREACH", "EPERM")
+        assert len([l for l in links().splitlines() if f"dsec {srv.egress_tag} " in l]) == 1
+        # a phase switch after the restart sticks across the next crash
+        setup.set_phase("rollout")
+        assert probe(setup, ADDR, 8080) == "EPERM"
+        crash_and_restart()
+        setup = srv.client.get(setup.id)
+        assert probe(setup, ADDR, 8080) == "EPERM"
+        setup.set_phase("setup")
+        assert probe(setup, ADDR, 8080).startswith("ok")
+        assert srv.stop() == 0
+        assert wait_until(lambda: f"dsec {srv.egress_tag} " not in links(), 10), links()
+        tables = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True).stdout
+        assert f"dsec_{srv.egress_tag}" not in tables
+    finally:
+        if srv.proc.poll() is None:
+            srv.stop()
