@@ -24,7 +24,7 @@ import pytest
 
 import dsec
 from conftest import Server, dsec_bin, _check_prerequisites
-from helpers import cgroup_dirs_named, mounts_containing
+from helpers import cgroup_dirs_named, mounts_containing, wait_until
 from nginx_store import Nginx
 
 MiB = 1 << 20
@@ -429,6 +429,49 @@ def test_a_crashed_edge_leaves_no_loader_or_mount_after_restart(lazy):
         assert sha_in(sb, "/opt/lazy-crash/big") == lazy.files["lazy-crash"]["/opt/lazy-crash/big"]
     finally:
         sb.destroy()
+
+
+def test_a_read_in_progress_through_an_edge_crash_gets_exact_bytes(lazy):
+    """The sandbox outlives the edge (it is re-adopted): a read running in it
+    while the edge is dead is served by the loader process the edge left,
+    which the next edge ends only once nothing needs it."""
+    name = "lazy-adopt"
+    lazy.random_toolkit(name, big_mb=3)
+    want = lazy.files[name][f"/opt/{name}/big"]
+    sb = lazy.client.create("busybox", toolkits=[name])
+    old = lazy.node()["loader_pids"][0]
+    lazy.nginx.set_slow_rate("512k")
+    try:
+        # in the background: it is the sandbox's, not an exec the edge waits on
+        sb.exec(f"(sha256sum /opt/{name}/big > /tmp/sum; echo done >> /tmp/sum) "
+                ">/dev/null 2>&1 </dev/null &")
+        time.sleep(1.0)
+        lazy.srv.proc.kill()  # SIGKILL mid-read
+        lazy.srv.proc.wait(10)
+        lazy.srv._log.close()
+        time.sleep(1.0)  # the read goes on with the edge dead
+        assert old in loader_procs(lazy.nginx.url)
+        (lazy.data_dir / "up.json").unlink()
+        lazy.start()
+        again = lazy.client.get(sb.id)
+        assert again.state == "running"
+
+        def summed():
+            return again.exec("cat /tmp/sum 2>/dev/null").stdout.endswith("done\n")
+        assert wait_until(summed, 60), again.exec("cat /tmp/sum; ls -l /opt").stdout
+        assert again.exec("cat /tmp/sum").stdout.split()[0] == want
+        assert sha_in(again, f"/opt/{name}/big") == want
+        if lazy.loader == "fanotify":
+            # the new edge's fillers mark the same files: the old process is done
+            assert wait_until(lambda: old not in loader_procs(), 10)
+        else:
+            # its FUSE connection still serves the re-adopted sandbox's layers
+            assert old in loader_procs()
+    finally:
+        lazy.nginx.set_slow_rate("2m")
+        lazy.client.get(sb.id).destroy()
+    assert wait_until(lambda: old not in loader_procs(), 10), "the old loader outlived its sandboxes"
+    assert loader_procs(lazy.nginx.url) == lazy.node()["loader_pids"]
 
 
 def test_https_store_checked_against_its_ca(tmp_path):

@@ -146,6 +146,32 @@ void FanotifyFiller::remove(const std::string& path) {
   byPath_.erase(it);
 }
 
+void FanotifyFiller::drain(double timeoutS) {
+  {
+    std::lock_guard lk(mu_);
+    if (::fanotify_mark(fan_.get(), FAN_MARK_FLUSH, 0, AT_FDCWD, nullptr) != 0) {
+      log::warn(std::string("fanotify flush: ") + strerror(errno));
+    }
+    for (auto& [_, f] : byPath_) f->marked = false;
+  }
+  double deadline = monoSeconds() + timeoutS;
+  for (;;) {
+    // Events raised before the flush wait in the group (until the reader
+    // takes them), in queue_, or with a worker.
+    pollfd p = {fan_.get(), POLLIN, 0};
+    bool pending = ::poll(&p, 1, 0) > 0;
+    {
+      std::lock_guard lk(mu_);
+      if (!pending && queue_.empty() && handling_ == 0) return;
+    }
+    if (monoSeconds() > deadline) {
+      log::warn("fanotify filler: events still pending at the end of the hand-over");
+      return;
+    }
+    ::usleep(5000);
+  }
+}
+
 LayerStats FanotifyFiller::stats(const std::string& path) {
   std::shared_ptr<File> f;
   {
@@ -222,6 +248,7 @@ void FanotifyFiller::workLoop() {
       if (!queue_.empty()) {
         ev = queue_.front();
         queue_.pop_front();
+        ++handling_;
       } else {
         std::tie(aheadFile, aheadChunk) = ahead_.front();
         ahead_.pop_front();
@@ -229,6 +256,8 @@ void FanotifyFiller::workLoop() {
     }
     if (!aheadFile) {
       handle(ev);
+      std::lock_guard lk(mu_);
+      --handling_;
       continue;
     }
     int fd;

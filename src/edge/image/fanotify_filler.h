@@ -49,6 +49,12 @@ class FanotifyFiller {
   Status add(const std::string& path, const std::string& dataDigest,
              std::shared_ptr<const image::ChunkIndex> index);
   void remove(const std::string& path);
+  // Hands over to another filler that marks the same files: drops every mark
+  // (no new events come here), then answers, filling first, every event
+  // raised before that. Returns once none is left (or after timeoutS). A
+  // filler that simply stopped would let those reads see holes: their events
+  // went to this group alone.
+  void drain(double timeoutS);
   LayerStats stats(const std::string& path);
   // Chunks read at least once, in the order first read.
   std::vector<int64_t> readOrder(const std::string& path);
@@ -79,6 +85,7 @@ class FanotifyFiller {
   std::deque<Event> queue_;
   std::deque<std::pair<std::shared_ptr<File>, int64_t>> ahead_;  // served when queue_ is empty
   int readAhead_ = 0;
+  int handling_ = 0;  // events taken off queue_ and not answered yet
   bool stopping_ = false;
 };
 

@@ -9,7 +9,10 @@
 // (sandboxes may still read them); the next edge on the data dir ends it.
 #include "edge/image/fanotify_loader.h"
 
+#include <poll.h>
+#include <pthread.h>
 #include <signal.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <cstring>
@@ -26,6 +29,12 @@ using json = nlohmann::json;
 
 int runFanotifyLoaderProcess(int ctl, const std::string& storeUri, const std::string& caFile) {
   ::signal(SIGPIPE, SIG_IGN);
+  // SIGTERM is how the next edge ends us once it serves the same files (see
+  // below); blocked before the filler's threads start, so they inherit that.
+  sigset_t term;
+  sigemptyset(&term);
+  sigaddset(&term, SIGTERM);
+  ::pthread_sigmask(SIG_BLOCK, &term, nullptr);
   image::BlobStoreOptions so;
   so.caFile = caFile;
   auto store = image::BlobStore::open(storeUri, so);
@@ -74,7 +83,14 @@ int runFanotifyLoaderProcess(int ctl, const std::string& storeUri, const std::st
     // left until the next edge ends this process.
     log::warn("loader: edge went away; serving " + std::to_string(paths.size()) +
               " files until stopped");
-    for (;;) ::pause();
+    // The next edge marks the same files, then sends SIGTERM: reads whose
+    // events came to us alone must still be filled before we go.
+    int sig = 0;
+    while (::sigwait(&term, &sig) != 0) {
+    }
+    (*filler)->drain(60);
+    log::info("loader: handed over to the next edge");
+    return 0;
   }
   return 0;
 }
@@ -124,8 +140,17 @@ void FanotifyLoader::endStaleHelper() {
   if (stalePid_ <= 0) return;
   // Checked again: the pid was found at start and may have been reused.
   if (stalePid_ != proc_.pid() && isLoaderProcess(stalePid_)) {
-    log::warn("killing the loader process " + std::to_string(stalePid_) + " of an earlier edge");
-    ::kill(stalePid_, SIGKILL);
+    // Our fillers mark its files now; SIGTERM lets it answer the reads it
+    // alone was asked about (their bytes filled first) before it exits.
+    // Not our child: its exit shows on a pidfd.
+    log::info("ending the loader process " + std::to_string(stalePid_) + " of an earlier edge");
+    UniqueFd pidfd(int(::syscall(SYS_pidfd_open, stalePid_, 0)));
+    ::kill(stalePid_, SIGTERM);
+    pollfd p = {pidfd.get(), POLLIN, 0};
+    if (!pidfd || ::poll(&p, 1, 65000) <= 0) {
+      log::warn("loader process " + std::to_string(stalePid_) + " did not hand over; killing it");
+      ::kill(stalePid_, SIGKILL);
+    }
   }
   stalePid_ = -1;
 }
