@@ -11,6 +11,7 @@
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -257,6 +258,15 @@ class AgentHarness {
   }
 
   const std::vector<uint32_t>& order() const { return order_; }
+
+  // A new edge's connection (after a reattach): what was buffered goes.
+  void useSocket(int fd) {
+    closeSocket();
+    sock_ = fd;
+    eof_ = false;
+    decoder_ = proto::FrameDecoder{};
+    inbox_.clear();
+  }
 
  private:
   bool readAny(Frame& out, Clock::time_point deadline) {
@@ -571,6 +581,95 @@ TEST(AgentExecTest, ConnectionEofKillsExecs) {
     if (!dead) std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   EXPECT_TRUE(dead);
+}
+
+// ---- reattach (docs/agent-protocol.md) ----
+
+bool processGone(pid_t pid) {
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string s;
+  std::getline(stat, s);
+  size_t paren = s.rfind(')');
+  return !stat || paren == std::string::npos || s.substr(paren + 2, 1) == "Z";
+}
+
+// Takes the edge's end of the agent's fresh connection the way a restarted
+// edge does: pidfd_getfd of the reattach descriptor, once it is a socket.
+int takeReattachEnd(pid_t agent, int fd) {
+  int pidfd = int(::syscall(SYS_pidfd_open, agent, 0));
+  if (pidfd < 0) return -1;
+  int got = -1;
+  auto deadline = Clock::now() + std::chrono::seconds(5);
+  while (Clock::now() < deadline) {
+    got = int(::syscall(SYS_pidfd_getfd, pidfd, fd, 0));
+    struct stat st;
+    if (got >= 0 && ::fstat(got, &st) == 0 && S_ISSOCK(st.st_mode)) break;
+    if (got >= 0) ::close(got);
+    got = -1;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  ::close(pidfd);
+  return got;
+}
+
+#ifndef SYS_pidfd_getfd
+#define SYS_pidfd_getfd 438
+#endif
+
+TEST(AgentReattachTest, OutlivesTheEdgeAndServesTheNextOne) {
+  if (::syscall(SYS_pidfd_open, ::getpid(), 0) < 0) GTEST_SKIP() << "no pidfd_open";
+  constexpr int kReattach = 40;
+  int null = ::open("/dev/null", O_RDWR);
+  ASSERT_EQ(::dup2(null, kReattach), kReattach);
+  ::close(null);
+  AgentHarness a;
+  AgentOptions options;
+  options.reattach_fd = kReattach;
+  a.startForked(options);
+  ::close(kReattach);  // the child has its own
+  ExecOutcome bg = a.exec(1, shExec("sleep 100 >/dev/null 2>&1 </dev/null & echo $!"));
+  pid_t background = std::atoi(bg.out.c_str());
+  ASSERT_GT(background, 0);
+  a.sendJson(2, FrameType::kExec, shExec("echo $$; exec sleep 100"));
+  Frame f;
+  ASSERT_TRUE(a.next(2, f));
+  pid_t inflight = std::atoi(f.payload.c_str());
+  ASSERT_GT(inflight, 0);
+
+  for (int edge = 0; edge < 2; ++edge) {
+    a.closeSocket();  // the edge dies
+    int sock = takeReattachEnd(a.pid(), kReattach);
+    ASSERT_GE(sock, 0) << "no connection offered on the reattach descriptor";
+    // Nothing is said until the new edge asks.
+    a.useSocket(sock);
+    EXPECT_FALSE(a.next(0, f, 200));
+    a.sendJson(0, FrameType::kReattach, Json::object());
+    ASSERT_TRUE(a.next(0, f));
+    ASSERT_EQ(f.type, FrameType::kHello);
+    EXPECT_TRUE(Json::parse(f.payload).value("reattached", false));
+    // The agent lives; the exec nobody could hear the end of was killed; the
+    // background process was not.
+    EXPECT_EQ(::waitpid(a.pid(), nullptr, WNOHANG), 0);
+    auto deadline = Clock::now() + std::chrono::seconds(2);
+    while (!processGone(inflight) && Clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    EXPECT_TRUE(processGone(inflight));
+    EXPECT_FALSE(processGone(background));
+    ExecOutcome again = a.exec(3 + uint32_t(edge), shExec("echo served"));
+    EXPECT_EQ(again.out, "served\n");
+    // The descriptor holds /dev/null again: taking it yields no socket.
+    int pidfd = int(::syscall(SYS_pidfd_open, a.pid(), 0));
+    int held = int(::syscall(SYS_pidfd_getfd, pidfd, kReattach, 0));
+    struct stat st;
+    ASSERT_GE(held, 0);
+    ASSERT_EQ(::fstat(held, &st), 0);
+    EXPECT_TRUE(S_ISCHR(st.st_mode));
+    ::close(held);
+    ::close(pidfd);
+  }
+  ::kill(background, SIGKILL);
+  ::kill(a.pid(), SIGKILL);  // it would wait for an edge forever
 }
 
 // ---- malformed input ----

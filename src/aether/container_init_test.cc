@@ -15,6 +15,18 @@ TEST(InitConfig, MountFdRootfsNeedsOnlyATarget) {
   EXPECT_TRUE(c->rootfs->lower.empty());
 }
 
+TEST(InitConfig, ReattachIsABoolAndOffByDefault) {
+  auto off = parseInitConfig(R"({"hostname":"sb-1"})");
+  ASSERT_TRUE(off.isOk());
+  EXPECT_FALSE(off->reattach);
+  auto on = parseInitConfig(R"({"hostname":"sb-1","reattach":true})");
+  ASSERT_TRUE(on.isOk());
+  EXPECT_TRUE(on->reattach);
+  auto bad = parseInitConfig(R"({"hostname":"sb-1","reattach":"yes"})");
+  ASSERT_FALSE(bad.isOk());
+  EXPECT_EQ(bad.status().field(), "reattach");
+}
+
 TEST(InitConfig, MountFdTargetMustNotClimb) {
   for (const char* t : {"..", "../x", "a/../../x", "a/..", ""}) {
     std::string j = std::string(R"({"rootfs":{"mount_fd":true,"target":")") + t + R"("}})";
