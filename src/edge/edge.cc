@@ -5,6 +5,7 @@
 
 #include <cerrno>
 #include <climits>
+#include <cstdio>
 #include <cstdlib>
 #include <nlohmann/json.hpp>
 
@@ -141,6 +142,7 @@ std::vector<std::string> Edge::adoptedIds() const {
 
 void Edge::adoptAll(std::vector<SandboxState> live) {
   if (live.empty()) return;
+  double t0 = monoSeconds();
   bool anyEgress = false;
   for (auto& s : live) {
     const std::string id = s.spec.id;
@@ -200,7 +202,10 @@ void Edge::adoptAll(std::vector<SandboxState> live) {
       if (egressNet_->hasLink(id)) veths_.insert(id);
     }
   }
-  log::info("re-adopted " + std::to_string(adopted_.size()) + " sandboxes of an earlier edge");
+  char took[32];
+  std::snprintf(took, sizeof took, "%.1f", (monoSeconds() - t0) * 1000);
+  log::info("re-adopted " + std::to_string(adopted_.size()) + " sandboxes of an earlier edge in " +
+            took + " ms");
 }
 
 void Edge::updateState(const std::string& id, const std::function<void(SandboxState&)>& change) {
