@@ -75,8 +75,18 @@ def crashable(tmp_path_factory, server):
         s.stop()
 
 
-def test_sigkill_readopts_sandboxes_with_their_processes_files_and_cgroups(crashable):
-    s = crashable
+@pytest.fixture(params=["auto", "tmpfs"])
+def crashable_quota(request, tmp_path_factory, server):
+    """A server per disk-quota mechanism: the btrfs pool (auto here) and the
+    tmpfs per sandbox are each taken over differently at a restart."""
+    s = _new_server(tmp_path_factory, "--disk-quota", request.param)
+    yield s
+    if s.proc.poll() is None:
+        s.stop()
+
+
+def test_sigkill_readopts_sandboxes_with_their_processes_files_and_cgroups(crashable_quota):
+    s = crashable_quota
     edge = edge_cgroup(s.data_dir)
     sb = s.client.create("busybox:latest", disk_mb=32, labels={"kind": "busy"})
     r = sb.exec("sleep 3600 >/dev/null 2>&1 </dev/null & echo $! > /bg; echo hi > /f; cat /bg")
