@@ -228,6 +228,21 @@ void killAndReap(int pidfd) {
   }
 }
 
+// Waits for the agent's hello on stream 0 (after init or reattach); a result
+// there is the agent's refusal. Errors carry `code` and `what`.
+Status awaitHello(AgentConn& conn, double timeoutS, Code code, const std::string& what) {
+  double deadline = monoSeconds() + timeoutS;
+  for (;;) {
+    auto f = conn.control()->next(deadline);
+    if (!f.isOk()) return Status(code, what + ": " + f.status().message());
+    if (f->type == proto::FrameType::kHello) return Status::ok();
+    if (f->type == proto::FrameType::kResult) {
+      Status st = resultStatus(f->payload);
+      return st.isOk() ? internalError(what + ": unexpected result") : st;
+    }
+  }
+}
+
 // The sandbox agent's reattach descriptor (aether/main.cc).
 constexpr int kAgentReattachFd = 9;
 
@@ -530,16 +545,10 @@ Result<std::unique_ptr<Instance>> ContainerBackend::create(const SandboxSpec& sp
     return fail(st);
   }
   rootfsMount.reset();  // aether has its own reference now
-  double deadline = monoSeconds() + opts_.startTimeoutS;
-  for (;;) {
-    auto f = inst->conn_->control()->next(deadline);
-    if (!f.isOk()) return fail(Status(Code::kInternal, "sandbox agent did not start: " +
-                                                           f.status().message()));
-    if (f->type == proto::FrameType::kHello) break;
-    if (f->type == proto::FrameType::kResult) {
-      Status st = resultStatus(f->payload);
-      return fail(st.isOk() ? internalError("agent start-up: unexpected result") : st);
-    }
+  if (Status st = awaitHello(*inst->conn_, opts_.startTimeoutS, Code::kInternal,
+                             "sandbox agent did not start");
+      !st.isOk()) {
+    return fail(st);
   }
   laps.lap("init");
   if (Status st = reactor_->watchExit(inst->pidfd_.get(), std::move(onDeath)); !st.isOk()) {
@@ -601,16 +610,10 @@ Result<std::unique_ptr<Instance>> ContainerBackend::adopt(const SandboxState& st
   if (Status st = inst->conn_->send(0, proto::FrameType::kReattach, "{}"); !st.isOk()) {
     return fail(st);
   }
-  deadline = monoSeconds() + opts_.startTimeoutS;
-  for (;;) {
-    auto f = inst->conn_->control()->next(deadline);
-    if (!f.isOk()) return fail(Status(Code::kUnavailable, "its agent did not answer: " +
-                                                              f.status().message()));
-    if (f->type == proto::FrameType::kHello) break;
-    if (f->type == proto::FrameType::kResult) {
-      Status st = resultStatus(f->payload);
-      return fail(st.isOk() ? internalError("reattach: unexpected result") : st);
-    }
+  if (Status st = awaitHello(*inst->conn_, opts_.startTimeoutS, Code::kUnavailable,
+                             "its agent did not answer");
+      !st.isOk()) {
+    return fail(st);
   }
   if (state.paused) {
     if (Status st = cgroups_->freeze(state.spec.id, true); !st.isOk()) return fail(st);
