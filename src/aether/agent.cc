@@ -1224,6 +1224,7 @@ void Agent::finishCall(Exec& e) {
     if (!st.isOk()) logError("remove call dir", st);
     e.run_dir.clear();
   }
+  if (e.exclusive) wipeSandboxState();
 }
 
 }  // namespace dsec::aether

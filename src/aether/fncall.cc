@@ -7,6 +7,9 @@
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/mount.h>
+#include <sys/msg.h>
+#include <sys/sem.h>
+#include <sys/shm.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -324,6 +327,42 @@ void killCallProcesses(pid_t pid, bool everything, const std::set<pid_t>& keep) 
     }
     if (doomed.empty()) return;
     for (pid_t p : doomed) ::kill(p, SIGKILL);
+  }
+}
+
+void wipeSandboxState() {
+  if (DIR* d = ::opendir(kScratchDir)) {
+    std::vector<std::string> names;
+    while (dirent* e = ::readdir(d)) {
+      std::string name = e->d_name;
+      if (name != "." && name != ".." && name != ".run") names.push_back(name);
+    }
+    ::closedir(d);
+    for (const auto& n : names) (void)removePath(std::string(kScratchDir) + "/" + n, true);
+  }
+  // /proc/sysvipc/{shm,msg,sem}: a header line, then "key id ...".
+  for (const char* kind : {"shm", "msg", "sem"}) {
+    FILE* f = std::fopen((std::string("/proc/sysvipc/") + kind).c_str(), "re");
+    if (!f) continue;
+    char line[512];
+    bool header = true;
+    while (std::fgets(line, sizeof line, f)) {
+      if (header) {
+        header = false;
+        continue;
+      }
+      long long key;
+      int id;
+      if (std::sscanf(line, "%lld %d", &key, &id) != 2) continue;
+      if (kind[1] == 'h') {
+        ::shmctl(id, IPC_RMID, nullptr);
+      } else if (kind[0] == 'm') {
+        ::msgctl(id, IPC_RMID, nullptr);
+      } else {
+        ::semctl(id, 0, IPC_RMID);
+      }
+    }
+    std::fclose(f);
   }
 }
 

@@ -88,6 +88,12 @@ std::vector<std::pair<int, struct rlimit>> callRlimits(const CallLimits& limits)
 // races the scan).
 void killCallProcesses(pid_t pid, bool everything, const std::set<pid_t>& keep);
 
+// After an exclusive (one-shot) call: empties /scratch but for the run dir
+// root, and removes every System V shared memory segment, message queue and
+// semaphore set of the sandbox's IPC namespace, which would otherwise
+// outlive the call's processes.
+void wipeSandboxState();
+
 // One language's zygote process.
 class Zygote {
  public:
