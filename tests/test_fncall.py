@@ -255,3 +255,22 @@ def test_fncall_sandbox(make_sandbox, server, debian, deb):
                                     body={"code": "1", "files": {"a": "b"}})
     assert status == 400 and body["error"]["field"] == "files", body
     expect_error(lambda: deb.run("print(1)"), dsec.Conflict, status=409)
+
+
+def test_image_update_replaces_its_pool(client, debian, busybox):
+    base = client.image(debian).layers
+    name = "fnimg-%d" % id(client)
+    client.create_image(name, "v", base)
+    ref = name + ":v"
+    try:
+        code = "cat /proc/sys/kernel/hostname; test -e /bin/busybox && echo bb || echo no-bb"
+        first = client.run(code, language="bash", image=ref)
+        again = client.run(code, language="bash", image=ref)
+        assert first.stdout == again.stdout and first.stdout.endswith("no-bb\n"), (first, again)
+        # The tag moves to other layers: the next call runs on them, in a new sandbox.
+        client.create_image(name, "v", base + client.image(busybox).layers)
+        moved = client.run(code, language="bash", image=ref)
+        assert moved.exit_code == 0 and moved.stdout.split()[1] == "bb", moved
+        assert moved.stdout.split()[0] != first.stdout.split()[0], (first, moved)
+    finally:
+        client.delete_image(ref)
