@@ -274,3 +274,34 @@ def test_image_update_replaces_its_pool(client, debian, busybox):
         assert moved.stdout.split()[0] != first.stdout.split()[0], (first, moved)
     finally:
         client.delete_image(ref)
+
+
+def test_fncall_sandboxes_outlive_an_edge_crash(tmp_path_factory, server):
+    """A fncall sandbox is a container sandbox underneath: re-adopted after a
+    SIGKILL with its /scratch and its zygote; pool sandboxes (no record) are
+    destroyed as orphans, and one-shot calls work again."""
+    import os
+    from pathlib import Path
+
+    from test_restart import _crash, _new_server, _stop_and_check_clean
+
+    s = _new_server(tmp_path_factory)
+    try:
+        cache = Path(os.environ.get("DSEC_IMAGE_CACHE", "/var/cache/dsec/test-images"))
+        s.import_image("debian:latest", cache / "debian.tar")
+        sb = s.client.create("debian:latest", backend="fncall", disk_mb=16)
+        assert sb.exec("echo kept > keep").exit_code == 0
+        assert s.client.run("print(1)").stdout == "1\n"
+        _crash(s)
+        s.start()
+        again = s.client.get(sb.id)
+        assert again.state == "running" and again.backend == "fncall", again.info
+        r = again.run("print(open('keep').read().strip())")
+        assert r.exit_code == 0 and r.stdout == "kept\n", r
+        assert again.exec("touch /etc/x").exit_code != 0
+        assert s.client.run("print(2)").stdout == "2\n"
+        again.destroy()
+        _stop_and_check_clean(s)
+    finally:
+        if s.proc.poll() is None:
+            s.stop()
