@@ -254,3 +254,23 @@ def test_node_and_metrics_answers_conform(server, busybox, make_sandbox):
     assert status == 200 and headers["Content-Type"].startswith("text/plain")
     assert b"# TYPE dsec_node_cache_bytes gauge" in data
     conforms(server.raw("GET", "/v1/node", token=None), "/v1/node", "GET")
+
+
+def test_run_answers_conform(server, debian):
+    r = server.raw("POST", "/v1/run", body={"code": "print(1)", "image": debian})
+    doc = conforms(r, "/v1/run", "POST")
+    assert doc["stdout"] == "1\n" and doc["limit"] is None
+    conforms(server.raw("POST", "/v1/run", body={"code": "1", "language": "cobol"}),
+             "/v1/run", "POST")
+    conforms(server.raw("POST", "/v1/run", body={"code": "#" * (300 << 10)}), "/v1/run", "POST")
+    r = server.raw("POST", "/v1/sandboxes", body={"image": debian, "backend": "fncall"})
+    sb = conforms(r, "/v1/sandboxes", "POST")
+    server.created.add(sb["id"])
+    try:
+        r = server.raw("POST", f"/v1/sandboxes/{sb['id']}/run",
+                       body={"code": "while True: pass", "timeout_s": 0.5})
+        assert conforms(r, "/v1/sandboxes/{id}/run", "POST")["limit"] == "timeout"
+        r = server.raw("POST", f"/v1/sandboxes/{sb['id']}/exec", body={"cmd": "true"})
+        assert conforms(r, "/v1/sandboxes/{id}/exec", "POST")["limit"] is None
+    finally:
+        server.raw("DELETE", f"/v1/sandboxes/{sb['id']}")

@@ -68,6 +68,18 @@ class Client:
         body.update(kw)
         return Sandbox(self, self._request("POST", "/v1/sandboxes", body))
 
+    def run(self, code, language="python", image=None, timeout=None):
+        """POST /v1/run: one fncall call (docs/fncall.md)."""
+        body = {"code": code, "language": language}
+        if image is not None:
+            body["image"] = image
+        if timeout is not None:
+            body["timeout_s"] = timeout
+        r = self._request("POST", "/v1/run", body)
+        return ExecResult(r.get("exit_code"), r.get("stdout", ""), r.get("stderr", ""),
+                          r.get("signal", 0), r.get("timed_out", False), r.get("truncated", False),
+                          r.get("oom_killed", False), r.get("duration_ms"))
+
     def close(self):
         if self._conn:
             self._conn.close()

@@ -8,6 +8,7 @@
 #include <linux/seccomp.h>
 #include <sys/prctl.h>
 #include <sys/signalfd.h>
+#include <sys/stat.h>
 #include <sys/socket.h>
 #include <sys/timerfd.h>
 #include <sys/wait.h>
@@ -42,6 +43,7 @@ enum Kind : uint64_t {
   kTimerKind,
   kSeccompKind,  // the "stream" is the listener's fd
   kDeniedTimerKind,
+  kZygoteKind,  // the "stream" is the zygote's control socket fd
 };
 
 // Denied-syscall counts go to the edge unasked, at most this often, so a
@@ -117,6 +119,21 @@ Status Agent::start() {
   }
   scratch_.resize(proto::kDataChunk);
   in_buf_.reset(new char[kReadSize]);
+  if (options_.fncall) {
+    // Every exec of a fncall sandbox writes only beneath /scratch: Landlock
+    // under the read-only root (a second layer, and the one that also covers
+    // /dev/shm and /proc's writable files).
+    Result<UniqueFd> rs = buildScratchRuleset();
+    if (rs.isOk()) {
+      scratch_landlock_ = std::move(*rs);
+      options_.exec.base_landlock_ruleset = scratch_landlock_.get();
+    } else if (rs.status().code() != Code::kFailedPrecondition) {
+      return rs.status();
+    }
+    for (const auto& lang : options_.fncall->prestart) {
+      if (auto z = zygoteFor(lang); !z.isOk()) logError("zygote", z.status());
+    }
+  }
 
   Json hello = {{"version", 1}, {"pid", ::getpid()}};
   sendFrame(0, FrameType::kHello, dumpJson(hello));
@@ -170,6 +187,9 @@ int Agent::run() {
         case kSeccompKind:
           onSeccompNotify(static_cast<int>(stream), ev);
           break;
+        case kZygoteKind:
+          onZygoteReadable(static_cast<int>(stream));
+          break;
         case kDeniedTimerKind: {
           uint64_t expirations;
           (void)!::read(denied_timer_.get(), &expirations, sizeof expirations);
@@ -195,6 +215,7 @@ void Agent::edgeGone() {
   for (auto& [stream, e] : execs_) {
     killGroup(*e, SIGKILL);
     closeStdin(*e);
+    if (e->call) finishCall(*e);
   }
   execs_.clear();
   pid_streams_.clear();
@@ -257,6 +278,7 @@ void Agent::shutdown() {
   for (auto& [stream, e] : execs_) {
     killGroup(*e, SIGKILL);
     closeStdin(*e);
+    if (e->call) finishCall(*e);
   }
   execs_.clear();
   pid_streams_.clear();
@@ -457,6 +479,21 @@ void Agent::handleExec(const Frame& f) {
   if (!acceptRequest(f)) return;
   Result<ExecRequest> req = parseExecRequest(f.payload);
   if (!req.isOk()) return sendError(f.stream, req.status());
+  std::optional<CallRequest> call;
+  {
+    Result<Json> j = parseObject(f.payload);
+    auto it = j.isOk() ? j->find("fncall") : Json::iterator();
+    bool has = j.isOk() && it != j->end() && !it->is_null();
+    if (has && !options_.fncall) {
+      return sendError(f.stream, invalidArg("fncall", "this is not a fncall sandbox"));
+    }
+    if (options_.fncall) {
+      Result<CallRequest> c =
+          has ? parseCallRequest(*it, *options_.fncall) : Result<CallRequest>(CallRequest{});
+      if (!c.isOk()) return sendError(f.stream, c.status());
+      call = std::move(*c);
+    }
+  }
 
   auto e = std::make_unique<Exec>();
   e->stream = f.stream;
@@ -467,8 +504,14 @@ void Agent::handleExec(const Frame& f) {
     e->timer.reset(::timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC));
     if (!e->timer) return sendError(f.stream, sysError("timerfd_create"));
   }
-  Result<SpawnedExec> spawned = spawnExec(*req, options_.exec);
-  if (!spawned.isOk()) return sendError(f.stream, spawned.status());
+  std::vector<std::pair<pid_t, int>> exits;
+  Result<SpawnedExec> spawned =
+      call ? spawnCall(*req, *call, *e, exits) : spawnExec(*req, options_.exec);
+  if (!spawned.isOk()) {
+    if (!e->run_dir.empty()) (void)removePath(e->run_dir, true);
+    for (auto& [pid, status] : exits) onReaped(pid, status);
+    return sendError(f.stream, spawned.status());
+  }
   e->proc = std::move(spawned).value();
   if (e->proc.seccomp_listener) {
     int fd = e->proc.seccomp_listener.get();
@@ -493,6 +536,7 @@ void Agent::handleExec(const Frame& f) {
   }
   pid_streams_[e->proc.pid] = f.stream;
   execs_[f.stream] = std::move(e);
+  for (auto& [pid, status] : exits) onReaped(pid, status);
 }
 
 void Agent::onSeccompNotify(int fd, uint32_t events) {
@@ -680,6 +724,7 @@ void Agent::handleFileWrite(const Frame& f) {
   Status st = readPath(*j, "path", path);
   if (st.isOk()) st = readInt(*j, "mode", 0, 07777, mode);
   if (st.isOk()) st = readBool(*j, "append", append);
+  if (st.isOk()) st = fncallWritable(path);
   if (!st.isOk()) return sendError(f.stream, st);
   bool mode_given = j->contains("mode") && !(*j)["mode"].is_null();
   Result<FileWriter> w = FileWriter::open(path, static_cast<mode_t>(mode), mode_given, append);
@@ -770,6 +815,7 @@ void Agent::handleSimpleFileOp(const Frame& f) {
       int64_t mode = 0755;
       st = readBool(*j, "parents", parents);
       if (st.isOk()) st = readInt(*j, "mode", 0, 07777, mode);
+      if (st.isOk()) st = fncallWritable(path);
       if (st.isOk()) st = makeDir(path, parents, static_cast<mode_t>(mode));
       if (!st.isOk()) return sendError(f.stream, st);
       return sendFrame(f.stream, FrameType::kResult, kOk);
@@ -777,6 +823,7 @@ void Agent::handleSimpleFileOp(const Frame& f) {
     case FrameType::kRemove: {
       bool recursive = false;
       st = readBool(*j, "recursive", recursive);
+      if (st.isOk()) st = fncallWritable(path);
       if (st.isOk()) st = removePath(path, recursive);
       if (!st.isOk()) return sendError(f.stream, st);
       return sendFrame(f.stream, FrameType::kResult, kOk);
@@ -805,12 +852,24 @@ void Agent::reapChildren() {
     pid_t pid = ::waitpid(-1, &status, WNOHANG);
     if (pid < 0 && errno == EINTR) continue;
     if (pid <= 0) break;
+    onReaped(pid, status);
+  }
+}
+
+void Agent::onReaped(pid_t pid, int status) {
+  for (auto& [lang, z] : zygotes_) {
+    if (z->pid() == pid) {
+      dropZygote(lang, true);
+      return;
+    }
+  }
+  {
     auto pit = pid_streams_.find(pid);
-    if (pit == pid_streams_.end()) continue;
+    if (pit == pid_streams_.end()) return;
     uint32_t stream = pit->second;
     pid_streams_.erase(pit);
     auto eit = execs_.find(stream);
-    if (eit == execs_.end()) continue;
+    if (eit == execs_.end()) return;
     Exec& e = *eit->second;
     e.reaped = true;
     e.wait_status = status;
@@ -900,6 +959,21 @@ void Agent::maybeFinish(Exec& e) {
                {"timed_out", e.timed_out},
                {"truncated", e.truncated},
                {"duration_us", e.duration_us}};
+  if (e.call) {
+    finishCall(e);
+    // Which limit stopped it, when one did (docs/fncall.md).
+    const char* limit = nullptr;
+    if (e.timed_out) {
+      limit = "timeout";
+    } else if (sig == SIGXCPU) {
+      limit = "cpu";
+    } else if (sig == SIGXFSZ) {
+      limit = "file_size";
+    } else if (e.truncated) {
+      limit = "output";
+    }
+    exit["limit"] = limit ? Json(limit) : Json(nullptr);
+  }
   sendFrame(e.stream, FrameType::kExit, dumpJson(exit));
   execs_.erase(e.stream);  // `e` is gone from here on
 }
@@ -962,6 +1036,195 @@ void Agent::onTimer(uint32_t stream) {
   if (e.reaped) return;
   e.timed_out = true;
   killGroup(e, SIGKILL);
+}
+
+}  // namespace dsec::aether
+
+// ---- fncall (fncall.h, docs/fncall.md) ----
+
+namespace dsec::aether {
+
+namespace {
+
+Status pipeCloexec(UniqueFd& r, UniqueFd& w) {
+  int fds[2];
+  if (::pipe2(fds, O_CLOEXEC) < 0) return sysError("pipe");
+  r.reset(fds[0]);
+  w.reset(fds[1]);
+  return Status::ok();
+}
+
+Status nonblocking(int fd) {
+  int flags = ::fcntl(fd, F_GETFL);
+  if (flags < 0 || ::fcntl(fd, F_SETFL, flags | O_NONBLOCK) < 0) return sysError("fcntl");
+  return Status::ok();
+}
+
+bool hasEnv(const std::vector<std::string>& env, std::string_view name) {
+  for (const auto& e : env) {
+    if (e.size() > name.size() && e.compare(0, name.size(), name) == 0 && e[name.size()] == '=') {
+      return true;
+    }
+  }
+  return false;
+}
+
+Status writeWhole(const std::string& path, const std::string& data) {
+  UniqueFd fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0644));
+  if (!fd) return sysError("create " + path);
+  size_t off = 0;
+  while (off < data.size()) {
+    ssize_t n = ::write(fd.get(), data.data() + off, data.size() - off);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return sysError("write " + path);
+    off += size_t(n);
+  }
+  return Status::ok();
+}
+
+}  // namespace
+
+Result<SpawnedExec> Agent::spawnCall(ExecRequest& req, const CallRequest& call, Exec& e,
+                                     std::vector<std::pair<pid_t, int>>& exits) {
+  const FncallConfig& cfg = *options_.fncall;
+  e.call = true;
+  e.exclusive = call.exclusive;
+  CallLimits limits = call.limits ? *call.limits : cfg.defaults;
+  std::vector<std::string> env = req.env ? *req.env : options_.exec.default_env;
+  if (call.fresh_dir) {
+    // A new working dir per one-shot call, with the call's files; removed
+    // (with whatever the call wrote there) when it ends.
+    e.run_dir = std::string(kRunDir) + "/c" + std::to_string(++call_seq_);
+    if (::mkdir(e.run_dir.c_str(), 0777) < 0) return sysError("mkdir " + e.run_dir);
+    ::chmod(e.run_dir.c_str(), 0777);
+    for (const auto& [rel, data] : call.files) {
+      std::string path = e.run_dir + "/" + rel;
+      if (size_t slash = path.rfind('/'); slash > e.run_dir.size()) {
+        RETURN_IF_ERROR(makeDir(path.substr(0, slash), true, 0777));
+      }
+      RETURN_IF_ERROR(writeWhole(path, data).withContext("files"));
+    }
+    req.cwd = e.run_dir;
+  } else if (!req.cwd) {
+    req.cwd = kScratchDir;
+  }
+  if (!hasEnv(env, "TMPDIR")) env.push_back("TMPDIR=" + *req.cwd);
+  req.env = env;
+
+  if (call.language.empty() || call.language != "python") {
+    if (call.language == "bash") {
+      req.argv = {"bash", "-c", call.code};
+    } else if (!call.language.empty()) {
+      req.argv = cfg.languages.at(call.language);
+      req.argv.push_back(call.code);
+    }
+    req.rlimits = callRlimits(limits);
+    return spawnExec(req, options_.exec);
+  }
+
+  ASSIGN_OR_RETURN(Zygote * z, zygoteFor(call.language));
+  SpawnedExec out;
+  UniqueFd child_in, child_out, child_err;
+  if (req.stdin_pipe) {
+    RETURN_IF_ERROR(pipeCloexec(child_in, out.stdin_w));
+    RETURN_IF_ERROR(nonblocking(out.stdin_w.get()));
+  } else {
+    child_in.reset(::open("/dev/null", O_RDONLY | O_CLOEXEC));
+    if (!child_in) return sysError("open /dev/null");
+  }
+  RETURN_IF_ERROR(pipeCloexec(out.stdout_r, child_out));
+  RETURN_IF_ERROR(pipeCloexec(out.stderr_r, child_err));
+  RETURN_IF_ERROR(nonblocking(out.stdout_r.get()));
+  RETURN_IF_ERROR(nonblocking(out.stderr_r.get()));
+  if (!hasEnv(env, "PATH")) env.push_back(std::string("PATH=") + kDefaultPath);
+  if (!hasEnv(env, "HOME")) env.push_back("HOME=/root");
+  ::clock_gettime(CLOCK_MONOTONIC, &out.started);
+  Result<pid_t> pid = z->spawn(call.code, *req.cwd, env, limits, child_in.get(), child_out.get(),
+                               child_err.get(), exits);
+  if (!pid.isOk()) {
+    // A zygote that fails a request is replaced on the next call.
+    dropZygote(call.language, false);
+    return pid.status();
+  }
+  out.pid = *pid;
+  out.argv0 = call.language;
+  out.cwd = *req.cwd;
+  return out;
+}
+
+Result<Zygote*> Agent::zygoteFor(const std::string& language) {
+  if (auto it = zygotes_.find(language); it != zygotes_.end()) return it->second.get();
+  UniqueFd listener;
+  Result<std::unique_ptr<Zygote>> z = Zygote::start(language, options_.exec, listener);
+  if (listener) {
+    int fd = listener.get();
+    (void)nonblocking(fd);
+    watch(fd, tag(kSeccompKind, static_cast<uint32_t>(fd)), EPOLLIN);
+    listeners_[fd] = std::move(listener);
+  }
+  if (!z.isOk()) return z.status();
+  Zygote* raw = z->get();
+  watch(raw->ctlFd(), tag(kZygoteKind, static_cast<uint32_t>(raw->ctlFd())), EPOLLIN);
+  zygotes_[language] = std::move(*z);
+  return raw;
+}
+
+void Agent::onZygoteReadable(int fd) {
+  for (auto& [lang, z] : zygotes_) {
+    if (z->ctlFd() != fd) continue;
+    std::vector<std::pair<pid_t, int>> exits;
+    bool alive = z->readExits(exits);
+    std::string name = lang;  // dropZygote erases the entry
+    if (!alive) dropZygote(name, false);
+    for (auto& [pid, status] : exits) onReaped(pid, status);
+    return;
+  }
+}
+
+void Agent::dropZygote(const std::string& language, bool reaped) {
+  auto it = zygotes_.find(language);
+  if (it == zygotes_.end()) return;
+  unwatch(it->second->ctlFd());
+  // Reaped: its pid is free and must not be signalled. Otherwise the
+  // destructor kills it and reapChildren reaps it; the calls it had forked
+  // are then aether's (a subreaper) and reaped here as usual.
+  if (reaped) {
+    auto doomed = std::move(it->second);
+    zygotes_.erase(it);
+    doomed->forgetPid();
+    return;
+  }
+  zygotes_.erase(it);
+}
+
+Status Agent::fncallWritable(const std::string& path) const {
+  if (!options_.fncall) return Status::ok();
+  std::string_view p = path;
+  std::string_view dir = kScratchDir;
+  if (p.size() > dir.size() && p.substr(0, dir.size()) == dir && p[dir.size()] == '/' &&
+      p.find("/../") == std::string_view::npos && !p.ends_with("/..")) {
+    return Status::ok();
+  }
+  return Status(Code::kPermissionDenied,
+                "a fncall sandbox is read-only outside /scratch: " + path, EROFS, "path");
+}
+
+std::set<pid_t> Agent::zygotePids() const {
+  std::set<pid_t> out;
+  for (auto& [lang, z] : zygotes_) out.insert(z->pid());
+  return out;
+}
+
+void Agent::finishCall(Exec& e) {
+  // Nothing a call started survives it: its session, process group and
+  // their descendants (an exclusive caller: everything but the zygotes).
+  killCallProcesses(e.proc.pid, e.exclusive, zygotePids());
+  if (!e.run_dir.empty()) {
+    Status st = removePath(e.run_dir, true);
+    if (!st.isOk()) logError("remove call dir", st);
+    e.run_dir.clear();
+  }
+  if (e.exclusive) wipeSandboxState();
 }
 
 }  // namespace dsec::aether

@@ -12,6 +12,8 @@
 #include <cstdint>
 #include <deque>
 #include <map>
+#include <optional>
+#include <set>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -19,6 +21,7 @@
 
 #include "aether/exec.h"
 #include "aether/files.h"
+#include "aether/fncall.h"
 #include "aether/fs_policy.h"
 #include "aether/landlock.h"
 #include "common/fd.h"
@@ -51,6 +54,8 @@ struct AgentOptions {
   // /dev/null back on the descriptor (so the edge's death is an EOF again)
   // and answers with a hello.
   int reattach_fd = -1;
+  // A fncall sandbox (fncall.h): every exec is a call; zygotes per language.
+  std::optional<FncallConfig> fncall;
 };
 
 class Agent {
@@ -95,6 +100,11 @@ class Agent {
     int64_t duration_us = 0;
     bool timed_out = false;
     bool truncated = false;
+    // fncall (fncall.h): ends by killing what the call left, and its fresh
+    // dir (when it has one) is removed.
+    bool call = false;
+    bool exclusive = false;
+    std::string run_dir;
   };
 
   void handleConnReadable();
@@ -122,6 +132,20 @@ class Agent {
   void onSeccompNotify(int fd, uint32_t events);
 
   void reapChildren();
+  // A tracked or untracked child ended (reaped by us, or by a zygote).
+  void onReaped(pid_t pid, int status);
+  // fncall: starts the call's process (argv, fresh exec of an interpreter,
+  // or a fork of the language's zygote). Exit reports of other calls that a
+  // zygote sent meanwhile land in `exits`.
+  Result<SpawnedExec> spawnCall(ExecRequest& req, const CallRequest& call, Exec& e,
+                                std::vector<std::pair<pid_t, int>>& exits);
+  Result<Zygote*> zygoteFor(const std::string& language);
+  void onZygoteReadable(int fd);
+  void dropZygote(const std::string& language, bool reaped);
+  std::set<pid_t> zygotePids() const;
+  void finishCall(Exec& e);
+  // fncall sandboxes: file calls may change only what is beneath /scratch.
+  Status fncallWritable(const std::string& path) const;
   void onPipeReadable(uint32_t stream, int which);
   void onStdinWritable(uint32_t stream);
   void onTimer(uint32_t stream);
@@ -174,6 +198,10 @@ class Agent {
   FsPolicy fs_policy_;
   UniqueFd landlock_;  // the ruleset later execs run under (landlock.h); -1: none
   std::unordered_map<pid_t, uint32_t> pid_streams_;
+  // fncall: zygotes by language; the Landlock ruleset keeping writes in /scratch.
+  std::map<std::string, std::unique_ptr<Zygote>> zygotes_;
+  UniqueFd scratch_landlock_;
+  uint64_t call_seq_ = 0;
   std::map<uint32_t, FileWriter> writes_;
   std::map<uint32_t, FileReader> reads_;
   uint32_t next_read_ = 0;  // round-robin position among reads_

@@ -247,6 +247,10 @@ Result<InitConfig> parseInitConfig(std::string_view payload) {
   }
   RETURN_IF_ERROR(readStringList(j, "env", false, c.env));
   RETURN_IF_ERROR(readBool(j, "reattach", c.reattach));
+  if (auto fc = j.find("fncall"); fc != j.end() && !fc->is_null()) {
+    ASSIGN_OR_RETURN(FncallConfig f, parseFncallConfig(*fc));
+    c.fncall = std::move(f);
+  }
   auto it = j.find("rootfs");
   if (it != j.end() && !it->is_null()) {
     if (!it->is_object()) return invalidArg("rootfs", "rootfs must be an object");
@@ -333,6 +337,7 @@ Status setupContainer(const InitConfig& config, int rootfsFd) {
     RETURN_IF_ERROR(maskPaths(root));
     RETURN_IF_ERROR(pivotInto(root));
     if (!config.hostname.empty()) RETURN_IF_ERROR(setHostname(config.hostname));
+    if (config.fncall) RETURN_IF_ERROR(setupFncallRoot(*config.fncall));
     RETURN_IF_ERROR(bringUpInterface("lo"));
     if (::unshare(CLONE_NEWCGROUP) < 0) return sysError("unshare cgroup namespace");
   }

@@ -8,6 +8,7 @@
 #include <string_view>
 #include <vector>
 
+#include "aether/fncall.h"
 #include "common/status.h"
 
 namespace dsec::aether {
@@ -30,6 +31,8 @@ struct InitConfig {
   // Outlive the edge: wait for the next one to reattach instead of exiting
   // when the connection closes (AgentOptions::reattach_fd).
   bool reattach = false;
+  // A fncall sandbox (fncall.h): read-only root, tmpfs /scratch, calls.
+  std::optional<FncallConfig> fncall;
 };
 
 // kInvalidArgument (with the field) on malformed JSON, paths that would

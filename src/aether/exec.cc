@@ -51,6 +51,7 @@ enum ChildStage : int32_t {
   kStageLandlock,
   kStageSeccomp,
   kStageExec,
+  kStageRlimit,
 };
 
 struct ChildReport {
@@ -78,6 +79,8 @@ struct ChildPlan {
   bool seccomp = false;
   bool seccomp_notify = false;
   int landlock_fd = -1;
+  int base_landlock_fd = -1;
+  std::vector<std::pair<int, struct rlimit>> rlimits;
   struct sock_fprog filter;
   int stdin_fd = -1, stdout_fd = -1, stderr_fd = -1, status_fd = -1;
   sigset_t empty_mask;
@@ -142,6 +145,9 @@ bool moveFd(int from, int to) {
   }
 
   if (p.set_nofile) ::setrlimit(RLIMIT_NOFILE, &p.nofile);
+  for (const auto& [resource, limit] : p.rlimits) {
+    if (::setrlimit(resource, &limit) < 0) childFail(p, kStageRlimit, errno);
+  }
 
   if (p.switch_user) {
     if (::setgroups(p.groups.size(), p.groups.data()) < 0) childFail(p, kStageSetgroups, errno);
@@ -150,12 +156,16 @@ bool moveFd(int from, int to) {
   }
   if (::chdir(p.cwd) < 0) childFail(p, kStageChdir, errno);
   ::umask(022);
-  if (p.seccomp || p.landlock_fd >= 0) {
+  if (p.seccomp || p.landlock_fd >= 0 || p.base_landlock_fd >= 0) {
     // no_new_privs: setuid binaries cannot raise privileges, and an
     // unprivileged process may restrict itself.
     if (::prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0) childFail(p, kStageSeccomp, errno);
   }
   if (p.landlock_fd >= 0 && ::syscall(SYS_landlock_restrict_self, p.landlock_fd, 0) != 0) {
+    childFail(p, kStageLandlock, errno);
+  }
+  if (p.base_landlock_fd >= 0 &&
+      ::syscall(SYS_landlock_restrict_self, p.base_landlock_fd, 0) != 0) {
     childFail(p, kStageLandlock, errno);
   }
   if (p.seccomp) {
@@ -288,6 +298,8 @@ const char* stageName(int32_t stage) {
       return "chdir";
     case kStageExec:
       return "exec";
+    case kStageRlimit:
+      return "setrlimit";
   }
   return "start";
 }
@@ -365,6 +377,8 @@ Result<SpawnedExec> spawnExec(const ExecRequest& req, const ExecSettings& settin
   plan.seccomp = settings.seccomp;
   plan.seccomp_notify = settings.seccomp && settings.seccomp_notify;
   plan.landlock_fd = settings.landlock_ruleset;
+  plan.base_landlock_fd = settings.base_landlock_ruleset;
+  plan.rlimits = req.rlimits;
   const bool strict = settings.syscall_profile == SyscallProfile::kStrict;
   const auto& filter = strict ? (plan.seccomp_notify ? kStrictNotifyFilter : kStrictFilter)
                               : (plan.seccomp_notify ? kNotifyFilter : kFilter);
@@ -402,7 +416,10 @@ Result<SpawnedExec> spawnExec(const ExecRequest& req, const ExecSettings& settin
 
   SpawnedExec out;
   UniqueFd child_in, child_out, child_err, child_status;
-  if (req.stdin_pipe) {
+  int given_stdin = -1;
+  if (req.stdin_fd >= 0) {
+    given_stdin = req.stdin_fd;
+  } else if (req.stdin_pipe) {
     RETURN_IF_ERROR(makePipe(child_in, out.stdin_w));
     RETURN_IF_ERROR(setNonblocking(out.stdin_w.get()));
   } else {
@@ -427,7 +444,7 @@ Result<SpawnedExec> spawnExec(const ExecRequest& req, const ExecSettings& settin
   RETURN_IF_ERROR(setNonblocking(out.stdout_r.get()));
   RETURN_IF_ERROR(setNonblocking(out.stderr_r.get()));
   RETURN_IF_ERROR(setNonblocking(out.status_r.get()));
-  plan.stdin_fd = child_in.get();
+  plan.stdin_fd = given_stdin >= 0 ? given_stdin : child_in.get();
   plan.stdout_fd = child_out.get();
   plan.stderr_fd = child_err.get();
   plan.status_fd = child_status.get();

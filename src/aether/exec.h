@@ -31,6 +31,11 @@ struct ExecRequest {
   int64_t timeout_ms = 0;                       // 0 = none
   uint64_t max_output = kDefaultMaxOutput;      // per stream
   bool stdin_pipe = false;
+  // Not from the frame (fncall.h sets them): a descriptor to give the child
+  // as its stdin instead of /dev/null or a pipe (not taken over), and
+  // resource limits the child sets (soft and hard) before exec.
+  int stdin_fd = -1;
+  std::vector<std::pair<int, struct rlimit>> rlimits;
 };
 
 // kInvalidArgument (with the field) on anything malformed.
@@ -51,6 +56,9 @@ struct ExecSettings {
   bool seccomp_notify = true;
   // A Landlock ruleset (landlock.h) each child restricts itself with; -1: none.
   int landlock_ruleset = -1;
+  // fncall sandboxes (fncall.h): a second ruleset every child also enters
+  // (writes only beneath the scratch dir); -1: none.
+  int base_landlock_ruleset = -1;
   // The seccomp profile of execs from now on (a policy's "syscalls").
   SyscallProfile syscall_profile = SyscallProfile::kDefault;
   // aether raises its own open-file limit to serve many execs; children get

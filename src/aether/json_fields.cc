@@ -44,7 +44,10 @@ Status readInt(const Json& obj, const char* key, int64_t min, int64_t max, int64
                       std::to_string(max) + "]";
   if (v->is_number_unsigned()) {
     uint64_t u = v->get<uint64_t>();
-    if (u > static_cast<uint64_t>(max)) return invalidArg(key, range);
+    // JSON parsers hand non-negative integers over as unsigned: check min too.
+    if (u > static_cast<uint64_t>(max) || static_cast<int64_t>(u) < min) {
+      return invalidArg(key, range);
+    }
     out = static_cast<int64_t>(u);
   } else if (v->is_number_integer()) {
     int64_t i = v->get<int64_t>();

@@ -179,6 +179,7 @@ int realMain(int argc, char** argv) {
     if (!st.isOk()) return failStartup(conn.get(), st);
     options.exec.default_env = config->env;
     if (config->reattach) options.reattach_fd = kReattachFd;
+    options.fncall = config->fncall;
   }
 
   Agent agent(std::move(conn), std::move(options), std::move(decoder));

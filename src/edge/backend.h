@@ -24,6 +24,9 @@ struct SandboxSpec {
   int64_t memoryBytes = 512ll << 20;
   int64_t diskBytes = 1ll << 30;
   int64_t pids = 1024;
+  // fncall sandboxes (backends/fncall): the init frame's "fncall" object
+  // (docs/agent-protocol.md); empty for a container sandbox.
+  std::string fncallInit;
 };
 
 // A running sandbox as its backend made it. Owned by the Edge.

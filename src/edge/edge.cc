@@ -13,6 +13,7 @@
 #include "common/sha256.h"
 #include "common/util.h"
 #include "edge/backends/container/container_backend.h"
+#include "edge/backends/fncall/fncall_backend.h"
 
 namespace dsec::edge {
 
@@ -67,7 +68,9 @@ Result<std::unique_ptr<Edge>> Edge::start(EdgeOptions opts) {
   std::set<std::string> keep;
   for (auto& s : e->stateDir_->loadAll()) {
     auto started = processStartTime(s.pid);
-    if (s.backend == "container" && started.isOk() && *started == s.startTime) {
+    // fncall sandboxes are container sandboxes underneath (backends/fncall).
+    if ((s.backend == "container" || s.backend == "fncall") && started.isOk() &&
+        *started == s.startTime) {
       keep.insert(s.spec.id);
       live.push_back(std::move(s));
     } else {
@@ -88,6 +91,9 @@ Result<std::unique_ptr<Edge>> Edge::start(EdgeOptions opts) {
     log::warn("removed leftovers of " + std::to_string(orphans) + " orphan sandboxes");
     e->countOrphans("sandbox", orphans);
   }
+  // fncall: a thin layer over the container backend (backends/fncall).
+  e->backends_["fncall"] =
+      std::make_unique<FncallBackend>(container.get(), e->opts_.fncallLanguages);
   e->backends_["container"] = std::move(container);
   // The egress filter covers every sandbox of this edge from here on; where
   // it cannot run, no sandbox gets egress (each stays on its own loopback).
@@ -473,6 +479,7 @@ Result<ExecResult> Edge::exec(const std::string& id, const ExecSpec& spec,
               {"stdin", spec.stdinData.has_value()}};
   if (!spec.cwd.empty()) req["cwd"] = spec.cwd;
   if (!spec.user.empty()) req["user"] = spec.user;
+  if (!spec.fncallJson.empty()) req["fncall"] = json::parse(spec.fncallJson, nullptr, false);
   auto stream = conn->openStream();
   StreamGuard guard{*conn, stream->id()};
   RETURN_IF_ERROR(conn->send(stream->id(), proto::FrameType::kExec, req.dump()));
@@ -518,11 +525,16 @@ Result<ExecResult> Edge::exec(const std::string& id, const ExecSpec& spec,
           res.timedOut = j.value("timed_out", false);
           res.truncated = j.value("truncated", false);
           res.durationMs = double(j.value("duration_us", int64_t(0))) / 1000.0;
+          if (auto l = j.find("limit"); l != j.end()) {
+            res.call = true;
+            if (l->is_string()) res.limit = l->get<std::string>();
+          }
         } catch (const json::exception&) {
           return internalError("agent sent a malformed exit report");
         }
         auto after = inst->oomKills();
         if (before.isOk() && after.isOk()) res.oomKilled = *after > *before;
+        if (res.call && res.oomKilled && res.limit.empty()) res.limit = "memory";
         if (cancelled) return Status(Code::kUnavailable, "exec cancelled: client went away");
         return res;
       }

@@ -53,6 +53,9 @@ struct EdgeOptions {
   // filter and path), for the next edge on this data dir to re-adopt. A crash
   // leaves them running either way.
   bool liveRestore = false;
+  // fncall: languages exec'd per call besides python and bash, name -> argv
+  // the code is appended to (say "node" -> {"node", "-e"}).
+  std::map<std::string, std::vector<std::string>> fncallLanguages;
 };
 
 struct ExecSpec {
@@ -63,6 +66,9 @@ struct ExecSpec {
   int64_t timeoutMs = 60000;     // 0 = none
   int64_t maxOutput = 1 << 20;   // per stream
   std::optional<std::string> stdinData;
+  // fncall sandboxes: the exec frame's "fncall" object (language, code,
+  // fresh_dir, files, limits; docs/fncall.md); empty: run argv as the call.
+  std::string fncallJson;
 };
 
 struct ExecResult {
@@ -72,6 +78,11 @@ struct ExecResult {
   bool truncated = false;
   bool oomKilled = false;
   double durationMs = 0;
+  // fncall: the agent reported the exec as a call; `limit` names the limit
+  // that stopped it ("timeout", "cpu", "memory", "file_size", "output"), or
+  // is empty.
+  bool call = false;
+  std::string limit;
   std::string out;  // left empty when streamed to a sink
   std::string err;
 };
@@ -152,6 +163,10 @@ class Edge {
   void shutdown();
 
   std::string describe() const;
+  // fncall languages besides python and bash (EdgeOptions::fncallLanguages).
+  const std::map<std::string, std::vector<std::string>>& fncallLanguages() const {
+    return opts_.fncallLanguages;
+  }
   // Whether sandboxes run in user namespaces, their range, and why (not) -
   // fixed at start.
   const Userns& userns() const { return userns_; }

@@ -107,9 +107,9 @@ void Platform::createSandbox(http::Request& req, http::Response& res) {
     r.image = *image;
     auto backend = getString(j, "backend", "container", 32);
     if (!backend.isOk()) return fail(backend.status());
-    if (*backend != "container") {
-      return fail(invalidArg(
-          "backend", "unknown or unavailable backend '" + *backend + "' (available: container)"));
+    if (*backend != "container" && *backend != "fncall") {
+      return fail(invalidArg("backend", "unknown or unavailable backend '" + *backend +
+                                            "' (available: container, fncall)"));
     }
     r.backend = *backend;
     auto cpu = getNumber(j, "cpu", 1.0, 0.05, 64);
@@ -594,6 +594,8 @@ json execResultJson(const edge::ExecResult& r, bool b64) {
   json out = {{"exit_code", r.exitCode},   {"signal", r.signal},
               {"truncated", r.truncated},  {"timed_out", r.timedOut},
               {"oom_killed", r.oomKilled}, {"duration_ms", r.durationMs}};
+  // fncall sandboxes: which limit stopped the call (docs/fncall.md).
+  if (r.call) out["limit"] = r.limit.empty() ? json(nullptr) : json(r.limit);
   if (b64) {
     out["stdout"] = base64Encode(r.out);
     out["stderr"] = base64Encode(r.err);

@@ -104,6 +104,7 @@ Result<std::unique_ptr<Platform>> Platform::start(PlatformOptions opts, Store* s
     raw->onSandboxDeath(id, why);
   });
   p->janitorThread_ = std::thread([raw = p.get()] { raw->janitor(); });
+  p->runPool_ = std::make_unique<edge::RunPool>(edge, p->opts_.runPool);
   return p;
 }
 
@@ -125,6 +126,8 @@ void Platform::shutdown() {
   }
   janitorCv_.notify_all();
   if (janitorThread_.joinable()) janitorThread_.join();
+  // Pool sandboxes have no records: they never outlive the platform.
+  if (runPool_) runPool_->shutdown();
   if (opts_.liveRestore) return;  // they carry on; the next start re-adopts them
   std::vector<std::string> live;
   {
@@ -341,6 +344,10 @@ void Platform::handle(http::Request& req, http::Response& res) {
       if (m == "DELETE") return deleteSandbox(id, res);
       return methodNotAllowed();
     }
+    if (n == 5 && parts[4] == "run") {  // fncall (api_run.cc)
+      if (m == "POST") return runInSandbox(id, req, res);
+      return methodNotAllowed();
+    }
     if (n == 5 && parts[4] == "exec") {
       if (m == "POST") return execSandbox(id, req, res);
       return methodNotAllowed();
@@ -362,6 +369,9 @@ void Platform::handle(http::Request& req, http::Response& res) {
       return methodNotAllowed();
     }
     if (parts[4] == "files" && n <= 6) return files(id, n == 6 ? parts[5] : "", req, res);
+  } else if (coll == "run" && n == 3) {  // fncall one-shot calls (api_run.cc)
+    if (m == "POST") return runCode(req, res);
+    return methodNotAllowed();
   } else if (coll == "blobs" && n == 4) {
     if (m == "PUT") return putBlob(parts[3], req, res);
     if (m == "HEAD" || m == "GET") return headBlob(parts[3], res);

@@ -19,6 +19,7 @@
 
 #include "common/http_server.h"
 #include "common/status.h"
+#include "edge/backends/fncall/run_pool.h"
 #include "edge/edge.h"
 #include "platform/chronus.h"
 #include "platform/policy.h"
@@ -41,6 +42,10 @@ struct PlatformOptions {
   // Live restore (edge::EdgeOptions::liveRestore): shutdown() leaves live
   // sandboxes running, recorded as they are, for the next start.
   bool liveRestore = false;
+  // fncall one-shot calls (POST /v1/run, api_run.cc): the image a call that
+  // names none runs on, and the warm pools' bounds.
+  std::string runImage = "debian:latest";
+  edge::RunPoolOptions runPool;
 };
 
 class Platform {
@@ -80,6 +85,10 @@ class Platform {
   void getSandbox(const std::string& id, http::Response& res);
   void deleteSandbox(const std::string& id, http::Response& res);
   void execSandbox(const std::string& id, http::Request& req, http::Response& res);
+  // fncall (api_run.cc): POST /v1/run (a one-shot call in a warm pool) and
+  // POST /v1/sandboxes/{id}/run (a call in a fncall sandbox's /scratch).
+  void runCode(http::Request& req, http::Response& res);
+  void runInSandbox(const std::string& id, http::Request& req, http::Response& res);
   // An exec request checked against the running sandbox: what to run and how
   // to answer. Errors name the field.
   struct ExecPlan {
@@ -191,6 +200,7 @@ class Platform {
   std::unique_ptr<Policies> policies_;
   std::unique_ptr<Chronus> chronus_;
   edge::Edge* edge_ = nullptr;  // not owned
+  std::unique_ptr<edge::RunPool> runPool_;  // fncall one-shot calls (api_run.cc)
   std::mutex gcMu_;  // one collection at a time; held while images and layers are deleted
 
   std::mutex mu_;  // guards sandboxes_, deleteRequested_, stopping_

@@ -313,6 +313,12 @@ class Client:
         until deleted, its ``ttl_s`` passes, or it has had no call for
         ``idle_timeout_s``; ``auto_pause_s`` pauses it (frozen: no CPU, memory
         kept) after that long without a call, and the next call resumes it.
+        ``backend="fncall"`` makes a function-call sandbox (docs/fncall.md):
+        the image's layers read-only, a tmpfs ``/scratch`` of ``disk_mb`` as the
+        only writable place, a warm python zygote; every ``exec`` is a call
+        (per-call rlimits, default cwd ``/scratch``, its processes killed when
+        it ends), :meth:`Sandbox.run` runs code, and file calls may change
+        only ``/scratch``, whose files persist for the sandbox's lifetime.
         Raises NotFound for an unknown image, InvalidArgument (with ``field``)
         for a bad parameter. ``extra`` keys are sent as they are.
         """
@@ -334,6 +340,48 @@ class Client:
         info = self._call("POST", "/v1/sandboxes", json_body=req,
                           timeout=timeout if timeout is not None else max(self.timeout, 120.0))
         return Sandbox(self, info)
+
+    def run(self, code: str, language: str = "python", *, image: Optional[str] = None,
+            stdin: Union[None, str, bytes] = None,
+            files: Optional[Dict[str, Union[str, bytes]]] = None,
+            timeout: Optional[float] = None, limits: Optional[Dict[str, int]] = None,
+            env: Optional[Dict[str, str]] = None, max_output_bytes: Optional[int] = None,
+            encoding: Optional[str] = None) -> ExecResult:
+        """Runs ``code`` once as a function call and returns its ExecResult
+        (``POST /v1/run``, docs/fncall.md); no sandbox handle is needed.
+
+        The call runs in a warm ``fncall`` sandbox of ``image`` (default: the
+        server's, ``debian:latest``) from a per-node pool: python in a fresh
+        fork of a pre-imported interpreter, bash (or a language the node
+        configures) exec'd afresh, in a new directory holding ``files``
+        (relative path -> text or bytes) that is removed afterwards; nothing a
+        call leaves (files, processes, environment, globals) reaches the next.
+        ``timeout`` (seconds, default 10) is the wall clock; ``limits`` sets
+        rlimits: ``cpu_s``, ``memory_mb``, ``processes``, ``file_size_mb``,
+        ``open_files``. The result's ``limit`` says which limit stopped it.
+        Errors: InvalidArgument (unknown language, bad field; ``field`` names
+        it), PayloadTooLarge (code over 256 KiB, files over 384 KiB, stdin over
+        1 MiB), ResourceExhausted (every pool sandbox of the node busy).
+        """
+        body = _run_body(code, language, stdin, timeout, limits, env, max_output_bytes,
+                         encoding)
+        if image is not None:
+            body["image"] = image
+        if files:
+            text: Dict[str, str] = {}
+            binary: Dict[str, str] = {}
+            for name, data in files.items():
+                if isinstance(data, bytes):
+                    binary[name] = base64.b64encode(data).decode("ascii")
+                else:
+                    text[name] = data
+            if text:
+                body["files"] = text
+            if binary:
+                body["files_b64"] = binary
+        t = (10.0 if timeout is None else float(timeout)) + self.timeout
+        doc = self._call("POST", "/v1/run", json_body=body, timeout=t)
+        return ExecResult.from_json(doc, base64_output=(encoding == "base64"))
 
     def get(self, sandbox_id: str) -> "Sandbox":
         """``GET /v1/sandboxes/{id}``; unknown id → NotFound."""
@@ -540,6 +588,28 @@ class Client:
         self._call("PUT", "/v1/blobs/" + _q(digest, safe=":"), body=body, timeout=t,
                    headers={"Content-Type": "application/octet-stream",
                             "Content-Length": str(size)})
+
+
+def _run_body(code: str, language: str, stdin: Union[None, str, bytes],
+              timeout: Optional[float], limits: Optional[Dict[str, int]],
+              env: Optional[Dict[str, str]], max_output_bytes: Optional[int],
+              encoding: Optional[str]) -> Dict[str, Any]:
+    body: Dict[str, Any] = {"code": code, "language": language}
+    if isinstance(stdin, bytes):
+        body["stdin_b64"] = base64.b64encode(stdin).decode("ascii")
+    elif stdin is not None:
+        body["stdin"] = stdin
+    if timeout is not None:
+        body["timeout_s"] = timeout
+    if limits:
+        body["limits"] = dict(limits)
+    if env:
+        body["env"] = dict(env)
+    if max_output_bytes is not None:
+        body["max_output_bytes"] = max_output_bytes
+    if encoding is not None:
+        body["encoding"] = encoding
+    return body
 
 
 def _q(s: str, safe: str = "") -> str:
@@ -762,6 +832,23 @@ class Sandbox:
             body["step"] = step
         doc = self.client._call("POST", self._p("/exec"), json_body=body,
                                 timeout=self._exec_timeout(timeout))
+        return ExecResult.from_json(doc, base64_output=(encoding == "base64"))
+
+    def run(self, code: str, language: str = "python", *, stdin: Union[None, str, bytes] = None,
+            timeout: Optional[float] = None, limits: Optional[Dict[str, int]] = None,
+            env: Optional[Dict[str, str]] = None, max_output_bytes: Optional[int] = None,
+            encoding: Optional[str] = None) -> ExecResult:
+        """Runs ``code`` as one call in this ``fncall`` sandbox
+        (``POST /v1/sandboxes/{id}/run``): python forks the sandbox's warm
+        zygote, other languages are exec'd; it runs in ``/scratch``, whose files
+        persist between calls (write them with :meth:`write_file`), while its
+        processes, environment and globals do not. Other arguments as
+        :meth:`Client.run`. Conflict on a container sandbox.
+        """
+        body = _run_body(code, language, stdin, timeout, limits, env, max_output_bytes,
+                         encoding)
+        t = (10.0 if timeout is None else float(timeout)) + self.client.timeout
+        doc = self.client._call("POST", self._p("/run"), json_body=body, timeout=t)
         return ExecResult.from_json(doc, base64_output=(encoding == "base64"))
 
     def exec_stream(self, cmd: Union[str, Sequence[str]], timeout: Optional[float] = None,

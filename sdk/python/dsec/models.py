@@ -96,11 +96,13 @@ class ExecResult:
     ``stdout`` / ``stderr`` are always ``str`` (with encoding="base64" they are the
     bytes decoded as UTF-8 with replacement); ``stdout_bytes`` / ``stderr_bytes``
     are the exact bytes when the exec asked for base64, else the UTF-8 text encoded.
-    ``duration`` is in seconds, ``duration_ms`` in milliseconds.
+    ``duration`` is in seconds, ``duration_ms`` in milliseconds. ``limit`` names
+    the limit that stopped a fncall call (``"timeout"``, ``"cpu"``, ``"memory"``,
+    ``"file_size"``, ``"output"``), else None.
     """
 
     __slots__ = ("exit_code", "signal", "stdout_bytes", "stderr_bytes", "truncated",
-                 "timed_out", "oom_killed", "duration_ms", "replayed", "raw")
+                 "timed_out", "oom_killed", "duration_ms", "replayed", "limit", "raw")
 
     def __init__(self, raw: Dict[str, Any], stdout: bytes = b"", stderr: bytes = b""):
         self.raw = dict(raw)
@@ -113,6 +115,10 @@ class ExecResult:
         self.duration_ms = float(dm) if dm is not None else 0.0
         # A trajectory step answered from the log, without running anything.
         self.replayed = bool(raw.get("replayed", False))
+        # fncall calls (Client.run, Sandbox.run, exec in a fncall sandbox): the
+        # limit that stopped the call ("timeout", "cpu", "memory", "file_size",
+        # "output"), else None.
+        self.limit = raw.get("limit")
         self.stdout_bytes = stdout
         self.stderr_bytes = stderr
 

@@ -530,6 +530,8 @@ Result<std::unique_ptr<Instance>> ContainerBackend::create(const SandboxSpec& sp
   laps.lap("attach");
   // The sandbox outlives this edge: the next one reattaches to its agent.
   json init = {{"hostname", spec.id}, {"reattach", true}};
+  // fncall (backends/fncall): read-only root, /scratch, zygotes.
+  if (!spec.fncallInit.empty()) init["fncall"] = json::parse(spec.fncallInit, nullptr, false);
   if (userns_) {
     // Relative to aether's working directory, the sandbox root (ChildArgs):
     // the absolute path crosses 0700 directories of host root.

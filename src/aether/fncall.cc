@@ -1,0 +1,511 @@
+#include "aether/fncall.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <linux/landlock.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/mount.h>
+#include <sys/msg.h>
+#include <sys/sem.h>
+#include <sys/shm.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <map>
+
+#include "aether/files.h"
+
+#ifndef LANDLOCK_ACCESS_FS_REFER
+#define LANDLOCK_ACCESS_FS_REFER (1ULL << 13)
+#endif
+#ifndef LANDLOCK_ACCESS_FS_TRUNCATE
+#define LANDLOCK_ACCESS_FS_TRUNCATE (1ULL << 14)
+#endif
+
+namespace dsec::aether {
+
+const char* const kPythonZygote =
+#include "aether/fncall_zygote.py.inc"
+    ;
+
+namespace {
+
+// How long a zygote may take to start (imports included) and to answer a call.
+constexpr int kZygoteStartMs = 20000;
+constexpr int kZygoteAnswerMs = 10000;
+// Requests up to this size go inline; larger ones in a memfd (a seqpacket
+// message must fit the socket buffer).
+constexpr size_t kInlineRequest = 60000;
+
+bool validLanguage(const std::string& s) {
+  if (s.empty() || s.size() > 32) return false;
+  for (char c : s) {
+    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '-' || c == '.')) {
+      return false;
+    }
+  }
+  return true;
+}
+
+Status readLimits(const Json& j, const char* field, CallLimits& out) {
+  if (!j.is_object()) return invalidArg(field, std::string(field) + " must be an object");
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    static const char* kKeys[] = {"cpu_s", "memory_mb", "processes", "file_size_mb", "open_files"};
+    bool known = false;
+    for (const char* k : kKeys) known = known || it.key() == k;
+    if (!known) return invalidArg(std::string(field) + "." + it.key(), "unknown limit");
+  }
+  RETURN_IF_ERROR(readInt(j, "cpu_s", 0, 86400, out.cpu_s));
+  RETURN_IF_ERROR(readInt(j, "memory_mb", 0, 1 << 20, out.memory_mb));
+  RETURN_IF_ERROR(readInt(j, "processes", 0, 1 << 20, out.processes));
+  RETURN_IF_ERROR(readInt(j, "file_size_mb", 0, 1 << 20, out.file_size_mb));
+  RETURN_IF_ERROR(readInt(j, "open_files", 0, 1 << 20, out.open_files));
+  return Status::ok();
+}
+
+Json limitsJson(const CallLimits& l) {
+  return Json{{"cpu_s", l.cpu_s},
+              {"memory_mb", l.memory_mb},
+              {"processes", l.processes},
+              {"file_size_mb", l.file_size_mb},
+              {"open_files", l.open_files}};
+}
+
+// A relative path of a file a one-shot call brings: no "..", no empty or
+// "." components, no NUL.
+bool validRelPath(const std::string& p) {
+  if (p.empty() || p.size() > 1024 || p[0] == '/' || p.find('\0') != std::string::npos) {
+    return false;
+  }
+  size_t start = 0;
+  while (start <= p.size()) {
+    size_t slash = p.find('/', start);
+    std::string part = p.substr(start, slash == std::string::npos ? std::string::npos : slash - start);
+    if (part.empty() || part == "." || part == "..") return false;
+    if (slash == std::string::npos) break;
+    start = slash + 1;
+  }
+  return true;
+}
+
+// Standard base64 with padding (aether links only dsec_core, not util).
+std::optional<std::string> decodeBase64(std::string_view in) {
+  auto val = [](char c) -> int {
+    if (c >= 'A' && c <= 'Z') return c - 'A';
+    if (c >= 'a' && c <= 'z') return c - 'a' + 26;
+    if (c >= '0' && c <= '9') return c - '0' + 52;
+    if (c == '+') return 62;
+    if (c == '/') return 63;
+    return -1;
+  };
+  if (in.size() % 4 != 0) return std::nullopt;
+  std::string out;
+  out.reserve(in.size() / 4 * 3);
+  for (size_t i = 0; i < in.size(); i += 4) {
+    int v[4];
+    int pad = 0;
+    for (int k = 0; k < 4; ++k) {
+      char c = in[i + k];
+      if (c == '=' && i + 4 == in.size() && k >= 2) {
+        v[k] = 0;
+        ++pad;
+      } else if (pad > 0 || (v[k] = val(c)) < 0) {
+        return std::nullopt;
+      }
+    }
+    uint32_t n = (uint32_t(v[0]) << 18) | (uint32_t(v[1]) << 12) | (uint32_t(v[2]) << 6) | v[3];
+    out.push_back(char(n >> 16));
+    if (pad < 2) out.push_back(char((n >> 8) & 0xff));
+    if (pad < 1) out.push_back(char(n & 0xff));
+  }
+  return out;
+}
+
+struct ProcInfo {
+  pid_t ppid = 0, pgid = 0, sid = 0;
+};
+
+std::map<pid_t, ProcInfo> scanProc() {
+  std::map<pid_t, ProcInfo> out;
+  DIR* d = ::opendir("/proc");
+  if (!d) return out;
+  char buf[512];
+  while (dirent* e = ::readdir(d)) {
+    char* end = nullptr;
+    long pid = std::strtol(e->d_name, &end, 10);
+    if (pid <= 0 || *end != '\0') continue;
+    std::snprintf(buf, sizeof buf, "/proc/%ld/stat", pid);
+    int fd = ::open(buf, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) continue;
+    ssize_t n = ::read(fd, buf, sizeof buf - 1);
+    ::close(fd);
+    if (n <= 0) continue;
+    buf[n] = '\0';
+    // "pid (comm) state ppid pgrp session ...": comm may hold anything, so
+    // parse from its last ')'.
+    char* rp = std::strrchr(buf, ')');
+    if (!rp) continue;
+    char state;
+    int ppid, pgid, sid;
+    if (std::sscanf(rp + 1, " %c %d %d %d", &state, &ppid, &pgid, &sid) != 4) continue;
+    if (state == 'Z') continue;  // already dead, waiting to be reaped
+    out[pid_t(pid)] = ProcInfo{ppid, pgid, sid};
+  }
+  ::closedir(d);
+  return out;
+}
+
+}  // namespace
+
+Result<FncallConfig> parseFncallConfig(const Json& j) {
+  if (!j.is_object()) return invalidArg("fncall", "fncall must be an object");
+  FncallConfig c;
+  RETURN_IF_ERROR(readInt(j, "scratch_mb", 1, 1 << 20, c.scratch_mb));
+  if (auto it = j.find("languages"); it != j.end() && !it->is_null()) {
+    if (!it->is_object()) return invalidArg("fncall.languages", "must be an object");
+    for (auto l = it->begin(); l != it->end(); ++l) {
+      if (!validLanguage(l.key()) || l.key() == "python" || l.key() == "bash") {
+        return invalidArg("fncall.languages", "bad language name '" + l.key() + "'");
+      }
+      std::vector<std::string> argv;
+      if (!l.value().is_array() || l.value().empty()) {
+        return invalidArg("fncall.languages", "a language maps to a non-empty argv");
+      }
+      for (auto& a : l.value()) {
+        if (!a.is_string()) return invalidArg("fncall.languages", "argv items must be strings");
+        argv.push_back(a.get<std::string>());
+      }
+      c.languages[l.key()] = std::move(argv);
+    }
+  }
+  RETURN_IF_ERROR(readStringList(j, "prestart", false, c.prestart));
+  for (const auto& p : c.prestart) {
+    if (p != "python") return invalidArg("fncall.prestart", "only python has a zygote");
+  }
+  if (auto it = j.find("limits"); it != j.end() && !it->is_null()) {
+    RETURN_IF_ERROR(readLimits(*it, "fncall.limits", c.defaults));
+  }
+  return c;
+}
+
+Status setupFncallRoot(const FncallConfig& config) {
+  // The overlay is still writable here: make the mount point, then mount
+  // the scratch tmpfs and turn the root read-only beneath it.
+  if (::mkdir(kScratchDir, 0755) < 0 && errno != EEXIST) return sysError("mkdir /scratch");
+  std::string opts = "size=" + std::to_string(config.scratch_mb) + "m,mode=1777";
+  if (::mount("tmpfs", kScratchDir, "tmpfs", MS_NOSUID | MS_NODEV, opts.c_str()) < 0) {
+    return sysError("mount tmpfs on /scratch");
+  }
+  if (::mkdir(kRunDir, 0711) < 0 && errno != EEXIST) return sysError("mkdir /scratch/.run");
+  if (::mount(nullptr, "/", nullptr, MS_REMOUNT | MS_BIND | MS_RDONLY, nullptr) < 0) {
+    return sysError("remount / read-only");
+  }
+  return Status::ok();
+}
+
+Result<UniqueFd> buildScratchRuleset() {
+  long abi = ::syscall(SYS_landlock_create_ruleset, nullptr, 0, LANDLOCK_CREATE_RULESET_VERSION);
+  if (abi <= 0) return Status(Code::kFailedPrecondition, "Landlock is not available");
+  uint64_t rights = LANDLOCK_ACCESS_FS_WRITE_FILE | LANDLOCK_ACCESS_FS_REMOVE_DIR |
+                    LANDLOCK_ACCESS_FS_REMOVE_FILE | LANDLOCK_ACCESS_FS_MAKE_CHAR |
+                    LANDLOCK_ACCESS_FS_MAKE_DIR | LANDLOCK_ACCESS_FS_MAKE_REG |
+                    LANDLOCK_ACCESS_FS_MAKE_SOCK | LANDLOCK_ACCESS_FS_MAKE_FIFO |
+                    LANDLOCK_ACCESS_FS_MAKE_BLOCK | LANDLOCK_ACCESS_FS_MAKE_SYM;
+  if (abi >= 2) rights |= LANDLOCK_ACCESS_FS_REFER;
+  if (abi >= 3) rights |= LANDLOCK_ACCESS_FS_TRUNCATE;
+  uint64_t fileRights =
+      LANDLOCK_ACCESS_FS_WRITE_FILE | (abi >= 3 ? LANDLOCK_ACCESS_FS_TRUNCATE : 0);
+  landlock_ruleset_attr attr{};
+  attr.handled_access_fs = rights;
+  UniqueFd rs(int(::syscall(SYS_landlock_create_ruleset, &attr, sizeof attr, 0)));
+  if (!rs) return sysError("landlock_create_ruleset");
+  ::fcntl(rs.get(), F_SETFD, FD_CLOEXEC);
+  auto allow = [&](const char* path, uint64_t access) -> Status {
+    UniqueFd fd(::open(path, O_PATH | O_CLOEXEC));
+    if (!fd) return errno == ENOENT ? Status::ok() : sysError(std::string("open ") + path);
+    landlock_path_beneath_attr pb{};
+    pb.allowed_access = access;
+    pb.parent_fd = fd.get();
+    if (::syscall(SYS_landlock_add_rule, rs.get(), LANDLOCK_RULE_PATH_BENEATH, &pb, 0) != 0) {
+      return sysError(std::string("landlock_add_rule ") + path);
+    }
+    return Status::ok();
+  };
+  RETURN_IF_ERROR(allow(kScratchDir, rights));
+  for (const char* dev : {"/dev/null", "/dev/zero", "/dev/full", "/dev/tty"}) {
+    RETURN_IF_ERROR(allow(dev, fileRights));
+  }
+  RETURN_IF_ERROR(allow("/dev/pts", fileRights));
+  return rs;
+}
+
+Result<CallRequest> parseCallRequest(const Json& j, const FncallConfig& config) {
+  if (!j.is_object()) return invalidArg("fncall", "fncall must be an object");
+  CallRequest r;
+  RETURN_IF_ERROR(readString(j, "language", false, r.language));
+  if (!r.language.empty() && r.language != "python" && r.language != "bash" &&
+      !config.languages.count(r.language)) {
+    std::string known = "python, bash";
+    for (auto& [name, argv] : config.languages) known += ", " + name;
+    return invalidArg("language", "unknown language '" + r.language + "' (known: " + known + ")");
+  }
+  RETURN_IF_ERROR(readString(j, "code", !r.language.empty(), r.code));
+  if (r.code.find('\0') != std::string::npos) return invalidArg("code", "code must not hold NUL");
+  RETURN_IF_ERROR(readBool(j, "fresh_dir", r.fresh_dir));
+  RETURN_IF_ERROR(readBool(j, "exclusive", r.exclusive));
+  if (auto it = j.find("files"); it != j.end() && !it->is_null()) {
+    if (!it->is_object()) return invalidArg("files", "files must be an object");
+    if (!r.fresh_dir) return invalidArg("files", "files need fresh_dir");
+    for (auto f = it->begin(); f != it->end(); ++f) {
+      if (!validRelPath(f.key())) {
+        return invalidArg("files", "'" + f.key() + "' is not a relative path without '..'");
+      }
+      if (!f.value().is_string()) return invalidArg("files", "file contents are base64 strings");
+      auto data = decodeBase64(f.value().get<std::string>());
+      if (!data) return invalidArg("files", "'" + f.key() + "' is not base64");
+      r.files.emplace_back(f.key(), std::move(*data));
+    }
+  }
+  if (auto it = j.find("limits"); it != j.end() && !it->is_null()) {
+    CallLimits l;
+    RETURN_IF_ERROR(readLimits(*it, "limits", l));
+    r.limits = l;
+  }
+  return r;
+}
+
+std::vector<std::pair<int, struct rlimit>> callRlimits(const CallLimits& l) {
+  std::vector<std::pair<int, struct rlimit>> out;
+  auto add = [&](int res, int64_t v, int64_t mul, bool cpu) {
+    if (v <= 0) return;
+    struct rlimit r;
+    r.rlim_cur = rlim_t(v) * rlim_t(mul);
+    // CPU: SIGXCPU at the soft limit, SIGKILL a second later if caught.
+    r.rlim_max = cpu ? r.rlim_cur + 1 : r.rlim_cur;
+    out.emplace_back(res, r);
+  };
+  add(RLIMIT_CPU, l.cpu_s, 1, true);
+  add(RLIMIT_AS, l.memory_mb, 1 << 20, false);
+  add(RLIMIT_NPROC, l.processes, 1, false);
+  add(RLIMIT_FSIZE, l.file_size_mb, 1 << 20, false);
+  add(RLIMIT_NOFILE, l.open_files, 1, false);
+  return out;
+}
+
+void killCallProcesses(pid_t pid, bool everything, const std::set<pid_t>& keep) {
+  const pid_t self = ::getpid();
+  for (int round = 0; round < 200; ++round) {
+    auto procs = scanProc();
+    std::set<pid_t> doomed;
+    for (auto& [p, info] : procs) {
+      if (p == self || keep.count(p)) continue;
+      // A zygote's spare (forked ahead, still in the zygote's session: a
+      // call's process always has a session of its own) stays too.
+      if (keep.count(info.ppid) && info.sid == info.ppid) continue;
+      if (everything || info.sid == pid || info.pgid == pid) doomed.insert(p);
+    }
+    if (!everything) {
+      // Descendants of those, whatever session they moved to.
+      bool grew = true;
+      while (grew) {
+        grew = false;
+        for (auto& [p, info] : procs) {
+          if (p == self || keep.count(p) || doomed.count(p)) continue;
+          if (doomed.count(info.ppid)) {
+            doomed.insert(p);
+            grew = true;
+          }
+        }
+      }
+    }
+    if (doomed.empty()) return;
+    for (pid_t p : doomed) ::kill(p, SIGKILL);
+  }
+}
+
+void wipeSandboxState() {
+  if (DIR* d = ::opendir(kScratchDir)) {
+    std::vector<std::string> names;
+    while (dirent* e = ::readdir(d)) {
+      std::string name = e->d_name;
+      if (name != "." && name != ".." && name != ".run") names.push_back(name);
+    }
+    ::closedir(d);
+    for (const auto& n : names) (void)removePath(std::string(kScratchDir) + "/" + n, true);
+  }
+  // /proc/sysvipc/{shm,msg,sem}: a header line, then "key id ...".
+  for (const char* kind : {"shm", "msg", "sem"}) {
+    FILE* f = std::fopen((std::string("/proc/sysvipc/") + kind).c_str(), "re");
+    if (!f) continue;
+    char line[512];
+    bool header = true;
+    while (std::fgets(line, sizeof line, f)) {
+      if (header) {
+        header = false;
+        continue;
+      }
+      long long key;
+      int id;
+      if (std::sscanf(line, "%lld %d", &key, &id) != 2) continue;
+      if (kind[1] == 'h') {
+        ::shmctl(id, IPC_RMID, nullptr);
+      } else if (kind[0] == 'm') {
+        ::msgctl(id, IPC_RMID, nullptr);
+      } else {
+        ::semctl(id, 0, IPC_RMID);
+      }
+    }
+    std::fclose(f);
+  }
+}
+
+// ---- Zygote ----
+
+Result<std::unique_ptr<Zygote>> Zygote::start(const std::string& language,
+                                              const ExecSettings& settings, UniqueFd& listener) {
+  if (language != "python") {
+    return invalidArg("language", "no zygote for language '" + language + "'");
+  }
+  int sv[2];
+  if (::socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) < 0) {
+    return sysError("socketpair");
+  }
+  UniqueFd mine(sv[0]), theirs(sv[1]);
+  ExecRequest req;
+  req.argv = {"python3", "-c", kPythonZygote};
+  req.cwd = "/";
+  req.stdin_fd = theirs.get();
+  ASSIGN_OR_RETURN(SpawnedExec spawned, spawnExec(req, settings));
+  theirs.reset();
+  listener = std::move(spawned.seccomp_listener);
+  auto z = std::unique_ptr<Zygote>(new Zygote());
+  z->pid_ = spawned.pid;
+  z->ctl_ = std::move(mine);
+  z->stderr_ = std::move(spawned.stderr_r);
+  if (spawned.fail_stage != 0) {
+    std::string why = spawnFailureMessage(spawned);
+    z->pid_ = -1;  // it exited; the agent reaps it
+    return Status(Code::kFailedPrecondition,
+                  "python zygote did not start: " + (why.empty() ? "exec failed" : why));
+  }
+  pollfd p{z->ctl_.get(), POLLIN, 0};
+  int n;
+  do {
+    n = ::poll(&p, 1, kZygoteStartMs);
+  } while (n < 0 && errno == EINTR);
+  char buf[256];
+  ssize_t got = n > 0 ? ::recv(z->ctl_.get(), buf, sizeof buf, MSG_DONTWAIT) : -1;
+  if (got <= 0 || std::string_view(buf, size_t(got)).find("ready") == std::string_view::npos) {
+    std::string err;
+    char eb[4096];
+    ssize_t m = ::read(z->stderr_.get(), eb, sizeof eb);
+    if (m > 0) err.assign(eb, size_t(m));
+    ::kill(z->pid_, SIGKILL);
+    z->pid_ = -1;
+    if (n == 0) return Status(Code::kUnavailable, "python zygote did not start in time");
+    return Status(Code::kFailedPrecondition,
+                  "python zygote did not start" + (err.empty() ? std::string() : ": " + err));
+  }
+  return z;
+}
+
+Zygote::~Zygote() {
+  // The agent reaps it (it is aether's child).
+  if (pid_ > 0) ::kill(pid_, SIGKILL);
+}
+
+bool Zygote::handleMessage(const std::string& msg, pid_t* spawned,
+                           std::vector<std::pair<pid_t, int>>& exits) {
+  Json j = Json::parse(msg, nullptr, false);
+  if (!j.is_object()) return false;
+  if (auto it = j.find("exit"); it != j.end() && it->is_number_integer()) {
+    exits.emplace_back(pid_t(it->get<int64_t>()), int(j.value("status", 0)));
+    return true;
+  }
+  if (auto it = j.find("pid"); it != j.end() && it->is_number_integer() && spawned) {
+    *spawned = pid_t(it->get<int64_t>());
+    return true;
+  }
+  return false;
+}
+
+Result<pid_t> Zygote::spawn(const std::string& code, const std::string& cwd,
+                            const std::vector<std::string>& env, const CallLimits& limits,
+                            int in, int out, int err,
+                            std::vector<std::pair<pid_t, int>>& exits) {
+  std::string body = dumpJson(Json{{"code", code}, {"cwd", cwd}, {"env", env},
+                                   {"limits", limitsJson(limits)}});
+  int fds[4] = {in, out, err, -1};
+  int nfds = 3;
+  UniqueFd memfd;
+  if (body.size() > kInlineRequest) {
+    memfd.reset(int(::syscall(SYS_memfd_create, "dsec-call", MFD_CLOEXEC)));
+    if (!memfd) return sysError("memfd_create");
+    size_t off = 0;
+    while (off < body.size()) {
+      ssize_t w = ::write(memfd.get(), body.data() + off, body.size() - off);
+      if (w < 0 && errno == EINTR) continue;
+      if (w <= 0) return sysError("write call request");
+      off += size_t(w);
+    }
+    fds[3] = memfd.get();
+    nfds = 4;
+    body = "{}";
+  }
+  iovec iov{body.data(), body.size()};
+  alignas(cmsghdr) char ctl[CMSG_SPACE(sizeof(int) * 4)];
+  std::memset(ctl, 0, sizeof ctl);
+  msghdr m{};
+  m.msg_iov = &iov;
+  m.msg_iovlen = 1;
+  m.msg_control = ctl;
+  m.msg_controllen = CMSG_SPACE(sizeof(int) * nfds);
+  cmsghdr* c = CMSG_FIRSTHDR(&m);
+  c->cmsg_level = SOL_SOCKET;
+  c->cmsg_type = SCM_RIGHTS;
+  c->cmsg_len = CMSG_LEN(sizeof(int) * nfds);
+  std::memcpy(CMSG_DATA(c), fds, sizeof(int) * nfds);
+  ssize_t sent;
+  do {
+    sent = ::sendmsg(ctl_.get(), &m, MSG_NOSIGNAL);
+  } while (sent < 0 && errno == EINTR);
+  if (sent < 0) return Status(Code::kUnavailable, "python zygote is gone", errno);
+  std::string buf(4096, '\0');
+  for (;;) {
+    pollfd p{ctl_.get(), POLLIN, 0};
+    int n = ::poll(&p, 1, kZygoteAnswerMs);
+    if (n < 0 && errno == EINTR) continue;
+    if (n == 0) return Status(Code::kUnavailable, "python zygote did not answer");
+    ssize_t got = ::recv(ctl_.get(), buf.data(), buf.size(), 0);
+    if (got < 0 && errno == EINTR) continue;
+    if (got <= 0) return Status(Code::kUnavailable, "python zygote is gone");
+    std::string msg(buf.data(), size_t(got));
+    pid_t child = -1;
+    if (!handleMessage(msg, &child, exits)) {
+      Json j = Json::parse(msg, nullptr, false);
+      std::string why = j.is_object() ? j.value("error", msg) : msg;
+      return Status(Code::kInternal, "python zygote: " + why);
+    }
+    if (child > 0) return child;
+  }
+}
+
+bool Zygote::readExits(std::vector<std::pair<pid_t, int>>& exits) {
+  char buf[512];
+  for (;;) {
+    ssize_t got = ::recv(ctl_.get(), buf, sizeof buf, MSG_DONTWAIT);
+    if (got < 0 && errno == EINTR) continue;
+    if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return true;
+    if (got <= 0) return false;
+    (void)handleMessage(std::string(buf, size_t(got)), nullptr, exits);
+  }
+}
+
+}  // namespace dsec::aether

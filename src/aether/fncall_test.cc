@@ -1,0 +1,75 @@
+#include "aether/fncall.h"
+
+#include <gtest/gtest.h>
+#include <sys/resource.h>
+
+namespace dsec::aether {
+namespace {
+
+Json parse(const char* s) { return Json::parse(s); }
+
+TEST(FncallConfig, DefaultsAndLanguages) {
+  auto c = parseFncallConfig(parse(R"({"scratch_mb": 32, "prestart": ["python"],
+                                       "languages": {"node": ["node", "-e"]},
+                                       "limits": {"cpu_s": 5}})"));
+  ASSERT_TRUE(c.isOk()) << c.status().toString();
+  EXPECT_EQ(c->scratch_mb, 32);
+  EXPECT_EQ(c->languages.at("node"), (std::vector<std::string>{"node", "-e"}));
+  EXPECT_EQ(c->defaults.cpu_s, 5);
+}
+
+TEST(FncallConfig, RejectsBadInput) {
+  EXPECT_EQ(parseFncallConfig(parse(R"({"languages": {"python": ["x"]}})")).status().field(),
+            "fncall.languages");
+  EXPECT_EQ(parseFncallConfig(parse(R"({"languages": {"a b": ["x"]}})")).status().field(),
+            "fncall.languages");
+  EXPECT_EQ(parseFncallConfig(parse(R"({"prestart": ["bash"]})")).status().field(),
+            "fncall.prestart");
+  EXPECT_EQ(parseFncallConfig(parse(R"({"limits": {"bogus": 1}})")).status().field(),
+            "fncall.limits.bogus");
+  EXPECT_FALSE(parseFncallConfig(parse(R"({"scratch_mb": 0})")).isOk());
+}
+
+TEST(CallRequest, Parses) {
+  FncallConfig cfg;
+  cfg.languages["node"] = {"node", "-e"};
+  auto r = parseCallRequest(parse(R"J({"language": "python", "code": "print(1)",
+      "fresh_dir": true, "files": {"a/b.txt": "aGk="}, "limits": {"memory_mb": 64}})J"), cfg);
+  ASSERT_TRUE(r.isOk()) << r.status().toString();
+  ASSERT_EQ(r->files.size(), 1u);
+  EXPECT_EQ(r->files[0].first, "a/b.txt");
+  EXPECT_EQ(r->files[0].second, "hi");
+  EXPECT_EQ(r->limits->memory_mb, 64);
+  EXPECT_TRUE(parseCallRequest(parse(R"({"language": "node", "code": "1"})"), cfg).isOk());
+  EXPECT_TRUE(parseCallRequest(parse(R"({})"), cfg).isOk());  // argv call
+}
+
+TEST(CallRequest, RejectsBadInput) {
+  FncallConfig cfg;
+  auto field = [&](const char* s) { return parseCallRequest(parse(s), cfg).status().field(); };
+  EXPECT_EQ(field(R"({"language": "cobol", "code": "x"})"), "language");
+  EXPECT_EQ(field(R"({"language": "python"})"), "code");
+  EXPECT_EQ(field(R"({"language": "python", "code": "a\u0000b"})"), "code");
+  EXPECT_EQ(field(R"({"code": "x", "files": {"a": "aGk="}})"), "files");  // needs fresh_dir
+  EXPECT_EQ(field(R"({"fresh_dir": true, "files": {"../a": "aGk="}})"), "files");
+  EXPECT_EQ(field(R"({"fresh_dir": true, "files": {"/a": "aGk="}})"), "files");
+  EXPECT_EQ(field(R"({"fresh_dir": true, "files": {"a": "not base64!"}})"), "files");
+  EXPECT_EQ(field(R"({"limits": {"cpu_s": -1}})"), "cpu_s");
+}
+
+TEST(CallRlimits, SetOnlyWhatIsGiven) {
+  CallLimits l;
+  EXPECT_TRUE(callRlimits(l).empty());
+  l.cpu_s = 2;
+  l.file_size_mb = 1;
+  auto r = callRlimits(l);
+  ASSERT_EQ(r.size(), 2u);
+  EXPECT_EQ(r[0].first, RLIMIT_CPU);
+  EXPECT_EQ(r[0].second.rlim_cur, 2u);
+  EXPECT_EQ(r[0].second.rlim_max, 3u);  // SIGKILL a second after SIGXCPU
+  EXPECT_EQ(r[1].first, RLIMIT_FSIZE);
+  EXPECT_EQ(r[1].second.rlim_cur, 1u << 20);
+}
+
+}  // namespace
+}  // namespace dsec::aether

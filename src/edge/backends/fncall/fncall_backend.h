@@ -1,0 +1,46 @@
+// backend="fncall" (docs/fncall.md): a container sandbox whose root is the
+// image's layers read-only plus a bounded tmpfs at /scratch, in which aether
+// runs every exec as a call and keeps warm zygotes (src/aether/fncall.h).
+// Built on the container backend, so namespaces, cgroups, user namespaces,
+// the agent channel, policies and restart re-adoption all carry over: this
+// backend only adds the init frame's "fncall" object.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "edge/backend.h"
+
+namespace dsec::edge {
+
+class FncallBackend : public Backend {
+ public:
+  // `container` must outlive this backend (the Edge owns both).
+  FncallBackend(Backend* container, std::map<std::string, std::vector<std::string>> languages)
+      : container_(container), languages_(std::move(languages)) {}
+
+  std::string name() const override { return "fncall"; }
+  // The spec's diskBytes sizes /scratch (a tmpfs: charged to the sandbox's
+  // memory); its fncallInit, when set, is sent as is (run pools set it).
+  Result<std::unique_ptr<Instance>> create(const SandboxSpec& spec,
+                                           std::function<void()> onDeath) override;
+  Status destroy(Instance& inst) override { return container_->destroy(inst); }
+  Result<std::unique_ptr<Instance>> adopt(const SandboxState& state,
+                                          std::function<void()> onDeath) override {
+    return container_->adopt(state, std::move(onDeath));
+  }
+  void removeOrphan(const std::string& id) override { container_->removeOrphan(id); }
+  // The container backend cleans up the leftovers of both.
+  int cleanupOrphans() override { return 0; }
+
+  // The init frame's "fncall" object for a sandbox of `scratchBytes`.
+  std::string initJson(int64_t scratchBytes) const;
+
+ private:
+  Backend* container_;
+  std::map<std::string, std::vector<std::string>> languages_;
+};
+
+}  // namespace dsec::edge

@@ -1,0 +1,215 @@
+#include "edge/backends/fncall/run_pool.h"
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+
+#include "common/log.h"
+#include "common/util.h"
+
+namespace dsec::edge {
+
+using json = nlohmann::json;
+
+namespace {
+
+double now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+}  // namespace
+
+RunPool::RunPool(Edge* edge, RunPoolOptions opts) : edge_(edge), opts_(opts) {
+  janitor_ = std::thread([this] { janitor(); });
+}
+
+RunPool::~RunPool() { shutdown(); }
+
+void RunPool::shutdown() {
+  std::vector<std::string> doomed;
+  {
+    std::unique_lock lk(mu_);
+    if (stopping_ && !janitor_.joinable()) return;
+    stopping_ = true;
+    for (auto& [key, pool] : pools_) {
+      for (auto& s : pool.idle) doomed.push_back(s.id);
+    }
+    pools_.clear();
+  }
+  cv_.notify_all();
+  if (janitor_.joinable()) janitor_.join();
+  for (auto& id : doomed) destroy(id);
+  // Busy ones are destroyed by their callers' release().
+}
+
+RunPoolStats RunPool::stats() const {
+  std::lock_guard lk(mu_);
+  RunPoolStats s = counters_;
+  for (auto& [key, pool] : pools_) s.idle += int(pool.idle.size());
+  s.busy = total_ - s.idle;
+  return s;
+}
+
+Result<RunPool::Slot> RunPool::make(const std::vector<std::string>& layers) {
+  SandboxSpec spec;
+  spec.id = "sb-" + randomHex(8);
+  spec.layers = layers;
+  spec.cpu = opts_.cpu;
+  spec.memoryBytes = opts_.memoryBytes;
+  spec.diskBytes = opts_.scratchBytes;
+  spec.pids = opts_.pids;
+  RETURN_IF_ERROR(edge_->create("fncall", spec));
+  {
+    std::lock_guard lk(mu_);
+    ++counters_.created;
+  }
+  return Slot{spec.id, now()};
+}
+
+void RunPool::destroy(const std::string& id) {
+  Status st = edge_->destroy(id);
+  if (!st.isOk()) log::warn("fncall pool: destroy " + id + ": " + st.toString());
+  std::lock_guard lk(mu_);
+  ++counters_.destroyed;
+}
+
+Result<RunPool::Slot> RunPool::acquire(const std::string& key,
+                                       const std::vector<std::string>& layers) {
+  std::vector<std::string> retired;
+  std::string recycled;
+  {
+    std::unique_lock lk(mu_);
+    auto deadline = std::chrono::steady_clock::now() +
+                    std::chrono::milliseconds(int64_t(opts_.waitSeconds * 1000));
+    for (;;) {
+      if (stopping_) return Status(Code::kUnavailable, "the node is shutting down");
+      Pool& pool = pools_[key];
+      if (pool.layers != layers) {
+        // The image's tag moved: its old sandboxes go.
+        for (auto& s : pool.idle) retired.push_back(s.id);
+        total_ -= int(pool.idle.size());
+        pool.idle.clear();
+        pool.layers = layers;
+      }
+      if (!pool.idle.empty()) {
+        Slot s = pool.idle.back();
+        pool.idle.pop_back();
+        busyLayers_[s.id] = layers;
+        lk.unlock();
+        for (auto& id : retired) destroy(id);
+        return s;
+      }
+      if (total_ < opts_.maxSandboxes) {
+        ++total_;
+        break;
+      }
+      // At the bound: recycle the least recently used idle sandbox of
+      // another pool, if there is one.
+      Pool* victimPool = nullptr;
+      for (auto& [k, p] : pools_) {
+        if (k == key || p.idle.empty()) continue;
+        if (!victimPool || p.idle.front().lastUsed < victimPool->idle.front().lastUsed) {
+          victimPool = &p;
+        }
+      }
+      if (victimPool) {
+        recycled = victimPool->idle.front().id;
+        victimPool->idle.erase(victimPool->idle.begin());
+        break;  // total_ unchanged: one goes, one comes
+      }
+      if (cv_.wait_until(lk, deadline) == std::cv_status::timeout) {
+        lk.unlock();
+        for (auto& id : retired) destroy(id);
+        return Status(Code::kResourceExhausted,
+                      "all " + std::to_string(opts_.maxSandboxes) +
+                          " fncall sandboxes of this node are busy; try again");
+      }
+    }
+  }
+  for (auto& id : retired) destroy(id);
+  if (!recycled.empty()) destroy(recycled);
+  auto slot = make(layers);
+  std::lock_guard lk(mu_);
+  if (!slot.isOk()) {
+    --total_;
+    cv_.notify_one();
+    return slot.status();
+  }
+  busyLayers_[slot->id] = layers;
+  return slot;
+}
+
+void RunPool::release(const std::string& key, Slot slot, bool healthy) {
+  bool keep;
+  {
+    std::lock_guard lk(mu_);
+    auto layers = busyLayers_[slot.id];
+    busyLayers_.erase(slot.id);
+    auto it = pools_.find(key);
+    keep = healthy && !stopping_ && it != pools_.end() && it->second.layers == layers;
+    if (keep) {
+      slot.lastUsed = now();
+      it->second.idle.push_back(slot);
+    } else {
+      --total_;
+      if (!healthy) ++counters_.replaced;
+    }
+  }
+  cv_.notify_one();
+  if (!keep) destroy(slot.id);
+}
+
+Result<ExecResult> RunPool::run(const std::string& key, const std::vector<std::string>& layers,
+                                ExecSpec spec) {
+  json call = json::parse(spec.fncallJson.empty() ? "{}" : spec.fncallJson, nullptr, false);
+  if (!call.is_object()) return invalidArg("fncall", "malformed call");
+  call["fresh_dir"] = true;
+  call["exclusive"] = true;
+  spec.fncallJson = call.dump();
+  {
+    std::lock_guard lk(mu_);
+    ++counters_.calls;
+  }
+  // One retry, on another sandbox, when the one we got was gone before the
+  // call started (died, or its agent could not take the call).
+  for (int attempt = 0;; ++attempt) {
+    ASSIGN_OR_RETURN(Slot slot, acquire(key, layers));
+    auto r = edge_->exec(slot.id, spec, nullptr);
+    bool healthy = r.isOk() || r.status().code() == Code::kInvalidArgument ||
+                   r.status().code() == Code::kNotFound;
+    bool retry = !r.isOk() && !healthy && attempt == 0 &&
+                 (r.status().code() == Code::kFailedPrecondition ||
+                  r.status().code() == Code::kUnavailable);
+    release(key, std::move(slot), healthy);
+    if (!retry) return r;
+    log::warn("fncall pool: replacing a sandbox after: " + r.status().toString());
+  }
+}
+
+void RunPool::janitor() {
+  std::unique_lock lk(mu_);
+  while (!stopping_) {
+    cv_.wait_for(lk, std::chrono::seconds(1));
+    if (stopping_) break;
+    std::vector<std::string> doomed;
+    double cutoff = now() - opts_.idleSeconds;
+    for (auto it = pools_.begin(); it != pools_.end();) {
+      auto& idle = it->second.idle;
+      while (!idle.empty() && idle.front().lastUsed < cutoff) {
+        doomed.push_back(idle.front().id);
+        idle.erase(idle.begin());
+        --total_;
+      }
+      ++it;
+    }
+    if (doomed.empty()) continue;
+    lk.unlock();
+    for (auto& id : doomed) destroy(id);
+    cv_.notify_all();
+    lk.lock();
+  }
+}
+
+}  // namespace dsec::edge

@@ -1,0 +1,93 @@
+// Warm fncall sandboxes for one-shot calls (POST /v1/run, docs/fncall.md).
+//
+// Pools are keyed by (image, language) and remember the image's layers: a
+// call that resolves the same key to other layers (the tag moved) retires
+// that pool's sandboxes. A pool grows under demand up to a per-node bound
+// shared by all pools (an idle sandbox of another pool is recycled when the
+// bound is reached; a caller waits otherwise), and shrinks when its sandboxes
+// sit idle. Each sandbox serves one call at a time, in a fresh directory it
+// removes afterwards, and kills every process the call left (exclusive), so
+// nothing of one call is visible to the next. A sandbox that died, or whose
+// agent failed a call, is destroyed and replaced.
+//
+// Thread-safe: any number of callers run at once; mu_ guards the slots.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/status.h"
+#include "edge/edge.h"
+
+namespace dsec::edge {
+
+struct RunPoolOptions {
+  int maxSandboxes = 16;       // per node, all pools together
+  double idleSeconds = 60;     // an idle sandbox older than this is destroyed
+  double waitSeconds = 30;     // how long a call waits for a sandbox at the bound
+  double cpu = 1.0;
+  int64_t memoryBytes = 512ll << 20;
+  int64_t scratchBytes = 64ll << 20;
+  int64_t pids = 256;
+};
+
+struct RunPoolStats {
+  int idle = 0;
+  int busy = 0;  // serving a call or being created
+  uint64_t created = 0;
+  uint64_t destroyed = 0;
+  uint64_t replaced = 0;  // destroyed because they failed
+  uint64_t calls = 0;
+};
+
+class RunPool {
+ public:
+  RunPool(Edge* edge, RunPoolOptions opts);
+  ~RunPool();  // shutdown()
+  RunPool(const RunPool&) = delete;
+  RunPool& operator=(const RunPool&) = delete;
+
+  // Runs one call (spec.fncallJson holds language and code; the pool adds
+  // fresh_dir and exclusive) in a warm sandbox of `key` built from `layers`.
+  // Errors: kResourceExhausted when no sandbox frees up within waitSeconds;
+  // the sandbox create's or the agent's errors (invalid_argument for a bad
+  // call, with its field).
+  Result<ExecResult> run(const std::string& key, const std::vector<std::string>& layers,
+                         ExecSpec spec);
+  RunPoolStats stats() const;
+  // Destroys every sandbox; later calls fail with kUnavailable.
+  void shutdown();
+
+ private:
+  struct Slot {
+    std::string id;
+    double lastUsed = 0;
+  };
+  struct Pool {
+    std::vector<std::string> layers;
+    std::vector<Slot> idle;  // most recently used last
+  };
+  Result<Slot> acquire(const std::string& key, const std::vector<std::string>& layers);
+  void release(const std::string& key, Slot slot, bool healthy);
+  Result<Slot> make(const std::vector<std::string>& layers);
+  void destroy(const std::string& id);
+  void janitor();
+
+  Edge* edge_;
+  const RunPoolOptions opts_;
+  mutable std::mutex mu_;  // guards everything below
+  std::condition_variable cv_;
+  std::map<std::string, Pool> pools_;
+  std::map<std::string, std::vector<std::string>> busyLayers_;  // by sandbox id
+  int total_ = 0;  // idle + busy + being created
+  bool stopping_ = false;
+  RunPoolStats counters_;
+  std::thread janitor_;
+};
+
+}  // namespace dsec::edge

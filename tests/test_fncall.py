@@ -1,0 +1,307 @@
+"""backend="fncall" and one-shot calls (docs/fncall.md).
+
+The snippets run twice: as a one-shot call (client.run, a warm pool sandbox,
+python through its zygote) and with `python3 -c` / `bash -c` in a container
+sandbox of the same image; results must be identical. Then what is specific
+to calls: isolation between calls, limits, fncall sandboxes, bad input.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import dsec
+from helpers import expect_error
+
+# (name, language, code, run kwargs). Compared on exit code, signal, stdout,
+# stderr, truncation and timeout.
+SNIPPETS = [
+    ("print", "python", "print(1)", {}),
+    ("unicode", "python", "print('héllo wörld ✓ 日本語 🚀')", {}),
+    ("no_newline", "python", "import sys; sys.stdout.write('no newline')", {}),
+    ("exception", "python", "def f():\n    raise ValueError('boom')\nf()", {}),
+    ("unicode_exception", "python", "raise KeyError('ключ')", {}),
+    ("chained", "python",
+     "try:\n    1/0\nexcept Exception as e:\n    raise RuntimeError('x') from e", {}),
+    ("syntax_error", "python", "print(", {}),
+    ("indentation_error", "python", "if True:\nprint(1)", {}),
+    ("exit_code", "python", "import sys; sys.exit(3)", {}),
+    ("exit_message", "python", "import sys; sys.exit('bye')", {}),
+    ("os_exit", "python", "import os; print('lost', end=''); os._exit(7)", {}),
+    ("stdin_line", "python", "print(input()[::-1])", {"stdin": "abc\n"}),
+    ("stdin_large", "python", "import sys; d = sys.stdin.read(); print(len(d), d[-5:])",
+     {"stdin": "0123456789" * 20000}),
+    ("stdin_eof", "python", "print(input())", {}),
+    ("large_output", "python", "print('x' * 1000000)", {}),
+    ("many_lines", "python", "for i in range(50000): print(i)", {}),
+    ("stderr", "python", "import sys; print('out'); print('err', file=sys.stderr)", {}),
+    ("binary", "python", "import sys; sys.stdout.buffer.write(bytes(range(256)))",
+     {"encoding": "base64"}),
+    ("recursion", "python", "def f(): f()\nf()", {}),
+    ("thread", "python",
+     "import threading, time\ndef w():\n    time.sleep(0.2); print('late')\n"
+     "threading.Thread(target=w).start(); print('early')", {}),
+    ("atexit", "python", "import atexit; atexit.register(lambda: print('bye')); print('hi')", {}),
+    ("name_argv", "python", "import sys; print(__name__, sys.argv, sys.path[0] == '')", {}),
+    ("env", "python", "import os; print(os.environ.get('FNCALL_TEST'))",
+     {"env": {"FNCALL_TEST": "yes"}}),
+    ("subprocess", "python",
+     "import subprocess; print(subprocess.run(['echo', 'hi'], capture_output=True).stdout)", {}),
+    ("compute", "python",
+     "import json, math; print(json.dumps({'pi': round(math.pi, 5), 's': sum(range(10**6))}))",
+     {}),
+    ("float", "python", "print(0.1 + 0.2, 1e300 * 10, -0.0)", {}),
+    ("truncated", "python", "print('y' * 200000)", {"max_output_bytes": 1000}),
+    ("infinite_loop", "python", "while True: pass", {"timeout": 1}),
+    ("partial_then_hang", "python", "import time; print('a', flush=True); time.sleep(30)",
+     {"timeout": 1}),
+    ("socket", "python",
+     "import socket\ns = socket.socket(); s.settimeout(2)\n"
+     "try:\n    s.connect(('1.1.1.1', 80)); print('connected')\n"
+     "except OSError as e:\n    print('refused', type(e).__name__)", {}),
+    ("bash_basic", "bash", "echo hi; echo err >&2; exit 3", {}),
+    ("bash_pipe", "bash", "printf 'ü straße\\n' | tr a-z A-Z; echo ${#BASH_VERSION}", {}),
+    ("bash_stdin", "bash", "read x; echo \"got $x\"", {"stdin": "line\n"}),
+    ("bash_loop_timeout", "bash", "while :; do :; done", {"timeout": 1}),
+]
+
+
+def _container(deb, language, code, kw):
+    argv = ["python3", "-c", code] if language == "python" else ["bash", "-c", code]
+    return deb.exec(argv, timeout=kw.get("timeout", 30), stdin=kw.get("stdin"),
+                    env=kw.get("env"), max_output_bytes=kw.get("max_output_bytes"),
+                    encoding=kw.get("encoding"), cwd="/tmp")
+
+
+def _run(client, debian, language, code, kw):
+    return client.run(code, language=language, image=debian, timeout=kw.get("timeout", 30),
+                      stdin=kw.get("stdin"), env=kw.get("env"),
+                      max_output_bytes=kw.get("max_output_bytes"),
+                      encoding=kw.get("encoding"))
+
+
+@pytest.mark.parametrize("name,language,code,kw", SNIPPETS, ids=[s[0] for s in SNIPPETS])
+def test_same_result_as_a_container(client, debian, deb, name, language, code, kw):
+    got = _run(client, debian, language, code, kw)
+    want = _container(deb, language, code, kw)
+    summary = f"fncall {got!r}\ncontainer {want!r}"
+    assert got.timed_out == want.timed_out, summary
+    if want.timed_out:
+        # Both killed by the wall clock; what was flushed before it is kept.
+        assert got.limit == "timeout" and got.signal == want.signal == 9, summary
+        assert got.stdout_bytes == want.stdout_bytes, summary
+        return
+    assert (got.exit_code, got.signal) == (want.exit_code, want.signal), summary
+    assert got.stdout_bytes == want.stdout_bytes, summary
+    assert got.stderr_bytes == want.stderr_bytes, summary
+    assert got.truncated == want.truncated, summary
+    assert got.limit == ("output" if want.truncated else None), summary
+
+
+def test_nothing_leaks_between_calls(client, debian):
+    first = client.run(
+        "import os, socket, subprocess, builtins, sys\n"
+        "open('leak.txt', 'w').write('secret')\n"
+        "open('/scratch/leak2', 'w').write('secret')\n"
+        "os.environ['LEAK'] = '1'; builtins.LEAK = 1; sys.modules['json'].LEAK = 1\n"
+        "subprocess.Popen(['sleep', '1000'], start_new_session=True)\n"
+        "subprocess.Popen(['sh', '-c', 'sleep 1001 &'])\n"
+        "import ctypes; libc = ctypes.CDLL(None)\n"
+        "print(libc.shmget(0x1234, 4096, 0o1666), socket.gethostname())",
+        image=debian, timeout=10)
+    assert first.exit_code == 0, first
+    shm_id, host = first.stdout.split()
+    assert int(shm_id) >= 0
+    second = client.run(
+        "import os, socket, builtins, json, glob\n"
+        "procs = [open(f'/proc/{p}/cmdline').read() for p in os.listdir('/proc') if p.isdigit()]\n"
+        "print(socket.gethostname())\n"
+        "print(os.path.exists('leak.txt'), os.path.exists('/scratch/leak2'),\n"
+        "      'LEAK' in os.environ, hasattr(builtins, 'LEAK'), hasattr(json, 'LEAK'))\n"
+        "print(any('sleep' in p for p in procs), len(open('/proc/sysvipc/shm').readlines()) - 1)\n"
+        "print(sorted(os.listdir('/scratch')), glob.glob('/scratch/.run/*') == [os.getcwd()])",
+        image=debian, timeout=10)
+    assert second.exit_code == 0, second
+    lines = second.stdout.splitlines()
+    assert lines[0] == host, "the second call ran in another sandbox: the check proves nothing"
+    assert lines[1] == "False False False False False", second
+    assert lines[2] == "False 0", second
+    assert lines[3] == "['.run'] True", second
+
+
+def test_each_call_sees_fresh_random_state(client, debian):
+    code = "import random, uuid; print(random.random(), uuid.uuid4())"
+    a = client.run(code, image=debian)
+    b = client.run(code, image=debian)
+    assert a.exit_code == b.exit_code == 0 and a.stdout != b.stdout
+
+
+def test_files_are_given_and_removed(client, debian):
+    r = client.run("import os\nprint(open('data/in.txt').read(), open('bin', 'rb').read())\n"
+                   "print(os.getcwd().startswith('/scratch/.run/'), os.environ['TMPDIR'] == os.getcwd())",
+                   image=debian, files={"data/in.txt": "hello", "bin": b"\x00\xff"})
+    assert r.exit_code == 0, r
+    assert r.stdout == "hello b'\\x00\\xff'\nTrue True\n"
+
+
+def test_writes_only_to_scratch(client, debian):
+    r = client.run(
+        "import errno\n"
+        "for p in ['/etc/x', '/tmp/x', '/root/x', '/dev/shm/x', '/usr/bin/python3']:\n"
+        "    try:\n        open(p, 'a').write('x'); print(p, 'WROTE')\n"
+        "    except OSError as e:\n        print(p, errno.errorcode[e.errno])\n"
+        "open('/scratch/ok', 'w').write('x'); print('scratch ok')",
+        image=debian)
+    assert r.exit_code == 0, r
+    lines = r.stdout.splitlines()
+    for line in lines[:5]:
+        # ETXTBSY: python3 is running (opened for writing, a binary would
+        # be EROFS anyway).
+        assert line.split()[1] in ("EROFS", "EACCES", "EPERM", "ETXTBSY"), r.stdout
+    assert lines[5] == "scratch ok"
+
+
+def test_fork_bomb_is_contained(client, debian):
+    r = client.run("import os\nwhile True:\n    try:\n        os.fork()\n"
+                   "    except OSError:\n        pass", image=debian, timeout=2)
+    assert r.timed_out and r.limit == "timeout", r
+    after = client.run("import os; print(sum(1 for p in os.listdir('/proc') if p.isdigit()))",
+                       image=debian)
+    # aether, the zygote, its spare and this call.
+    assert after.exit_code == 0 and int(after.stdout) <= 5, after
+
+
+def test_memory_limits(client, debian):
+    r = client.run("x = bytearray(1 << 30)", image=debian, limits={"memory_mb": 200})
+    assert r.exit_code == 1 and "MemoryError" in r.stderr, r
+    r = client.run("x = []\nwhile True:\n    x.append(bytearray(64 << 20))", image=debian,
+                   timeout=30)
+    # The pool sandbox's memory cgroup (512 MB) kills it.
+    assert r.signal == 9 and r.oom_killed and r.limit == "memory", r
+
+
+def test_cpu_and_file_size_limits(client, debian):
+    r = client.run("while True: pass", image=debian, timeout=20, limits={"cpu_s": 1})
+    assert r.signal == 24 and r.limit == "cpu" and not r.timed_out, r  # SIGXCPU
+    # Python ignores SIGXFSZ: the write fails with EFBIG instead.
+    r = client.run("open('big', 'wb').write(b'x' * (3 << 20))", image=debian,
+                   limits={"file_size_mb": 1})
+    assert r.exit_code == 1 and "File too large" in r.stderr, r
+    r = client.run("exec head -c 3M /dev/zero > big", language="bash", image=debian,
+                   limits={"file_size_mb": 1})
+    assert r.signal == 25 and r.limit == "file_size", r  # SIGXFSZ
+    r = client.run("import os\nfds = [os.open('/dev/null', 0) for _ in range(100)]",
+                   image=debian, limits={"open_files": 20})
+    assert r.exit_code == 1 and "Too many open files" in r.stderr, r
+
+
+def test_killed_zygote_is_replaced(client, debian):
+    r = client.run("import os; os.kill(os.getppid(), 9); print('ok')", image=debian)
+    assert r.stdout == "ok\n", r
+    r = client.run("print(2)", image=debian)
+    assert r.exit_code == 0 and r.stdout == "2\n", r
+
+
+def test_bad_input(client, server, debian):
+    expect_error(lambda: client.run("x", language="cobol", image=debian),
+                 dsec.InvalidArgument, field="language", status=400)
+    expect_error(lambda: client.run("#" * (300 << 10), image=debian),
+                 dsec.PayloadTooLarge, field="code", status=413)
+    expect_error(lambda: client.run("1", image=debian, limits={"cpu_s": 0}),
+                 dsec.InvalidArgument, field="limits.cpu_s")
+    expect_error(lambda: client.run("1", image=debian, limits={"bogus": 1}),
+                 dsec.InvalidArgument, field="limits.bogus")
+    expect_error(lambda: client.run("1", image=debian, files={"../x": "y"}),
+                 dsec.InvalidArgument, field="files")
+    expect_error(lambda: client.run("1", image="no-such-image"), dsec.NotFound)
+    status, _, _, body = server.raw("POST", "/v1/run", body=b'{"code": "print(\xff)"}')
+    err = body["error"]
+    assert status == 400 and err["field"] == "body" and "UTF-8" in err["message"], err
+    status, _, _, body = server.raw("POST", "/v1/run", body=b'{"code": 1}')
+    assert status == 400 and body["error"]["field"] == "code"
+    status, _, _, body = server.raw("POST", "/v1/run", body=b'{"code": "1", "stdin": "a", '
+                                                          b'"stdin_b64": "YQ=="}')
+    assert status == 400 and body["error"]["field"] == "stdin"
+
+
+def test_fncall_sandbox(make_sandbox, server, debian, deb):
+    sb = make_sandbox(debian, backend="fncall", disk_mb=32)
+    assert sb.backend == "fncall"
+    r = sb.exec("pwd; echo kept > f.txt; (sleep 1000 &); echo $TMPDIR")
+    assert r.exit_code == 0 and r.stdout == "/scratch\n/scratch\n", r
+    assert r.limit is None
+    # Files in /scratch persist; processes do not.
+    r = sb.run("import os\nprint(open('f.txt').read().strip())\n"
+               "print(any(b'sleep' in open(f'/proc/{p}/cmdline', 'rb').read()\n"
+               "          for p in os.listdir('/proc') if p.isdigit()))")
+    assert r.stdout == "kept\nFalse\n", r
+    sb.write_file("/scratch/in.txt", b"from the files API")
+    assert sb.run("print(open('in.txt').read())").stdout == "from the files API\n"
+    assert sb.read_file("/scratch/f.txt") == b"kept\n"
+    assert sb.exec("cat /etc/hostname").exit_code == 0
+    r = sb.exec("touch /etc/x")
+    assert r.exit_code != 0 and "Read-only" in r.stderr, r
+    e = expect_error(lambda: sb.write_file("/etc/x", b"y"), dsec.PermissionDenied, status=403)
+    assert "/etc/x" in e.message and "/scratch" in e.message
+    expect_error(lambda: sb.mkdir("/root/d"), dsec.PermissionDenied)
+    r = sb.run("echo $((6*7))", language="bash")
+    assert r.stdout == "42\n", r
+    r = sb.exec("while :; do :; done", timeout=1)
+    assert r.timed_out and r.limit == "timeout", r
+    # Scratch is bounded by disk_mb.
+    r = sb.exec("head -c 40M /dev/zero > big")
+    assert r.exit_code != 0 and "No space left" in r.stderr, r
+    status, _, _, body = server.raw("POST", f"/v1/sandboxes/{sb.id}/run",
+                                    body={"code": "1", "files": {"a": "b"}})
+    assert status == 400 and body["error"]["field"] == "files", body
+    expect_error(lambda: deb.run("print(1)"), dsec.Conflict, status=409)
+
+
+def test_image_update_replaces_its_pool(client, debian, busybox):
+    base = client.image(debian).layers
+    name = "fnimg-%d" % id(client)
+    client.create_image(name, "v", base)
+    ref = name + ":v"
+    try:
+        code = "cat /proc/sys/kernel/hostname; test -e /bin/busybox && echo bb || echo no-bb"
+        first = client.run(code, language="bash", image=ref)
+        again = client.run(code, language="bash", image=ref)
+        assert first.stdout == again.stdout and first.stdout.endswith("no-bb\n"), (first, again)
+        # The tag moves to other layers: the next call runs on them, in a new sandbox.
+        client.create_image(name, "v", base + client.image(busybox).layers)
+        moved = client.run(code, language="bash", image=ref)
+        assert moved.exit_code == 0 and moved.stdout.split()[1] == "bb", moved
+        assert moved.stdout.split()[0] != first.stdout.split()[0], (first, moved)
+    finally:
+        client.delete_image(ref)
+
+
+def test_fncall_sandboxes_outlive_an_edge_crash(tmp_path_factory, server):
+    """A fncall sandbox is a container sandbox underneath: re-adopted after a
+    SIGKILL with its /scratch and its zygote; pool sandboxes (no record) are
+    destroyed as orphans, and one-shot calls work again."""
+    import os
+    from pathlib import Path
+
+    from test_restart import _crash, _new_server, _stop_and_check_clean
+
+    s = _new_server(tmp_path_factory)
+    try:
+        cache = Path(os.environ.get("DSEC_IMAGE_CACHE", "/var/cache/dsec/test-images"))
+        s.import_image("debian:latest", cache / "debian.tar")
+        sb = s.client.create("debian:latest", backend="fncall", disk_mb=16)
+        assert sb.exec("echo kept > keep").exit_code == 0
+        assert s.client.run("print(1)").stdout == "1\n"
+        _crash(s)
+        s.start()
+        again = s.client.get(sb.id)
+        assert again.state == "running" and again.backend == "fncall", again.info
+        r = again.run("print(open('keep').read().strip())")
+        assert r.exit_code == 0 and r.stdout == "kept\n", r
+        assert again.exec("touch /etc/x").exit_code != 0
+        assert s.client.run("print(2)").stdout == "2\n"
+        again.destroy()
+        _stop_and_check_clean(s)
+    finally:
+        if s.proc.poll() is None:
+            s.stop()
