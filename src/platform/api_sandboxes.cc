@@ -107,9 +107,11 @@ void Platform::createSandbox(http::Request& req, http::Response& res) {
     r.image = *image;
     auto backend = getString(j, "backend", "container", 32);
     if (!backend.isOk()) return fail(backend.status());
-    if (*backend != "container") {
-      return fail(invalidArg(
-          "backend", "unknown or unavailable backend '" + *backend + "' (available: container)"));
+    // microvm is known; whether this node can run it is the edge's to say
+    // (409 with the reason when it cannot).
+    if (*backend != "container" && *backend != "microvm") {
+      return fail(invalidArg("backend", "unknown backend '" + *backend +
+                                            "' (known: container, microvm)"));
     }
     r.backend = *backend;
     auto cpu = getNumber(j, "cpu", 1.0, 0.05, 64);
