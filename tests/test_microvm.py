@@ -237,3 +237,15 @@ def test_missing_qemu_makes_microvm_a_clear_409(tmp_path_factory):
         assert "not available" in doc["error"]["message"] and "not found" in doc["error"]["message"]
     finally:
         s.stop()
+
+
+def test_a_policy_with_egress_is_refused_before_boot(vmserver):
+    s = vmserver
+    s.client.create_policy("vm-egress-test", egress=["192.0.2.1:80"])
+    before = _vm_dirs(s.data_dir)
+    status, _, _, doc = s.raw("POST", "/v1/sandboxes",
+                              {"image": "busybox:latest", "backend": "microvm",
+                               "policy": "vm-egress-test"})
+    assert status == 409, doc
+    assert doc["error"]["field"] == "policy" and "microvm" in doc["error"]["message"], doc
+    assert _vm_dirs(s.data_dir) == before

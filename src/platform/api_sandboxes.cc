@@ -149,7 +149,15 @@ void Platform::createSandbox(http::Request& req, http::Response& res) {
     r.labels = *labels;
     auto policy = getString(j, "policy", "default", 64);
     if (!policy.isOk()) return fail(policy.status());
-    if (auto p = policies_->find(*policy, "policy"); !p.isOk()) return fail(p.status());
+    auto found = policies_->find(*policy, "policy");
+    if (!found.isOk()) return fail(found.status());
+    // A microvm has no network device (docs/microvm.md): refused before it boots.
+    if (r.backend == "microvm" && (!found->egress.empty() || !found->dns.empty())) {
+      return fail(Status(Code::kFailedPrecondition,
+                         "policy '" + *policy +
+                             "' grants egress, which backend microvm does not support",
+                         0, "policy"));
+    }
     r.policy = *policy;
     for (auto [field, out] : {std::pair{"readonly_paths", &r.readonlyPaths},
                               std::pair{"hidden_paths", &r.hiddenPaths}}) {
