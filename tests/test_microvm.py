@@ -249,3 +249,33 @@ def test_a_policy_with_egress_is_refused_before_boot(vmserver):
     assert status == 409, doc
     assert doc["error"]["field"] == "policy" and "microvm" in doc["error"]["message"], doc
     assert _vm_dirs(s.data_dir) == before
+
+
+def test_a_guest_that_does_not_answer_is_retried_once_then_reported(tmp_path_factory):
+    """A boot deadline no TCG boot can meet stands in for a hung guest: the VM
+    is killed, booted once more, and the create fails saying so, with the
+    console log kept and nothing else left."""
+    _check_prerequisites()
+    if shutil.which("qemu-system-x86_64") is None:
+        unavailable("qemu-system-x86_64 not installed (scripts/install-deps.sh)")
+    s = Server(tmp_path_factory.mktemp("microvm-hang") / "data",
+               ["--microvm-accel", "tcg", "--microvm-boot-timeout-s", "0.3"])
+    s.data_dir.mkdir()
+    _start(s)
+    try:
+        vm = s.raw("GET", "/v1/node")[3]["backends"]["microvm"]
+        if not vm["available"]:
+            unavailable(f"microvm backend unavailable here: {vm['reason']}")
+        s.import_image("busybox:latest", BUSYBOX_TAR)
+        status, _, _, doc = s.raw("POST", "/v1/sandboxes",
+                                  {"image": "busybox:latest", "backend": "microvm"}, timeout=120)
+        assert status == 503, doc
+        msg = doc["error"]["message"]
+        assert "did not boot within" in msg and "twice" in msg, msg
+        log = msg.split("console log: ")[1].split(")")[0]
+        assert Path(log).exists(), log
+        assert "hung at boot, retrying" in s.log_tail(200)
+        assert not _qemu_pids(s.data_dir)
+        assert not _vm_dirs(s.data_dir)
+    finally:
+        assert s.stop() == 0
