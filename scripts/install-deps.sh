@@ -16,6 +16,9 @@ PKGS=(
   btrfs-progs
   # the eBPF egress filter (clang -target bpf, libbpf skeleton)
   clang libbpf-dev bpftool
+  # the microvm backend: QEMU, the Debian cloud kernel as its guest kernel,
+  # lz4 to unpack that kernel into a PVH vmlinux (scripts/microvm-guest.py)
+  qemu-system-x86 linux-image-cloud-amd64 lz4
   # tests, demo, benchmarks
   python3 python3-pytest python3-yaml crun procps strace nginx-light openssl
 )

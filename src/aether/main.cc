@@ -3,6 +3,7 @@
 //
 //   dsec-aether            wait for the init frame, set up the container, serve
 //   dsec-aether --no-init  send hello at once and serve in the current root
+//   /init (PID 1)          a microvm guest's init (guest_init.h)
 #include <fcntl.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
@@ -20,6 +21,7 @@
 
 #include "aether/agent.h"
 #include "aether/container_init.h"
+#include "aether/guest_init.h"
 #include "aether/json_fields.h"
 #include "common/fd.h"
 #include "common/frame.h"
@@ -110,6 +112,8 @@ int realMain(int argc, char** argv) {
   // Exec'd from a memfd, the kernel names us "memfd:dsec-aether"; ps in the
   // sandbox should show what PID 1 is.
   ::prctl(PR_SET_NAME, "dsec-aether", 0, 0, 0);
+  // The kernel starts the microvm initramfs's /init (this binary) as PID 1.
+  if (::getpid() == 1 && argc >= 1 && std::string_view(argv[0]) == "/init") return guestMain();
   bool no_init = false;
   for (int i = 1; i < argc; ++i) {
     std::string_view a = argv[i];

@@ -68,6 +68,10 @@ const char* kUsage = R"(usage: dsec COMMAND [OPTIONS]
         100000 (default auto: where the kernel supports it; see docs/security.md)
      --live-restore yes|no: a graceful stop leaves running sandboxes for the next
         start to re-adopt, e.g. across an upgrade (default no: it destroys them)
+     --microvm-accel auto|kvm|tcg: the microvm backend's accelerator (default auto: KVM
+        if a probe guest runs on /dev/kvm, else TCG); --microvm-boot-timeout-s S (default
+        120); --microvm-guest-dir DIR (default microvm-guest/ beside dsec-aether);
+        --qemu PATH (default qemu-system-x86_64). See docs/microvm.md
   image import --name NAME[:TAG] [--kind base|workspace|toolkit|diff]
                [--format auto|rootfs|oci|docker] PATH
         Build EROFS layers from a root filesystem (dir or tarball), an OCI image
@@ -235,6 +239,16 @@ int cmdUp(const Args& a) {
   } else {
     return die("--live-restore must be yes or no");
   }
+  eo.microvmAccel = a.get("microvm-accel", "auto");
+  if (eo.microvmAccel != "auto" && eo.microvmAccel != "kvm" && eo.microvmAccel != "tcg") {
+    return die("--microvm-accel must be auto, kvm or tcg");
+  }
+  if (!a.get("microvm-boot-timeout-s").empty()) {
+    eo.microvmBootTimeoutS = std::atof(a.get("microvm-boot-timeout-s").c_str());
+    if (eo.microvmBootTimeoutS <= 0) return die("--microvm-boot-timeout-s must be positive");
+  }
+  eo.microvmGuestDir = a.get("microvm-guest-dir", "");
+  eo.qemuPath = a.get("qemu", "qemu-system-x86_64");
   platform::Store* st = store->get();
   eo.lookup = [dataDir, st](const std::string& digest) {
     return platform::Platform::describeLayer(st, dataDir, digest);

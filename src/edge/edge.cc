@@ -69,7 +69,8 @@ Result<std::unique_ptr<Edge>> Edge::start(EdgeOptions opts) {
   for (auto& s : e->stateDir_->loadAll()) {
     auto started = processStartTime(s.pid);
     // fncall sandboxes are container sandboxes underneath (backends/fncall).
-    if ((s.backend == "container" || s.backend == "fncall") && started.isOk() &&
+    if ((s.backend == "container" || s.backend == "fncall" || s.backend == "microvm") &&
+        started.isOk() &&
         *started == s.startTime) {
       keep.insert(s.spec.id);
       live.push_back(std::move(s));
@@ -95,6 +96,35 @@ Result<std::unique_ptr<Edge>> Edge::start(EdgeOptions opts) {
   e->backends_["fncall"] =
       std::make_unique<FncallBackend>(container.get(), e->opts_.fncallLanguages);
   e->backends_["container"] = std::move(container);
+  {
+    MicroVmOptions mo;
+    mo.guestDir = e->opts_.microvmGuestDir;
+    if (mo.guestDir.empty()) {
+      auto slash = e->opts_.aetherPath.rfind('/');
+      mo.guestDir = (slash == std::string::npos ? std::string(".")
+                                                : e->opts_.aetherPath.substr(0, slash)) +
+                    "/microvm-guest";
+    }
+    mo.qemuPath = e->opts_.qemuPath;
+    mo.vmRoot = e->opts_.dataDir + "/microvm";
+    mo.logDir = e->opts_.dataDir + "/microvm-logs";
+    mo.bootTimeoutS = e->opts_.microvmBootTimeoutS;
+    mo.accel = e->opts_.microvmAccel;
+    e->microvm_ = probeMicroVm(mo);
+    if (e->microvm_.available) {
+      ASSIGN_OR_RETURN(auto vm, MicroVmBackend::make(mo, e->microvm_, e->cgroups_.get(),
+                                                     e->layers_.get(), e->reactor_.get(), keep));
+      if (int orphans = vm->cleanupOrphans(); orphans > 0) {
+        log::warn("removed leftovers of " + std::to_string(orphans) + " orphan microvms");
+        e->countOrphans("sandbox", orphans);
+      }
+      e->backends_["microvm"] = std::move(vm);
+    }
+    log::info(std::string("edge: microvm backend ") +
+              (e->microvm_.available ? "on " + e->microvm_.accelerator + " (" +
+                                           e->microvm_.reason + ")"
+                                     : "unavailable: " + e->microvm_.reason));
+  }
   // The egress filter covers every sandbox of this edge from here on; where
   // it cannot run, no sandbox gets egress (each stays on its own loopback).
   if (std::string dir = e->cgroups_->v2Parent(); dir.empty()) {
@@ -152,7 +182,15 @@ void Edge::adoptAll(std::vector<SandboxState> live) {
   bool anyEgress = false;
   for (auto& s : live) {
     const std::string id = s.spec.id;
-    Backend* b = backends_.at(s.backend).get();
+    auto bit = backends_.find(s.backend);
+    if (bit == backends_.end()) {
+      // A microvm left by an edge that had the backend, on one that has not.
+      log::warn("sandbox " + id + ": backend " + s.backend + " unavailable; its leftovers stay");
+      stateDir_->remove(id);
+      countOrphans("sandbox", 1);
+      continue;
+    }
+    Backend* b = bit->second.get();
     {
       std::lock_guard lk(mu_);
       sandboxes_[id] = nullptr;  // as in create: a death meanwhile is not a destroy
@@ -239,7 +277,8 @@ std::string Edge::describe() const {
          ", egress " +
          (filter_ ? "by policy (eBPF filter at " + cgroups_->v2Parent() + ")"
                   : "unavailable: " + egressWhy_) +
-         ", user namespaces " + userns_.reason + ", backends: container";
+         ", user namespaces " + userns_.reason + ", backends: container" +
+         (microvm_.available ? ", microvm (" + microvm_.accelerator + ")" : "");
 }
 
 void Edge::setDeathHandler(std::function<void(const std::string&, const std::string&)> h) {
@@ -264,6 +303,10 @@ Status notRunning(const std::string& id) {
 Status Edge::create(const std::string& backend, const SandboxSpec& spec) {
   auto bit = backends_.find(backend);
   if (bit == backends_.end()) {
+    if (backend == "microvm") {
+      return Status(Code::kFailedPrecondition,
+                    "backend microvm is not available on this node: " + microvm_.reason);
+    }
     return invalidArg("backend", "backend '" + backend + "' is not available on this node");
   }
   {
@@ -372,6 +415,12 @@ Status Edge::setEgress(const std::string& id, const std::vector<net::EgressRule>
     if (it == sandboxes_.end() || !it->second) return notFound("sandbox " + id + " not found");
     inst = it->second;
     if (auto c = egressCg_.find(id); c != egressCg_.end()) cg = c->second;
+    if (auto b = backendOf_.find(id); !rules.empty() && b != backendOf_.end() &&
+                                      b->second->name() == "microvm") {
+      return Status(Code::kFailedPrecondition,
+                    "egress is not supported for backend microvm (its VM has no network device)",
+                    0, "egress");
+    }
   }
   if (!filter_ || cg == 0) {
     if (rules.empty()) return Status::ok();  // closed already: nothing to cut
@@ -644,7 +693,14 @@ Result<image::BuiltLayer> Edge::packDiff(const std::string& id, const std::strin
   auto inst = find(id);
   if (!inst) return notRunning(id);
   std::string upper = inst->upperDir();
-  if (upper.empty()) return Status(Code::kFailedPrecondition, "this backend cannot pack_diff");
+  if (upper.empty()) {
+    std::string name;
+    {
+      std::lock_guard lk(mu_);
+      if (auto b = backendOf_.find(id); b != backendOf_.end()) name = " " + b->second->name();
+    }
+    return Status(Code::kFailedPrecondition, "backend" + name + " cannot pack_diff (snapshots)");
+  }
   // In a user namespace the upper dir holds host ids (root inside = base);
   // the layer is built from a read-only view that maps them back to 0-based
   // ones, so snapshots stay portable between nodes and modes. The overlay's

@@ -15,6 +15,7 @@
 
 #include "common/status.h"
 #include "edge/backend.h"
+#include "edge/backends/microvm/microvm_backend.h"
 #include "edge/cgroup.h"
 #include "edge/image/layer_cache.h"
 #include "edge/net/egress_filter.h"
@@ -56,6 +57,13 @@ struct EdgeOptions {
   // fncall: languages exec'd per call besides python and bash, name -> argv
   // the code is appended to (say "node" -> {"node", "-e"}).
   std::map<std::string, std::vector<std::string>> fncallLanguages;
+  // The microvm backend (docs/microvm.md): guest kernel and initramfs
+  // (empty: microvm-guest/ beside aetherPath), QEMU binary, boot deadline,
+  // accelerator ("auto" probes KVM and falls back to TCG, "kvm", "tcg").
+  std::string microvmGuestDir;
+  std::string qemuPath = "qemu-system-x86_64";
+  double microvmBootTimeoutS = 120;
+  std::string microvmAccel = "auto";
 };
 
 struct ExecSpec {
@@ -170,6 +178,8 @@ class Edge {
   // Whether sandboxes run in user namespaces, their range, and why (not) -
   // fixed at start.
   const Userns& userns() const { return userns_; }
+  // Whether microvms run here, on which accelerator, and why - fixed at start.
+  const MicroVmProbe& microvm() const { return microvm_; }
 
  private:
   Edge() = default;
@@ -190,6 +200,7 @@ class Edge {
   std::map<std::string, std::unique_ptr<Backend>> backends_;
   std::string diskQuotaInfo_;  // the container backend's, set at start
   Userns userns_;              // detected at start, then read-only
+  MicroVmProbe microvm_;       // probed at start, then read-only
   std::unique_ptr<net::EgressFilter> filter_;  // null when egressWhy_ says why
   std::string egressWhy_;
 

@@ -49,6 +49,14 @@ void Platform::getNode(http::Response& res) {
                  {"base", edge_->userns().base},
                  {"length", edge_->userns().length},
                  {"reason", edge_->userns().reason}}},
+               {"backends",
+                {{"container", {{"available", true}, {"accelerator", nullptr}, {"reason", ""}}},
+                 {"microvm",
+                  {{"available", edge_->microvm().available},
+                   {"accelerator", edge_->microvm().accelerator.empty()
+                                       ? json(nullptr)
+                                       : json(edge_->microvm().accelerator)},
+                   {"reason", edge_->microvm().reason}}}}},
                {"egress",
                 {{"available", edge_->egressUnavailable().empty()},
                  {"unavailable_reason", edge_->egressUnavailable()},

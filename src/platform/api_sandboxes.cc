@@ -107,9 +107,11 @@ void Platform::createSandbox(http::Request& req, http::Response& res) {
     r.image = *image;
     auto backend = getString(j, "backend", "container", 32);
     if (!backend.isOk()) return fail(backend.status());
-    if (*backend != "container" && *backend != "fncall") {
-      return fail(invalidArg("backend", "unknown or unavailable backend '" + *backend +
-                                            "' (available: container, fncall)"));
+    // microvm is known; whether this node can run it is the edge's to say
+    // (409 with the reason when it cannot).
+    if (*backend != "container" && *backend != "fncall" && *backend != "microvm") {
+      return fail(invalidArg("backend", "unknown backend '" + *backend +
+                                            "' (known: container, fncall, microvm)"));
     }
     r.backend = *backend;
     auto cpu = getNumber(j, "cpu", 1.0, 0.05, 64);
@@ -147,7 +149,15 @@ void Platform::createSandbox(http::Request& req, http::Response& res) {
     r.labels = *labels;
     auto policy = getString(j, "policy", "default", 64);
     if (!policy.isOk()) return fail(policy.status());
-    if (auto p = policies_->find(*policy, "policy"); !p.isOk()) return fail(p.status());
+    auto found = policies_->find(*policy, "policy");
+    if (!found.isOk()) return fail(found.status());
+    // A microvm has no network device (docs/microvm.md): refused before it boots.
+    if (r.backend == "microvm" && (!found->egress.empty() || !found->dns.empty())) {
+      return fail(Status(Code::kFailedPrecondition,
+                         "policy '" + *policy +
+                             "' grants egress, which backend microvm does not support",
+                         0, "policy"));
+    }
     r.policy = *policy;
     for (auto [field, out] : {std::pair{"readonly_paths", &r.readonlyPaths},
                               std::pair{"hidden_paths", &r.hiddenPaths}}) {

@@ -129,7 +129,7 @@ Result<LayerCache::Mounted> LayerCache::acquireMount(const std::string& digest) 
     if (!cache_->broken(digest)) {
       ++it->second.refs;
       it->second.lastUsed = monoSeconds();
-      return Mounted{it->second.path, it->second.idmapped};
+      return Mounted{it->second.path, it->second.idmapped, it->second.files};
     }
     // Mounted over a loader process that died: sandboxes running on it keep
     // their (failing) mount, which their own mount namespaces hold; new ones
@@ -177,9 +177,9 @@ Result<LayerCache::Mounted> LayerCache::acquireMount(const std::string& digest) 
     cache_->unmounted(digest);
     return st;
   }
-  layers_[digest] = Entry{target, idmapped, refs + 1, monoSeconds()};
+  layers_[digest] = Entry{target, idmapped, files, refs + 1, monoSeconds()};
   trimLocked();
-  return Mounted{target, idmapped};
+  return Mounted{target, idmapped, files};
 }
 
 void LayerCache::trimLocked() {

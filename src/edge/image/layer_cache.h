@@ -43,6 +43,7 @@ class LayerCache {
   struct Mounted {
     std::string path;
     std::shared_ptr<UniqueFd> idmapped;  // null without setIdmap
+    LayerFiles files;  // what the mount reads (microvms get these as disks)
   };
   Result<Mounted> acquireMount(const std::string& digest);
   Result<std::string> acquire(const std::string& digest) {
@@ -62,6 +63,7 @@ class LayerCache {
   struct Entry {
     std::string path;
     std::shared_ptr<UniqueFd> idmapped;
+    LayerFiles files;
     int refs = 0;
     double lastUsed = 0;
   };

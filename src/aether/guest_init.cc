@@ -1,0 +1,405 @@
+#include "aether/guest_init.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <pthread.h>
+#include <signal.h>
+#include <sys/mount.h>
+#include <sys/reboot.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "aether/agent.h"
+#include "aether/json_fields.h"
+#include "common/fd.h"
+#include "common/frame.h"
+
+namespace dsec::aether {
+namespace {
+
+constexpr int kReattachFd = 9;  // as in main.cc: the agent's reattach descriptor
+constexpr const char* kPortName = "dsec.agent";
+
+void say(const std::string& msg) { std::fprintf(stderr, "dsec-aether(guest): %s\n", msg.c_str()); }
+
+std::string readSmall(const std::string& path) {
+  std::string out;
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return out;
+  char buf[4096];
+  ssize_t n;
+  while ((n = ::read(fd, buf, sizeof buf)) > 0) out.append(buf, size_t(n));
+  ::close(fd);
+  while (!out.empty() && (out.back() == '\n' || out.back() == ' ')) out.pop_back();
+  return out;
+}
+
+Status mountOrFail(const char* src, const std::string& target, const char* type,
+                   unsigned long flags, const std::string& data) {
+  ::mkdir(target.c_str(), 0755);
+  if (::mount(src, target.c_str(), type, flags, data.empty() ? nullptr : data.c_str()) != 0) {
+    return sysError(std::string("mount ") + type + " " + src + " on " + target +
+                    (data.empty() ? "" : " (" + data + ")"));
+  }
+  return Status::ok();
+}
+
+// Loads /modules/<name> in /modules/order (dependencies first). Modules the
+// kernel has built in are not in the initramfs at all.
+Status loadModules() {
+  std::string order = readSmall("/modules/order");
+  size_t pos = 0;
+  while (pos < order.size()) {
+    size_t nl = order.find('\n', pos);
+    std::string name = order.substr(pos, nl == std::string::npos ? std::string::npos : nl - pos);
+    pos = nl == std::string::npos ? order.size() : nl + 1;
+    if (name.empty()) continue;
+    std::string path = "/modules/" + name;
+    UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+    if (!fd) return sysError("open " + path);
+    if (::syscall(SYS_finit_module, fd.get(), "", 0) != 0 && errno != EEXIST) {
+      return sysError("load module " + name);
+    }
+  }
+  return Status::ok();
+}
+
+std::map<std::string, std::string> kernelParams() {
+  std::map<std::string, std::string> out;
+  std::string cmdline = readSmall("/proc/cmdline");
+  size_t pos = 0;
+  while (pos < cmdline.size()) {
+    size_t sp = cmdline.find(' ', pos);
+    std::string w = cmdline.substr(pos, sp == std::string::npos ? std::string::npos : sp - pos);
+    pos = sp == std::string::npos ? cmdline.size() : sp + 1;
+    if (w.rfind("dsec.", 0) != 0) continue;
+    size_t eq = w.find('=');
+    out[w.substr(5, eq == std::string::npos ? std::string::npos : eq - 5)] =
+        eq == std::string::npos ? "" : w.substr(eq + 1);
+  }
+  return out;
+}
+
+// virtio-blk disks by serial ("l<i>m", "l<i>d", "rw") -> /dev/vdX, waiting
+// (the drivers probe asynchronously) until `want` of them are there.
+Result<std::map<std::string, std::string>> findDisks(size_t want) {
+  std::map<std::string, std::string> disks;
+  for (int tries = 0; tries < 1000; ++tries) {
+    disks.clear();
+    if (DIR* d = ::opendir("/sys/block")) {
+      while (auto* e = ::readdir(d)) {
+        std::string name = e->d_name;
+        if (name.rfind("vd", 0) != 0) continue;
+        std::string serial = readSmall("/sys/block/" + name + "/serial");
+        if (!serial.empty()) disks[serial] = "/dev/" + name;
+      }
+      ::closedir(d);
+    }
+    if (disks.size() >= want) return disks;
+    ::usleep(10000);
+  }
+  return Status(Code::kUnavailable, "only " + std::to_string(disks.size()) + " of " +
+                                        std::to_string(want) + " disks appeared");
+}
+
+// /dev/vportNpM of the port named kPortName.
+Result<std::string> findPort() {
+  for (int tries = 0; tries < 1000; ++tries) {
+    if (DIR* d = ::opendir("/sys/class/virtio-ports")) {
+      std::string found;
+      while (auto* e = ::readdir(d)) {
+        if (e->d_name[0] == '.') continue;
+        if (readSmall(std::string("/sys/class/virtio-ports/") + e->d_name + "/name") == kPortName) {
+          found = std::string("/dev/") + e->d_name;
+        }
+      }
+      ::closedir(d);
+      if (!found.empty()) return found;
+    }
+    ::usleep(10000);
+  }
+  return notFound(std::string("no virtio-serial port named ") + kPortName);
+}
+
+// Everything up to the switch into the sandbox's root.
+Status setupGuest(const std::map<std::string, std::string>& params) {
+  RETURN_IF_ERROR(loadModules());
+  int layers = 0;
+  if (auto it = params.find("layers"); it != params.end()) layers = std::atoi(it->second.c_str());
+  size_t want = 1;
+  std::vector<bool> hasData(size_t(layers), false);
+  if (auto it = params.find("data"); it != params.end()) {
+    // Which layers have a separate data blob: their indexes, comma separated.
+    size_t pos = 0;
+    const std::string& s = it->second;
+    while (pos < s.size()) {
+      size_t c = s.find(',', pos);
+      int i = std::atoi(s.substr(pos, c == std::string::npos ? std::string::npos : c - pos).c_str());
+      if (i >= 0 && i < layers) hasData[size_t(i)] = true;
+      pos = c == std::string::npos ? s.size() : c + 1;
+    }
+  }
+  for (int i = 0; i < layers; ++i) want += hasData[size_t(i)] ? 2 : 1;
+  ASSIGN_OR_RETURN(auto disks, findDisks(want));
+  std::string lower;
+  for (int i = 0; i < layers; ++i) {
+    std::string id = "l" + std::to_string(i);
+    auto meta = disks.find(id + "m");
+    if (meta == disks.end()) return notFound("no disk with serial " + id + "m");
+    std::string opts;
+    if (hasData[size_t(i)]) {
+      auto data = disks.find(id + "d");
+      if (data == disks.end()) return notFound("no disk with serial " + id + "d");
+      opts = "device=" + data->second;
+    }
+    std::string target = "/layers/" + std::to_string(i);
+    RETURN_IF_ERROR(mountOrFail(meta->second.c_str(), target, "erofs", MS_RDONLY, opts));
+    // overlayfs wants the top layer first.
+    lower = lower.empty() ? target : target + ":" + lower;
+  }
+  auto rw = disks.find("rw");
+  if (rw == disks.end()) return notFound("no disk with serial rw");
+  RETURN_IF_ERROR(mountOrFail(rw->second.c_str(), "/rw", "ext4", MS_NOATIME, ""));
+  ::mkdir("/rw/upper", 0755);
+  ::mkdir("/rw/work", 0755);
+  if (lower.empty()) {
+    // An image of no layers: an empty read-only lower.
+    ::mkdir("/layers/empty", 0755);
+    lower = "/layers/empty";
+  }
+  RETURN_IF_ERROR(mountOrFail("overlay", "/newroot", "overlay", 0,
+                              "lowerdir=" + lower + ",upperdir=/rw/upper,workdir=/rw/work"));
+  for (const char* d : {"/newroot/dev", "/newroot/proc", "/newroot/sys", "/newroot/tmp"}) {
+    ::mkdir(d, 0755);
+  }
+  if (::mount("/dev", "/newroot/dev", nullptr, MS_MOVE, nullptr) != 0) return sysError("move /dev");
+  if (::mount("/proc", "/newroot/proc", nullptr, MS_MOVE, nullptr) != 0) {
+    return sysError("move /proc");
+  }
+  if (::mount("/sys", "/newroot/sys", nullptr, MS_MOVE, nullptr) != 0) return sysError("move /sys");
+  // The initramfs is the root of the mount tree and cannot be pivoted away
+  // from; as switch_root does, move the new root over it and chroot. Its
+  // files stay (a few MB of RAM); the layer mounts under it stay in use.
+  if (::chdir("/newroot") != 0) return sysError("chdir /newroot");
+  if (::mount(".", "/", nullptr, MS_MOVE, nullptr) != 0) return sysError("move root");
+  if (::chroot(".") != 0) return sysError("chroot");
+  if (::chdir("/") != 0) return sysError("chdir /");
+  (void)mountOrFail("devpts", "/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC,
+                    "newinstance,ptmxmode=0666,mode=0620");
+  (void)mountOrFail("shm", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777");
+  if (auto it = params.find("hostname"); it != params.end()) {
+    ::sethostname(it->second.data(), it->second.size());
+  }
+  return Status::ok();
+}
+
+// Waits for the host to open the port and send its first frame (init on
+// stream 0): the guest speaks only once the host listens, since what the guest
+// writes while no host is connected is lost.
+Result<proto::Frame> awaitHostFrame(int port) {
+  proto::FrameDecoder decoder;
+  proto::Frame f;
+  char buf[4096];
+  while (!decoder.next(f)) {
+    struct pollfd p = {port, POLLIN, 0};
+    int rc = ::poll(&p, 1, 100);
+    if (rc < 0 && errno != EINTR) return sysError("poll port");
+    if (rc <= 0 || !(p.revents & POLLIN)) {
+      if (p.revents & POLLHUP) ::usleep(20000);  // no host connected yet
+      continue;
+    }
+    ssize_t n = ::read(port, buf, sizeof buf);
+    if (n < 0) {
+      if (errno == EINTR || errno == EAGAIN) continue;
+      return sysError("read port");
+    }
+    if (n == 0) {
+      decoder = proto::FrameDecoder{};  // the host went away mid-frame
+      ::usleep(20000);
+      continue;
+    }
+    RETURN_IF_ERROR(decoder.feed(buf, size_t(n)));
+  }
+  return f;
+}
+
+bool writeAll(int fd, const char* p, size_t n) {
+  while (n > 0) {
+    ssize_t w = ::write(fd, p, n);
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN) {
+        struct pollfd pf = {fd, POLLOUT, 0};
+        ::poll(&pf, 1, 100);
+        continue;
+      }
+      return false;
+    }
+    p += w;
+    n -= size_t(w);
+  }
+  return true;
+}
+
+// Copies bytes between the virtio-serial port and the agent's socket. The
+// port sees the host disconnect (POLLHUP, read 0): the relay then closes its
+// end of the socket, which the agent takes for the edge's death (edgeGone:
+// in-flight execs killed, a fresh socket pair, one end on kReattachFd). The
+// relay takes that end once the host is back, and the new edge's reattach
+// frame reaches the agent through it.
+[[noreturn]] void relayLoop(int port, UniqueFd sock) {
+  char buf[65536];
+  for (;;) {
+    if (!sock) {
+      // Wait for the agent's fresh end, then for a host to connect.
+      // A socket there is the agent's end for the next edge: fresh after an
+      // edge went, or the same one again if a host came and went without
+      // sending reattach (after a reattach the agent puts /dev/null back).
+      struct stat st;
+      if (::fstat(kReattachFd, &st) != 0 || !S_ISSOCK(st.st_mode)) {
+        ::usleep(20000);
+        continue;
+      }
+      int fd = ::fcntl(kReattachFd, F_DUPFD_CLOEXEC, 10);
+      if (fd < 0) {
+        ::usleep(20000);
+        continue;
+      }
+      sock.reset(fd);
+      say("the agent waits for a reattach; waiting for a host");
+      // Without a host the port polls POLLIN|POLLHUP (a read would return
+      // 0): a host is there once POLLHUP is gone.
+      struct pollfd p = {port, POLLIN, 0};
+      for (;;) {
+        p.revents = 0;
+        int rc = ::poll(&p, 1, 100);
+        if (rc > 0 && (p.revents & POLLIN) && !(p.revents & POLLHUP)) break;
+        if (rc > 0) ::usleep(20000);
+      }
+      say("a host connected");
+    }
+    struct pollfd p[2] = {{port, POLLIN, 0}, {sock.get(), POLLIN, 0}};
+    if (::poll(p, 2, -1) < 0) continue;
+    bool hostGone = false;
+    if (p[0].revents & (POLLIN | POLLHUP | POLLERR)) {
+      ssize_t n = ::read(port, buf, sizeof buf);
+      if (n > 0) {
+        if (!writeAll(sock.get(), buf, size_t(n))) hostGone = true;  // agent side broken
+      } else if (n == 0 || (errno != EINTR && errno != EAGAIN)) {
+        hostGone = true;
+      }
+    }
+    if (!hostGone && (p[1].revents & (POLLIN | POLLHUP | POLLERR))) {
+      ssize_t n = ::read(sock.get(), buf, sizeof buf);
+      if (n > 0) {
+        if (!writeAll(port, buf, size_t(n))) hostGone = true;
+      } else if (n == 0) {
+        ::_exit(0);  // the agent ended
+      }
+    }
+    if (hostGone) {
+      say("the host went away");
+      sock.reset();
+      // Drain nothing: a disconnected port reads 0 until a host is back.
+    }
+  }
+}
+
+[[noreturn]] void powerOff() {
+  ::sync();
+  ::reboot(RB_AUTOBOOT);  // QEMU runs with -no-reboot: the VM ends
+  for (;;) ::pause();
+}
+
+}  // namespace
+
+int guestMain() {
+  ::mount("devtmpfs", "/dev", "devtmpfs", MS_NOSUID, "mode=0755");
+  int console = ::open("/dev/console", O_RDWR);
+  if (console >= 0) {
+    for (int fd = 0; fd < 3; ++fd) ::dup2(console, fd);
+    if (console > 2) ::close(console);
+  }
+  int null = ::open("/dev/null", O_RDWR | O_CLOEXEC);
+  if (null < 0 || ::dup3(null, kReattachFd, O_CLOEXEC) < 0) {
+    say("cannot reserve the reattach descriptor");
+    powerOff();
+  }
+  ::close(null);
+  ::mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, nullptr);
+  ::mount("sysfs", "/sys", "sysfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, nullptr);
+  auto params = kernelParams();
+  // The port first: a failed set-up is reported over it.
+  Status setup = Status::ok();
+  int port = -1;
+  if (Status st = loadModules(); !st.isOk()) setup = st;
+  Result<std::string> portPath = findPort();
+  if (!portPath.isOk()) {
+    say(portPath.status().toString());
+    powerOff();
+  }
+  port = ::open(portPath->c_str(), O_RDWR | O_CLOEXEC | O_NONBLOCK);
+  if (port < 0) {
+    say("open " + *portPath + ": " + std::strerror(errno));
+    powerOff();
+  }
+  if (setup.isOk()) setup = setupGuest(params);
+  if (!setup.isOk()) say(setup.toString());
+  else say("root switched; waiting for the host");
+  Result<proto::Frame> first = awaitHostFrame(port);
+  if (!first.isOk()) {
+    say(first.status().toString());
+    powerOff();
+  }
+  if (setup.isOk() && (first->stream != 0 || first->type != proto::FrameType::kInit)) {
+    setup = invalidArg("type", "the first frame must be init on stream 0");
+  }
+  if (!setup.isOk()) {
+    std::string wire;
+    proto::appendFrame(wire, 0, proto::FrameType::kResult, errorJson(setup));
+    writeAll(port, wire.data(), wire.size());
+    ::sleep(1);
+    powerOff();
+  }
+  int sv[2];
+  if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) {
+    say("socketpair failed");
+    powerOff();
+  }
+  {
+    // The relay takes no signals: the agent's signalfd (SIGCHLD) needs them
+    // blocked in every thread, or a child's exit may go unnoticed.
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, &old);
+    std::thread([port, fd = sv[1]] { relayLoop(port, UniqueFd(fd)); }).detach();
+    pthread_sigmask(SIG_SETMASK, &old, nullptr);
+  }
+  AgentOptions options;
+  options.exec.drop_caps = true;
+  options.reattach_fd = kReattachFd;
+  options.exec.default_env = {"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+                              "HOME=/root"};
+  Agent agent(UniqueFd(sv[0]), std::move(options));
+  Status st = agent.start();
+  if (!st.isOk()) {
+    say("start: " + st.toString());
+    powerOff();
+  }
+  int rc = agent.run();
+  say("agent ended with " + std::to_string(rc));
+  powerOff();
+}
+
+}  // namespace dsec::aether

@@ -1,0 +1,717 @@
+#include "edge/backends/microvm/microvm_backend.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <linux/kvm.h>
+#include <poll.h>
+#include <sched.h>
+#include <signal.h>
+#include <sys/ioctl.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstring>
+#include <nlohmann/json.hpp>
+#include <utility>
+#include <vector>
+
+#include "common/log.h"
+#include "common/util.h"
+#include "edge/sandbox_state.h"
+
+namespace dsec::edge {
+
+using json = nlohmann::json;
+
+namespace {
+
+// QEMU's own memory beyond the guest's RAM (device model, TCG's translation
+// cache, which -accel tcg,tb-size bounds): added to the cgroup's limit so
+// that memory_mb is what the guest gets.
+constexpr int64_t kQemuOverheadBytes = 256ll << 20;
+constexpr int kTbSizeMb = 64;
+constexpr int64_t kMinGuestMemory = 128ll << 20;
+
+std::string which(const std::string& prog) {
+  if (prog.find('/') != std::string::npos) return ::access(prog.c_str(), X_OK) == 0 ? prog : "";
+  const char* path = ::getenv("PATH");
+  for (auto& dir : splitString(path ? path : "/usr/bin:/bin", ':')) {
+    std::string p = dir + "/" + prog;
+    if (::access(p.c_str(), X_OK) == 0) return p;
+  }
+  return "";
+}
+
+// Runs a real-mode guest of five bytes through /dev/kvm: `mov al, 0x42; out
+// 0x10, al; hlt`. Where KVM works the vCPU exits with that port write, then
+// the halt. Runs in a child process the caller bounds in time, since a broken
+// KVM may hang KVM_RUN. Exit code 0 means KVM works.
+int kvmProbeChild() {
+  int kvm = ::open("/dev/kvm", O_RDWR | O_CLOEXEC);
+  if (kvm < 0) return 10;
+  if (::ioctl(kvm, KVM_GET_API_VERSION, 0) != 12) return 11;
+  int vm = ::ioctl(kvm, KVM_CREATE_VM, 0);
+  if (vm < 0) return 12;
+  void* mem = ::mmap(nullptr, 0x1000, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  if (mem == MAP_FAILED) return 13;
+  const unsigned char code[] = {0xb0, 0x42, 0xe6, 0x10, 0xf4};
+  std::memcpy(mem, code, sizeof code);
+  struct kvm_userspace_memory_region region = {};
+  region.slot = 0;
+  region.guest_phys_addr = 0x1000;
+  region.memory_size = 0x1000;
+  region.userspace_addr = reinterpret_cast<uint64_t>(mem);
+  if (::ioctl(vm, KVM_SET_USER_MEMORY_REGION, &region) < 0) return 14;
+  int vcpu = ::ioctl(vm, KVM_CREATE_VCPU, 0);
+  if (vcpu < 0) return 15;
+  int runSize = ::ioctl(kvm, KVM_GET_VCPU_MMAP_SIZE, 0);
+  if (runSize <= 0) return 16;
+  auto* run = static_cast<struct kvm_run*>(
+      ::mmap(nullptr, size_t(runSize), PROT_READ | PROT_WRITE, MAP_SHARED, vcpu, 0));
+  if (run == MAP_FAILED) return 17;
+  struct kvm_sregs sregs;
+  if (::ioctl(vcpu, KVM_GET_SREGS, &sregs) < 0) return 18;
+  sregs.cs.base = 0;
+  sregs.cs.selector = 0;
+  if (::ioctl(vcpu, KVM_SET_SREGS, &sregs) < 0) return 19;
+  struct kvm_regs regs = {};
+  regs.rip = 0x1000;
+  regs.rax = 0;
+  regs.rflags = 0x2;
+  if (::ioctl(vcpu, KVM_SET_REGS, &regs) < 0) return 20;
+  bool sawOut = false;
+  for (int i = 0; i < 16; ++i) {
+    if (::ioctl(vcpu, KVM_RUN, 0) < 0) return 21;
+    if (run->exit_reason == KVM_EXIT_IO) {
+      auto* data = reinterpret_cast<unsigned char*>(run) + run->io.data_offset;
+      if (run->io.direction != KVM_EXIT_IO_OUT || run->io.port != 0x10 || *data != 0x42) return 22;
+      sawOut = true;
+      continue;
+    }
+    if (run->exit_reason == KVM_EXIT_HLT) return sawOut ? 0 : 23;
+    return 24;  // an emulation failure, shutdown, internal error...
+  }
+  return 25;
+}
+
+// "" when KVM ran the probe guest, else why not.
+std::string probeKvm() {
+  if (::access("/dev/kvm", R_OK | W_OK) != 0) return "no usable /dev/kvm";
+  pid_t pid = ::fork();
+  if (pid < 0) return std::string("fork: ") + std::strerror(errno);
+  if (pid == 0) ::_exit(kvmProbeChild());
+  int status = 0;
+  double deadline = monoSeconds() + 3;
+  for (;;) {
+    pid_t r = ::waitpid(pid, &status, WNOHANG);
+    if (r == pid) break;
+    if (monoSeconds() > deadline) {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, &status, 0);
+      return "/dev/kvm hung running a probe guest";
+    }
+    ::usleep(2000);
+  }
+  if (WIFEXITED(status) && WEXITSTATUS(status) == 0) return "";
+  int code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return "/dev/kvm could not run a real-mode probe guest (step " + std::to_string(code) +
+         "; paravirtual or nested KVM?)";
+}
+
+// A unix socket path may exceed sun_path; connect through the directory's fd.
+Result<UniqueFd> connectUnix(int dirFd, const std::string& name) {
+  UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (!fd) return sysError("socket");
+  struct sockaddr_un addr = {};
+  addr.sun_family = AF_UNIX;
+  std::string path = "/proc/self/fd/" + std::to_string(dirFd) + "/" + name;
+  std::snprintf(addr.sun_path, sizeof addr.sun_path, "%s", path.c_str());
+  if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+    return sysError("connect " + name);
+  }
+  return fd;
+}
+
+// One QMP command on a fresh connection (QEMU serves one client at a time).
+Result<json> qmp(const std::string& dir, const std::string& command) {
+  UniqueFd d(::open(dir.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
+  if (!d) return sysError("open " + dir);
+  ASSIGN_OR_RETURN(UniqueFd fd, connectUnix(d.get(), "qmp.sock"));
+  struct timeval tv = {5, 0};
+  ::setsockopt(fd.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  std::string buf;
+  auto nextMessage = [&]() -> Result<json> {
+    for (;;) {
+      size_t nl = buf.find('\n');
+      if (nl != std::string::npos) {
+        std::string line = buf.substr(0, nl);
+        buf.erase(0, nl + 1);
+        json j = json::parse(line, nullptr, false);
+        if (j.is_discarded()) return internalError("QMP: unparsable reply " + line);
+        if (j.contains("event")) continue;
+        return j;
+      }
+      char tmp[4096];
+      ssize_t n = ::read(fd.get(), tmp, sizeof tmp);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) return Status(Code::kUnavailable, "QMP: connection closed");
+      buf.append(tmp, size_t(n));
+    }
+  };
+  auto call = [&](const std::string& cmd) -> Result<json> {
+    std::string line = json{{"execute", cmd}}.dump() + "\n";
+    if (::write(fd.get(), line.data(), line.size()) != ssize_t(line.size())) {
+      return sysError("QMP write");
+    }
+    ASSIGN_OR_RETURN(json r, nextMessage());
+    if (r.contains("error")) {
+      return internalError("QMP " + cmd + ": " + r["error"].value("desc", r.dump()));
+    }
+    return r;
+  };
+  ASSIGN_OR_RETURN(json greeting, nextMessage());
+  (void)greeting;
+  RETURN_IF_ERROR(call("qmp_capabilities").status());
+  return call(command);
+}
+
+void killAndWait(int pidfd) {
+  if (pidfd < 0) return;
+  syscall(SYS_pidfd_send_signal, pidfd, SIGKILL, nullptr, 0);
+  siginfo_t info;
+  int rc;
+  while ((rc = waitid(idtype_t(P_PIDFD), id_t(pidfd), &info, WEXITED)) != 0 && errno == EINTR) {
+  }
+  if (rc != 0 && errno == ECHILD) {
+    // Not our child (adopted): the pidfd turns readable once it has exited.
+    struct pollfd p = {pidfd, POLLIN, 0};
+    while (::poll(&p, 1, -1) < 0 && errno == EINTR) {
+    }
+  }
+}
+
+bool exited(int pidfd) {
+  struct pollfd p = {pidfd, POLLIN, 0};
+  return ::poll(&p, 1, 0) == 1;
+}
+
+Status awaitHello(AgentConn& conn, double deadline, Code code, const std::string& what) {
+  for (;;) {
+    auto f = conn.control()->next(deadline);
+    if (!f.isOk()) return Status(code, what + ": " + f.status().message());
+    if (f->type == proto::FrameType::kHello) return Status::ok();
+    if (f->type == proto::FrameType::kResult) {
+      Status st = resultStatus(f->payload);
+      return st.isOk() ? internalError(what + ": unexpected result") : st;
+    }
+  }
+}
+
+std::string tail(const std::string& path, size_t max) {
+  auto text = readFile(path);
+  if (!text.isOk()) return "";
+  std::string s = *text;
+  if (s.size() > max) s = s.substr(s.size() - max);
+  while (!s.empty() && (s.back() == '\n' || s.back() == '\r')) s.pop_back();
+  return s;
+}
+
+class MicroVmInstance : public Instance {
+ public:
+  const std::string& id() const override { return id_; }
+  std::shared_ptr<AgentConn> agent() const override { return conn_; }
+  Result<CgroupStats> stats() const override { return cgroups_->stats(id_); }
+  Result<int64_t> oomKills() const override { return cgroups_->oomKills(id_); }
+  // The guest's vCPUs stop in QEMU (its clock too): QMP stop/cont.
+  Status freeze(bool frozen) override {
+    Status st = qmp(dir_, frozen ? "stop" : "cont").status();
+    if (!st.isOk()) st.withContext("pause " + id_);
+    return st;
+  }
+  // CPU and pids apply to QEMU's cgroup as given. Memory: the guest's RAM is
+  // fixed at boot; the cgroup keeps QEMU's overhead above the new value.
+  Status setLimits(const CgroupLimits& limits) override {
+    CgroupLimits l = limits;
+    if (l.memoryBytes > 0) l.memoryBytes += kQemuOverheadBytes;
+    return cgroups_->setLimits(id_, l);
+  }
+  std::string upperDir() const override { return ""; }
+  Result<UniqueFd> openNetns() const override {
+    return Status(Code::kFailedPrecondition, "a microvm has no network to plumb egress into");
+  }
+  pid_t initPid() const override { return pid_; }
+
+  std::string id_;
+  std::string dir_;
+  std::vector<std::string> layers_;
+  pid_t pid_ = -1;
+  UniqueFd pidfd_;
+  std::shared_ptr<AgentConn> conn_;
+  Cgroups* cgroups_ = nullptr;
+};
+
+std::vector<std::string> vmDirs(const std::string& root) {
+  std::vector<std::string> names;
+  if (DIR* d = ::opendir(root.c_str())) {
+    while (auto* e = ::readdir(d)) {
+      if (startsWith(e->d_name, "sb-")) names.emplace_back(e->d_name);
+    }
+    ::closedir(d);
+  }
+  return names;
+}
+
+Status runMkfs(const std::string& image) {
+  pid_t pid = ::fork();
+  if (pid < 0) return sysError("fork");
+  if (pid == 0) {
+    int null = ::open("/dev/null", O_RDWR);
+    ::dup2(null, 0);
+    ::dup2(null, 1);
+    ::execlp("mkfs.ext4", "mkfs.ext4", "-q", "-F", "-m", "0", "-E",
+             "nodiscard,lazy_itable_init=1,lazy_journal_init=1", image.c_str(), nullptr);
+    ::_exit(127);
+  }
+  int status = 0;
+  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+    return internalError("mkfs.ext4 " + image + " failed (status " + std::to_string(status) + ")");
+  }
+  return Status::ok();
+}
+
+}  // namespace
+
+MicroVmProbe probeMicroVm(const MicroVmOptions& opts) {
+  MicroVmProbe p;
+  p.qemu = which(opts.qemuPath);
+  if (p.qemu.empty()) {
+    p.reason = opts.qemuPath + " not found (install qemu-system-x86: scripts/install-deps.sh)";
+    return p;
+  }
+  for (const char* f : {"/vmlinux", "/initramfs.cpio"}) {
+    if (::access((opts.guestDir + f).c_str(), R_OK) != 0) {
+      p.reason = "no guest kernel/initramfs at " + opts.guestDir + f +
+                 " (install linux-image-cloud-amd64 and rebuild: the microvm-guest target)";
+      return p;
+    }
+  }
+  if (opts.accel == "tcg") {
+    p.accelerator = "tcg";
+    p.reason = "TCG as configured";
+  } else {
+    std::string why = probeKvm();
+    if (why.empty()) {
+      p.accelerator = "kvm";
+      p.reason = "KVM ran a probe guest";
+    } else if (opts.accel == "kvm") {
+      p.reason = "KVM required but unusable: " + why;
+      return p;
+    } else {
+      p.accelerator = "tcg";
+      p.reason = "TCG emulation: " + why;
+    }
+  }
+  p.available = true;
+  return p;
+}
+
+struct MicroVmBackend::Boot {
+  MicroVmInstance* inst;
+  std::vector<std::pair<std::string, LayerFiles>> files;  // bottom layer first
+  std::string consoleLog;
+};
+
+Result<std::unique_ptr<MicroVmBackend>> MicroVmBackend::make(MicroVmOptions opts,
+                                                              MicroVmProbe probe,
+                                                              Cgroups* cgroups,
+                                                              LayerCache* layers,
+                                                              Reactor* reactor,
+                                                              const std::set<std::string>& keep) {
+  if (!probe.available) return Status(Code::kFailedPrecondition, probe.reason);
+  std::unique_ptr<MicroVmBackend> b(new MicroVmBackend(opts, probe, cgroups, layers, reactor));
+  RETURN_IF_ERROR(makeDirs(opts.vmRoot, 0700));
+  RETURN_IF_ERROR(makeDirs(opts.logDir, 0700));
+  for (auto& id : vmDirs(opts.vmRoot)) {
+    if (keep.count(id)) continue;
+    b->removeOrphan(id);
+    b->orphans_.insert(id);
+  }
+  b->cleaner_ = std::thread([raw = b.get()] { raw->cleanerLoop(); });
+  return b;
+}
+
+Status MicroVmBackend::bootOnce(const SandboxSpec& spec, Boot& b, bool* hung) {
+  *hung = false;
+  MicroVmInstance& inst = *b.inst;
+  const std::string& dir = inst.dir_;
+  // argv, all of it made before fork.
+  int vcpus = std::max(1, int(std::ceil(spec.cpu - 1e-9)));
+  std::string accel = probe_.accelerator == "kvm"
+                          ? "kvm"
+                          : "tcg,tb-size=" + std::to_string(kTbSizeMb);
+  std::string dataIdx;
+  for (size_t i = 0; i < b.files.size(); ++i) {
+    if (b.files[i].second.data.empty()) continue;
+    dataIdx += (dataIdx.empty() ? "" : ",") + std::to_string(i);
+  }
+  std::string append = "console=ttyS0 reboot=t panic=-1 quiet loglevel=4 dsec.hostname=" + spec.id +
+                       " dsec.layers=" + std::to_string(b.files.size());
+  if (!dataIdx.empty()) append += " dsec.data=" + dataIdx;
+  // Under TCG there is no PIT/HPET to calibrate the TSC against (microvm has
+  // neither) and the boot stalls: give the kernel a frequency instead.
+  if (probe_.accelerator != "kvm") append += " tsc_early_khz=2000000";
+  std::vector<std::string> args = {
+      probe_.qemu, "-name", spec.id, "-M",
+      "microvm,x-option-roms=off,isa-serial=on,rtc=on",
+      "-accel", accel, "-cpu", probe_.accelerator == "kvm" ? "host" : "max",
+      "-smp", std::to_string(vcpus), "-m", std::to_string(spec.memoryBytes >> 20),
+      "-nodefaults", "-no-user-config", "-nographic", "-no-reboot",
+      "-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
+      "-kernel", opts_.guestDir + "/vmlinux", "-initrd", opts_.guestDir + "/initramfs.cpio",
+      "-append", append, "-serial", "file:console.log",
+      "-qmp", "unix:qmp.sock,server=on,wait=off",
+      "-chardev", "socket,id=agent,path=agent.sock,server=on,wait=off",
+      "-device", "virtio-serial-device",
+      "-device", "virtserialport,chardev=agent,name=dsec.agent"};
+  auto disk = [&](const std::string& id, const std::string& file, bool ro) {
+    args.push_back("-drive");
+    args.push_back("id=" + id + ",file=" + file + ",format=raw,if=none,cache=" +
+                   (ro ? "none,readonly=on" : "writeback"));
+    args.push_back("-device");
+    args.push_back("virtio-blk-device,drive=" + id + ",serial=" + id);
+  };
+  for (size_t i = 0; i < b.files.size(); ++i) {
+    std::string l = "l" + std::to_string(i);
+    disk(l + "m", b.files[i].second.meta, true);
+    if (!b.files[i].second.data.empty()) disk(l + "d", b.files[i].second.data, true);
+  }
+  disk("rw", "disk.img", false);
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  for (const char* f : {"/agent.sock", "/qmp.sock", "/console.log"}) ::unlink((dir + f).c_str());
+
+  UniqueFd logFd(::open((dir + "/qemu.log").c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
+  if (!logFd) return sysError("open qemu.log");
+  int go[2];
+  if (::pipe2(go, O_CLOEXEC) != 0) return sysError("pipe");
+  UniqueFd goRd(go[0]), goWr(go[1]);
+  pid_t pid = ::fork();
+  if (pid < 0) return sysError("fork");
+  if (pid == 0) {
+    // Only async-signal-safe calls from here on: the edge has threads.
+    ::setsid();
+    int null = ::open("/dev/null", O_RDWR);
+    if (null < 0 || ::dup2(null, 0) < 0 || ::dup2(logFd.get(), 1) < 0 ||
+        ::dup2(logFd.get(), 2) < 0) {
+      ::_exit(120);
+    }
+    // No host network (a fresh, empty netns), nor the host's IPC or hostname;
+    // mounts it makes stay its own.
+    if (::unshare(CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS) != 0) ::_exit(121);
+    char c;
+    if (::read(goRd.get(), &c, 1) != 1) ::_exit(122);  // in its cgroup by now
+    if (::chdir(dir.c_str()) != 0) ::_exit(123);
+    if (syscall(SYS_close_range, 3, ~0U, 0) != 0) ::_exit(124);
+    ::execv(argv[0], argv.data());
+    ::_exit(125);
+  }
+  goRd.reset();
+  logFd.reset();
+  int pidfd = int(syscall(SYS_pidfd_open, pid, 0));
+  if (pidfd < 0) {
+    ::kill(pid, SIGKILL);
+    ::waitpid(pid, nullptr, 0);
+    return sysError("pidfd_open");
+  }
+  inst.pid_ = pid;
+  inst.pidfd_.reset(pidfd);
+  auto abandon = [&](Status st) -> Status {
+    if (inst.conn_) {
+      reactor_->remove(inst.conn_);
+      inst.conn_.reset();
+    }
+    killAndWait(inst.pidfd_.get());
+    inst.pidfd_.reset();
+    inst.pid_ = -1;
+    return st;
+  };
+  if (Status st = cgroups_->attach(spec.id, pid); !st.isOk()) return abandon(st);
+  if (::write(goWr.get(), "g", 1) != 1) return abandon(sysError("write go pipe"));
+  goWr.reset();
+
+  double deadline = monoSeconds() + opts_.bootTimeoutS;
+  auto qemuFailed = [&]() {
+    std::string why = tail(dir + "/qemu.log", 600);
+    return Status(Code::kInternal, "QEMU exited: " + (why.empty() ? "(no output)" : why) +
+                                       " (console log: " + b.consoleLog + ")");
+  };
+  // QEMU makes the agent socket as it starts.
+  UniqueFd dirFd(::open(dir.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
+  if (!dirFd) return abandon(sysError("open " + dir));
+  UniqueFd sock;
+  for (;;) {
+    auto s = connectUnix(dirFd.get(), "agent.sock");
+    if (s.isOk()) {
+      sock = std::move(*s);
+      break;
+    }
+    if (exited(inst.pidfd_.get())) return abandon(qemuFailed());
+    if (monoSeconds() > deadline) {
+      *hung = true;
+      return abandon(Status(Code::kUnavailable, "QEMU did not open the agent socket"));
+    }
+    ::usleep(5000);
+  }
+  inst.conn_ = std::make_shared<AgentConn>(std::move(sock), "vm-" + spec.id);
+  if (Status st = reactor_->add(inst.conn_); !st.isOk()) {
+    inst.conn_.reset();
+    return abandon(st);
+  }
+  // The guest speaks only once it has this (guest_init.cc); QEMU holds it
+  // until the guest opens its port.
+  if (Status st = inst.conn_->send(0, proto::FrameType::kInit, "{}"); !st.isOk()) {
+    return abandon(st);
+  }
+  // Wait for the hello, and notice a QEMU that died meanwhile.
+  for (;;) {
+    double step = std::min(deadline, monoSeconds() + 0.5);
+    Status st = awaitHello(*inst.conn_, step, Code::kUnavailable, "no hello");
+    if (st.isOk()) return Status::ok();
+    if (exited(inst.pidfd_.get())) return abandon(qemuFailed());
+    if (st.code() != Code::kUnavailable) {
+      return abandon(st.withContext("guest start-up (console log: " + b.consoleLog + ")"));
+    }
+    if (monoSeconds() >= deadline) {
+      *hung = true;
+      return abandon(st);
+    }
+  }
+}
+
+Result<std::unique_ptr<Instance>> MicroVmBackend::create(const SandboxSpec& spec,
+                                                         std::function<void()> onDeath) {
+  if (spec.memoryBytes < kMinGuestMemory) {
+    return invalidArg("memory_mb", "a microvm needs memory_mb >= " +
+                                       std::to_string(kMinGuestMemory >> 20));
+  }
+  if (spec.diskBytes <= 0) return invalidArg("disk_mb", "disk_mb must be positive");
+  Laps laps;
+  auto inst = std::make_unique<MicroVmInstance>();
+  inst->id_ = spec.id;
+  inst->cgroups_ = cgroups_;
+  inst->dir_ = opts_.vmRoot + "/" + spec.id;
+  bool cgroupMade = false;
+  Boot b{inst.get(), {}, opts_.logDir + "/" + spec.id + ".console.log"};
+  auto fail = [&](Status st) -> Status {
+    if (inst->conn_) reactor_->remove(inst->conn_);
+    killAndWait(inst->pidfd_.get());
+    if (cgroupMade) (void)cgroups_->remove(spec.id);
+    for (auto& d : inst->layers_) layers_->release(d);
+    // The console log is kept for diagnosis; the rest goes.
+    ::rename((inst->dir_ + "/console.log").c_str(), b.consoleLog.c_str());
+    (void)removeTree(inst->dir_);
+    return st.withContext("create " + spec.id);
+  };
+  if (::mkdir(inst->dir_.c_str(), 0700) != 0) return fail(sysError("mkdir " + inst->dir_));
+  // The writable disk: sparse, disk_mb, ext4 (the guest's upper layer).
+  {
+    std::string img = inst->dir_ + "/disk.img";
+    UniqueFd fd(::open(img.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
+    if (!fd) return fail(sysError("create " + img));
+    if (::ftruncate(fd.get(), spec.diskBytes) != 0) return fail(sysError("truncate " + img));
+    fd.reset();
+    if (Status st = runMkfs(img); !st.isOk()) return fail(st);
+  }
+  laps.lap("disk");
+  for (auto& d : spec.layers) {
+    auto m = layers_->acquireMount(d);
+    if (!m.isOk()) return fail(std::move(m).takeStatus());
+    inst->layers_.push_back(d);
+    b.files.push_back({d, m->files});
+  }
+  laps.lap("layers");
+  CgroupLimits limits{spec.cpu, spec.memoryBytes + kQemuOverheadBytes, spec.pids};
+  if (Status st = cgroups_->create(spec.id, limits); !st.isOk()) return fail(st);
+  cgroupMade = true;
+  // A guest that hangs at boot (it happens under TCG) is killed and booted
+  // once more.
+  bool hung = false;
+  Status st = bootOnce(spec, b, &hung);
+  if (!st.isOk() && hung) {
+    log::warn("microvm " + spec.id + " hung at boot, retrying: " + st.toString() + "; console: " +
+              tail(inst->dir_ + "/console.log", 300));
+    st = bootOnce(spec, b, &hung);
+  }
+  if (!st.isOk()) {
+    if (hung) {
+      char secs[32];
+      std::snprintf(secs, sizeof secs, "%.0f", opts_.bootTimeoutS);
+      st = Status(Code::kUnavailable, std::string("the microvm did not boot within ") + secs +
+                                          " s, twice (" + st.message() +
+                                          "; console log: " + b.consoleLog + ")");
+    }
+    return fail(st);
+  }
+  laps.lap("boot");
+  // Recorded for a restarted edge's cleanup of orphans.
+  if (Status w = writeFileAtomic(inst->dir_ + "/qemu.pid", std::to_string(inst->pid_) + "\n");
+      !w.isOk()) {
+    return fail(w);
+  }
+  if (Status w = reactor_->watchExit(inst->pidfd_.get(), std::move(onDeath)); !w.isOk()) {
+    return fail(w);
+  }
+  log::info("microvm " + spec.id + " booted (" + probe_.accelerator + ") ms: " + laps.str());
+  return std::unique_ptr<Instance>(std::move(inst));
+}
+
+Result<std::unique_ptr<Instance>> MicroVmBackend::adopt(const SandboxState& state,
+                                                        std::function<void()> onDeath) {
+  auto inst = std::make_unique<MicroVmInstance>();
+  inst->id_ = state.spec.id;
+  inst->cgroups_ = cgroups_;
+  inst->dir_ = opts_.vmRoot + "/" + state.spec.id;
+  inst->pid_ = state.pid;
+  auto fail = [&](Status st) -> Status {
+    if (inst->conn_) reactor_->remove(inst->conn_);
+    for (auto& d : inst->layers_) layers_->release(d);
+    return st.withContext("adopt " + state.spec.id);
+  };
+  int pidfd = int(syscall(SYS_pidfd_open, state.pid, 0));
+  if (pidfd < 0) return fail(sysError("pidfd_open"));
+  inst->pidfd_.reset(pidfd);
+  auto started = processStartTime(state.pid);
+  if (!started.isOk() || *started != state.startTime) {
+    return fail(Status(Code::kNotFound, "its QEMU is gone"));
+  }
+  // A paused guest cannot answer the reattach.
+  if (state.paused) {
+    if (auto r = qmp(inst->dir_, "cont"); !r.isOk()) return fail(r.status());
+  }
+  UniqueFd dirFd(::open(inst->dir_.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
+  if (!dirFd) return fail(sysError("open " + inst->dir_));
+  ASSIGN_OR_RETURN(UniqueFd sock, connectUnix(dirFd.get(), "agent.sock"));
+  inst->conn_ = std::make_shared<AgentConn>(std::move(sock), "vm-" + state.spec.id);
+  if (Status st = reactor_->add(inst->conn_); !st.isOk()) {
+    inst->conn_.reset();
+    return fail(st);
+  }
+  // The guest's relay noticed the old edge go (the port's host side closed)
+  // and passes this on to its agent, which answers with a hello.
+  if (Status st = inst->conn_->send(0, proto::FrameType::kReattach, "{}"); !st.isOk()) {
+    return fail(st);
+  }
+  if (Status st = awaitHello(*inst->conn_, monoSeconds() + 30, Code::kUnavailable,
+                             "its guest agent did not answer");
+      !st.isOk()) {
+    return fail(st);
+  }
+  if (state.paused) {
+    if (auto r = qmp(inst->dir_, "stop"); !r.isOk()) return fail(r.status());
+  }
+  for (auto& d : state.spec.layers) {
+    if (auto m = layers_->acquire(d); m.isOk()) {
+      inst->layers_.push_back(d);
+    } else {
+      log::warn("adopt " + state.spec.id + ": layer " + d + ": " + m.status().toString());
+    }
+  }
+  if (Status st = reactor_->watchExit(inst->pidfd_.get(), std::move(onDeath)); !st.isOk()) {
+    return fail(st);
+  }
+  return std::unique_ptr<Instance>(std::move(inst));
+}
+
+Status MicroVmBackend::destroy(Instance& base) {
+  auto& inst = static_cast<MicroVmInstance&>(base);
+  reactor_->unwatchExit(inst.pidfd_.get());
+  if (inst.conn_) {
+    reactor_->remove(inst.conn_);
+    inst.conn_->fail(Status(Code::kUnavailable, "sandbox destroyed"));
+  }
+  if (inst.pidfd_) syscall(SYS_pidfd_send_signal, inst.pidfd_.get(), SIGKILL, nullptr, 0);
+  for (auto& d : inst.layers_) layers_->release(d);
+  inst.layers_.clear();
+  {
+    std::lock_guard lk(cleanMu_);
+    cleanQueue_.push_back(Corpse{inst.id_, std::move(inst.pidfd_)});
+  }
+  cleanCv_.notify_one();
+  return Status::ok();
+}
+
+void MicroVmBackend::cleanerLoop() {
+  std::unique_lock lk(cleanMu_);
+  for (;;) {
+    cleanCv_.wait(lk, [&] { return stopCleaner_ || !cleanQueue_.empty(); });
+    if (cleanQueue_.empty()) return;
+    Corpse c = std::move(cleanQueue_.front());
+    cleanQueue_.pop_front();
+    cleaning_ = true;
+    lk.unlock();
+    killAndWait(c.pidfd.get());
+    c.pidfd.reset();
+    if (Status st = cgroups_->remove(c.id); !st.isOk()) {
+      log::error("cleanup " + c.id + ": " + st.toString());
+    }
+    if (Status st = removeTree(opts_.vmRoot + "/" + c.id); !st.isOk()) {
+      log::error("cleanup " + c.id + ": " + st.toString());
+    }
+    lk.lock();
+    cleaning_ = false;
+    cleanCv_.notify_all();
+  }
+}
+
+void MicroVmBackend::shutdown(bool) {
+  // Running VMs are destroyed by the Edge before this (or, with live
+  // restore, left running for the next edge): wait for the cleaner only.
+  std::unique_lock lk(cleanMu_);
+  cleanCv_.wait(lk, [&] { return cleanQueue_.empty() && !cleaning_; });
+}
+
+MicroVmBackend::~MicroVmBackend() {
+  shutdown();
+  {
+    std::lock_guard lk(cleanMu_);
+    stopCleaner_ = true;
+  }
+  cleanCv_.notify_all();
+  if (cleaner_.joinable()) cleaner_.join();
+}
+
+void MicroVmBackend::removeOrphan(const std::string& id) {
+  std::string dir = opts_.vmRoot + "/" + id;
+  // Its cgroup holds its QEMU: removing it kills that. A QEMU outside it (it
+  // died before being attached, or the cgroup is gone) by its recorded pid.
+  if (Status st = cgroups_->remove(id); !st.isOk()) log::error("orphan " + id + ": " + st.toString());
+  if (auto pid = readFile(dir + "/qemu.pid"); pid.isOk()) {
+    pid_t p = pid_t(std::atoi(pid->c_str()));
+    int fd = p > 0 ? int(syscall(SYS_pidfd_open, p, 0)) : -1;
+    if (fd >= 0) {
+      // Only if it still is a QEMU of this VM directory.
+      auto cwd = std::string(PATH_MAX, '\0');
+      ssize_t n = ::readlink(("/proc/" + std::to_string(p) + "/cwd").c_str(), cwd.data(), cwd.size());
+      if (n > 0 && cwd.substr(0, size_t(n)) == dir) {
+        syscall(SYS_pidfd_send_signal, fd, SIGKILL, nullptr, 0);
+        struct pollfd pf = {fd, POLLIN, 0};
+        ::poll(&pf, 1, 5000);
+      }
+      ::close(fd);
+    }
+  }
+  if (Status st = removeTree(dir); !st.isOk()) log::error("orphan " + id + ": " + st.toString());
+}
+
+int MicroVmBackend::cleanupOrphans() { return int(std::exchange(orphans_, {}).size()); }
+
+}  // namespace dsec::edge

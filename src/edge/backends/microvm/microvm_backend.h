@@ -1,0 +1,106 @@
+// The microvm backend (docs/microvm.md): each sandbox is a QEMU `-M microvm`
+// guest booting the node's guest kernel and the project's initramfs, whose
+// init is dsec-aether. The image's EROFS layers are read-only virtio-blk
+// disks straight from the node's layer cache (on-demand loading reaches the
+// guest's reads), the writes land on an ext4 disk of disk_mb, and the agent
+// protocol runs over a virtio-serial port that QEMU exposes as a unix socket.
+//
+// QEMU runs in the sandbox's cgroup (so limits, stats and OOM counts work as
+// for containers), in its own mount, network, IPC and UTS namespaces (no host
+// network at all), under `-sandbox on` (seccomp), with -nodefaults.
+#pragma once
+
+#include <sys/types.h>
+
+#include <condition_variable>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <thread>
+
+#include "common/fd.h"
+#include "edge/backend.h"
+#include "edge/image/layer_cache.h"
+
+namespace dsec::edge {
+
+struct MicroVmOptions {
+  std::string qemuPath = "qemu-system-x86_64";  // looked up in PATH unless absolute
+  std::string guestDir;   // vmlinux + initramfs.cpio (scripts/microvm-guest.py)
+  std::string vmRoot;     // node-local: one directory per VM (disk, sockets, logs)
+  std::string logDir;     // console logs of VMs that failed to boot, kept
+  double bootTimeoutS = 120;  // kernel start to the agent's hello (TCG is slow)
+  std::string accel = "auto";  // "auto" (probe KVM, else TCG), "kvm" or "tcg"
+};
+
+// What start-up found: whether microvms can run here, on which accelerator,
+// and why not (or how the accelerator was chosen).
+struct MicroVmProbe {
+  bool available = false;
+  std::string accelerator;  // "kvm" or "tcg"
+  std::string reason;
+  std::string qemu;         // resolved binary
+};
+
+// Looks for QEMU and the guest files and probes KVM for real: a tiny guest
+// run through /dev/kvm (in a child process, bounded in time) must execute and
+// report back, else the backend uses TCG.
+MicroVmProbe probeMicroVm(const MicroVmOptions& opts);
+
+class MicroVmBackend : public Backend {
+ public:
+  // probe must say available. The VMs in `keep` are being re-adopted; other
+  // VM directories under vmRoot are orphans (their QEMU killed, removed).
+  static Result<std::unique_ptr<MicroVmBackend>> make(MicroVmOptions opts, MicroVmProbe probe,
+                                                      Cgroups* cgroups, LayerCache* layers,
+                                                      Reactor* reactor,
+                                                      const std::set<std::string>& keep = {});
+  ~MicroVmBackend() override;
+
+  std::string name() const override { return "microvm"; }
+  Result<std::unique_ptr<Instance>> create(const SandboxSpec& spec,
+                                           std::function<void()> onDeath) override;
+  Result<std::unique_ptr<Instance>> adopt(const SandboxState& state,
+                                          std::function<void()> onDeath) override;
+  Status destroy(Instance& inst) override;
+  void removeOrphan(const std::string& id) override;
+  int cleanupOrphans() override;
+  void shutdown(bool keepSandboxes = false) override;
+  const MicroVmProbe& probe() const { return probe_; }
+
+ private:
+  MicroVmBackend(MicroVmOptions opts, MicroVmProbe probe, Cgroups* cgroups, LayerCache* layers,
+                 Reactor* reactor)
+      : opts_(std::move(opts)),
+        probe_(std::move(probe)),
+        cgroups_(cgroups),
+        layers_(layers),
+        reactor_(reactor) {}
+  struct Boot;
+  // One boot attempt; on error everything it started is gone again, and
+  // `hung` says whether the guest simply never answered (worth a retry).
+  Status bootOnce(const SandboxSpec& spec, Boot& b, bool* hung);
+  void cleanerLoop();
+
+  const MicroVmOptions opts_;
+  const MicroVmProbe probe_;
+  Cgroups* cgroups_;    // not owned
+  LayerCache* layers_;  // not owned
+  Reactor* reactor_;    // not owned
+  std::set<std::string> orphans_;
+
+  struct Corpse {
+    std::string id;
+    UniqueFd pidfd;
+  };
+  std::mutex cleanMu_;  // guards cleanQueue_, cleaning_, stopCleaner_
+  std::condition_variable cleanCv_;
+  std::deque<Corpse> cleanQueue_;
+  bool cleaning_ = false;
+  bool stopCleaner_ = false;
+  std::thread cleaner_;
+};
+
+}  // namespace dsec::edge

@@ -1,0 +1,281 @@
+"""backend="microvm" (issue 8, docs/microvm.md): each sandbox is a QEMU
+microvm booting the node's guest kernel and the project's initramfs (init:
+dsec-aether), with the image's EROFS layers as read-only disks. exec, files,
+pause/resume, resources, a boot failure's diagnostics, re-adoption after an
+edge crash and cleanup are checked against real QEMU (TCG where the host has
+no usable KVM, hence generous timeouts and no timing assertions).
+
+One server for the whole module and few VMs keep the run short. Skips with
+the reason printed when QEMU or the guest kernel is missing."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+import dsec
+from conftest import Server, _check_prerequisites, unavailable
+from helpers import edge_cgroup, sandbox_cgroup_dirs, wait_until
+
+BUSYBOX_TAR = Path(os.environ.get("DSEC_IMAGE_CACHE", "/var/cache/dsec/test-images")) / "busybox.tar"
+BOOT_S = 300  # create (boot) deadline for the client: TCG on a loaded host is slow
+
+
+def _qemu_pids(data_dir: Path) -> set:
+    """QEMU processes whose working directory is under this server's VM root."""
+    root = str(data_dir / "edge" / "microvm")
+    found = set()
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            if "qemu-system" in (p / "comm").read_text() or \
+                    os.readlink(p / "exe").endswith("qemu-system-x86_64"):
+                if os.readlink(p / "cwd").startswith(root):
+                    found.add(int(p.name))
+        except OSError:
+            pass
+    return found
+
+
+def _vm_dirs(data_dir: Path) -> set:
+    root = data_dir / "edge" / "microvm"
+    return {p.name for p in root.iterdir()} if root.is_dir() else set()
+
+
+def _start(s: Server):
+    s.start()
+    s.client = dsec.Client.from_data_dir(str(s.data_dir), timeout=BOOT_S)
+
+
+@pytest.fixture(scope="module")
+def vmserver(tmp_path_factory):
+    _check_prerequisites()
+    if shutil.which("qemu-system-x86_64") is None:
+        unavailable("qemu-system-x86_64 not installed (scripts/install-deps.sh)")
+    s = Server(tmp_path_factory.mktemp("microvm") / "data")
+    s.data_dir.mkdir()
+    _start(s)
+    status, _, _, node = s.raw("GET", "/v1/node")
+    vm = node["backends"]["microvm"]
+    if not vm["available"]:
+        s.stop()
+        unavailable(f"microvm backend unavailable here: {vm['reason']}")
+    s.import_image("busybox:latest", BUSYBOX_TAR)
+    yield s
+    if s.proc.poll() is None:
+        assert s.stop() == 0, s.log_tail()
+    # nothing of any VM is left behind
+    assert not _qemu_pids(s.data_dir), _qemu_pids(s.data_dir)
+    assert not _vm_dirs(s.data_dir), _vm_dirs(s.data_dir)
+
+
+@pytest.fixture(scope="module")
+def vm(vmserver):
+    sb = vmserver.client.create("busybox:latest", backend="microvm", cpu=2, memory_mb=256,
+                                disk_mb=64)
+    yield sb
+    # the server may have been restarted meanwhile (new port, new client)
+    vmserver.client.get(sb.id).destroy()
+
+
+def test_node_reports_the_backend_and_its_accelerator(vmserver):
+    status, _, _, node = vmserver.raw("GET", "/v1/node")
+    assert status == 200
+    vm = node["backends"]["microvm"]
+    assert vm["available"] is True
+    assert vm["accelerator"] in ("kvm", "tcg"), vm
+    assert vm["reason"], vm
+    print(f"microvm accelerator: {vm['accelerator']} ({vm['reason']})")
+
+
+def test_exec_files_and_isolation_in_the_guest(vmserver, vm):
+    assert vm.info["backend"] == "microvm"
+    r = vm.exec("hostname; uname -r; cat /proc/1/comm; echo err >&2; exit 3")
+    lines = r.stdout.splitlines()
+    assert lines[0] == vm.id and "cloud-amd64" in lines[1] and lines[2] == "dsec-aether", r.stdout
+    assert r.stderr == "err\n" and r.exit_code == 3
+    # a kernel of its own: not the host's
+    assert lines[1] != os.uname().release
+    vm.write_file("/root/hello.txt", b"from the host\n")
+    assert vm.read_file("/root/hello.txt") == b"from the host\n"
+    assert vm.exec("cat /root/hello.txt; ls /bin/busybox").exit_code == 0
+    big = os.urandom(3 << 20)
+    vm.write_file("/tmp/big", big)
+    assert vm.read_file("/tmp/big") == big
+    # the root is an overlay of the image's read-only layers and the writable disk
+    mounts = vm.exec("cat /proc/mounts").stdout
+    assert "overlay / overlay" in mounts, mounts
+    # no network device but loopback
+    links = vm.exec("ls /sys/class/net").stdout.split()
+    assert links in ([], ["lo"]), links
+
+
+def test_resources_match_the_request(vm):
+    assert vm.exec("nproc").stdout.strip() == "2"
+    kb = int(vm.exec("awk '/MemTotal/ {print $2}' /proc/meminfo").stdout)
+    # 256 MiB of RAM minus what the kernel reserves for itself
+    assert 160 * 1024 < kb <= 256 * 1024, kb
+    # disk_mb bounds the writable disk
+    r = vm.exec("dd if=/dev/zero of=/fill bs=1M count=100 2>&1; sync")
+    assert r.exit_code != 0 or "No space" in r.stdout, r.stdout
+    vm.exec("rm -f /fill")
+
+
+def test_pause_and_resume(vm):
+    vm.exec("echo before > /root/p")
+    assert vm.pause().state == "paused"
+    assert vm.resume().state == "running"
+    assert vm.exec("cat /root/p").stdout == "before\n"
+
+
+def test_pack_diff_and_egress_are_refused_clearly(vmserver, vm):
+    status, _, _, doc = vmserver.raw("POST", f"/v1/sandboxes/{vm.id}/pack_diff",
+                                     {"name": "vmsnap"}, timeout=60)
+    assert status == 409, doc
+    assert "microvm" in doc["error"]["message"], doc
+
+
+def test_unknown_backend_is_a_400_naming_the_field(vmserver):
+    status, _, _, doc = vmserver.raw("POST", "/v1/sandboxes",
+                                     {"image": "busybox:latest", "backend": "firecracker"})
+    assert status == 400, doc
+    assert doc["error"]["field"] == "backend", doc
+
+
+def test_too_little_memory_is_refused(vmserver):
+    status, _, _, doc = vmserver.raw("POST", "/v1/sandboxes",
+                                     {"image": "busybox:latest", "backend": "microvm",
+                                      "memory_mb": 64})
+    assert status == 400, doc
+    assert doc["error"]["field"] == "memory_mb", doc
+
+
+def test_edge_restart_readopts_the_vm(vmserver, vm):
+    s = vmserver
+    vm.exec("echo kept > /root/kept")
+    pids = _qemu_pids(s.data_dir)
+    assert pids
+    os.kill(s.proc.pid, signal.SIGKILL)
+    s.proc.wait(10)
+    s._log.close()
+    (s.data_dir / "up.json").unlink()
+    assert pids <= _qemu_pids(s.data_dir), "QEMU died with the edge"
+    _start(s)
+    again = s.client.get(vm.id)
+    assert again.state == "running", again.info
+    assert again.exec("cat /root/kept; hostname").stdout == f"kept\n{vm.id}\n"
+    assert _qemu_pids(s.data_dir) == pids
+
+
+def test_destroy_leaves_nothing(vmserver):
+    s = vmserver
+    before = _qemu_pids(s.data_dir)
+    sb = s.client.create("busybox:latest", backend="microvm", memory_mb=128, disk_mb=32)
+    assert sb.exec("echo up").stdout == "up\n"
+    mine = _qemu_pids(s.data_dir) - before
+    assert len(mine) == 1
+    sb.destroy()
+    assert wait_until(lambda: not (_qemu_pids(s.data_dir) & mine), 30)
+    assert wait_until(lambda: sb.id not in _vm_dirs(s.data_dir), 30)
+    assert wait_until(lambda: sb.id not in {os.path.basename(p) for p in
+                                            sandbox_cgroup_dirs(edge_cgroup(s.data_dir))}, 30)
+
+
+def test_boot_failure_is_clear_and_keeps_the_console_log(tmp_path_factory):
+    """A guest kernel QEMU cannot boot: the create fails with QEMU's reason and
+    the console log's path, and leaves no VM behind."""
+    _check_prerequisites()
+    if shutil.which("qemu-system-x86_64") is None:
+        unavailable("qemu-system-x86_64 not installed (scripts/install-deps.sh)")
+    from conftest import aether_bin
+    guest = tmp_path_factory.mktemp("badguest")
+    (guest / "vmlinux").write_bytes(b"this is not a kernel\n" * 100)
+    real = aether_bin().parent / "microvm-guest" / "initramfs.cpio"
+    if not real.exists():
+        unavailable(f"no {real} (install linux-image-cloud-amd64 and rebuild)")
+    shutil.copy(real, guest / "initramfs.cpio")
+    s = Server(tmp_path_factory.mktemp("microvm-bad") / "data",
+               ["--microvm-guest-dir", guest, "--microvm-accel", "tcg"])
+    s.data_dir.mkdir()
+    _start(s)
+    try:
+        s.import_image("busybox:latest", BUSYBOX_TAR)
+        status, _, _, doc = s.raw("POST", "/v1/sandboxes",
+                                  {"image": "busybox:latest", "backend": "microvm"}, timeout=120)
+        assert status >= 400, doc
+        msg = doc["error"]["message"]
+        assert "QEMU exited" in msg and "console log: " in msg, msg
+        log = msg.split("console log: ")[1].split(")")[0]
+        assert Path(log).exists(), log
+        assert not _qemu_pids(s.data_dir)
+        assert not _vm_dirs(s.data_dir)
+    finally:
+        s.stop()
+
+
+def test_missing_qemu_makes_microvm_a_clear_409(tmp_path_factory):
+    _check_prerequisites()
+    s = Server(tmp_path_factory.mktemp("microvm-noqemu") / "data",
+               ["--qemu", "/nonexistent/qemu-system-x86_64"])
+    s.data_dir.mkdir()
+    _start(s)
+    try:
+        status, _, _, node = s.raw("GET", "/v1/node")
+        vm = node["backends"]["microvm"]
+        assert vm["available"] is False and "not found" in vm["reason"], vm
+        s.import_image("busybox:latest", BUSYBOX_TAR)
+        status, _, _, doc = s.raw("POST", "/v1/sandboxes",
+                                  {"image": "busybox:latest", "backend": "microvm"})
+        assert status == 409, doc
+        assert "not available" in doc["error"]["message"] and "not found" in doc["error"]["message"]
+    finally:
+        s.stop()
+
+
+def test_a_policy_with_egress_is_refused_before_boot(vmserver):
+    s = vmserver
+    s.client.create_policy("vm-egress-test", egress=["192.0.2.1:80"])
+    before = _vm_dirs(s.data_dir)
+    status, _, _, doc = s.raw("POST", "/v1/sandboxes",
+                              {"image": "busybox:latest", "backend": "microvm",
+                               "policy": "vm-egress-test"})
+    assert status == 409, doc
+    assert doc["error"]["field"] == "policy" and "microvm" in doc["error"]["message"], doc
+    assert _vm_dirs(s.data_dir) == before
+
+
+def test_a_guest_that_does_not_answer_is_retried_once_then_reported(tmp_path_factory):
+    """A boot deadline no TCG boot can meet stands in for a hung guest: the VM
+    is killed, booted once more, and the create fails saying so, with the
+    console log kept and nothing else left."""
+    _check_prerequisites()
+    if shutil.which("qemu-system-x86_64") is None:
+        unavailable("qemu-system-x86_64 not installed (scripts/install-deps.sh)")
+    s = Server(tmp_path_factory.mktemp("microvm-hang") / "data",
+               ["--microvm-accel", "tcg", "--microvm-boot-timeout-s", "0.3"])
+    s.data_dir.mkdir()
+    _start(s)
+    try:
+        vm = s.raw("GET", "/v1/node")[3]["backends"]["microvm"]
+        if not vm["available"]:
+            unavailable(f"microvm backend unavailable here: {vm['reason']}")
+        s.import_image("busybox:latest", BUSYBOX_TAR)
+        status, _, _, doc = s.raw("POST", "/v1/sandboxes",
+                                  {"image": "busybox:latest", "backend": "microvm"}, timeout=120)
+        assert status == 503, doc
+        msg = doc["error"]["message"]
+        assert "did not boot within" in msg and "twice" in msg, msg
+        log = msg.split("console log: ")[1].split(")")[0]
+        assert Path(log).exists(), log
+        assert "hung at boot, retrying" in s.log_tail(200)
+        assert not _qemu_pids(s.data_dir)
+        assert not _vm_dirs(s.data_dir)
+    finally:
+        assert s.stop() == 0
