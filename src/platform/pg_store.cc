@@ -92,8 +92,12 @@ class Rows {
   std::string text(int row, int col) const {
     return std::string(PQgetvalue(r_.get(), row, col), size_t(PQgetlength(r_.get(), row, col)));
   }
-  int64_t i64(int row, int col) const { return std::strtoll(PQgetvalue(r_.get(), row, col), nullptr, 10); }
-  double dbl(int row, int col) const { return std::strtod(PQgetvalue(r_.get(), row, col), nullptr); }
+  int64_t i64(int row, int col) const {
+    return std::strtoll(PQgetvalue(r_.get(), row, col), nullptr, 10);
+  }
+  double dbl(int row, int col) const {
+    return std::strtod(PQgetvalue(r_.get(), row, col), nullptr);
+  }
   std::string bytes(int row, int col) const {
     size_t n = 0;
     unsigned char* b =
@@ -138,7 +142,8 @@ class PostgresStore::Query {
     for (int attempt = 0;; ++attempt) {
       if (retried) *retried = attempt > 0;
       ASSIGN_OR_RETURN(PGconn * c, s->acquire());
-      PGresult* r = PQexecParams(c, sql, p.size(), nullptr, vals.data(), lens.data(), p.formats(), 0);
+      PGresult* r =
+          PQexecParams(c, sql, p.size(), nullptr, vals.data(), lens.data(), p.formats(), 0);
       ExecStatusType es = PQresultStatus(r);
       if (r && (es == PGRES_COMMAND_OK || es == PGRES_TUPLES_OK)) {
         s->release(c);
@@ -183,7 +188,8 @@ std::string redactPostgresUri(const std::string& uri) {
   }
   size_t start = scheme + 3;
   size_t end = uri.find_first_of("/?", start);
-  std::string authority = uri.substr(start, end == std::string::npos ? std::string::npos : end - start);
+  std::string authority =
+      uri.substr(start, end == std::string::npos ? std::string::npos : end - start);
   std::string rest = end == std::string::npos ? "" : uri.substr(end);
   if (size_t at = authority.rfind('@'); at != std::string::npos) {
     std::string user = authority.substr(0, at);
@@ -207,8 +213,8 @@ std::string redactPostgresUri(const std::string& uri) {
 Result<std::unique_ptr<PostgresStore>> PostgresStore::open(const std::string& uri,
                                                            PostgresOptions opts) {
   if (uri.rfind("postgres://", 0) != 0 && uri.rfind("postgresql://", 0) != 0) {
-    return invalidArg("store", "not a PostgreSQL URI (postgres:// or postgresql://): " +
-                                   redactPostgresUri(uri));
+    return invalidArg(
+        "store", "not a PostgreSQL URI (postgres:// or postgresql://): " + redactPostgresUri(uri));
   }
   char* err = nullptr;
   PQconninfoOption* parsed = PQconninfoParse(uri.c_str(), &err);
@@ -235,9 +241,9 @@ PostgresStore::~PostgresStore() {
 
 Result<PGconn*> PostgresStore::connect() {
   // Defaults first: the URI (dbname, expanded) comes last and overrides them.
-  const char* keys[] = {"connect_timeout", "keepalives",       "keepalives_idle",
+  const char* keys[] = {"connect_timeout",     "keepalives",       "keepalives_idle",
                         "keepalives_interval", "keepalives_count", "tcp_user_timeout",
-                        "application_name", "dbname",          nullptr};
+                        "application_name",    "dbname",           nullptr};
   const char* vals[] = {"10", "1", "10", "5", "3", "15000", "dsec", uri_.c_str(), nullptr};
   PGconn* c = PQconnectdbParams(keys, vals, 1);
   if (!c) return Status(Code::kResourceExhausted, "postgres: out of memory connecting");
@@ -302,7 +308,8 @@ Status PostgresStore::migrate() {
     std::string msg = trimmed(PQerrorMessage(c));
     ResultPtr(PQexec(c, "ROLLBACK"), &PQclear);
     release(c);
-    return Status(Code::kInternal, "postgres " + where_ + ": schema migration: " + what + ": " + msg);
+    return Status(Code::kInternal,
+                  "postgres " + where_ + ": schema migration: " + what + ": " + msg);
   };
   auto ok = [&](PGresult* r) {
     ResultPtr p(r, &PQclear);
@@ -318,8 +325,9 @@ Status PostgresStore::migrate() {
                        nullptr, nullptr, 0))) {
     return fail("lock");
   }
-  if (!ok(PQexec(c, "CREATE TABLE IF NOT EXISTS dsec_schema(version INTEGER NOT NULL, "
-                    "applied_at DOUBLE PRECISION NOT NULL)"))) {
+  if (!ok(PQexec(c,
+                 "CREATE TABLE IF NOT EXISTS dsec_schema(version INTEGER NOT NULL, "
+                 "applied_at DOUBLE PRECISION NOT NULL)"))) {
     return fail("create dsec_schema");
   }
   ResultPtr cur(PQexec(c, "SELECT COALESCE(MAX(version), 0) FROM dsec_schema"), &PQclear);
@@ -366,8 +374,9 @@ Status PostgresStore::deleteSandbox(const std::string& id) {
 }
 
 Result<std::vector<SandboxRecord>> PostgresStore::loadSandboxes() {
-  ASSIGN_OR_RETURN(Rows rows, Query::run(this, "loadSandboxes", "SELECT doc FROM sandboxes ORDER BY id",
-                                         Params(), kRetry));
+  ASSIGN_OR_RETURN(
+      Rows rows,
+      Query::run(this, "loadSandboxes", "SELECT doc FROM sandboxes ORDER BY id", Params(), kRetry));
   std::vector<SandboxRecord> out;
   for (int i = 0; i < rows.size(); ++i) {
     ASSIGN_OR_RETURN(auto r, sandboxFromJson(rows.text(i, 0)));
@@ -405,13 +414,15 @@ Result<int64_t> PostgresStore::blobSize(const std::string& digest) {
 namespace {
 constexpr const char* kBlobColumns = "digest, size, created_at, kind, data, chunks";
 BlobRecord blobFromRow(const Rows& r, int i) {
-  return BlobRecord{r.text(i, 0), r.i64(i, 1), r.dbl(i, 2), r.text(i, 3), r.text(i, 4), r.text(i, 5)};
+  return BlobRecord{r.text(i, 0), r.i64(i, 1),  r.dbl(i, 2),
+                    r.text(i, 3), r.text(i, 4), r.text(i, 5)};
 }
 }  // namespace
 
 Result<BlobRecord> PostgresStore::getBlob(const std::string& digest) {
   std::string sql = std::string("SELECT ") + kBlobColumns + " FROM blobs WHERE digest=$1";
-  ASSIGN_OR_RETURN(Rows rows, Query::run(this, "getBlob", sql.c_str(), Params().add(digest), kRetry));
+  ASSIGN_OR_RETURN(Rows rows,
+                   Query::run(this, "getBlob", sql.c_str(), Params().add(digest), kRetry));
   if (rows.size() == 0) return notFound("layer " + digest + " not found");
   return blobFromRow(rows, 0);
 }
@@ -479,7 +490,8 @@ ImageRecord imageFromRow(const Rows& r, int i) {
 }  // namespace
 
 Result<ImageRecord> PostgresStore::getImage(const std::string& name, const std::string& tag) {
-  std::string sql = std::string("SELECT ") + kImageColumns + " FROM images WHERE name=$1 AND tag=$2";
+  std::string sql =
+      std::string("SELECT ") + kImageColumns + " FROM images WHERE name=$1 AND tag=$2";
   ASSIGN_OR_RETURN(Rows rows,
                    Query::run(this, "getImage", sql.c_str(), Params().add(name).add(tag), kRetry));
   if (rows.size() == 0) return notFound("image " + name + ":" + tag + " not found");
@@ -497,9 +509,9 @@ Result<std::vector<ImageRecord>> PostgresStore::listImages() {
 }
 
 Status PostgresStore::deleteImage(const std::string& name, const std::string& tag) {
-  ASSIGN_OR_RETURN(Rows rows, Query::run(this, "deleteImage",
-                                         "DELETE FROM images WHERE name=$1 AND tag=$2",
-                                         Params().add(name).add(tag), kNoRetry));
+  ASSIGN_OR_RETURN(Rows rows,
+                   Query::run(this, "deleteImage", "DELETE FROM images WHERE name=$1 AND tag=$2",
+                              Params().add(name).add(tag), kNoRetry));
   if (rows.affected() == 0) return notFound("image " + name + ":" + tag + " not found");
   return Status::ok();
 }
@@ -597,8 +609,8 @@ Result<TrajectoryStep> PostgresStore::getStep(const std::string& trajectory, int
 Result<std::vector<TrajectoryStep>> PostgresStore::loadTrajectory(const std::string& trajectory) {
   std::string sql = std::string("SELECT ") + kStepColumns +
                     " FROM trajectory_steps WHERE trajectory=$1 ORDER BY step";
-  ASSIGN_OR_RETURN(Rows rows,
-                   Query::run(this, "loadTrajectory", sql.c_str(), Params().add(trajectory), kRetry));
+  ASSIGN_OR_RETURN(
+      Rows rows, Query::run(this, "loadTrajectory", sql.c_str(), Params().add(trajectory), kRetry));
   std::vector<TrajectoryStep> out;
   for (int i = 0; i < rows.size(); ++i) out.push_back(stepFromRow(rows, i));
   return out;
@@ -673,9 +685,9 @@ Status PostgresStore::putTrajectory(const TrajectoryRecord& r) {
 }
 
 Result<TrajectoryRecord> PostgresStore::getTrajectory(const std::string& id) {
-  ASSIGN_OR_RETURN(Rows rows, Query::run(this, "getTrajectory",
-                                         "SELECT doc FROM trajectories WHERE id=$1",
-                                         Params().add(id), kRetry));
+  ASSIGN_OR_RETURN(Rows rows,
+                   Query::run(this, "getTrajectory", "SELECT doc FROM trajectories WHERE id=$1",
+                              Params().add(id), kRetry));
   if (rows.size() == 0) return notFound("trajectory " + id + " has no record");
   return trajectoryFromDoc(id, rows.text(0, 0));
 }

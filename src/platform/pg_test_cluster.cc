@@ -2,10 +2,10 @@
 
 #include <fcntl.h>
 #include <grp.h>
-#include <signal.h>
 #include <libpq-fe.h>
 #include <netinet/in.h>
 #include <pwd.h>
+#include <signal.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -67,7 +67,8 @@ Status run(const std::vector<std::string>& argv, const std::string& user, const 
   auto text = readFile(log);
   std::string tail = text.isOk() ? *text : "";
   if (tail.size() > 2000) tail = tail.substr(tail.size() - 2000);
-  return Status(Code::kInternal, argv[0] + " failed (status " + std::to_string(status) + "): " + tail);
+  return Status(Code::kInternal,
+                argv[0] + " failed (status " + std::to_string(status) + "): " + tail);
 }
 
 int freePort() {
@@ -92,7 +93,8 @@ Status execOn(const std::string& conninfo, const std::string& sql) {
     PQfinish(c);
     return Status(Code::kUnavailable, "test cluster: connect: " + msg);
   }
-  PQsetNoticeProcessor(c, [](void*, const char*) {}, nullptr);  // DROP ... CASCADE's lists
+  PQsetNoticeProcessor(
+      c, [](void*, const char*) {}, nullptr);  // DROP ... CASCADE's lists
   PGresult* r = PQexec(c, sql.c_str());
   Status st;
   if (PQresultStatus(r) != PGRES_COMMAND_OK && PQresultStatus(r) != PGRES_TUPLES_OK) {
@@ -137,9 +139,9 @@ Result<std::unique_ptr<PgTestCluster>> PgTestCluster::start() {
   for (int attempt = 0;; ++attempt) {
     c->port_ = freePort();
     if (c->port_ == 0) return Status(Code::kInternal, "no free port");
-    std::vector<std::string> argv = {bin + "/postgres", "-D", c->dir_ + "/data", "-k", c->dir_,
-                                     "-p", std::to_string(c->port_), "-c",
-                                     "listen_addresses=127.0.0.1"};
+    std::vector<std::string> argv = {
+        bin + "/postgres",        "-D", c->dir_ + "/data",           "-k", c->dir_, "-p",
+        std::to_string(c->port_), "-c", "listen_addresses=127.0.0.1"};
     std::vector<char*> args;
     for (auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
     args.push_back(nullptr);
@@ -178,7 +180,8 @@ Result<std::unique_ptr<PgTestCluster>> PgTestCluster::start() {
     c->pid_ = -1;
     if (attempt == 2) {
       auto text = readFile(serverLog);
-      return Status(Code::kInternal, "test cluster: the server exited: " + (text.isOk() ? *text : ""));
+      return Status(Code::kInternal,
+                    "test cluster: the server exited: " + (text.isOk() ? *text : ""));
     }
   }
   RETURN_IF_ERROR(execOn(c->uri("postgres"), "CREATE DATABASE dsec"));

@@ -42,8 +42,8 @@ class PgTestCluster {
 
  private:
   PgTestCluster() = default;
-  std::string bin_;  // directory of initdb, pg_ctl
-  std::string dir_;  // the cluster's temp dir (data/, socket, log)
+  std::string bin_;   // directory of initdb, pg_ctl
+  std::string dir_;   // the cluster's temp dir (data/, socket, log)
   std::string user_;  // who runs the server ("" when not root: ourselves)
   int port_ = 0;
   pid_t pid_ = -1;  // the postmaster

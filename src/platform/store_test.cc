@@ -467,7 +467,8 @@ TEST_F(PostgresStoreTest, OpenStoreSelectsAndRefusesWithClearErrors) {
   auto down = openStore("postgresql://u:hunter2@127.0.0.1:1/db?connect_timeout=3", env_->dir);
   EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5));
   EXPECT_EQ(down.status().code(), Code::kUnavailable);
-  EXPECT_NE(down.status().message().find("127.0.0.1"), std::string::npos) << down.status().message();
+  EXPECT_NE(down.status().message().find("127.0.0.1"), std::string::npos)
+      << down.status().message();
   EXPECT_EQ(down.status().message().find("hunter2"), std::string::npos) << down.status().message();
 }
 

@@ -40,24 +40,22 @@ class TestStoreEnv {
 // In a fixture's SetUp (or a test): makes `env` (a
 // std::unique_ptr<TestStoreEnv>) for `kind`, or skips printing why PostgreSQL
 // is unavailable (fails instead with DSEC_TESTS_STRICT=1).
-#define DSEC_MAKE_TEST_STORE_ENV(env, kind)                                               \
-  do {                                                                                    \
-    auto made_ = ::dsec::platform::TestStoreEnv::make(kind);                              \
-    if (!made_.isOk() && made_.status().code() == ::dsec::Code::kUnavailable) {           \
-      const char* strict_ = getenv("DSEC_TESTS_STRICT");                                  \
-      if (strict_ && std::string(strict_) == "1") {                                       \
-        FAIL() << "PostgreSQL unavailable (DSEC_TESTS_STRICT=1): "                        \
-               << made_.status().message();                                               \
-      }                                                                                   \
-      GTEST_SKIP() << "PostgreSQL unavailable: " << made_.status().message();             \
-    }                                                                                     \
-    ASSERT_TRUE(made_.isOk()) << made_.status().toString();                               \
-    env = std::move(*made_);                                                              \
+#define DSEC_MAKE_TEST_STORE_ENV(env, kind)                                                     \
+  do {                                                                                          \
+    auto made_ = ::dsec::platform::TestStoreEnv::make(kind);                                    \
+    if (!made_.isOk() && made_.status().code() == ::dsec::Code::kUnavailable) {                 \
+      const char* strict_ = getenv("DSEC_TESTS_STRICT");                                        \
+      if (strict_ && std::string(strict_) == "1") {                                             \
+        FAIL() << "PostgreSQL unavailable (DSEC_TESTS_STRICT=1): " << made_.status().message(); \
+      }                                                                                         \
+      GTEST_SKIP() << "PostgreSQL unavailable: " << made_.status().message();                   \
+    }                                                                                           \
+    ASSERT_TRUE(made_.isOk()) << made_.status().toString();                                     \
+    env = std::move(*made_);                                                                    \
   } while (0)
 
-#define DSEC_INSTANTIATE_FOR_BOTH_STORES(suite)                                           \
-  INSTANTIATE_TEST_SUITE_P(                                                               \
-      Stores, suite,                                                                      \
-      ::testing::Values(::dsec::platform::StoreKind::kSqlite,                             \
-                        ::dsec::platform::StoreKind::kPostgres),                          \
-      ::dsec::platform::storeKindName)
+#define DSEC_INSTANTIATE_FOR_BOTH_STORES(suite)                                       \
+  INSTANTIATE_TEST_SUITE_P(Stores, suite,                                             \
+                           ::testing::Values(::dsec::platform::StoreKind::kSqlite,    \
+                                             ::dsec::platform::StoreKind::kPostgres), \
+                           ::dsec::platform::storeKindName)
