@@ -140,6 +140,15 @@ class PgCluster:
                              capture_output=True, text=True).stdout
         return [self.proc.pid] + [int(p) for p in out.split()]
 
+    def restart_server(self) -> None:
+        """Stops the server (fast shutdown: its sessions are cut) and starts it
+        again on the same data and port, as a database restart or failover
+        does to its clients."""
+        self.proc.send_signal(signal.SIGINT)
+        self.proc.wait(30)
+        if not self._start_server():
+            raise RuntimeError(f"postgres did not come back:\n{self.log.read_text()}")
+
     def stop(self) -> None:
         if self.proc is not None:
             self.proc.send_signal(signal.SIGINT)  # fast shutdown

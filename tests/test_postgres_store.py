@@ -1,7 +1,8 @@
 """`dsec up --store postgresql://...`: the platform's state in PostgreSQL (a
 throwaway cluster of our own, tests/pg_cluster.py) end to end: images,
 sandboxes, execs, trajectory steps (replay, conflict), policies; a SIGTERM and
-a restart on the same database keep them all; the password never shows in the
+a restart on the same database keep them all, and a restart of the database
+under a running platform is weathered (its connections are reset); the password never shows in the
 log or the process's command line; bad --store values are refused at start
 with a message naming the option."""
 
@@ -79,6 +80,12 @@ def test_state_lives_in_postgres_and_survives_a_restart(pg, tmp_path):
                                readonly_paths=["/etc"])
         sb.set_phase("pg-policy")
         sb.write_file("/root/scratch", b"x")
+        # The database restarts under the platform: its connections are cut;
+        # the next calls reconnect.
+        pg.restart_server()
+        assert "pg-policy" in [p["name"] for p in s.client.policies()]
+        assert not sb.exec("echo after", trajectory_id=t, step=3).replayed
+        assert sb.exec("echo after", trajectory_id=t, step=3).replayed
     finally:
         _stop(s)
     assert PASSWORD not in s.log_path.read_text(errors="replace"), "the password is in the log"
@@ -88,7 +95,7 @@ def test_state_lives_in_postgres_and_survives_a_restart(pg, tmp_path):
     counts = pg.psql("SELECT (SELECT COUNT(*) FROM trajectory_steps WHERE trajectory='" + t +
                      "'), (SELECT COUNT(*) FROM policies WHERE name='pg-policy'), "
                      "(SELECT COUNT(*) FROM images)", db="e2e").strip()
-    assert counts == "2|1|1", counts
+    assert counts == "3|1|1", counts
 
     s = _start(data, uri)
     try:
@@ -99,7 +106,7 @@ def test_state_lives_in_postgres_and_survives_a_restart(pg, tmp_path):
         assert [i.ref for i in s.client.images()] == ["busybox:latest"]
         assert s.client.policy("pg-policy")["description"] == "kept in postgres"
         steps = s.client.export_trajectory(t)
-        assert [st["step"] for st in steps] == [0, 1], steps
+        assert [st["step"] for st in steps] == [0, 1, 3], steps
         new = s.client.create("busybox:latest")
         replay = new.exec(cmd, trajectory_id=t, step=0)
         assert replay.replayed and replay.stdout == first.stdout
@@ -111,7 +118,7 @@ def test_state_lives_in_postgres_and_survives_a_restart(pg, tmp_path):
     finally:
         _stop(s)
     assert pg.psql(f"SELECT COUNT(*) FROM trajectory_steps WHERE trajectory='{t}'",
-                   db="e2e").strip() == "3"
+                   db="e2e").strip() == "4"
 
 
 @pytest.mark.parametrize("value,expect", [

@@ -155,7 +155,13 @@ class PostgresStore::Query {
       std::string msg = trimmed(r ? PQresultErrorMessage(r) : PQerrorMessage(c));
       if (msg.empty()) msg = trimmed(PQerrorMessage(c));
       PQclear(r);
-      s->release(c);  // a broken connection is reset by its next acquire()
+      if (lost) {
+        // What cut this one (a server restart, failover, a network cut) has
+        // most likely cut the idle ones too: the retry gets a new connection.
+        s->discard(c);
+      } else {
+        s->release(c);
+      }
       if (lost && retry && attempt == 0) continue;
       if (lost) {
         return Status(Code::kUnavailable,
@@ -294,6 +300,18 @@ Result<PGconn*> PostgresStore::acquire() {
     return st;
   }
   return c;
+}
+
+void PostgresStore::discard(PGconn* lost) {
+  std::vector<PGconn*> gone;
+  {
+    std::lock_guard lk(mu_);
+    gone.swap(idle_);
+    gone.push_back(lost);
+    open_ -= int(gone.size());
+    freed_.notify_all();
+  }
+  for (PGconn* c : gone) PQfinish(c);
 }
 
 void PostgresStore::release(PGconn* c) {

@@ -32,13 +32,13 @@ struct PostgresOptions {
 // the same database at once apply each migration once; a database whose
 // schema is newer than this build is refused (kFailedPrecondition).
 //
-// A dropped connection is reset before the next use. A call that loses its
-// connection mid-way is retried once on a fresh one when repeating it is
-// harmless (reads, upserts; putStep checks that a conflicting row is its own);
-// others (deleteImage, deletePolicy, deleteTrajectory, deleteTrajectoriesBefore)
-// return kUnavailable saying the outcome is unknown. A server that cannot be
-// reached gives kUnavailable naming it, never a hang. Errors and log lines name
-// the server by redactPostgresUri(): never the password.
+// A call that loses its connection closes it and every idle one (what cut
+// one most likely cut all: a server restart, a failover), and is retried once
+// on a new connection when repeating it is harmless (reads, upserts; putStep checks that a
+// conflicting row is its own); others (deleteImage, deletePolicy, deleteTrajectory,
+// deleteTrajectoriesBefore) return kUnavailable saying the outcome is unknown. A server that cannot
+// be reached gives kUnavailable naming it, never a hang. Errors and log lines name the server by
+// redactPostgresUri(): never the password.
 //
 // Thread-safe.
 class PostgresStore : public Store {
@@ -91,6 +91,8 @@ class PostgresStore : public Store {
   Result<PGconn*> connect();
   Result<PGconn*> acquire();
   void release(PGconn* c);
+  // Closes `lost` and every idle connection.
+  void discard(PGconn* lost);
   Status migrate();
 
   const std::string uri_;    // as given (holds the password, if any: never printed)

@@ -424,15 +424,25 @@ TEST_F(PostgresStoreTest, ANewerSchemaIsRefused) {
 TEST_F(PostgresStoreTest, ReconnectsAfterItsConnectionsAreKilled) {
   // Its own application_name: other tests share the cluster.
   std::string app = "dsec-reconnect-" + randomHex(4);
-  auto s = PostgresStore::open(env_->uri + "&application_name=" + app, PostgresOptions{2});
+  auto s = PostgresStore::open(env_->uri + "&application_name=" + app, PostgresOptions{4});
   ASSERT_TRUE(s.isOk()) << s.status().toString();
   ASSERT_TRUE((*s)->putStep(stepOf("k", 0, "")).isOk());
-  // Both pool connections in use once, so both get killed.
-  std::thread other([&] { EXPECT_TRUE((*s)->loadTrajectory("k").isOk()); });
-  EXPECT_TRUE((*s)->loadTrajectory("k").isOk());
-  other.join();
+  // Several pool connections open (the pool opens them under concurrent
+  // calls), then all of them killed (waiting until they are gone).
+  auto severalOpen = [&] {
+    return env_->cluster
+        ->exec("DO $$ BEGIN IF (SELECT COUNT(*) FROM pg_stat_activity WHERE application_name = '" +
+               app + "') < 2 THEN RAISE EXCEPTION 'fewer than 2 connections'; END IF; END $$")
+        .isOk();
+  };
+  for (int round = 0; round < 50 && !severalOpen(); ++round) {
+    std::vector<std::thread> ts;
+    for (int i = 0; i < 4; ++i) ts.emplace_back([&] { (void)(*s)->loadTrajectory("k"); });
+    for (auto& t : ts) t.join();
+  }
+  ASSERT_TRUE(severalOpen());
   ASSERT_TRUE(env_->cluster
-                  ->exec("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE "
+                  ->exec("SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity WHERE "
                          "application_name = '" + app + "'")
                   .isOk());
   auto steps = (*s)->loadTrajectory("k");
