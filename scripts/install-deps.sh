@@ -8,6 +8,9 @@ PKGS=(
   build-essential cmake pkg-config
   libboost1.81-dev nlohmann-json3-dev libsqlite3-dev libssl-dev
   libgtest-dev libgmock-dev libcurl4-openssl-dev libfuse3-dev fuse3
+  # the PostgreSQL state store (libpq), and the server the tests run a
+  # throwaway cluster of (initdb, pg_ctl; no system-wide service is used)
+  libpq-dev postgresql
   # images and sandboxes
   erofs-utils busybox-static debootstrap e2fsprogs iproute2 util-linux
   # nft for sandbox egress (NAT and the host's input/forward filters)

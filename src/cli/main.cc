@@ -38,10 +38,16 @@ constexpr const char* kDefaultDataDir = "/var/lib/dsec";
 const char* kUsage = R"(usage: dsec COMMAND [OPTIONS]
 
   up [--data-dir DIR] [--listen HOST:PORT] [--aether PATH] [--log-level debug|info|warn]
-        Run the platform and an edge in one process (REST API, SQLite state,
+     [--store sqlite|postgres://USER[:PASSWORD]@HOST[:PORT]/DB[?PARAM=V...]]
+        Run the platform and an edge in one process (REST API, state store,
         local blob store). Stops on SIGTERM/SIGINT, destroying its sandboxes
         (unless --live-restore). A crash destroys none: the next start on the
         same data dir re-adopts them.
+  up --store: where the platform keeps its state: sqlite (default: <data-dir>/state.db)
+        or a libpq connection URI, postgres:// or postgresql:// (e.g.
+        postgresql://dsec@db.example:5432/dsec?sslmode=require; a password is
+        better kept in ~/.pgpass or $PGPASSWORD). The schema is created or
+        upgraded at start; see docs/stores.md
   up also takes --gc-grace-s S: unreferenced layers older than S are deleted (default 600)
      --blob-store URI: where the node reads layer blobs: file:///DIR or http(s)://HOST/PREFIX
         (default file://<data-dir>/blobs, the platform's own blob directory)
@@ -135,6 +141,26 @@ Args parseArgs(int argc, char** argv, int start) {
   return a;
 }
 
+// Overwrites with '*' the passwords of PostgreSQL URIs among the arguments
+// (user info, `password=`), once parsed: /proc/PID/cmdline is world-readable.
+void maskUriPasswords(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    char* s = argv[i];
+    char* uri = strstr(s, "postgres://");
+    if (!uri) uri = strstr(s, "postgresql://");
+    if (!uri) continue;
+    char* auth = strstr(uri, "://") + 3;
+    size_t authLen = strcspn(auth, "/?");
+    char* at = static_cast<char*>(memrchr(auth, '@', authLen));
+    char* colon = at ? static_cast<char*>(memchr(auth, ':', size_t(at - auth))) : nullptr;
+    if (colon) memset(colon + 1, '*', size_t(at - colon - 1));
+    for (char* p = strstr(uri, "password="); p; p = strstr(p, "password=")) {
+      p += strlen("password=");
+      memset(p, '*', strcspn(p, "&"));
+    }
+  }
+}
+
 int die(const std::string& msg) {
   std::cerr << "dsec: " << msg << "\n";
   return 1;
@@ -212,8 +238,12 @@ int cmdUp(const Args& a) {
   ::unlink((dataDir + "/up.json").c_str());
   auto token = loadOrCreateToken(dataDir);
   if (!token.isOk()) return die(token.status().toString());
-  auto store = platform::SqliteStore::open(dataDir + "/state.db");
-  if (!store.isOk()) return die(store.status().toString());
+  std::string storeWhere;
+  std::string storeSpec = a.get("store", "sqlite");
+  if (storeSpec.empty()) return die("--store needs a value: sqlite or a postgres:// URI");
+  auto store = platform::openStore(storeSpec, dataDir, &storeWhere);
+  if (!store.isOk()) return die("--store: " + store.status().message());
+  log::info("dsec up: state store " + storeWhere);
 
   // The platform's blob directory: the node's default blob store.
   if (Status st = makeDirs(dataDir + "/blobs/sha256", 0700); !st.isOk()) return die(st.toString());
@@ -639,6 +669,7 @@ int main(int argc, char** argv) {
   }
   std::string cmd = argv[1];
   Args a = parseArgs(argc, argv, 1);
+  maskUriPasswords(argc, argv);
   bool help = a.opts.count("help") || (a.positional.size() > 1 && a.positional.back() == "help");
   if (help) {
     std::cout << kUsage;

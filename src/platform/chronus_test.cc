@@ -7,33 +7,35 @@
 #include <thread>
 
 #include "common/util.h"
+#include "platform/store_test_util.h"
 
 namespace dsec::platform {
 namespace {
 
 using json = nlohmann::json;
 
-class ChronusTest : public ::testing::Test {
+// On both stores: Chronus relies on putStep's kAlreadyExists.
+class ChronusTest : public ::testing::TestWithParam<StoreKind> {
  protected:
   void SetUp() override {
-    dir_ = "/tmp/dsec-chronus-test-" + randomHex(4);
-    ASSERT_TRUE(makeDirs(dir_).isOk());
-    auto s = SqliteStore::open(dir_ + "/state.db");
-    ASSERT_TRUE(s.isOk());
+    DSEC_MAKE_TEST_STORE_ENV(env_, GetParam());
+    auto s = env_->open();
+    ASSERT_TRUE(s.isOk()) << s.status().toString();
     store_ = std::move(*s);
     chronus_ = std::make_unique<Chronus>(store_.get());
   }
   void TearDown() override {
     chronus_.reset();
     store_.reset();
-    std::filesystem::remove_all(dir_);
+    env_.reset();
   }
-  std::string dir_;
-  std::unique_ptr<SqliteStore> store_;
+  std::unique_ptr<TestStoreEnv> env_;
+  std::unique_ptr<Store> store_;
   std::unique_ptr<Chronus> chronus_;
 };
+DSEC_INSTANTIATE_FOR_BOTH_STORES(ChronusTest);
 
-TEST_F(ChronusTest, RunsOnceReplaysAndRefusesAnotherRequest) {
+TEST_P(ChronusTest, RunsOnceReplaysAndRefusesAnotherRequest) {
   int runs = 0;
   auto run = [&]() -> Result<StepOutcome> {
     ++runs;
@@ -59,7 +61,7 @@ TEST_F(ChronusTest, RunsOnceReplaysAndRefusesAnotherRequest) {
   EXPECT_EQ(runs, 1);
 }
 
-TEST_F(ChronusTest, FailuresAreNotStepsAndTheLogIsDurable) {
+TEST_P(ChronusTest, FailuresAreNotStepsAndTheLogIsDurable) {
   StepKey key{"t2", 3};
   auto fail = []() -> Result<StepOutcome> { return notFound("no such file"); };
   EXPECT_EQ(chronus_->once(key, "read", "sb", json{{"path", "/x"}}, fail).status().code(),
@@ -80,7 +82,7 @@ TEST_F(ChronusTest, FailuresAreNotStepsAndTheLogIsDurable) {
   EXPECT_EQ((*steps)[0].kind, "read");
 }
 
-TEST_F(ChronusTest, ARepeatInFlightWaitsForTheFirst) {
+TEST_P(ChronusTest, ARepeatInFlightWaitsForTheFirst) {
   std::atomic<int> runs{0};
   auto slow = [&]() -> Result<StepOutcome> {
     ++runs;
@@ -102,7 +104,7 @@ TEST_F(ChronusTest, ARepeatInFlightWaitsForTheFirst) {
   EXPECT_EQ(replayed.load(), 3);
 }
 
-TEST_F(ChronusTest, KeysAreChecked) {
+TEST_P(ChronusTest, KeysAreChecked) {
   json t = "ok-1", s = 2, bad = "bad id", neg = -1, str = "2";
   EXPECT_FALSE(Chronus::parseKey(nullptr, nullptr)->has_value());
   EXPECT_EQ(Chronus::parseKey(&t, &s)->value().step, 2);
@@ -115,7 +117,7 @@ TEST_F(ChronusTest, KeysAreChecked) {
 
 // A write's kept bytes are named in the step, whatever sandbox it ran in:
 // the digest covers only the kind and the request.
-TEST_F(ChronusTest, KeepsContentAndIgnoresTheSandbox) {
+TEST_P(ChronusTest, KeepsContentAndIgnoresTheSandbox) {
   auto run = [&]() -> Result<StepOutcome> {
     StepOutcome o{200, "application/json", "{}"};
     o.content = "sha256:bytes";

@@ -7,40 +7,41 @@
 
 #include "common/util.h"
 #include "platform/store.h"
+#include "platform/store_test_util.h"
 
 namespace dsec::platform {
 namespace {
 
 using json = nlohmann::json;
 
-class PolicyTest : public ::testing::Test {
+class PolicyTest : public ::testing::TestWithParam<StoreKind> {
  protected:
   void SetUp() override {
-    dir_ = "/tmp/dsec-policy-test-" + randomHex(4);
-    ASSERT_TRUE(makeDirs(dir_).isOk());
+    DSEC_MAKE_TEST_STORE_ENV(env_, GetParam());
     open();
   }
   void TearDown() override {
     policies_.reset();
     store_.reset();
-    std::filesystem::remove_all(dir_);
+    env_.reset();
   }
   void open() {
     policies_.reset();
     store_.reset();
-    auto s = SqliteStore::open(dir_ + "/state.db");
-    ASSERT_TRUE(s.isOk());
+    auto s = env_->open();
+    ASSERT_TRUE(s.isOk()) << s.status().toString();
     store_ = std::move(*s);
     auto p = Policies::open(store_.get(), builtinPolicies({"10.0.0.0/8:80"}, {"10.0.0.53"}));
     ASSERT_TRUE(p.isOk()) << p.status().toString();
     policies_ = std::move(*p);
   }
-  std::string dir_;
-  std::unique_ptr<SqliteStore> store_;
+  std::unique_ptr<TestStoreEnv> env_;
+  std::unique_ptr<Store> store_;
   std::unique_ptr<Policies> policies_;
 };
+DSEC_INSTANTIATE_FOR_BOTH_STORES(PolicyTest);
 
-TEST_F(PolicyTest, BuiltinsAreClosedButSetupAndEvalLocksSystemPaths) {
+TEST_P(PolicyTest, BuiltinsAreClosedButSetupAndEvalLocksSystemPaths) {
   for (const char* name : {"default", "rollout", "eval"}) {
     auto p = policies_->find(name, "policy");
     ASSERT_TRUE(p.isOk()) << name;
@@ -65,7 +66,7 @@ TEST_F(PolicyTest, BuiltinsAreClosedButSetupAndEvalLocksSystemPaths) {
   EXPECT_NE(bad.status().message().find("default, setup, rollout, eval"), std::string::npos);
 }
 
-TEST_F(PolicyTest, UserPoliciesAreValidatedStoredAndSurviveReopen) {
+TEST_P(PolicyTest, UserPoliciesAreValidatedStoredAndSurviveReopen) {
   json doc = {{"name", "grading-v2"},
               {"description", "hide the answers"},
               {"hidden_paths", {"/srv/answers"}},
@@ -100,7 +101,7 @@ TEST_F(PolicyTest, UserPoliciesAreValidatedStoredAndSurviveReopen) {
   EXPECT_FALSE(policies_->find("grading-v2", "policy").isOk());
 }
 
-TEST_F(PolicyTest, BadDocumentsNameTheField) {
+TEST_P(PolicyTest, BadDocumentsNameTheField) {
   struct Case {
     json doc;
     const char* field;

@@ -307,13 +307,13 @@ Status SqliteStore::deleteBlob(const std::string& digest) {
   return Status::ok();
 }
 
-namespace {
 // The config column: '' when the image has none, else {"user","env","working_dir"}.
-std::string configToColumn(const image::ImageConfig& c) {
+std::string imageConfigToColumn(const image::ImageConfig& c) {
   if (c.empty()) return "";
   return json{{"user", c.user}, {"env", c.env}, {"working_dir", c.workingDir}}.dump();
 }
 
+namespace {
 image::ImageConfig configFromColumn(const std::string& text) {
   image::ImageConfig c;
   json j = json::parse(text, nullptr, false);
@@ -335,15 +335,15 @@ Status SqliteStore::putImage(const ImageRecord& r) {
           "INSERT OR REPLACE INTO images(name, tag, layers, size, created_at, kind, parent, "
           "config) VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)");
   st.bind(1, r.name).bind(2, r.tag).bind(3, json(r.layers).dump()).bind(4, r.size);
-  st.bind(5, r.createdAt).bind(6, r.kind).bind(7, r.parent).bind(8, configToColumn(r.config));
+  st.bind(5, r.createdAt).bind(6, r.kind).bind(7, r.parent).bind(8, imageConfigToColumn(r.config));
   if (st.step() != SQLITE_DONE) return sqlError(db_, "putImage");
   return Status::ok();
 }
 
-namespace {
-ImageRecord imageFromRow(const std::string& name, const std::string& tag, const std::string& layers,
-                         int64_t size, double created, const std::string& kind,
-                         const std::string& parent, const std::string& config) {
+ImageRecord imageFromColumns(const std::string& name, const std::string& tag,
+                             const std::string& layers, int64_t size, double created,
+                             const std::string& kind, const std::string& parent,
+                             const std::string& config) {
   ImageRecord r{name, tag, {}, size, created, kind, parent, configFromColumn(config)};
   json j = json::parse(layers, nullptr, false);
   if (j.is_array()) {
@@ -353,7 +353,6 @@ ImageRecord imageFromRow(const std::string& name, const std::string& tag, const 
   }
   return r;
 }
-}  // namespace
 
 Result<ImageRecord> SqliteStore::getImage(const std::string& name, const std::string& tag) {
   std::lock_guard lk(mu_);
@@ -363,7 +362,7 @@ Result<ImageRecord> SqliteStore::getImage(const std::string& name, const std::st
   st.bind(1, name).bind(2, tag);
   int rc = st.step();
   if (rc == SQLITE_ROW) {
-    return imageFromRow(st.text(0), st.text(1), st.text(2), st.i64(3), st.dbl(4), st.text(5),
+    return imageFromColumns(st.text(0), st.text(1), st.text(2), st.i64(3), st.dbl(4), st.text(5),
                         st.text(6), st.text(7));
   }
   if (rc == SQLITE_DONE) return notFound("image " + name + ":" + tag + " not found");
@@ -378,7 +377,7 @@ Result<std::vector<ImageRecord>> SqliteStore::listImages() {
   std::vector<ImageRecord> out;
   int rc;
   while ((rc = st.step()) == SQLITE_ROW) {
-    out.push_back(imageFromRow(st.text(0), st.text(1), st.text(2), st.i64(3), st.dbl(4), st.text(5),
+    out.push_back(imageFromColumns(st.text(0), st.text(1), st.text(2), st.i64(3), st.dbl(4), st.text(5),
                                st.text(6), st.text(7)));
   }
   if (rc != SQLITE_DONE) return sqlError(db_, "listImages");
@@ -552,17 +551,35 @@ Result<bool> SqliteStore::stepContentUsed(const std::string& digest) {
   return sqlError(db_, "stepContentUsed");
 }
 
-Status SqliteStore::putTrajectory(const TrajectoryRecord& r) {
+std::string trajectoryToDoc(const TrajectoryRecord& r) {
   json doc = {{"sandbox", r.sandbox},
               {"sandbox_doc", r.sandboxDoc},
               {"replaced", r.replaced},
               {"recoveries", json::parse(r.recoveries, nullptr, false)},
               {"updated_at", r.updatedAt}};
   if (doc["recoveries"].is_discarded()) doc["recoveries"] = json::array();
+  return doc.dump();
+}
+
+Result<TrajectoryRecord> trajectoryFromDoc(const std::string& id, const std::string& text) {
+  json doc = json::parse(text, nullptr, false);
+  if (!doc.is_object()) return Status(Code::kInternal, "trajectory " + id + ": corrupt record");
+  TrajectoryRecord r;
+  r.id = id;
+  r.sandbox = doc.value("sandbox", "");
+  r.sandboxDoc = doc.value("sandbox_doc", "");
+  r.replaced = doc.value("replaced", std::vector<std::string>{});
+  r.recoveries = doc.value("recoveries", json::array()).dump();
+  r.updatedAt = doc.value("updated_at", 0.0);
+  return r;
+}
+
+Status SqliteStore::putTrajectory(const TrajectoryRecord& r) {
+  std::string doc = trajectoryToDoc(r);
   std::lock_guard lk(mu_);
   Stmt st(db_, "INSERT INTO trajectories(id, doc) VALUES(?1, ?2) "
                "ON CONFLICT(id) DO UPDATE SET doc=excluded.doc");
-  st.bind(1, r.id).bind(2, doc.dump());
+  st.bind(1, r.id).bind(2, doc);
   if (st.step() != SQLITE_DONE) return sqlError(db_, "putTrajectory");
   return Status::ok();
 }
@@ -578,16 +595,7 @@ Result<TrajectoryRecord> SqliteStore::getTrajectory(const std::string& id) {
     if (rc != SQLITE_ROW) return sqlError(db_, "getTrajectory");
     text = st.text(0);
   }
-  json doc = json::parse(text, nullptr, false);
-  if (!doc.is_object()) return Status(Code::kInternal, "trajectory " + id + ": corrupt record");
-  TrajectoryRecord r;
-  r.id = id;
-  r.sandbox = doc.value("sandbox", "");
-  r.sandboxDoc = doc.value("sandbox_doc", "");
-  r.replaced = doc.value("replaced", std::vector<std::string>{});
-  r.recoveries = doc.value("recoveries", json::array()).dump();
-  r.updatedAt = doc.value("updated_at", 0.0);
-  return r;
+  return trajectoryFromDoc(id, text);
 }
 
 }  // namespace dsec::platform

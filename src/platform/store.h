@@ -1,6 +1,8 @@
-// Durable platform state. Store is the seam (SQLite embedded now, PostgreSQL
-// later); every write is durable when the call returns, so the platform can
-// acknowledge right after it.
+// Durable platform state. Store is the seam: SqliteStore (embedded, the
+// default) and PostgresStore (platform/pg_store.h, shared by several platform
+// processes); every write is durable when the call returns, so the platform
+// can acknowledge right after it. A method added here is implemented by both,
+// and store_test.cc runs its tests against both.
 #pragma once
 
 #include <map>
@@ -225,5 +227,22 @@ class SqliteStore : public Store {
 
 std::string sandboxToJson(const SandboxRecord& r);
 Result<SandboxRecord> sandboxFromJson(const std::string& s);
+
+// Column encodings both stores share.
+std::string imageConfigToColumn(const image::ImageConfig& c);
+ImageRecord imageFromColumns(const std::string& name, const std::string& tag,
+                             const std::string& layers, int64_t size, double created,
+                             const std::string& kind, const std::string& parent,
+                             const std::string& config);
+std::string trajectoryToDoc(const TrajectoryRecord& r);
+Result<TrajectoryRecord> trajectoryFromDoc(const std::string& id, const std::string& doc);
+
+// Opens the store `spec` names (`dsec up --store`): "sqlite" (or empty) is
+// SqliteStore at <dataDir>/state.db; a postgres:// or postgresql:// URI is
+// PostgresStore. kInvalidArgument (field "store") for anything else or a URI
+// libpq cannot parse; kUnavailable when the server cannot be reached. Messages
+// never hold the password. `where` gets a description fit for logs.
+Result<std::unique_ptr<Store>> openStore(const std::string& spec, const std::string& dataDir,
+                                         std::string* where = nullptr);
 
 }  // namespace dsec::platform

@@ -3,16 +3,34 @@
 #include <gtest/gtest.h>
 #include <sqlite3.h>
 
+#include <atomic>
+#include <chrono>
+#include <thread>
+
 #include "common/util.h"
+#include "platform/pg_store.h"
+#include "platform/store_test_util.h"
 
 namespace dsec::platform {
 namespace {
 
-TEST(StoreTest, SandboxesSurviveReopen) {
-  std::string dir = "/tmp/dsec-store-test-" + randomHex(4);
-  ASSERT_TRUE(makeDirs(dir).isOk());
+// Tests every store must pass (TEST_P: run on SQLite and on PostgreSQL).
+class StoreTest : public ::testing::TestWithParam<StoreKind> {
+ protected:
+  void SetUp() override { DSEC_MAKE_TEST_STORE_ENV(env_, GetParam()); }
+  void TearDown() override { env_.reset(); }
+  std::unique_ptr<Store> open() {
+    auto s = env_->open();
+    EXPECT_TRUE(s.isOk()) << s.status().toString();
+    return s.isOk() ? std::move(*s) : nullptr;
+  }
+  std::unique_ptr<TestStoreEnv> env_;
+};
+DSEC_INSTANTIATE_FOR_BOTH_STORES(StoreTest);
+
+TEST_P(StoreTest, SandboxesSurviveReopen) {
   {
-    auto s = SqliteStore::open(dir + "/state.db");
+    auto s = env_->open();
     ASSERT_TRUE(s.isOk()) << s.status().toString();
     SandboxRecord r;
     r.id = "sb-1";
@@ -27,7 +45,7 @@ TEST(StoreTest, SandboxesSurviveReopen) {
     ASSERT_TRUE((*s)->putBlob("sha256:aa", 10).isOk());
     ASSERT_TRUE((*s)->putImage(ImageRecord{"busybox", "latest", {"sha256:aa"}, 10, 1}).isOk());
   }
-  auto s = SqliteStore::open(dir + "/state.db");
+  auto s = env_->open();
   ASSERT_TRUE(s.isOk());
   auto all = (*s)->loadSandboxes();
   ASSERT_TRUE(all.isOk());
@@ -42,10 +60,36 @@ TEST(StoreTest, SandboxesSurviveReopen) {
   EXPECT_EQ((*s)->getImage("busybox", "nope").status().code(), Code::kNotFound);
   EXPECT_TRUE((*s)->deleteImage("busybox", "latest").isOk());
   EXPECT_EQ((*s)->deleteImage("busybox", "latest").code(), Code::kNotFound);
-  ASSERT_TRUE(removeTree(dir).isOk());
 }
 
-TEST(StoreTest, ImageConfigsPersistAndOldDatabasesUpgrade) {
+TEST_P(StoreTest, ImageConfigsPersist) {
+  auto s = open();
+  ASSERT_TRUE(s);
+  ASSERT_TRUE(s->putImage(ImageRecord{"old", "latest", {"sha256:aa"}, 1, 2}).isOk());
+  ImageRecord r{"app", "1", {"sha256:aa"}, 10, 1};
+  r.config = {"1000:1000", {"FOO=bar", "PATH=/bin"}, "/work"};
+  r.kind = "toolkit";
+  r.parent = R"({"image":"x"})";
+  ASSERT_TRUE(s->putImage(r).isOk());
+  auto back = s->getImage("app", "1");
+  ASSERT_TRUE(back.isOk());
+  EXPECT_EQ(back->config, r.config);
+  EXPECT_EQ(back->kind, "toolkit");
+  EXPECT_EQ(back->parent, r.parent);
+  EXPECT_EQ(back->createdAt, 1);
+  EXPECT_TRUE(s->getImage("old", "latest")->config.empty());
+  auto all = s->listImages();
+  ASSERT_TRUE(all.isOk());
+  ASSERT_EQ(all->size(), 2u);
+  EXPECT_EQ((*all)[0].config, r.config);  // "app" sorts before "old"
+  // Put again: replaced.
+  r.layers = {"sha256:bb", "sha256:cc"};
+  ASSERT_TRUE(s->putImage(r).isOk());
+  EXPECT_EQ(s->getImage("app", "1")->layers, r.layers);
+  EXPECT_EQ(s->listImages()->size(), 2u);
+}
+
+TEST(SqliteStoreTest, OldDatabasesUpgrade) {
   std::string dir = "/tmp/dsec-store-test-" + randomHex(4);
   ASSERT_TRUE(makeDirs(dir).isOk());
   {
@@ -81,7 +125,7 @@ TEST(StoreTest, ImageConfigsPersistAndOldDatabasesUpgrade) {
   ASSERT_TRUE(removeTree(dir).isOk());
 }
 
-TEST(StoreTest, SandboxUserAndWorkingDirRoundTripAndOldRecordsRead) {
+TEST(StoreCodecTest, SandboxUserAndWorkingDirRoundTripAndOldRecordsRead) {
   SandboxRecord r;
   r.id = "sb-2";
   r.backend = "container";
@@ -124,9 +168,8 @@ TrajectoryStep stepOf(const std::string& t, int64_t n, const std::string& conten
   return s;
 }
 
-// Steps keep the digest of their bytes (also in a database made before the
-// column), the trajectory's record comes and goes with its steps.
-TEST(StoreTest, StepContentsAndTrajectoryRecords) {
+// A database made before steps kept their content digest gets the column.
+TEST(SqliteStoreTest, OldStepTablesUpgrade) {
   std::string dir = "/tmp/dsec-store-test-" + randomHex(4);
   ASSERT_TRUE(makeDirs(dir).isOk());
   {
@@ -137,14 +180,30 @@ TEST(StoreTest, StepContentsAndTrajectoryRecords) {
                            "NOT NULL, digest TEXT NOT NULL, kind TEXT NOT NULL, sandbox TEXT NOT "
                            "NULL, request TEXT NOT NULL, status INTEGER NOT NULL, content_type "
                            "TEXT NOT NULL, body BLOB NOT NULL, started_at REAL NOT NULL, "
-                           "finished_at REAL NOT NULL, PRIMARY KEY(trajectory, step));",
+                           "finished_at REAL NOT NULL, PRIMARY KEY(trajectory, step));"
+                           "INSERT INTO trajectory_steps VALUES('a', 0, 'sha256:d0', 'exec', "
+                           "'sb-1', '{}', 200, 'application/json', X'7b7d', 1, 2);",
                            nullptr, nullptr, nullptr),
               SQLITE_OK);
     sqlite3_close(db);
   }
   auto s = SqliteStore::open(dir + "/state.db");
   ASSERT_TRUE(s.isOk()) << s.status().toString();
-  Store& st = **s;
+  auto old = (*s)->getStep("a", 0);
+  ASSERT_TRUE(old.isOk()) << old.status().toString();
+  EXPECT_EQ(old->content, "");
+  EXPECT_EQ(old->body, "{}");
+  ASSERT_TRUE((*s)->putStep(stepOf("a", 1, "sha256:c1")).isOk());
+  EXPECT_EQ(*(*s)->stepContents(), (std::set<std::string>{"sha256:c1"}));
+  ASSERT_TRUE(removeTree(dir).isOk());
+}
+
+// Steps keep the digest of their bytes, the trajectory's record comes and
+// goes with its steps.
+TEST_P(StoreTest, StepContentsAndTrajectoryRecords) {
+  auto s = open();
+  ASSERT_TRUE(s);
+  Store& st = *s;
   ASSERT_TRUE(st.putStep(stepOf("a", 0, "")).isOk());
   ASSERT_TRUE(st.putStep(stepOf("a", 1, "sha256:c1")).isOk());
   ASSERT_TRUE(st.putStep(stepOf("b", 0, "sha256:c1")).isOk());
@@ -176,7 +235,260 @@ TEST(StoreTest, StepContentsAndTrajectoryRecords) {
   EXPECT_EQ(*st.deleteTrajectory("a"), 2);
   EXPECT_EQ(st.getTrajectory("a").status().code(), Code::kNotFound);
   EXPECT_TRUE(st.stepContents()->empty());
-  ASSERT_TRUE(removeTree(dir).isOk());
+}
+
+}  // namespace
+}  // namespace dsec::platform
+
+namespace dsec::platform {
+namespace {
+
+TEST_P(StoreTest, StepsAreBytesRefuseRepeatsAndListInOrder) {
+  auto s = open();
+  ASSERT_TRUE(s);
+  TrajectoryStep a = stepOf("t", 1, "");
+  a.body = std::string("\0\x01\xff\n{\"x\":1}\0", 12);  // bytes, NULs included
+  a.contentType = "application/octet-stream";
+  a.status = 201;
+  a.startedAt = 1700000000.123456;
+  a.finishedAt = 1700000000.654321;
+  ASSERT_TRUE(s->putStep(a).isOk());
+  ASSERT_TRUE(s->putStep(stepOf("t", 0, "")).isOk());
+  ASSERT_TRUE(s->putStep(stepOf("u", 0, "")).isOk());
+  // The same key again: refused, whatever it holds (Chronus relies on this).
+  TrajectoryStep other = a;
+  other.digest = "sha256:other";
+  Status again = s->putStep(other);
+  EXPECT_EQ(again.code(), Code::kAlreadyExists) << again.toString();
+  EXPECT_EQ(s->putStep(a).code(), Code::kAlreadyExists);
+  auto back = s->getStep("t", 1);
+  ASSERT_TRUE(back.isOk()) << back.status().toString();
+  EXPECT_EQ(back->body, a.body);
+  EXPECT_EQ(back->digest, a.digest);
+  EXPECT_EQ(back->status, 201);
+  EXPECT_EQ(back->contentType, a.contentType);
+  EXPECT_EQ(back->startedAt, a.startedAt);  // exact: doubles round-trip
+  EXPECT_EQ(back->finishedAt, a.finishedAt);
+  EXPECT_EQ(s->getStep("t", 2).status().code(), Code::kNotFound);
+  auto steps = s->loadTrajectory("t");
+  ASSERT_TRUE(steps.isOk());
+  ASSERT_EQ(steps->size(), 2u);
+  EXPECT_EQ((*steps)[0].step, 0);
+  EXPECT_EQ((*steps)[1].step, 1);
+  auto list = s->listTrajectories();
+  ASSERT_TRUE(list.isOk());
+  ASSERT_EQ(list->size(), 2u);
+  EXPECT_EQ((*list)[0].id, "t");
+  EXPECT_EQ((*list)[0].steps, 2);
+  EXPECT_EQ((*list)[0].firstAt, 100);
+  EXPECT_EQ((*list)[0].lastAt, a.finishedAt);
+  // Retention: `u` (finished at 100) goes, `t` (last step later) stays whole.
+  EXPECT_EQ(*s->deleteTrajectoriesBefore(200), 1);
+  EXPECT_EQ(s->listTrajectories()->size(), 1u);
+  EXPECT_EQ(*s->deleteTrajectory("nope"), 0);
+}
+
+// Many threads on one store: every call works, and of racing putSteps on one
+// key exactly one wins.
+TEST_P(StoreTest, ConcurrentCallsFromManyThreads) {
+  auto s = open();
+  ASSERT_TRUE(s);
+  constexpr int kThreads = 8, kKeys = 20;
+  std::atomic<int> wins{0}, conflicts{0}, errors{0};
+  std::vector<std::thread> ts;
+  for (int t = 0; t < kThreads; ++t) {
+    ts.emplace_back([&, t] {
+      for (int k = 0; k < kKeys; ++k) {
+        TrajectoryStep st = stepOf("race", k, "");
+        st.sandbox = "sb-" + std::to_string(t);
+        Status r = s->putStep(st);
+        if (r.isOk()) {
+          ++wins;
+        } else if (r.code() == Code::kAlreadyExists) {
+          ++conflicts;
+        } else {
+          ++errors;
+        }
+        SandboxRecord sb;
+        sb.id = "sb-" + std::to_string(t) + "-" + std::to_string(k);
+        sb.backend = "container";
+        sb.state = "running";
+        if (!s->putSandbox(sb).isOk() || !s->loadSandboxes().isOk()) ++errors;
+      }
+    });
+  }
+  for (auto& t : ts) t.join();
+  EXPECT_EQ(errors, 0);
+  EXPECT_EQ(wins, kKeys);
+  EXPECT_EQ(conflicts, kKeys * (kThreads - 1));
+  EXPECT_EQ(s->loadTrajectory("race")->size(), size_t(kKeys));
+  EXPECT_EQ(s->loadSandboxes()->size(), size_t(kThreads * kKeys));
+}
+
+TEST_P(StoreTest, BlobsKindsAndDeletes) {
+  auto s = open();
+  ASSERT_TRUE(s);
+  ASSERT_TRUE(s->putBlob("sha256:m", 10).isOk());
+  ASSERT_TRUE(s->putBlob("sha256:d", 1 << 30).isOk());
+  EXPECT_TRUE(*s->hasBlob("sha256:m"));
+  EXPECT_FALSE(*s->hasBlob("sha256:x"));
+  ASSERT_TRUE(s->setBlobKind("sha256:m", "base").isOk());
+  ASSERT_TRUE(s->setBlobData("sha256:m", "sha256:d").isOk());
+  ASSERT_TRUE(s->setBlobKind("sha256:d", "data").isOk());
+  ASSERT_TRUE(s->setBlobChunks("sha256:d", "sha256:idx").isOk());
+  auto m = s->getBlob("sha256:m");
+  ASSERT_TRUE(m.isOk());
+  EXPECT_EQ(m->kind, "base");
+  EXPECT_EQ(m->data, "sha256:d");
+  EXPECT_GT(m->createdAt, 1.6e9);  // seconds since the epoch
+  double created = m->createdAt;
+  // A re-upload keeps the kind and refreshes created_at.
+  ASSERT_TRUE(s->putBlob("sha256:m", 10).isOk());
+  EXPECT_EQ(s->getBlob("sha256:m")->kind, "base");
+  EXPECT_GE(s->getBlob("sha256:m")->createdAt, created);
+  auto all = s->listBlobs();
+  ASSERT_TRUE(all.isOk());
+  ASSERT_EQ(all->size(), 2u);
+  EXPECT_EQ((*all)[0].digest, "sha256:d");
+  EXPECT_EQ((*all)[0].size, 1 << 30);
+  EXPECT_EQ((*all)[0].chunks, "sha256:idx");
+  ASSERT_TRUE(s->deleteBlob("sha256:m").isOk());
+  EXPECT_EQ(s->getBlob("sha256:m").status().code(), Code::kNotFound);
+  EXPECT_EQ(s->blobSize("sha256:m").status().code(), Code::kNotFound);
+  ASSERT_TRUE(s->deleteSandbox("never-there").isOk());
+}
+
+TEST_P(StoreTest, PoliciesPutReplaceDelete) {
+  auto s = open();
+  ASSERT_TRUE(s);
+  ASSERT_TRUE(s->putPolicy("b", R"({"name":"b"})").isOk());
+  ASSERT_TRUE(s->putPolicy("a", R"({"name":"a"})").isOk());
+  ASSERT_TRUE(s->putPolicy("b", R"({"name":"b","v":2})").isOk());
+  EXPECT_EQ(*s->loadPolicies(),
+            (std::vector<std::string>{R"({"name":"a"})", R"({"name":"b","v":2})"}));
+  EXPECT_TRUE(s->deletePolicy("a").isOk());
+  EXPECT_EQ(s->deletePolicy("a").code(), Code::kNotFound);
+  EXPECT_EQ(s->loadPolicies()->size(), 1u);
+}
+
+// ---------------------------------------------------------------- PostgreSQL only
+
+class PostgresStoreTest : public ::testing::Test {
+ protected:
+  void SetUp() override { DSEC_MAKE_TEST_STORE_ENV(env_, StoreKind::kPostgres); }
+  void TearDown() override { env_.reset(); }
+  std::unique_ptr<TestStoreEnv> env_;
+};
+
+// Several processes opening a new database at once: the advisory lock makes
+// one create the schema, the others find it done; opening again changes nothing.
+TEST_F(PostgresStoreTest, MigrationsAreIdempotentAndSafeWhenOpenedConcurrently) {
+  constexpr int kOpeners = 6;
+  std::vector<std::thread> ts;
+  std::atomic<int> failures{0};
+  for (int i = 0; i < kOpeners; ++i) {
+    ts.emplace_back([&] {
+      auto s = PostgresStore::open(env_->uri);
+      if (!s.isOk()) {
+        ADD_FAILURE() << s.status().toString();
+        ++failures;
+      }
+    });
+  }
+  for (auto& t : ts) t.join();
+  EXPECT_EQ(failures, 0);
+  auto s = PostgresStore::open(env_->uri);
+  ASSERT_TRUE(s.isOk()) << s.status().toString();
+  // One row per migration, however many opened it.
+  ASSERT_TRUE(env_->cluster
+                  ->exec("DO $$ BEGIN IF (SELECT COUNT(*) FROM " + env_->schema +
+                         ".dsec_schema) <> " + std::to_string(PostgresStore::schemaVersion()) +
+                         " THEN RAISE EXCEPTION 'wrong number of schema rows'; END IF; END $$")
+                  .isOk());
+}
+
+TEST_F(PostgresStoreTest, ANewerSchemaIsRefused) {
+  ASSERT_TRUE(PostgresStore::open(env_->uri).isOk());
+  ASSERT_TRUE(env_->cluster
+                  ->exec("INSERT INTO " + env_->schema + ".dsec_schema VALUES(" +
+                         std::to_string(PostgresStore::schemaVersion() + 1) + ", 0)")
+                  .isOk());
+  auto s = PostgresStore::open(env_->uri);
+  ASSERT_FALSE(s.isOk());
+  EXPECT_EQ(s.status().code(), Code::kFailedPrecondition);
+  EXPECT_NE(s.status().message().find("newer"), std::string::npos) << s.status().message();
+}
+
+// Backends killed under the store (a server restart, a network cut): the next
+// calls reconnect; reads and putStep are retried, so they just work.
+TEST_F(PostgresStoreTest, ReconnectsAfterItsConnectionsAreKilled) {
+  // Its own application_name: other tests share the cluster.
+  std::string app = "dsec-reconnect-" + randomHex(4);
+  auto s = PostgresStore::open(env_->uri + "&application_name=" + app, PostgresOptions{4});
+  ASSERT_TRUE(s.isOk()) << s.status().toString();
+  ASSERT_TRUE((*s)->putStep(stepOf("k", 0, "")).isOk());
+  // Several pool connections open (the pool opens them under concurrent
+  // calls), then all of them killed (waiting until they are gone).
+  auto severalOpen = [&] {
+    return env_->cluster
+        ->exec("DO $$ BEGIN IF (SELECT COUNT(*) FROM pg_stat_activity WHERE application_name = '" +
+               app + "') < 2 THEN RAISE EXCEPTION 'fewer than 2 connections'; END IF; END $$")
+        .isOk();
+  };
+  for (int round = 0; round < 50 && !severalOpen(); ++round) {
+    std::vector<std::thread> ts;
+    for (int i = 0; i < 4; ++i) ts.emplace_back([&] { (void)(*s)->loadTrajectory("k"); });
+    for (auto& t : ts) t.join();
+  }
+  ASSERT_TRUE(severalOpen());
+  ASSERT_TRUE(env_->cluster
+                  ->exec("SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity WHERE "
+                         "application_name = '" + app + "'")
+                  .isOk());
+  auto steps = (*s)->loadTrajectory("k");
+  ASSERT_TRUE(steps.isOk()) << steps.status().toString();
+  EXPECT_EQ(steps->size(), 1u);
+  Status put = (*s)->putStep(stepOf("k", 1, ""));
+  EXPECT_TRUE(put.isOk()) << put.toString();
+  EXPECT_EQ((*s)->putStep(stepOf("k", 1, "")).code(), Code::kAlreadyExists);
+  EXPECT_EQ((*s)->loadTrajectory("k")->size(), 2u);
+}
+
+TEST_F(PostgresStoreTest, OpenStoreSelectsAndRefusesWithClearErrors) {
+  std::string where;
+  auto pg = openStore(env_->uri, env_->dir, &where);
+  ASSERT_TRUE(pg.isOk()) << pg.status().toString();
+  EXPECT_EQ(where.rfind("postgresql postgresql://dsec@/dsec?", 0), 0u) << where;
+  auto sq = openStore("sqlite", env_->dir, &where);
+  ASSERT_TRUE(sq.isOk()) << sq.status().toString();
+  EXPECT_EQ(where, "sqlite " + env_->dir + "/state.db");
+
+  auto bad = openStore("mysql://root:hunter2@db/x", env_->dir);
+  EXPECT_EQ(bad.status().code(), Code::kInvalidArgument);
+  EXPECT_EQ(bad.status().field(), "store");
+  EXPECT_EQ(bad.status().message().find("hunter2"), std::string::npos) << bad.status().message();
+  auto unparsable = openStore("postgres://u:hunter2@h/db?nosuchoption=1", env_->dir);
+  EXPECT_EQ(unparsable.status().code(), Code::kInvalidArgument);
+  EXPECT_EQ(unparsable.status().message().find("hunter2"), std::string::npos);
+  EXPECT_NE(unparsable.status().message().find("nosuchoption"), std::string::npos)
+      << unparsable.status().message();
+  // Nothing listens on port 1: a clear error at once, no hang.
+  auto t0 = std::chrono::steady_clock::now();
+  auto down = openStore("postgresql://u:hunter2@127.0.0.1:1/db?connect_timeout=3", env_->dir);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5));
+  EXPECT_EQ(down.status().code(), Code::kUnavailable);
+  EXPECT_NE(down.status().message().find("127.0.0.1"), std::string::npos)
+      << down.status().message();
+  EXPECT_EQ(down.status().message().find("hunter2"), std::string::npos) << down.status().message();
+}
+
+TEST(PostgresUriTest, RedactsPasswords) {
+  EXPECT_EQ(redactPostgresUri("postgres://u:secret@h:5432/db?sslmode=require"),
+            "postgres://u:***@h:5432/db?sslmode=require");
+  EXPECT_EQ(redactPostgresUri("postgresql://u@h/db?password=secret&x=1"),
+            "postgresql://u@h/db?password=***&x=1");
+  EXPECT_EQ(redactPostgresUri("postgresql://h"), "postgresql://h");
+  EXPECT_EQ(redactPostgresUri("host=h password=secret"), "host=h password=***");
 }
 
 }  // namespace

@@ -1,0 +1,713 @@
+#include "platform/pg_store.h"
+
+#include <libpq-fe.h>
+
+#include <charconv>
+#include <cstdlib>
+#include <nlohmann/json.hpp>
+
+#include "common/util.h"
+
+namespace dsec::platform {
+
+using json = nlohmann::json;
+
+namespace {
+
+// Migrations, oldest first; schema version N is the first N applied. Never
+// edit one that has shipped: append another.
+constexpr const char* kMigrations[] = {
+    // 1: the schema of the SQLite store as of the first PostgreSQL release.
+    "CREATE TABLE sandboxes(id TEXT PRIMARY KEY, state TEXT NOT NULL, doc TEXT NOT NULL);"
+    "CREATE TABLE blobs(digest TEXT PRIMARY KEY, size BIGINT NOT NULL, "
+    "created_at DOUBLE PRECISION NOT NULL, kind TEXT NOT NULL DEFAULT '', "
+    "data TEXT NOT NULL DEFAULT '', chunks TEXT NOT NULL DEFAULT '');"
+    "CREATE TABLE images(name TEXT NOT NULL, tag TEXT NOT NULL, layers TEXT NOT NULL, "
+    "size BIGINT NOT NULL, created_at DOUBLE PRECISION NOT NULL, "
+    "kind TEXT NOT NULL DEFAULT 'base', parent TEXT NOT NULL DEFAULT '', "
+    "config TEXT NOT NULL DEFAULT '', PRIMARY KEY(name, tag));"
+    "CREATE TABLE policies(name TEXT PRIMARY KEY, doc TEXT NOT NULL);"
+    "CREATE TABLE trajectory_steps(trajectory TEXT NOT NULL, step BIGINT NOT NULL, "
+    "digest TEXT NOT NULL, kind TEXT NOT NULL, sandbox TEXT NOT NULL, request TEXT NOT NULL, "
+    "status INTEGER NOT NULL, content_type TEXT NOT NULL, body BYTEA NOT NULL, "
+    "started_at DOUBLE PRECISION NOT NULL, finished_at DOUBLE PRECISION NOT NULL, "
+    "content TEXT NOT NULL DEFAULT '', PRIMARY KEY(trajectory, step));"
+    "CREATE INDEX trajectory_steps_content ON trajectory_steps(content) WHERE content <> '';"
+    "CREATE TABLE trajectories(id TEXT PRIMARY KEY, doc TEXT NOT NULL);",
+};
+constexpr int kSchemaVersion = int(std::size(kMigrations));
+// pg_advisory_xact_lock key serializing migrations ("dsec" "schema").
+constexpr int64_t kMigrationLock = 0x6473656373636831;
+
+using ResultPtr = std::unique_ptr<PGresult, decltype(&PQclear)>;
+
+std::string trimmed(const char* msg) {
+  std::string s = msg ? msg : "";
+  while (!s.empty() && (s.back() == '\n' || s.back() == ' ')) s.pop_back();
+  return s;
+}
+
+// Query parameters, all sent as text except bytea ones (binary).
+class Params {
+ public:
+  Params& add(const std::string& v) {
+    vals_.push_back(v);
+    fmts_.push_back(0);
+    return *this;
+  }
+  Params& add(int64_t v) { return add(std::to_string(v)); }
+  Params& add(double v) {
+    char buf[64];
+    auto r = std::to_chars(buf, buf + sizeof buf, v);  // shortest exact round trip
+    return add(std::string(buf, r.ptr));
+  }
+  Params& addBytes(const std::string& v) {
+    vals_.push_back(v);
+    fmts_.push_back(1);
+    return *this;
+  }
+  int size() const { return int(vals_.size()); }
+  std::vector<const char*> values() const {
+    std::vector<const char*> v;
+    for (auto& s : vals_) v.push_back(s.data());
+    return v;
+  }
+  std::vector<int> lengths() const {
+    std::vector<int> v;
+    for (auto& s : vals_) v.push_back(int(s.size()));
+    return v;
+  }
+  const int* formats() const { return fmts_.data(); }
+
+ private:
+  std::vector<std::string> vals_;
+  std::vector<int> fmts_;
+};
+
+// The rows of a finished query (text format).
+class Rows {
+ public:
+  explicit Rows(PGresult* r) : r_(r, &PQclear) {}
+  int size() const { return PQntuples(r_.get()); }
+  std::string text(int row, int col) const {
+    return std::string(PQgetvalue(r_.get(), row, col), size_t(PQgetlength(r_.get(), row, col)));
+  }
+  int64_t i64(int row, int col) const {
+    return std::strtoll(PQgetvalue(r_.get(), row, col), nullptr, 10);
+  }
+  double dbl(int row, int col) const {
+    return std::strtod(PQgetvalue(r_.get(), row, col), nullptr);
+  }
+  std::string bytes(int row, int col) const {
+    size_t n = 0;
+    unsigned char* b =
+        PQunescapeBytea(reinterpret_cast<const unsigned char*>(PQgetvalue(r_.get(), row, col)), &n);
+    if (!b) return "";
+    std::string out(reinterpret_cast<char*>(b), n);
+    PQfreemem(b);
+    return out;
+  }
+  // Rows a DELETE or UPDATE touched.
+  int64_t affected() const { return std::strtoll(PQcmdTuples(r_.get()), nullptr, 10); }
+
+ private:
+  ResultPtr r_;
+};
+
+void quietNotices(void*, const char*) {}
+
+// Session settings every connection gets (also after a reset).
+Status setupSession(PGconn* c, const std::string& where) {
+  PQsetNoticeProcessor(c, quietNotices, nullptr);
+  ResultPtr r(PQexec(c, "SET synchronous_commit TO on; SET client_min_messages TO warning"),
+              &PQclear);
+  if (PQresultStatus(r.get()) != PGRES_COMMAND_OK) {
+    return Status(Code::kUnavailable,
+                  "postgres " + where + ": session setup: " + trimmed(PQerrorMessage(c)));
+  }
+  return Status::ok();
+}
+
+}  // namespace
+
+// One statement on a pooled connection, retried once on a fresh connection
+// when the first lost its connection and `retry` says repeating is harmless.
+class PostgresStore::Query {
+ public:
+  // `retried`, if given, tells whether a second attempt was made.
+  static Result<Rows> run(PostgresStore* s, const char* what, const char* sql, const Params& p,
+                          bool retry, bool* retried = nullptr) {
+    auto vals = p.values();
+    auto lens = p.lengths();
+    for (int attempt = 0;; ++attempt) {
+      if (retried) *retried = attempt > 0;
+      ASSIGN_OR_RETURN(PGconn * c, s->acquire());
+      PGresult* r =
+          PQexecParams(c, sql, p.size(), nullptr, vals.data(), lens.data(), p.formats(), 0);
+      ExecStatusType es = PQresultStatus(r);
+      if (r && (es == PGRES_COMMAND_OK || es == PGRES_TUPLES_OK)) {
+        s->release(c);
+        return Rows(r);
+      }
+      bool lost = PQstatus(c) == CONNECTION_BAD;
+      const char* state = r ? PQresultErrorField(r, PG_DIAG_SQLSTATE) : nullptr;
+      std::string sqlstate = state ? state : "";
+      std::string msg = trimmed(r ? PQresultErrorMessage(r) : PQerrorMessage(c));
+      if (msg.empty()) msg = trimmed(PQerrorMessage(c));
+      PQclear(r);
+      if (lost) {
+        // What cut this one (a server restart, failover, a network cut) has
+        // most likely cut the idle ones too: the retry gets a new connection.
+        s->discard(c);
+      } else {
+        s->release(c);
+      }
+      if (lost && retry && attempt == 0) continue;
+      if (lost) {
+        return Status(Code::kUnavailable,
+                      std::string("postgres ") + what + ": connection to " + s->where_ + " lost" +
+                          (retry ? "" : " (whether the change was made is unknown)") + ": " + msg);
+      }
+      if (sqlstate == "23505") {
+        return Status(Code::kAlreadyExists, std::string("postgres ") + what + ": " + msg);
+      }
+      return Status(Code::kInternal, std::string("postgres ") + what + ": " + msg);
+    }
+  }
+};
+
+namespace {
+constexpr bool kRetry = true;
+constexpr bool kNoRetry = false;
+}  // namespace
+
+std::string redactPostgresUri(const std::string& uri) {
+  size_t scheme = uri.find("://");
+  if (scheme == std::string::npos) {
+    // key=value form: drop the password's value.
+    std::string out;
+    for (auto& kv : splitString(uri, ' ')) {
+      if (!out.empty()) out += " ";
+      out += kv.rfind("password=", 0) == 0 ? "password=***" : kv;
+    }
+    return out;
+  }
+  size_t start = scheme + 3;
+  size_t end = uri.find_first_of("/?", start);
+  std::string authority =
+      uri.substr(start, end == std::string::npos ? std::string::npos : end - start);
+  std::string rest = end == std::string::npos ? "" : uri.substr(end);
+  if (size_t at = authority.rfind('@'); at != std::string::npos) {
+    std::string user = authority.substr(0, at);
+    if (size_t colon = user.find(':'); colon != std::string::npos) {
+      authority = user.substr(0, colon) + ":***" + authority.substr(at);
+    }
+  }
+  if (size_t q = rest.find('?'); q != std::string::npos) {
+    std::string out = rest.substr(0, q + 1);
+    bool first = true;
+    for (auto& kv : splitString(rest.substr(q + 1), '&')) {
+      if (!first) out += "&";
+      first = false;
+      out += kv.rfind("password=", 0) == 0 ? "password=***" : kv;
+    }
+    rest = out;
+  }
+  return uri.substr(0, start) + authority + rest;
+}
+
+Result<std::unique_ptr<PostgresStore>> PostgresStore::open(const std::string& uri,
+                                                           PostgresOptions opts) {
+  if (uri.rfind("postgres://", 0) != 0 && uri.rfind("postgresql://", 0) != 0) {
+    return invalidArg(
+        "store", "not a PostgreSQL URI (postgres:// or postgresql://): " + redactPostgresUri(uri));
+  }
+  char* err = nullptr;
+  PQconninfoOption* parsed = PQconninfoParse(uri.c_str(), &err);
+  if (!parsed) {
+    std::string msg = trimmed(err ? err : "out of memory");
+    PQfreemem(err);
+    return invalidArg("store", "bad PostgreSQL URI " + redactPostgresUri(uri) + ": " + msg);
+  }
+  PQconninfoFree(parsed);
+  if (opts.poolSize < 1) return invalidArg("store", "pool size must be at least 1");
+  std::unique_ptr<PostgresStore> s(new PostgresStore(uri, redactPostgresUri(uri), opts));
+  ASSIGN_OR_RETURN(PGconn * c, s->acquire());
+  s->release(c);
+  RETURN_IF_ERROR(s->migrate());
+  return s;
+}
+
+int PostgresStore::schemaVersion() { return kSchemaVersion; }
+
+PostgresStore::~PostgresStore() {
+  std::lock_guard lk(mu_);
+  for (PGconn* c : idle_) PQfinish(c);
+}
+
+Result<PGconn*> PostgresStore::connect() {
+  // Defaults first: the URI (dbname, expanded) comes last and overrides them.
+  const char* keys[] = {"connect_timeout",     "keepalives",       "keepalives_idle",
+                        "keepalives_interval", "keepalives_count", "tcp_user_timeout",
+                        "application_name",    "dbname",           nullptr};
+  const char* vals[] = {"10", "1", "10", "5", "3", "15000", "dsec", uri_.c_str(), nullptr};
+  PGconn* c = PQconnectdbParams(keys, vals, 1);
+  if (!c) return Status(Code::kResourceExhausted, "postgres: out of memory connecting");
+  if (PQstatus(c) != CONNECTION_OK) {
+    std::string msg = trimmed(PQerrorMessage(c));
+    PQfinish(c);
+    return Status(Code::kUnavailable, "cannot connect to PostgreSQL at " + where_ + ": " + msg);
+  }
+  if (Status st = setupSession(c, where_); !st.isOk()) {
+    PQfinish(c);
+    return st;
+  }
+  return c;
+}
+
+Result<PGconn*> PostgresStore::acquire() {
+  PGconn* c = nullptr;
+  {
+    std::unique_lock lk(mu_);
+    freed_.wait(lk, [&] { return !idle_.empty() || open_ < opts_.poolSize; });
+    if (!idle_.empty()) {
+      c = idle_.back();
+      idle_.pop_back();
+    } else {
+      ++open_;
+    }
+  }
+  if (!c) {
+    auto fresh = connect();
+    if (!fresh.isOk()) {
+      std::lock_guard lk(mu_);
+      --open_;
+      freed_.notify_one();
+      return fresh;
+    }
+    return *fresh;
+  }
+  if (PQstatus(c) == CONNECTION_OK) return c;
+  // Lost since its last use (server restart, terminated backend, network).
+  PQreset(c);
+  if (PQstatus(c) != CONNECTION_OK) {
+    std::string msg = trimmed(PQerrorMessage(c));
+    release(c);
+    return Status(Code::kUnavailable, "cannot reconnect to PostgreSQL at " + where_ + ": " + msg);
+  }
+  if (Status st = setupSession(c, where_); !st.isOk()) {
+    release(c);
+    return st;
+  }
+  return c;
+}
+
+void PostgresStore::discard(PGconn* lost) {
+  std::vector<PGconn*> gone;
+  {
+    std::lock_guard lk(mu_);
+    gone.swap(idle_);
+    gone.push_back(lost);
+    open_ -= int(gone.size());
+    freed_.notify_all();
+  }
+  for (PGconn* c : gone) PQfinish(c);
+}
+
+void PostgresStore::release(PGconn* c) {
+  std::lock_guard lk(mu_);
+  idle_.push_back(c);
+  freed_.notify_one();
+}
+
+Status PostgresStore::migrate() {
+  ASSIGN_OR_RETURN(PGconn * c, acquire());
+  auto fail = [&](const std::string& what) {
+    std::string msg = trimmed(PQerrorMessage(c));
+    ResultPtr(PQexec(c, "ROLLBACK"), &PQclear);
+    release(c);
+    return Status(Code::kInternal,
+                  "postgres " + where_ + ": schema migration: " + what + ": " + msg);
+  };
+  auto ok = [&](PGresult* r) {
+    ResultPtr p(r, &PQclear);
+    auto es = PQresultStatus(r);
+    return es == PGRES_COMMAND_OK || es == PGRES_TUPLES_OK;
+  };
+  if (!ok(PQexec(c, "BEGIN"))) return fail("begin");
+  std::string lock = std::to_string(kMigrationLock);
+  const char* lockParam[] = {lock.c_str()};
+  // Held to the end of the transaction: another process opening the database
+  // now waits here, then finds the migrations done.
+  if (!ok(PQexecParams(c, "SELECT pg_advisory_xact_lock($1::bigint)", 1, nullptr, lockParam,
+                       nullptr, nullptr, 0))) {
+    return fail("lock");
+  }
+  if (!ok(PQexec(c,
+                 "CREATE TABLE IF NOT EXISTS dsec_schema(version INTEGER NOT NULL, "
+                 "applied_at DOUBLE PRECISION NOT NULL)"))) {
+    return fail("create dsec_schema");
+  }
+  ResultPtr cur(PQexec(c, "SELECT COALESCE(MAX(version), 0) FROM dsec_schema"), &PQclear);
+  if (PQresultStatus(cur.get()) != PGRES_TUPLES_OK) return fail("read version");
+  int have = std::atoi(PQgetvalue(cur.get(), 0, 0));
+  if (have > kSchemaVersion) {
+    ResultPtr(PQexec(c, "ROLLBACK"), &PQclear);
+    release(c);
+    return Status(Code::kFailedPrecondition,
+                  "postgres " + where_ + ": the database's schema is version " +
+                      std::to_string(have) + ", newer than this dsec knows (" +
+                      std::to_string(kSchemaVersion) + "): upgrade dsec");
+  }
+  for (int v = have + 1; v <= kSchemaVersion; ++v) {
+    if (!ok(PQexec(c, kMigrations[v - 1]))) return fail("version " + std::to_string(v));
+    std::string vs = std::to_string(v);
+    const char* p[] = {vs.c_str()};
+    if (!ok(PQexecParams(c,
+                         "INSERT INTO dsec_schema(version, applied_at) "
+                         "VALUES($1::integer, EXTRACT(EPOCH FROM clock_timestamp())::float8)",
+                         1, nullptr, p, nullptr, nullptr, 0))) {
+      return fail("record version " + vs);
+    }
+  }
+  if (!ok(PQexec(c, "COMMIT"))) return fail("commit");
+  release(c);
+  return Status::ok();
+}
+
+// ---------------------------------------------------------------- sandboxes
+
+Status PostgresStore::putSandbox(const SandboxRecord& r) {
+  return Query::run(this, "putSandbox",
+                    "INSERT INTO sandboxes(id, state, doc) VALUES($1, $2, $3) "
+                    "ON CONFLICT(id) DO UPDATE SET state=excluded.state, doc=excluded.doc",
+                    Params().add(r.id).add(r.state).add(sandboxToJson(r)), kRetry)
+      .takeStatus();
+}
+
+Status PostgresStore::deleteSandbox(const std::string& id) {
+  return Query::run(this, "deleteSandbox", "DELETE FROM sandboxes WHERE id=$1", Params().add(id),
+                    kRetry)
+      .takeStatus();
+}
+
+Result<std::vector<SandboxRecord>> PostgresStore::loadSandboxes() {
+  ASSIGN_OR_RETURN(
+      Rows rows,
+      Query::run(this, "loadSandboxes", "SELECT doc FROM sandboxes ORDER BY id", Params(), kRetry));
+  std::vector<SandboxRecord> out;
+  for (int i = 0; i < rows.size(); ++i) {
+    ASSIGN_OR_RETURN(auto r, sandboxFromJson(rows.text(i, 0)));
+    out.push_back(std::move(r));
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------- blobs
+
+Status PostgresStore::putBlob(const std::string& digest, int64_t size) {
+  // A re-upload refreshes created_at (the GC grace period) and keeps the kind.
+  return Query::run(this, "putBlob",
+                    "INSERT INTO blobs(digest, size, created_at) "
+                    "VALUES($1, $2::bigint, EXTRACT(EPOCH FROM clock_timestamp())::float8) "
+                    "ON CONFLICT(digest) DO UPDATE SET created_at=excluded.created_at",
+                    Params().add(digest).add(size), kRetry)
+      .takeStatus();
+}
+
+Result<bool> PostgresStore::hasBlob(const std::string& digest) {
+  auto size = blobSize(digest);
+  if (size.isOk()) return true;
+  if (size.status().code() == Code::kNotFound) return false;
+  return std::move(size).takeStatus();
+}
+
+Result<int64_t> PostgresStore::blobSize(const std::string& digest) {
+  ASSIGN_OR_RETURN(Rows rows, Query::run(this, "blobSize", "SELECT size FROM blobs WHERE digest=$1",
+                                         Params().add(digest), kRetry));
+  if (rows.size() == 0) return notFound("blob " + digest);
+  return rows.i64(0, 0);
+}
+
+namespace {
+constexpr const char* kBlobColumns = "digest, size, created_at, kind, data, chunks";
+BlobRecord blobFromRow(const Rows& r, int i) {
+  return BlobRecord{r.text(i, 0), r.i64(i, 1),  r.dbl(i, 2),
+                    r.text(i, 3), r.text(i, 4), r.text(i, 5)};
+}
+}  // namespace
+
+Result<BlobRecord> PostgresStore::getBlob(const std::string& digest) {
+  std::string sql = std::string("SELECT ") + kBlobColumns + " FROM blobs WHERE digest=$1";
+  ASSIGN_OR_RETURN(Rows rows,
+                   Query::run(this, "getBlob", sql.c_str(), Params().add(digest), kRetry));
+  if (rows.size() == 0) return notFound("layer " + digest + " not found");
+  return blobFromRow(rows, 0);
+}
+
+Result<std::vector<BlobRecord>> PostgresStore::listBlobs() {
+  std::string sql = std::string("SELECT ") + kBlobColumns + " FROM blobs ORDER BY digest";
+  ASSIGN_OR_RETURN(Rows rows, Query::run(this, "listBlobs", sql.c_str(), Params(), kRetry));
+  std::vector<BlobRecord> out;
+  for (int i = 0; i < rows.size(); ++i) out.push_back(blobFromRow(rows, i));
+  return out;
+}
+
+Status PostgresStore::setBlobKind(const std::string& digest, const std::string& kind) {
+  return Query::run(this, "setBlobKind", "UPDATE blobs SET kind=$2 WHERE digest=$1",
+                    Params().add(digest).add(kind), kRetry)
+      .takeStatus();
+}
+
+Status PostgresStore::setBlobData(const std::string& digest, const std::string& data) {
+  return Query::run(this, "setBlobData", "UPDATE blobs SET data=$2 WHERE digest=$1",
+                    Params().add(digest).add(data), kRetry)
+      .takeStatus();
+}
+
+Status PostgresStore::setBlobChunks(const std::string& digest, const std::string& chunks) {
+  return Query::run(this, "setBlobChunks", "UPDATE blobs SET chunks=$2 WHERE digest=$1",
+                    Params().add(digest).add(chunks), kRetry)
+      .takeStatus();
+}
+
+Status PostgresStore::deleteBlob(const std::string& digest) {
+  return Query::run(this, "deleteBlob", "DELETE FROM blobs WHERE digest=$1", Params().add(digest),
+                    kRetry)
+      .takeStatus();
+}
+
+// ---------------------------------------------------------------- images
+
+Status PostgresStore::putImage(const ImageRecord& r) {
+  return Query::run(this, "putImage",
+                    "INSERT INTO images(name, tag, layers, size, created_at, kind, parent, config) "
+                    "VALUES($1, $2, $3, $4::bigint, $5::float8, $6, $7, $8) "
+                    "ON CONFLICT(name, tag) DO UPDATE SET layers=excluded.layers, "
+                    "size=excluded.size, created_at=excluded.created_at, kind=excluded.kind, "
+                    "parent=excluded.parent, config=excluded.config",
+                    Params()
+                        .add(r.name)
+                        .add(r.tag)
+                        .add(json(r.layers).dump())
+                        .add(r.size)
+                        .add(r.createdAt)
+                        .add(r.kind)
+                        .add(r.parent)
+                        .add(imageConfigToColumn(r.config)),
+                    kRetry)
+      .takeStatus();
+}
+
+namespace {
+constexpr const char* kImageColumns = "name, tag, layers, size, created_at, kind, parent, config";
+ImageRecord imageFromRow(const Rows& r, int i) {
+  return imageFromColumns(r.text(i, 0), r.text(i, 1), r.text(i, 2), r.i64(i, 3), r.dbl(i, 4),
+                          r.text(i, 5), r.text(i, 6), r.text(i, 7));
+}
+}  // namespace
+
+Result<ImageRecord> PostgresStore::getImage(const std::string& name, const std::string& tag) {
+  std::string sql =
+      std::string("SELECT ") + kImageColumns + " FROM images WHERE name=$1 AND tag=$2";
+  ASSIGN_OR_RETURN(Rows rows,
+                   Query::run(this, "getImage", sql.c_str(), Params().add(name).add(tag), kRetry));
+  if (rows.size() == 0) return notFound("image " + name + ":" + tag + " not found");
+  return imageFromRow(rows, 0);
+}
+
+Result<std::vector<ImageRecord>> PostgresStore::listImages() {
+  // COLLATE "C": the byte order SQLite sorts by, whatever the database's locale.
+  std::string sql = std::string("SELECT ") + kImageColumns +
+                    " FROM images ORDER BY name COLLATE \"C\", tag COLLATE \"C\"";
+  ASSIGN_OR_RETURN(Rows rows, Query::run(this, "listImages", sql.c_str(), Params(), kRetry));
+  std::vector<ImageRecord> out;
+  for (int i = 0; i < rows.size(); ++i) out.push_back(imageFromRow(rows, i));
+  return out;
+}
+
+Status PostgresStore::deleteImage(const std::string& name, const std::string& tag) {
+  ASSIGN_OR_RETURN(Rows rows,
+                   Query::run(this, "deleteImage", "DELETE FROM images WHERE name=$1 AND tag=$2",
+                              Params().add(name).add(tag), kNoRetry));
+  if (rows.affected() == 0) return notFound("image " + name + ":" + tag + " not found");
+  return Status::ok();
+}
+
+// ---------------------------------------------------------------- policies
+
+Status PostgresStore::putPolicy(const std::string& name, const std::string& doc) {
+  return Query::run(this, "putPolicy",
+                    "INSERT INTO policies(name, doc) VALUES($1, $2) "
+                    "ON CONFLICT(name) DO UPDATE SET doc=excluded.doc",
+                    Params().add(name).add(doc), kRetry)
+      .takeStatus();
+}
+
+Status PostgresStore::deletePolicy(const std::string& name) {
+  ASSIGN_OR_RETURN(Rows rows, Query::run(this, "deletePolicy", "DELETE FROM policies WHERE name=$1",
+                                         Params().add(name), kNoRetry));
+  if (rows.affected() == 0) return notFound("policy " + name + " not found");
+  return Status::ok();
+}
+
+Result<std::vector<std::string>> PostgresStore::loadPolicies() {
+  ASSIGN_OR_RETURN(Rows rows, Query::run(this, "loadPolicies",
+                                         "SELECT doc FROM policies ORDER BY name COLLATE \"C\"",
+                                         Params(), kRetry));
+  std::vector<std::string> out;
+  for (int i = 0; i < rows.size(); ++i) out.push_back(rows.text(i, 0));
+  return out;
+}
+
+// ---------------------------------------------------------------- trajectories
+
+namespace {
+constexpr const char* kStepColumns =
+    "trajectory, step, digest, kind, sandbox, request, status, content_type, body, started_at, "
+    "finished_at, content";
+
+TrajectoryStep stepFromRow(const Rows& r, int i) {
+  TrajectoryStep s;
+  s.trajectory = r.text(i, 0);
+  s.step = r.i64(i, 1);
+  s.digest = r.text(i, 2);
+  s.kind = r.text(i, 3);
+  s.sandbox = r.text(i, 4);
+  s.request = r.text(i, 5);
+  s.status = int(r.i64(i, 6));
+  s.contentType = r.text(i, 7);
+  s.body = r.bytes(i, 8);
+  s.startedAt = r.dbl(i, 9);
+  s.finishedAt = r.dbl(i, 10);
+  s.content = r.text(i, 11);
+  return s;
+}
+
+bool sameStep(const TrajectoryStep& a, const TrajectoryStep& b) {
+  return a.trajectory == b.trajectory && a.step == b.step && a.digest == b.digest &&
+         a.kind == b.kind && a.sandbox == b.sandbox && a.request == b.request &&
+         a.status == b.status && a.contentType == b.contentType && a.body == b.body &&
+         a.startedAt == b.startedAt && a.finishedAt == b.finishedAt && a.content == b.content;
+}
+}  // namespace
+
+Status PostgresStore::putStep(const TrajectoryStep& s) {
+  std::string sql = std::string("INSERT INTO trajectory_steps(") + kStepColumns +
+                    ") VALUES($1, $2::bigint, $3, $4, $5, $6, $7::integer, $8, $9::bytea, "
+                    "$10::float8, $11::float8, $12)";
+  Params p;
+  p.add(s.trajectory).add(s.step).add(s.digest).add(s.kind).add(s.sandbox).add(s.request);
+  p.add(int64_t(s.status)).add(s.contentType).addBytes(s.body).add(s.startedAt).add(s.finishedAt);
+  p.add(s.content);
+  // Retried on a lost connection: if the first attempt did commit, the retry
+  // meets that very row, which is then no conflict. Without a retry any
+  // existing row is one, as with SQLite.
+  bool retried = false;
+  auto r = Query::run(this, "putStep", sql.c_str(), p, kRetry, &retried);
+  if (r.isOk()) return Status::ok();
+  if (r.status().code() != Code::kAlreadyExists) return std::move(r).takeStatus();
+  if (retried) {
+    auto stored = getStep(s.trajectory, s.step);
+    if (stored.isOk() && sameStep(*stored, s)) return Status::ok();
+  }
+  return Status(Code::kAlreadyExists, "step " + std::to_string(s.step) + " of trajectory " +
+                                          s.trajectory + " is already stored");
+}
+
+Result<TrajectoryStep> PostgresStore::getStep(const std::string& trajectory, int64_t step) {
+  std::string sql = std::string("SELECT ") + kStepColumns +
+                    " FROM trajectory_steps WHERE trajectory=$1 AND step=$2::bigint";
+  ASSIGN_OR_RETURN(Rows rows, Query::run(this, "getStep", sql.c_str(),
+                                         Params().add(trajectory).add(step), kRetry));
+  if (rows.size() == 0) return notFound("step not stored");
+  return stepFromRow(rows, 0);
+}
+
+Result<std::vector<TrajectoryStep>> PostgresStore::loadTrajectory(const std::string& trajectory) {
+  std::string sql = std::string("SELECT ") + kStepColumns +
+                    " FROM trajectory_steps WHERE trajectory=$1 ORDER BY step";
+  ASSIGN_OR_RETURN(
+      Rows rows, Query::run(this, "loadTrajectory", sql.c_str(), Params().add(trajectory), kRetry));
+  std::vector<TrajectoryStep> out;
+  for (int i = 0; i < rows.size(); ++i) out.push_back(stepFromRow(rows, i));
+  return out;
+}
+
+Result<std::vector<TrajectorySummary>> PostgresStore::listTrajectories() {
+  ASSIGN_OR_RETURN(Rows rows,
+                   Query::run(this, "listTrajectories",
+                              "SELECT trajectory, COUNT(*), MIN(started_at), MAX(finished_at) "
+                              "FROM trajectory_steps GROUP BY trajectory "
+                              "ORDER BY trajectory COLLATE \"C\"",
+                              Params(), kRetry));
+  std::vector<TrajectorySummary> out;
+  for (int i = 0; i < rows.size(); ++i) {
+    out.push_back({rows.text(i, 0), rows.i64(i, 1), rows.dbl(i, 2), rows.dbl(i, 3)});
+  }
+  return out;
+}
+
+Result<int64_t> PostgresStore::deleteTrajectory(const std::string& trajectory) {
+  // One statement, so one transaction: the steps and the record go together.
+  ASSIGN_OR_RETURN(Rows rows,
+                   Query::run(this, "deleteTrajectory",
+                              "WITH s AS (DELETE FROM trajectory_steps WHERE trajectory=$1 "
+                              "RETURNING 1), r AS (DELETE FROM trajectories WHERE id=$1) "
+                              "SELECT COUNT(*) FROM s",
+                              Params().add(trajectory), kNoRetry));
+  return rows.i64(0, 0);
+}
+
+Result<int64_t> PostgresStore::deleteTrajectoriesBefore(double t) {
+  // The sub-statements share one snapshot: `r` sees the steps `s` deletes, so
+  // it names those trajectories itself; it also takes records of trajectories
+  // without steps, whatever removed them.
+  ASSIGN_OR_RETURN(
+      Rows rows,
+      Query::run(this, "deleteTrajectoriesBefore",
+                 "WITH old AS (SELECT trajectory FROM trajectory_steps GROUP BY trajectory "
+                 "HAVING MAX(finished_at) < $1::float8), "
+                 "s AS (DELETE FROM trajectory_steps WHERE trajectory IN (SELECT trajectory FROM "
+                 "old) RETURNING 1), "
+                 "r AS (DELETE FROM trajectories t WHERE t.id IN (SELECT trajectory FROM old) OR "
+                 "NOT EXISTS (SELECT 1 FROM trajectory_steps x WHERE x.trajectory = t.id)) "
+                 "SELECT COUNT(*) FROM s",
+                 Params().add(t), kNoRetry));
+  return rows.i64(0, 0);
+}
+
+Result<std::set<std::string>> PostgresStore::stepContents() {
+  ASSIGN_OR_RETURN(Rows rows, Query::run(this, "stepContents",
+                                         "SELECT DISTINCT content FROM trajectory_steps "
+                                         "WHERE content <> ''",
+                                         Params(), kRetry));
+  std::set<std::string> out;
+  for (int i = 0; i < rows.size(); ++i) out.insert(rows.text(i, 0));
+  return out;
+}
+
+Result<bool> PostgresStore::stepContentUsed(const std::string& digest) {
+  ASSIGN_OR_RETURN(Rows rows, Query::run(this, "stepContentUsed",
+                                         "SELECT 1 FROM trajectory_steps WHERE content=$1 LIMIT 1",
+                                         Params().add(digest), kRetry));
+  return rows.size() > 0;
+}
+
+Status PostgresStore::putTrajectory(const TrajectoryRecord& r) {
+  return Query::run(this, "putTrajectory",
+                    "INSERT INTO trajectories(id, doc) VALUES($1, $2) "
+                    "ON CONFLICT(id) DO UPDATE SET doc=excluded.doc",
+                    Params().add(r.id).add(trajectoryToDoc(r)), kRetry)
+      .takeStatus();
+}
+
+Result<TrajectoryRecord> PostgresStore::getTrajectory(const std::string& id) {
+  ASSIGN_OR_RETURN(Rows rows,
+                   Query::run(this, "getTrajectory", "SELECT doc FROM trajectories WHERE id=$1",
+                              Params().add(id), kRetry));
+  if (rows.size() == 0) return notFound("trajectory " + id + " has no record");
+  return trajectoryFromDoc(id, rows.text(0, 0));
+}
+
+}  // namespace dsec::platform

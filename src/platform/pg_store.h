@@ -1,0 +1,112 @@
+// PostgresStore: the Store (store.h) kept in a PostgreSQL database, so that
+// several platform processes can share their state (DESIGN.md §7).
+#pragma once
+
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "platform/store.h"
+
+typedef struct pg_conn PGconn;
+
+namespace dsec::platform {
+
+struct PostgresOptions {
+  // Most connections open at once; a call waits for a free one beyond that.
+  // Connections are opened on demand (the first one by open()).
+  int poolSize = 8;
+};
+
+// Every call runs on one of a small pool of libpq connections, with
+// synchronous_commit=on forced for the session: a write is flushed to the
+// server's WAL before the call returns (the database's own durability settings,
+// such as fsync, still apply). Values only ever travel as query parameters;
+// step bodies are bytea.
+//
+// open() connects (connect_timeout 10 s unless the URI says otherwise, TCP
+// keepalives on) and brings the schema up to date: migrations run in one
+// transaction under a transaction-scoped advisory lock, so processes opening
+// the same database at once apply each migration once; a database whose
+// schema is newer than this build is refused (kFailedPrecondition).
+//
+// A call that loses its connection closes it and every idle one (what cut
+// one most likely cut all: a server restart, a failover), and is retried once
+// on a new connection when repeating it is harmless (reads, upserts; putStep checks that a
+// conflicting row is its own); others (deleteImage, deletePolicy, deleteTrajectory,
+// deleteTrajectoriesBefore) return kUnavailable saying the outcome is unknown. A server that cannot
+// be reached gives kUnavailable naming it, never a hang. Errors and log lines name the server by
+// redactPostgresUri(): never the password.
+//
+// Thread-safe.
+class PostgresStore : public Store {
+ public:
+  // `uri`: a libpq connection URI (postgres:// or postgresql://).
+  static Result<std::unique_ptr<PostgresStore>> open(const std::string& uri,
+                                                     PostgresOptions opts = {});
+  ~PostgresStore() override;
+
+  // Newest schema version this build knows (the dsec_schema table holds the
+  // database's).
+  static int schemaVersion();
+
+  Status putSandbox(const SandboxRecord& r) override;
+  Status deleteSandbox(const std::string& id) override;
+  Result<std::vector<SandboxRecord>> loadSandboxes() override;
+  Status putBlob(const std::string& digest, int64_t size) override;
+  Result<bool> hasBlob(const std::string& digest) override;
+  Result<int64_t> blobSize(const std::string& digest) override;
+  Result<BlobRecord> getBlob(const std::string& digest) override;
+  Result<std::vector<BlobRecord>> listBlobs() override;
+  Status setBlobKind(const std::string& digest, const std::string& kind) override;
+  Status setBlobData(const std::string& digest, const std::string& data) override;
+  Status setBlobChunks(const std::string& digest, const std::string& chunks) override;
+  Status deleteBlob(const std::string& digest) override;
+  Status putImage(const ImageRecord& r) override;
+  Result<ImageRecord> getImage(const std::string& name, const std::string& tag) override;
+  Result<std::vector<ImageRecord>> listImages() override;
+  Status deleteImage(const std::string& name, const std::string& tag) override;
+  Status putPolicy(const std::string& name, const std::string& doc) override;
+  Status deletePolicy(const std::string& name) override;
+  Result<std::vector<std::string>> loadPolicies() override;
+  Status putStep(const TrajectoryStep& s) override;
+  Result<TrajectoryStep> getStep(const std::string& trajectory, int64_t step) override;
+  Result<std::vector<TrajectoryStep>> loadTrajectory(const std::string& trajectory) override;
+  Result<std::vector<TrajectorySummary>> listTrajectories() override;
+  Result<int64_t> deleteTrajectory(const std::string& trajectory) override;
+  Result<int64_t> deleteTrajectoriesBefore(double t) override;
+  Result<std::set<std::string>> stepContents() override;
+  Result<bool> stepContentUsed(const std::string& digest) override;
+  Status putTrajectory(const TrajectoryRecord& r) override;
+  Result<TrajectoryRecord> getTrajectory(const std::string& id) override;
+
+  class Query;  // pg_store.cc
+
+ private:
+  friend class Query;
+  PostgresStore(std::string uri, std::string where, PostgresOptions opts)
+      : uri_(std::move(uri)), where_(std::move(where)), opts_(opts) {}
+  Result<PGconn*> connect();
+  Result<PGconn*> acquire();
+  void release(PGconn* c);
+  // Closes `lost` and every idle connection.
+  void discard(PGconn* lost);
+  Status migrate();
+
+  const std::string uri_;    // as given (holds the password, if any: never printed)
+  const std::string where_;  // redacted, for messages
+  const PostgresOptions opts_;
+
+  std::mutex mu_;  // guards idle_, open_
+  std::condition_variable freed_;
+  std::vector<PGconn*> idle_;
+  int open_ = 0;  // connections in existence (idle or in use)
+};
+
+// The URI without its password (user info and `password=` parameter), for
+// messages and logs.
+std::string redactPostgresUri(const std::string& uri);
+
+}  // namespace dsec::platform
