@@ -21,6 +21,7 @@
 #include <map>
 
 #include "aether/files.h"
+#include "common/base64.h"
 
 #ifndef LANDLOCK_ACCESS_FS_REFER
 #define LANDLOCK_ACCESS_FS_REFER (1ULL << 13)
@@ -93,39 +94,6 @@ bool validRelPath(const std::string& p) {
     start = slash + 1;
   }
   return true;
-}
-
-// Standard base64 with padding (aether links only dsec_core, not util).
-std::optional<std::string> decodeBase64(std::string_view in) {
-  auto val = [](char c) -> int {
-    if (c >= 'A' && c <= 'Z') return c - 'A';
-    if (c >= 'a' && c <= 'z') return c - 'a' + 26;
-    if (c >= '0' && c <= '9') return c - '0' + 52;
-    if (c == '+') return 62;
-    if (c == '/') return 63;
-    return -1;
-  };
-  if (in.size() % 4 != 0) return std::nullopt;
-  std::string out;
-  out.reserve(in.size() / 4 * 3);
-  for (size_t i = 0; i < in.size(); i += 4) {
-    int v[4];
-    int pad = 0;
-    for (int k = 0; k < 4; ++k) {
-      char c = in[i + k];
-      if (c == '=' && i + 4 == in.size() && k >= 2) {
-        v[k] = 0;
-        ++pad;
-      } else if (pad > 0 || (v[k] = val(c)) < 0) {
-        return std::nullopt;
-      }
-    }
-    uint32_t n = (uint32_t(v[0]) << 18) | (uint32_t(v[1]) << 12) | (uint32_t(v[2]) << 6) | v[3];
-    out.push_back(char(n >> 16));
-    if (pad < 2) out.push_back(char((n >> 8) & 0xff));
-    if (pad < 1) out.push_back(char(n & 0xff));
-  }
-  return out;
 }
 
 struct ProcInfo {
@@ -268,8 +236,8 @@ Result<CallRequest> parseCallRequest(const Json& j, const FncallConfig& config) 
         return invalidArg("files", "'" + f.key() + "' is not a relative path without '..'");
       }
       if (!f.value().is_string()) return invalidArg("files", "file contents are base64 strings");
-      auto data = decodeBase64(f.value().get<std::string>());
-      if (!data) return invalidArg("files", "'" + f.key() + "' is not base64");
+      auto data = base64Decode(f.value().get<std::string>());
+      if (!data.isOk()) return invalidArg("files", "'" + f.key() + "' is not base64");
       r.files.emplace_back(f.key(), std::move(*data));
     }
   }

@@ -6,6 +6,7 @@
 #include <string_view>
 #include <vector>
 
+#include "common/base64.h"
 #include "common/status.h"
 
 namespace dsec {
@@ -43,11 +44,6 @@ bool secretEquals(std::string_view a, std::string_view b);
 
 }  // namespace dsec
 
-namespace dsec {
-std::string base64Encode(std::string_view in);
-// kInvalidArgument on characters outside the standard alphabet or bad padding.
-Result<std::string> base64Decode(std::string_view in);
-}  // namespace dsec
 
 namespace dsec {
 // Records named laps for debug logs of where time goes ("mkdir 0.12 clone 0.40").

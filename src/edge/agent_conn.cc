@@ -1,9 +1,14 @@
 #include "edge/agent_conn.h"
 
+#include <poll.h>
+#include <signal.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
+#include <sys/syscall.h>
 #include <sys/uio.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <cstring>
 #include <nlohmann/json.hpp>
@@ -355,6 +360,32 @@ Result<std::string> agentCall(AgentConn& conn, proto::FrameType type, const std:
     if (f.type != proto::FrameType::kResult) continue;
     RETURN_IF_ERROR(resultStatus(f.payload));
     return std::move(f.payload);
+  }
+}
+
+Status awaitHello(AgentConn& conn, double deadline, Code code, const std::string& what) {
+  for (;;) {
+    auto f = conn.control()->next(deadline);
+    if (!f.isOk()) return Status(code, what + ": " + f.status().message());
+    if (f->type == proto::FrameType::kHello) return Status::ok();
+    if (f->type == proto::FrameType::kResult) {
+      Status st = resultStatus(f->payload);
+      return st.isOk() ? internalError(what + ": unexpected result") : st;
+    }
+  }
+}
+
+void killAndWait(int pidfd) {
+  if (pidfd < 0) return;
+  syscall(SYS_pidfd_send_signal, pidfd, SIGKILL, nullptr, 0);
+  siginfo_t info;
+  int rc;
+  while ((rc = waitid(idtype_t(P_PIDFD), id_t(pidfd), &info, WEXITED)) != 0 && errno == EINTR) {
+  }
+  if (rc != 0 && errno == ECHILD) {
+    struct pollfd p = {pidfd, POLLIN, 0};
+    while (::poll(&p, 1, -1) < 0 && errno == EINTR) {
+    }
   }
 }
 

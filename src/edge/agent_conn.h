@@ -141,5 +141,13 @@ Result<std::string> agentCall(AgentConn& conn, proto::FrameType type, const std:
                               double timeoutSeconds);
 // Turns a kResult payload with ok:false into its Status (code, message, errno).
 Status resultStatus(const std::string& payload);
+// Waits until `deadline` (monoSeconds) for the agent's hello on stream 0
+// (after init or reattach); a result there is the agent's refusal. Errors
+// carry `code` and `what`.
+Status awaitHello(AgentConn& conn, double deadline, Code code, const std::string& what);
+// SIGKILLs the process of `pidfd` and waits until it has exited: reaped when
+// it is our child, else (a sandbox adopted from an earlier edge) until the
+// pidfd turns readable. A PID 1 exits only after the rest of its namespace.
+void killAndWait(int pidfd);
 
 }  // namespace dsec::edge

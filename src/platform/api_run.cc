@@ -213,15 +213,7 @@ Result<json> parseRunBody(http::Request& req, std::initializer_list<const char*>
                                   "); code must be text, binary data goes in files_b64 or "
                                   "stdin_b64");
   }
-  json j = json::parse(body, nullptr, false);
-  if (j.is_discarded()) return invalidArg("body", "request body is not valid JSON");
-  if (!j.is_object()) return invalidArg("body", "request body must be a JSON object");
-  for (auto& [k, v] : j.items()) {
-    bool known = false;
-    for (const char* a : allowed) known = known || k == a;
-    if (!known) return invalidArg(k, "unknown field '" + k + "'");
-  }
-  return j;
+  return parseObjectText(body, allowed);
 }
 
 }  // namespace

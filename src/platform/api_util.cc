@@ -10,6 +10,11 @@ namespace dsec::platform {
 Result<json> parseObject(http::Request& req, std::initializer_list<const char*> allowed,
                          bool allowEmpty) {
   ASSIGN_OR_RETURN(std::string body, req.readBody(kMaxJsonBody));
+  return parseObjectText(body, allowed, allowEmpty);
+}
+
+Result<json> parseObjectText(const std::string& body, std::initializer_list<const char*> allowed,
+                             bool allowEmpty) {
   if (body.empty() && allowEmpty) return json::object();
   json j = json::parse(body, nullptr, false);
   if (j.is_discarded()) return invalidArg("body", "request body is not valid JSON");

@@ -22,6 +22,9 @@ constexpr size_t kMaxJsonBody = 16u << 20;
 // allowEmpty. Rejects keys not in `allowed`.
 Result<json> parseObject(http::Request& req, std::initializer_list<const char*> allowed,
                          bool allowEmpty = false);
+// The same for a body already read.
+Result<json> parseObjectText(const std::string& body, std::initializer_list<const char*> allowed,
+                             bool allowEmpty = false);
 
 Result<double> getNumber(const json& j, const char* field, double def, double min, double max);
 Result<int64_t> getInt(const json& j, const char* field, int64_t def, int64_t min, int64_t max);

@@ -209,40 +209,6 @@ std::vector<std::string> sandboxDirs(const std::string& root) {
   return names;
 }
 
-void killAndReap(int pidfd) {
-  if (pidfd < 0) return;
-  syscall(SYS_pidfd_send_signal, pidfd, SIGKILL, nullptr, 0);
-  siginfo_t info;
-  // A PID 1 is reaped only after every process of its namespace is gone, so
-  // once this returns the sandbox has no processes left.
-  int rc;
-  while ((rc = waitid(idtype_t(P_PIDFD), id_t(pidfd), &info, WEXITED)) != 0 && errno == EINTR) {
-  }
-  if (rc != 0 && errno == ECHILD) {
-    // An adopted sandbox is not our child (its parent was the edge before
-    // us): its pidfd turns readable once it has exited, and a PID 1 exits
-    // only after the rest of its namespace.
-    struct pollfd p = {pidfd, POLLIN, 0};
-    while (::poll(&p, 1, -1) < 0 && errno == EINTR) {
-    }
-  }
-}
-
-// Waits for the agent's hello on stream 0 (after init or reattach); a result
-// there is the agent's refusal. Errors carry `code` and `what`.
-Status awaitHello(AgentConn& conn, double timeoutS, Code code, const std::string& what) {
-  double deadline = monoSeconds() + timeoutS;
-  for (;;) {
-    auto f = conn.control()->next(deadline);
-    if (!f.isOk()) return Status(code, what + ": " + f.status().message());
-    if (f->type == proto::FrameType::kHello) return Status::ok();
-    if (f->type == proto::FrameType::kResult) {
-      Status st = resultStatus(f->payload);
-      return st.isOk() ? internalError(what + ": unexpected result") : st;
-    }
-  }
-}
-
 // The sandbox agent's reattach descriptor (aether/main.cc).
 constexpr int kAgentReattachFd = 9;
 
@@ -366,12 +332,12 @@ Result<ContainerBackend::Agent> ContainerBackend::spawnAgent() {
     goRd.reset();
     Status st = writeIdMaps(pid, opts_.userns->mapLine());
     if (!st.isOk()) {
-      killAndReap(pidfd);  // the child is blocked on the go pipe: safe to kill
+      killAndWait(pidfd);  // the child is blocked on the go pipe: safe to kill
       return st.withContext("sandbox agent's user namespace");
     }
     if (::write(goWr.get(), "g", 1) != 1) {
       st = sysError("write go pipe");
-      killAndReap(pidfd);
+      killAndWait(pidfd);
       return st;
     }
     char code = 0;
@@ -380,7 +346,7 @@ Result<ContainerBackend::Agent> ContainerBackend::spawnAgent() {
     }
     if (n != 0) {
       // The child failed before exec; reaping it also means it left `stack`.
-      killAndReap(pidfd);
+      killAndWait(pidfd);
       return Status(Code::kInternal, std::string("sandbox agent did not start: ") +
                                          childFailure(n == 1 ? code : -1));
     }
@@ -391,14 +357,14 @@ Result<ContainerBackend::Agent> ContainerBackend::spawnAgent() {
     if (waitid(idtype_t(P_PIDFD), id_t(pidfd), &info, WEXITED | WNOHANG | WNOWAIT) == 0 &&
         info.si_pid != 0) {
       int code = info.si_code == CLD_EXITED ? info.si_status : -1;
-      killAndReap(pidfd);
+      killAndWait(pidfd);
       return Status(Code::kInternal,
                     std::string("sandbox agent did not start: ") + childFailure(code));
     }
   }
   a.conn = std::make_shared<AgentConn>(std::move(ours), "agent-" + std::to_string(pid));
   if (Status st = reactor_->add(a.conn); !st.isOk()) {
-    killAndReap(a.pidfd.get());
+    killAndWait(a.pidfd.get());
     return st;
   }
   return a;
@@ -416,7 +382,7 @@ Result<ContainerBackend::Agent> ContainerBackend::takeAgent() {
     spareCv_.notify_one();
     if (!a.conn->dead()) return a;
     reactor_->remove(a.conn);
-    killAndReap(a.pidfd.get());
+    killAndWait(a.pidfd.get());
   }
   return spawnAgent();
 }
@@ -458,7 +424,7 @@ Result<std::unique_ptr<Instance>> ContainerBackend::create(const SandboxSpec& sp
   // Undo whatever was done if any step fails.
   auto fail = [&](Status st) -> Status {
     if (inst->conn_) reactor_->remove(inst->conn_);
-    killAndReap(inst->pidfd_.get());
+    killAndWait(inst->pidfd_.get());
     if (cgroupMade) (void)cgroups_->remove(spec.id);
     for (auto& d : inst->layers_) layers_->release(d);
     if (dirMade) (void)quota_->remove(spec.id);
@@ -547,7 +513,7 @@ Result<std::unique_ptr<Instance>> ContainerBackend::create(const SandboxSpec& sp
     return fail(st);
   }
   rootfsMount.reset();  // aether has its own reference now
-  if (Status st = awaitHello(*inst->conn_, opts_.startTimeoutS, Code::kInternal,
+  if (Status st = awaitHello(*inst->conn_, monoSeconds() + opts_.startTimeoutS, Code::kInternal,
                              "sandbox agent did not start");
       !st.isOk()) {
     return fail(st);
@@ -612,7 +578,8 @@ Result<std::unique_ptr<Instance>> ContainerBackend::adopt(const SandboxState& st
   if (Status st = inst->conn_->send(0, proto::FrameType::kReattach, "{}"); !st.isOk()) {
     return fail(st);
   }
-  if (Status st = awaitHello(*inst->conn_, opts_.startTimeoutS, Code::kUnavailable,
+  if (Status st = awaitHello(*inst->conn_, monoSeconds() + opts_.startTimeoutS,
+                             Code::kUnavailable,
                              "its agent did not answer");
       !st.isOk()) {
     return fail(st);
@@ -666,7 +633,7 @@ void ContainerBackend::cleanerLoop() {
     cleaning_ = true;
     lk.unlock();
     // A PID 1 is reaped only after every process of its namespace is gone.
-    killAndReap(c.pidfd.get());
+    killAndWait(c.pidfd.get());
     c.pidfd.reset();
     Status st = cgroups_->remove(c.id);
     Status rm = quota_->remove(c.id);
@@ -687,7 +654,7 @@ void ContainerBackend::shutdown(bool keepSandboxes) {
   if (spareThread_.joinable()) spareThread_.join();
   for (auto& a : spares_) {
     reactor_->remove(a.conn);
-    killAndReap(a.pidfd.get());
+    killAndWait(a.pidfd.get());
   }
   spares_.clear();
   std::unique_lock lk(cleanMu_);

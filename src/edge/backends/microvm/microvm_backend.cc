@@ -181,36 +181,9 @@ Result<json> qmp(const std::string& dir, const std::string& command) {
   return call(command);
 }
 
-void killAndWait(int pidfd) {
-  if (pidfd < 0) return;
-  syscall(SYS_pidfd_send_signal, pidfd, SIGKILL, nullptr, 0);
-  siginfo_t info;
-  int rc;
-  while ((rc = waitid(idtype_t(P_PIDFD), id_t(pidfd), &info, WEXITED)) != 0 && errno == EINTR) {
-  }
-  if (rc != 0 && errno == ECHILD) {
-    // Not our child (adopted): the pidfd turns readable once it has exited.
-    struct pollfd p = {pidfd, POLLIN, 0};
-    while (::poll(&p, 1, -1) < 0 && errno == EINTR) {
-    }
-  }
-}
-
 bool exited(int pidfd) {
   struct pollfd p = {pidfd, POLLIN, 0};
   return ::poll(&p, 1, 0) == 1;
-}
-
-Status awaitHello(AgentConn& conn, double deadline, Code code, const std::string& what) {
-  for (;;) {
-    auto f = conn.control()->next(deadline);
-    if (!f.isOk()) return Status(code, what + ": " + f.status().message());
-    if (f->type == proto::FrameType::kHello) return Status::ok();
-    if (f->type == proto::FrameType::kResult) {
-      Status st = resultStatus(f->payload);
-      return st.isOk() ? internalError(what + ": unexpected result") : st;
-    }
-  }
 }
 
 std::string tail(const std::string& path, size_t max) {
