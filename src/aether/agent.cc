@@ -135,6 +135,8 @@ Status Agent::start() {
     }
   }
 
+  // The create's first phase comes with init: no round trip after the hello.
+  if (options_.initial_policy) RETURN_IF_ERROR(applyPolicy(*options_.initial_policy).status());
   Json hello = {{"version", 1}, {"pid", ::getpid()}};
   sendFrame(0, FrameType::kHello, dumpJson(hello));
   return Status::ok();
@@ -605,40 +607,46 @@ void Agent::handlePolicy(const Frame& f) {
   if (!acceptRequest(f)) return;
   Result<Json> j = parseObject(f.payload);
   if (!j.isOk()) return sendError(f.stream, j.status());
+  Result<Json> applied = applyPolicy(*j);
+  if (!applied.isOk()) return sendError(f.stream, applied.status());
+  sendFrame(f.stream, FrameType::kResult, dumpJson(*applied));
+}
+
+Result<Json> Agent::applyPolicy(const Json& j) {
+  if (!j.is_object()) return invalidArg("policy", "policy must be an object");
   std::vector<std::string> lists[2];
   const char* names[2] = {"readonly", "hidden"};
   for (int k = 0; k < 2; ++k) {
-    auto it = j->find(names[k]);
-    if (it == j->end()) continue;
-    if (!it->is_array()) return sendError(f.stream, invalidArg(names[k], "must be a list of paths"));
+    auto it = j.find(names[k]);
+    if (it == j.end()) continue;
+    if (!it->is_array()) return invalidArg(names[k], "must be a list of paths");
     for (auto& p : *it) {
       if (!p.is_string() || p.get<std::string>().empty() || p.get<std::string>()[0] != '/') {
-        return sendError(f.stream, invalidArg(names[k], "paths must be absolute"));
+        return invalidArg(names[k], "paths must be absolute");
       }
       lists[k].push_back(p.get<std::string>());
     }
   }
   std::string resolvConf;
-  if (auto it = j->find("dns"); it != j->end()) {
-    if (!it->is_array()) return sendError(f.stream, invalidArg("dns", "must be a list of addresses"));
+  if (auto it = j.find("dns"); it != j.end()) {
+    if (!it->is_array()) return invalidArg("dns", "must be a list of addresses");
     for (auto& a : *it) {
       unsigned char buf[16];
       if (!a.is_string() || (inet_pton(AF_INET, a.get<std::string>().c_str(), buf) != 1 &&
                              inet_pton(AF_INET6, a.get<std::string>().c_str(), buf) != 1)) {
-        return sendError(f.stream, invalidArg("dns", "resolvers must be IP addresses"));
+        return invalidArg("dns", "resolvers must be IP addresses");
       }
       resolvConf += "nameserver " + a.get<std::string>() + "\n";
     }
     if (!resolvConf.empty()) resolvConf = "# written by dsec for the sandbox's policy\n" + resolvConf;
   }
   SyscallProfile profile = SyscallProfile::kDefault;
-  if (auto it = j->find("syscalls"); it != j->end()) {
+  if (auto it = j.find("syscalls"); it != j.end()) {
     if (!it->is_string() || !parseSyscallProfile(it->get<std::string>(), &profile)) {
-      return sendError(f.stream, invalidArg("syscalls", "syscalls must be default or strict"));
+      return invalidArg("syscalls", "syscalls must be default or strict");
     }
   }
-  Status st = fs_policy_.apply(lists[0], lists[1], resolvConf);
-  if (!st.isOk()) return sendError(f.stream, st);
+  RETURN_IF_ERROR(fs_policy_.apply(lists[0], lists[1], resolvConf));
   options_.exec.syscall_profile = profile;
   // And Landlock for execs from now on: a second layer under the mounts, for
   // top-level paths only (/usr, /etc, ...). A Landlock rule covers all that is
@@ -662,12 +670,10 @@ void Agent::handlePolicy(const Frame& f) {
       landlocked = true;
     } else if (rs.status().code() != Code::kFailedPrecondition) {
       (void)fs_policy_.apply({}, {});
-      return sendError(f.stream, rs.status());
+      return rs.status();
     }
   }
-  sendFrame(f.stream, FrameType::kResult,
-            dumpJson(Json{{"ok", true}, {"mounts", fs_policy_.mounts()},
-                          {"landlock", landlocked}}));
+  return Json{{"ok", true}, {"mounts", fs_policy_.mounts()}, {"landlock", landlocked}};
 }
 
 void Agent::handleStdin(const Frame& f) {

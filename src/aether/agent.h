@@ -23,6 +23,7 @@
 #include "aether/files.h"
 #include "aether/fncall.h"
 #include "aether/fs_policy.h"
+#include "aether/json_fields.h"
 #include "aether/landlock.h"
 #include "common/fd.h"
 #include "common/frame.h"
@@ -56,6 +57,9 @@ struct AgentOptions {
   int reattach_fd = -1;
   // A fncall sandbox (fncall.h): every exec is a call; zygotes per language.
   std::optional<FncallConfig> fncall;
+  // The sandbox's first policy (the body of a policy frame), applied by
+  // start() before the hello: a failure is start()'s.
+  std::optional<Json> initial_policy;
 };
 
 class Agent {
@@ -125,6 +129,9 @@ class Agent {
   void scheduleDeniedPush();
   void pushDenied();
   void handlePolicy(const proto::Frame& f);
+  // What a policy frame asks (read-only and hidden paths, resolvers, syscall
+  // profile, Landlock); the result frame's body.
+  Result<Json> applyPolicy(const Json& policy);
   void handleReattach(const proto::Frame& f);
   // The edge closed the connection or it failed: ends run(), or with
   // reattach_fd waits for the next edge.

@@ -192,6 +192,18 @@ Status maskPaths(const std::string& root) {
   return Status::ok();
 }
 
+// /proc, /sys and /dev of a sandbox whose root is `root`, with Docker's masks.
+Status mountKernelFs(const std::string& root) {
+  RETURN_IF_ERROR(ensureDir(root + "/proc", 0555));
+  RETURN_IF_ERROR(mountOrError("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                               nullptr, "mount"));
+  RETURN_IF_ERROR(ensureDir(root + "/sys", 0555));
+  RETURN_IF_ERROR(mountOrError("sysfs", root + "/sys", "sysfs",
+                               MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, nullptr, "mount"));
+  RETURN_IF_ERROR(mountDev(root));
+  return maskPaths(root);
+}
+
 Status pivotInto(const std::string& root) {
   // pivot_root(".", ".") stacks the old root on top of the new one; detaching
   // "." afterwards drops the old root without needing a directory for it.
@@ -251,6 +263,14 @@ Result<InitConfig> parseInitConfig(std::string_view payload) {
     ASSIGN_OR_RETURN(FncallConfig f, parseFncallConfig(*fc));
     c.fncall = std::move(f);
   }
+  RETURN_IF_ERROR(readString(j, "working_dir", false, c.working_dir));
+  if (!c.working_dir.empty() && (c.working_dir[0] != '/' || c.working_dir.size() >= 4096)) {
+    return invalidArg("working_dir", "working_dir must be an absolute path");
+  }
+  if (auto pol = j.find("policy"); pol != j.end() && !pol->is_null()) {
+    if (!pol->is_object()) return invalidArg("policy", "policy must be an object");
+    c.policy = *pol;
+  }
   auto it = j.find("rootfs");
   if (it != j.end() && !it->is_null()) {
     if (!it->is_object()) return invalidArg("rootfs", "rootfs must be an object");
@@ -303,7 +323,7 @@ Status bringUpInterface(const char* name) {
   return Status::ok();
 }
 
-Status setupContainer(const InitConfig& config, int rootfsFd) {
+Status setupContainer(const InitConfig& config, int rootfsFd, const std::string& staged) {
   if (config.rootfs && config.rootfs->mountFd != (rootfsFd >= 0)) {
     return invalidArg("rootfs.mount_fd", config.rootfs->mountFd
                                              ? "mount_fd is set but no mount fd came with init"
@@ -327,22 +347,42 @@ Status setupContainer(const InitConfig& config, int rootfsFd) {
       RETURN_IF_ERROR(mountOverlay(r));
     }
     const std::string& root = r.target;
-    RETURN_IF_ERROR(ensureDir(root + "/proc", 0555));
-    RETURN_IF_ERROR(mountOrError("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC,
-                                 nullptr, "mount"));
-    RETURN_IF_ERROR(ensureDir(root + "/sys", 0555));
-    RETURN_IF_ERROR(mountOrError("sysfs", root + "/sys", "sysfs",
-                                 MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, nullptr, "mount"));
-    RETURN_IF_ERROR(mountDev(root));
-    RETURN_IF_ERROR(maskPaths(root));
+    if (staged.empty()) {
+      RETURN_IF_ERROR(mountKernelFs(root));
+    } else {
+      // Moved with whatever is mounted beneath them (the masks).
+      for (const char* sub : {"/proc", "/sys", "/dev"}) {
+        RETURN_IF_ERROR(ensureDir(root + sub, sub[1] == 'd' ? 0755 : 0555));
+        RETURN_IF_ERROR(mountOrError((staged + sub).c_str(), root + sub, nullptr, MS_MOVE,
+                                     nullptr, "move staged"));
+      }
+    }
     RETURN_IF_ERROR(pivotInto(root));
     if (!config.hostname.empty()) RETURN_IF_ERROR(setHostname(config.hostname));
     if (config.fncall) RETURN_IF_ERROR(setupFncallRoot(*config.fncall));
-    RETURN_IF_ERROR(bringUpInterface("lo"));
+    if (staged.empty()) RETURN_IF_ERROR(bringUpInterface("lo"));
     if (::unshare(CLONE_NEWCGROUP) < 0) return sysError("unshare cgroup namespace");
   }
   setOwnOomScore();
   return Status::ok();
+}
+
+Result<std::string> prestage() {
+  if (::mount(nullptr, "/", nullptr, MS_REC | MS_SLAVE, nullptr) < 0) {
+    return sysError("make / slave");
+  }
+  // Private (its parent is a slave): nothing mounted beneath it propagates.
+  RETURN_IF_ERROR(mountOrError("tmpfs", kStageDir, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                               "mode=700,size=64k", "mount stage"));
+  std::string root = kStageDir;
+  Status st = mountKernelFs(root);
+  if (st.isOk()) st = bringUpInterface("lo");  // the sandbox's own network namespace
+  if (!st.isOk()) {
+    // Half-staged mounts go with the stage; init mounts them afresh.
+    (void)::umount2(kStageDir, MNT_DETACH);
+    return st;
+  }
+  return root;
 }
 
 }  // namespace dsec::aether

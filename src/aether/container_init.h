@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "aether/fncall.h"
+#include "aether/json_fields.h"
 #include "common/status.h"
 
 namespace dsec::aether {
@@ -33,6 +34,11 @@ struct InitConfig {
   bool reattach = false;
   // A fncall sandbox (fncall.h): read-only root, tmpfs /scratch, calls.
   std::optional<FncallConfig> fncall;
+  // The first phase's policy (a policy frame's body), applied before the
+  // hello (AgentOptions::initial_policy).
+  std::optional<Json> policy;
+  // Made (mkdir -p, 0755) before the policy applies; empty for none.
+  std::string working_dir;
 };
 
 // kInvalidArgument (with the field) on malformed JSON, paths that would
@@ -48,7 +54,21 @@ Result<InitConfig> parseInitConfig(std::string_view payload);
 // The first failing step's error comes back with the step as context
 // ("mount overlay: …").
 // kInvalidArgument when mount_fd and rootfsFd disagree.
-Status setupContainer(const InitConfig& config, int rootfsFd = -1);
+//
+// `staged`: where prestage() left /proc, /sys and /dev (moved into the root
+// instead of mounted there), or empty to mount them now.
+Status setupContainer(const InitConfig& config, int rootfsFd = -1,
+                      const std::string& staged = {});
+
+// A spare agent's work before it knows its sandbox (`dsec-aether
+// --prestage`): makes every mount slave (host mounts, such as layers mounted
+// later, still arrive; none of ours leaves) and mounts the sandbox's /proc,
+// /sys and /dev, with their masked and read-only paths, on a private tmpfs
+// over kStageDir in the agent's own mount namespace; brings lo up. Returns the staging
+// directory for setupContainer. Needs its own mount, pid and net namespaces
+// (the edge's clone gives them), as the same mounts at init would.
+constexpr const char* kStageDir = "/tmp";
+Result<std::string> prestage();
 
 // Sets the IFF_UP flag of interface `name` through SIOCSIFFLAGS.
 Status bringUpInterface(const char* name);

@@ -5,6 +5,7 @@
 //   dsec-aether --no-init  send hello at once and serve in the current root
 //   /init (PID 1)          a microvm guest's init (guest_init.h)
 #include <fcntl.h>
+#include <poll.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
@@ -21,6 +22,7 @@
 
 #include "aether/agent.h"
 #include "aether/container_init.h"
+#include "aether/files.h"
 #include "aether/guest_init.h"
 #include "aether/json_fields.h"
 #include "common/fd.h"
@@ -50,10 +52,16 @@ void ensureStdFds() {
 }
 
 Status writeAllBlocking(int fd, std::string_view data) {
+  int waits = 0;
   while (!data.empty()) {
     ssize_t n = ::write(fd, data.data(), data.size());
     if (n < 0) {
       if (errno == EINTR) continue;
+      if (errno == EAGAIN && ++waits <= 5) {  // start() made the connection nonblocking
+        struct pollfd p = {fd, POLLOUT, 0};
+        (void)::poll(&p, 1, 1000);
+        continue;
+      }
       return sysError("write connection");
     }
     data.remove_prefix(static_cast<size_t>(n));
@@ -115,14 +123,22 @@ int realMain(int argc, char** argv) {
   // The kernel starts the microvm initramfs's /init (this binary) as PID 1.
   if (::getpid() == 1 && argc >= 1 && std::string_view(argv[0]) == "/init") return guestMain();
   bool no_init = false;
+  bool prestaged = false;
   for (int i = 1; i < argc; ++i) {
     std::string_view a = argv[i];
     if (a == "--no-init") {
       no_init = true;
+    } else if (a == "--prestage") {
+      prestaged = true;
     } else {
-      std::fprintf(stderr, "usage: dsec-aether [--no-init]\n  (the connection is fd 3)\n");
+      std::fprintf(stderr,
+                   "usage: dsec-aether [--no-init | --prestage]\n  (the connection is fd 3)\n");
       return 2;
     }
+  }
+  if (no_init && prestaged) {
+    std::fprintf(stderr, "dsec-aether: --prestage needs an init frame\n");
+    return 2;
   }
   ensureStdFds();
   if (!no_init) {
@@ -166,6 +182,19 @@ int realMain(int argc, char** argv) {
     }
   }
   if (!no_init) {
+    // A spare (container backend): what does not depend on the sandbox is
+    // done before the edge hands it one. If that fails (a host without
+    // kStageDir, say), init does it all as without --prestage.
+    std::string staged;
+    if (prestaged) {
+      Result<std::string> r = prestage();
+      if (r.isOk()) {
+        staged = *r;
+      } else {
+        std::fprintf(stderr, "dsec-aether: prestage: %s (mounting at init)\n",
+                     r.status().toString().c_str());
+      }
+    }
     UniqueFd rootfsFd;
     Result<proto::Frame> first = readFirstFrame(conn.get(), decoder, rootfsFd);
     if (!first.isOk()) {
@@ -178,17 +207,24 @@ int realMain(int argc, char** argv) {
     }
     Result<InitConfig> config = parseInitConfig(first->payload);
     if (!config.isOk()) return failStartup(conn.get(), config.status());
-    Status st = setupContainer(*config, rootfsFd.get());
+    Status st = setupContainer(*config, rootfsFd.get(), staged);
     rootfsFd.reset();  // attached (or refused): the sandbox must not keep it
     if (!st.isOk()) return failStartup(conn.get(), st);
+    if (!config->working_dir.empty()) {
+      st = makeDir(config->working_dir, true, 0755);
+      if (!st.isOk()) return failStartup(conn.get(), st.withContext("working_dir " + config->working_dir));
+    }
     options.exec.default_env = config->env;
     if (config->reattach) options.reattach_fd = kReattachFd;
     options.fncall = config->fncall;
+    options.initial_policy = config->policy;
   }
 
   Agent agent(std::move(conn), std::move(options), std::move(decoder));
   Status st = agent.start();
   if (!st.isOk()) {
+    // The connection is still ours (fd 3): the edge hears why.
+    if (!no_init) return failStartup(kConnFd, st.withContext("start"));
     std::fprintf(stderr, "dsec-aether: start: %s\n", st.toString().c_str());
     return 1;
   }

@@ -27,6 +27,13 @@ struct SandboxSpec {
   // fncall sandboxes (backends/fncall): the init frame's "fncall" object
   // (docs/agent-protocol.md); empty for a container sandbox.
   std::string fncallInit;
+  // The first phase's policy: a policy frame's body (docs/agent-protocol.md),
+  // or empty for none. Backends that takesInitPolicy() hand it to the agent
+  // with init; for the others the edge sends it as a policy frame.
+  std::string initPolicy;
+  // Made (mkdir -p, root's, 0755) before the policy applies, as Docker makes
+  // an image's WorkingDir that the image lacks; empty for none.
+  std::string workingDir;
 };
 
 // A running sandbox as its backend made it. Owned by the Edge.
@@ -59,6 +66,8 @@ class Backend {
  public:
   virtual ~Backend() = default;
   virtual std::string name() const = 0;
+  // Whether create() applies spec.initPolicy itself (in the agent's init).
+  virtual bool takesInitPolicy() const { return false; }
   // Builds the sandbox and waits for its agent's hello. onDeath runs (on some
   // other thread, once) if the sandbox dies on its own. On error nothing of
   // the sandbox is left behind.

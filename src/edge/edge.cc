@@ -317,6 +317,23 @@ Status Edge::create(const std::string& backend, const SandboxSpec& spec) {
     sandboxes_[spec.id] = nullptr;
   }
   auto inst = bit->second->create(spec, deathHandlerFor(spec.id));
+  if (inst.isOk() && !bit->second->takesInitPolicy()) {
+    // What the others' agents take with init, in calls.
+    Result<std::string> done = std::string();
+    if (!spec.workingDir.empty()) {
+      json mk = {{"path", spec.workingDir}, {"parents", true}, {"mode", 0755}};
+      done = agentCall(*(*inst)->agent(), proto::FrameType::kMkdir, mk.dump(), kAgentCallTimeoutS);
+      if (!done.isOk()) done = Status(done.status()).withContext("working_dir " + spec.workingDir);
+    }
+    if (done.isOk() && !spec.initPolicy.empty()) {
+      done = agentCall(*(*inst)->agent(), proto::FrameType::kPolicy, spec.initPolicy,
+                       kAgentCallTimeoutS);
+    }
+    if (!done.isOk()) {
+      (void)bit->second->destroy(**inst);
+      inst = done.status();
+    }
+  }
   // Recorded before the create is acknowledged, so that an edge restarted
   // from here on re-adopts the sandbox.
   SandboxState state;

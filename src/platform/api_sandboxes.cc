@@ -265,6 +265,7 @@ void Platform::createSandbox(http::Request& req, http::Response& res) {
 // From a checked record (layers resolved, env/user/working dir final) to a
 // running sandbox, or to nothing at all.
 Result<SandboxRecord> Platform::launch(SandboxRecord r) {
+  Laps laps;
   r.id = "sb-" + randomHex(8);
   r.state = "creating";
   r.createdAt = r.updatedAt = nowSeconds();
@@ -285,30 +286,36 @@ Result<SandboxRecord> Platform::launch(SandboxRecord r) {
     }
     return st;
   }
-  edge::SandboxSpec spec;
-  spec.id = r.id;
-  spec.layers = r.layers;
-  spec.cpu = r.cpu;
-  spec.memoryBytes = r.memoryMb << 20;
-  spec.diskBytes = r.diskMb << 20;
-  spec.pids = r.pids;
-  Status st = edge_->create(r.backend, spec);
-  if (st.isOk() && !r.workingDir.empty()) {
+  laps.lap("put1");
+  // The first phase's policy goes with the create: its limits are the
+  // cgroups' first, its file rules the agent's init (no round trip), and a
+  // new sandbox has no egress until rules are set.
+  r.phases.push_back({r.policy, nowSeconds()});
+  auto plan = planPolicy(r);
+  Status st = plan.isOk() ? Status::ok() : Status(plan.status()).withContext("apply policy " + r.policy);
+  if (st.isOk()) {
+    edge::SandboxSpec spec;
+    spec.id = r.id;
+    spec.layers = r.layers;
+    spec.cpu = plan->limits.cpu;
+    spec.memoryBytes = plan->limits.memoryBytes;
+    spec.diskBytes = r.diskMb << 20;
+    spec.pids = plan->limits.pids;
+    spec.initPolicy = plan->agentBody;
     // As Docker does: a WorkingDir the image lacks is made (root's, 0755), or
     // every exec would fail to chdir into it.
-    json mk = {{"path", r.workingDir}, {"parents", true}, {"mode", 0755}};
-    auto made = edge_->fileCall(r.id, proto::FrameType::kMkdir, mk.dump());
-    if (!made.isOk()) {
-      st = made.status();
-      st.withContext("working_dir " + r.workingDir);
+    spec.workingDir = r.workingDir;
+    st = edge_->create(r.backend, spec);
+  }
+  laps.lap("edge");
+  if (st.isOk() && !plan->egress.empty()) {
+    st = edge_->setEgress(r.id, plan->egress);
+    if (!st.isOk()) {
+      st.withContext("apply policy " + r.policy);
       (void)edge_->destroy(r.id);
     }
   }
-  if (st.isOk()) {
-    r.phases.push_back({r.policy, nowSeconds()});
-    st = applyPolicy(r);
-    if (!st.isOk()) (void)edge_->destroy(r.id);
-  }
+  laps.lap("policy");
   if (!st.isOk()) {
     // Nothing half-made: the edge cleaned up; drop the record too.
     log::warn("create " + r.id + " failed: " + st.toString());
@@ -337,6 +344,8 @@ Result<SandboxRecord> Platform::launch(SandboxRecord r) {
   }
   if (cancelled) (void)edge_->destroy(r.id);
   Status ps = store_->putSandbox(r);
+  laps.lap("put2");
+  log::debug("launch " + r.id + " ms: " + laps.str());
   stateCv_.notify_all();
   if (cancelled) {
     return Status(Code::kConflict, "sandbox " + r.id + " was deleted while being created");
@@ -401,37 +410,45 @@ void Platform::getSandbox(const std::string& id, http::Response& res) {
   sendJson(res, 200, dumpJson(j));
 }
 
-Status Platform::applyPolicy(const SandboxRecord& r) {
+Result<Platform::PolicyPlan> Platform::planPolicy(const SandboxRecord& r) {
   ASSIGN_OR_RETURN(Policy p, policies_->find(r.policy, "policy"));
-  ASSIGN_OR_RETURN(auto rules, egressRules(p));
+  PolicyPlan plan;
+  ASSIGN_OR_RETURN(plan.egress, egressRules(p));
   // The lower of the sandbox's own limits and the policy's ceilings, every
   // switch (so leaving a tighter policy lifts its ceilings again).
-  edge::CgroupLimits lim;
+  edge::CgroupLimits& lim = plan.limits;
   lim.cpu = p.limits.cpu > 0 ? std::min(r.cpu, p.limits.cpu) : r.cpu;
   int64_t memMb = p.limits.memoryMb > 0 ? std::min(r.memoryMb, p.limits.memoryMb) : r.memoryMb;
   lim.memoryBytes = memMb << 20;
   lim.pids = p.limits.pids > 0 ? std::min(r.pids, p.limits.pids) : r.pids;
-  if (Status st = edge_->setLimits(r.id, lim); !st.isOk()) {
-    return st.withContext("apply policy " + r.policy);
-  }
   json body = {{"readonly", p.readonlyPaths}, {"hidden", p.hiddenPaths}};
   for (auto& x : r.readonlyPaths) body["readonly"].push_back(x);
   for (auto& x : r.hiddenPaths) body["hidden"].push_back(x);
   if (!p.dns.empty()) body["dns"] = p.dns;
   body["syscalls"] = p.syscalls;
+  plan.agentBody = body.dump();
+  return plan;
+}
+
+Status Platform::applyPolicy(const SandboxRecord& r) {
+  auto plan = planPolicy(r);
+  if (!plan.isOk()) return Status(plan.status()).withContext("apply policy " + r.policy);
+  if (Status st = edge_->setLimits(r.id, plan->limits); !st.isOk()) {
+    return st.withContext("apply policy " + r.policy);
+  }
   auto applyFiles = [&]() -> Status {
-    auto res = edge_->fileCall(r.id, proto::FrameType::kPolicy, body.dump());
+    auto res = edge_->fileCall(r.id, proto::FrameType::kPolicy, plan->agentBody);
     return res.isOk() ? Status::ok() : res.status();
   };
   // Closing goes first and opening last, so a switch is never more open
   // than either policy, even for a moment.
   Status st;
-  if (rules.empty()) {
+  if (plan->egress.empty()) {
     st = edge_->setEgress(r.id, {});
     if (st.isOk()) st = applyFiles();
   } else {
     st = applyFiles();
-    if (st.isOk()) st = edge_->setEgress(r.id, rules);
+    if (st.isOk()) st = edge_->setEgress(r.id, plan->egress);
   }
   if (!st.isOk()) return st.withContext("apply policy " + r.policy);
   return Status::ok();

@@ -149,7 +149,17 @@ class Platform {
   void deletePolicy(const std::string& name, http::Response& res);
   // The filter rules of p's egress and DNS entries, host names resolved now.
   Result<std::vector<edge::net::EgressRule>> egressRules(const Policy& p);
-  // Applies the file rules of r's policy (plus its extra paths) in the sandbox.
+  // What r's policy (plus its extra paths) asks of its sandbox: the limits
+  // (the lower of the sandbox's own and the policy's ceilings), the policy
+  // frame's body for the agent (file rules, resolvers, syscall profile) and
+  // the egress rules.
+  struct PolicyPlan {
+    edge::CgroupLimits limits;
+    std::string agentBody;
+    std::vector<edge::net::EgressRule> egress;
+  };
+  Result<PolicyPlan> planPolicy(const SandboxRecord& r);
+  // Applies r's policy to its running sandbox (a phase switch).
   Status applyPolicy(const SandboxRecord& r);
   void files(const std::string& id, const std::string& op, http::Request& req,
              http::Response& res);

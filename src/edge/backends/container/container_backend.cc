@@ -291,7 +291,10 @@ Result<ContainerBackend::Agent> ContainerBackend::spawnAgent() {
   UniqueFd devNull(::open("/dev/null", O_RDWR | O_CLOEXEC));
   if (!devNull) return sysError("open /dev/null");
   static char arg0[] = "dsec-aether";
-  char* argv[] = {arg0, nullptr};
+  // The agent mounts its sandbox's /proc, /sys and /dev while it waits to be
+  // taken (aether/container_init.h: prestage).
+  static char arg1[] = "--prestage";
+  char* argv[] = {arg0, arg1, nullptr};
   static char env0[] = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
   char* envp[] = {env0, nullptr};
   ChildArgs args{theirs.get(), aetherMemfd_.get(), devNull.get(), argv, envp};
@@ -498,6 +501,11 @@ Result<std::unique_ptr<Instance>> ContainerBackend::create(const SandboxSpec& sp
   json init = {{"hostname", spec.id}, {"reattach", true}};
   // fncall (backends/fncall): read-only root, /scratch, zygotes.
   if (!spec.fncallInit.empty()) init["fncall"] = json::parse(spec.fncallInit, nullptr, false);
+  if (!spec.workingDir.empty()) init["working_dir"] = spec.workingDir;
+  if (!spec.initPolicy.empty()) {
+    init["policy"] = json::parse(spec.initPolicy, nullptr, false);
+    if (!init["policy"].is_object()) return fail(invalidArg("policy", "initial policy is not an object"));
+  }
   if (userns_) {
     // Relative to aether's working directory, the sandbox root (ChildArgs):
     // the absolute path crosses 0700 directories of host root.

@@ -61,6 +61,7 @@ class ContainerBackend : public Backend {
   ~ContainerBackend() override;
 
   std::string name() const override { return "container"; }
+  bool takesInitPolicy() const override { return true; }
   Result<std::unique_ptr<Instance>> create(const SandboxSpec& spec,
                                            std::function<void()> onDeath) override;
   Result<std::unique_ptr<Instance>> adopt(const SandboxState& state,

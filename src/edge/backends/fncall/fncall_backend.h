@@ -22,6 +22,7 @@ class FncallBackend : public Backend {
       : container_(container), languages_(std::move(languages)) {}
 
   std::string name() const override { return "fncall"; }
+  bool takesInitPolicy() const override { return true; }
   // The spec's diskBytes sizes /scratch (a tmpfs: charged to the sandbox's
   // memory); its fncallInit, when set, is sent as is (run pools set it).
   Result<std::unique_ptr<Instance>> create(const SandboxSpec& spec,

@@ -371,6 +371,11 @@ Status MicroVmBackend::bootOnce(const SandboxSpec& spec, Boot& b, bool* hung) {
   for (auto& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);
   for (const char* f : {"/agent.sock", "/qmp.sock", "/console.log"}) ::unlink((dir + f).c_str());
+  // There from the start, so a VM killed before QEMU opened it (a boot
+  // timeout on a loaded host) still leaves a console log to keep.
+  if (UniqueFd c(::open((dir + "/console.log").c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0600)); !c) {
+    return sysError("create console.log");
+  }
 
   UniqueFd logFd(::open((dir + "/qemu.log").c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
   if (!logFd) return sysError("open qemu.log");
