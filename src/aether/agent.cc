@@ -94,6 +94,8 @@ Status Agent::start() {
   if (!sigchld_) return sysError("signalfd");
   // A write to a closed stdin pipe or connection must be an error, not death.
   ::signal(SIGPIPE, SIG_IGN);
+  // Children reset just what is not at SIG_DFL here (inherited SIG_IGNs too).
+  options_.exec.reset_signals = nonDefaultSignals();
   // As PID 1 orphans come to aether anyway; elsewhere (tests) ask for them.
   ::prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0);
 

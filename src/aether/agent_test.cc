@@ -340,6 +340,15 @@ TEST(AgentExecTest, EchoWithExitCode) {
   EXPECT_GT(o.exit["duration_us"].get<int64_t>(), 0);
 }
 
+// aether ignores SIGPIPE (and may inherit other SIG_IGNs); its children get
+// every disposition back at SIG_DFL, which /proc shows as an empty SigIgn.
+TEST(AgentExecTest, ChildrenStartWithDefaultSignalDispositions) {
+  AgentHarness a;
+  a.startForked();
+  auto o = a.exec(1, shExec("grep -E '^Sig(Ign|Blk)' /proc/self/status"));
+  EXPECT_EQ(o.out, "SigBlk:\t0000000000000000\nSigIgn:\t0000000000000000\n") << o.result;
+}
+
 TEST(AgentExecTest, PathSearchEnvAndCwd) {
   AgentHarness a;
   a.startForked();

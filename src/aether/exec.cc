@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 
 #include "aether/json_fields.h"
@@ -38,6 +39,21 @@ constexpr int kKeptCaps[] = {
     CAP_SYS_CHROOT, CAP_AUDIT_WRITE,  CAP_SETFCAP,
 };
 constexpr int kMaxCap = 63;
+
+// The highest capability this kernel knows (beyond it PR_CAPBSET_DROP is
+// EINVAL anyway): /proc/sys/kernel/cap_last_cap, read once.
+int lastCap() {
+  static const int last = [] {
+    int v = kMaxCap;
+    if (FILE* f = std::fopen("/proc/sys/kernel/cap_last_cap", "re")) {
+      int n;
+      if (std::fscanf(f, "%d", &n) == 1 && n >= 0 && n <= kMaxCap) v = n;
+      std::fclose(f);
+    }
+    return v;
+  }();
+  return last;
+}
 
 // Where the child stopped, reported through the status pipe.
 enum ChildStage : int32_t {
@@ -74,6 +90,8 @@ struct ChildPlan {
   std::vector<gid_t> groups;
   bool drop_caps = false;
   uint64_t keep_mask = 0;
+  int last_cap = kMaxCap;
+  uint64_t reset_signals = ~uint64_t{0};
   bool set_nofile = false;
   struct rlimit nofile;
   bool seccomp = false;
@@ -101,11 +119,13 @@ bool moveFd(int from, int to) {
 // Only async-signal-safe calls from here on.
 [[noreturn]] void runChild(ChildPlan& p) {
   // aether blocks SIGCHLD and ignores SIGPIPE; programs expect the defaults.
+  // (Handlers would be reset by execve; SIG_IGN is not.)
   struct sigaction dfl;
   std::memset(&dfl, 0, sizeof dfl);
   dfl.sa_handler = SIG_DFL;
-  for (int sig = 1; sig < NSIG; ++sig) {
-    if (sig != SIGKILL && sig != SIGSTOP) ::sigaction(sig, &dfl, nullptr);
+  for (int sig = 1; sig < NSIG && sig <= 64; ++sig) {
+    if (sig == SIGKILL || sig == SIGSTOP || !(p.reset_signals >> (sig - 1) & 1)) continue;
+    ::sigaction(sig, &dfl, nullptr);
   }
   ::sigprocmask(SIG_SETMASK, &p.empty_mask, nullptr);
 
@@ -128,7 +148,7 @@ bool moveFd(int from, int to) {
 
   if (p.drop_caps) {
     ::prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0);
-    for (int cap = 0; cap <= kMaxCap; ++cap) {
+    for (int cap = 0; cap <= p.last_cap; ++cap) {
       if (p.keep_mask & (uint64_t{1} << cap)) continue;
       // EINVAL: this kernel does not know the capability.
       if (::prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) < 0 && errno != EINVAL) {
@@ -368,6 +388,8 @@ Result<SpawnedExec> spawnExec(const ExecRequest& req, const ExecSettings& settin
     plan.nofile = *settings.child_nofile;
   }
   for (int cap : kKeptCaps) plan.keep_mask |= uint64_t{1} << cap;
+  plan.last_cap = lastCap();
+  plan.reset_signals = settings.reset_signals;
   static const std::vector<sock_filter> kFilter = defaultSyscallFilter(false);
   static const std::vector<sock_filter> kNotifyFilter = defaultSyscallFilter(true);
   static const std::vector<sock_filter> kStrictFilter =
@@ -509,6 +531,17 @@ std::string spawnFailureMessage(const SpawnedExec& spawned) {
   msg += std::strerror(r.err);
   msg += "\n";
   return msg;
+}
+
+uint64_t nonDefaultSignals() {
+  uint64_t mask = 0;
+  for (int sig = 1; sig < NSIG && sig <= 64; ++sig) {
+    struct sigaction old;
+    if (::sigaction(sig, nullptr, &old) == 0 && old.sa_handler != SIG_DFL) {
+      mask |= uint64_t{1} << (sig - 1);
+    }
+  }
+  return mask;
 }
 
 }  // namespace dsec::aether

@@ -64,7 +64,15 @@ struct ExecSettings {
   // aether raises its own open-file limit to serve many execs; children get
   // this one back (nullopt: leave theirs as inherited).
   std::optional<struct rlimit> child_nofile;
+  // Signals (bit sig-1) whose disposition the child must set back to
+  // SIG_DFL before exec: those not at SIG_DFL in aether (nonDefaultSignals()).
+  // All by default; an agent narrows it once it has set its own.
+  uint64_t reset_signals = ~uint64_t{0};
 };
+
+// The signals (bit sig-1, 1..64) whose disposition in this process is not
+// SIG_DFL now: SIG_IGN survives execve, so children reset those.
+uint64_t nonDefaultSignals();
 
 struct SpawnedExec {
   pid_t pid = -1;           // also the process group id (the child setsid()s)
