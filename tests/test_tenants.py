@@ -317,6 +317,13 @@ def test_trajectories_are_per_tenant(ab, busybox, client):
     assert b.client.delete_trajectory(tid) == 1
     assert len(a.client.export_trajectory(tid)) == 1
     assert client.delete_trajectory(f"{tid}@{a.id}") == 1
+    # A recovers its own: the new sandbox is A's (and counts for A), not B's.
+    rec = a.client.recover(only_a, force=True)
+    assert rec.info["owner"] == a.id and rec.recovery["trajectory_id"] == only_a
+    assert rec.id in [s.id for s in a.client.list()]
+    assert rec.id not in [s.id for s in b.client.list()]
+    assert rec.read_file("/tmp/f") == b"a"
+    rec.destroy()
     a.client.delete_trajectory(only_a)
     sa.destroy()
     sb.destroy()

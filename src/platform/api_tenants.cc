@@ -50,8 +50,9 @@ Status parseQuota(const json& j, TenantQuota& q) {
         return invalidArg(field, field + " must be an integer >= 0 (0: no limit)");
       }
       int64_t n = v.get<int64_t>();
-      (k == "max_sandboxes" ? q.maxSandboxes : k == "max_memory_mb" ? q.maxMemoryMb
-                                                                   : q.createBurst) = n;
+      (k == "max_sandboxes"   ? q.maxSandboxes
+       : k == "max_memory_mb" ? q.maxMemoryMb
+                              : q.createBurst) = n;
     } else {
       return invalidArg(field, "unknown quota " + k +
                                    " (known: max_sandboxes, max_cpu, max_memory_mb, "
@@ -80,9 +81,9 @@ Status Platform::authorize(const std::vector<std::string>& parts, const std::str
   // Node-wide state and the management of tenants: an admin's business.
   static const std::set<std::string> kAdminOnly = {"tenants", "layers", "gc", "node", "metrics"};
   if (kAdminOnly.count(coll) || (coll == "policies" && method != "GET")) {
-    return Status(Code::kPermissionDenied,
-                  method + " /v1/" + coll + " needs the admin role; tenant " + c.tenant +
-                      " has the user role");
+    return Status(Code::kPermissionDenied, method + " /v1/" + coll +
+                                               " needs the admin role; tenant " + c.tenant +
+                                               " has the user role");
   }
   if (coll == "sandboxes" && parts.size() >= 4) {
     // Another tenant's sandbox is not found, as if it did not exist.
@@ -248,8 +249,8 @@ void Platform::tenantsApi(const std::vector<std::string>& parts, http::Request& 
     }
     if (m == "DELETE") {
       if (id == kAdminTenant) {
-        return sendError(res, Status(Code::kFailedPrecondition,
-                                     "the built-in admin tenant cannot be deleted"));
+        return sendError(
+            res, Status(Code::kFailedPrecondition, "the built-in admin tenant cannot be deleted"));
       }
       std::lock_guard lk(tenantsMu_);
       Usage u;

@@ -26,8 +26,7 @@ Result<std::optional<StepKey>> Chronus::parseKey(const json* trajectory, const j
     return invalidArg("step", "step must be an integer >= 0");
   }
   // Ids are per tenant: the key is the caller's (platform/tenants.h).
-  return std::optional<StepKey>(
-      StepKey{scopeTrajectory(currentCaller(), t), step->get<int64_t>()});
+  return std::optional<StepKey>(StepKey{scopeTrajectory(currentCaller(), t), step->get<int64_t>()});
 }
 
 std::string Chronus::digestOf(const std::string& kind, const json& request) {

@@ -738,9 +738,9 @@ Result<TenantRecord> PostgresStore::getTenant(const std::string& id) {
 }
 
 Result<std::vector<TenantRecord>> PostgresStore::listTenants() {
-  ASSIGN_OR_RETURN(Rows rows,
-                   Query::run(this, "listTenants",
-                              "SELECT doc FROM tenants ORDER BY id COLLATE \"C\"", Params(), kRetry));
+  ASSIGN_OR_RETURN(
+      Rows rows, Query::run(this, "listTenants",
+                            "SELECT doc FROM tenants ORDER BY id COLLATE \"C\"", Params(), kRetry));
   std::vector<TenantRecord> out;
   for (int i = 0; i < rows.size(); ++i) {
     ASSIGN_OR_RETURN(auto r, tenantFromJson(rows.text(i, 0)));
@@ -751,12 +751,11 @@ Result<std::vector<TenantRecord>> PostgresStore::listTenants() {
 
 Status PostgresStore::deleteTenant(const std::string& id) {
   // One statement, so one transaction: the tenant and its keys go together.
-  ASSIGN_OR_RETURN(Rows rows,
-                   Query::run(this, "deleteTenant",
-                              "WITH k AS (DELETE FROM api_keys WHERE tenant=$1), "
-                              "t AS (DELETE FROM tenants WHERE id=$1 RETURNING 1) "
-                              "SELECT COUNT(*) FROM t",
-                              Params().add(id), kNoRetry));
+  ASSIGN_OR_RETURN(Rows rows, Query::run(this, "deleteTenant",
+                                         "WITH k AS (DELETE FROM api_keys WHERE tenant=$1), "
+                                         "t AS (DELETE FROM tenants WHERE id=$1 RETURNING 1) "
+                                         "SELECT COUNT(*) FROM t",
+                                         Params().add(id), kNoRetry));
   if (rows.i64(0, 0) == 0) return notFound("tenant " + id + " not found");
   return Status::ok();
 }
@@ -779,9 +778,10 @@ Result<ApiKeyRecord> PostgresStore::getApiKey(const std::string& id) {
 Result<std::vector<ApiKeyRecord>> PostgresStore::listApiKeys(const std::string& tenant) {
   ASSIGN_OR_RETURN(
       Rows rows,
-      Query::run(this, "listApiKeys",
-                 "SELECT doc FROM api_keys WHERE $1::text = '' OR tenant=$1 ORDER BY id COLLATE \"C\"",
-                 Params().add(tenant), kRetry));
+      Query::run(
+          this, "listApiKeys",
+          "SELECT doc FROM api_keys WHERE $1::text = '' OR tenant=$1 ORDER BY id COLLATE \"C\"",
+          Params().add(tenant), kRetry));
   std::vector<ApiKeyRecord> out;
   for (int i = 0; i < rows.size(); ++i) {
     ASSIGN_OR_RETURN(auto r, apiKeyFromJson(rows.text(i, 0)));

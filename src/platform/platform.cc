@@ -329,11 +329,11 @@ void Platform::handle(http::Request& req, http::Response& res) {
     return;
   }
   std::string auth = req.header("authorization");
-  auto caller = startsWith(auth, "Bearer ")
-                    ? tenants_->authenticate(std::string_view(auth).substr(7))
-                    : Result<Caller>(Status(Code::kUnauthenticated, auth.empty()
-                                                                        ? "missing bearer token"
-                                                                        : "invalid bearer token"));
+  auto caller =
+      startsWith(auth, "Bearer ")
+          ? tenants_->authenticate(std::string_view(auth).substr(7))
+          : Result<Caller>(Status(Code::kUnauthenticated,
+                                  auth.empty() ? "missing bearer token" : "invalid bearer token"));
   if (!caller.isOk()) {
     if (caller.status().code() == Code::kUnauthenticated) {
       res.setHeader("WWW-Authenticate", "Bearer");

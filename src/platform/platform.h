@@ -222,7 +222,7 @@ class Platform {
   std::unique_ptr<Policies> policies_;
   std::unique_ptr<Chronus> chronus_;
   std::unique_ptr<Tenants> tenants_;
-  std::mutex tenantsMu_;  // serializes changes to tenants (api_tenants.cc)
+  std::mutex tenantsMu_;        // serializes changes to tenants (api_tenants.cc)
   edge::Edge* edge_ = nullptr;  // not owned
   std::unique_ptr<edge::RunPool> runPool_;  // fncall one-shot calls (api_run.cc)
   std::mutex gcMu_;  // one collection at a time; held while images and layers are deleted

@@ -376,7 +376,7 @@ Result<ImageRecord> SqliteStore::getImage(const std::string& name, const std::st
   int rc = st.step();
   if (rc == SQLITE_ROW) {
     return imageFromColumns(st.text(0), st.text(1), st.text(2), st.i64(3), st.dbl(4), st.text(5),
-                        st.text(6), st.text(7), st.text(8), st.text(9));
+                            st.text(6), st.text(7), st.text(8), st.text(9));
   }
   if (rc == SQLITE_DONE) return notFound("image " + name + ":" + tag + " not found");
   return sqlError(db_, "getImage");
@@ -391,8 +391,8 @@ Result<std::vector<ImageRecord>> SqliteStore::listImages() {
   std::vector<ImageRecord> out;
   int rc;
   while ((rc = st.step()) == SQLITE_ROW) {
-    out.push_back(imageFromColumns(st.text(0), st.text(1), st.text(2), st.i64(3), st.dbl(4), st.text(5),
-                               st.text(6), st.text(7), st.text(8), st.text(9)));
+    out.push_back(imageFromColumns(st.text(0), st.text(1), st.text(2), st.i64(3), st.dbl(4),
+                                   st.text(5), st.text(6), st.text(7), st.text(8), st.text(9)));
   }
   if (rc != SQLITE_DONE) return sqlError(db_, "listImages");
   return out;
@@ -650,9 +650,8 @@ Result<TenantRecord> tenantFromJson(const std::string& s) {
 }
 
 std::string apiKeyToJson(const ApiKeyRecord& r) {
-  return json{{"id", r.id},           {"tenant", r.tenant},
-              {"hash", r.hash},       {"name", r.name},
-              {"created_at", r.createdAt}, {"revoked_at", r.revokedAt}}
+  return json{{"id", r.id},     {"tenant", r.tenant},        {"hash", r.hash},
+              {"name", r.name}, {"created_at", r.createdAt}, {"revoked_at", r.revokedAt}}
       .dump();
 }
 
@@ -675,8 +674,9 @@ Result<ApiKeyRecord> apiKeyFromJson(const std::string& s) {
 
 Status SqliteStore::putTenant(const TenantRecord& r) {
   std::lock_guard lk(mu_);
-  Stmt st(db_, "INSERT INTO tenants(id, doc) VALUES(?1, ?2) "
-               "ON CONFLICT(id) DO UPDATE SET doc=excluded.doc");
+  Stmt st(db_,
+          "INSERT INTO tenants(id, doc) VALUES(?1, ?2) "
+          "ON CONFLICT(id) DO UPDATE SET doc=excluded.doc");
   st.bind(1, r.id).bind(2, tenantToJson(r));
   if (st.step() != SQLITE_DONE) return sqlError(db_, "putTenant");
   return Status::ok();
@@ -719,7 +719,8 @@ Status SqliteStore::deleteTenant(const std::string& id) {
   RETURN_IF_ERROR(exec("BEGIN IMMEDIATE"));
   bool existed = false;
   for (int i = 0; i < 2; ++i) {
-    Stmt st(db_, i == 0 ? "DELETE FROM tenants WHERE id=?1" : "DELETE FROM api_keys WHERE tenant=?1");
+    Stmt st(db_,
+            i == 0 ? "DELETE FROM tenants WHERE id=?1" : "DELETE FROM api_keys WHERE tenant=?1");
     st.bind(1, id);
     if (st.step() != SQLITE_DONE) {
       Status err = sqlError(db_, "deleteTenant");
@@ -735,8 +736,9 @@ Status SqliteStore::deleteTenant(const std::string& id) {
 
 Status SqliteStore::putApiKey(const ApiKeyRecord& r) {
   std::lock_guard lk(mu_);
-  Stmt st(db_, "INSERT INTO api_keys(id, tenant, doc) VALUES(?1, ?2, ?3) "
-               "ON CONFLICT(id) DO UPDATE SET tenant=excluded.tenant, doc=excluded.doc");
+  Stmt st(db_,
+          "INSERT INTO api_keys(id, tenant, doc) VALUES(?1, ?2, ?3) "
+          "ON CONFLICT(id) DO UPDATE SET tenant=excluded.tenant, doc=excluded.doc");
   st.bind(1, r.id).bind(2, r.tenant).bind(3, apiKeyToJson(r));
   if (st.step() != SQLITE_DONE) return sqlError(db_, "putApiKey");
   return Status::ok();

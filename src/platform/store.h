@@ -155,10 +155,10 @@ struct TenantRecord {
 
 // An API key: only the SHA-256 of the key is kept, never the key.
 struct ApiKeyRecord {
-  std::string id;      // the visible part of the key, for listing and revoking
+  std::string id;  // the visible part of the key, for listing and revoking
   std::string tenant;
-  std::string hash;    // hex SHA-256 of the whole key
-  std::string name;    // a label given at creation
+  std::string hash;  // hex SHA-256 of the whole key
+  std::string name;  // a label given at creation
   double createdAt = 0;
   double revokedAt = 0;  // 0: live
 };

@@ -62,8 +62,8 @@ Status validateTenantId(const std::string& id, const std::string& field) {
   bool ok = !id.empty() && id.size() <= 40 && id.front() != '-';
   for (char c : id) ok = ok && ((c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '-');
   if (!ok) {
-    return invalidArg(field, "tenant id '" + id +
-                                 "' must be 1-40 of [a-z0-9-], not starting with '-'");
+    return invalidArg(field,
+                      "tenant id '" + id + "' must be 1-40 of [a-z0-9-], not starting with '-'");
   }
   return Status::ok();
 }
@@ -91,16 +91,15 @@ Status checkQuota(const TenantQuota& q, const Usage& used, const SandboxRecord& 
   }
   // A small tolerance: cpu is a sum of decimals.
   if (q.maxCpu > 0 && used.cpu + asked.cpu > q.maxCpu + 1e-9) {
-    return exceeded("max_cpu", "quota exceeded: tenant uses " + fmtNum(used.cpu) +
-                                   " cpu, asking " + fmtNum(asked.cpu) +
-                                   " more; its quota max_cpu is " + fmtNum(q.maxCpu));
+    return exceeded("max_cpu", "quota exceeded: tenant uses " + fmtNum(used.cpu) + " cpu, asking " +
+                                   fmtNum(asked.cpu) + " more; its quota max_cpu is " +
+                                   fmtNum(q.maxCpu));
   }
   if (q.maxMemoryMb > 0 && used.memoryMb + asked.memoryMb > q.maxMemoryMb) {
-    return exceeded("max_memory_mb", "quota exceeded: tenant uses " +
-                                         std::to_string(used.memoryMb) + " MB, asking " +
-                                         std::to_string(asked.memoryMb) +
-                                         " MB more; its quota max_memory_mb is " +
-                                         std::to_string(q.maxMemoryMb));
+    return exceeded("max_memory_mb",
+                    "quota exceeded: tenant uses " + std::to_string(used.memoryMb) +
+                        " MB, asking " + std::to_string(asked.memoryMb) +
+                        " MB more; its quota max_memory_mb is " + std::to_string(q.maxMemoryMb));
   }
   return Status::ok();
 }

@@ -137,10 +137,10 @@ class Tenants {
 
   Store* store_ = nullptr;
   std::string bootstrap_;
-  std::mutex mu_;  // guards the maps below
-  std::map<std::string, std::pair<ApiKeyRecord, double>> keys_;      // id -> (record, read at)
-  std::map<std::string, std::pair<TenantRecord, double>> tenants_;   // id -> (record, read at)
-  std::map<std::string, TokenBucket> buckets_;                       // tenant -> bucket
+  std::mutex mu_;                                                   // guards the maps below
+  std::map<std::string, std::pair<ApiKeyRecord, double>> keys_;     // id -> (record, read at)
+  std::map<std::string, std::pair<TenantRecord, double>> tenants_;  // id -> (record, read at)
+  std::map<std::string, TokenBucket> buckets_;                      // tenant -> bucket
 };
 
 }  // namespace dsec::platform

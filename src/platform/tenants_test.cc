@@ -46,9 +46,9 @@ SandboxRecord sandbox(const std::string& owner, const std::string& state, double
 
 TEST(QuotaTest, UsageCountsOnlyTheTenantsLiveSandboxes) {
   std::map<std::string, SandboxRecord> all = {
-      {"a", sandbox("acme", "running", 1, 100)},  {"b", sandbox("acme", "paused", 0.5, 50)},
-      {"c", sandbox("acme", "creating", 1, 10)},  {"d", sandbox("acme", "stopped", 4, 4000)},
-      {"e", sandbox("acme", "failed", 4, 4000)},  {"f", sandbox("other", "running", 8, 8000)}};
+      {"a", sandbox("acme", "running", 1, 100)}, {"b", sandbox("acme", "paused", 0.5, 50)},
+      {"c", sandbox("acme", "creating", 1, 10)}, {"d", sandbox("acme", "stopped", 4, 4000)},
+      {"e", sandbox("acme", "failed", 4, 4000)}, {"f", sandbox("other", "running", 8, 8000)}};
   Usage u = usageOf("acme", all);
   EXPECT_EQ(u.sandboxes, 3);
   EXPECT_DOUBLE_EQ(u.cpu, 2.5);
