@@ -274,3 +274,48 @@ def test_run_answers_conform(server, debian):
         assert conforms(r, "/v1/sandboxes/{id}/exec", "POST")["limit"] is None
     finally:
         server.raw("DELETE", f"/v1/sandboxes/{sb['id']}")
+
+
+def test_tenant_and_key_answers_conform(server, busybox):
+    tid = "c-" + unique().lower()[:12]
+    t = conforms(server.raw("POST", "/v1/tenants",
+                            body={"id": tid, "quota": {"max_sandboxes": 1, "creates_per_s": 5}}),
+                 "/v1/tenants", "POST")
+    assert t["id"] == tid and t["role"] == "user" and t["usage"]["sandboxes"] == 0
+    try:
+        conforms(server.raw("POST", "/v1/tenants", body={"id": tid}), "/v1/tenants", "POST")
+        conforms(server.raw("POST", "/v1/tenants", body={"id": "Bad!"}), "/v1/tenants", "POST")
+        lst = conforms(server.raw("GET", "/v1/tenants"), "/v1/tenants", "GET")
+        assert tid in [x["id"] for x in lst["tenants"]]
+        one = "/v1/tenants/{id}"
+        conforms(server.raw("GET", f"/v1/tenants/{tid}"), one, "GET")
+        conforms(server.raw("GET", "/v1/tenants/nope-x"), one, "GET")
+        conforms(server.raw("PATCH", f"/v1/tenants/{tid}", body={"quota": {"max_cpu": 2}}),
+                 one, "PATCH")
+        conforms(server.raw("PATCH", f"/v1/tenants/{tid}", body={"quota": {"max_cpu": -2}}),
+                 one, "PATCH")
+        keys = "/v1/tenants/{id}/keys"
+        k = conforms(server.raw("POST", f"/v1/tenants/{tid}/keys", body={"name": "c"}), keys,
+                     "POST")
+        conforms(server.raw("GET", f"/v1/tenants/{tid}/keys"), keys, "GET")
+        me = conforms(server.raw("GET", "/v1/whoami", token=k["key"]), "/v1/whoami", "GET")
+        assert me["tenant"] == tid and me["key_id"] == k["id"]
+        conforms(server.raw("GET", "/v1/whoami"), "/v1/whoami", "GET")
+        # A user's answers: 403 on admin routes, quotas on create.
+        conforms(server.raw("GET", "/v1/tenants", token=k["key"]), "/v1/tenants", "GET")
+        conforms(server.raw("GET", "/v1/layers", token=k["key"]), "/v1/layers", "GET")
+        sb = conforms(server.raw("POST", "/v1/sandboxes", body={"image": busybox},
+                                 token=k["key"]), "/v1/sandboxes", "POST")
+        assert sb["owner"] == tid
+        conforms(server.raw("POST", "/v1/sandboxes", body={"image": busybox}, token=k["key"]),
+                 "/v1/sandboxes", "POST")
+        conforms(server.raw("DELETE", f"/v1/tenants/{tid}"), one, "DELETE")  # 409: live
+        conforms(server.raw("DELETE", f"/v1/sandboxes/{sb['id']}"), "/v1/sandboxes/{id}",
+                 "DELETE")
+        one_key = "/v1/tenants/{id}/keys/{key_id}"
+        r = conforms(server.raw("DELETE", f"/v1/tenants/{tid}/keys/{k['id']}"), one_key, "DELETE")
+        assert r["revoked_at"] is not None
+        conforms(server.raw("DELETE", f"/v1/tenants/{tid}/keys/000000000000"), one_key, "DELETE")
+        conforms(server.raw("GET", "/v1/whoami", token=k["key"]), "/v1/whoami", "GET")
+    finally:
+        conforms(server.raw("DELETE", f"/v1/tenants/{tid}"), "/v1/tenants/{id}", "DELETE")

@@ -153,6 +153,8 @@ SB = {"id": "sb-00000000000000aa", "backend": "container", "image": "busybox:lat
     ("failed_precondition", 409, dsec.Conflict),
     ("payload_too_large", 413, dsec.PayloadTooLarge),
     ("resource_exhausted", 429, dsec.ResourceExhausted),
+    ("quota_exceeded", 403, dsec.QuotaExceeded),
+    ("rate_limited", 429, dsec.RateLimited),
     ("internal", 500, dsec.InternalError),
     ("unavailable", 503, dsec.Unavailable),
     ("deadline_exceeded", 504, dsec.DeadlineExceeded),

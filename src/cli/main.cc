@@ -12,6 +12,7 @@
 #include <iostream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -97,6 +98,12 @@ const char* kUsage = R"(usage: dsec COMMAND [OPTIONS]
   sandbox audit ID                       Syscalls it tried and was refused
   sandbox exec ID [--timeout S] [--user U] [--cwd DIR] -- CMD [ARG...]
   exec ID ... -- CMD [ARG...]            (same as sandbox exec)
+  tenant create [ID] [--name N] [--role user|admin] [--max-sandboxes N] [--max-cpu N]
+                [--max-memory-mb N] [--creates-per-s N] [--create-burst N]
+  tenant ls | tenant rm ID | tenant quota ID [--max-... N]...   (admin; docs/tenants.md)
+  key create TENANT [--name N]           Prints the new key once (only its hash is kept)
+  key ls TENANT | key rm TENANT KEY_ID   (admin)
+  whoami                                 The tenant and role of this client's key
 
 Client commands find the platform by --url/--token, else $DSEC_URL/$DSEC_TOKEN,
 else from --data-dir (default /var/lib/dsec): <dir>/up.json and <dir>/token.
@@ -660,6 +667,119 @@ int cmdSandbox(const Args& a) {
   return die("unknown sandbox command '" + sub + "'");
 }
 
+// dsec tenant ... / dsec key ... / dsec whoami (docs/tenants.md).
+int cmdTenants(const std::string& cmd, const Args& a) {
+  auto client = connectClient(a);
+  if (!client.isOk()) return die(client.status().toString());
+  auto& c = **client;
+  const std::string sub = a.positional.size() > 1 ? a.positional[1] : "";
+  auto call = [&](const char* method, const std::string& path, const std::string& body,
+                  int want) -> std::optional<json> {
+    auto r = c.request(method, path, body);
+    if (!r.isOk()) {
+      die(r.status().toString());
+      return std::nullopt;
+    }
+    if (r->status != want) {
+      apiError(*r);
+      return std::nullopt;
+    }
+    return json::parse(r->body, nullptr, false);
+  };
+  auto quota = [&] {
+    json q = json::object();
+    for (auto [flag, field] :
+         {std::pair{"max-sandboxes", "max_sandboxes"}, std::pair{"max-memory-mb", "max_memory_mb"},
+          std::pair{"create-burst", "create_burst"}}) {
+      if (!a.get(flag).empty()) q[field] = std::atoll(a.get(flag).c_str());
+    }
+    for (auto [flag, field] :
+         {std::pair{"max-cpu", "max_cpu"}, std::pair{"creates-per-s", "creates_per_s"}}) {
+      if (!a.get(flag).empty()) q[field] = std::atof(a.get(flag).c_str());
+    }
+    return q;
+  };
+  auto printTenant = [](const json& t) {
+    auto& q = t["quota"];
+    auto& u = t["usage"];
+    printf("%-24s %-6s %5lld/%-5lld %7.2f/%-7.2f %8lld/%-8lld %g/s\n",
+           t["id"].get<std::string>().c_str(), t["role"].get<std::string>().c_str(),
+           (long long)u["sandboxes"].get<int64_t>(), (long long)q["max_sandboxes"].get<int64_t>(),
+           u["cpu"].get<double>(), q["max_cpu"].get<double>(),
+           (long long)u["memory_mb"].get<int64_t>(), (long long)q["max_memory_mb"].get<int64_t>(),
+           q["creates_per_s"].get<double>());
+  };
+  const char* header = "%-24s %-6s %-11s %-15s %-17s %s\n";
+  if (cmd == "whoami") {
+    auto j = call("GET", "/v1/whoami", "", 200);
+    if (!j) return 1;
+    std::cout << (*j)["tenant"].get<std::string>() << " " << (*j)["role"].get<std::string>()
+              << "\n";
+    return 0;
+  }
+  if (cmd == "tenant" && sub == "create") {
+    json body = {{"quota", quota()}};
+    if (a.positional.size() > 2) body["id"] = a.positional[2];
+    if (!a.get("name").empty()) body["name"] = a.get("name");
+    if (!a.get("role").empty()) body["role"] = a.get("role");
+    auto j = call("POST", "/v1/tenants", body.dump(), 201);
+    if (!j) return 1;
+    std::cout << (*j)["id"].get<std::string>() << "\n";
+    return 0;
+  }
+  if (cmd == "tenant" && sub == "ls") {
+    auto j = call("GET", "/v1/tenants", "", 200);
+    if (!j) return 1;
+    printf(header, "TENANT", "ROLE", "SANDBOXES", "CPU", "MEMORY_MB", "CREATES");
+    for (auto& t : (*j)["tenants"]) printTenant(t);
+    return 0;
+  }
+  if (cmd == "tenant" && sub == "quota" && a.positional.size() == 3) {
+    auto j = call("PATCH", "/v1/tenants/" + a.positional[2], json{{"quota", quota()}}.dump(), 200);
+    if (!j) return 1;
+    printf(header, "TENANT", "ROLE", "SANDBOXES", "CPU", "MEMORY_MB", "CREATES");
+    printTenant(*j);
+    return 0;
+  }
+  if (cmd == "tenant" && sub == "rm" && a.positional.size() >= 3) {
+    for (size_t i = 2; i < a.positional.size(); ++i) {
+      if (!call("DELETE", "/v1/tenants/" + a.positional[i], "", 200)) return 1;
+      std::cout << a.positional[i] << "\n";
+    }
+    return 0;
+  }
+  if (cmd == "key" && sub == "create" && a.positional.size() == 3) {
+    json body = {{"name", a.get("name")}};
+    auto j = call("POST", "/v1/tenants/" + a.positional[2] + "/keys", body.dump(), 201);
+    if (!j) return 1;
+    std::cerr << "key " << (*j)["id"].get<std::string>()
+              << " (shown once; the server keeps only its hash):\n";
+    std::cout << (*j)["key"].get<std::string>() << "\n";
+    return 0;
+  }
+  if (cmd == "key" && sub == "ls" && a.positional.size() == 3) {
+    auto j = call("GET", "/v1/tenants/" + a.positional[2] + "/keys", "", 200);
+    if (!j) return 1;
+    printf("%-14s %-22s %-26s %-26s %s\n", "KEY_ID", "PREFIX", "CREATED", "REVOKED", "NAME");
+    for (auto& k : (*j)["keys"]) {
+      printf("%-14s %-22s %-26s %-26s %s\n", k["id"].get<std::string>().c_str(),
+             k["prefix"].get<std::string>().c_str(), k["created_at"].get<std::string>().c_str(),
+             k["revoked_at"].is_null() ? "-" : k["revoked_at"].get<std::string>().c_str(),
+             k["name"].get<std::string>().c_str());
+    }
+    return 0;
+  }
+  if (cmd == "key" && sub == "rm" && a.positional.size() == 4) {
+    if (!call("DELETE", "/v1/tenants/" + a.positional[2] + "/keys/" + a.positional[3], "", 200)) {
+      return 1;
+    }
+    std::cout << a.positional[3] << "\n";
+    return 0;
+  }
+  return die(cmd == "key" ? "usage: dsec key create|ls TENANT, dsec key rm TENANT KEY_ID"
+                          : "usage: dsec tenant create [ID]|ls|rm ID|quota ID [--max-... N]");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -693,6 +813,7 @@ int main(int argc, char** argv) {
   }
   if (cmd == "image") return cmdImage(a);
   if (cmd == "sandbox") return cmdSandbox(a);
+  if (cmd == "tenant" || cmd == "key" || cmd == "whoami") return cmdTenants(cmd, a);
   if (cmd == "layer" || cmd == "gc") {
     auto client = connectClient(a);
     if (!client.isOk()) return die(client.status().toString());

@@ -20,6 +20,8 @@ const char* codeName(Code code) {
     case Code::kUnavailable: return "unavailable";
     case Code::kDataLoss: return "data_loss";
     case Code::kInternal: return "internal";
+    case Code::kQuotaExceeded: return "quota_exceeded";
+    case Code::kRateLimited: return "rate_limited";
   }
   return "internal";
 }
@@ -40,6 +42,8 @@ int httpStatusFor(Code code) {
     case Code::kUnavailable: return 503;
     case Code::kDataLoss: return 502;
     case Code::kInternal: return 500;
+    case Code::kQuotaExceeded: return 403;
+    case Code::kRateLimited: return 429;
   }
   return 500;
 }

@@ -28,6 +28,8 @@ enum class Code {
   kUnavailable,
   kDataLoss,  // bytes that fail their checksum
   kInternal,
+  kQuotaExceeded,  // a tenant's quota (platform/tenants.h) would be exceeded
+  kRateLimited,    // a tenant's rate of calls is over its quota: retry later
 };
 
 const char* codeName(Code code);

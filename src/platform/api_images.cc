@@ -39,6 +39,8 @@ json imageToApi(const ImageRecord& r) {
   json parent = r.parent.empty() ? json(nullptr) : json::parse(r.parent, nullptr, false);
   j["parent"] = parent.is_discarded() ? json(nullptr) : parent;
   j["config"] = imageConfigToApi(r.config);
+  j["owner"] = r.owner.empty() ? kAdminTenant : r.owner;
+  j["visibility"] = r.visibility;
   return j;
 }
 
@@ -151,7 +153,7 @@ void Platform::headBlob(const std::string& digest, http::Response& res) {
 }
 
 void Platform::createImage(http::Request& req, http::Response& res) {
-  auto j = parseObject(req, {"name", "tag", "layers", "kind", "from", "config"});
+  auto j = parseObject(req, {"name", "tag", "layers", "kind", "from", "config", "visibility"});
   if (!j.isOk()) return sendError(res, j.status());
   auto name = getString(*j, "name", "", 200);
   if (!name.isOk()) return sendError(res, name.status());
@@ -164,6 +166,13 @@ void Platform::createImage(http::Request& req, http::Response& res) {
     return sendError(res, invalidArg(name->empty() ? "name" : "tag", st.message()));
   }
   if (r.name != *name) return sendError(res, invalidArg("name", "name must not contain ':'"));
+  {
+    auto vis = getString(*j, "visibility", "", 16);
+    if (!vis.isOk()) return sendError(res, vis.status());
+    r.owner = currentCaller().tenant;
+    r.visibility = *vis;
+    if (Status st = mayWriteImage(r); !st.isOk()) return sendError(res, st);
+  }
   if (!from->empty()) {
     // Tagging: the new name points at the same layers, with the same kind
     // and config.
@@ -174,7 +183,7 @@ void Platform::createImage(http::Request& req, http::Response& res) {
     if (Status st = parseImageRef(*from, fname, ftag); !st.isOk()) {
       return sendError(res, invalidArg("from", st.message()));
     }
-    auto src = store_->getImage(fname, ftag);
+    auto src = visibleImage(fname, ftag);
     if (!src.isOk()) return sendError(res, src.status());
     r.layers = src->layers;
     r.size = src->size;
@@ -201,6 +210,12 @@ void Platform::createImage(http::Request& req, http::Response& res) {
         return sendError(res, invalidArg("layers", "each layer must be sha256:<64 hex>"));
       }
       auto blob = store_->getBlob(l.get<std::string>());
+      if (blob.isOk()) {
+        if (Status st = layerUsable(blob->digest, "layers"); !st.isOk()) {
+          return sendError(res, invalidArg("layers", "layer " + l.get<std::string>() +
+                                                         " has not been uploaded"));
+        }
+      }
       if (!blob.isOk()) {
         return sendError(res, invalidArg("layers", "layer " + l.get<std::string>() +
                                                        " has not been uploaded"));
@@ -242,6 +257,17 @@ void Platform::packDiff(const std::string& id, http::Request& req, http::Respons
     return sendError(res, invalidArg(name->empty() ? "name" : "tag", st.message()));
   }
   if (img.name != *name) return sendError(res, invalidArg("name", "name must not contain ':'"));
+  {
+    // The snapshot belongs to the sandbox's owner; private unless an admin
+    // packs its own sandbox.
+    std::lock_guard lk(mu_);
+    auto it = sandboxes_.find(id);
+    if (it == sandboxes_.end()) return sendError(res, notFound("sandbox " + id + " not found"));
+    img.owner = it->second.owner;
+    img.visibility =
+        currentCaller().admin && img.owner == currentCaller().tenant ? "public" : "private";
+  }
+  if (Status st = mayWriteImage(img); !st.isOk()) return sendError(res, st);
   if (!*key) {
     auto made = packDiffImage(id, std::move(img));
     if (!made.isOk()) return sendError(res, made.status());
@@ -322,6 +348,7 @@ Result<std::vector<std::string>> Platform::resolveLayers(const std::string& ref,
     if (!validDigest(ref)) return invalidArg(field, "invalid layer digest " + ref);
     auto blob = store_->getBlob(ref);
     if (!blob.isOk()) return notFound("layer " + ref + " not found");
+    RETURN_IF_ERROR(layerUsable(ref, field));
     if (!kind.empty() && !blob->kind.empty() && blob->kind != kind) {
       return invalidArg(field, ref + " is a " + blob->kind + " layer, not a " + kind);
     }
@@ -329,7 +356,7 @@ Result<std::vector<std::string>> Platform::resolveLayers(const std::string& ref,
   }
   std::string name, tag;
   if (Status st = parseImageRef(ref, name, tag); !st.isOk()) return invalidArg(field, st.message());
-  auto img = store_->getImage(name, tag);
+  auto img = visibleImage(name, tag);
   if (!img.isOk()) return std::move(img).takeStatus();
   if (!kind.empty() && img->kind != kind) {
     return invalidArg(field, name + ":" + tag + " is a " + img->kind + " image, not a " + kind);
@@ -477,14 +504,16 @@ void Platform::listImages(http::Response& res) {
   auto imgs = store_->listImages();
   if (!imgs.isOk()) return sendError(res, imgs.status());
   json arr = json::array();
-  for (auto& r : *imgs) arr.push_back(imageToApi(r));
+  for (auto& r : *imgs) {
+    if (imageVisible(currentCaller(), r)) arr.push_back(imageToApi(r));
+  }
   sendJson(res, 200, json{{"images", arr}}.dump());
 }
 
 void Platform::getImage(const std::string& ref, http::Response& res) {
   std::string name, tag;
   if (Status st = parseImageRef(ref, name, tag); !st.isOk()) return sendError(res, st);
-  auto img = store_->getImage(name, tag);
+  auto img = visibleImage(name, tag);
   if (!img.isOk()) return sendError(res, img.status());
   sendJson(res, 200, imageToApi(*img).dump());
 }
@@ -493,6 +522,14 @@ void Platform::deleteImage(const std::string& ref, http::Response& res) {
   std::string name, tag;
   if (Status st = parseImageRef(ref, name, tag); !st.isOk()) return sendError(res, st);
   std::string full = name + ":" + tag;
+  {
+    auto img = visibleImage(name, tag);
+    if (!img.isOk()) return sendError(res, img.status());
+    if (!mayAccess(currentCaller(), img->owner)) {
+      return sendError(res, Status(Code::kPermissionDenied,
+                                   "image " + full + " is public but not yours to delete"));
+    }
+  }
   std::string user;
   {
     std::lock_guard lk(mu_);

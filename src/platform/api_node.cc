@@ -128,6 +128,11 @@ void Platform::getMetrics(http::Response& res) {
          "Sandboxes of an earlier run (crashed or stopped with live restore) re-adopted at "
          "start and still running.");
   out += "dsec_sandboxes_readopted " + std::to_string(edge_->adoptedIds().size()) + "\n";
+  family("dsec_api_errors_total", "counter",
+         "API calls answered with an error, by error code (quota_exceeded, rate_limited, ...).");
+  for (auto& [code, n] : apiErrorCounts()) {
+    out += "dsec_api_errors_total{code=\"" + code + "\"} " + std::to_string(n) + "\n";
+  }
   (void)res.send(200, "text/plain; version=0.0.4", out);
 }
 

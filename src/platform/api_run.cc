@@ -239,7 +239,7 @@ void Platform::runCode(http::Request& req, http::Response& res) {
     if (Status st = parseImageRef(*image, name, tag); !st.isOk()) {
       return sendError(res, invalidArg("image", st.message()));
     }
-    auto img = store_->getImage(name, tag);
+    auto img = visibleImage(name, tag);
     if (!img.isOk()) return sendError(res, img.status());
     layers = img->layers;
     baseEnv = envMap(img->config.env);

@@ -49,6 +49,7 @@ json toApi(const SandboxRecord& r) {
   json phases = json::array();
   for (auto& p : r.phases) phases.push_back({{"policy", p.policy}, {"at", isoTime(p.at)}});
   j["phases"] = phases;
+  j["owner"] = r.owner;
   return j;
 }
 
@@ -97,6 +98,7 @@ void Platform::createSandbox(http::Request& req, http::Response& res) {
   if (!parsed.isOk()) return sendError(res, parsed.status());
   const json& j = *parsed;
   SandboxRecord r;
+  r.owner = currentCaller().tenant;
   auto fail = [&](const Status& st) { sendError(res, st); };
   {
     auto image = getString(j, "image", "", 512);
@@ -181,7 +183,7 @@ void Platform::createSandbox(http::Request& req, http::Response& res) {
     if (Status st = parseImageRef(snap->get<std::string>(), sname, stag); !st.isOk()) {
       return fail(invalidArg("snapshot", st.message()));
     }
-    auto img = store_->getImage(sname, stag);
+    auto img = visibleImage(sname, stag);
     if (!img.isOk()) return fail(img.status());
     json parent = json::parse(img->parent, nullptr, false);
     if (img->kind != "diff" || !parent.is_object()) {
@@ -229,7 +231,7 @@ void Platform::createSandbox(http::Request& req, http::Response& res) {
       if (Status st = parseImageRef(r.image, name, tag); !st.isOk()) {
         return fail(invalidArg("image", st.message()));
       }
-      auto img = store_->getImage(name, tag);
+      auto img = visibleImage(name, tag);
       if (!img.isOk()) return fail(img.status());
       r.layers = img->layers;
       imageConfig = img->config;
@@ -270,13 +272,19 @@ Result<SandboxRecord> Platform::launch(SandboxRecord r) {
   r.state = "creating";
   r.createdAt = r.updatedAt = nowSeconds();
   r.expiresAt = r.ttlS > 0 ? r.createdAt + double(r.ttlS) : 0;
+  // The owner's quotas are checked against its live records, under the same
+  // lock that adds this one: concurrent creates cannot both slip under a limit.
+  ASSIGN_OR_RETURN(auto owner, tenants_->tenant(r.owner));
   bool shuttingDown;
+  Status admitted;
   {
     std::lock_guard lk(mu_);
     shuttingDown = stopping_;
-    if (!shuttingDown) sandboxes_[r.id] = r;
+    if (!shuttingDown) admitted = admitLocked(r, owner);
+    if (!shuttingDown && admitted.isOk()) sandboxes_[r.id] = r;
   }
   if (shuttingDown) return Status(Code::kUnavailable, "platform is shutting down");
+  RETURN_IF_ERROR(admitted);
   // Persisted before the edge acts, so a crash mid-create leaves a record that
   // start-up recovery resolves.
   if (Status st = store_->putSandbox(r); !st.isOk()) {
@@ -377,6 +385,7 @@ void Platform::listSandboxes(http::Request& req, http::Response& res) {
   {
     std::lock_guard lk(mu_);
     for (auto& [id, r] : sandboxes_) {
+      if (!mayAccess(currentCaller(), r.owner)) continue;  // another tenant's
       if (state && r.state != *state) continue;
       bool match = true;
       for (auto& [k, v] : want) {
@@ -645,7 +654,7 @@ void Platform::sendStep(http::Response& res, const StepKey& key, const StepOutco
     json j = json::parse(o.body, nullptr, false);
     if (j.is_object()) {
       j["replayed"] = o.replayed;
-      j["trajectory_id"] = key.trajectory;
+      j["trajectory_id"] = trajectoryAsSeenBy(currentCaller(), key.trajectory).value_or("");
       j["step"] = key.step;
       return sendJson(res, o.status, dumpJson(j));
     }

@@ -20,7 +20,9 @@ void Platform::listTrajectories(http::Response& res) {
   if (!list.isOk()) return sendError(res, list.status());
   json arr = json::array();
   for (auto& t : *list) {
-    arr.push_back({{"id", t.id},
+    auto seen = trajectoryAsSeenBy(currentCaller(), t.id);
+    if (!seen) continue;  // another tenant's
+    arr.push_back({{"id", *seen},
                    {"steps", t.steps},
                    {"first_at", isoTime(t.firstAt)},
                    {"last_at", isoTime(t.lastAt)}});
@@ -37,7 +39,7 @@ void Platform::exportTrajectory(const std::string& id, http::Response& res) {
   if (steps->empty()) return sendError(res, notFound("trajectory " + id + " not found"));
   std::string out;
   for (auto& s : *steps) {
-    json line = {{"trajectory_id", s.trajectory},
+    json line = {{"trajectory_id", trajectoryAsSeenBy(currentCaller(), s.trajectory).value_or("")},
                  {"step", s.step},
                  {"kind", s.kind},
                  {"sandbox", s.sandbox},
@@ -234,7 +236,9 @@ void Platform::recoverTrajectory(const std::string& id, http::Request& req, http
   if (!body.isOk()) return sendError(res, body.status());
   auto force = getBool(*body, "force", false);
   if (!force.isOk()) return sendError(res, force.status());
-  json tj = id, zero = 0;
+  // The id as the client named it (an admin may name another tenant's
+  // "<id>@<tenant>").
+  json tj = id.substr(0, id.find('@')), zero = 0;
   if (auto k = Chronus::parseKey(&tj, &zero); !k.isOk()) return sendError(res, k.status());
   {
     std::lock_guard lk(trajMu_);
@@ -418,12 +422,11 @@ Result<json> Platform::runRecover(const std::string& id, bool force, http::Reque
             (ckpt ? "checkpoint step " + std::to_string(ckpt->step) : std::string("its image")) +
             ": " + std::to_string(reexecuted) + " steps re-executed, " +
             std::to_string(diverged.size()) + " diverged");
-  return json{{"trajectory_id", id},
+  return json{{"trajectory_id", trajectoryAsSeenBy(currentCaller(), id).value_or(id)},
               {"sandbox", sandboxToApi(made)},
               {"previous_sandbox", oldId},
               {"checkpoint_step", ckpt ? json(ckpt->step) : json(nullptr)},
-              {"checkpoint_image",
-               ckpt ? json(ckptImg.name + ":" + ckptImg.tag) : json(nullptr)},
+              {"checkpoint_image", ckpt ? json(ckptImg.name + ":" + ckptImg.tag) : json(nullptr)},
               {"skipped_checkpoints", skipped},
               {"reexecuted_steps", reexecuted},
               {"diverged", diverged},

@@ -2,6 +2,7 @@
 
 #include "common/sha256.h"
 #include "common/util.h"
+#include "platform/tenants.h"
 
 namespace dsec::platform {
 
@@ -24,7 +25,8 @@ Result<std::optional<StepKey>> Chronus::parseKey(const json* trajectory, const j
   if (!step->is_number_integer() || step->get<int64_t>() < 0) {
     return invalidArg("step", "step must be an integer >= 0");
   }
-  return std::optional<StepKey>(StepKey{t, step->get<int64_t>()});
+  // Ids are per tenant: the key is the caller's (platform/tenants.h).
+  return std::optional<StepKey>(StepKey{scopeTrajectory(currentCaller(), t), step->get<int64_t>()});
 }
 
 std::string Chronus::digestOf(const std::string& kind, const json& request) {

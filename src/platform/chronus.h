@@ -49,7 +49,8 @@ class Chronus {
 
   // `trajectory_id` and `step` of a request: both or neither. A trajectory id
   // is 1-128 of [A-Za-z0-9._:-]; a step is an integer >= 0. kInvalidArgument
-  // naming the field.
+  // naming the field. The key's trajectory is the id as stored: scoped to
+  // the current caller's tenant (scopeTrajectory, platform/tenants.h).
   static Result<std::optional<StepKey>> parseKey(const nlohmann::json* trajectory,
                                                  const nlohmann::json* step);
   // "sha256:<hex>" of the kind and the request (canonical JSON).

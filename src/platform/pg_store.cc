@@ -34,6 +34,12 @@ constexpr const char* kMigrations[] = {
     "content TEXT NOT NULL DEFAULT '', PRIMARY KEY(trajectory, step));"
     "CREATE INDEX trajectory_steps_content ON trajectory_steps(content) WHERE content <> '';"
     "CREATE TABLE trajectories(id TEXT PRIMARY KEY, doc TEXT NOT NULL);",
+    // 2: tenants, their API keys (hashes only), and who owns an image.
+    "CREATE TABLE tenants(id TEXT PRIMARY KEY, doc TEXT NOT NULL);"
+    "CREATE TABLE api_keys(id TEXT PRIMARY KEY, tenant TEXT NOT NULL, doc TEXT NOT NULL);"
+    "CREATE INDEX api_keys_tenant ON api_keys(tenant);"
+    "ALTER TABLE images ADD COLUMN owner TEXT NOT NULL DEFAULT '';"
+    "ALTER TABLE images ADD COLUMN visibility TEXT NOT NULL DEFAULT 'public';",
 };
 constexpr int kSchemaVersion = int(std::size(kMigrations));
 // pg_advisory_xact_lock key serializing migrations ("dsec" "schema").
@@ -481,11 +487,12 @@ Status PostgresStore::deleteBlob(const std::string& digest) {
 
 Status PostgresStore::putImage(const ImageRecord& r) {
   return Query::run(this, "putImage",
-                    "INSERT INTO images(name, tag, layers, size, created_at, kind, parent, config) "
-                    "VALUES($1, $2, $3, $4::bigint, $5::float8, $6, $7, $8) "
-                    "ON CONFLICT(name, tag) DO UPDATE SET layers=excluded.layers, "
+                    "INSERT INTO images(name, tag, layers, size, created_at, kind, parent, config, "
+                    "owner, visibility) VALUES($1, $2, $3, $4::bigint, $5::float8, $6, $7, $8, "
+                    "$9, $10) ON CONFLICT(name, tag) DO UPDATE SET layers=excluded.layers, "
                     "size=excluded.size, created_at=excluded.created_at, kind=excluded.kind, "
-                    "parent=excluded.parent, config=excluded.config",
+                    "parent=excluded.parent, config=excluded.config, owner=excluded.owner, "
+                    "visibility=excluded.visibility",
                     Params()
                         .add(r.name)
                         .add(r.tag)
@@ -494,16 +501,19 @@ Status PostgresStore::putImage(const ImageRecord& r) {
                         .add(r.createdAt)
                         .add(r.kind)
                         .add(r.parent)
-                        .add(imageConfigToColumn(r.config)),
+                        .add(imageConfigToColumn(r.config))
+                        .add(r.owner)
+                        .add(r.visibility),
                     kRetry)
       .takeStatus();
 }
 
 namespace {
-constexpr const char* kImageColumns = "name, tag, layers, size, created_at, kind, parent, config";
+constexpr const char* kImageColumns =
+    "name, tag, layers, size, created_at, kind, parent, config, owner, visibility";
 ImageRecord imageFromRow(const Rows& r, int i) {
   return imageFromColumns(r.text(i, 0), r.text(i, 1), r.text(i, 2), r.i64(i, 3), r.dbl(i, 4),
-                          r.text(i, 5), r.text(i, 6), r.text(i, 7));
+                          r.text(i, 5), r.text(i, 6), r.text(i, 7), r.text(i, 8), r.text(i, 9));
 }
 }  // namespace
 
@@ -708,6 +718,76 @@ Result<TrajectoryRecord> PostgresStore::getTrajectory(const std::string& id) {
                               Params().add(id), kRetry));
   if (rows.size() == 0) return notFound("trajectory " + id + " has no record");
   return trajectoryFromDoc(id, rows.text(0, 0));
+}
+
+// ---------------------------------------------------------------- tenants
+
+Status PostgresStore::putTenant(const TenantRecord& r) {
+  return Query::run(this, "putTenant",
+                    "INSERT INTO tenants(id, doc) VALUES($1, $2) "
+                    "ON CONFLICT(id) DO UPDATE SET doc=excluded.doc",
+                    Params().add(r.id).add(tenantToJson(r)), kRetry)
+      .takeStatus();
+}
+
+Result<TenantRecord> PostgresStore::getTenant(const std::string& id) {
+  ASSIGN_OR_RETURN(Rows rows, Query::run(this, "getTenant", "SELECT doc FROM tenants WHERE id=$1",
+                                         Params().add(id), kRetry));
+  if (rows.size() == 0) return notFound("tenant " + id + " not found");
+  return tenantFromJson(rows.text(0, 0));
+}
+
+Result<std::vector<TenantRecord>> PostgresStore::listTenants() {
+  ASSIGN_OR_RETURN(
+      Rows rows, Query::run(this, "listTenants",
+                            "SELECT doc FROM tenants ORDER BY id COLLATE \"C\"", Params(), kRetry));
+  std::vector<TenantRecord> out;
+  for (int i = 0; i < rows.size(); ++i) {
+    ASSIGN_OR_RETURN(auto r, tenantFromJson(rows.text(i, 0)));
+    out.push_back(std::move(r));
+  }
+  return out;
+}
+
+Status PostgresStore::deleteTenant(const std::string& id) {
+  // One statement, so one transaction: the tenant and its keys go together.
+  ASSIGN_OR_RETURN(Rows rows, Query::run(this, "deleteTenant",
+                                         "WITH k AS (DELETE FROM api_keys WHERE tenant=$1), "
+                                         "t AS (DELETE FROM tenants WHERE id=$1 RETURNING 1) "
+                                         "SELECT COUNT(*) FROM t",
+                                         Params().add(id), kNoRetry));
+  if (rows.i64(0, 0) == 0) return notFound("tenant " + id + " not found");
+  return Status::ok();
+}
+
+Status PostgresStore::putApiKey(const ApiKeyRecord& r) {
+  return Query::run(this, "putApiKey",
+                    "INSERT INTO api_keys(id, tenant, doc) VALUES($1, $2, $3) "
+                    "ON CONFLICT(id) DO UPDATE SET tenant=excluded.tenant, doc=excluded.doc",
+                    Params().add(r.id).add(r.tenant).add(apiKeyToJson(r)), kRetry)
+      .takeStatus();
+}
+
+Result<ApiKeyRecord> PostgresStore::getApiKey(const std::string& id) {
+  ASSIGN_OR_RETURN(Rows rows, Query::run(this, "getApiKey", "SELECT doc FROM api_keys WHERE id=$1",
+                                         Params().add(id), kRetry));
+  if (rows.size() == 0) return notFound("api key " + id + " not found");
+  return apiKeyFromJson(rows.text(0, 0));
+}
+
+Result<std::vector<ApiKeyRecord>> PostgresStore::listApiKeys(const std::string& tenant) {
+  ASSIGN_OR_RETURN(
+      Rows rows,
+      Query::run(
+          this, "listApiKeys",
+          "SELECT doc FROM api_keys WHERE $1::text = '' OR tenant=$1 ORDER BY id COLLATE \"C\"",
+          Params().add(tenant), kRetry));
+  std::vector<ApiKeyRecord> out;
+  for (int i = 0; i < rows.size(); ++i) {
+    ASSIGN_OR_RETURN(auto r, apiKeyFromJson(rows.text(i, 0)));
+    out.push_back(std::move(r));
+  }
+  return out;
 }
 
 }  // namespace dsec::platform

@@ -81,6 +81,13 @@ class PostgresStore : public Store {
   Result<bool> stepContentUsed(const std::string& digest) override;
   Status putTrajectory(const TrajectoryRecord& r) override;
   Result<TrajectoryRecord> getTrajectory(const std::string& id) override;
+  Status putTenant(const TenantRecord& r) override;
+  Result<TenantRecord> getTenant(const std::string& id) override;
+  Result<std::vector<TenantRecord>> listTenants() override;
+  Status deleteTenant(const std::string& id) override;
+  Status putApiKey(const ApiKeyRecord& r) override;
+  Result<ApiKeyRecord> getApiKey(const std::string& id) override;
+  Result<std::vector<ApiKeyRecord>> listApiKeys(const std::string& tenant) override;
 
   class Query;  // pg_store.cc
 

@@ -1,5 +1,6 @@
 #include "platform/platform.h"
 
+#include <atomic>
 #include <nlohmann/json.hpp>
 
 #include "common/log.h"
@@ -13,7 +14,20 @@ void sendJson(http::Response& res, int status, const std::string& body) {
   (void)res.send(status, "application/json", body);
 }
 
+namespace {
+// API errors sent, by code (GET /v1/metrics: dsec_api_errors_total).
+constexpr int kCodes = int(Code::kRateLimited) + 1;
+std::atomic<int64_t> gApiErrors[kCodes];
+}  // namespace
+
+std::vector<std::pair<std::string, int64_t>> apiErrorCounts() {
+  std::vector<std::pair<std::string, int64_t>> out;
+  for (int i = 1; i < kCodes; ++i) out.emplace_back(codeName(Code(i)), gApiErrors[i].load());
+  return out;
+}
+
 void sendError(http::Response& res, const Status& st) {
+  if (int(st.code()) > 0 && int(st.code()) < kCodes) ++gApiErrors[int(st.code())];
   json e = {{"code", codeName(st.code())}, {"message", st.message()}};
   if (!st.field().empty()) e["field"] = st.field();
   if (res.started()) return;  // mid-stream: nothing sensible can be added
@@ -64,6 +78,7 @@ Result<std::unique_ptr<Platform>> Platform::start(PlatformOptions opts, Store* s
   ASSIGN_OR_RETURN(p->policies_,
                    Policies::open(store, builtinPolicies(p->opts_.setupEgress, p->opts_.setupDns)));
   p->chronus_ = std::make_unique<Chronus>(store);
+  ASSIGN_OR_RETURN(p->tenants_, Tenants::open(store, p->opts_.token));
   ASSIGN_OR_RETURN(auto records, store->loadSandboxes());
   double now = nowSeconds();
   int lost = 0, kept = 0;
@@ -314,16 +329,28 @@ void Platform::handle(http::Request& req, http::Response& res) {
     return;
   }
   std::string auth = req.header("authorization");
-  if (!startsWith(auth, "Bearer ") || !secretEquals(auth.substr(7), opts_.token)) {
-    res.setHeader("WWW-Authenticate", "Bearer");
-    sendError(res, Status(Code::kUnauthenticated,
-                          auth.empty() ? "missing bearer token" : "invalid bearer token"));
+  auto caller =
+      startsWith(auth, "Bearer ")
+          ? tenants_->authenticate(std::string_view(auth).substr(7))
+          : Result<Caller>(Status(Code::kUnauthenticated,
+                                  auth.empty() ? "missing bearer token" : "invalid bearer token"));
+  if (!caller.isOk()) {
+    if (caller.status().code() == Code::kUnauthenticated) {
+      res.setHeader("WWW-Authenticate", "Bearer");
+    }
+    sendError(res, caller.status());
     return;
   }
+  CallerScope scope(*caller);
   auto parts = splitString(req.path, '/');  // "", "v1", ...
   if (parts.size() < 3 || parts[1] != "v1") {
     sendError(res, notFound("no such endpoint: " + req.path));
     return;
+  }
+  if (Status st = authorize(parts, req.method); !st.isOk()) return sendError(res, st);
+  // Trajectory ids are per tenant (platform/tenants.h).
+  if (parts[2] == "trajectories" && parts.size() >= 4) {
+    parts[3] = scopeTrajectory(*caller, parts[3]);
   }
   const std::string& m = req.method;
   const std::string& coll = parts[2];
@@ -404,6 +431,11 @@ void Platform::handle(http::Request& req, http::Response& res) {
     return methodNotAllowed();
   } else if (coll == "metrics" && n == 3) {
     if (m == "GET") return getMetrics(res);
+    return methodNotAllowed();
+  } else if (coll == "tenants") {
+    return tenantsApi(parts, req, res);
+  } else if (coll == "whoami" && n == 3) {
+    if (m == "GET") return whoami(res);
     return methodNotAllowed();
   } else if (coll == "gc" && n == 3) {
     if (m == "POST") return runGc(req, res);

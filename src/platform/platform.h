@@ -24,6 +24,7 @@
 #include "platform/chronus.h"
 #include "platform/policy.h"
 #include "platform/store.h"
+#include "platform/tenants.h"
 
 namespace dsec::platform {
 
@@ -177,6 +178,27 @@ class Platform {
   // The node: its loader, cache and per-layer counters (api_node.cc).
   void getNode(http::Response& res);
   void getMetrics(http::Response& res);
+  // Tenants, keys and quotas (api_tenants.cc): /v1/tenants... (admins only)
+  // and /v1/whoami.
+  void tenantsApi(const std::vector<std::string>& parts, http::Request& req, http::Response& res);
+  void whoami(http::Response& res);
+  nlohmann::json tenantToApi(const TenantRecord& t);
+  // Whether the current caller may make this call at all, checked once for
+  // every route before it is dispatched: admin-only collections
+  // (kPermissionDenied), and another tenant's sandbox (kNotFound, as if it
+  // did not exist).
+  Status authorize(const std::vector<std::string>& parts, const std::string& method);
+  // The image if the current caller may see it; kNotFound otherwise.
+  Result<ImageRecord> visibleImage(const std::string& name, const std::string& tag);
+  // Whether the current caller may stack layer `digest`: kNotFound (naming
+  // `field`) when only images it cannot see name it.
+  Status layerUsable(const std::string& digest, const std::string& field);
+  // Whether the current caller may store image `img` (owner set): a user
+  // tenant's images are private and named "<tenant>/..."; an empty
+  // visibility becomes the caller's default (admin: public, user: private).
+  Status mayWriteImage(ImageRecord& img);
+  // Quota and rate admission of sandbox `r` for its owner; mu_ held.
+  Status admitLocked(const SandboxRecord& r, const TenantRecord& owner);
 
  public:
   // Deletes layer blobs that no image names and no live sandbox stacks, once
@@ -209,6 +231,8 @@ class Platform {
   Store* store_ = nullptr;     // not owned
   std::unique_ptr<Policies> policies_;
   std::unique_ptr<Chronus> chronus_;
+  std::unique_ptr<Tenants> tenants_;
+  std::mutex tenantsMu_;        // serializes changes to tenants (api_tenants.cc)
   edge::Edge* edge_ = nullptr;  // not owned
   std::unique_ptr<edge::RunPool> runPool_;  // fncall one-shot calls (api_run.cc)
   std::mutex gcMu_;  // one collection at a time; held while images and layers are deleted
@@ -235,6 +259,8 @@ class Platform {
 
 // Helpers shared by the api_*.cc files.
 void sendError(http::Response& res, const Status& st);
+// How many errors sendError sent, by code name (every code listed).
+std::vector<std::pair<std::string, int64_t>> apiErrorCounts();
 void sendJson(http::Response& res, int status, const std::string& body);
 // A sandbox as the API shows it.
 nlohmann::json sandboxToApi(const SandboxRecord& r);

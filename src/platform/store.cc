@@ -88,7 +88,8 @@ std::string sandboxToJson(const SandboxRecord& r) {
             {"stopped_at", r.stoppedAt},
             {"policy", r.policy},
             {"readonly_paths", r.readonlyPaths},
-            {"hidden_paths", r.hiddenPaths}};
+            {"hidden_paths", r.hiddenPaths},
+            {"owner", r.owner}};
   json phases = json::array();
   for (auto& p : r.phases) phases.push_back({{"policy", p.policy}, {"at", p.at}});
   j["phases"] = phases;
@@ -129,6 +130,7 @@ Result<SandboxRecord> sandboxFromJson(const std::string& s) {
     r.policy = j.value("policy", "default");
     r.readonlyPaths = j.value("readonly_paths", Strings{});
     r.hiddenPaths = j.value("hidden_paths", Strings{});
+    r.owner = j.value("owner", "admin");  // absent in records older than tenants
     if (auto it = j.find("phases"); it != j.end() && it->is_array()) {
       for (auto& p : *it) r.phases.push_back({p.at("policy"), p.at("at")});
     }
@@ -164,7 +166,10 @@ Result<std::unique_ptr<SqliteStore>> SqliteStore::open(const std::string& path) 
       "digest TEXT NOT NULL, kind TEXT NOT NULL, sandbox TEXT NOT NULL, request TEXT NOT NULL, "
       "status INTEGER NOT NULL, content_type TEXT NOT NULL, body BLOB NOT NULL, "
       "started_at REAL NOT NULL, finished_at REAL NOT NULL, PRIMARY KEY(trajectory, step));"
-      "CREATE TABLE IF NOT EXISTS trajectories(id TEXT PRIMARY KEY, doc TEXT NOT NULL);"));
+      "CREATE TABLE IF NOT EXISTS trajectories(id TEXT PRIMARY KEY, doc TEXT NOT NULL);"
+      "CREATE TABLE IF NOT EXISTS tenants(id TEXT PRIMARY KEY, doc TEXT NOT NULL);"
+      "CREATE TABLE IF NOT EXISTS api_keys(id TEXT PRIMARY KEY, tenant TEXT NOT NULL, "
+      "doc TEXT NOT NULL);"));
   // Columns added after the first release of the schema; "duplicate column"
   // means the database already has them.
   for (const char* alter : {"ALTER TABLE images ADD COLUMN kind TEXT NOT NULL DEFAULT 'base'",
@@ -174,7 +179,10 @@ Result<std::unique_ptr<SqliteStore>> SqliteStore::open(const std::string& path) 
                             "ALTER TABLE blobs ADD COLUMN chunks TEXT NOT NULL DEFAULT ''",
                             "ALTER TABLE images ADD COLUMN config TEXT NOT NULL DEFAULT ''",
                             "ALTER TABLE trajectory_steps ADD COLUMN content TEXT NOT NULL "
-                            "DEFAULT ''"}) {
+                            "DEFAULT ''",
+                            "ALTER TABLE images ADD COLUMN owner TEXT NOT NULL DEFAULT ''",
+                            "ALTER TABLE images ADD COLUMN visibility TEXT NOT NULL DEFAULT "
+                            "'public'"}) {
     Status st = s->exec(alter);
     if (!st.isOk() && st.message().find("duplicate column") == std::string::npos) return st;
   }
@@ -333,9 +341,10 @@ Status SqliteStore::putImage(const ImageRecord& r) {
   std::lock_guard lk(mu_);
   Stmt st(db_,
           "INSERT OR REPLACE INTO images(name, tag, layers, size, created_at, kind, parent, "
-          "config) VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)");
+          "config, owner, visibility) VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)");
   st.bind(1, r.name).bind(2, r.tag).bind(3, json(r.layers).dump()).bind(4, r.size);
   st.bind(5, r.createdAt).bind(6, r.kind).bind(7, r.parent).bind(8, imageConfigToColumn(r.config));
+  st.bind(9, r.owner).bind(10, r.visibility);
   if (st.step() != SQLITE_DONE) return sqlError(db_, "putImage");
   return Status::ok();
 }
@@ -343,8 +352,11 @@ Status SqliteStore::putImage(const ImageRecord& r) {
 ImageRecord imageFromColumns(const std::string& name, const std::string& tag,
                              const std::string& layers, int64_t size, double created,
                              const std::string& kind, const std::string& parent,
-                             const std::string& config) {
+                             const std::string& config, const std::string& owner,
+                             const std::string& visibility) {
   ImageRecord r{name, tag, {}, size, created, kind, parent, configFromColumn(config)};
+  r.owner = owner;
+  r.visibility = visibility.empty() ? "public" : visibility;
   json j = json::parse(layers, nullptr, false);
   if (j.is_array()) {
     for (auto& l : j) {
@@ -357,13 +369,14 @@ ImageRecord imageFromColumns(const std::string& name, const std::string& tag,
 Result<ImageRecord> SqliteStore::getImage(const std::string& name, const std::string& tag) {
   std::lock_guard lk(mu_);
   Stmt st(db_,
-          "SELECT name, tag, layers, size, created_at, kind, parent, config FROM images "
+          "SELECT name, tag, layers, size, created_at, kind, parent, config, owner, visibility "
+          "FROM images "
           "WHERE name=?1 AND tag=?2");
   st.bind(1, name).bind(2, tag);
   int rc = st.step();
   if (rc == SQLITE_ROW) {
     return imageFromColumns(st.text(0), st.text(1), st.text(2), st.i64(3), st.dbl(4), st.text(5),
-                        st.text(6), st.text(7));
+                            st.text(6), st.text(7), st.text(8), st.text(9));
   }
   if (rc == SQLITE_DONE) return notFound("image " + name + ":" + tag + " not found");
   return sqlError(db_, "getImage");
@@ -372,13 +385,14 @@ Result<ImageRecord> SqliteStore::getImage(const std::string& name, const std::st
 Result<std::vector<ImageRecord>> SqliteStore::listImages() {
   std::lock_guard lk(mu_);
   Stmt st(db_,
-          "SELECT name, tag, layers, size, created_at, kind, parent, config FROM images "
+          "SELECT name, tag, layers, size, created_at, kind, parent, config, owner, visibility "
+          "FROM images "
           "ORDER BY name, tag");
   std::vector<ImageRecord> out;
   int rc;
   while ((rc = st.step()) == SQLITE_ROW) {
-    out.push_back(imageFromColumns(st.text(0), st.text(1), st.text(2), st.i64(3), st.dbl(4), st.text(5),
-                               st.text(6), st.text(7)));
+    out.push_back(imageFromColumns(st.text(0), st.text(1), st.text(2), st.i64(3), st.dbl(4),
+                                   st.text(5), st.text(6), st.text(7), st.text(8), st.text(9)));
   }
   if (rc != SQLITE_DONE) return sqlError(db_, "listImages");
   return out;
@@ -596,6 +610,171 @@ Result<TrajectoryRecord> SqliteStore::getTrajectory(const std::string& id) {
     text = st.text(0);
   }
   return trajectoryFromDoc(id, text);
+}
+
+// ---------------------------------------------------------------- tenants
+
+std::string tenantToJson(const TenantRecord& r) {
+  return json{{"id", r.id},
+              {"name", r.name},
+              {"role", r.role},
+              {"created_at", r.createdAt},
+              {"quota",
+               {{"max_sandboxes", r.quota.maxSandboxes},
+                {"max_cpu", r.quota.maxCpu},
+                {"max_memory_mb", r.quota.maxMemoryMb},
+                {"creates_per_s", r.quota.createsPerS},
+                {"create_burst", r.quota.createBurst}}}}
+      .dump();
+}
+
+Result<TenantRecord> tenantFromJson(const std::string& s) {
+  json j = json::parse(s, nullptr, false);
+  if (!j.is_object()) return internalError("corrupt tenant record");
+  try {
+    TenantRecord r;
+    r.id = j.at("id");
+    r.name = j.value("name", "");
+    r.role = j.value("role", "user");
+    r.createdAt = j.value("created_at", 0.0);
+    json q = j.value("quota", json::object());
+    r.quota.maxSandboxes = q.value("max_sandboxes", int64_t(0));
+    r.quota.maxCpu = q.value("max_cpu", 0.0);
+    r.quota.maxMemoryMb = q.value("max_memory_mb", int64_t(0));
+    r.quota.createsPerS = q.value("creates_per_s", 0.0);
+    r.quota.createBurst = q.value("create_burst", int64_t(0));
+    return r;
+  } catch (const json::exception& e) {
+    return internalError(std::string("corrupt tenant record: ") + e.what());
+  }
+}
+
+std::string apiKeyToJson(const ApiKeyRecord& r) {
+  return json{{"id", r.id},     {"tenant", r.tenant},        {"hash", r.hash},
+              {"name", r.name}, {"created_at", r.createdAt}, {"revoked_at", r.revokedAt}}
+      .dump();
+}
+
+Result<ApiKeyRecord> apiKeyFromJson(const std::string& s) {
+  json j = json::parse(s, nullptr, false);
+  if (!j.is_object()) return internalError("corrupt api key record");
+  try {
+    ApiKeyRecord r;
+    r.id = j.at("id");
+    r.tenant = j.at("tenant");
+    r.hash = j.at("hash");
+    r.name = j.value("name", "");
+    r.createdAt = j.value("created_at", 0.0);
+    r.revokedAt = j.value("revoked_at", 0.0);
+    return r;
+  } catch (const json::exception& e) {
+    return internalError(std::string("corrupt api key record: ") + e.what());
+  }
+}
+
+Status SqliteStore::putTenant(const TenantRecord& r) {
+  std::lock_guard lk(mu_);
+  Stmt st(db_,
+          "INSERT INTO tenants(id, doc) VALUES(?1, ?2) "
+          "ON CONFLICT(id) DO UPDATE SET doc=excluded.doc");
+  st.bind(1, r.id).bind(2, tenantToJson(r));
+  if (st.step() != SQLITE_DONE) return sqlError(db_, "putTenant");
+  return Status::ok();
+}
+
+Result<TenantRecord> SqliteStore::getTenant(const std::string& id) {
+  std::string text;
+  {
+    std::lock_guard lk(mu_);
+    Stmt st(db_, "SELECT doc FROM tenants WHERE id=?1");
+    st.bind(1, id);
+    int rc = st.step();
+    if (rc == SQLITE_DONE) return notFound("tenant " + id + " not found");
+    if (rc != SQLITE_ROW) return sqlError(db_, "getTenant");
+    text = st.text(0);
+  }
+  return tenantFromJson(text);
+}
+
+Result<std::vector<TenantRecord>> SqliteStore::listTenants() {
+  std::vector<std::string> docs;
+  {
+    std::lock_guard lk(mu_);
+    Stmt st(db_, "SELECT doc FROM tenants ORDER BY id");
+    int rc;
+    while ((rc = st.step()) == SQLITE_ROW) docs.push_back(st.text(0));
+    if (rc != SQLITE_DONE) return sqlError(db_, "listTenants");
+  }
+  std::vector<TenantRecord> out;
+  for (auto& d : docs) {
+    ASSIGN_OR_RETURN(auto r, tenantFromJson(d));
+    out.push_back(std::move(r));
+  }
+  return out;
+}
+
+Status SqliteStore::deleteTenant(const std::string& id) {
+  std::lock_guard lk(mu_);
+  // One transaction: the tenant and its keys go together.
+  RETURN_IF_ERROR(exec("BEGIN IMMEDIATE"));
+  bool existed = false;
+  for (int i = 0; i < 2; ++i) {
+    Stmt st(db_,
+            i == 0 ? "DELETE FROM tenants WHERE id=?1" : "DELETE FROM api_keys WHERE tenant=?1");
+    st.bind(1, id);
+    if (st.step() != SQLITE_DONE) {
+      Status err = sqlError(db_, "deleteTenant");
+      (void)exec("ROLLBACK");
+      return err;
+    }
+    if (i == 0) existed = sqlite3_changes(db_) > 0;
+  }
+  RETURN_IF_ERROR(exec("COMMIT"));
+  if (!existed) return notFound("tenant " + id + " not found");
+  return Status::ok();
+}
+
+Status SqliteStore::putApiKey(const ApiKeyRecord& r) {
+  std::lock_guard lk(mu_);
+  Stmt st(db_,
+          "INSERT INTO api_keys(id, tenant, doc) VALUES(?1, ?2, ?3) "
+          "ON CONFLICT(id) DO UPDATE SET tenant=excluded.tenant, doc=excluded.doc");
+  st.bind(1, r.id).bind(2, r.tenant).bind(3, apiKeyToJson(r));
+  if (st.step() != SQLITE_DONE) return sqlError(db_, "putApiKey");
+  return Status::ok();
+}
+
+Result<ApiKeyRecord> SqliteStore::getApiKey(const std::string& id) {
+  std::string text;
+  {
+    std::lock_guard lk(mu_);
+    Stmt st(db_, "SELECT doc FROM api_keys WHERE id=?1");
+    st.bind(1, id);
+    int rc = st.step();
+    if (rc == SQLITE_DONE) return notFound("api key " + id + " not found");
+    if (rc != SQLITE_ROW) return sqlError(db_, "getApiKey");
+    text = st.text(0);
+  }
+  return apiKeyFromJson(text);
+}
+
+Result<std::vector<ApiKeyRecord>> SqliteStore::listApiKeys(const std::string& tenant) {
+  std::vector<std::string> docs;
+  {
+    std::lock_guard lk(mu_);
+    Stmt st(db_, tenant.empty() ? "SELECT doc FROM api_keys ORDER BY id"
+                                : "SELECT doc FROM api_keys WHERE tenant=?1 ORDER BY id");
+    if (!tenant.empty()) st.bind(1, tenant);
+    int rc;
+    while ((rc = st.step()) == SQLITE_ROW) docs.push_back(st.text(0));
+    if (rc != SQLITE_DONE) return sqlError(db_, "listApiKeys");
+  }
+  std::vector<ApiKeyRecord> out;
+  for (auto& d : docs) {
+    ASSIGN_OR_RETURN(auto r, apiKeyFromJson(d));
+    out.push_back(std::move(r));
+  }
+  return out;
 }
 
 }  // namespace dsec::platform

@@ -59,6 +59,9 @@ struct SandboxRecord {
     double at = 0;
   };
   std::vector<Phase> phases;
+  // The tenant that owns it (platform/tenants.h); records written before
+  // tenants existed belong to the built-in "admin" tenant.
+  std::string owner = "admin";
 };
 
 struct ImageRecord {
@@ -74,6 +77,11 @@ struct ImageRecord {
   // User, Env and WorkingDir of the OCI image it was imported from; applied
   // to sandboxes created with it as their `image`.
   image::ImageConfig config;
+  // The tenant that made it ("" in rows older than tenants: the built-in
+  // admin) and who may see and stack it: "public" (every tenant) or
+  // "private" (its owner and admins).
+  std::string owner;
+  std::string visibility = "public";
 };
 
 // A layer blob in the store. Its kind is set when an image first names it.
@@ -127,6 +135,39 @@ struct TrajectorySummary {
   double lastAt = 0;
 };
 
+// A tenant (platform/tenants.h): who owns sandboxes, images and
+// trajectories, its role and its quotas. A quota of 0 is no limit.
+struct TenantQuota {
+  int64_t maxSandboxes = 0;  // sandboxes not stopped or failed
+  double maxCpu = 0;         // sum of their cpu
+  int64_t maxMemoryMb = 0;   // sum of their memory_mb
+  double createsPerS = 0;    // sandbox creations per second (token bucket)
+  int64_t createBurst = 0;   // the bucket's size (0: max(1, createsPerS))
+};
+
+struct TenantRecord {
+  std::string id;
+  std::string name;
+  std::string role = "user";  // admin | user
+  TenantQuota quota;
+  double createdAt = 0;
+};
+
+// An API key: only the SHA-256 of the key is kept, never the key.
+struct ApiKeyRecord {
+  std::string id;  // the visible part of the key, for listing and revoking
+  std::string tenant;
+  std::string hash;  // hex SHA-256 of the whole key
+  std::string name;  // a label given at creation
+  double createdAt = 0;
+  double revokedAt = 0;  // 0: live
+};
+
+std::string tenantToJson(const TenantRecord& r);
+Result<TenantRecord> tenantFromJson(const std::string& s);
+std::string apiKeyToJson(const ApiKeyRecord& r);
+Result<ApiKeyRecord> apiKeyFromJson(const std::string& s);
+
 class Store {
  public:
   virtual ~Store() = default;
@@ -177,6 +218,17 @@ class Store {
   // Insert or replace; kNotFound from getTrajectory when there is none.
   virtual Status putTrajectory(const TrajectoryRecord& r) = 0;
   virtual Result<TrajectoryRecord> getTrajectory(const std::string& id) = 0;
+
+  // Tenants and their API keys (platform/tenants.h). put* insert or replace;
+  // get* return kNotFound when absent; deleteTenant (kNotFound when absent)
+  // deletes the tenant's keys with it. listApiKeys("") lists every tenant's.
+  virtual Status putTenant(const TenantRecord& r) = 0;
+  virtual Result<TenantRecord> getTenant(const std::string& id) = 0;
+  virtual Result<std::vector<TenantRecord>> listTenants() = 0;
+  virtual Status deleteTenant(const std::string& id) = 0;
+  virtual Status putApiKey(const ApiKeyRecord& r) = 0;
+  virtual Result<ApiKeyRecord> getApiKey(const std::string& id) = 0;
+  virtual Result<std::vector<ApiKeyRecord>> listApiKeys(const std::string& tenant) = 0;
 };
 
 // SQLite in WAL mode with synchronous=NORMAL: a commit is in the OS when it
@@ -216,6 +268,13 @@ class SqliteStore : public Store {
   Result<bool> stepContentUsed(const std::string& digest) override;
   Status putTrajectory(const TrajectoryRecord& r) override;
   Result<TrajectoryRecord> getTrajectory(const std::string& id) override;
+  Status putTenant(const TenantRecord& r) override;
+  Result<TenantRecord> getTenant(const std::string& id) override;
+  Result<std::vector<TenantRecord>> listTenants() override;
+  Status deleteTenant(const std::string& id) override;
+  Status putApiKey(const ApiKeyRecord& r) override;
+  Result<ApiKeyRecord> getApiKey(const std::string& id) override;
+  Result<std::vector<ApiKeyRecord>> listApiKeys(const std::string& tenant) override;
 
  private:
   SqliteStore() = default;
@@ -233,7 +292,8 @@ std::string imageConfigToColumn(const image::ImageConfig& c);
 ImageRecord imageFromColumns(const std::string& name, const std::string& tag,
                              const std::string& layers, int64_t size, double created,
                              const std::string& kind, const std::string& parent,
-                             const std::string& config);
+                             const std::string& config, const std::string& owner = "",
+                             const std::string& visibility = "public");
 std::string trajectoryToDoc(const TrajectoryRecord& r);
 Result<TrajectoryRecord> trajectoryFromDoc(const std::string& id, const std::string& doc);
 

@@ -28,6 +28,83 @@ class StoreTest : public ::testing::TestWithParam<StoreKind> {
 };
 DSEC_INSTANTIATE_FOR_BOTH_STORES(StoreTest);
 
+TEST_P(StoreTest, TenantsAndKeysSurviveReopen) {
+  {
+    auto s = open();
+    ASSERT_TRUE(s);
+    TenantRecord t;
+    t.id = "acme";
+    t.name = "Acme";
+    t.quota.maxSandboxes = 3;
+    t.quota.maxCpu = 2.5;
+    t.quota.maxMemoryMb = 1024;
+    t.quota.createsPerS = 0.5;
+    t.quota.createBurst = 2;
+    t.createdAt = 7;
+    ASSERT_TRUE(s->putTenant(t).isOk());
+    TenantRecord u;
+    u.id = "beta";
+    u.role = "admin";
+    ASSERT_TRUE(s->putTenant(u).isOk());
+    ASSERT_TRUE(s->putApiKey(ApiKeyRecord{"k1", "acme", "h1", "ci", 1, 0}).isOk());
+    ASSERT_TRUE(s->putApiKey(ApiKeyRecord{"k2", "acme", "h2", "", 2, 0}).isOk());
+    ASSERT_TRUE(s->putApiKey(ApiKeyRecord{"k3", "beta", "h3", "", 3, 0}).isOk());
+    ASSERT_TRUE(s->putApiKey(ApiKeyRecord{"k2", "acme", "h2", "", 2, 9}).isOk());  // revoke
+    ImageRecord img{"acme/x", "latest", {"sha256:aa"}, 1, 1};
+    img.owner = "acme";
+    img.visibility = "private";
+    ASSERT_TRUE(s->putImage(img).isOk());
+  }
+  auto s = open();
+  ASSERT_TRUE(s);
+  auto t = s->getTenant("acme");
+  ASSERT_TRUE(t.isOk()) << t.status().toString();
+  EXPECT_EQ(t->name, "Acme");
+  EXPECT_EQ(t->role, "user");
+  EXPECT_EQ(t->quota.maxSandboxes, 3);
+  EXPECT_DOUBLE_EQ(t->quota.maxCpu, 2.5);
+  EXPECT_EQ(t->quota.maxMemoryMb, 1024);
+  EXPECT_DOUBLE_EQ(t->quota.createsPerS, 0.5);
+  EXPECT_EQ(t->quota.createBurst, 2);
+  EXPECT_EQ(s->getTenant("nope").status().code(), Code::kNotFound);
+  auto all = s->listTenants();
+  ASSERT_TRUE(all.isOk());
+  ASSERT_EQ(all->size(), 2u);
+  EXPECT_EQ((*all)[1].role, "admin");
+  auto k2 = s->getApiKey("k2");
+  ASSERT_TRUE(k2.isOk());
+  EXPECT_EQ(k2->hash, "h2");
+  EXPECT_DOUBLE_EQ(k2->revokedAt, 9);
+  EXPECT_EQ(s->listApiKeys("acme")->size(), 2u);
+  EXPECT_EQ(s->listApiKeys("")->size(), 3u);
+  auto img = s->getImage("acme/x", "latest");
+  ASSERT_TRUE(img.isOk());
+  EXPECT_EQ(img->owner, "acme");
+  EXPECT_EQ(img->visibility, "private");
+  // A tenant goes with its keys; others stay.
+  ASSERT_TRUE(s->deleteTenant("acme").isOk());
+  EXPECT_EQ(s->deleteTenant("acme").code(), Code::kNotFound);
+  EXPECT_EQ(s->getApiKey("k1").status().code(), Code::kNotFound);
+  EXPECT_EQ(s->listApiKeys("")->size(), 1u);
+  EXPECT_TRUE(s->getTenant("beta").isOk());
+}
+
+TEST_P(StoreTest, ImagesDefaultToPublicAndSandboxesToAdmin) {
+  auto s = open();
+  ASSERT_TRUE(s);
+  ASSERT_TRUE(s->putImage(ImageRecord{"old", "latest", {"sha256:aa"}, 1, 1}).isOk());
+  auto img = s->getImage("old", "latest");
+  ASSERT_TRUE(img.isOk());
+  EXPECT_EQ(img->owner, "");
+  EXPECT_EQ(img->visibility, "public");
+  auto sb = sandboxFromJson(
+      R"({"id":"sb-1","backend":"container","image":"x","layers":[],"state":"running","cpu":1,)"
+      R"("memory_mb":1,"disk_mb":1,"pids":1,"ttl_s":1,"env":{},"labels":{},"created_at":1,)"
+      R"("updated_at":1,"expires_at":0,"stopped_at":0})");
+  ASSERT_TRUE(sb.isOk()) << sb.status().toString();
+  EXPECT_EQ(sb->owner, "admin");
+}
+
 TEST_P(StoreTest, SandboxesSurviveReopen) {
   {
     auto s = env_->open();

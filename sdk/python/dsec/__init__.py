@@ -12,8 +12,9 @@
 
 from .client import DEFAULT_URL, Client, Sandbox
 from .errors import (Conflict, DeadlineExceeded, DsecError, InternalError, InvalidArgument,
-                     NotFound, PayloadTooLarge, PermissionDenied, ResourceExhausted,
-                     Unauthenticated, Unavailable, error_from_code, error_from_response)
+                     NotFound, PayloadTooLarge, PermissionDenied, QuotaExceeded, RateLimited,
+                     ResourceExhausted, Unauthenticated, Unavailable, error_from_code,
+                     error_from_response)
 from .models import ExecEvent, ExecResult, FileEntry, Image, Record
 
 __version__ = "0.1.0"
@@ -22,5 +23,5 @@ __all__ = [
     "Client", "Sandbox", "ExecResult", "ExecEvent", "FileEntry", "Image", "Record",
     "DsecError", "InvalidArgument", "Unauthenticated", "PermissionDenied", "NotFound",
     "Conflict", "PayloadTooLarge", "ResourceExhausted", "Unavailable", "DeadlineExceeded",
-    "InternalError", "error_from_code", "error_from_response", "DEFAULT_URL",
+    "InternalError", "QuotaExceeded", "RateLimited", "error_from_code", "error_from_response", "DEFAULT_URL",
 ]

@@ -450,6 +450,76 @@ class Client:
         """Deletes a trajectory's steps; returns how many. Unknown → NotFound."""
         return self._call("DELETE", "/v1/trajectories/" + _q(trajectory_id))["deleted_steps"]
 
+    # ----- tenants, keys, quotas (docs/tenants.md) ---------------------------
+
+    def whoami(self) -> Dict[str, Any]:
+        """``{"tenant","role","key_id","quota","usage"}`` of this client's key."""
+        return self._call("GET", "/v1/whoami")
+
+    def create_tenant(self, tenant_id: Optional[str] = None, *, name: Optional[str] = None,
+                      role: str = "user", quota: Optional[Dict[str, Any]] = None
+                      ) -> Dict[str, Any]:
+        """Creates a tenant (admin only): ``tenant_id`` is 1-40 of [a-z0-9-]
+        (generated when None); ``role`` is user or admin; ``quota`` any of
+        max_sandboxes, max_cpu, max_memory_mb, creates_per_s, create_burst (0:
+        no limit). Conflict when the id exists."""
+        body: Dict[str, Any] = {"role": role}
+        if tenant_id is not None:
+            body["id"] = tenant_id
+        if name is not None:
+            body["name"] = name
+        if quota is not None:
+            body["quota"] = quota
+        return self._call("POST", "/v1/tenants", json_body=body)
+
+    def list_tenants(self) -> List[Dict[str, Any]]:
+        """Every tenant with its quota and usage (admin only)."""
+        return self._call("GET", "/v1/tenants")["tenants"]
+
+    def tenant(self, tenant_id: str) -> Dict[str, Any]:
+        """One tenant with its quota and usage (admin only); unknown → NotFound."""
+        return self._call("GET", "/v1/tenants/" + _q(tenant_id))
+
+    def update_tenant(self, tenant_id: str, *, name: Optional[str] = None,
+                      role: Optional[str] = None,
+                      quota: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+        """Changes a tenant's name, role or quota (the quota fields given; the
+        others stay). Admin only."""
+        body: Dict[str, Any] = {}
+        if name is not None:
+            body["name"] = name
+        if role is not None:
+            body["role"] = role
+        if quota is not None:
+            body["quota"] = quota
+        return self._call("PATCH", "/v1/tenants/" + _q(tenant_id), json_body=body)
+
+    def set_quota(self, tenant_id: str, **quota: Any) -> Dict[str, Any]:
+        """``set_quota("acme", max_sandboxes=10, max_memory_mb=8192)``: sets
+        those quota fields (0: no limit). Admin only."""
+        return self.update_tenant(tenant_id, quota=quota)
+
+    def delete_tenant(self, tenant_id: str) -> Dict[str, Any]:
+        """Deletes a tenant and its keys (admin only). Conflict while it has
+        live sandboxes; the built-in ``admin`` tenant cannot be deleted."""
+        return self._call("DELETE", "/v1/tenants/" + _q(tenant_id))
+
+    def create_key(self, tenant_id: str, name: str = "") -> Dict[str, Any]:
+        """A new API key for the tenant (admin only). The returned ``key`` is
+        shown this once (the server keeps only its hash); ``id`` names it for
+        listing and revoking."""
+        return self._call("POST", "/v1/tenants/" + _q(tenant_id) + "/keys",
+                          json_body={"name": name})
+
+    def list_keys(self, tenant_id: str) -> List[Dict[str, Any]]:
+        """The tenant's keys (id, prefix, name, created_at, revoked_at), never
+        the keys themselves. Admin only."""
+        return self._call("GET", "/v1/tenants/" + _q(tenant_id) + "/keys")["keys"]
+
+    def revoke_key(self, tenant_id: str, key_id: str) -> Dict[str, Any]:
+        """Revokes a key at once (admin only); idempotent."""
+        return self._call("DELETE", "/v1/tenants/" + _q(tenant_id) + "/keys/" + _q(key_id))
+
     def policies(self) -> List[Dict[str, Any]]:
         """The security policies sandboxes can run under: the built-ins
         (default, setup, rollout, eval) and the user's own, each with name,
@@ -508,7 +578,8 @@ class Client:
         return self._call("DELETE", "/v1/images/" + _q(ref, safe=":"))
 
     def create_image(self, name: str, tag: str, layers: Sequence[str],
-                     kind: str = "base", config: Optional[Dict[str, Any]] = None) -> Image:
+                     kind: str = "base", config: Optional[Dict[str, Any]] = None,
+                     visibility: Optional[str] = None) -> Image:
         """Creates (or replaces) ``name:tag`` from uploaded layer digests, bottom first.
 
         ``kind`` is base, workspace, toolkit or diff; a layer keeps the kind of
@@ -516,10 +587,17 @@ class Client:
         (``{"user": ..., "env": ["K=V", ...], "working_dir": ...}``, each key
         optional) sets the defaults of sandboxes created from the image; a bad
         value raises InvalidArgument with ``field`` ``config.<key>``.
+
+        ``visibility`` is ``"public"`` (every tenant may see and stack it; an
+        admin's default, and only admins may publish) or ``"private"`` (its
+        tenant only; a user tenant's default, whose image names must start
+        with ``"<tenant>/"``).
         """
         body: Dict[str, Any] = {"name": name, "tag": tag, "layers": list(layers), "kind": kind}
         if config is not None:
             body["config"] = config
+        if visibility is not None:
+            body["visibility"] = visibility
         return Image(self._call("POST", "/v1/images", json_body=body))
 
     def tag_image(self, source: str, name: str, tag: str = "latest") -> Image:

@@ -80,6 +80,18 @@ class ResourceExhausted(DsecError):
     default_code = "resource_exhausted"
 
 
+class QuotaExceeded(PermissionDenied):
+    """A tenant's quota (``field``: max_sandboxes, max_cpu or max_memory_mb)
+    would be exceeded; HTTP 403. Nothing was made."""
+    default_code = "quota_exceeded"
+
+
+class RateLimited(ResourceExhausted):
+    """A tenant's rate quota (``field``: creates_per_s) is used up; HTTP 429.
+    Retry later."""
+    default_code = "rate_limited"
+
+
 class Unavailable(DsecError):
     default_code = "unavailable"
 
@@ -103,6 +115,8 @@ CODE_TO_CLASS = {
     "aborted": Conflict,
     "payload_too_large": PayloadTooLarge,
     "resource_exhausted": ResourceExhausted,
+    "quota_exceeded": QuotaExceeded,
+    "rate_limited": RateLimited,
     "internal": InternalError,
     "unknown": InternalError,
     "unavailable": Unavailable,
