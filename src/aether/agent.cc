@@ -325,6 +325,27 @@ void Agent::sendError(uint32_t stream, const Status& status) {
   sendFrame(stream, FrameType::kResult, errorJson(status));
 }
 
+namespace {
+
+// A file operation's error about its path (refused, missing, not a
+// directory, exists, not empty) names the request field "path", like a bad
+// path does; running out of room or an internal error is not the path's.
+Status withPathField(Status st) {
+  if (st.isOk() || !st.field().empty()) return st;
+  switch (st.code()) {
+    case Code::kPermissionDenied:
+    case Code::kNotFound:
+    case Code::kInvalidArgument:
+    case Code::kAlreadyExists:
+    case Code::kFailedPrecondition:
+      return Status(st.code(), st.message(), st.sysErrno(), "path");
+    default:
+      return st;
+  }
+}
+
+}  // namespace
+
 void Agent::flushOutput() {
   while (!out_.empty() && !done_) {
     std::string& front = out_.front();
@@ -729,7 +750,7 @@ void Agent::handleFileWrite(const Frame& f) {
   bool mode_given = j->contains("mode") && !(*j)["mode"].is_null();
   Result<FileWriter> w = FileWriter::open(path, static_cast<mode_t>(mode), mode_given, append);
   // After an early error the stream's data frames find no writer and are dropped.
-  if (!w.isOk()) return sendError(f.stream, w.status());
+  if (!w.isOk()) return sendError(f.stream, withPathField(w.status()));
   writes_.emplace(f.stream, std::move(w).value());
 }
 
@@ -762,7 +783,7 @@ void Agent::handleFileRead(const Frame& f) {
   if (st.isOk()) st = readInt(*j, "length", -1, INT64_MAX, length);
   if (!st.isOk()) return sendError(f.stream, st);
   Result<FileReader> r = FileReader::open(path, static_cast<uint64_t>(offset), length);
-  if (!r.isOk()) return sendError(f.stream, r.status());
+  if (!r.isOk()) return sendError(f.stream, withPathField(r.status()));
   sendFrame(f.stream, FrameType::kResult,
             dumpJson(Json{{"ok", true}, {"size", r->size()}, {"mode", unsigned{r->mode()}}}));
   // The data follows from pumpFileReads(), paced by the outgoing queue.
@@ -801,12 +822,12 @@ void Agent::handleSimpleFileOp(const Frame& f) {
   switch (f.type) {
     case FrameType::kList: {
       Result<std::string> payload = listDir(path, proto::kMaxPayload);
-      if (!payload.isOk()) return sendError(f.stream, payload.status());
+      if (!payload.isOk()) return sendError(f.stream, withPathField(payload.status()));
       return sendFrame(f.stream, FrameType::kResult, *payload);
     }
     case FrameType::kStat: {
       Result<Json> s = statPath(path);
-      if (!s.isOk()) return sendError(f.stream, s.status());
+      if (!s.isOk()) return sendError(f.stream, withPathField(s.status()));
       (*s)["ok"] = true;
       return sendFrame(f.stream, FrameType::kResult, dumpJson(*s));
     }
@@ -816,7 +837,7 @@ void Agent::handleSimpleFileOp(const Frame& f) {
       st = readBool(*j, "parents", parents);
       if (st.isOk()) st = readInt(*j, "mode", 0, 07777, mode);
       if (st.isOk()) st = fncallWritable(path);
-      if (st.isOk()) st = makeDir(path, parents, static_cast<mode_t>(mode));
+      if (st.isOk()) st = withPathField(makeDir(path, parents, static_cast<mode_t>(mode)));
       if (!st.isOk()) return sendError(f.stream, st);
       return sendFrame(f.stream, FrameType::kResult, kOk);
     }
@@ -824,7 +845,7 @@ void Agent::handleSimpleFileOp(const Frame& f) {
       bool recursive = false;
       st = readBool(*j, "recursive", recursive);
       if (st.isOk()) st = fncallWritable(path);
-      if (st.isOk()) st = removePath(path, recursive);
+      if (st.isOk()) st = withPathField(removePath(path, recursive));
       if (!st.isOk()) return sendError(f.stream, st);
       return sendFrame(f.stream, FrameType::kResult, kOk);
     }
