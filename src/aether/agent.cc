@@ -990,10 +990,21 @@ void Agent::maybeFinish(Exec& e) {
       limit = "cpu";
     } else if (sig == SIGXFSZ) {
       limit = "file_size";
-    } else if (e.truncated) {
-      limit = "output";
     }
+    // What only the call (through its zygote) or its shell's exit code
+    // tells: an uncaught MemoryError / EFBIG, a command killed by SIGXFSZ.
+    std::string hinted;
+    if (!limit) {
+      for (auto& [lang, z] : zygotes_) {
+        hinted = z->takeLimitHint(e.proc.pid);
+        if (!hinted.empty()) break;
+      }
+      if (hinted.empty()) hinted = shellLimitOf(e.wait_status, e.limits);
+      if (!hinted.empty()) limit = hinted.c_str();
+    }
+    if (!limit && e.truncated) limit = "output";
     exit["limit"] = limit ? Json(limit) : Json(nullptr);
+    if (e.zygote_started) exit["zygote_start"] = true;
   }
   sendFrame(e.stream, FrameType::kExit, dumpJson(exit));
   execs_.erase(e.stream);  // `e` is gone from here on
@@ -1111,6 +1122,7 @@ Result<SpawnedExec> Agent::spawnCall(ExecRequest& req, const CallRequest& call, 
   e.call = true;
   e.exclusive = call.exclusive;
   CallLimits limits = call.limits ? *call.limits : cfg.defaults;
+  e.limits = limits;
   std::vector<std::string> env = req.env ? *req.env : options_.exec.default_env;
   if (call.fresh_dir) {
     // A new working dir per one-shot call, with the call's files; removed
@@ -1132,8 +1144,14 @@ Result<SpawnedExec> Agent::spawnCall(ExecRequest& req, const CallRequest& call, 
   if (!hasEnv(env, "TMPDIR")) env.push_back("TMPDIR=" + *req.cwd);
   req.env = env;
 
-  if (call.language.empty() || call.language != "python") {
-    if (call.language == "bash") {
+  // A python call whose env sets PYTHONHASHSEED (a fixed seed, or "random":
+  // one of its own) runs as a fresh `python3 -c`: the zygote's forks all
+  // share its hash secret.
+  bool freshPython = call.language == "python" && hasEnv(env, "PYTHONHASHSEED");
+  if (call.language.empty() || call.language != "python" || freshPython) {
+    if (freshPython) {
+      req.argv = {"python3", "-c", call.code};
+    } else if (call.language == "bash") {
       req.argv = {"bash", "-c", call.code};
     } else if (!call.language.empty()) {
       req.argv = cfg.languages.at(call.language);
@@ -1143,6 +1161,15 @@ Result<SpawnedExec> Agent::spawnCall(ExecRequest& req, const CallRequest& call, 
     return spawnExec(req, options_.exec);
   }
 
+  // Bounds how many calls share a hash secret: a zygote that has forked
+  // its quota is replaced now, before this call rather than after the last
+  // (whose exit report, with its limit hint, it has most likely sent).
+  // Calls of it still running go on, re-parented to aether.
+  if (auto it = zygotes_.find(call.language);
+      it != zygotes_.end() && it->second->calls() >= cfg.zygote_max_calls) {
+    dropZygote(call.language, false);
+  }
+  e.zygote_started = !zygotes_.count(call.language);
   ASSIGN_OR_RETURN(Zygote * z, zygoteFor(call.language));
   SpawnedExec out;
   UniqueFd child_in, child_out, child_err;
