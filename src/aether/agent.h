@@ -105,7 +105,7 @@ class Agent {
     bool call = false;
     bool exclusive = false;
     std::string run_dir;
-    CallLimits limits;  // the call's, for which limit stopped it
+    CallLimits limits;            // the call's, for which limit stopped it
     bool zygote_started = false;  // it had to start its zygote (metrics)
   };
 

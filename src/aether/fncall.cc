@@ -5,17 +5,17 @@
 #include <linux/landlock.h>
 #include <poll.h>
 #include <signal.h>
-#include <sys/random.h>
-#include <sys/wait.h>
 #include <sys/mman.h>
 #include <sys/mount.h>
 #include <sys/msg.h>
+#include <sys/random.h>
+#include <sys/resource.h>
 #include <sys/sem.h>
 #include <sys/shm.h>
-#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cerrno>

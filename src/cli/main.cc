@@ -223,15 +223,18 @@ Result<std::map<std::string, std::vector<std::string>>> fncallLanguagesFromArgs(
     ASSIGN_OR_RETURN(std::string text, readFile(file));
     json j = json::parse(text, nullptr, false);
     if (!j.is_object()) {
-      return invalidArg("fncall-languages", "--fncall-languages " + file +
-                                                ": not a JSON object of name -> [argv...]");
+      return invalidArg("fncall-languages",
+                        "--fncall-languages " + file + ": not a JSON object of name -> [argv...]");
     }
     for (auto& [name, v] : j.items()) {
       std::vector<std::string> argv;
       bool ok = v.is_array();
       for (auto& x : ok ? v : json::array()) {
-        if (!x.is_string()) ok = false;
-        else argv.push_back(x.get<std::string>());
+        if (x.is_string()) {
+          argv.push_back(x.get<std::string>());
+        } else {
+          ok = false;
+        }
       }
       if (!ok) {
         return invalidArg("fncall-languages", "--fncall-languages " + file + ": " + name +

@@ -3,19 +3,19 @@
 #include <fcntl.h>
 #include <glob.h>
 #include <gtest/gtest.h>
-#include <iostream>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <cstdlib>
+#include <iostream>
 #include <string>
 #include <thread>
 
 #include "common/util.h"
 #include "edge/btrfs_quota.h"
-#include "edge/xfs_quota.h"
 #include "edge/image/layer_cache.h"
+#include "edge/xfs_quota.h"
 
 namespace dsec::edge {
 namespace {

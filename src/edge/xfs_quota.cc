@@ -383,8 +383,8 @@ Result<std::unique_ptr<DiskQuota>> openXfsQuota(const DiskQuotaOptions& opts) {
     q->close();
     ::unlink(opts.poolImage.c_str());
     // EINVAL here is mostly a kernel without XFS quota support.
-    return Status(Code::kFailedPrecondition, "mount xfs -o prjquota " + *dev + " on " + opts.root +
-                                                 ": " + std::strerror(err));
+    return Status(Code::kFailedPrecondition,
+                  "mount xfs -o prjquota " + *dev + " on " + opts.root + ": " + std::strerror(err));
   }
   q->setMounted();
   q->setDevice(*dev);
