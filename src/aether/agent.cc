@@ -993,12 +993,14 @@ void Agent::maybeFinish(Exec& e) {
     }
     // What only the call (through its zygote) or its shell's exit code
     // tells: an uncaught MemoryError / EFBIG, a command killed by SIGXFSZ.
+    // The hint is taken whatever else applies: left behind, it would be
+    // found by a later call that reuses the pid.
     std::string hinted;
+    for (auto& [lang, z] : zygotes_) {
+      hinted = z->takeLimitHint(e.proc.pid);
+      if (!hinted.empty()) break;
+    }
     if (!limit) {
-      for (auto& [lang, z] : zygotes_) {
-        hinted = z->takeLimitHint(e.proc.pid);
-        if (!hinted.empty()) break;
-      }
       if (hinted.empty()) hinted = shellLimitOf(e.wait_status, e.limits);
       if (!hinted.empty()) limit = hinted.c_str();
     }
