@@ -17,6 +17,8 @@ PKGS=(
   nftables
   # mkfs.btrfs for the sandbox disk-quota pool (made once per edge start)
   btrfs-progs
+  # mkfs.xfs for the XFS project-quota pool (ENOSPC over disk_mb; preferred)
+  xfsprogs
   # the eBPF egress filter (clang -target bpf, libbpf skeleton)
   clang libbpf-dev bpftool
   # the microvm backend: QEMU, the Debian cloud kernel as its guest kernel,

@@ -136,6 +136,22 @@ def test_each_call_sees_fresh_random_state(client, debian):
     assert a.exit_code == b.exit_code == 0 and a.stdout != b.stdout
 
 
+def test_hash_seed(client, debian):
+    code = "print(hash('x'))"
+    # A zygote's forks share its hash secret; it is retired after 64 calls,
+    # and the next one has a new secret.
+    seen = [client.run(code, image=debian).stdout for _ in range(70)]
+    assert len(set(seen)) >= 2, "one hash secret for 70 calls"
+    assert max(seen.count(v) for v in set(seen)) <= 64, seen
+    # PYTHONHASHSEED in a call's env: a fresh interpreter honours it.
+    a = client.run(code, image=debian, env={"PYTHONHASHSEED": "random"})
+    b = client.run(code, image=debian, env={"PYTHONHASHSEED": "random"})
+    assert a.exit_code == b.exit_code == 0 and a.stdout != b.stdout, (a, b)
+    a = client.run(code, image=debian, env={"PYTHONHASHSEED": "0"})
+    b = client.run(code, image=debian, env={"PYTHONHASHSEED": "0"})
+    assert a.exit_code == 0 and a.stdout == b.stdout, (a, b)
+
+
 def test_files_are_given_and_removed(client, debian):
     r = client.run("import os\nprint(open('data/in.txt').read(), open('bin', 'rb').read())\n"
                    "print(os.getcwd().startswith('/scratch/.run/'), os.environ['TMPDIR'] == os.getcwd())",
@@ -172,8 +188,20 @@ def test_fork_bomb_is_contained(client, debian):
 
 
 def test_memory_limits(client, debian):
+    # RLIMIT_AS: Python raises MemoryError; uncaught, it is the limit that stopped the call.
     r = client.run("x = bytearray(1 << 30)", image=debian, limits={"memory_mb": 200})
-    assert r.exit_code == 1 and "MemoryError" in r.stderr, r
+    assert r.exit_code == 1 and "MemoryError" in r.stderr and r.limit == "memory", r
+    # Raised from one (a handler that re-raises as something else) counts too.
+    r = client.run("try:\n    x = bytearray(1 << 30)\nexcept MemoryError:\n    raise SystemError('oom')",
+                   image=debian, limits={"memory_mb": 200})
+    assert r.exit_code == 1 and r.limit == "memory", r
+    # Caught and survived: not stopped by it.
+    r = client.run("try:\n    x = bytearray(1 << 30)\nexcept MemoryError:\n    print('survived')",
+                   image=debian, limits={"memory_mb": 200})
+    assert r.exit_code == 0 and r.stdout == "survived\n" and r.limit is None, r
+    # A MemoryError the program raises itself, with no memory_mb: its own error.
+    r = client.run("raise MemoryError('mine')", image=debian)
+    assert r.exit_code == 1 and r.limit is None, r
     r = client.run("x = []\nwhile True:\n    x.append(bytearray(64 << 20))", image=debian,
                    timeout=30)
     # The pool sandbox's memory cgroup (512 MB) kills it.
@@ -183,13 +211,25 @@ def test_memory_limits(client, debian):
 def test_cpu_and_file_size_limits(client, debian):
     r = client.run("while True: pass", image=debian, timeout=20, limits={"cpu_s": 1})
     assert r.signal == 24 and r.limit == "cpu" and not r.timed_out, r  # SIGXCPU
-    # Python ignores SIGXFSZ: the write fails with EFBIG instead.
+    # Python ignores SIGXFSZ: the write fails with EFBIG instead; uncaught, it
+    # is the limit that stopped the call.
     r = client.run("open('big', 'wb').write(b'x' * (3 << 20))", image=debian,
                    limits={"file_size_mb": 1})
-    assert r.exit_code == 1 and "File too large" in r.stderr, r
+    assert r.exit_code == 1 and "File too large" in r.stderr and r.limit == "file_size", r
+    r = client.run("import errno\ntry:\n    open('big', 'wb').write(b'x' * (3 << 20))\n"
+                   "except OSError as e:\n    print(errno.errorcode[e.errno])",
+                   image=debian, limits={"file_size_mb": 1})
+    assert r.exit_code == 0 and r.stdout == "EFBIG\n" and r.limit is None, r
     r = client.run("exec head -c 3M /dev/zero > big", language="bash", image=debian,
                    limits={"file_size_mb": 1})
     assert r.signal == 25 and r.limit == "file_size", r  # SIGXFSZ
+    # A shell whose command SIGXFSZ killed exits 128+25.
+    r = client.run("head -c 3M /dev/zero > big; echo after", language="bash", image=debian,
+                   limits={"file_size_mb": 1})
+    assert r.stdout == "after\n" and r.limit is None, r  # it went on: not stopped
+    r = client.run("head -c 3M /dev/zero > big\nexit $?", language="bash", image=debian,
+                   limits={"file_size_mb": 1})
+    assert r.exit_code == 153 and r.limit == "file_size", r
     r = client.run("import os\nfds = [os.open('/dev/null', 0) for _ in range(100)]",
                    image=debian, limits={"open_files": 20})
     assert r.exit_code == 1 and "Too many open files" in r.stderr, r
@@ -241,9 +281,16 @@ def test_fncall_sandbox(make_sandbox, server, debian, deb):
     assert sb.exec("cat /etc/hostname").exit_code == 0
     r = sb.exec("touch /etc/x")
     assert r.exit_code != 0 and "Read-only" in r.stderr, r
-    e = expect_error(lambda: sb.write_file("/etc/x", b"y"), dsec.PermissionDenied, status=403)
+    # Files API errors about the path name the field "path".
+    e = expect_error(lambda: sb.write_file("/etc/x", b"y"), dsec.PermissionDenied, status=403,
+                     field="path")
     assert "/etc/x" in e.message and "/scratch" in e.message
-    expect_error(lambda: sb.mkdir("/root/d"), dsec.PermissionDenied)
+    expect_error(lambda: sb.mkdir("/root/d"), dsec.PermissionDenied, field="path")
+    expect_error(lambda: sb.remove("/etc/hostname"), dsec.PermissionDenied, field="path")
+    expect_error(lambda: sb.read_file("/scratch/nope"), dsec.NotFound, field="path")
+    expect_error(lambda: sb.write_file("/scratch/f.txt/x", b"y"), dsec.InvalidArgument,
+                 field="path")
+
     r = sb.run("echo $((6*7))", language="bash")
     assert r.stdout == "42\n", r
     r = sb.exec("while :; do :; done", timeout=1)
@@ -305,3 +352,77 @@ def test_fncall_sandboxes_outlive_an_edge_crash(tmp_path_factory, server):
     finally:
         if s.proc.poll() is None:
             s.stop()
+
+
+def _metrics(s) -> dict:
+    """The server's /metrics as {'name{labels}': value}."""
+    status, _, raw, _ = s.raw("GET", "/v1/metrics")
+    assert status == 200, status
+    text = raw.decode() if isinstance(raw, bytes) else raw
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            k, _, v = line.rpartition(" ")
+            out[k] = float(v)
+    return out
+
+
+def test_pool_bounds_languages_and_metrics(tmp_path_factory, server):
+    """`dsec up --fncall-pool-max 1 --fncall-language 'perl=perl -e'`: the
+    configured language runs from the image, the node keeps at most one pool
+    sandbox, and /metrics shows pools, workers, zygote restarts and calls by
+    result and limit."""
+    import os
+    from pathlib import Path
+
+    from test_restart import _new_server, _stop_and_check_clean
+
+    s = _new_server(tmp_path_factory, "--fncall-pool-max", "1",
+                    "--fncall-language", "perl=perl -e")
+    try:
+        cache = Path(os.environ.get("DSEC_IMAGE_CACHE", "/var/cache/dsec/test-images"))
+        s.import_image("debian:latest", cache / "debian.tar")
+        c = s.client
+        r = c.run("print 6*7, qq(\\n)", language="perl")
+        assert r.exit_code == 0 and r.stdout == "42\n", r
+        e = expect_error(lambda: c.run("x", language="cobol"), dsec.InvalidArgument,
+                         field="language")
+        assert "perl" in e.message, e
+        assert c.run("print(1)").stdout == "1\n"  # another pool: the perl sandbox is recycled
+        r = c.run("import os; os.kill(os.getppid(), 9)")  # kills its zygote
+        r = c.run("print(2)")
+        assert r.stdout == "2\n", r
+        r = c.run("while True: pass", timeout=1)
+        assert r.limit == "timeout", r
+        m = _metrics(s)
+        assert m["dsec_fncall_pool_max_sandboxes"] == 1, m
+        assert m["dsec_fncall_pools"] == 2, m
+        idle = sum(v for k, v in m.items() if k.startswith("dsec_fncall_pool_sandboxes{")
+                   and 'state="idle"' in k)
+        assert idle == 1 and m['dsec_fncall_node_sandboxes{state="idle"}'] == 1, m
+        assert m['dsec_fncall_node_sandboxes{state="busy"}'] == 0, m
+        assert m["dsec_fncall_pool_sandboxes_created_total"] == 2, m
+        assert m["dsec_fncall_zygote_restarts_total"] >= 1, m
+        # perl, print(1), the call that killed its zygote (it exits 0), print(2)
+        assert m['dsec_fncall_calls_total{result="ok",limit="none"}'] == 4, m
+        assert m['dsec_fncall_calls_total{result="signal",limit="timeout"}'] == 1, m
+        _stop_and_check_clean(s)
+    finally:
+        if s.proc.poll() is None:
+            s.stop()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--fncall-pool-max", "0"], "--fncall-pool-max"),
+    (["--fncall-language", "python=python3 -c"], "built in"),
+    (["--fncall-language", "node"], "NAME=ARGV"),
+    (["--fncall-language", "a b=x"], "bad language name"),
+])
+def test_bad_fncall_flags_stop_the_start(tmp_path_factory, server, args, message):
+    from conftest import Server
+
+    s = Server(tmp_path_factory.mktemp("fnflags") / "data", extra_args=args)
+    s.data_dir.mkdir()
+    with pytest.raises(RuntimeError):
+        s.start()
+    assert message in s.log_tail(), s.log_tail()

@@ -1,6 +1,6 @@
 """disk_mb: each sandbox's writable layer is bounded by its disk_mb. Writes past
-it fail inside that sandbox only (EDQUOT with the btrfs mechanism, ENOSPC with
-tmpfs: docs/container-backend.md), the sandbox keeps working, deleting frees
+it fail inside that sandbox only (ENOSPC with the xfs mechanism, the one `auto`
+prefers, EDQUOT with btrfs, ENOSPC with tmpfs: docs/container-backend.md), the sandbox keeps working, deleting frees
 room, and teardown leaves nothing behind."""
 
 from __future__ import annotations
@@ -18,7 +18,25 @@ from helpers import expect_error, loop_devices_backed_by, mounts_containing, uni
 
 MiB = 1 << 20
 # What a writer over the limit is told, by mechanism.
-ERRNO_TEXT = {"btrfs": "Disk quota exceeded", "tmpfs": "No space left on device"}
+ERRNO_TEXT = {"xfs": "No space left on device", "btrfs": "Disk quota exceeded",
+              "tmpfs": "No space left on device"}
+
+
+def xfs_quota_unavailable_reason() -> str:
+    """Why this host cannot have the xfs mechanism (as src/edge/xfs_quota.cc
+    checks before trying), empty if it may."""
+    try:
+        fss = Path("/proc/filesystems").read_text().split()
+    except OSError as e:
+        return f"cannot read /proc/filesystems: {e}"
+    if "xfs" not in fss:
+        return "the kernel has no xfs"
+    if Path("/proc/fs/xfs").is_dir() and not Path("/proc/fs/xfs/xqmstat").exists():
+        return ("the kernel's xfs has no quota support (built without CONFIG_XFS_QUOTA: "
+                "no /proc/fs/xfs/xqmstat)")
+    if not any(Path(d, "mkfs.xfs").exists() for d in ("/usr/sbin", "/sbin", "/usr/bin")):
+        return "mkfs.xfs not installed (xfsprogs)"
+    return ""
 
 
 def mechanism_of(server: Server) -> str:
@@ -112,6 +130,69 @@ def test_smallest_disk_mb_still_runs(make_sandbox, busybox, mechanism):
     assert sb.exec("echo tiny > /t && cat /t").stdout == "tiny\n"
     r = fill(sb, "/big", 32)
     assert r.exit_code != 0 and ERRNO_TEXT[mechanism] in r.stderr, r.stderr
+
+
+def test_auto_prefers_xfs(mechanism):
+    why = xfs_quota_unavailable_reason()
+    if why:
+        print(f"xfs unavailable here ({why}); auto chose {mechanism}")
+        assert mechanism != "xfs"
+    else:
+        assert mechanism == "xfs", "auto should pick xfs where the kernel has XFS quotas"
+
+
+def test_xfs_gives_enospc(tmp_path_factory, server):
+    """`dsec up --disk-quota xfs`: a write past disk_mb fails with ENOSPC."""
+    why = xfs_quota_unavailable_reason()
+    if why:
+        print(f"SKIP reason: {why}")
+        unavailable(f"xfs project quotas: {why}")
+    _check_prerequisites()
+    s = Server(tmp_path_factory.mktemp("xfsq") / "data",
+               extra_args=["--disk-quota", "xfs", "--disk-pool-mb", "1024"])
+    s.data_dir.mkdir()
+    s.start()
+    made = []
+    try:
+        assert mechanism_of(s) == "xfs"
+        s.import_image("busybox:latest", Path(os.environ.get(
+            "DSEC_IMAGE_CACHE", "/var/cache/dsec/test-images")) / "busybox.tar")
+
+        def make(image, **kw):
+            sb = s.client.create(image, **kw)
+            made.append(sb)
+            return sb
+
+        small, _, _ = check_quota_behaviour(s.client, "busybox:latest", make, "xfs")
+        # df inside shows the project's limit, not the pool.
+        r = small.exec("df -k / | tail -1")
+        assert r.ok and int(r.stdout.split()[1]) <= 32 * 1024, r.stdout
+        d = sandbox_dir(s, small.id)
+        small.destroy()
+        assert wait_until(lambda: not d.exists(), 10), f"{d} left after destroy"
+    finally:
+        for sb in made:
+            with contextlib.suppress(dsec.DsecError):
+                sb.destroy()
+    assert s.stop() == 0
+    assert not mounts_containing(str(s.data_dir))
+    assert not loop_devices_backed_by(str(s.data_dir))
+
+
+def test_unavailable_xfs_is_refused_with_its_reason(tmp_path_factory, server):
+    """Where xfs project quotas cannot work, `--disk-quota xfs` fails at start
+    saying why, and leaves nothing mounted."""
+    why = xfs_quota_unavailable_reason()
+    if not why:
+        pytest.skip("xfs project quotas work here (test_xfs_gives_enospc covers them)")
+    s = Server(tmp_path_factory.mktemp("noxfs") / "data", extra_args=["--disk-quota", "xfs"])
+    s.data_dir.mkdir()
+    with pytest.raises(RuntimeError):
+        s.start()
+    log = s.log_tail()
+    assert "xfs" in log and ("quota" in log or "xfs" in why), log
+    assert not mounts_containing(str(s.data_dir))
+    assert not loop_devices_backed_by(str(s.data_dir))
 
 
 @pytest.fixture

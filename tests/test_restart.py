@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import dsec
-from conftest import Server, _check_prerequisites
+from conftest import Server, _check_prerequisites, unavailable
 from helpers import (aether_pids, edge_cgroup, loop_devices_backed_by, mounts_containing,
                      sandbox_cgroup_dirs, wait_until)
 
@@ -75,10 +75,17 @@ def crashable(tmp_path_factory, server):
         s.stop()
 
 
-@pytest.fixture(params=["auto", "tmpfs"])
+@pytest.fixture(params=["auto", "xfs", "tmpfs"])
 def crashable_quota(request, tmp_path_factory, server):
-    """A server per disk-quota mechanism: the btrfs pool (auto here) and the
-    tmpfs per sandbox are each taken over differently at a restart."""
+    """A server per disk-quota mechanism: the pool of auto (xfs, else btrfs
+    here), the xfs pool (its project ids read back) and the tmpfs per sandbox
+    are each taken over differently at a restart."""
+    if request.param == "xfs":
+        from test_quota import xfs_quota_unavailable_reason
+        why = xfs_quota_unavailable_reason()
+        if why:
+            print(f"SKIP reason: {why}")
+            unavailable(f"xfs project quotas: {why}")
     s = _new_server(tmp_path_factory, "--disk-quota", request.param)
     yield s
     if s.proc.poll() is None:

@@ -329,6 +329,27 @@ void Agent::sendError(uint32_t stream, const Status& status) {
   sendFrame(stream, FrameType::kResult, errorJson(status));
 }
 
+namespace {
+
+// A file operation's error about its path (refused, missing, not a
+// directory, exists, not empty) names the request field "path", like a bad
+// path does; running out of room or an internal error is not the path's.
+Status withPathField(Status st) {
+  if (st.isOk() || !st.field().empty()) return st;
+  switch (st.code()) {
+    case Code::kPermissionDenied:
+    case Code::kNotFound:
+    case Code::kInvalidArgument:
+    case Code::kAlreadyExists:
+    case Code::kFailedPrecondition:
+      return Status(st.code(), st.message(), st.sysErrno(), "path");
+    default:
+      return st;
+  }
+}
+
+}  // namespace
+
 void Agent::flushOutput() {
   while (!out_.empty() && !done_) {
     std::string& front = out_.front();
@@ -737,7 +758,7 @@ void Agent::handleFileWrite(const Frame& f) {
   bool mode_given = j->contains("mode") && !(*j)["mode"].is_null();
   Result<FileWriter> w = FileWriter::open(path, static_cast<mode_t>(mode), mode_given, append);
   // After an early error the stream's data frames find no writer and are dropped.
-  if (!w.isOk()) return sendError(f.stream, w.status());
+  if (!w.isOk()) return sendError(f.stream, withPathField(w.status()));
   writes_.emplace(f.stream, std::move(w).value());
 }
 
@@ -770,7 +791,7 @@ void Agent::handleFileRead(const Frame& f) {
   if (st.isOk()) st = readInt(*j, "length", -1, INT64_MAX, length);
   if (!st.isOk()) return sendError(f.stream, st);
   Result<FileReader> r = FileReader::open(path, static_cast<uint64_t>(offset), length);
-  if (!r.isOk()) return sendError(f.stream, r.status());
+  if (!r.isOk()) return sendError(f.stream, withPathField(r.status()));
   sendFrame(f.stream, FrameType::kResult,
             dumpJson(Json{{"ok", true}, {"size", r->size()}, {"mode", unsigned{r->mode()}}}));
   // The data follows from pumpFileReads(), paced by the outgoing queue.
@@ -809,12 +830,12 @@ void Agent::handleSimpleFileOp(const Frame& f) {
   switch (f.type) {
     case FrameType::kList: {
       Result<std::string> payload = listDir(path, proto::kMaxPayload);
-      if (!payload.isOk()) return sendError(f.stream, payload.status());
+      if (!payload.isOk()) return sendError(f.stream, withPathField(payload.status()));
       return sendFrame(f.stream, FrameType::kResult, *payload);
     }
     case FrameType::kStat: {
       Result<Json> s = statPath(path);
-      if (!s.isOk()) return sendError(f.stream, s.status());
+      if (!s.isOk()) return sendError(f.stream, withPathField(s.status()));
       (*s)["ok"] = true;
       return sendFrame(f.stream, FrameType::kResult, dumpJson(*s));
     }
@@ -824,7 +845,7 @@ void Agent::handleSimpleFileOp(const Frame& f) {
       st = readBool(*j, "parents", parents);
       if (st.isOk()) st = readInt(*j, "mode", 0, 07777, mode);
       if (st.isOk()) st = fncallWritable(path);
-      if (st.isOk()) st = makeDir(path, parents, static_cast<mode_t>(mode));
+      if (st.isOk()) st = withPathField(makeDir(path, parents, static_cast<mode_t>(mode)));
       if (!st.isOk()) return sendError(f.stream, st);
       return sendFrame(f.stream, FrameType::kResult, kOk);
     }
@@ -832,7 +853,7 @@ void Agent::handleSimpleFileOp(const Frame& f) {
       bool recursive = false;
       st = readBool(*j, "recursive", recursive);
       if (st.isOk()) st = fncallWritable(path);
-      if (st.isOk()) st = removePath(path, recursive);
+      if (st.isOk()) st = withPathField(removePath(path, recursive));
       if (!st.isOk()) return sendError(f.stream, st);
       return sendFrame(f.stream, FrameType::kResult, kOk);
     }
@@ -977,10 +998,23 @@ void Agent::maybeFinish(Exec& e) {
       limit = "cpu";
     } else if (sig == SIGXFSZ) {
       limit = "file_size";
-    } else if (e.truncated) {
-      limit = "output";
     }
+    // What only the call (through its zygote) or its shell's exit code
+    // tells: an uncaught MemoryError / EFBIG, a command killed by SIGXFSZ.
+    // The hint is taken whatever else applies: left behind, it would be
+    // found by a later call that reuses the pid.
+    std::string hinted;
+    for (auto& [lang, z] : zygotes_) {
+      hinted = z->takeLimitHint(e.proc.pid);
+      if (!hinted.empty()) break;
+    }
+    if (!limit) {
+      if (hinted.empty()) hinted = shellLimitOf(e.wait_status, e.limits);
+      if (!hinted.empty()) limit = hinted.c_str();
+    }
+    if (!limit && e.truncated) limit = "output";
     exit["limit"] = limit ? Json(limit) : Json(nullptr);
+    if (e.zygote_started) exit["zygote_start"] = true;
   }
   sendFrame(e.stream, FrameType::kExit, dumpJson(exit));
   execs_.erase(e.stream);  // `e` is gone from here on
@@ -1098,6 +1132,7 @@ Result<SpawnedExec> Agent::spawnCall(ExecRequest& req, const CallRequest& call, 
   e.call = true;
   e.exclusive = call.exclusive;
   CallLimits limits = call.limits ? *call.limits : cfg.defaults;
+  e.limits = limits;
   std::vector<std::string> env = req.env ? *req.env : options_.exec.default_env;
   if (call.fresh_dir) {
     // A new working dir per one-shot call, with the call's files; removed
@@ -1119,8 +1154,14 @@ Result<SpawnedExec> Agent::spawnCall(ExecRequest& req, const CallRequest& call, 
   if (!hasEnv(env, "TMPDIR")) env.push_back("TMPDIR=" + *req.cwd);
   req.env = env;
 
-  if (call.language.empty() || call.language != "python") {
-    if (call.language == "bash") {
+  // A python call whose env sets PYTHONHASHSEED (a fixed seed, or "random":
+  // one of its own) runs as a fresh `python3 -c`: the zygote's forks all
+  // share its hash secret.
+  bool freshPython = call.language == "python" && hasEnv(env, "PYTHONHASHSEED");
+  if (call.language.empty() || call.language != "python" || freshPython) {
+    if (freshPython) {
+      req.argv = {"python3", "-c", call.code};
+    } else if (call.language == "bash") {
       req.argv = {"bash", "-c", call.code};
     } else if (!call.language.empty()) {
       req.argv = cfg.languages.at(call.language);
@@ -1130,6 +1171,15 @@ Result<SpawnedExec> Agent::spawnCall(ExecRequest& req, const CallRequest& call, 
     return spawnExec(req, options_.exec);
   }
 
+  // Bounds how many calls share a hash secret: a zygote that has forked
+  // its quota is replaced now, before this call rather than after the last
+  // (whose exit report, with its limit hint, it has most likely sent).
+  // Calls of it still running go on, re-parented to aether.
+  if (auto it = zygotes_.find(call.language);
+      it != zygotes_.end() && it->second->calls() >= cfg.zygote_max_calls) {
+    dropZygote(call.language, false);
+  }
+  e.zygote_started = !zygotes_.count(call.language);
   ASSIGN_OR_RETURN(Zygote * z, zygoteFor(call.language));
   SpawnedExec out;
   UniqueFd child_in, child_out, child_err;

@@ -109,6 +109,8 @@ class Agent {
     bool call = false;
     bool exclusive = false;
     std::string run_dir;
+    CallLimits limits;            // the call's, for which limit stopped it
+    bool zygote_started = false;  // it had to start its zygote (metrics)
   };
 
   void handleConnReadable();

@@ -8,12 +8,14 @@
 #include <sys/mman.h>
 #include <sys/mount.h>
 #include <sys/msg.h>
+#include <sys/random.h>
+#include <sys/resource.h>
 #include <sys/sem.h>
 #include <sys/shm.h>
-#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -154,6 +156,12 @@ Result<FncallConfig> parseFncallConfig(const Json& j) {
     }
   }
   RETURN_IF_ERROR(readStringList(j, "prestart", false, c.prestart));
+  if (auto it = j.find("zygote_max_calls"); it != j.end() && !it->is_null()) {
+    if (!it->is_number_integer() || it->get<int64_t>() < 1) {
+      return invalidArg("fncall.zygote_max_calls", "must be a positive integer");
+    }
+    c.zygote_max_calls = it->get<int64_t>();
+  }
   for (const auto& p : c.prestart) {
     if (p != "python") return invalidArg("fncall.prestart", "only python has a zygote");
   }
@@ -349,6 +357,17 @@ Result<std::unique_ptr<Zygote>> Zygote::start(const std::string& language,
   ExecRequest req;
   req.argv = {"python3", "-c", kPythonZygote};
   req.cwd = "/";
+  // A hash secret of its own (whatever the image's env says): its calls
+  // share it (a fork cannot re-seed str hashing: the zygote's interned
+  // strings and dicts keep hashes made with it), the next zygote's differs.
+  std::vector<std::string> env;
+  for (const auto& kv : settings.default_env) {
+    if (!kv.starts_with("PYTHONHASHSEED=")) env.push_back(kv);
+  }
+  uint32_t seed = 0;
+  if (::getrandom(&seed, sizeof seed, 0) != ssize_t(sizeof seed)) seed = uint32_t(::getpid());
+  env.push_back("PYTHONHASHSEED=" + std::to_string(seed));
+  req.env = std::move(env);
   req.stdin_fd = theirs.get();
   ASSIGN_OR_RETURN(SpawnedExec spawned, spawnExec(req, settings));
   theirs.reset();
@@ -394,7 +413,13 @@ bool Zygote::handleMessage(const std::string& msg, pid_t* spawned,
   Json j = Json::parse(msg, nullptr, false);
   if (!j.is_object()) return false;
   if (auto it = j.find("exit"); it != j.end() && it->is_number_integer()) {
-    exits.emplace_back(pid_t(it->get<int64_t>()), int(j.value("status", 0)));
+    pid_t pid = pid_t(it->get<int64_t>());
+    if (auto l = j.find("limit"); l != j.end() && l->is_string()) {
+      std::string limit = l->get<std::string>();
+      // Only names aether itself would give: a call cannot forge others.
+      if (limit == "memory" || limit == "file_size") limitHints_[pid] = limit;
+    }
+    exits.emplace_back(pid, int(j.value("status", 0)));
     return true;
   }
   if (auto it = j.find("pid"); it != j.end() && it->is_number_integer() && spawned) {
@@ -461,8 +486,27 @@ Result<pid_t> Zygote::spawn(const std::string& code, const std::string& cwd,
       std::string why = j.is_object() ? j.value("error", msg) : msg;
       return Status(Code::kInternal, "python zygote: " + why);
     }
-    if (child > 0) return child;
+    if (child > 0) {
+      ++calls_;
+      return child;
+    }
   }
+}
+
+std::string Zygote::takeLimitHint(pid_t pid) {
+  auto it = limitHints_.find(pid);
+  if (it == limitHints_.end()) return {};
+  std::string out = std::move(it->second);
+  limitHints_.erase(it);
+  return out;
+}
+
+std::string shellLimitOf(int waitStatus, const CallLimits& limits) {
+  if (!WIFEXITED(waitStatus)) return {};
+  int code = WEXITSTATUS(waitStatus);
+  if (code == 128 + SIGXFSZ && limits.file_size_mb > 0) return "file_size";
+  if (code == 128 + SIGXCPU && limits.cpu_s > 0) return "cpu";
+  return {};
 }
 
 bool Zygote::readExits(std::vector<std::pair<pid_t, int>>& exits) {

@@ -52,6 +52,10 @@ struct FncallConfig {
   // and bash are built in (python through its zygote).
   std::map<std::string, std::vector<std::string>> languages;
   std::vector<std::string> prestart;  // zygotes to start at init
+  // A zygote is retired after forking this many calls and the next call
+  // starts a new one, with a new hash secret (PYTHONHASHSEED): so at most
+  // this many calls share one (docs/fncall.md).
+  int64_t zygote_max_calls = 64;
   CallLimits defaults;                // limits of calls that give none
 };
 
@@ -106,6 +110,8 @@ class Zygote {
   ~Zygote();
 
   pid_t pid() const { return pid_; }
+  // Calls forked so far.
+  int64_t calls() const { return calls_; }
   // The process was reaped elsewhere: the destructor must not signal its pid.
   void forgetPid() { pid_ = -1; }
   int ctlFd() const { return ctl_.get(); }
@@ -118,6 +124,10 @@ class Zygote {
   // Reads the exit reports waiting on the control socket. False once the
   // zygote has hung up (it died).
   bool readExits(std::vector<std::pair<pid_t, int>>& exits);
+  // The limit (docs/fncall.md: "memory", "file_size") the call `pid` told its
+  // zygote stopped it (an uncaught MemoryError under memory_mb, an uncaught
+  // EFBIG under file_size_mb), once, with its exit report; empty if none.
+  std::string takeLimitHint(pid_t pid);
 
  private:
   Zygote() = default;
@@ -127,7 +137,14 @@ class Zygote {
   pid_t pid_ = -1;
   UniqueFd ctl_;
   UniqueFd stderr_;  // the zygote's own stderr, read for a start-up failure
+  std::map<pid_t, std::string> limitHints_;  // reported, not yet taken
+  int64_t calls_ = 0;
 };
+
+// The limit a call's exit status points at, beyond a signal aether sees
+// itself: a shell's exit code 128+SIGXFSZ / 128+SIGXCPU (its command was
+// killed by that signal) when the call set that limit. Empty if none.
+std::string shellLimitOf(int waitStatus, const CallLimits& limits);
 
 // The zygote's Python source (python3 -c), exposed for tests.
 extern const char* const kPythonZygote;

@@ -1,6 +1,7 @@
 #include "aether/fncall.h"
 
 #include <gtest/gtest.h>
+#include <signal.h>
 #include <sys/resource.h>
 
 namespace dsec::aether {
@@ -28,6 +29,32 @@ TEST(FncallConfig, RejectsBadInput) {
   EXPECT_EQ(parseFncallConfig(parse(R"({"limits": {"bogus": 1}})")).status().field(),
             "fncall.limits.bogus");
   EXPECT_FALSE(parseFncallConfig(parse(R"({"scratch_mb": 0})")).isOk());
+  EXPECT_EQ(parseFncallConfig(parse(R"({"zygote_max_calls": 0})")).status().field(),
+            "fncall.zygote_max_calls");
+  EXPECT_EQ(parseFncallConfig(parse(R"({"zygote_max_calls": "x"})")).status().field(),
+            "fncall.zygote_max_calls");
+}
+
+TEST(FncallConfig, ZygoteMaxCalls) {
+  EXPECT_EQ(parseFncallConfig(parse("{}"))->zygote_max_calls, 64);
+  EXPECT_EQ(parseFncallConfig(parse(R"({"zygote_max_calls": 3})"))->zygote_max_calls, 3);
+}
+
+// W_EXITCODE without <sys/wait.h>'s macro spelling differences.
+int exited(int code) { return (code & 0xff) << 8; }
+
+TEST(ShellLimitOf, OnlyUnderTheLimitGiven) {
+  CallLimits none;
+  CallLimits fsize;
+  fsize.file_size_mb = 1;
+  CallLimits cpu;
+  cpu.cpu_s = 1;
+  EXPECT_EQ(shellLimitOf(exited(128 + SIGXFSZ), fsize), "file_size");
+  EXPECT_EQ(shellLimitOf(exited(128 + SIGXFSZ), none), "");
+  EXPECT_EQ(shellLimitOf(exited(128 + SIGXCPU), cpu), "cpu");
+  EXPECT_EQ(shellLimitOf(exited(128 + SIGXCPU), fsize), "");
+  EXPECT_EQ(shellLimitOf(exited(1), fsize), "");
+  EXPECT_EQ(shellLimitOf(SIGKILL, fsize), "");  // killed, not exited
 }
 
 TEST(CallRequest, Parses) {

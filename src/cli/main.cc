@@ -61,9 +61,18 @@ const char* kUsage = R"(usage: dsec COMMAND [OPTIONS]
         past N MiB (default 64); at most 1000 lines a second, the rest counted
      --prefetch-window-s S: chunks read this long after a layer is attached are
         prefetched when it is next attached with a cold cache (default 15)
-     --disk-quota auto|btrfs|tmpfs|none: how disk_mb is enforced (default auto: btrfs,
-        else tmpfs; see docs/container-backend.md) and --disk-pool-mb N: size of the
-        sparse btrfs pool image (default: the free space of the data dir)
+     --disk-quota auto|xfs|btrfs|tmpfs|none: how disk_mb is enforced (default auto: xfs
+        project quotas (ENOSPC), else btrfs qgroups (EDQUOT), else tmpfs; see
+        docs/container-backend.md) and --disk-pool-mb N: size of the sparse xfs/btrfs
+        pool image (default: the free space of the data dir)
+     --fncall-pool-max N: warm fncall sandboxes for one-shot calls (POST /v1/run) this
+        node keeps at most, all pools together (default 16); --fncall-pool-idle-s S: an
+        idle one is destroyed after S seconds (default 60)
+     --fncall-language NAME=ARGV (repeatable): a language calls may name, run as ARGV
+        split on spaces with the code appended as one more argument, from the
+        sandbox's image (e.g. --fncall-language 'node=node -e' --fncall-language
+        'ruby=/usr/bin/ruby -e'); python and bash are built in. --fncall-languages
+        FILE: the same from a JSON object {"node": ["node", "-e"], ...}; see docs/fncall.md
      --trajectory-retention-s S: trajectories whose last step is older are deleted
         (default 604800, a week; 0: never)
      --setup-egress LIST: what the built-in `setup` policy may reach, comma-separated
@@ -196,6 +205,66 @@ Result<std::string> loadOrCreateToken(const std::string& dataDir) {
   return t;
 }
 
+// --fncall-language NAME=ARGV (repeatable) and --fncall-languages FILE.
+Result<std::map<std::string, std::vector<std::string>>> fncallLanguagesFromArgs(const Args& a) {
+  std::map<std::string, std::vector<std::string>> out;
+  auto add = [&out](const std::string& name, std::vector<std::string> argv,
+                    const std::string& flag) -> Status {
+    bool ok = !name.empty() && name.size() <= 32;
+    for (char c : name) {
+      ok = ok && ((c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '_' || c == '-' ||
+                  c == '+' || c == '.');
+    }
+    if (!ok) return invalidArg(flag, flag + ": bad language name '" + name + "' (a-z 0-9 _ - + .)");
+    if (name == "python" || name == "bash") {
+      return invalidArg(flag, flag + ": " + name + " is built in");
+    }
+    if (argv.empty() || argv[0].empty()) {
+      return invalidArg(flag, flag + ": language " + name + " needs an argv (e.g. 'node -e')");
+    }
+    if (out.count(name)) return invalidArg(flag, flag + ": language " + name + " given twice");
+    out[name] = std::move(argv);
+    return Status::ok();
+  };
+  if (std::string file = a.get("fncall-languages"); !file.empty()) {
+    ASSIGN_OR_RETURN(std::string text, readFile(file));
+    json j = json::parse(text, nullptr, false);
+    if (!j.is_object()) {
+      return invalidArg("fncall-languages",
+                        "--fncall-languages " + file + ": not a JSON object of name -> [argv...]");
+    }
+    for (auto& [name, v] : j.items()) {
+      std::vector<std::string> argv;
+      bool ok = v.is_array();
+      for (auto& x : ok ? v : json::array()) {
+        if (x.is_string()) {
+          argv.push_back(x.get<std::string>());
+        } else {
+          ok = false;
+        }
+      }
+      if (!ok) {
+        return invalidArg("fncall-languages", "--fncall-languages " + file + ": " + name +
+                                                  " is not an array of strings");
+      }
+      RETURN_IF_ERROR(add(name, std::move(argv), "--fncall-languages"));
+    }
+  }
+  for (auto& spec : a.all("fncall-language")) {
+    auto eq = spec.find('=');
+    if (eq == std::string::npos) {
+      return invalidArg("fncall-language",
+                        "--fncall-language " + spec + ": expected NAME=ARGV, e.g. 'node=node -e'");
+    }
+    std::vector<std::string> argv;
+    for (auto& w : splitString(spec.substr(eq + 1), ' ')) {
+      if (!w.empty()) argv.push_back(w);
+    }
+    RETURN_IF_ERROR(add(spec.substr(0, eq), std::move(argv), "--fncall-language"));
+  }
+  return out;
+}
+
 int cmdUp(const Args& a) {
   std::string dataDir = a.get("data-dir", kDefaultDataDir);
   std::string listen = a.get("listen", "127.0.0.1:7070");
@@ -257,6 +326,21 @@ int cmdUp(const Args& a) {
   edge::EdgeOptions eo;
   eo.dataDir = dataDir + "/edge";
   eo.aetherPath = aether;
+  if (auto langs = fncallLanguagesFromArgs(a); langs.isOk()) {
+    eo.fncallLanguages = std::move(*langs);
+  } else {
+    return die(langs.status().message());
+  }
+  edge::RunPoolOptions runPool;
+  if (!a.get("fncall-pool-max").empty()) {
+    long long n = std::atoll(a.get("fncall-pool-max").c_str());
+    if (n < 1 || n > 100000) return die("--fncall-pool-max must be a number from 1 to 100000");
+    runPool.maxSandboxes = int(n);
+  }
+  if (!a.get("fncall-pool-idle-s").empty()) {
+    runPool.idleSeconds = std::atof(a.get("fncall-pool-idle-s").c_str());
+    if (runPool.idleSeconds <= 0) return die("--fncall-pool-idle-s must be positive");
+  }
   eo.diskQuota = a.get("disk-quota", "auto");
   if (!a.get("disk-pool-mb").empty()) {
     long long mb = std::atoll(a.get("disk-pool-mb").c_str());
@@ -307,6 +391,7 @@ int cmdUp(const Args& a) {
 
   platform::PlatformOptions po;
   po.dataDir = dataDir;
+  po.runPool = runPool;
   po.token = *token;
   po.liveRestore = eo.liveRestore;
   if (!a.get("gc-grace-s").empty()) po.gcGraceS = std::atof(a.get("gc-grace-s").c_str());

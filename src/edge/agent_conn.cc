@@ -340,7 +340,9 @@ Status resultStatusOf(const json& j) {
       {"resource_exhausted", Code::kResourceExhausted},
       {"conflict", Code::kConflict}};
   if (auto it = kCodes.find(code); it != kCodes.end()) c = it->second;
-  std::string field = c == Code::kInvalidArgument ? j.value("field", "") : "";
+  // Bad input (invalid_argument) and a path refused, missing, existing...
+  // (the files API) name the request field at fault.
+  std::string field = c == Code::kInternal ? "" : j.value("field", "");
   return Status(c, j.value("message", "agent error"), j.value("errno", 0), field);
 }
 }  // namespace

@@ -39,8 +39,8 @@ namespace {
 
 Status unavailable(std::string why) { return Status(Code::kFailedPrecondition, std::move(why)); }
 
-// An executable named `name` in $PATH or the sbin directories (which a
-// service's PATH may lack); empty if none.
+}  // namespace
+
 std::string findProgram(const std::string& name) {
   const char* env = ::getenv("PATH");
   std::string path = env ? env : "";
@@ -52,6 +52,8 @@ std::string findProgram(const std::string& name) {
   }
   return {};
 }
+
+namespace {
 
 // The sysfs directory of the btrfs holding `fd`.
 Result<std::string> sysfsDirOf(int fd) {

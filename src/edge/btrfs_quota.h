@@ -3,6 +3,8 @@
 #pragma once
 
 #include <memory>
+#include <string>
+#include <string_view>
 
 #include "edge/disk_quota.h"
 
@@ -20,5 +22,9 @@ Result<std::unique_ptr<DiskQuota>> openBtrfsQuota(const DiskQuotaOptions& opts);
 
 // Whether /proc/filesystems lists `fs`.
 bool kernelHasFilesystem(std::string_view fs);
+
+// An executable named `name` in $PATH or the sbin directories (which a
+// service's PATH may lack); empty if none.
+std::string findProgram(const std::string& name);
 
 }  // namespace dsec::edge

@@ -14,11 +14,13 @@
 #include "common/log.h"
 #include "common/util.h"
 #include "edge/btrfs_quota.h"
+#include "edge/xfs_quota.h"
 
 namespace dsec::edge {
 
 const char* diskQuotaKindName(DiskQuotaKind kind) {
   switch (kind) {
+    case DiskQuotaKind::kXfs: return "xfs";
     case DiskQuotaKind::kBtrfs: return "btrfs";
     case DiskQuotaKind::kTmpfs: return "tmpfs";
     case DiskQuotaKind::kNone: return "none";
@@ -29,12 +31,17 @@ const char* diskQuotaKindName(DiskQuotaKind kind) {
 Result<std::vector<DiskQuotaKind>> diskQuotaCandidates(std::string_view mode) {
   // Disk-backed first: a tmpfs turns disk_mb into memory, which a sandbox
   // with disk_mb > memory_mb (the defaults: 1024 > 512) hits as an OOM kill.
-  if (mode == "auto") return std::vector{DiskQuotaKind::kBtrfs, DiskQuotaKind::kTmpfs};
+  // xfs before btrfs: its project quotas fail a write with ENOSPC (what a
+  // full disk says), btrfs qgroups with EDQUOT.
+  if (mode == "auto") {
+    return std::vector{DiskQuotaKind::kXfs, DiskQuotaKind::kBtrfs, DiskQuotaKind::kTmpfs};
+  }
+  if (mode == "xfs") return std::vector{DiskQuotaKind::kXfs};
   if (mode == "btrfs") return std::vector{DiskQuotaKind::kBtrfs};
   if (mode == "tmpfs") return std::vector{DiskQuotaKind::kTmpfs};
   if (mode == "none") return std::vector{DiskQuotaKind::kNone};
   return invalidArg("disk-quota", "unknown disk quota mode '" + std::string(mode) +
-                                      "' (auto, btrfs, tmpfs or none)");
+                                      "' (auto, xfs, btrfs, tmpfs or none)");
 }
 
 Result<int64_t> poolImageBytes(int64_t requested, int64_t freeBytes) {
@@ -195,6 +202,7 @@ class NoQuota : public DiskQuota {
 
 Result<std::unique_ptr<DiskQuota>> openKind(DiskQuotaKind kind, const DiskQuotaOptions& opts) {
   switch (kind) {
+    case DiskQuotaKind::kXfs: return openXfsQuota(opts);
     case DiskQuotaKind::kBtrfs: return openBtrfsQuota(opts);
     case DiskQuotaKind::kTmpfs: {
       auto q = std::make_unique<TmpfsQuota>(opts.root);

@@ -4,6 +4,12 @@
 // inside that sandbox only, and deleting files frees room again.
 //
 // Mechanisms, chosen once per edge (openDiskQuota) in this order for "auto":
+//   xfs    one XFS for the node (a sparse image file, loop-mounted on <root>
+//          with prjquota, made fresh at every start). A directory per sandbox
+//          in a project of its own (FS_XFLAG_PROJINHERIT) with a hard block
+//          limit (quotactl Q_XSETQLIM). Disk-backed; over the limit a write
+//          fails with ENOSPC ("No space left on device"), as the issue asks.
+//          Needs a kernel built with CONFIG_XFS_QUOTA.
 //   btrfs  one btrfs for the node: <root> itself when it is already a btrfs
 //          with quotas enabled, else a sparse image file mounted on <root>
 //          through a loop device, made fresh at every start. A subvolume per
@@ -15,7 +21,7 @@
 //          ENOSPC, but RAM-backed: the pages are charged to the sandbox's
 //          memory cgroup. Needs only tmpfs, so it is the fallback.
 //   none   plain directories: disk_mb is not enforced (only when asked for).
-// Project quotas (XFS/ext4 prjquota) are not implemented: see
+// ext4 project quotas are not implemented (EDQUOT, like btrfs): see
 // docs/container-backend.md.
 #pragma once
 
@@ -29,19 +35,20 @@
 
 namespace dsec::edge {
 
-enum class DiskQuotaKind { kBtrfs, kTmpfs, kNone };
+enum class DiskQuotaKind { kXfs, kBtrfs, kTmpfs, kNone };
 
 const char* diskQuotaKindName(DiskQuotaKind kind);
 
 struct DiskQuotaOptions {
   std::string root;  // sandbox directories are <root>/<name>; must exist
-  // The btrfs pool image, used when <root> is not on a btrfs with quotas on.
+  // The xfs or btrfs pool image (btrfs: used when <root> is not on a btrfs
+  // with quotas on).
   // Replaced at every start; must not be under <root>.
   std::string poolImage;
   // Nominal size of the (sparse) pool image; 0: the free space of the
   // filesystem holding it at start.
   int64_t poolBytes = 0;
-  std::string mode = "auto";  // "auto", "btrfs", "tmpfs" or "none"
+  std::string mode = "auto";  // "auto", "xfs", "btrfs", "tmpfs" or "none"
   // Sandboxes of an earlier edge live on under <root>: take over the pool (or
   // shared bind) it left mounted there instead of making a fresh one.
   bool adopt = false;

@@ -595,6 +595,7 @@ Result<ExecResult> Edge::exec(const std::string& id, const ExecSpec& spec,
             res.call = true;
             if (l->is_string()) res.limit = l->get<std::string>();
           }
+          res.zygoteStarted = j.value("zygote_start", false);
         } catch (const json::exception&) {
           return internalError("agent sent a malformed exit report");
         }

@@ -91,6 +91,7 @@ struct ExecResult {
   // is empty.
   bool call = false;
   std::string limit;
+  bool zygoteStarted = false;  // fncall: the call had to start a zygote first
   std::string out;  // left empty when streamed to a sink
   std::string err;
 };

@@ -26,6 +26,67 @@ json layerJson(const edge::NodeCache::LayerInfo& l) {
           {"read_requests", s.readRequests},
           {"bytes_read", s.bytesRead}};
 }
+// A Prometheus label value: backslash, quote and newline escaped.
+std::string labelValue(std::string_view v) {
+  std::string out;
+  for (char c : v) {
+    if (c == '\\' || c == '"') {
+      out += '\\';
+      out += c;
+    } else if (c == '\n') {
+      out += "\\n";
+    } else {
+      out += c;
+    }
+  }
+  return out;
+}
+
+// The fncall one-shot pools (docs/fncall.md, POST /v1/run).
+void appendRunPoolMetrics(const edge::RunPoolStats& s, std::string& out) {
+  auto family = [&out](const char* name, const char* type, const char* help) {
+    out += std::string("# HELP ") + name + " " + help + "\n# TYPE " + name + " " + type + "\n";
+  };
+  family("dsec_fncall_pools", "gauge", "fncall one-shot pools (one per image and language).");
+  out += "dsec_fncall_pools " + std::to_string(s.pools.size()) + "\n";
+  family("dsec_fncall_pool_max_sandboxes", "gauge",
+         "Bound on the node's fncall pool sandboxes, all pools together (--fncall-pool-max).");
+  out += "dsec_fncall_pool_max_sandboxes " + std::to_string(s.maxSandboxes) + "\n";
+  family("dsec_fncall_pool_sandboxes", "gauge",
+         "fncall pool sandboxes (warm workers) by pool and state: idle, or busy serving a call.");
+  for (auto& [key, c] : s.pools) {
+    std::string pool = labelValue(key);
+    out += "dsec_fncall_pool_sandboxes{pool=\"" + pool + "\",state=\"idle\"} " +
+           std::to_string(c.idle) + "\n";
+    out += "dsec_fncall_pool_sandboxes{pool=\"" + pool + "\",state=\"busy\"} " +
+           std::to_string(c.busy) + "\n";
+  }
+  family("dsec_fncall_node_sandboxes", "gauge",
+         "fncall pool sandboxes of the node by state (busy includes ones being created).");
+  out += "dsec_fncall_node_sandboxes{state=\"idle\"} " + std::to_string(s.idle) + "\n";
+  out += "dsec_fncall_node_sandboxes{state=\"busy\"} " + std::to_string(s.busy) + "\n";
+  family("dsec_fncall_pool_sandboxes_created_total", "counter", "fncall pool sandboxes created.");
+  out += "dsec_fncall_pool_sandboxes_created_total " + std::to_string(s.created) + "\n";
+  family("dsec_fncall_pool_sandboxes_destroyed_total", "counter",
+         "fncall pool sandboxes destroyed (idle, recycled, retired, failed).");
+  out += "dsec_fncall_pool_sandboxes_destroyed_total " + std::to_string(s.destroyed) + "\n";
+  family("dsec_fncall_pool_sandboxes_replaced_total", "counter",
+         "fncall pool sandboxes destroyed because a call failed on them.");
+  out += "dsec_fncall_pool_sandboxes_replaced_total " + std::to_string(s.replaced) + "\n";
+  family("dsec_fncall_zygote_restarts_total", "counter",
+         "One-shot calls that started a python zygote first (the previous one died, was "
+         "killed, or was retired after zygote_max_calls).");
+  out += "dsec_fncall_zygote_restarts_total " + std::to_string(s.zygoteRestarts) + "\n";
+  family("dsec_fncall_calls_total", "counter",
+         "One-shot calls by result (ok: exit 0, exit: another exit code, signal, error: no "
+         "result) and the limit that stopped them (none, timeout, cpu, memory, file_size, "
+         "output).");
+  for (auto& [k, n] : s.results) {
+    out += "dsec_fncall_calls_total{result=\"" + labelValue(k.first) + "\",limit=\"" +
+           labelValue(k.second) + "\"} " + std::to_string(n) + "\n";
+  }
+}
+
 }  // namespace
 
 void Platform::getNode(http::Response& res) {
@@ -133,6 +194,7 @@ void Platform::getMetrics(http::Response& res) {
   for (auto& [code, n] : apiErrorCounts()) {
     out += "dsec_api_errors_total{code=\"" + code + "\"} " + std::to_string(n) + "\n";
   }
+  if (runPool_) appendRunPoolMetrics(runPool_->stats(), out);
   (void)res.send(200, "text/plain; version=0.0.4", out);
 }
 

@@ -47,8 +47,13 @@ void RunPool::shutdown() {
 RunPoolStats RunPool::stats() const {
   std::lock_guard lk(mu_);
   RunPoolStats s = counters_;
-  for (auto& [key, pool] : pools_) s.idle += int(pool.idle.size());
+  for (auto& [key, pool] : pools_) {
+    s.idle += int(pool.idle.size());
+    s.pools[key].idle = int(pool.idle.size());
+  }
+  for (auto& [id, key] : busyKeys_) ++s.pools[key].busy;
   s.busy = total_ - s.idle;
+  s.maxSandboxes = opts_.maxSandboxes;
   return s;
 }
 
@@ -97,6 +102,7 @@ Result<RunPool::Slot> RunPool::acquire(const std::string& key,
         Slot s = pool.idle.back();
         pool.idle.pop_back();
         busyLayers_[s.id] = layers;
+        busyKeys_[s.id] = key;
         lk.unlock();
         for (auto& id : retired) destroy(id);
         return s;
@@ -138,6 +144,7 @@ Result<RunPool::Slot> RunPool::acquire(const std::string& key,
     return slot.status();
   }
   busyLayers_[slot->id] = layers;
+  busyKeys_[slot->id] = key;
   return slot;
 }
 
@@ -147,6 +154,7 @@ void RunPool::release(const std::string& key, Slot slot, bool healthy) {
     std::lock_guard lk(mu_);
     auto layers = busyLayers_[slot.id];
     busyLayers_.erase(slot.id);
+    busyKeys_.erase(slot.id);
     auto it = pools_.find(key);
     keep = healthy && !stopping_ && it != pools_.end() && it->second.layers == layers;
     if (keep) {
@@ -183,7 +191,17 @@ Result<ExecResult> RunPool::run(const std::string& key, const std::vector<std::s
                  (r.status().code() == Code::kFailedPrecondition ||
                   r.status().code() == Code::kUnavailable);
     release(key, std::move(slot), healthy);
-    if (!retry) return r;
+    if (!retry) {
+      std::lock_guard lk(mu_);
+      if (r.isOk()) {
+        const char* result = r->signal != 0 ? "signal" : r->exitCode == 0 ? "ok" : "exit";
+        ++counters_.results[{result, r->limit.empty() ? "none" : r->limit}];
+        if (r->zygoteStarted) ++counters_.zygoteRestarts;
+      } else {
+        ++counters_.results[{"error", "none"}];
+      }
+      return r;
+    }
     log::warn("fncall pool: replacing a sandbox after: " + r.status().toString());
   }
 }

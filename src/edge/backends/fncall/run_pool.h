@@ -39,10 +39,23 @@ struct RunPoolOptions {
 struct RunPoolStats {
   int idle = 0;
   int busy = 0;  // serving a call or being created
+  int maxSandboxes = 0;
   uint64_t created = 0;
   uint64_t destroyed = 0;
   uint64_t replaced = 0;  // destroyed because they failed
   uint64_t calls = 0;
+  // Calls that had to start a python zygote (the sandbox's was killed, or
+  // retired after zygote_max_calls): aether's "zygote_start" in the exit report.
+  uint64_t zygoteRestarts = 0;
+  struct PoolCounts {
+    int idle = 0;
+    int busy = 0;  // serving a call (not counting one being created)
+  };
+  std::map<std::string, PoolCounts> pools;  // by key (image|language)
+  // Finished calls by (result, limit): result "ok" (exit 0), "exit" (another
+  // exit code), "signal", "error" (no result: the call failed); limit as in
+  // ExecResult::limit, "none" when empty.
+  std::map<std::pair<std::string, std::string>, uint64_t> results;
 };
 
 class RunPool {
@@ -84,6 +97,7 @@ class RunPool {
   std::condition_variable cv_;
   std::map<std::string, Pool> pools_;
   std::map<std::string, std::vector<std::string>> busyLayers_;  // by sandbox id
+  std::map<std::string, std::string> busyKeys_;                 // by sandbox id
   int total_ = 0;  // idle + busy + being created
   bool stopping_ = false;
   RunPoolStats counters_;
