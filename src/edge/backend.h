@@ -27,6 +27,11 @@ struct SandboxSpec {
   // fncall sandboxes (backends/fncall): the init frame's "fncall" object
   // (docs/agent-protocol.md); empty for a container sandbox.
   std::string fncallInit;
+  // Placement hints for the platform's scheduler (platform/scheduler.h); the
+  // backends ignore them.
+  std::string pool = "default";
+  std::string tenant;
+  bool spread = true;
 };
 
 // A running sandbox as its backend made it. Owned by the Edge.

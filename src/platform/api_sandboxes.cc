@@ -40,6 +40,7 @@ json toApi(const SandboxRecord& r) {
             {"working_dir", r.workingDir},
             {"labels", r.labels},
             {"node", r.node},
+            {"pool", r.pool},
             {"created_at", isoTime(r.createdAt)},
             {"expires_at", r.expiresAt > 0 ? json(isoTime(r.expiresAt)) : json(nullptr)},
             {"error", r.error.empty() ? json(nullptr) : json(r.error)},
@@ -93,7 +94,8 @@ void Platform::createSandbox(http::Request& req, http::Response& res) {
   auto parsed = parseObject(req, {"image", "backend", "cpu", "memory_mb", "disk_mb", "pids",
                                   "ttl_s", "idle_timeout_s", "auto_pause_s", "env", "labels",
                                   "workspaces", "toolkits", "diffs",
-                                  "snapshot", "policy", "readonly_paths", "hidden_paths", "user"});
+                                  "snapshot", "policy", "readonly_paths", "hidden_paths", "user",
+                                  "pool", "spread"});
   if (!parsed.isOk()) return sendError(res, parsed.status());
   const json& j = *parsed;
   SandboxRecord r;
@@ -147,6 +149,7 @@ void Platform::createSandbox(http::Request& req, http::Response& res) {
     if (!labels.isOk()) return fail(labels.status());
     if (Status st = validateLabels(*labels); !st.isOk()) return fail(st);
     r.labels = *labels;
+    if (Status st = parsePlacement(j, r); !st.isOk()) return fail(st);  // platform_nodes.cc
     auto policy = getString(j, "policy", "default", 64);
     if (!policy.isOk()) return fail(policy.status());
     auto found = policies_->find(*policy, "policy");
@@ -292,6 +295,8 @@ Result<SandboxRecord> Platform::launch(SandboxRecord r) {
   spec.memoryBytes = r.memoryMb << 20;
   spec.diskBytes = r.diskMb << 20;
   spec.pids = r.pids;
+  spec.pool = r.pool;
+  spec.spread = r.spread;
   Status st = edge_->create(r.backend, spec);
   if (st.isOk() && !r.workingDir.empty()) {
     // As Docker does: a WorkingDir the image lacks is made (root's, 0755), or
@@ -327,6 +332,7 @@ Result<SandboxRecord> Platform::launch(SandboxRecord r) {
     cancelled = deleteRequested_.erase(r.id) > 0 || stopping_;
     auto& cur = sandboxes_[r.id];
     cur.phases = r.phases;
+    cur.node = edge_->nodeOf(r.id);
     cur.state = cancelled ? "stopped" : "running";
     cur.updatedAt = nowSeconds();
     if (cancelled) {

@@ -51,7 +51,7 @@ struct PlatformOptions {
 class Platform {
  public:
   static Result<std::unique_ptr<Platform>> start(PlatformOptions opts, Store* store,
-                                                 edge::Edge* edge);
+                                                 edge::EdgeLink* edge);
   ~Platform();
 
   // The REST API (api/openapi.yaml).
@@ -193,13 +193,23 @@ class Platform {
                                 const std::string& why);
   static bool isFinal(const std::string& state) { return state == "stopped" || state == "failed"; }
   void onSandboxDeath(const std::string& id, const std::string& why);
+  // Nodes (platform_nodes.cc): a sandbox whose node went down is `lost`, and
+  // `running` again when the node returns with it.
+  void onSandboxLost(const std::string& id, bool lost, const std::string& why);
+  // start(): a live or lost record of a remote node carries on as recorded
+  // (its node reconciles when it heartbeats); false for other records.
+  bool bindRemote(const SandboxRecord& r);
+  // The request's "pool" and "spread" into r.
+  static Status parsePlacement(const nlohmann::json& j, SandboxRecord& r);
+  // Prometheus text: sandboxes by state.
+  std::string sandboxStateMetrics();
   void janitor();
 
   PlatformOptions opts_;
   Store* store_ = nullptr;     // not owned
   std::unique_ptr<Policies> policies_;
   std::unique_ptr<Chronus> chronus_;
-  edge::Edge* edge_ = nullptr;  // not owned
+  edge::EdgeLink* edge_ = nullptr;  // not owned: the node, or the Cluster routing to nodes
   std::unique_ptr<edge::RunPool> runPool_;  // fncall one-shot calls (api_run.cc)
   std::mutex gcMu_;  // one collection at a time; held while images and layers are deleted
 
