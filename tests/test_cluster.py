@@ -514,3 +514,30 @@ def test_platform_sigkill_loses_nothing_acknowledged(sim_root):
     finally:
         problems = cl.shutdown()
     assert not problems, problems
+
+
+def test_lost_sandbox_keeps_its_ttl(sim_root):
+    cl = Cluster(sim_root, 2, simulate=True)
+    try:
+        cl.start()
+        cl.api("POST", "/v1/images", {"name": "sim", "tag": "latest",
+                                      "layers": [sim_layer(cl)], "kind": "base"})
+        docs = [cl.api("POST", "/v1/sandboxes", {"image": "sim:latest", "ttl_s": ttl,
+                                                 "spread": True})[2] for ttl in (4, 4, 600, 600)]
+        on0 = [d for d in docs if d["node"] == "n0"]
+        assert len(on0) == 2 and {d["ttl_s"] for d in on0} == {4, 600}, docs
+        cl.edges[0].kill(signal.SIGKILL)
+        assert wait_until(lambda: all(sandbox(cl, d["id"])["state"] == "lost" for d in on0), 10)
+        short = next(d for d in on0 if d["ttl_s"] == 4)
+        long_ = next(d for d in on0 if d["ttl_s"] == 600)
+        assert wait_until(lambda: sandbox(cl, short["id"])["state"] == "stopped", 10)
+        assert sandbox(cl, short["id"])["error"] == "ttl expired"
+        assert sandbox(cl, long_["id"])["state"] == "lost"
+        # Back on its data dir: the simulated node lost everything, so it stays lost.
+        cl.edges[0] = cl.edge_proc(0).start()
+        assert wait_until(lambda: "n0" in cl.nodes_up(), 10)
+        time.sleep(1)
+        assert sandbox(cl, long_["id"])["state"] == "lost"
+    finally:
+        problems = cl.shutdown()
+    assert not problems, problems

@@ -241,7 +241,8 @@ void Platform::janitor() {
     double now = nowSeconds();
     std::vector<std::string> expired, purge, idle, toPause;
     for (auto& [id, r] : sandboxes_) {
-      bool live = r.state == "running" || r.state == "paused";
+      // A lost sandbox (its node is down) keeps its TTL and idle timeout.
+      bool live = r.state == "running" || r.state == "paused" || r.state == "lost";
       if (live && r.expiresAt > 0 && r.expiresAt <= now) expired.push_back(id);
       auto lc = lastCall_.find(id);
       double last = lc == lastCall_.end() ? r.createdAt : std::max(r.createdAt, lc->second);
