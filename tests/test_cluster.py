@@ -224,6 +224,7 @@ def test_nodes_join_and_list(real_cluster):
     for n in nodes.values():
         assert n["state"] == "up" and n["pool"] == "default" and not n["local"]
         assert n["capacity"]["slots"] > 0 and n["url"].startswith("http://127.0.0.1:")
+        assert n["loadavg_1m"] >= 0
     st, _, doc = cl.api("GET", "/v1/nodes/n1")
     assert st == 200 and doc["name"] == "n1"
     st, _, doc = cl.api("GET", "/v1/nodes/nope")

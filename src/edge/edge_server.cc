@@ -141,6 +141,8 @@ Status EdgeAgent::heartbeatOnce() {
     node = node_;
   }
   auto ids = link->sandboxIds();
+  double load1 = 0;
+  if (auto la = readFile("/proc/loadavg"); la.isOk()) load1 = std::atof(la->c_str());
   json body = {
       {"boot_id", bootId_},
       {"url", opts_.url},
@@ -148,7 +150,7 @@ Status EdgeAgent::heartbeatOnce() {
       {"capacity", {{"cpus", opts_.cpus}, {"memory_mb", opts_.memoryMb}, {"slots", opts_.slots}}},
       {"sandboxes", ids},
       {"layers", layersFn ? layersFn() : std::vector<std::string>{}},
-      {"load", {{"sandboxes", ids.size()}}}};
+      {"load", {{"sandboxes", ids.size()}, {"loadavg_1m", load1}}}};
   auto r = platformCall("POST", "/internal/v1/nodes/" + http::percentEncode(node) + "/heartbeat",
                         body.dump());
   if (!r.isOk()) {

@@ -651,6 +651,9 @@ void Cluster::heartbeat(const std::string& name, http::Request& req, http::Respo
     n->cap = cap;
     n->layers = std::move(layers);
     n->reported = int64_t(running.size());
+    if (j.contains("load") && j["load"].is_object()) {
+      n->loadavg = j["load"].value("loadavg_1m", 0.0);
+    }
     std::string url = j.value("url", n->url);
     if (url != n->url && startsWith(url, "http://")) {
       n->url = url;
@@ -740,6 +743,7 @@ void Cluster::handleNodes(http::Request& req, http::Response& res) {
            {"inflight", v.inflight},
            {"reported_sandboxes", n.local ? json(nullptr) : json(n.reported)},
            {"layers", n.layers.size()},
+           {"loadavg_1m", n.local ? json(nullptr) : json(n.loadavg)},
            {"last_heartbeat_age_s", n.local ? 0.0 : now - n.lastHeartbeat}});
     }
   }
@@ -776,6 +780,14 @@ std::string Cluster::extraMetrics() {
   for (auto& v : views) {
     out += "dsec_node_memory_allocated_bytes{node=\"" + v.name + "\"} " +
            std::to_string(v.memoryUsedMb << 20) + "\n";
+  }
+  family("dsec_node_loadavg_1m", "gauge",
+         "The node host's 1-minute load average (last heartbeat).");
+  for (auto& v : views) {
+    auto& n = *nodes_.at(v.name);
+    if (!n.local) {
+      out += "dsec_node_loadavg_1m{node=\"" + v.name + "\"} " + std::to_string(n.loadavg) + "\n";
+    }
   }
   family("dsec_node_inflight_creates", "gauge", "Creations under way on the node.");
   for (auto& v : views)

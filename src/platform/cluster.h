@@ -130,6 +130,7 @@ class Cluster : public edge::EdgeLink {
     NodeCapacity cap;
     std::set<std::string> layers;
     int inflight = 0;
+    double loadavg = 0;    // its host's 1-minute load average (last heartbeat)
     int64_t reported = 0;  // sandboxes it said it runs
     uint64_t creates = 0, createErrors = 0;
   };
