@@ -542,3 +542,22 @@ def test_lost_sandbox_keeps_its_ttl(sim_root):
     finally:
         problems = cl.shutdown()
     assert not problems, problems
+
+
+def test_edge_stopped_gracefully_reports_its_sandboxes(sim_root):
+    cl = Cluster(sim_root, 2, simulate=True)
+    try:
+        cl.start()
+        cl.api("POST", "/v1/images", {"name": "sim", "tag": "latest",
+                                      "layers": [sim_layer(cl)], "kind": "base"})
+        docs = [create(cl, image="sim:latest") for _ in range(4)]
+        on1 = [d["id"] for d in docs if d["node"] == "n1"]
+        assert on1
+        assert cl.edges[1].stop() == 0
+        for i in on1:
+            assert wait_until(lambda: sandbox(cl, i)["state"] == "failed", 10), sandbox(cl, i)
+            assert sandbox(cl, i)["error"] == "node n1 stopped", sandbox(cl, i)
+        assert all(sandbox(cl, d["id"])["state"] == "running" for d in docs if d["node"] == "n0")
+    finally:
+        problems = cl.shutdown()
+    assert not problems, problems

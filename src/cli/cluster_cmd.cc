@@ -208,6 +208,7 @@ int cmdEdge(const ArgGet& get) {
   ao.memoryMb = int64_t(*mem);
   ao.slots = int64_t(*slots);
 
+  bool liveRestore = !simulate && get("live-restore", "no") == "yes";
   edge::EdgeAgent agent(ao);
   if (Status st = agent.start(); !st.isOk()) return fail("join: " + st.toString());
 
@@ -262,6 +263,12 @@ int cmdEdge(const ArgGet& get) {
     int sig = 0;
     sigwait(&sigs, &sig);
     log::info(std::string("received ") + strsignal(sig) + ", shutting down");
+    // Its sandboxes go with it (unless they stay for the next edge): the
+    // platform hears so now, while this node still answers its destroys, and
+    // records them failed rather than lost.
+    if (!liveRestore) {
+      for (auto& id : link->sandboxIds()) agent.reportDeath(id, "node " + ao.name + " stopped");
+    }
     server.stop();
     sigwait(&sigs, &sig);
     _exit(2);
