@@ -561,3 +561,41 @@ def test_edge_stopped_gracefully_reports_its_sandboxes(sim_root):
     finally:
         problems = cl.shutdown()
     assert not problems, problems
+
+
+def test_dsec_up_takes_joining_edges_beside_its_own_node(sim_root):
+    _check_prerequisites()
+    up = Proc(["up", "--data-dir", sim_root / "up", "--listen", "127.0.0.1:0"], sim_root / "up",
+               "up.json")
+    edge = None
+    try:
+        up.start()
+        token = (sim_root / "up" / "token").read_text().strip()
+        edge = Proc(["edge", "--simulate", "--platform", up.url, "--data-dir", sim_root / "e",
+                     "--join-token-file", sim_root / "up" / "join_token", "--name", "s0",
+                     "--pool", "sim", "--heartbeat-s", "0.3"], sim_root / "e", "edge.json").start()
+
+        def nodes():
+            return {n["name"]: n for n in raw(up.url, "GET", "/v1/nodes", token=token)[2]["nodes"]}
+        assert wait_until(lambda: nodes().get("s0", {}).get("state") == "up", 10), nodes()
+        assert nodes()["local"]["local"] and nodes()["local"]["pool"] == "default"
+        data = b"sim layer"
+        import hashlib
+        digest = "sha256:" + hashlib.sha256(data).hexdigest()
+        raw(up.url, "PUT", f"/v1/blobs/{digest}", data, token=token)
+        raw(up.url, "POST", "/v1/images", {"name": "sim", "tag": "latest", "layers": [digest]},
+            token=token)
+        st, _, doc = raw(up.url, "POST", "/v1/sandboxes", {"image": "sim:latest", "pool": "sim"},
+                         token=token)
+        assert st == 201 and doc["node"] == "s0" and doc["pool"] == "sim", doc
+        assert raw(up.url, "GET", "/v1/node", token=token)[0] == 200  # the local node's view
+        assert raw(up.url, "DELETE", f"/v1/sandboxes/{doc['id']}", token=token)[0] == 200
+    finally:
+        problems = []
+        for p in (edge, up):
+            if p:
+                try:
+                    p.stop()
+                except AssertionError as e:
+                    problems.append(str(e))
+    assert not problems, problems
