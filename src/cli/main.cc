@@ -17,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include "cli/cluster_cmd.h"
 #include "common/http_client.h"
 #include "common/http_server.h"
 #include "common/log.h"
@@ -88,6 +89,17 @@ const char* kUsage = R"(usage: dsec COMMAND [OPTIONS]
         if a probe guest runs on /dev/kvm, else TCG); --microvm-boot-timeout-s S (default
         120); --microvm-guest-dir DIR (default microvm-guest/ beside dsec-aether);
         --qemu PATH (default qemu-system-x86_64). See docs/microvm.md
+  platform [--data-dir DIR] [--listen HOST:PORT] [--store ...] [--join-token-file F]
+           [--heartbeat-timeout-s S] [--max-inflight N] [--admission-wait-s S]
+        The control plane alone (API, store, scheduler): edges join it with the
+        token in <data-dir>/join_token (0600). `dsec up` takes the same flags and
+        also accepts edges besides its own node. See docs/cluster.md
+  edge --platform URL --data-dir DIR [--join-token T | --join-token-file F]
+       [--listen HOST:PORT] [--name N] [--pool P] [--cpus N] [--memory-mb N] [--slots N]
+       [--heartbeat-s S] --blob-store URI [--loader ...] [--live-restore yes|no]
+       [--simulate [--sim-latency-ms N] [--sim-capacity N]]
+        A node in its own process: joins the platform, heartbeats, serves the
+        platform's calls (each authenticated); --simulate runs no sandboxes
   image import --name NAME[:TAG] [--kind base|workspace|toolkit|diff]
                [--format auto|rootfs|oci|docker] PATH
         Build EROFS layers from a root filesystem (dir or tarball), an OCI image
@@ -145,7 +157,7 @@ Args parseArgs(int argc, char** argv, int start) {
       size_t eq = s.find('=');
       if (eq != std::string::npos) {
         a.opts.emplace(s.substr(2, eq - 2), s.substr(eq + 1));
-      } else if (i + 1 < argc) {
+      } else if (i + 1 < argc && !startsWith(argv[i + 1], "--")) {
         a.opts.emplace(s.substr(2), argv[++i]);
       } else {
         a.opts.emplace(s.substr(2), "");
@@ -279,7 +291,9 @@ int cmdUp(const Args& a) {
       return die("cannot open --log-file " + a.get("log-file") + ": " + strerror(errno));
     }
   }
-  if (geteuid() != 0) return die("dsec up must run as root (it builds namespaces and cgroups)");
+  if (geteuid() != 0 && a.positional[0] == "up") {
+    return die("dsec up must run as root (it builds namespaces and cgroups)");
+  }
   size_t colon = listen.rfind(':');
   if (colon == std::string::npos) return die("--listen must be HOST:PORT");
   http::ServerOptions so;
@@ -386,8 +400,17 @@ int cmdUp(const Args& a) {
   if (!a.get("prefetch-window-s").empty()) {
     eo.cache.recordWindowS = std::atof(a.get("prefetch-window-s").c_str());
   }
-  auto edge = edge::Edge::start(eo);
-  if (!edge.isOk()) return die("edge: " + edge.status().toString());
+  // `dsec platform` runs no node of its own: edges join it (docs/cluster.md).
+  bool withEdge = a.positional[0] == "up";
+  std::unique_ptr<edge::Edge> localEdge;
+  if (withEdge) {
+    auto edge = edge::Edge::start(eo);
+    if (!edge.isOk()) return die("edge: " + edge.status().toString());
+    localEdge = std::move(*edge);
+  }
+  auto cluster = cli::startCluster([&a](const std::string& k, const std::string& d) { return a.get(k, d); },
+                                   dataDir, store->get(), localEdge.get());
+  if (!cluster.isOk()) return die("cluster: " + cluster.status().toString());
 
   platform::PlatformOptions po;
   po.dataDir = dataDir;
@@ -405,7 +428,7 @@ int cmdUp(const Args& a) {
       if (!x.empty()) out->push_back(x);
     }
   }
-  auto plat = platform::Platform::start(po, store->get(), edge->get());
+  auto plat = platform::Platform::start(po, store->get(), cluster->get());
   if (!plat.isOk()) return die("platform: " + plat.status().toString());
 
   http::Server server(so);
@@ -430,13 +453,19 @@ int cmdUp(const Args& a) {
     log::warn(std::string("received ") + strsignal(sig) + " again, exiting at once");
     _exit(2);
   });
-  server.serve([p](http::Request& req, http::Response& res) { p->handle(req, res); });
+  server.serve(cli::platformHandler(p, cluster->get(), *token));
   ::unlink((dataDir + "/up.json").c_str());
   (*plat)->shutdown();
   // No death reports may reach the platform once it is gone.
-  (*edge)->setDeathHandler(nullptr);
-  (*edge)->shutdown();
+  if (localEdge) {
+    localEdge->setDeathHandler(nullptr);
+    localEdge->shutdown();
+  }
+  // No lost or death reports may reach the platform once it is gone.
+  (*cluster)->setLostHandler(nullptr);
+  (*cluster)->setDeathHandler(nullptr);
   plat->reset();
+  cluster->reset();
   // The signal thread waits for a second signal; it dies with the process.
   sigThread.detach();
   log::info("dsec up: stopped");
@@ -880,7 +909,10 @@ int main(int argc, char** argv) {
     std::cout << kUsage;
     return 0;
   }
-  if (cmd == "up") return cmdUp(a);
+  if (cmd == "up" || cmd == "platform") return cmdUp(a);
+  if (cmd == "edge") {
+    return cli::cmdEdge([&a](const std::string& k, const std::string& d) { return a.get(k, d); });
+  }
   if (cmd == "loader") {
     // Internal: a loader process started by the edge (edge/image/fanotify_loader.h,
     // edge/image/fuse_loader.h).

@@ -34,6 +34,11 @@ struct SandboxSpec {
   // Made (mkdir -p, root's, 0755) before the policy applies, as Docker makes
   // an image's WorkingDir that the image lacks; empty for none.
   std::string workingDir;
+  // Placement hints for the platform's scheduler (platform/scheduler.h); the
+  // backends ignore them.
+  std::string pool = "default";
+  std::string tenant;
+  bool spread = true;
 };
 
 // A running sandbox as its backend made it. Owned by the Edge.

@@ -16,6 +16,7 @@
 #include "common/status.h"
 #include "edge/backend.h"
 #include "edge/backends/microvm/microvm_backend.h"
+#include "edge/edge_link.h"
 #include "edge/cgroup.h"
 #include "edge/image/layer_cache.h"
 #include "edge/net/egress_filter.h"
@@ -66,44 +67,8 @@ struct EdgeOptions {
   std::string microvmAccel = "auto";
 };
 
-struct ExecSpec {
-  std::vector<std::string> argv;
-  std::vector<std::string> env;  // "K=V", the whole environment
-  std::string cwd;               // empty: agent default
-  std::string user;              // empty: root
-  int64_t timeoutMs = 60000;     // 0 = none
-  int64_t maxOutput = 1 << 20;   // per stream
-  std::optional<std::string> stdinData;
-  // fncall sandboxes: the exec frame's "fncall" object (language, code,
-  // fresh_dir, files, limits; docs/fncall.md); empty: run argv as the call.
-  std::string fncallJson;
-};
-
-struct ExecResult {
-  int exitCode = 0;
-  int signal = 0;
-  bool timedOut = false;
-  bool truncated = false;
-  bool oomKilled = false;
-  double durationMs = 0;
-  // fncall: the agent reported the exec as a call; `limit` names the limit
-  // that stopped it ("timeout", "cpu", "memory", "file_size", "output"), or
-  // is empty.
-  bool call = false;
-  std::string limit;
-  bool zygoteStarted = false;  // fncall: the call had to start a zygote first
-  std::string out;  // left empty when streamed to a sink
-  std::string err;
-};
-
-// Receives exec output as it arrives. An error return cancels the exec.
-using OutputSink = std::function<Status(bool isStderr, std::string_view data)>;
-// Supplies file bytes: fills buf, returns the count, 0 at the end.
-using ByteSource = std::function<Result<size_t>(char* buf, size_t n)>;
-// Receives file bytes in order.
-using ByteSink = std::function<Status(std::string_view data)>;
-
-class Edge {
+// The in-process node: every EdgeLink method is the one below.
+class Edge : public EdgeLink {
  public:
   static Result<std::unique_ptr<Edge>> start(EdgeOptions opts);
   ~Edge();
@@ -160,6 +125,7 @@ class Edge {
   // Drops the node's mount of a layer no sandbox uses (before its blob goes).
   Status evictLayer(const std::string& digest) { return layers_->evict(digest); }
   NodeCache& nodeCache() { return *cache_; }
+  NodeCache* localNodeCache() override { return cache_.get(); }
   std::vector<std::string> sandboxIds() const;
   // Sandboxes this edge took over at start from an earlier one.
   std::vector<std::string> adoptedIds() const;

@@ -90,7 +90,10 @@ void appendRunPoolMetrics(const edge::RunPoolStats& s, std::string& out) {
 }  // namespace
 
 void Platform::getNode(http::Response& res) {
-  auto& cache = edge_->nodeCache();
+  if (!edge_->localNodeCache()) {  // a platform without an in-process node
+    return sendError(res, notFound("this platform runs no node of its own; see GET /v1/nodes"));
+  }
+  auto& cache = *edge_->localNodeCache();
   json layers = json::array();
   json totals = {{"chunks_fetched", 0}, {"bytes_fetched", 0}, {"cache_hits", 0},
                  {"read_requests", 0}, {"bytes_read", 0}, {"chunks_prefetched", 0}};
@@ -126,8 +129,10 @@ void Platform::getNode(http::Response& res) {
 }
 
 void Platform::getMetrics(http::Response& res) {
-  auto& cache = edge_->nodeCache();
-  std::string out;
+  // The cluster's (platform/cluster.cc) and the records' (platform_nodes.cc).
+  std::string out = edge_->extraMetrics() + sandboxStateMetrics();
+  if (!edge_->localNodeCache()) return (void)res.send(200, "text/plain; version=0.0.4", out);
+  auto& cache = *edge_->localNodeCache();
   auto family = [&out](const char* name, const char* type, const char* help) {
     out += std::string("# HELP ") + name + " " + help + "\n# TYPE " + name + " " + type + "\n";
   };

@@ -40,6 +40,7 @@ json toApi(const SandboxRecord& r) {
             {"working_dir", r.workingDir},
             {"labels", r.labels},
             {"node", r.node},
+            {"pool", r.pool},
             {"created_at", isoTime(r.createdAt)},
             {"expires_at", r.expiresAt > 0 ? json(isoTime(r.expiresAt)) : json(nullptr)},
             {"error", r.error.empty() ? json(nullptr) : json(r.error)},
@@ -94,7 +95,8 @@ void Platform::createSandbox(http::Request& req, http::Response& res) {
   auto parsed = parseObject(req, {"image", "backend", "cpu", "memory_mb", "disk_mb", "pids",
                                   "ttl_s", "idle_timeout_s", "auto_pause_s", "env", "labels",
                                   "workspaces", "toolkits", "diffs",
-                                  "snapshot", "policy", "readonly_paths", "hidden_paths", "user"});
+                                  "snapshot", "policy", "readonly_paths", "hidden_paths", "user",
+                                  "pool", "spread"});
   if (!parsed.isOk()) return sendError(res, parsed.status());
   const json& j = *parsed;
   SandboxRecord r;
@@ -149,6 +151,7 @@ void Platform::createSandbox(http::Request& req, http::Response& res) {
     if (!labels.isOk()) return fail(labels.status());
     if (Status st = validateLabels(*labels); !st.isOk()) return fail(st);
     r.labels = *labels;
+    if (Status st = parsePlacement(j, r); !st.isOk()) return fail(st);  // platform_nodes.cc
     auto policy = getString(j, "policy", "default", 64);
     if (!policy.isOk()) return fail(policy.status());
     auto found = policies_->find(*policy, "policy");
@@ -310,6 +313,9 @@ Result<SandboxRecord> Platform::launch(SandboxRecord r) {
     spec.diskBytes = r.diskMb << 20;
     spec.pids = plan->limits.pids;
     spec.initPolicy = plan->agentBody;
+    spec.pool = r.pool;
+    spec.spread = r.spread;
+    spec.tenant = r.owner;
     // As Docker does: a WorkingDir the image lacks is made (root's, 0755), or
     // every exec would fail to chdir into it.
     spec.workingDir = r.workingDir;
@@ -342,6 +348,7 @@ Result<SandboxRecord> Platform::launch(SandboxRecord r) {
     cancelled = deleteRequested_.erase(r.id) > 0 || stopping_;
     auto& cur = sandboxes_[r.id];
     cur.phases = r.phases;
+    cur.node = edge_->nodeOf(r.id);
     cur.state = cancelled ? "stopped" : "running";
     cur.updatedAt = nowSeconds();
     if (cancelled) {

@@ -96,6 +96,19 @@ Status Platform::authorize(const std::vector<std::string>& parts, const std::str
   return Status::ok();
 }
 
+Status Platform::checkAdmin(const std::string& authorization) {
+  if (!startsWith(authorization, "Bearer ")) {
+    return Status(Code::kUnauthenticated,
+                  authorization.empty() ? "missing bearer token" : "invalid bearer token");
+  }
+  ASSIGN_OR_RETURN(Caller c, tenants_->authenticate(std::string_view(authorization).substr(7)));
+  if (!c.admin) {
+    return Status(Code::kPermissionDenied,
+                  "/v1/nodes needs the admin role; tenant " + c.tenant + " has the user role");
+  }
+  return Status::ok();
+}
+
 Result<ImageRecord> Platform::visibleImage(const std::string& name, const std::string& tag) {
   auto img = store_->getImage(name, tag);
   if (img.isOk() && !imageVisible(currentCaller(), *img)) {

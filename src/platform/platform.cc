@@ -5,6 +5,7 @@
 
 #include "common/log.h"
 #include "common/util.h"
+#include "platform/cluster.h"
 
 namespace dsec::platform {
 
@@ -30,6 +31,7 @@ void sendError(http::Response& res, const Status& st) {
   if (int(st.code()) > 0 && int(st.code()) < kCodes) ++gApiErrors[int(st.code())];
   json e = {{"code", codeName(st.code())}, {"message", st.message()}};
   if (!st.field().empty()) e["field"] = st.field();
+  countApiError(st.code());  // platform/cluster.h
   if (res.started()) return;  // mid-stream: nothing sensible can be added
   sendJson(res, httpStatusFor(st.code()),
            json{{"error", e}}.dump(-1, ' ', false, json::error_handler_t::replace));
@@ -67,7 +69,7 @@ std::string Platform::blobPath(const std::string& dataDir, const std::string& di
 }
 
 Result<std::unique_ptr<Platform>> Platform::start(PlatformOptions opts, Store* store,
-                                                  edge::Edge* edge) {
+                                                  edge::EdgeLink* edge) {
   std::unique_ptr<Platform> p(new Platform());
   p->opts_ = std::move(opts);
   p->store_ = store;
@@ -87,6 +89,12 @@ Result<std::unique_ptr<Platform>> Platform::start(PlatformOptions opts, Store* s
   auto adoptedList = edge->adoptedIds();
   std::set<std::string> adopted(adoptedList.begin(), adoptedList.end());
   for (auto& r : records) {
+    if (p->bindRemote(r)) {
+      p->lastCall_[r.id] = now;
+      p->sandboxes_[r.id] = r;
+      ++kept;
+      continue;
+    }
     bool live = r.state == "running" || r.state == "paused";
     if (live && adopted.erase(r.id)) {
       // The record decides: a pause or resume the crash cut short is redone.
@@ -118,6 +126,9 @@ Result<std::unique_ptr<Platform>> Platform::start(PlatformOptions opts, Store* s
   edge->setDeathHandler([raw = p.get()](const std::string& id, const std::string& why) {
     raw->onSandboxDeath(id, why);
   });
+  edge->setLostHandler([raw = p.get()](const std::string& id, bool lost, const std::string& why) {
+    raw->onSandboxLost(id, lost, why);
+  });
   p->janitorThread_ = std::thread([raw = p.get()] { raw->janitor(); });
   p->runPool_ = std::make_unique<edge::RunPool>(edge, p->opts_.runPool);
   return p;
@@ -148,7 +159,10 @@ void Platform::shutdown() {
   {
     std::lock_guard lk(mu_);
     for (auto& [id, r] : sandboxes_) {
-      if (r.state == "running" || r.state == "paused") live.push_back(id);
+      // Remote nodes' sandboxes outlive a platform restart (docs/cluster.md).
+      if ((r.state == "running" || r.state == "paused") && !edge_->isRemoteNode(r.node)) {
+        live.push_back(id);
+      }
     }
     // Creates in flight see stopping_ and undo themselves.
   }
@@ -242,7 +256,8 @@ void Platform::janitor() {
     double now = nowSeconds();
     std::vector<std::string> expired, purge, idle, toPause;
     for (auto& [id, r] : sandboxes_) {
-      bool live = r.state == "running" || r.state == "paused";
+      // A lost sandbox (its node is down) keeps its TTL and idle timeout.
+      bool live = r.state == "running" || r.state == "paused" || r.state == "lost";
       if (live && r.expiresAt > 0 && r.expiresAt <= now) expired.push_back(id);
       auto lc = lastCall_.find(id);
       double last = lc == lastCall_.end() ? r.createdAt : std::max(r.createdAt, lc->second);

@@ -52,11 +52,15 @@ struct PlatformOptions {
 class Platform {
  public:
   static Result<std::unique_ptr<Platform>> start(PlatformOptions opts, Store* store,
-                                                 edge::Edge* edge);
+                                                 edge::EdgeLink* edge);
   ~Platform();
 
   // The REST API (api/openapi.yaml).
   void handle(http::Request& req, http::Response& res);
+  // For routes served beside the API (GET /v1/nodes: cli/cluster_cmd.cc):
+  // ok for an admin's key in `authorization` ("Bearer …"), else
+  // kUnauthenticated or kPermissionDenied as the API would answer.
+  Status checkAdmin(const std::string& authorization);
   // Destroys every live sandbox, recording each as stopped. Thread-safe and
   // idempotent; creates still in flight undo themselves.
   void shutdown();
@@ -225,6 +229,16 @@ class Platform {
                                 const std::string& why);
   static bool isFinal(const std::string& state) { return state == "stopped" || state == "failed"; }
   void onSandboxDeath(const std::string& id, const std::string& why);
+  // Nodes (platform_nodes.cc): a sandbox whose node went down is `lost`, and
+  // `running` again when the node returns with it.
+  void onSandboxLost(const std::string& id, bool lost, const std::string& why);
+  // start(): a live or lost record of a remote node carries on as recorded
+  // (its node reconciles when it heartbeats); false for other records.
+  bool bindRemote(const SandboxRecord& r);
+  // The request's "pool" and "spread" into r.
+  static Status parsePlacement(const nlohmann::json& j, SandboxRecord& r);
+  // Prometheus text: sandboxes by state.
+  std::string sandboxStateMetrics();
   void janitor();
 
   PlatformOptions opts_;
@@ -233,7 +247,7 @@ class Platform {
   std::unique_ptr<Chronus> chronus_;
   std::unique_ptr<Tenants> tenants_;
   std::mutex tenantsMu_;        // serializes changes to tenants (api_tenants.cc)
-  edge::Edge* edge_ = nullptr;  // not owned
+  edge::EdgeLink* edge_ = nullptr;  // not owned: the node, or the Cluster routing to nodes
   std::unique_ptr<edge::RunPool> runPool_;  // fncall one-shot calls (api_run.cc)
   std::mutex gcMu_;  // one collection at a time; held while images and layers are deleted
 

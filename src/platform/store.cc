@@ -67,6 +67,8 @@ std::string sandboxToJson(const SandboxRecord& r) {
             {"layers", r.layers},
             {"state", r.state},
             {"node", r.node},
+            {"pool", r.pool},
+            {"spread", r.spread},
             {"workspaces", r.workspaces},
             {"toolkits", r.toolkits},
             {"diffs", r.diffs},
@@ -111,6 +113,8 @@ Result<SandboxRecord> sandboxFromJson(const std::string& s) {
     r.diffs = j.value("diffs", Strings{});
     r.state = j.at("state");
     r.node = j.value("node", "local");
+    r.pool = j.value("pool", "default");
+    r.spread = j.value("spread", true);
     r.error = j.value("error", "");
     r.cpu = j.at("cpu");
     r.memoryMb = j.at("memory_mb");

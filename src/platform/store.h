@@ -26,8 +26,12 @@ struct SandboxRecord {
   // Extra layers stacked on the image at create time, as asked (refs or digests).
   std::vector<std::string> workspaces, toolkits, diffs;
   std::vector<std::string> layers;  // resolved, bottom first
-  std::string state;                // creating | running | paused | stopping | stopped | failed
+  std::string state;                // creating | running | paused | lost | stopping | stopped | failed
   std::string node = "local";
+  // Placement (platform/scheduler.h): the node pool, and whether to spread
+  // the tenant's sandboxes over nodes.
+  std::string pool = "default";
+  bool spread = true;
   std::string error;
   double cpu = 1.0;
   int64_t memoryMb = 512;

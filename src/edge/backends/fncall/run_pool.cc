@@ -21,7 +21,7 @@ double now() {
 
 }  // namespace
 
-RunPool::RunPool(Edge* edge, RunPoolOptions opts) : edge_(edge), opts_(opts) {
+RunPool::RunPool(EdgeLink* edge, RunPoolOptions opts) : edge_(edge), opts_(opts) {
   janitor_ = std::thread([this] { janitor(); });
 }
 

@@ -60,7 +60,7 @@ struct RunPoolStats {
 
 class RunPool {
  public:
-  RunPool(Edge* edge, RunPoolOptions opts);
+  RunPool(EdgeLink* edge, RunPoolOptions opts);
   ~RunPool();  // shutdown()
   RunPool(const RunPool&) = delete;
   RunPool& operator=(const RunPool&) = delete;
@@ -91,7 +91,7 @@ class RunPool {
   void destroy(const std::string& id);
   void janitor();
 
-  Edge* edge_;
+  EdgeLink* edge_;
   const RunPoolOptions opts_;
   mutable std::mutex mu_;  // guards everything below
   std::condition_variable cv_;

@@ -1,0 +1,287 @@
+#include "cli/cluster_cmd.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/file.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <fstream>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "common/log.h"
+#include "common/util.h"
+#include "edge/edge_server.h"
+#include "edge/edge_wire.h"
+#include "edge/image/node_cache.h"
+#include "edge/sim_edge.h"
+
+namespace dsec::cli {
+
+using json = nlohmann::json;
+
+namespace {
+
+int fail(const std::string& msg) {
+  std::cerr << "dsec: " << msg << "\n";
+  return 1;
+}
+
+std::string selfDirectory() {
+  char buf[4096];
+  ssize_t n = readlink("/proc/self/exe", buf, sizeof buf - 1);
+  if (n <= 0) return ".";
+  std::string p(buf, size_t(n));
+  return p.substr(0, p.rfind('/'));
+}
+
+int64_t totalMemoryMb() {
+  std::ifstream f("/proc/meminfo");
+  std::string key;
+  int64_t kb = 0;
+  while (f >> key >> kb) {
+    if (key == "MemTotal:") return kb / 1024;
+    f.ignore(256, '\n');
+  }
+  return 4096;
+}
+
+// A positive number flag, or an error naming it.
+Result<double> numberFlag(const ArgGet& get, const std::string& flag, double def) {
+  std::string v = get(flag, "");
+  if (v.empty()) return def;
+  char* end = nullptr;
+  double d = std::strtod(v.c_str(), &end);
+  if (!end || *end || d < 0) return invalidArg(flag, "--" + flag + " must be a number >= 0");
+  return d;
+}
+
+Result<std::string> loadOrCreateSecret(const std::string& path) {
+  auto existing = readFile(path);
+  if (existing.isOk()) {
+    std::string t = *existing;
+    while (!t.empty() && (t.back() == '\n' || t.back() == ' ')) t.pop_back();
+    if (t.size() >= 32) return t;
+  }
+  std::string t = randomHex(32);
+  RETURN_IF_ERROR(writeFileAtomic(path, t + "\n", 0600));
+  return t;
+}
+
+}  // namespace
+
+Result<std::unique_ptr<platform::Cluster>> startCluster(const ArgGet& get,
+                                                        const std::string& dataDir,
+                                                        platform::Store* store, edge::Edge* local) {
+  platform::ClusterOptions co;
+  co.dataDir = dataDir;
+  std::string tokenFile = get("join-token-file", dataDir + "/join_token");
+  ASSIGN_OR_RETURN(co.joinToken, loadOrCreateSecret(tokenFile));
+  ASSIGN_OR_RETURN(co.heartbeatTimeoutS, numberFlag(get, "heartbeat-timeout-s", 5));
+  ASSIGN_OR_RETURN(double inflight, numberFlag(get, "max-inflight", 16));
+  if (inflight < 1) return invalidArg("max-inflight", "--max-inflight must be at least 1");
+  co.maxInflightPerNode = int(inflight);
+  ASSIGN_OR_RETURN(co.admissionWaitS, numberFlag(get, "admission-wait-s", 30));
+  co.lookup = [dataDir, store](const std::string& digest) {
+    return platform::Platform::describeLayer(store, dataDir, digest);
+  };
+  ASSIGN_OR_RETURN(auto cluster, platform::Cluster::start(co));
+  if (local) {
+    // The in-process node takes what it is asked by default (as before
+    // clusters): capacity bounds only when given.
+    platform::NodeCapacity cap;
+    ASSIGN_OR_RETURN(cap.cpus, numberFlag(get, "cpus", 1e6));
+    ASSIGN_OR_RETURN(double mem, numberFlag(get, "memory-mb", 1e12));
+    ASSIGN_OR_RETURN(double slots, numberFlag(get, "slots", 1e9));
+    cap.memoryMb = int64_t(mem);
+    cap.slots = int64_t(slots);
+    cluster->addLocal(local, get("node-name", "local"), cap);
+  }
+  log::info("edges join with the token in " + tokenFile);
+  return cluster;
+}
+
+http::Handler platformHandler(platform::Platform* p, platform::Cluster* c, std::string token) {
+  (void)token;  // the API's keys are the Platform's to check (checkAdmin)
+  return [p, c](http::Request& req, http::Response& res) {
+    if (startsWith(req.path, "/internal/")) return c->handleInternal(req, res);
+    if (req.path == "/v1/nodes" || startsWith(req.path, "/v1/nodes/")) {
+      // The API's keys (platform/tenants.h): admins only.
+      if (Status st = p->checkAdmin(req.header("authorization")); !st.isOk()) {
+        if (st.code() == Code::kUnauthenticated) res.setHeader("WWW-Authenticate", "Bearer");
+        platform::countApiError(st.code());
+        (void)res.send(httpStatusFor(st.code()), "application/json", edge::wire::errorJson(st).dump());
+        return;
+      }
+      return c->handleNodes(req, res);
+    }
+    if (req.path == "/metrics") req.path = "/v1/metrics";
+    p->handle(req, res);
+  };
+}
+
+int cmdEdge(const ArgGet& get) {
+  std::string dataDir = get("data-dir", "");
+  std::string platformUrl = get("platform", "");
+  std::string listen = get("listen", "127.0.0.1:0");
+  bool simulate = get("simulate", "-") != "-";
+  if (dataDir.empty()) return fail("dsec edge needs --data-dir DIR");
+  if (!startsWith(platformUrl, "http://"))
+    return fail("dsec edge needs --platform http://HOST:PORT");
+  std::string lvl = get("log-level", "info");
+  if (lvl == "debug") log::setLevel(log::Level::kDebug);
+  if (lvl == "warn") log::setLevel(log::Level::kWarn);
+  if (!get("log-file", "").empty() && !log::setFile(get("log-file", ""), 64 << 20)) {
+    return fail("cannot open --log-file " + get("log-file", ""));
+  }
+  if (!simulate && geteuid() != 0) return fail("dsec edge must run as root (or with --simulate)");
+  size_t colon = listen.rfind(':');
+  if (colon == std::string::npos) return fail("--listen must be HOST:PORT");
+  http::ServerOptions so;
+  so.host = listen.substr(0, colon);
+  int port = std::atoi(listen.substr(colon + 1).c_str());
+  if (port < 0 || port > 65535) return fail("bad port in --listen");
+  so.port = uint16_t(port);
+
+  sigset_t sigs;
+  sigemptyset(&sigs);
+  sigaddset(&sigs, SIGTERM);
+  sigaddset(&sigs, SIGINT);
+  sigaddset(&sigs, SIGHUP);
+  pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
+  signal(SIGPIPE, SIG_IGN);
+  rlimit rl;
+  if (getrlimit(RLIMIT_NOFILE, &rl) == 0) {
+    rl.rlim_cur = rl.rlim_max;
+    setrlimit(RLIMIT_NOFILE, &rl);
+  }
+  if (Status st = makeDirs(dataDir, 0700); !st.isOk()) return fail(st.toString());
+  int lockFd = ::open((dataDir + "/lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+  if (lockFd < 0 || flock(lockFd, LOCK_EX | LOCK_NB) != 0) {
+    return fail("another dsec is running on " + dataDir);
+  }
+
+  // The join token: from a file (kept out of /proc/PID/cmdline) or the flag.
+  std::string joinToken = get("join-token", "");
+  if (!get("join-token-file", "").empty()) {
+    auto t = readFile(get("join-token-file", ""));
+    if (!t.isOk()) return fail("--join-token-file: " + t.status().message());
+    joinToken = *t;
+    while (!joinToken.empty() && (joinToken.back() == '\n' || joinToken.back() == ' ')) {
+      joinToken.pop_back();
+    }
+  }
+
+  http::Server server(so);
+  if (Status st = server.listen(); !st.isOk()) return fail(st.toString());
+  std::string advertise = get("advertise", so.host == "0.0.0.0" ? "127.0.0.1" : so.host);
+
+  edge::EdgeAgentOptions ao;
+  ao.platformUrl = platformUrl;
+  ao.joinToken = joinToken;
+  ao.dataDir = dataDir;
+  char host[256] = "node";
+  gethostname(host, sizeof host - 1);
+  ao.name = get("name", std::string(host) + "-" + std::to_string(server.port()));
+  ao.pool = get("pool", "default");
+  ao.url = "http://" + advertise + ":" + std::to_string(server.port());
+  auto num = [&](const std::string& flag, double def) { return numberFlag(get, flag, def); };
+  auto hb = num("heartbeat-s", 1);
+  if (!hb.isOk() || *hb <= 0) return fail("--heartbeat-s must be a positive number");
+  ao.heartbeatS = *hb;
+  auto simCap = num("sim-capacity", 1000);
+  auto simLat = num("sim-latency-ms", 0);
+  if (!simCap.isOk() || !simLat.isOk())
+    return fail("--sim-capacity and --sim-latency-ms take numbers");
+  long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
+  auto cpus = num("cpus", simulate ? *simCap : 4.0 * double(ncpu > 0 ? ncpu : 1));
+  auto mem = num("memory-mb", simulate ? *simCap * 512 : double(totalMemoryMb()));
+  auto slots = num("slots", simulate ? *simCap : 256);
+  for (auto* r : {&cpus, &mem, &slots}) {
+    if (!r->isOk()) return fail(r->status().message());
+  }
+  ao.cpus = *cpus;
+  ao.memoryMb = int64_t(*mem);
+  ao.slots = int64_t(*slots);
+
+  bool liveRestore = !simulate && get("live-restore", "no") == "yes";
+  edge::EdgeAgent agent(ao);
+  if (Status st = agent.start(); !st.isOk()) return fail("join: " + st.toString());
+
+  std::unique_ptr<edge::Edge> real;
+  std::unique_ptr<edge::SimEdge> sim;
+  edge::EdgeLink* link;
+  std::function<std::vector<std::string>()> layers;
+  if (simulate) {
+    edge::SimOptions sopt;
+    sopt.latencyMs = int(*simLat);
+    sopt.capacity = int64_t(*simCap);
+    sim = std::make_unique<edge::SimEdge>(sopt);
+    link = sim.get();
+  } else {
+    edge::EdgeOptions eo;
+    eo.dataDir = dataDir;
+    eo.aetherPath = get("aether", selfDirectory() + "/dsec-aether");
+    eo.diskQuota = get("disk-quota", "auto");
+    eo.egressSubnet = get("egress-subnet", "10.88.0.0/16");
+    eo.egressNat = get("egress-nat", "yes") == "yes";
+    eo.userns = get("userns", "auto");
+    eo.liveRestore = get("live-restore", "no") == "yes";
+    eo.microvmAccel = get("microvm-accel", "auto");
+    eo.lookup = [&agent](const std::string& digest) { return agent.lookupLayer(digest); };
+    eo.cache.storeUri = get("blob-store", "");
+    if (eo.cache.storeUri.empty()) {
+      return fail(
+          "dsec edge needs --blob-store URI (file:///DIR or http(s)://...): where layers are");
+    }
+    eo.cache.loader = get("loader", "auto");
+    auto e = edge::Edge::start(eo);
+    if (!e.isOk()) return fail("edge: " + e.status().toString());
+    real = std::move(*e);
+    link = real.get();
+    real->setDeathHandler([&agent](const std::string& id, const std::string& why) {
+      // Off the backend's thread: the report calls the platform, which calls back.
+      std::thread([&agent, id, why] { agent.reportDeath(id, why); }).detach();
+    });
+    layers = [e = real.get()] {
+      std::vector<std::string> out;
+      for (auto& l : e->nodeCache().layers()) out.push_back(l.digest);
+      return out;
+    };
+  }
+  agent.serveLink(link, layers);
+  log::info("dsec edge: node " + ao.name + (simulate ? " (simulated)" : "") + " serving " + ao.url +
+            " for " + platformUrl);
+  json info = {{"url", ao.url}, {"pid", getpid()}, {"node", ao.name}};
+  (void)writeFileAtomic(dataDir + "/edge.json", info.dump() + "\n", 0644);
+
+  std::thread sigThread([&] {
+    int sig = 0;
+    sigwait(&sigs, &sig);
+    log::info(std::string("received ") + strsignal(sig) + ", shutting down");
+    // Its sandboxes go with it (unless they stay for the next edge): the
+    // platform hears so now, while this node still answers its destroys, and
+    // records them failed rather than lost.
+    if (!liveRestore) {
+      for (auto& id : link->sandboxIds()) agent.reportDeath(id, "node " + ao.name + " stopped");
+    }
+    server.stop();
+    sigwait(&sigs, &sig);
+    _exit(2);
+  });
+  server.serve([&agent](http::Request& req, http::Response& res) { agent.handle(req, res); });
+  agent.stop();
+  if (real) {
+    real->setDeathHandler(nullptr);
+    real->shutdown();
+  }
+  ::unlink((dataDir + "/edge.json").c_str());
+  sigThread.detach();
+  log::info("dsec edge: stopped");
+  return 0;
+}
+
+}  // namespace dsec::cli

@@ -1,0 +1,39 @@
+// The process shapes of a cluster (docs/cluster.md): the platform side of
+// `dsec up` and `dsec platform` (node registry, edges' internal API, GET
+// /v1/nodes) and `dsec edge`, a node in its own process.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "common/http_server.h"
+#include "common/status.h"
+#include "edge/edge.h"
+#include "platform/cluster.h"
+#include "platform/platform.h"
+#include "platform/store.h"
+
+namespace dsec::cli {
+
+// A flag's value, or def when absent.
+using ArgGet = std::function<std::string(const std::string& flag, const std::string& def)>;
+
+// The node registry of a platform in dataDir: the join token (created 0600 in
+// <dataDir>/join_token unless --join-token-file names one), --heartbeat-timeout-s,
+// --max-inflight, --admission-wait-s; `local` (may be null) is the
+// in-process node of `dsec up`, offered with --cpus/--memory-mb/--slots.
+Result<std::unique_ptr<platform::Cluster>> startCluster(const ArgGet& get,
+                                                        const std::string& dataDir,
+                                                        platform::Store* store, edge::Edge* local);
+
+// The platform process's HTTP handler: /internal/ to the cluster (edges'
+// credentials), /v1/nodes to the cluster (API token), /metrics as
+// /v1/metrics, the rest to the Platform.
+http::Handler platformHandler(platform::Platform* p, platform::Cluster* c, std::string token);
+
+// `dsec edge --platform URL --join-token T --data-dir D --listen HOST:PORT
+// [--name N] [--pool P] [--simulate --sim-latency-ms N --sim-capacity N] ...`
+int cmdEdge(const ArgGet& get);
+
+}  // namespace dsec::cli

@@ -1,0 +1,446 @@
+#include "edge/edge_server.h"
+
+#include <nlohmann/json.hpp>
+
+#include "common/base64.h"
+#include "common/http_client.h"
+#include "common/log.h"
+#include "common/util.h"
+#include "edge/edge_wire.h"
+
+namespace dsec::edge {
+
+using json = nlohmann::json;
+
+namespace {
+
+void sendJ(http::Response& res, int status, const json& j) {
+  (void)res.send(status, "application/json",
+                 j.dump(-1, ' ', false, json::error_handler_t::replace));
+}
+
+std::string bearerOf(http::Request& req) {
+  std::string a = req.header("authorization");
+  return startsWith(a, "Bearer ") ? a.substr(7) : "";
+}
+
+}  // namespace
+
+EdgeAgent::EdgeAgent(EdgeAgentOptions opts) : opts_(std::move(opts)), bootId_(randomHex(8)) {}
+
+EdgeAgent::~EdgeAgent() { stop(); }
+
+Status EdgeAgent::loadCredentials() {
+  auto text = readFile(opts_.dataDir + "/node.json");
+  if (!text.isOk()) return text.status();
+  json j = json::parse(*text, nullptr, false);
+  if (j.is_discarded() || !j.is_object()) return internalError("node.json: not JSON");
+  std::lock_guard lk(mu_);
+  node_ = j.value("node", "");
+  edgeKey_ = j.value("edge_key", "");
+  platformKey_ = j.value("platform_key", "");
+  if (node_ != opts_.name || edgeKey_.empty()) {
+    return notFound("node.json is for another node or incomplete");
+  }
+  return Status::ok();
+}
+
+Status EdgeAgent::join() {
+  if (opts_.joinToken.empty()) {
+    return Status(Code::kUnauthenticated, "no join token (--join-token) and no saved credentials");
+  }
+  json body = {
+      {"name", opts_.name},
+      {"url", opts_.url},
+      {"pool", opts_.pool},
+      {"capacity", {{"cpus", opts_.cpus}, {"memory_mb", opts_.memoryMb}, {"slots", opts_.slots}}}};
+  http::ClientOptions co;
+  co.connectTimeoutS = 3;
+  co.readTimeoutS = 10;
+  auto c = http::Client::connect(opts_.platformUrl, opts_.joinToken, co);
+  if (!c.isOk()) return Status(Code::kUnavailable, "platform: " + c.status().message());
+  auto r = (*c)->request("POST", "/internal/v1/join", body.dump());
+  if (!r.isOk()) return Status(Code::kUnavailable, "platform: " + r.status().message());
+  if (r->status != 200) return wire::statusFromBody(r->status, r->body);
+  json j = json::parse(r->body, nullptr, false);
+  if (j.is_discarded() || !j.contains("edge_key"))
+    return internalError("platform: bad join answer");
+  {
+    std::lock_guard lk(mu_);
+    node_ = j.value("node", opts_.name);
+    edgeKey_ = j.value("edge_key", "");
+    platformKey_ = j.value("platform_key", "");
+  }
+  json saved = {{"node", node_},
+                {"edge_key", edgeKey_},
+                {"platform_key", platformKey_},
+                {"platform", opts_.platformUrl}};
+  RETURN_IF_ERROR(writeFileAtomic(opts_.dataDir + "/node.json", saved.dump() + "\n", 0600));
+  log::info("joined the platform at " + opts_.platformUrl + " as node " + node_);
+  return Status::ok();
+}
+
+Status EdgeAgent::start() {
+  if (loadCredentials().isOk()) {
+    log::info("node " + opts_.name + ": using the credentials in " + opts_.dataDir + "/node.json");
+    return Status::ok();
+  }
+  double deadline = nowSeconds() + opts_.joinWaitS;
+  for (;;) {
+    Status st = join();
+    if (st.isOk() || st.code() != Code::kUnavailable || nowSeconds() >= deadline) return st;
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  }
+}
+
+Result<std::string> EdgeAgent::platformCall(const std::string& method, const std::string& target,
+                                            const std::string& body) {
+  std::string key, node;
+  {
+    std::lock_guard lk(mu_);
+    key = edgeKey_;
+    node = node_;
+  }
+  http::ClientOptions co;
+  co.connectTimeoutS = 3;
+  co.readTimeoutS = 30;
+  auto c = http::Client::connect(opts_.platformUrl, key, co);
+  if (!c.isOk()) return Status(Code::kUnavailable, "platform: " + c.status().message());
+  auto r = (*c)->request(method, target, body);
+  if (!r.isOk()) return Status(Code::kUnavailable, "platform: " + r.status().message());
+  if (r->status != 200) return wire::statusFromBody(r->status, r->body);
+  return r->body;
+}
+
+void EdgeAgent::serveLink(EdgeLink* link, std::function<std::vector<std::string>()> layers) {
+  {
+    std::lock_guard lk(mu_);
+    link_ = link;
+    layers_ = std::move(layers);
+  }
+  hbThread_ = std::thread([this] { heartbeatLoop(); });
+}
+
+void EdgeAgent::stop() {
+  {
+    std::lock_guard lk(mu_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  if (hbThread_.joinable()) hbThread_.join();
+}
+
+Status EdgeAgent::heartbeatOnce() {
+  EdgeLink* link;
+  std::function<std::vector<std::string>()> layersFn;
+  std::string node;
+  {
+    std::lock_guard lk(mu_);
+    link = link_;
+    layersFn = layers_;
+    node = node_;
+  }
+  auto ids = link->sandboxIds();
+  double load1 = 0;
+  if (auto la = readFile("/proc/loadavg"); la.isOk()) load1 = std::atof(la->c_str());
+  json body = {
+      {"boot_id", bootId_},
+      {"url", opts_.url},
+      {"pool", opts_.pool},
+      {"capacity", {{"cpus", opts_.cpus}, {"memory_mb", opts_.memoryMb}, {"slots", opts_.slots}}},
+      {"sandboxes", ids},
+      {"layers", layersFn ? layersFn() : std::vector<std::string>{}},
+      {"load", {{"sandboxes", ids.size()}, {"loadavg_1m", load1}}}};
+  auto r = platformCall("POST", "/internal/v1/nodes/" + http::percentEncode(node) + "/heartbeat",
+                        body.dump());
+  if (!r.isOk()) {
+    if (r.status().code() == Code::kUnauthenticated && !opts_.joinToken.empty()) {
+      log::warn("the platform refused this node's credentials; joining again");
+      RETURN_IF_ERROR(join());
+    }
+    return r.status();
+  }
+  json j = json::parse(*r, nullptr, false);
+  if (j.is_discarded() || !j.is_object()) return Status::ok();
+  for (auto& id : j.value("destroy", json::array())) {
+    if (!id.is_string()) continue;
+    log::info("sandbox " + id.get<std::string>() + ": the platform no longer wants it; destroying");
+    Status st = link->destroy(id.get<std::string>());
+    if (!st.isOk()) log::warn("destroy " + id.get<std::string>() + ": " + st.toString());
+  }
+  return Status::ok();
+}
+
+void EdgeAgent::heartbeatLoop() {
+  bool failing = false;
+  for (;;) {
+    Status st = heartbeatOnce();
+    if (!st.isOk()) {
+      hbFailures_++;
+      if (!failing) log::warn("heartbeat: " + st.toString());
+      failing = true;
+    } else if (failing) {
+      log::info("heartbeat: the platform answers again");
+      failing = false;
+    }
+    std::unique_lock lk(mu_);
+    cv_.wait_for(lk, std::chrono::milliseconds(int64_t(opts_.heartbeatS * 1000)),
+                 [&] { return stopping_; });
+    if (stopping_) return;
+  }
+}
+
+Result<LayerDesc> EdgeAgent::lookupLayer(const std::string& digest) {
+  std::string node;
+  {
+    std::lock_guard lk(mu_);
+    node = node_;
+  }
+  // The node's name rides in a header so the platform can check its key.
+  std::string key;
+  {
+    std::lock_guard lk(mu_);
+    key = edgeKey_;
+  }
+  http::ClientOptions co;
+  co.connectTimeoutS = 3;
+  co.readTimeoutS = 30;
+  auto c = http::Client::connect(opts_.platformUrl, key, co);
+  if (!c.isOk()) return Status(Code::kUnavailable, "platform: " + c.status().message());
+  (void)node;
+  auto r = (*c)->request("GET", "/internal/v1/layers/" + http::percentEncode(digest) +
+                                    "?node=" + http::percentEncode(node));
+  if (!r.isOk()) return Status(Code::kUnavailable, "platform: " + r.status().message());
+  if (r->status != 200) return wire::statusFromBody(r->status, r->body);
+  json j = json::parse(r->body, nullptr, false);
+  if (j.is_discarded()) return internalError("platform: bad layer answer");
+  LayerDesc d;
+  d.digest = j.value("digest", "");
+  d.size = j.value("size", int64_t(0));
+  d.dataDigest = j.value("data_digest", "");
+  d.dataSize = j.value("data_size", int64_t(0));
+  d.chunksDigest = j.value("chunks_digest", "");
+  return d;
+}
+
+void EdgeAgent::reportDeath(const std::string& id, const std::string& why) {
+  std::string node;
+  {
+    std::lock_guard lk(mu_);
+    node = node_;
+  }
+  json body = {{"sandbox", id}, {"why", why}};
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    auto r = platformCall("POST", "/internal/v1/nodes/" + http::percentEncode(node) + "/events",
+                          body.dump());
+    if (r.isOk()) return;
+    log::warn("reporting the death of " + id + ": " + r.status().toString());
+  }
+}
+
+void EdgeAgent::handle(http::Request& req, http::Response& res) {
+  if (req.path == "/metrics" && req.method == "GET") {
+    EdgeLink* link;
+    {
+      std::lock_guard lk(mu_);
+      link = link_;
+    }
+    std::string out;
+    auto fam = [&out](const char* n, const char* t, const char* h) {
+      out += std::string("# HELP ") + n + " " + h + "\n# TYPE " + n + " " + t + "\n";
+    };
+    fam("dsec_edge_sandboxes", "gauge", "Sandboxes this node runs.");
+    out += "dsec_edge_sandboxes " + std::to_string(link ? link->sandboxIds().size() : 0) + "\n";
+    fam("dsec_edge_capacity_slots", "gauge", "Sandboxes this node offers at most.");
+    out += "dsec_edge_capacity_slots " + std::to_string(opts_.slots) + "\n";
+    fam("dsec_edge_creates_total", "counter", "Creates the platform asked of this node.");
+    out += "dsec_edge_creates_total " + std::to_string(creates_.load()) + "\n";
+    fam("dsec_edge_destroys_total", "counter", "Destroys the platform asked of this node.");
+    out += "dsec_edge_destroys_total " + std::to_string(destroys_.load()) + "\n";
+    fam("dsec_edge_execs_total", "counter", "Execs the platform asked of this node.");
+    out += "dsec_edge_execs_total " + std::to_string(execs_.load()) + "\n";
+    fam("dsec_edge_unauthenticated_total", "counter", "Calls refused for a missing or wrong key.");
+    out += "dsec_edge_unauthenticated_total " + std::to_string(refused_.load()) + "\n";
+    fam("dsec_edge_heartbeat_failures_total", "counter", "Heartbeats the platform did not take.");
+    out += "dsec_edge_heartbeat_failures_total " + std::to_string(hbFailures_.load()) + "\n";
+    fam("dsec_edge_errors_total", "counter", "Calls answered with an error, by code.");
+    {
+      std::lock_guard lk(errMu_);
+      for (auto& [code, n] : errors_) {
+        out += "dsec_edge_errors_total{code=\"" + code + "\"} " + std::to_string(n) + "\n";
+      }
+    }
+    (void)res.send(200, "text/plain; version=0.0.4", out);
+    return;
+  }
+  std::string key = bearerOf(req);
+  EdgeLink* link;
+  std::string want;
+  {
+    std::lock_guard lk(mu_);
+    link = link_;
+    want = platformKey_;
+  }
+  if (key.empty() || want.empty() || !secretEquals(key, want)) {
+    refused_++;
+    res.setHeader("WWW-Authenticate", "Bearer");
+    sendJ(res, 401,
+          wire::errorJson(Status(Code::kUnauthenticated, key.empty()
+                                                             ? "missing platform credential"
+                                                             : "invalid platform credential")));
+    return;
+  }
+  if (!link) {
+    sendJ(res, 503, wire::errorJson(Status(Code::kUnavailable, "node is starting")));
+    return;
+  }
+  route(req, res, link);
+}
+
+void EdgeAgent::route(http::Request& req, http::Response& res, EdgeLink* link) {
+  auto fail = [&](const Status& st) {
+    {
+      std::lock_guard lk(errMu_);
+      errors_[codeName(st.code())]++;
+    }
+    if (!res.started()) sendJ(res, httpStatusFor(st.code()), wire::errorJson(st));
+  };
+  auto parts = splitString(req.path, '/');  // "", "edge", "v1", coll, id, op
+  size_t n = parts.size();
+  const std::string& m = req.method;
+  if (n < 4 || parts[1] != "edge" || parts[2] != "v1")
+    return fail(notFound("no such endpoint: " + req.path));
+  auto body = [&]() -> Result<json> {
+    ASSIGN_OR_RETURN(std::string b, req.readBody(256 << 20));
+    json j = json::parse(b.empty() ? "{}" : b, nullptr, false);
+    if (j.is_discarded() || !j.is_object()) return invalidArg("body", "body must be a JSON object");
+    return j;
+  };
+  if (parts[3] == "layers" && n == 6 && parts[5] == "evict" && m == "POST") {
+    Status st = link->evictLayer(parts[4]);
+    return st.isOk() ? sendJ(res, 200, json::object()) : fail(st);
+  }
+  if (parts[3] != "sandboxes") return fail(notFound("no such endpoint: " + req.path));
+  if (n == 4) {
+    if (m == "GET") return sendJ(res, 200, {{"sandboxes", link->sandboxIds()}});
+    if (m != "POST") return fail(invalidArg("method", "method " + m + " not allowed"));
+    auto j = body();
+    if (!j.isOk()) return fail(j.status());
+    auto spec = wire::specFromJson((*j).value("spec", json::object()));
+    if (!spec.isOk()) return fail(spec.status());
+    creates_++;
+    Status st = link->create((*j).value("backend", "container"), *spec);
+    return st.isOk() ? sendJ(res, 200, {{"id", spec->id}}) : fail(st);
+  }
+  const std::string& id = parts[4];
+  if (n == 5) {
+    if (m != "DELETE") return fail(invalidArg("method", "method " + m + " not allowed"));
+    destroys_++;
+    Status st = link->destroy(id);
+    return st.isOk() ? sendJ(res, 200, json::object()) : fail(st);
+  }
+  const std::string& op = parts[5];
+  if (op == "exec" && m == "POST") {
+    auto j = body();
+    if (!j.isOk()) return fail(j.status());
+    auto spec = wire::execFromJson(*j);
+    if (!spec.isOk()) return fail(spec.status());
+    execs_++;
+    bool stream = req.param("stream").value_or("") == "1";
+    if (Status st = res.beginChunked(200, "application/x-ndjson"); !st.isOk()) return;
+    std::mutex wmu;
+    OutputSink sink;
+    if (stream) {
+      sink = [&](bool isErr, std::string_view data) -> Status {
+        json ev = {{isErr ? "e" : "o", base64Encode(data)}};
+        std::lock_guard lk(wmu);
+        return res.write(ev.dump() + "\n");
+      };
+    }
+    auto r = link->exec(id, *spec, sink);
+    json last = r.isOk() ? json{{"result", wire::toJson(*r)}} : wire::errorJson(r.status());
+    if (!r.isOk()) {
+      std::lock_guard lk(errMu_);
+      errors_[codeName(r.status().code())]++;
+    }
+    std::lock_guard lk(wmu);
+    (void)res.write(last.dump() + "\n");
+    (void)res.finish();
+    return;
+  }
+  if (op == "file" && m == "PUT") {
+    auto path = req.param("path");
+    if (!path) return fail(invalidArg("path", "path is required"));
+    int mode = std::atoi(req.param("mode").value_or("420").c_str());
+    ByteSource src = [&](char* buf, size_t len) { return req.readSome(buf, len); };
+    auto w = link->writeFile(id, *path, mode, src);
+    return w.isOk() ? sendJ(res, 200, {{"written", *w}}) : fail(w.status());
+  }
+  if (op == "file" && m == "GET") {
+    auto path = req.param("path");
+    if (!path) return fail(invalidArg("path", "path is required"));
+    std::optional<uint64_t> size;
+    Status st = link->readFile(
+        id, *path,
+        [&](std::optional<uint64_t> s) -> Status {
+          size = s;
+          return s ? res.beginFixed(200, "application/octet-stream", *s)
+                   : res.beginChunked(200, "application/octet-stream");
+        },
+        [&](std::string_view data) { return res.write(data); });
+    if (!st.isOk()) return fail(st);
+    if (!size) (void)res.finish();
+    return;
+  }
+  if (op == "filecall" && m == "POST") {
+    auto j = body();
+    if (!j.isOk()) return fail(j.status());
+    auto r = link->fileCall(id, static_cast<proto::FrameType>((*j).value("type", 0)),
+                            (*j).value("json", "{}"));
+    return r.isOk() ? (void)res.send(200, "application/json", *r) : fail(r.status());
+  }
+  if (op == "stats" && m == "GET") {
+    auto s = link->stats(id);
+    if (!s.isOk()) return fail(s.status());
+    return sendJ(res, 200,
+                 {{"oom_kills", s->oomKills},
+                  {"pids_limit_hits", s->pidsLimitHits},
+                  {"memory_bytes", s->memoryBytes}});
+  }
+  if (op == "pause" && m == "POST") {
+    auto j = body();
+    if (!j.isOk()) return fail(j.status());
+    Status st = link->pause(id, (*j).value("paused", true));
+    return st.isOk() ? sendJ(res, 200, json::object()) : fail(st);
+  }
+  if (op == "limits" && m == "POST") {
+    auto j = body();
+    if (!j.isOk()) return fail(j.status());
+    CgroupLimits l;
+    l.cpu = (*j).value("cpu", 1.0);
+    l.memoryBytes = (*j).value("memory_bytes", int64_t(0));
+    l.pids = (*j).value("pids", int64_t(0));
+    Status st = link->setLimits(id, l);
+    return st.isOk() ? sendJ(res, 200, json::object()) : fail(st);
+  }
+  if (op == "egress" && m == "POST") {
+    auto j = body();
+    if (!j.isOk()) return fail(j.status());
+    std::vector<net::EgressRule> rules;
+    for (auto& x : (*j).value("rules", json::array())) {
+      auto r = wire::ruleFromJson(x);
+      if (!r.isOk()) return fail(r.status());
+      rules.push_back(*r);
+    }
+    Status st = link->setEgress(id, rules);
+    return st.isOk() ? sendJ(res, 200, json::object()) : fail(st);
+  }
+  if (op == "egress_denials" && m == "GET") {
+    auto d = link->egressDenials(id);
+    if (!d.isOk()) return fail(d.status());
+    return sendJ(res, 200, {{"count", d->count}, {"last", d->last}});
+  }
+  fail(notFound("no such endpoint: " + m + " " + req.path));
+}
+
+}  // namespace dsec::edge

@@ -1,0 +1,88 @@
+// `dsec edge`: a node daemon in its own process. EdgeAgent joins the
+// platform, heartbeats, reports deaths and looks layers up through it, and
+// serves the edge's internal API (docs/cluster.md) on behalf of an EdgeLink
+// (the real Edge, or a SimEdge).
+//
+// Credentials: the join token is presented once, to POST /internal/v1/join;
+// the per-node keys it returns are kept in <dataDir>/node.json (0600). Every
+// call of the platform must carry the platform key (401 otherwise); every
+// call to the platform carries the edge key. When the platform no longer
+// knows the keys (401), the agent joins again if it has a join token.
+//
+// Thread-safety: handle() runs on many connection threads; the heartbeat
+// runs on its own thread; mu_ guards the credentials and link_.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/http_server.h"
+#include "edge/edge_link.h"
+#include "edge/image/loader.h"
+
+namespace dsec::edge {
+
+struct EdgeAgentOptions {
+  std::string platformUrl;  // http://HOST:PORT
+  std::string joinToken;    // needed for the first join (and a re-join)
+  std::string dataDir;      // node.json lives here
+  std::string name;         // node name, unique in the cluster
+  std::string pool = "default";
+  std::string url;  // where the platform reaches this edge
+  double cpus = 0;
+  int64_t memoryMb = 0;
+  int64_t slots = 0;
+  double heartbeatS = 1;
+  double joinWaitS = 30;  // how long start() retries an unreachable platform
+};
+
+class EdgeAgent {
+ public:
+  explicit EdgeAgent(EdgeAgentOptions opts);
+  ~EdgeAgent();
+
+  // Loads saved credentials, or joins. kUnauthenticated for a refused join
+  // token; kUnavailable when the platform stays unreachable for joinWaitS.
+  Status start();
+  // The node the API serves; heartbeats begin. `layers` lists cached layers.
+  void serveLink(EdgeLink* link, std::function<std::vector<std::string>()> layers);
+  void stop();
+
+  // /edge/v1/... (platform-key authenticated) and GET /metrics.
+  void handle(http::Request& req, http::Response& res);
+  // For EdgeOptions::lookup: asks the platform what layer `digest` is.
+  Result<LayerDesc> lookupLayer(const std::string& digest);
+  // Tells the platform a sandbox died on its own (best effort, retried once).
+  void reportDeath(const std::string& id, const std::string& why);
+
+ private:
+  Status join();
+  Status loadCredentials();
+  // A call to the platform with the edge key; kUnauthenticated on 401.
+  Result<std::string> platformCall(const std::string& method, const std::string& target,
+                                   const std::string& body);
+  void heartbeatLoop();
+  Status heartbeatOnce();
+  void route(http::Request& req, http::Response& res, EdgeLink* link);
+
+  EdgeAgentOptions opts_;
+  std::string bootId_;
+  mutable std::mutex mu_;  // guards node_, edgeKey_, platformKey_, link_, layers_, stopping_
+  std::string node_, edgeKey_, platformKey_;
+  EdgeLink* link_ = nullptr;
+  std::function<std::vector<std::string>()> layers_;
+  bool stopping_ = false;
+  std::condition_variable cv_;
+  std::thread hbThread_;
+  // Metrics.
+  std::atomic<uint64_t> creates_{0}, destroys_{0}, execs_{0}, refused_{0}, hbFailures_{0};
+  std::mutex errMu_;
+  std::map<std::string, uint64_t> errors_;  // guarded by errMu_: by code
+};
+
+}  // namespace dsec::edge

@@ -1,0 +1,159 @@
+#include "edge/edge_wire.h"
+
+#include <algorithm>
+
+#include "common/base64.h"
+
+namespace dsec::edge::wire {
+
+json toJson(const SandboxSpec& s) {
+  return {{"id", s.id},
+          {"layers", s.layers},
+          {"cpu", s.cpu},
+          {"memory_bytes", s.memoryBytes},
+          {"disk_bytes", s.diskBytes},
+          {"pids", s.pids},
+          {"fncall_init", s.fncallInit},
+          {"init_policy", s.initPolicy},
+          {"working_dir", s.workingDir}};
+}
+
+Result<SandboxSpec> specFromJson(const json& j) {
+  try {
+    SandboxSpec s;
+    s.id = j.at("id").get<std::string>();
+    s.layers = j.value("layers", std::vector<std::string>{});
+    s.cpu = j.value("cpu", 1.0);
+    s.memoryBytes = j.value("memory_bytes", int64_t(512) << 20);
+    s.diskBytes = j.value("disk_bytes", int64_t(1) << 30);
+    s.pids = j.value("pids", int64_t(1024));
+    s.fncallInit = j.value("fncall_init", "");
+    s.initPolicy = j.value("init_policy", "");
+    s.workingDir = j.value("working_dir", "");
+    return s;
+  } catch (const std::exception& e) {
+    return invalidArg("spec", std::string("bad sandbox spec: ") + e.what());
+  }
+}
+
+json toJson(const ExecSpec& s) {
+  json j = {{"argv", s.argv},
+            {"env", s.env},
+            {"cwd", s.cwd},
+            {"user", s.user},
+            {"timeout_ms", s.timeoutMs},
+            {"max_output", s.maxOutput},
+            {"fncall", s.fncallJson}};
+  if (s.stdinData) j["stdin_b64"] = base64Encode(*s.stdinData);
+  return j;
+}
+
+Result<ExecSpec> execFromJson(const json& j) {
+  try {
+    ExecSpec s;
+    s.argv = j.at("argv").get<std::vector<std::string>>();
+    s.env = j.value("env", std::vector<std::string>{});
+    s.cwd = j.value("cwd", "");
+    s.user = j.value("user", "");
+    s.timeoutMs = j.value("timeout_ms", int64_t(60000));
+    s.maxOutput = j.value("max_output", int64_t(1) << 20);
+    s.fncallJson = j.value("fncall", "");
+    if (j.contains("stdin_b64")) {
+      auto d = base64Decode(j["stdin_b64"].get<std::string>());
+      if (!d.isOk()) return invalidArg("stdin_b64", "not base64");
+      s.stdinData = *d;
+    }
+    return s;
+  } catch (const std::exception& e) {
+    return invalidArg("exec", std::string("bad exec spec: ") + e.what());
+  }
+}
+
+json toJson(const ExecResult& r) {
+  return {{"exit_code", r.exitCode},
+          {"signal", r.signal},
+          {"timed_out", r.timedOut},
+          {"truncated", r.truncated},
+          {"oom_killed", r.oomKilled},
+          {"duration_ms", r.durationMs},
+          {"call", r.call},
+          {"limit", r.limit},
+          {"out_b64", base64Encode(r.out)},
+          {"err_b64", base64Encode(r.err)}};
+}
+
+ExecResult resultFromJson(const json& j) {
+  ExecResult r;
+  r.exitCode = j.value("exit_code", 0);
+  r.signal = j.value("signal", 0);
+  r.timedOut = j.value("timed_out", false);
+  r.truncated = j.value("truncated", false);
+  r.oomKilled = j.value("oom_killed", false);
+  r.durationMs = j.value("duration_ms", 0.0);
+  r.call = j.value("call", false);
+  r.limit = j.value("limit", "");
+  auto out = base64Decode(j.value("out_b64", ""));
+  auto err = base64Decode(j.value("err_b64", ""));
+  if (out.isOk()) r.out = *out;
+  if (err.isOk()) r.err = *err;
+  return r;
+}
+
+json toJson(const net::EgressRule& r) {
+  json ports = json::array();
+  for (auto& p : r.ports) ports.push_back({p.lo, p.hi});
+  return {{"family", r.family},
+          {"addr", base64Encode(std::string_view(reinterpret_cast<const char*>(r.addr.data()),
+                                                 r.addr.size()))},
+          {"prefix", r.prefixLen},
+          {"ports", ports}};
+}
+
+Result<net::EgressRule> ruleFromJson(const json& j) {
+  try {
+    net::EgressRule r;
+    r.family = j.at("family").get<int>();
+    auto a = base64Decode(j.at("addr").get<std::string>());
+    if (!a.isOk() || a->size() != r.addr.size()) return invalidArg("rules", "bad egress address");
+    std::copy(a->begin(), a->end(), r.addr.begin());
+    r.prefixLen = j.at("prefix").get<int>();
+    for (auto& p : j.at("ports")) {
+      r.ports.push_back({p.at(0).get<uint16_t>(), p.at(1).get<uint16_t>()});
+    }
+    return r;
+  } catch (const std::exception& e) {
+    return invalidArg("rules", std::string("bad egress rule: ") + e.what());
+  }
+}
+
+json errorJson(const Status& st) {
+  json e = {{"code", codeName(st.code())}, {"message", st.message()}};
+  if (!st.field().empty()) e["field"] = st.field();
+  return {{"error", e}};
+}
+
+Code codeFromName(const std::string& name) {
+  for (Code c : {Code::kInvalidArgument, Code::kUnauthenticated, Code::kPermissionDenied,
+                 Code::kNotFound, Code::kAlreadyExists, Code::kConflict, Code::kFailedPrecondition,
+                 Code::kPayloadTooLarge, Code::kResourceExhausted, Code::kDeadlineExceeded,
+                 Code::kUnavailable, Code::kDataLoss, Code::kInternal}) {
+    if (name == codeName(c)) return c;
+  }
+  return Code::kInternal;
+}
+
+Status statusFromBody(int httpStatus, const std::string& body) {
+  json j = json::parse(body, nullptr, false);
+  if (!j.is_discarded() && j.is_object() && j.contains("error") && j["error"].is_object()) {
+    auto& e = j["error"];
+    return Status(codeFromName(e.value("code", "internal")), e.value("message", ""), 0,
+                  e.value("field", ""));
+  }
+  Code c = httpStatus == 401   ? Code::kUnauthenticated
+           : httpStatus == 404 ? Code::kNotFound
+           : httpStatus == 503 ? Code::kUnavailable
+                               : Code::kInternal;
+  return Status(c, "HTTP " + std::to_string(httpStatus) + ": " + body.substr(0, 200));
+}
+
+}  // namespace dsec::edge::wire

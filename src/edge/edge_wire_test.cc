@@ -1,0 +1,41 @@
+#include "edge/edge_wire.h"
+
+#include <gtest/gtest.h>
+
+namespace dsec::edge::wire {
+namespace {
+
+// What a remote node is asked to create must be what the platform planned:
+// every SandboxSpec field the node acts on survives the hop.
+TEST(EdgeWire, SandboxSpecRoundTrips) {
+  SandboxSpec s;
+  s.id = "sb-0123456789abcdef";
+  s.layers = {"sha256:aa", "sha256:bb"};
+  s.cpu = 1.5;
+  s.memoryBytes = 256ll << 20;
+  s.diskBytes = 2ll << 30;
+  s.pids = 77;
+  s.fncallInit = R"({"scratch_mb":8})";
+  s.initPolicy = R"({"readonly":["/etc"],"syscalls":"strict"})";
+  s.workingDir = "/work/dir";
+  auto back = specFromJson(toJson(s));
+  ASSERT_TRUE(back.isOk()) << back.status().toString();
+  EXPECT_EQ(back->id, s.id);
+  EXPECT_EQ(back->layers, s.layers);
+  EXPECT_EQ(back->cpu, s.cpu);
+  EXPECT_EQ(back->memoryBytes, s.memoryBytes);
+  EXPECT_EQ(back->diskBytes, s.diskBytes);
+  EXPECT_EQ(back->pids, s.pids);
+  EXPECT_EQ(back->fncallInit, s.fncallInit);
+  EXPECT_EQ(back->initPolicy, s.initPolicy);
+  EXPECT_EQ(back->workingDir, s.workingDir);
+}
+
+TEST(EdgeWire, SpecWithoutIdIsRefused) {
+  auto bad = specFromJson(json{{"layers", json::array()}});
+  ASSERT_FALSE(bad.isOk());
+  EXPECT_EQ(bad.status().field(), "spec");
+}
+
+}  // namespace
+}  // namespace dsec::edge::wire

@@ -1,0 +1,820 @@
+#include "platform/cluster.h"
+
+#include <algorithm>
+#include <array>
+#include <nlohmann/json.hpp>
+
+#include "common/log.h"
+#include "common/util.h"
+#include "edge/backends/microvm/microvm_backend.h"
+#include "edge/edge_wire.h"
+
+namespace dsec::platform {
+
+using json = nlohmann::json;
+
+namespace {
+
+std::array<std::atomic<uint64_t>, 16> gApiErrors{};
+
+void sendJsonBody(http::Response& res, int status, const json& j) {
+  (void)res.send(status, "application/json",
+                 j.dump(-1, ' ', false, json::error_handler_t::replace));
+}
+
+void sendErr(http::Response& res, const Status& st) {
+  if (res.started()) return;
+  countApiError(st.code());
+  sendJsonBody(res, httpStatusFor(st.code()), edge::wire::errorJson(st));
+}
+
+bool validNodeName(const std::string& s) {
+  if (s.empty() || s.size() > 63) return false;
+  for (char c : s) {
+    if (!(isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' || c == '.')) return false;
+  }
+  return true;
+}
+
+std::string bearer(http::Request& req) {
+  std::string a = req.header("authorization");
+  return startsWith(a, "Bearer ") ? a.substr(7) : "";
+}
+
+const edge::MicroVmProbe& noMicrovm() {
+  static const edge::MicroVmProbe p = [] {
+    edge::MicroVmProbe x;
+    x.reason = "no node runs in this platform process";
+    return x;
+  }();
+  return p;
+}
+const edge::Userns& noUserns() {
+  static const edge::Userns u = [] {
+    edge::Userns x;
+    x.reason = "no node runs in this platform process";
+    return x;
+  }();
+  return u;
+}
+
+}  // namespace
+
+void countApiError(Code code) {
+  size_t i = static_cast<size_t>(code);
+  if (i < gApiErrors.size()) gApiErrors[i].fetch_add(1, std::memory_order_relaxed);
+}
+
+std::string apiErrorMetrics() {
+  std::string out =
+      "# HELP dsec_api_errors_total API calls answered with an error, by code.\n"
+      "# TYPE dsec_api_errors_total counter\n";
+  for (size_t i = 1; i < gApiErrors.size(); ++i) {
+    uint64_t n = gApiErrors[i].load(std::memory_order_relaxed);
+    std::string name = codeName(static_cast<Code>(i));
+    if (name == "internal" && i != static_cast<size_t>(Code::kInternal)) continue;
+    out += "dsec_api_errors_total{code=\"" + name + "\"} " + std::to_string(n) + "\n";
+  }
+  return out;
+}
+
+Cluster::Cluster(ClusterOptions opts)
+    : opts_(std::move(opts)), sched_(defaultScorers(), opts_.maxInflightPerNode) {
+  schedBuckets_ = {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                   0.25,   0.5,   1,      2.5,   5,    10,    30};
+  schedCounts_.assign(schedBuckets_.size(), 0);
+}
+
+Result<std::unique_ptr<Cluster>> Cluster::start(ClusterOptions opts) {
+  std::unique_ptr<Cluster> c(new Cluster(std::move(opts)));
+  RETURN_IF_ERROR(c->loadNodes());
+  c->monitorThread_ = std::thread([raw = c.get()] { raw->monitor(); });
+  return c;
+}
+
+Cluster::~Cluster() {
+  {
+    std::lock_guard lk(mu_);
+    stopping_ = true;
+  }
+  monitorCv_.notify_all();
+  roomCv_.notify_all();
+  if (monitorThread_.joinable()) monitorThread_.join();
+}
+
+Status Cluster::loadNodes() {
+  std::string path = opts_.dataDir + "/nodes.json";
+  auto read = dsec::readFile(path);
+  if (!read.isOk() && read.status().code() == Code::kNotFound) return Status::ok();
+  ASSIGN_OR_RETURN(std::string text, std::move(read));
+  json j = json::parse(text, nullptr, false);
+  if (j.is_discarded() || !j.is_object() || !j.contains("nodes")) {
+    return internalError(path + ": not a node list");
+  }
+  double now = nowSeconds();
+  std::lock_guard lk(mu_);
+  for (auto& n : j["nodes"]) {
+    auto node = std::make_unique<Node>();
+    node->name = n.value("name", "");
+    node->pool = n.value("pool", "default");
+    node->url = n.value("url", "");
+    node->edgeKey = n.value("edge_key", "");
+    node->platformKey = n.value("platform_key", "");
+    if (!validNodeName(node->name) || node->edgeKey.empty()) continue;
+    node->remote = std::make_unique<RemoteEdge>(node->url, node->platformKey);
+    node->link = node->remote.get();
+    // Up until it misses heartbeats: its sandboxes stay as recorded meanwhile.
+    node->lastHeartbeat = now;
+    nodes_[node->name] = std::move(node);
+  }
+  return Status::ok();
+}
+
+Status Cluster::saveNodesLocked() const {
+  json list = json::array();
+  for (auto& [name, n] : nodes_) {
+    if (n->local) continue;
+    list.push_back({{"name", name},
+                    {"pool", n->pool},
+                    {"url", n->url},
+                    {"edge_key", n->edgeKey},
+                    {"platform_key", n->platformKey}});
+  }
+  return writeFileAtomic(opts_.dataDir + "/nodes.json", json{{"nodes", list}}.dump(1) + "\n", 0600);
+}
+
+void Cluster::addLocal(edge::EdgeLink* e, const std::string& name, NodeCapacity cap) {
+  auto node = std::make_unique<Node>();
+  node->name = name;
+  node->local = true;
+  node->link = e;
+  node->cap = cap;
+  node->reconciled = true;
+  node->lastHeartbeat = nowSeconds();
+  std::lock_guard lk(mu_);
+  localName_ = name;
+  nodes_[name] = std::move(node);
+}
+
+// ------------------------------------------------------------------ routing
+
+edge::EdgeLink* Cluster::localLink() const {
+  std::lock_guard lk(mu_);
+  if (localName_.empty()) return nullptr;
+  return nodes_.at(localName_)->link;
+}
+
+Result<edge::EdgeLink*> Cluster::route(const std::string& id) const {
+  std::lock_guard lk(mu_);
+  auto p = placed_.find(id);
+  if (p == placed_.end()) {
+    // Not placed by this cluster (a pool sandbox of an older start, a test):
+    // the local node, if any, is where it would be.
+    if (!localName_.empty()) return nodes_.at(localName_)->link;
+    return notFound("sandbox " + id + " is on no known node");
+  }
+  auto n = nodes_.find(p->second.node);
+  if (n == nodes_.end()) {
+    return Status(Code::kUnavailable, "sandbox " + id + " is on unknown node " + p->second.node);
+  }
+  if (!n->second->up) {
+    return Status(Code::kUnavailable,
+                  "sandbox " + id + " is on node " + p->second.node + ", which is down");
+  }
+  return n->second->link;
+}
+
+std::string Cluster::nodeOf(const std::string& id) const {
+  std::lock_guard lk(mu_);
+  auto p = placed_.find(id);
+  if (p != placed_.end()) return p->second.node;
+  return localName_.empty() ? "" : localName_;
+}
+
+bool Cluster::isRemoteNode(const std::string& node) const {
+  std::lock_guard lk(mu_);
+  auto n = nodes_.find(node);
+  return n != nodes_.end() && !n->second->local;
+}
+
+void Cluster::bindSandbox(const std::string& id, const std::string& node,
+                          const edge::SandboxSpec& spec) {
+  std::lock_guard lk(mu_);
+  placed_[id] = Placed{node, spec.cpu, spec.memoryBytes >> 20, spec.tenant};
+}
+
+std::vector<NodeView> Cluster::viewsLocked() const {
+  std::map<std::string, NodeView> v;
+  for (auto& [name, n] : nodes_) {
+    NodeView& x = v[name];
+    x.name = name;
+    x.pool = n->pool;
+    x.up = n->up && (n->local || n->reconciled);
+    x.cpus = n->cap.cpus;
+    x.memoryMb = n->cap.memoryMb;
+    x.slots = n->cap.slots;
+    x.inflight = n->inflight;
+    x.layers = n->layers;
+  }
+  for (auto& [id, p] : placed_) {
+    auto it = v.find(p.node);
+    if (it == v.end()) continue;
+    it->second.cpuUsed += p.cpu;
+    it->second.memoryUsedMb += p.memoryMb;
+    it->second.sandboxes += creating_.count(id) ? 0 : 1;  // in flight counts as inflight
+    it->second.tenants[p.tenant]++;
+  }
+  std::vector<NodeView> out;
+  for (auto& [_, x] : v) out.push_back(std::move(x));
+  return out;
+}
+
+Status Cluster::create(const std::string& backend, const edge::SandboxSpec& spec) {
+  PlacementRequest pr;
+  pr.cpu = spec.cpu;
+  pr.memoryMb = spec.memoryBytes >> 20;
+  pr.layers = spec.layers;
+  pr.pool = spec.pool.empty() ? "default" : spec.pool;
+  pr.tenant = spec.tenant;
+  pr.spread = spec.spread;
+  double t0 = nowSeconds();
+  auto deadline = std::chrono::steady_clock::now() +
+                  std::chrono::milliseconds(int64_t(opts_.admissionWaitS * 1000));
+  Node* node = nullptr;
+  {
+    std::unique_lock lk(mu_);
+    ++queued_;
+    Status why;
+    for (;;) {
+      if (stopping_) {
+        why = Status(Code::kUnavailable, "platform is shutting down");
+        break;
+      }
+      auto p = sched_.pick(viewsLocked(), pr);
+      if (p.isOk()) {
+        node = nodes_.at(p->node).get();
+        break;
+      }
+      why = p.status();
+      if (roomCv_.wait_until(lk, deadline) == std::cv_status::timeout) {
+        // One last look: the wake-up may have raced the deadline.
+        auto last = sched_.pick(viewsLocked(), pr);
+        if (last.isOk()) {
+          node = nodes_.at(last->node).get();
+        } else {
+          why = last.status();
+        }
+        break;
+      }
+    }
+    --queued_;
+    if (!node) {
+      Status st(Code::kUnavailable, "no node could take the sandbox within " +
+                                        std::to_string(int(opts_.admissionWaitS)) +
+                                        " s: " + why.message());
+      if (why.code() == Code::kFailedPrecondition && why.field() == "pool") {
+        st = Status(Code::kUnavailable, st.message(), 0, "pool");
+      }
+      createErrors_[codeName(st.code())]++;
+      return st;
+    }
+    double lat = nowSeconds() - t0;
+    for (size_t i = 0; i < schedBuckets_.size(); ++i) {
+      if (lat <= schedBuckets_[i]) {
+        schedCounts_[i]++;
+        break;
+      }
+    }
+    schedSum_ += lat;
+    schedN_++;
+    node->inflight++;
+    placed_[spec.id] = Placed{node->name, spec.cpu, spec.memoryBytes >> 20, spec.tenant};
+    creating_.insert(spec.id);
+  }
+  Status st = node->link->create(backend, spec);
+  {
+    std::lock_guard lk(mu_);
+    node->inflight--;
+    creating_.erase(spec.id);
+    node->creates++;
+    if (st.isOk()) {
+      creations_++;
+    } else {
+      node->createErrors++;
+      createErrors_[codeName(st.code())]++;
+      placed_.erase(spec.id);
+    }
+  }
+  roomCv_.notify_all();
+  return st;
+}
+
+Status Cluster::destroy(const std::string& id) {
+  edge::EdgeLink* link = nullptr;
+  bool down = false;
+  {
+    std::lock_guard lk(mu_);
+    auto p = placed_.find(id);
+    if (p == placed_.end()) {
+      if (!localName_.empty()) link = nodes_.at(localName_)->link;
+    } else {
+      auto n = nodes_.find(p->second.node);
+      if (n != nodes_.end() && n->second->up) link = n->second->link;
+      down = n == nodes_.end() || !n->second->up;
+    }
+  }
+  Status st = link ? link->destroy(id) : Status::ok();
+  {
+    std::lock_guard lk(mu_);
+    placed_.erase(id);
+  }
+  roomCv_.notify_all();
+  if (down) return Status::ok();  // the node destroys it when it returns
+  return st;
+}
+
+#define ROUTE(id) ASSIGN_OR_RETURN(edge::EdgeLink* link, route(id))
+
+Result<edge::ExecResult> Cluster::exec(const std::string& id, const edge::ExecSpec& spec,
+                                       const edge::OutputSink& sink) {
+  ROUTE(id);
+  return link->exec(id, spec, sink);
+}
+Result<uint64_t> Cluster::writeFile(const std::string& id, const std::string& path, int mode,
+                                    const edge::ByteSource& src) {
+  ROUTE(id);
+  return link->writeFile(id, path, mode, src);
+}
+Status Cluster::readFile(const std::string& id, const std::string& path,
+                         const std::function<Status(std::optional<uint64_t>)>& onSize,
+                         const edge::ByteSink& sink) {
+  ROUTE(id);
+  return link->readFile(id, path, onSize, sink);
+}
+Result<std::string> Cluster::fileCall(const std::string& id, proto::FrameType type,
+                                      const std::string& json) {
+  ROUTE(id);
+  return link->fileCall(id, type, json);
+}
+Result<edge::CgroupStats> Cluster::stats(const std::string& id) {
+  ROUTE(id);
+  return link->stats(id);
+}
+Status Cluster::pause(const std::string& id, bool paused) {
+  ROUTE(id);
+  return link->pause(id, paused);
+}
+Status Cluster::setLimits(const std::string& id, const edge::CgroupLimits& limits) {
+  ROUTE(id);
+  return link->setLimits(id, limits);
+}
+Status Cluster::setEgress(const std::string& id, const std::vector<edge::net::EgressRule>& rules) {
+  ROUTE(id);
+  return link->setEgress(id, rules);
+}
+Result<edge::net::EgressDenials> Cluster::egressDenials(const std::string& id) {
+  ROUTE(id);
+  return link->egressDenials(id);
+}
+Result<image::BuiltLayer> Cluster::packDiff(const std::string& id, const std::string& workDir) {
+  ROUTE(id);
+  return link->packDiff(id, workDir);
+}
+
+Status Cluster::evictLayer(const std::string& digest) {
+  std::vector<edge::EdgeLink*> links;
+  {
+    std::lock_guard lk(mu_);
+    for (auto& [_, n] : nodes_) {
+      if (n->up) links.push_back(n->link);
+    }
+  }
+  Status first;
+  for (auto* l : links) {
+    Status st = l->evictLayer(digest);
+    if (!st.isOk() && first.isOk()) first = st;
+  }
+  return first;
+}
+
+void Cluster::setDeathHandler(std::function<void(const std::string&, const std::string&)> h) {
+  {
+    std::lock_guard lk(mu_);
+    onDeath_ = h;
+  }
+  if (auto* l = localLink()) l->setDeathHandler(std::move(h));
+}
+
+void Cluster::setLostHandler(std::function<void(const std::string&, bool, const std::string&)> h) {
+  std::lock_guard lk(mu_);
+  onLost_ = std::move(h);
+}
+
+std::string Cluster::egressUnavailable() const {
+  auto* l = localLink();
+  return l ? l->egressUnavailable() : "";
+}
+std::string Cluster::egressTag() const {
+  auto* l = localLink();
+  return l ? l->egressTag() : "";
+}
+std::map<std::string, uint64_t> Cluster::egressDenialCounts() {
+  auto* l = localLink();
+  return l ? l->egressDenialCounts() : std::map<std::string, uint64_t>{};
+}
+std::map<std::string, uint64_t> Cluster::syscallDenialCounts() const {
+  auto* l = localLink();
+  return l ? l->syscallDenialCounts() : std::map<std::string, uint64_t>{};
+}
+std::vector<std::string> Cluster::sandboxIds() const {
+  auto* l = localLink();
+  return l ? l->sandboxIds() : std::vector<std::string>{};
+}
+std::vector<std::string> Cluster::adoptedIds() const {
+  auto* l = localLink();
+  return l ? l->adoptedIds() : std::vector<std::string>{};
+}
+std::map<std::string, int> Cluster::orphansRemoved() const {
+  auto* l = localLink();
+  return l ? l->orphansRemoved() : std::map<std::string, int>{};
+}
+const std::map<std::string, std::vector<std::string>>& Cluster::fncallLanguages() const {
+  static const std::map<std::string, std::vector<std::string>> none;
+  auto* l = localLink();
+  return l ? l->fncallLanguages() : none;
+}
+const edge::Userns& Cluster::userns() const {
+  auto* l = localLink();
+  return l ? l->userns() : noUserns();
+}
+const edge::MicroVmProbe& Cluster::microvm() const {
+  auto* l = localLink();
+  return l ? l->microvm() : noMicrovm();
+}
+edge::NodeCache* Cluster::localNodeCache() {
+  auto* l = localLink();
+  return l ? l->localNodeCache() : nullptr;
+}
+
+// ------------------------------------------------------------------ liveness
+
+void Cluster::monitor() {
+  std::unique_lock lk(mu_);
+  while (!stopping_) {
+    monitorCv_.wait_for(lk, std::chrono::milliseconds(250));
+    if (stopping_) break;
+    double now = nowSeconds();
+    std::vector<std::pair<std::string, std::string>> lost;  // sandbox, why
+    for (auto& [name, n] : nodes_) {
+      if (n->local || !n->up || now - n->lastHeartbeat <= opts_.heartbeatTimeoutS) continue;
+      n->up = false;
+      n->reconciled = false;
+      std::string why = "node " + name + " missed heartbeats for " +
+                        std::to_string(int(now - n->lastHeartbeat)) + " s";
+      log::warn(why + ": marked down");
+      for (auto& [id, p] : placed_) {
+        if (p.node == name && !creating_.count(id)) lost.emplace_back(id, why);
+      }
+    }
+    if (lost.empty()) continue;
+    auto h = onLost_;
+    lk.unlock();
+    roomCv_.notify_all();
+    for (auto& [id, why] : lost) {
+      if (h) h(id, true, why);
+    }
+    lk.lock();
+  }
+}
+
+// ------------------------------------------------------------------ edges' calls
+
+Cluster::Node* Cluster::authNodeLocked(const std::string& name, http::Request& req,
+                                       http::Response& res) {
+  auto it = nodes_.find(name);
+  std::string key = bearer(req);
+  // One answer for an unknown node and a wrong key: no probing of names.
+  if (it == nodes_.end() || it->second->local || key.empty() ||
+      !secretEquals(key, it->second->edgeKey)) {
+    res.setHeader("WWW-Authenticate", "Bearer");
+    sendErr(res, Status(Code::kUnauthenticated,
+                        key.empty() ? "missing node credential" : "invalid node credential"));
+    return nullptr;
+  }
+  return it->second.get();
+}
+
+void Cluster::handleInternal(http::Request& req, http::Response& res) {
+  auto parts = splitString(req.path, '/');  // "", "internal", "v1", ...
+  size_t n = parts.size();
+  if (n == 4 && parts[3] == "join" && req.method == "POST") return join(req, res);
+  if (n == 6 && parts[3] == "nodes" && req.method == "POST") {
+    if (parts[5] == "heartbeat") return heartbeat(parts[4], req, res);
+    if (parts[5] == "events") return event(parts[4], req, res);
+  }
+  if (n == 5 && parts[3] == "layers" && req.method == "GET") {
+    // Any joined node may look layers up: their bytes are in the blob store.
+    std::string node = req.param("node").value_or("");
+    {
+      std::lock_guard lk(mu_);
+      if (!authNodeLocked(node, req, res)) return;
+    }
+    if (!opts_.lookup) return sendErr(res, notFound("no layer lookup here"));
+    auto d = opts_.lookup(parts[4]);
+    if (!d.isOk()) return sendErr(res, d.status());
+    return sendJsonBody(res, 200,
+                        {{"digest", d->digest},
+                         {"size", d->size},
+                         {"data_digest", d->dataDigest},
+                         {"data_size", d->dataSize},
+                         {"chunks_digest", d->chunksDigest}});
+  }
+  sendErr(res, notFound("no such endpoint: " + req.method + " " + req.path));
+}
+
+namespace {
+Status parseCapacity(const json& j, NodeCapacity& cap) {
+  if (!j.contains("capacity") || !j["capacity"].is_object()) {
+    return invalidArg("capacity", "capacity must be an object {cpus, memory_mb, slots}");
+  }
+  auto& c = j["capacity"];
+  try {
+    cap.cpus = c.at("cpus").get<double>();
+    cap.memoryMb = c.at("memory_mb").get<int64_t>();
+    cap.slots = c.at("slots").get<int64_t>();
+  } catch (const std::exception&) {
+    return invalidArg("capacity", "capacity needs numbers cpus, memory_mb and slots");
+  }
+  if (cap.cpus < 0 || cap.memoryMb < 0 || cap.slots < 0) {
+    return invalidArg("capacity", "capacity must not be negative");
+  }
+  return Status::ok();
+}
+}  // namespace
+
+void Cluster::join(http::Request& req, http::Response& res) {
+  std::string key = bearer(req);
+  if (opts_.joinToken.empty() || key.empty() || !secretEquals(key, opts_.joinToken)) {
+    res.setHeader("WWW-Authenticate", "Bearer");
+    return sendErr(res, Status(Code::kUnauthenticated,
+                               key.empty() ? "missing join token" : "invalid join token"));
+  }
+  auto body = req.readBody(1 << 20);
+  if (!body.isOk()) return sendErr(res, body.status());
+  json j = json::parse(*body, nullptr, false);
+  if (j.is_discarded() || !j.is_object()) {
+    return sendErr(res, invalidArg("body", "body must be a JSON object"));
+  }
+  std::string name = j.value("name", "");
+  std::string url = j.value("url", "");
+  std::string pool = j.value("pool", "default");
+  if (!validNodeName(name)) {
+    return sendErr(res, invalidArg("name", "node name must be 1-63 of [A-Za-z0-9._-]"));
+  }
+  if (!startsWith(url, "http://"))
+    return sendErr(res, invalidArg("url", "url must be http://HOST:PORT"));
+  if (!validNodeName(pool))
+    return sendErr(res, invalidArg("pool", "pool must be 1-63 of [A-Za-z0-9._-]"));
+  NodeCapacity cap;
+  if (Status st = parseCapacity(j, cap); !st.isOk()) return sendErr(res, st);
+  json reply;
+  {
+    std::lock_guard lk(mu_);
+    auto& slot = nodes_[name];
+    if (slot && slot->local) {
+      return sendErr(res,
+                     Status(Code::kAlreadyExists, "node name " + name + " is taken", 0, "name"));
+    }
+    if (!slot) slot = std::make_unique<Node>();
+    Node& n = *slot;
+    n.name = name;
+    n.pool = pool;
+    n.url = url;
+    n.cap = cap;
+    // Fresh keys: a re-join (new data dir, lost credentials) shuts the old ones out.
+    n.edgeKey = randomHex(32);
+    n.platformKey = randomHex(32);
+    if (n.remote) {
+      n.remote->reset(url, n.platformKey);
+    } else {
+      n.remote = std::make_unique<RemoteEdge>(url, n.platformKey);
+    }
+    n.link = n.remote.get();
+    n.lastHeartbeat = nowSeconds();
+    n.up = true;
+    n.reconciled = false;  // its first heartbeat reconciles
+    if (Status st = saveNodesLocked(); !st.isOk()) return sendErr(res, st);
+    reply = {{"node", name},
+             {"edge_key", n.edgeKey},
+             {"platform_key", n.platformKey},
+             {"heartbeat_timeout_s", opts_.heartbeatTimeoutS}};
+  }
+  log::info("node " + name + " joined from " + url + " (pool " + pool + ")");
+  sendJsonBody(res, 200, reply);
+}
+
+void Cluster::heartbeat(const std::string& name, http::Request& req, http::Response& res) {
+  {
+    std::lock_guard lk(mu_);  // nothing of an unauthenticated caller is read
+    if (!authNodeLocked(name, req, res)) return;
+  }
+  auto body = req.readBody(64 << 20);
+  if (!body.isOk()) return sendErr(res, body.status());
+  json j = json::parse(*body, nullptr, false);
+  if (j.is_discarded() || !j.is_object()) {
+    return sendErr(res, invalidArg("body", "body must be a JSON object"));
+  }
+  NodeCapacity cap;
+  if (Status st = parseCapacity(j, cap); !st.isOk()) return sendErr(res, st);
+  std::set<std::string> running;
+  std::set<std::string> layers;
+  try {
+    for (auto& s : j.at("sandboxes")) running.insert(s.get<std::string>());
+    for (auto& l : j.value("layers", json::array())) layers.insert(l.get<std::string>());
+  } catch (const std::exception&) {
+    return sendErr(res, invalidArg("sandboxes", "sandboxes and layers must be lists of strings"));
+  }
+  std::string bootId = j.value("boot_id", "");
+  std::vector<std::string> destroy;
+  std::vector<std::pair<std::string, bool>> changes;  // sandbox, lost
+  std::string why;
+  bool returned = false;
+  {
+    std::lock_guard lk(mu_);
+    Node* n = authNodeLocked(name, req, res);
+    if (!n) return;
+    if (!n->up || n->bootId != bootId) n->reconciled = false;
+    returned = !n->up;
+    n->up = true;
+    n->lastHeartbeat = nowSeconds();
+    n->bootId = bootId;
+    n->cap = cap;
+    n->layers = std::move(layers);
+    n->reported = int64_t(running.size());
+    if (j.contains("load") && j["load"].is_object()) {
+      n->loadavg = j["load"].value("loadavg_1m", 0.0);
+    }
+    std::string url = j.value("url", n->url);
+    if (url != n->url && startsWith(url, "http://")) {
+      n->url = url;
+      n->remote->reset(url, n->platformKey);
+      (void)saveNodesLocked();
+    }
+    // What the node runs that no placement here wants: it destroys them.
+    for (auto& id : running) {
+      auto p = placed_.find(id);
+      if (p == placed_.end() || p->second.node != name) destroy.push_back(id);
+    }
+    if (!n->reconciled) {
+      why = "node " + name + " came back without it";
+      for (auto& [id, p] : placed_) {
+        if (p.node != name || creating_.count(id)) continue;
+        changes.emplace_back(id, running.count(id) == 0);
+      }
+      n->reconciled = true;
+    }
+  }
+  if (returned) log::info("node " + name + " is back");
+  roomCv_.notify_all();
+  std::function<void(const std::string&, bool, const std::string&)> h;
+  {
+    std::lock_guard lk(mu_);
+    h = onLost_;
+  }
+  for (auto& [id, lost] : changes) {
+    if (h) h(id, lost, lost ? why : "");
+  }
+  sendJsonBody(res, 200, {{"destroy", destroy}});
+}
+
+void Cluster::event(const std::string& name, http::Request& req, http::Response& res) {
+  {
+    std::lock_guard lk(mu_);
+    if (!authNodeLocked(name, req, res)) return;
+  }
+  auto body = req.readBody(1 << 20);
+  if (!body.isOk()) return sendErr(res, body.status());
+  json j = json::parse(*body, nullptr, false);
+  if (j.is_discarded() || !j.is_object() || !j.contains("sandbox") || !j["sandbox"].is_string()) {
+    return sendErr(res, invalidArg("sandbox", "body must be {\"sandbox\": ID, \"why\": TEXT}"));
+  }
+  std::string id = j["sandbox"];
+  std::function<void(const std::string&, const std::string&)> h;
+  {
+    std::lock_guard lk(mu_);
+    if (!authNodeLocked(name, req, res)) return;
+    auto p = placed_.find(id);
+    if (p == placed_.end() || p->second.node != name) {
+      return sendJsonBody(res, 200, {{"ignored", true}});
+    }
+    h = onDeath_;
+  }
+  sendJsonBody(res, 200, {{"ignored", false}});
+  // After the answer: recording the death calls back into the node.
+  if (h) h(id, j.value("why", "died"));
+}
+
+// ------------------------------------------------------------------ API
+
+void Cluster::handleNodes(http::Request& req, http::Response& res) {
+  auto parts = splitString(req.path, '/');  // "", "v1", "nodes", [name]
+  if (req.method != "GET") {
+    return sendErr(
+        res, Status(Code::kInvalidArgument, "method " + req.method + " not allowed on " + req.path,
+                    0, "method"));
+  }
+  double now = nowSeconds();
+  json list = json::array();
+  {
+    std::lock_guard lk(mu_);
+    auto views = viewsLocked();
+    for (auto& v : views) {
+      auto& n = *nodes_.at(v.name);
+      if (parts.size() == 4 && parts[3] != v.name) continue;
+      list.push_back(
+          {{"name", v.name},
+           {"pool", v.pool},
+           {"state", n.up ? "up" : "down"},
+           {"local", n.local},
+           {"url", n.local ? json(nullptr) : json(n.url)},
+           {"capacity", {{"cpus", v.cpus}, {"memory_mb", v.memoryMb}, {"slots", v.slots}}},
+           {"allocated",
+            {{"cpus", v.cpuUsed}, {"memory_mb", v.memoryUsedMb}, {"sandboxes", v.sandboxes}}},
+           {"inflight", v.inflight},
+           {"reported_sandboxes", n.local ? json(nullptr) : json(n.reported)},
+           {"layers", n.layers.size()},
+           {"loadavg_1m", n.local ? json(nullptr) : json(n.loadavg)},
+           {"last_heartbeat_age_s", n.local ? 0.0 : now - n.lastHeartbeat}});
+    }
+  }
+  if (parts.size() == 4) {
+    if (list.empty()) return sendErr(res, notFound("node " + parts[3] + " not found"));
+    return sendJsonBody(res, 200, list[0]);
+  }
+  if (parts.size() != 3) return sendErr(res, notFound("no such endpoint: " + req.path));
+  sendJsonBody(res, 200, {{"nodes", list}});
+}
+
+std::string Cluster::extraMetrics() {
+  std::string out;
+  auto family = [&out](const char* name, const char* type, const char* help) {
+    out += std::string("# HELP ") + name + " " + help + "\n# TYPE " + name + " " + type + "\n";
+  };
+  std::lock_guard lk(mu_);
+  auto views = viewsLocked();
+  family("dsec_node_up", "gauge", "1 while the node heartbeats (the local node always).");
+  for (auto& v : views) {
+    out += "dsec_node_up{node=\"" + v.name + "\",pool=\"" + v.pool + "\"} " +
+           std::to_string(nodes_.at(v.name)->up ? 1 : 0) + "\n";
+  }
+  family("dsec_node_sandboxes", "gauge", "Sandboxes placed on the node.");
+  for (auto& v : views)
+    out += "dsec_node_sandboxes{node=\"" + v.name + "\"} " + std::to_string(v.sandboxes) + "\n";
+  family("dsec_node_cpu_allocated", "gauge", "CPU cores requested by the node's sandboxes.");
+  for (auto& v : views)
+    out += "dsec_node_cpu_allocated{node=\"" + v.name + "\"} " + std::to_string(v.cpuUsed) + "\n";
+  family("dsec_node_cpu_capacity", "gauge", "CPU cores the node offers.");
+  for (auto& v : views)
+    out += "dsec_node_cpu_capacity{node=\"" + v.name + "\"} " + std::to_string(v.cpus) + "\n";
+  family("dsec_node_memory_allocated_bytes", "gauge", "Memory requested by the node's sandboxes.");
+  for (auto& v : views) {
+    out += "dsec_node_memory_allocated_bytes{node=\"" + v.name + "\"} " +
+           std::to_string(v.memoryUsedMb << 20) + "\n";
+  }
+  family("dsec_node_loadavg_1m", "gauge",
+         "The node host's 1-minute load average (last heartbeat).");
+  for (auto& v : views) {
+    auto& n = *nodes_.at(v.name);
+    if (!n.local) {
+      out += "dsec_node_loadavg_1m{node=\"" + v.name + "\"} " + std::to_string(n.loadavg) + "\n";
+    }
+  }
+  family("dsec_node_inflight_creates", "gauge", "Creations under way on the node.");
+  for (auto& v : views)
+    out +=
+        "dsec_node_inflight_creates{node=\"" + v.name + "\"} " + std::to_string(v.inflight) + "\n";
+  family("dsec_schedule_queue_depth", "gauge", "Creates waiting for a node with room.");
+  out += "dsec_schedule_queue_depth " + std::to_string(queued_) + "\n";
+  family("dsec_sandbox_creations_total", "counter", "Sandboxes created on a node.");
+  out += "dsec_sandbox_creations_total " + std::to_string(creations_) + "\n";
+  family("dsec_sandbox_create_errors_total", "counter", "Creates that failed, by code.");
+  for (auto& [code, k] : createErrors_) {
+    out += "dsec_sandbox_create_errors_total{code=\"" + code + "\"} " + std::to_string(k) + "\n";
+  }
+  family("dsec_schedule_latency_seconds", "histogram",
+         "From a create's arrival to its placement (queueing included).");
+  uint64_t cum = 0;
+  for (size_t i = 0; i < schedBuckets_.size(); ++i) {
+    cum += schedCounts_[i];
+    char le[32];
+    snprintf(le, sizeof le, "%g", schedBuckets_[i]);
+    out += std::string("dsec_schedule_latency_seconds_bucket{le=\"") + le + "\"} " +
+           std::to_string(cum) + "\n";
+  }
+  out += "dsec_schedule_latency_seconds_bucket{le=\"+Inf\"} " + std::to_string(schedN_) + "\n";
+  out += "dsec_schedule_latency_seconds_sum " + std::to_string(schedSum_) + "\n";
+  out += "dsec_schedule_latency_seconds_count " + std::to_string(schedN_) + "\n";
+  return out + apiErrorMetrics();
+}
+
+}  // namespace dsec::platform

@@ -1,0 +1,185 @@
+// The platform's view of its nodes: a registry of edges (the in-process one of
+// `dsec up`, and remote ones that joined), the scheduler that places each new
+// sandbox on one of them, and the router that sends every later call on a
+// sandbox to the node that holds it. The Platform drives it as one EdgeLink.
+//
+// Joining (docs/cluster.md): an edge presents the join token once
+// (POST /internal/v1/join) and receives two per-node keys: the edge key, which
+// authenticates its calls to the platform (heartbeats, events, layer lookups),
+// and the platform key, which the platform's calls to the edge carry. Nodes
+// and keys persist in <data>/nodes.json (0600).
+//
+// Liveness: an edge heartbeats its capacity, load, cached layers and running
+// sandboxes. A remote node silent for heartbeatTimeoutS is marked down and its
+// sandboxes are reported lost (setLostHandler); when it heartbeats again (or
+// restarted: a new boot id), the two reconcile: sandboxes it still runs are
+// reported found, ones it no longer has stay lost, and ones the platform no
+// longer wants are destroyed by the edge (the heartbeat's answer lists them).
+//
+// Admission: each node takes at most maxInflightPerNode creations at a time;
+// a create that finds no room waits (queued) up to admissionWaitS, then fails
+// with kUnavailable (503) saying why.
+//
+// Thread-safety: all public methods are thread-safe; mu_ guards the registry
+// and placements; node calls are made without it.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/http_server.h"
+#include "edge/edge_link.h"
+#include "edge/image/loader.h"
+#include "platform/remote_edge.h"
+#include "platform/scheduler.h"
+
+namespace dsec::platform {
+
+struct ClusterOptions {
+  std::string dataDir;    // nodes.json lives here
+  std::string joinToken;  // empty: no edge may join
+  double heartbeatTimeoutS = 5;
+  int maxInflightPerNode = 16;
+  double admissionWaitS = 30;
+  edge::LayerLookup lookup;  // answers the edges' layer lookups
+};
+
+struct NodeCapacity {
+  double cpus = 0;
+  int64_t memoryMb = 0;
+  int64_t slots = 0;
+};
+
+class Cluster : public edge::EdgeLink {
+ public:
+  // Loads the nodes of <dataDir>/nodes.json (as up, awaiting their first
+  // heartbeat) and starts the liveness monitor.
+  static Result<std::unique_ptr<Cluster>> start(ClusterOptions opts);
+  ~Cluster() override;
+
+  // The in-process node of `dsec up`: always up, reached directly.
+  void addLocal(edge::EdgeLink* e, const std::string& name, NodeCapacity cap);
+
+  // POST /internal/v1/join, /internal/v1/nodes/{n}/heartbeat and /events,
+  // GET /internal/v1/layers/{digest}: the edges' calls.
+  void handleInternal(http::Request& req, http::Response& res);
+  // GET /v1/nodes and /v1/nodes/{name} (the caller checked the API token).
+  void handleNodes(http::Request& req, http::Response& res);
+
+  // EdgeLink: node-wide calls go to the local node (or answer empty);
+  // per-sandbox calls to the sandbox's node.
+  void setDeathHandler(std::function<void(const std::string&, const std::string&)> h) override;
+  void setLostHandler(std::function<void(const std::string&, bool, const std::string&)> h) override;
+  // Places the sandbox (waiting for room, see above), then creates it there.
+  Status create(const std::string& backend, const edge::SandboxSpec& spec) override;
+  // Forgets the placement whatever the node says; a down node's copy is
+  // destroyed when it returns. OK for a sandbox on a down node.
+  Status destroy(const std::string& id) override;
+  Result<edge::ExecResult> exec(const std::string& id, const edge::ExecSpec& spec,
+                                const edge::OutputSink& sink) override;
+  Result<uint64_t> writeFile(const std::string& id, const std::string& path, int mode,
+                             const edge::ByteSource& src) override;
+  Status readFile(const std::string& id, const std::string& path,
+                  const std::function<Status(std::optional<uint64_t>)>& onSize,
+                  const edge::ByteSink& sink) override;
+  Result<std::string> fileCall(const std::string& id, proto::FrameType type,
+                               const std::string& json) override;
+  Result<edge::CgroupStats> stats(const std::string& id) override;
+  Status pause(const std::string& id, bool paused) override;
+  Status setLimits(const std::string& id, const edge::CgroupLimits& limits) override;
+  Status setEgress(const std::string& id, const std::vector<edge::net::EgressRule>& rules) override;
+  Result<edge::net::EgressDenials> egressDenials(const std::string& id) override;
+  std::string egressUnavailable() const override;
+  std::string egressTag() const override;
+  std::map<std::string, uint64_t> egressDenialCounts() override;
+  std::map<std::string, uint64_t> syscallDenialCounts() const override;
+  Result<image::BuiltLayer> packDiff(const std::string& id, const std::string& workDir) override;
+  Status evictLayer(const std::string& digest) override;
+  std::vector<std::string> sandboxIds() const override;
+  std::vector<std::string> adoptedIds() const override;
+  std::map<std::string, int> orphansRemoved() const override;
+  const std::map<std::string, std::vector<std::string>>& fncallLanguages() const override;
+  const edge::Userns& userns() const override;
+  const edge::MicroVmProbe& microvm() const override;
+  edge::NodeCache* localNodeCache() override;
+  std::string nodeOf(const std::string& id) const override;
+  void bindSandbox(const std::string& id, const std::string& node,
+                   const edge::SandboxSpec& spec) override;
+  bool isRemoteNode(const std::string& node) const override;
+  std::string extraMetrics() override;
+
+ private:
+  struct Node {
+    std::string name;
+    std::string pool = "default";
+    bool local = false;
+    edge::EdgeLink* link = nullptr;      // local_ or remote->get()
+    std::unique_ptr<RemoteEdge> remote;  // remote nodes
+    std::string url, edgeKey, platformKey;
+    std::string bootId;  // of the edge process last heard
+    bool up = true;
+    bool reconciled = false;  // since it (re)appeared
+    double lastHeartbeat = 0;
+    NodeCapacity cap;
+    std::set<std::string> layers;
+    int inflight = 0;
+    double loadavg = 0;    // its host's 1-minute load average (last heartbeat)
+    int64_t reported = 0;  // sandboxes it said it runs
+    uint64_t creates = 0, createErrors = 0;
+  };
+  struct Placed {
+    std::string node;
+    double cpu = 0;
+    int64_t memoryMb = 0;
+    std::string tenant;
+  };
+
+  explicit Cluster(ClusterOptions opts);
+  // The node of sandbox `id`, or kNotFound / kUnavailable (down) for calls.
+  Result<edge::EdgeLink*> route(const std::string& id) const;
+  edge::EdgeLink* localLink() const;
+  std::vector<NodeView> viewsLocked() const;
+  Status saveNodesLocked() const;
+  Status loadNodes();
+  void monitor();
+  void join(http::Request& req, http::Response& res);
+  void heartbeat(const std::string& name, http::Request& req, http::Response& res);
+  void event(const std::string& name, http::Request& req, http::Response& res);
+  // The node `name` if the request carries its edge key; else answers 401/404.
+  Node* authNodeLocked(const std::string& name, http::Request& req, http::Response& res);
+
+  ClusterOptions opts_;
+  Scheduler sched_;
+  mutable std::mutex mu_;           // guards nodes_, placed_, creating_, stopping_, counters below
+  std::condition_variable roomCv_;  // a creation ended or a node changed: room may be free
+  std::map<std::string, std::unique_ptr<Node>> nodes_;  // never erased: pointers stay valid
+  std::map<std::string, Placed> placed_;
+  std::set<std::string> creating_;
+  std::string localName_;
+  bool stopping_ = false;
+  int queued_ = 0;
+  uint64_t creations_ = 0;
+  std::map<std::string, uint64_t> createErrors_;  // by code
+  std::vector<double> schedBuckets_;              // histogram bounds (s)
+  std::vector<uint64_t> schedCounts_;             // per bound, cumulative at render
+  double schedSum_ = 0;
+  uint64_t schedN_ = 0;
+  std::function<void(const std::string&, const std::string&)> onDeath_;
+  std::function<void(const std::string&, bool, const std::string&)> onLost_;
+  std::condition_variable monitorCv_;
+  std::thread monitorThread_;
+};
+
+// Counts an API error by code (for dsec_api_errors_total); cheap, lock-free.
+void countApiError(Code code);
+// The Prometheus text of the API error counters.
+std::string apiErrorMetrics();
+
+}  // namespace dsec::platform

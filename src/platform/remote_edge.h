@@ -1,0 +1,78 @@
+// An edge in another process (`dsec edge`), driven over its internal HTTP API
+// (docs/cluster.md). Every call carries the platform's credential for that
+// node (`Authorization: Bearer <platform key>`), which the edge checks.
+//
+// Thread-safe: calls take a keep-alive connection from a small pool (a new
+// one when none is idle); a connection that failed is dropped. Exec output is
+// streamed back as NDJSON and handed to the sink as it arrives. File bodies
+// are buffered in memory on this hop (bounded by the API's own limits).
+#pragma once
+
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "common/http_client.h"
+#include "edge/backends/microvm/microvm_backend.h"
+#include "edge/edge_link.h"
+
+namespace dsec::platform {
+
+class RemoteEdge : public edge::EdgeLink {
+ public:
+  RemoteEdge(std::string url, std::string key);
+  ~RemoteEdge() override;
+  // Changes where and with what the node is reached (on re-join).
+  void reset(std::string url, std::string key);
+  const std::string& url() const { return url_; }
+
+  void setDeathHandler(std::function<void(const std::string&, const std::string&)>) override {}
+  Status create(const std::string& backend, const edge::SandboxSpec& spec) override;
+  Status destroy(const std::string& id) override;
+  Result<edge::ExecResult> exec(const std::string& id, const edge::ExecSpec& spec,
+                                const edge::OutputSink& sink) override;
+  Result<uint64_t> writeFile(const std::string& id, const std::string& path, int mode,
+                             const edge::ByteSource& src) override;
+  Status readFile(const std::string& id, const std::string& path,
+                  const std::function<Status(std::optional<uint64_t>)>& onSize,
+                  const edge::ByteSink& sink) override;
+  Result<std::string> fileCall(const std::string& id, proto::FrameType type,
+                               const std::string& json) override;
+  Result<edge::CgroupStats> stats(const std::string& id) override;
+  Status pause(const std::string& id, bool paused) override;
+  Status setLimits(const std::string& id, const edge::CgroupLimits& limits) override;
+  Status setEgress(const std::string& id, const std::vector<edge::net::EgressRule>& rules) override;
+  Result<edge::net::EgressDenials> egressDenials(const std::string& id) override;
+  std::string egressUnavailable() const override { return ""; }
+  std::string egressTag() const override { return ""; }
+  std::map<std::string, uint64_t> egressDenialCounts() override { return {}; }
+  std::map<std::string, uint64_t> syscallDenialCounts() const override { return {}; }
+  Result<image::BuiltLayer> packDiff(const std::string& id, const std::string& workDir) override;
+  Status evictLayer(const std::string& digest) override;
+  std::vector<std::string> sandboxIds() const override { return {}; }
+  std::vector<std::string> adoptedIds() const override { return {}; }
+  std::map<std::string, int> orphansRemoved() const override { return {}; }
+  const std::map<std::string, std::vector<std::string>>& fncallLanguages() const override {
+    return languages_;
+  }
+  const edge::Userns& userns() const override { return userns_; }
+  const edge::MicroVmProbe& microvm() const override { return microvm_; }
+  edge::NodeCache* localNodeCache() override { return nullptr; }
+
+ private:
+  // One request with a pooled connection; a non-2xx answer becomes its Status.
+  Result<http::ClientResponse> call(std::string_view method, const std::string& target,
+                                    std::string_view body = {},
+                                    const std::function<void(std::string_view)>* onData = nullptr);
+
+  mutable std::mutex mu_;  // guards url_, key_, idle_, epoch_
+  std::string url_, key_;
+  uint64_t epoch_ = 0;  // bumped by reset(): older connections are not reused
+  std::vector<std::pair<uint64_t, std::unique_ptr<http::Client>>> idle_;
+  std::map<std::string, std::vector<std::string>> languages_;
+  edge::Userns userns_;
+  edge::MicroVmProbe microvm_;
+};
+
+}  // namespace dsec::platform
