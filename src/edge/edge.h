@@ -16,6 +16,7 @@
 #include "common/status.h"
 #include "edge/backend.h"
 #include "edge/backends/microvm/microvm_backend.h"
+#include "edge/backends/vm/vm_backend.h"
 #include "edge/cgroup.h"
 #include "edge/image/layer_cache.h"
 #include "edge/net/egress_filter.h"
@@ -64,6 +65,11 @@ struct EdgeOptions {
   std::string qemuPath = "qemu-system-x86_64";
   double microvmBootTimeoutS = 120;
   std::string microvmAccel = "auto";
+  // The vm backend (docs/vm.md): QEMU as above, qemu-img, the deadline for
+  // qemu-guest-agent to answer after QEMU starts; the accelerator is
+  // microvmAccel's choice.
+  std::string qemuImgPath = "qemu-img";
+  double vmBootTimeoutS = 300;
 };
 
 struct ExecSpec {
@@ -180,6 +186,12 @@ class Edge {
   const Userns& userns() const { return userns_; }
   // Whether microvms run here, on which accelerator, and why - fixed at start.
   const MicroVmProbe& microvm() const { return microvm_; }
+  // Whether full VMs (backend vm) run here, on which accelerator, and why.
+  const VmProbe& vm() const { return vm_; }
+  // Computer use on a sandbox with a display (backend vm): the screen as
+  // PNG, and one input action. kFailedPrecondition for other backends.
+  Result<std::string> screenshot(const std::string& id);
+  Status input(const std::string& id, const InputAction& action);
 
  private:
   Edge() = default;
@@ -201,6 +213,7 @@ class Edge {
   std::string diskQuotaInfo_;  // the container backend's, set at start
   Userns userns_;              // detected at start, then read-only
   MicroVmProbe microvm_;       // probed at start, then read-only
+  VmProbe vm_;                 // probed at start, then read-only
   std::unique_ptr<net::EgressFilter> filter_;  // null when egressWhy_ says why
   std::string egressWhy_;
 
