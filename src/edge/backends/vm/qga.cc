@@ -340,10 +340,11 @@ void QgaBridge::dispatch(proto::Frame f) {
         sig = j["signal"].get<int>();
         if (sig < 1 || sig > 64) return;
       }
-      // The process group of the guest command (guest-exec starts no new
-      // session; the timeout wrapper is the group leader when there is one).
+      // A negative pid is the process group of the `timeout` wrapper (which
+      // makes its own); without it the command shares qga's group, so only
+      // the process itself is signalled.
       return spawn([this, pid, sig] {
-        (void)runGuest({"kill", "-" + std::to_string(sig), std::to_string(pid)}, 10);
+        (void)runGuest({"kill", "-" + std::to_string(sig), "--", std::to_string(pid)}, 10);
       });
     }
     case T::kFileRead: {
@@ -487,7 +488,7 @@ void QgaBridge::runExec(uint32_t stream, json req, std::string stdinData) {
   int64_t pid = started->value("pid", int64_t(-1));
   {
     std::lock_guard lk(mu_);
-    guestPids_[stream] = pid;
+    guestPids_[stream] = timeoutMs > 0 ? -pid : pid;
   }
   // Our own guard in case the guest's timeout wrapper never ends it.
   double guard = timeoutMs > 0 ? t0 + double(timeoutMs) / 1000 + 15 : 1e18;
@@ -507,7 +508,8 @@ void QgaBridge::runExec(uint32_t stream, json req, std::string stdinData) {
       break;
     }
     if (monoSeconds() > guard) {
-      (void)qga_->call("guest-exec", {{"path", "kill"}, {"arg", {"-9", std::to_string(pid)}}});
+      (void)qga_->call("guest-exec",
+                       {{"path", "kill"}, {"arg", {"-9", "--", std::to_string(-pid)}}});
       hostTimeout = true;
       break;
     }
