@@ -540,8 +540,12 @@ void QgaBridge::runExec(uint32_t stream, json req, std::string stdinData) {
   int exitCode = st.contains("exitcode") ? st.value("exitcode", -1) : -1;
   int signal = st.value("signal", 0);
   bool timedOut = hostTimeout;
-  // `timeout -s KILL` reports its kill as 128+9.
-  if (timeoutMs > 0 && exitCode == 137 && took * 1000 >= double(timeoutMs) * 0.9) timedOut = true;
+  // `timeout -s KILL` kills its whole process group, itself included (qga
+  // then reports signal 9); a timeout that outlived its command says 128+9.
+  if (timeoutMs > 0 && (signal == 9 || exitCode == 137) &&
+      took * 1000 >= double(timeoutMs) * 0.9) {
+    timedOut = true;
+  }
   if (timedOut) {
     exitCode = -1;
     signal = 9;
