@@ -171,7 +171,7 @@ def test_resources_and_no_network(vm):
 
 def test_qemu_runs_confined(vmserver, vm):
     (pid,) = _qemu_pids(vmserver.data_dir)
-    for ns in ("net", "mnt", "ipc", "uts"):
+    for ns in ("net", "mnt", "ipc", "uts", "pid"):
         assert os.readlink(f"/proc/{pid}/ns/{ns}") != os.readlink(f"/proc/self/ns/{ns}"), ns
     status = Path(f"/proc/{pid}/status").read_text()
     assert "Seccomp:\t2" in status, status  # -sandbox on

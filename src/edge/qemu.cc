@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <limits.h>
 #include <linux/kvm.h>
+#include <linux/sched.h>
 #include <poll.h>
 #include <sched.h>
 #include <signal.h>
@@ -227,11 +228,26 @@ Result<Process> spawnConfined(const std::vector<std::string>& args, const std::s
   UniqueFd logFd(
       ::open((dir + "/qemu.log").c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
   if (!logFd) return sysError("open qemu.log");
+  // Empty until QEMU opens it (-serial file:console.log): a boot that fails
+  // before that still leaves a console log to keep.
+  UniqueFd console(
+      ::open((dir + "/console.log").c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
+  if (!console) return sysError("create console.log");
+  console.reset();
   int go[2];
   if (::pipe2(go, O_CLOEXEC) != 0) return sysError("pipe");
   UniqueFd goRd(go[0]), goWr(go[1]);
-  pid_t pid = ::fork();
-  if (pid < 0) return sysError("fork");
+  // clone3 rather than fork + unshare: QEMU itself is PID 1 of a new pid
+  // namespace (it sees no host process; with spawn=deny it has no children),
+  // and it comes with a pidfd. No host network (a fresh, empty netns), nor the
+  // host's IPC or hostname; mounts it makes stay its own.
+  int pidfd = -1;
+  struct clone_args ca = {};
+  ca.flags = CLONE_PIDFD | CLONE_NEWPID | CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS;
+  ca.pidfd = reinterpret_cast<uint64_t>(&pidfd);
+  ca.exit_signal = SIGCHLD;
+  pid_t pid = pid_t(syscall(SYS_clone3, &ca, sizeof ca));
+  if (pid < 0) return sysError("clone3");
   if (pid == 0) {
     // Only async-signal-safe calls from here on: the edge has threads.
     ::setsid();
@@ -240,9 +256,6 @@ Result<Process> spawnConfined(const std::vector<std::string>& args, const std::s
         ::dup2(logFd.get(), 2) < 0) {
       ::_exit(120);
     }
-    // No host network (a fresh, empty netns), nor the host's IPC or hostname;
-    // mounts it makes stay its own.
-    if (::unshare(CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS) != 0) ::_exit(121);
     char c;
     if (::read(goRd.get(), &c, 1) != 1) ::_exit(122);  // in its cgroup by now
     if (::chdir(dir.c_str()) != 0) ::_exit(123);
@@ -254,13 +267,13 @@ Result<Process> spawnConfined(const std::vector<std::string>& args, const std::s
   logFd.reset();
   Process p;
   p.pid = pid;
-  p.pidfd.reset(int(syscall(SYS_pidfd_open, pid, 0)));
+  p.pidfd.reset(pidfd);
   auto kill = [&](Status st) -> Status {
     ::kill(pid, SIGKILL);
     ::waitpid(pid, nullptr, 0);
     return st;
   };
-  if (!p.pidfd) return kill(sysError("pidfd_open"));
+  if (!p.pidfd) return kill(internalError("clone3 gave no pidfd"));
   if (Status st = cgroups->attach(cgroupId, pid); !st.isOk()) return kill(st);
   if (::write(goWr.get(), "g", 1) != 1) return kill(sysError("write go pipe"));
   return p;

@@ -55,10 +55,11 @@ struct Process {
   UniqueFd pidfd;
 };
 
-// Forks and execs argv[0] with cwd `dir`, stdin /dev/null, stdout and stderr
-// appended to dir/qemu.log, in a new session and new mount, network (empty:
-// no host network), IPC and UTS namespaces, every other descriptor closed,
-// and attached to the sandbox `cgroupId` of `cgroups` before it execs.
+// Starts argv[0] with cwd `dir`, stdin /dev/null, stdout and stderr to
+// dir/qemu.log (and an empty dir/console.log made first), in a new session
+// and new pid (it is PID 1 there), mount, network (empty: no host network),
+// IPC and UTS namespaces, every other descriptor closed, and attached to the
+// sandbox `cgroupId` of `cgroups` before it execs.
 Result<Process> spawnConfined(const std::vector<std::string>& argv, const std::string& dir,
                               Cgroups* cgroups, const std::string& cgroupId);
 
