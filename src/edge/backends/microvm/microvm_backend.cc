@@ -241,6 +241,10 @@ Status MicroVmBackend::bootOnce(const SandboxSpec& spec, Boot& b, bool* hung) {
   // The guest speaks only once it has this (guest_init.cc); QEMU holds it
   // until the guest opens its port.
   if (Status st = inst.conn_->send(0, proto::FrameType::kInit, "{}"); !st.isOk()) {
+    // A QEMU that failed at once (a bad kernel) may close the socket just
+    // after accepting us: say why it exited rather than "broken pipe".
+    struct pollfd p = {inst.pidfd_.get(), POLLIN, 0};
+    if (::poll(&p, 1, 2000) == 1) return abandon(qemuFailed());
     return abandon(st);
   }
   // Wait for the hello, and notice a QEMU that died meanwhile.
