@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 # Debian's interpreter, which has python3-pytest (a pyenv python3 may shadow it).
 PYTHON      ?= /usr/bin/python3
 
-.PHONY: all build deps images lazy-images test unit e2e demo bench bench-lazy clean
+.PHONY: all build deps images vm-image lazy-images test unit e2e demo bench bench-lazy clean
 
 all: build
 
@@ -25,6 +25,12 @@ build: $(BUILD_DIR)/CMakeCache.txt
 
 images:
 	@scripts/build-test-images.sh $(IMAGE_CACHE)
+	@scripts/build-vm-image.sh $(IMAGE_CACHE)
+
+# Only the vm backend's bootable disk (vm-debian.qcow2: debootstrap + systemd +
+# qemu-guest-agent + cloud kernel + extlinux; minutes, once). `images` builds it too.
+vm-image:
+	@scripts/build-vm-image.sh $(IMAGE_CACHE)
 
 # bench/lazy's >1 GB three-layer image (minutes, once; cached under $(IMAGE_CACHE)/lazy).
 lazy-images: images

@@ -24,6 +24,8 @@ PKGS=(
   # the microvm backend: QEMU, the Debian cloud kernel as its guest kernel,
   # lz4 to unpack that kernel into a PVH vmlinux (scripts/microvm-guest.py)
   qemu-system-x86 linux-image-cloud-amd64 lz4
+  # the vm backend: qemu-img (overlays, disk checks); extlinux boots its test image
+  qemu-utils extlinux syslinux-common
   # tests, demo, benchmarks
   python3 python3-pytest python3-yaml crun procps strace nginx-light openssl
 )

@@ -25,6 +25,8 @@
 #include "edge/edge.h"
 #include "edge/image/fanotify_loader.h"
 #include "edge/image/fuse_loader.h"
+#include "edge/qemu.h"
+#include "common/sha256.h"
 #include "image/layer_builder.h"
 #include "image/oci_import.h"
 #include "platform/platform.h"
@@ -89,6 +91,9 @@ const char* kUsage = R"(usage: dsec COMMAND [OPTIONS]
         if a probe guest runs on /dev/kvm, else TCG); --microvm-boot-timeout-s S (default
         120); --microvm-guest-dir DIR (default microvm-guest/ beside dsec-aether);
         --qemu PATH (default qemu-system-x86_64). See docs/microvm.md
+     --vm-boot-timeout-s S: how long a vm sandbox's qemu-guest-agent may take to answer
+        after QEMU starts (default 300; one retry); --qemu-img PATH (default qemu-img).
+        The vm backend uses --microvm-accel's choice too. See docs/vm.md
   platform [--data-dir DIR] [--listen HOST:PORT] [--store ...] [--join-token-file F]
            [--heartbeat-timeout-s S] [--max-inflight N] [--admission-wait-s S]
         The control plane alone (API, store, scheduler): edges join it with the
@@ -105,6 +110,9 @@ const char* kUsage = R"(usage: dsec COMMAND [OPTIONS]
         Build EROFS layers from a root filesystem (dir or tarball), an OCI image
         layout (dir or tar) or a `docker save` archive (one layer per image layer);
         the image config's User, Env and WorkingDir become the sandboxes' defaults
+  image import --kind disk --name NAME[:TAG] PATH
+        Store a bootable disk image (qcow2 or raw, with its own kernel and init, e.g. a
+        cloud image with qemu-guest-agent) for backend vm (docs/vm.md)
   image ls
   image tag SRC NAME[:TAG]
   image rm NAME[:TAG]...
@@ -384,6 +392,11 @@ int cmdUp(const Args& a) {
   }
   eo.microvmGuestDir = a.get("microvm-guest-dir", "");
   eo.qemuPath = a.get("qemu", "qemu-system-x86_64");
+  eo.qemuImgPath = a.get("qemu-img", "qemu-img");
+  if (!a.get("vm-boot-timeout-s").empty()) {
+    eo.vmBootTimeoutS = std::atof(a.get("vm-boot-timeout-s").c_str());
+    if (eo.vmBootTimeoutS <= 0) return die("--vm-boot-timeout-s must be positive");
+  }
   platform::Store* st = store->get();
   eo.lookup = [dataDir, st](const std::string& digest) {
     return platform::Platform::describeLayer(st, dataDir, digest);
@@ -512,6 +525,41 @@ int apiError(const http::ClientResponse& r) {
   return 1;
 }
 
+// A bootable disk image for backend vm (docs/vm.md): checked with qemu-img
+// (qcow2 or raw, no backing or external data file), stored whole as one blob.
+int importDisk(http::Client& c, const std::string& name, const std::string& tag,
+               const std::string& path) {
+  std::string qemuImg = edge::qemu::which("qemu-img");
+  if (qemuImg.empty()) return die("qemu-img not found (install qemu-utils)");
+  auto info = edge::inspectDisk(qemuImg, path);
+  if (!info.isOk()) return die(info.status().message());
+  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (!fd) return die("open " + path + ": " + std::strerror(errno));
+  Sha256 h;
+  std::string buf(1 << 20, '\0');
+  int64_t size = 0;
+  for (;;) {
+    ssize_t n = ::read(fd.get(), buf.data(), buf.size());
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return die("read " + path + ": " + std::strerror(errno));
+    if (n == 0) break;
+    h.update(buf.data(), size_t(n));
+    size += n;
+  }
+  std::string digest = "sha256:" + h.hexDigest();
+  auto up = c.uploadFile("PUT", "/v1/blobs/" + digest, path);
+  if (!up.isOk()) return die(up.status().toString());
+  if (up->status != 201) return apiError(*up);
+  json body = {{"name", name}, {"tag", tag}, {"layers", {digest}}, {"kind", "disk"}};
+  auto r = c.request("POST", "/v1/images", body.dump());
+  if (!r.isOk()) return die(r.status().toString());
+  if (r->status != 201) return apiError(*r);
+  std::cout << digest << "\n";
+  std::cerr << "imported " << name << ":" << tag << ": disk image (" << info->format << ", "
+            << (info->virtualSize >> 20) << " MiB virtual, " << size << " bytes)\n";
+  return 0;
+}
+
 int cmdImage(const Args& a) {
   if (a.positional.size() < 2) return die("usage: dsec image import|ls");
   auto client = connectClient(a);
@@ -558,6 +606,7 @@ int cmdImage(const Args& a) {
   if (ref.empty()) return die("--name is required");
   std::string name, tag;
   if (Status st = platform::parseImageRef(ref, name, tag); !st.isOk()) return die(st.message());
+  if (a.get("kind") == "disk") return importDisk(c, name, tag, a.positional[2]);
   std::string work = "/var/tmp/dsec-import-" + randomHex(6);
   std::string fmt = a.get("format", "auto");
   image::ArchiveFormat format;

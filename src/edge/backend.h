@@ -41,6 +41,19 @@ struct SandboxSpec {
   bool spread = true;
 };
 
+// One computer-use action on a sandbox's screen (backend vm, docs/vm.md):
+// kind "type" (text), "key" (key: a combination like "ctrl+c"), or "mouse"
+// (x, y in screen pixels; button "left"/"right"/"middle"/"wheel-up"/
+// "wheel-down", or empty to only move).
+struct InputAction {
+  std::string kind;
+  std::string text;
+  std::string key;
+  int x = 0;
+  int y = 0;
+  std::string button;
+};
+
 // A running sandbox as its backend made it. Owned by the Edge.
 class Instance {
  public:
@@ -63,6 +76,15 @@ class Instance {
   // The host pid of the sandbox's PID 1 (recorded so a restarted edge can
   // find it again), -1 when there is none.
   virtual pid_t initPid() const { return -1; }
+  // Computer use, where the sandbox has a display (backend vm): the screen
+  // as PNG bytes, and keyboard/mouse input. kFailedPrecondition elsewhere.
+  virtual Result<std::string> screenshot() {
+    return Status(Code::kFailedPrecondition, "this backend has no display (use backend vm)");
+  }
+  virtual Status input(const InputAction& action) {
+    (void)action;
+    return Status(Code::kFailedPrecondition, "this backend has no display (use backend vm)");
+  }
 };
 
 struct SandboxState;

@@ -69,7 +69,8 @@ Result<std::unique_ptr<Edge>> Edge::start(EdgeOptions opts) {
   for (auto& s : e->stateDir_->loadAll()) {
     auto started = processStartTime(s.pid);
     // fncall sandboxes are container sandboxes underneath (backends/fncall).
-    if ((s.backend == "container" || s.backend == "fncall" || s.backend == "microvm") &&
+    if ((s.backend == "container" || s.backend == "fncall" || s.backend == "microvm" ||
+         s.backend == "vm") &&
         started.isOk() &&
         *started == s.startTime) {
       keep.insert(s.spec.id);
@@ -124,6 +125,29 @@ Result<std::unique_ptr<Edge>> Edge::start(EdgeOptions opts) {
               (e->microvm_.available ? "on " + e->microvm_.accelerator + " (" +
                                            e->microvm_.reason + ")"
                                      : "unavailable: " + e->microvm_.reason));
+  }
+  {
+    VmOptions vo;
+    vo.qemuPath = e->opts_.qemuPath;
+    vo.qemuImgPath = e->opts_.qemuImgPath;
+    vo.vmRoot = e->opts_.dataDir + "/vm";
+    vo.baseDir = e->opts_.dataDir + "/vm-bases";
+    vo.logDir = e->opts_.dataDir + "/vm-logs";
+    vo.bootTimeoutS = e->opts_.vmBootTimeoutS;
+    vo.accel = e->opts_.microvmAccel;
+    e->vm_ = probeVm(vo);
+    if (e->vm_.available) {
+      ASSIGN_OR_RETURN(auto vm, VmBackend::make(vo, e->vm_, e->cgroups_.get(), e->cache_.get(),
+                                                e->reactor_.get(), keep));
+      if (int orphans = vm->cleanupOrphans(); orphans > 0) {
+        log::warn("removed leftovers of " + std::to_string(orphans) + " orphan vms");
+        e->countOrphans("sandbox", orphans);
+      }
+      e->backends_["vm"] = std::move(vm);
+    }
+    log::info(std::string("edge: vm backend ") +
+              (e->vm_.available ? "on " + e->vm_.accelerator + " (" + e->vm_.reason + ")"
+                                : "unavailable: " + e->vm_.reason));
   }
   // The egress filter covers every sandbox of this edge from here on; where
   // it cannot run, no sandbox gets egress (each stays on its own loopback).
@@ -278,7 +302,8 @@ std::string Edge::describe() const {
          (filter_ ? "by policy (eBPF filter at " + cgroups_->v2Parent() + ")"
                   : "unavailable: " + egressWhy_) +
          ", user namespaces " + userns_.reason + ", backends: container" +
-         (microvm_.available ? ", microvm (" + microvm_.accelerator + ")" : "");
+         (microvm_.available ? ", microvm (" + microvm_.accelerator + ")" : "") +
+         (vm_.available ? ", vm (" + vm_.accelerator + ")" : "");
 }
 
 void Edge::setDeathHandler(std::function<void(const std::string&, const std::string&)> h) {
@@ -306,6 +331,10 @@ Status Edge::create(const std::string& backend, const SandboxSpec& spec) {
     if (backend == "microvm") {
       return Status(Code::kFailedPrecondition,
                     "backend microvm is not available on this node: " + microvm_.reason);
+    }
+    if (backend == "vm") {
+      return Status(Code::kFailedPrecondition,
+                    "backend vm is not available on this node: " + vm_.reason);
     }
     return invalidArg("backend", "backend '" + backend + "' is not available on this node");
   }
@@ -433,9 +462,11 @@ Status Edge::setEgress(const std::string& id, const std::vector<net::EgressRule>
     inst = it->second;
     if (auto c = egressCg_.find(id); c != egressCg_.end()) cg = c->second;
     if (auto b = backendOf_.find(id); !rules.empty() && b != backendOf_.end() &&
-                                      b->second->name() == "microvm") {
+                                      (b->second->name() == "microvm" ||
+                                       b->second->name() == "vm")) {
       return Status(Code::kFailedPrecondition,
-                    "egress is not supported for backend microvm (its VM has no network device)",
+                    "egress is not supported for backend " + b->second->name() +
+                        " (its VM has no network device)",
                     0, "egress");
     }
   }
@@ -745,6 +776,18 @@ Result<image::BuiltLayer> Edge::packDiff(const std::string& id, const std::strin
   Status thaw = inst->freeze(false);
   if (!thaw.isOk()) log::error("pack_diff " + id + ": thaw: " + thaw.toString());
   return layer;
+}
+
+Result<std::string> Edge::screenshot(const std::string& id) {
+  auto inst = find(id);
+  if (!inst) return notRunning(id);
+  return inst->screenshot();
+}
+
+Status Edge::input(const std::string& id, const InputAction& action) {
+  auto inst = find(id);
+  if (!inst) return notRunning(id);
+  return inst->input(action);
 }
 
 Result<CgroupStats> Edge::stats(const std::string& id) {

@@ -17,6 +17,7 @@
 #include "edge/backend.h"
 #include "edge/backends/microvm/microvm_backend.h"
 #include "edge/edge_link.h"
+#include "edge/backends/vm/vm_backend.h"
 #include "edge/cgroup.h"
 #include "edge/image/layer_cache.h"
 #include "edge/net/egress_filter.h"
@@ -65,6 +66,11 @@ struct EdgeOptions {
   std::string qemuPath = "qemu-system-x86_64";
   double microvmBootTimeoutS = 120;
   std::string microvmAccel = "auto";
+  // The vm backend (docs/vm.md): QEMU as above, qemu-img, the deadline for
+  // qemu-guest-agent to answer after QEMU starts; the accelerator is
+  // microvmAccel's choice.
+  std::string qemuImgPath = "qemu-img";
+  double vmBootTimeoutS = 300;
 };
 
 // The in-process node: every EdgeLink method is the one below.
@@ -147,6 +153,12 @@ class Edge : public EdgeLink {
   const Userns& userns() const { return userns_; }
   // Whether microvms run here, on which accelerator, and why - fixed at start.
   const MicroVmProbe& microvm() const { return microvm_; }
+  // Whether full VMs (backend vm) run here, on which accelerator, and why.
+  const VmProbe& vm() const override { return vm_; }
+  // Computer use on a sandbox with a display (backend vm): the screen as
+  // PNG, and one input action. kFailedPrecondition for other backends.
+  Result<std::string> screenshot(const std::string& id) override;
+  Status input(const std::string& id, const InputAction& action) override;
 
  private:
   Edge() = default;
@@ -168,6 +180,7 @@ class Edge : public EdgeLink {
   std::string diskQuotaInfo_;  // the container backend's, set at start
   Userns userns_;              // detected at start, then read-only
   MicroVmProbe microvm_;       // probed at start, then read-only
+  VmProbe vm_;                 // probed at start, then read-only
   std::unique_ptr<net::EgressFilter> filter_;  // null when egressWhy_ says why
   std::string egressWhy_;
 

@@ -28,6 +28,7 @@ namespace dsec::edge {
 
 class NodeCache;
 struct MicroVmProbe;
+struct VmProbe;
 
 struct ExecSpec {
   std::vector<std::string> argv;
@@ -102,6 +103,10 @@ class EdgeLink {
   virtual const std::map<std::string, std::vector<std::string>>& fncallLanguages() const = 0;
   virtual const Userns& userns() const = 0;
   virtual const MicroVmProbe& microvm() const = 0;
+  virtual const VmProbe& vm() const = 0;
+  // Computer use (backend vm): the screen as PNG, one input action.
+  virtual Result<std::string> screenshot(const std::string& id) = 0;
+  virtual Status input(const std::string& id, const InputAction& action) = 0;
   // The node cache of an in-process edge; null for a remote or simulated one.
   virtual NodeCache* localNodeCache() = 0;
 

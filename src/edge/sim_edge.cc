@@ -8,6 +8,7 @@ namespace dsec::edge {
 SimEdge::SimEdge(SimOptions opts) : opts_(opts) {
   userns_.reason = "simulated node";
   microvm_.reason = "simulated node";
+  vm_.reason = "simulated node";
 }
 
 void SimEdge::delay() const {
@@ -132,6 +133,14 @@ std::vector<std::string> SimEdge::sandboxIds() const {
   std::vector<std::string> ids;
   for (auto& [id, _] : sandboxes_) ids.push_back(id);
   return ids;
+}
+
+Result<std::string> SimEdge::screenshot(const std::string& id) {
+  return Status(Code::kFailedPrecondition, "sandbox " + id + " has no display (simulated node)");
+}
+
+Status SimEdge::input(const std::string& id, const InputAction&) {
+  return Status(Code::kFailedPrecondition, "sandbox " + id + " has no display (simulated node)");
 }
 
 }  // namespace dsec::edge

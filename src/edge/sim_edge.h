@@ -12,6 +12,7 @@
 #include <string>
 
 #include "edge/backends/microvm/microvm_backend.h"
+#include "edge/backends/vm/vm_backend.h"
 #include "edge/edge_link.h"
 
 namespace dsec::edge {
@@ -55,6 +56,9 @@ class SimEdge : public EdgeLink {
   }
   const Userns& userns() const override { return userns_; }
   const MicroVmProbe& microvm() const override { return microvm_; }
+  const VmProbe& vm() const override { return vm_; }
+  Result<std::string> screenshot(const std::string& id) override;
+  Status input(const std::string& id, const InputAction& action) override;
   NodeCache* localNodeCache() override { return nullptr; }
 
   int64_t capacity() const { return opts_.capacity; }
@@ -69,6 +73,7 @@ class SimEdge : public EdgeLink {
   std::map<std::string, std::vector<std::string>> languages_;
   Userns userns_;
   MicroVmProbe microvm_;
+  VmProbe vm_;
 };
 
 }  // namespace dsec::edge

@@ -45,7 +45,7 @@ json imageToApi(const ImageRecord& r) {
 }
 
 bool validKind(const std::string& k) {
-  return k == "base" || k == "workspace" || k == "toolkit" || k == "diff";
+  return k == "base" || k == "workspace" || k == "toolkit" || k == "diff" || k == "disk";
 }
 
 }  // namespace
@@ -193,7 +193,8 @@ void Platform::createImage(http::Request& req, http::Response& res) {
     auto kind = getString(*j, "kind", "base", 16);
     if (!kind.isOk()) return sendError(res, kind.status());
     if (!validKind(*kind)) {
-      return sendError(res, invalidArg("kind", "kind must be base, workspace, toolkit or diff"));
+      return sendError(res,
+                       invalidArg("kind", "kind must be base, workspace, toolkit, diff or disk"));
     }
     r.kind = *kind;
     if (auto config = j->find("config"); config != j->end()) {
@@ -204,6 +205,10 @@ void Platform::createImage(http::Request& req, http::Response& res) {
     auto layers = j->find("layers");
     if (layers == j->end() || !layers->is_array() || layers->empty() || layers->size() > 128) {
       return sendError(res, invalidArg("layers", "layers must be a list of 1 to 128 digests"));
+    }
+    // A disk image (backend vm, docs/vm.md) is one bootable qcow2/raw blob.
+    if (r.kind == "disk" && layers->size() != 1) {
+      return sendError(res, invalidArg("layers", "a disk image is exactly one blob"));
     }
     for (auto& l : *layers) {
       if (!l.is_string() || !validDigest(l.get<std::string>())) {

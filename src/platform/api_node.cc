@@ -120,7 +120,13 @@ void Platform::getNode(http::Response& res) {
                    {"accelerator", edge_->microvm().accelerator.empty()
                                        ? json(nullptr)
                                        : json(edge_->microvm().accelerator)},
-                   {"reason", edge_->microvm().reason}}}}},
+                   {"reason", edge_->microvm().reason}}},
+                 {"vm",
+                  {{"available", edge_->vm().available},
+                   {"accelerator", edge_->vm().accelerator.empty()
+                                       ? json(nullptr)
+                                       : json(edge_->vm().accelerator)},
+                   {"reason", edge_->vm().reason}}}}},
                {"egress",
                 {{"available", edge_->egressUnavailable().empty()},
                  {"unavailable_reason", edge_->egressUnavailable()},

@@ -113,9 +113,10 @@ void Platform::createSandbox(http::Request& req, http::Response& res) {
     if (!backend.isOk()) return fail(backend.status());
     // microvm is known; whether this node can run it is the edge's to say
     // (409 with the reason when it cannot).
-    if (*backend != "container" && *backend != "fncall" && *backend != "microvm") {
+    if (*backend != "container" && *backend != "fncall" && *backend != "microvm" &&
+        *backend != "vm") {
       return fail(invalidArg("backend", "unknown backend '" + *backend +
-                                            "' (known: container, fncall, microvm)"));
+                                            "' (known: container, fncall, microvm, vm)"));
     }
     r.backend = *backend;
     auto cpu = getNumber(j, "cpu", 1.0, 0.05, 64);
@@ -157,10 +158,11 @@ void Platform::createSandbox(http::Request& req, http::Response& res) {
     auto found = policies_->find(*policy, "policy");
     if (!found.isOk()) return fail(found.status());
     // A microvm has no network device (docs/microvm.md): refused before it boots.
-    if (r.backend == "microvm" && (!found->egress.empty() || !found->dns.empty())) {
+    if ((r.backend == "microvm" || r.backend == "vm") &&
+        (!found->egress.empty() || !found->dns.empty())) {
       return fail(Status(Code::kFailedPrecondition,
-                         "policy '" + *policy +
-                             "' grants egress, which backend microvm does not support",
+                         "policy '" + *policy + "' grants egress, which backend " + r.backend +
+                             " does not support",
                          0, "policy"));
     }
     r.policy = *policy;
@@ -224,10 +226,14 @@ void Platform::createSandbox(http::Request& req, http::Response& res) {
   };
   image::ImageConfig imageConfig;  // none for a bare layer digest
   {
+    // A vm boots a disk image (kind disk, docs/vm.md); every other backend
+    // stacks layers. Each refuses the other's.
+    std::string imageKind;
     if (startsWith(r.image, "sha256:")) {
       auto base = resolveLayers(r.image, "", "image");
       if (!base.isOk()) return fail(base.status());
       r.layers = *base;
+      if (auto blob = store_->getBlob(r.image); blob.isOk()) imageKind = blob->kind;
     } else {
       // One read, so layers and config come from the same version of the image.
       std::string name, tag;
@@ -239,6 +245,26 @@ void Platform::createSandbox(http::Request& req, http::Response& res) {
       r.layers = img->layers;
       imageConfig = img->config;
       r.image = name + ":" + tag;
+      imageKind = img->kind;
+    }
+    if (r.backend == "vm" && imageKind != "disk") {
+      return fail(Status(Code::kConflict,
+                         "backend vm boots a disk image (dsec image import --kind disk); " +
+                             r.image + " is a " + (imageKind.empty() ? "layer" : imageKind) +
+                             " image",
+                         0, "image"));
+    }
+    if (r.backend != "vm" && imageKind == "disk") {
+      return fail(Status(Code::kConflict,
+                         r.image + " is a disk image: it boots only with backend vm", 0,
+                         "image"));
+    }
+    if (r.backend == "vm") {
+      for (const char* f : {"workspaces", "toolkits", "diffs", "snapshot"}) {
+        if (j.contains(f)) {
+          return fail(invalidArg(f, std::string(f) + " do not apply to backend vm (one disk image)"));
+        }
+      }
     }
     for (auto [field, kind, asked] :
          {std::tuple{"workspaces", "workspace", &r.workspaces},

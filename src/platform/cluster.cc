@@ -7,6 +7,7 @@
 #include "common/log.h"
 #include "common/util.h"
 #include "edge/backends/microvm/microvm_backend.h"
+#include "edge/backends/vm/vm_backend.h"
 #include "edge/edge_wire.h"
 
 namespace dsec::platform {
@@ -44,6 +45,14 @@ std::string bearer(http::Request& req) {
 const edge::MicroVmProbe& noMicrovm() {
   static const edge::MicroVmProbe p = [] {
     edge::MicroVmProbe x;
+    x.reason = "no node runs in this platform process";
+    return x;
+  }();
+  return p;
+}
+const edge::VmProbe& noVm() {
+  static const edge::VmProbe p = [] {
+    edge::VmProbe x;
     x.reason = "no node runs in this platform process";
     return x;
   }();
@@ -450,6 +459,18 @@ const edge::Userns& Cluster::userns() const {
 const edge::MicroVmProbe& Cluster::microvm() const {
   auto* l = localLink();
   return l ? l->microvm() : noMicrovm();
+}
+const edge::VmProbe& Cluster::vm() const {
+  auto* l = localLink();
+  return l ? l->vm() : noVm();
+}
+Result<std::string> Cluster::screenshot(const std::string& id) {
+  ROUTE(id);
+  return link->screenshot(id);
+}
+Status Cluster::input(const std::string& id, const edge::InputAction& action) {
+  ROUTE(id);
+  return link->input(id, action);
 }
 edge::NodeCache* Cluster::localNodeCache() {
   auto* l = localLink();

@@ -108,6 +108,9 @@ class Cluster : public edge::EdgeLink {
   const std::map<std::string, std::vector<std::string>>& fncallLanguages() const override;
   const edge::Userns& userns() const override;
   const edge::MicroVmProbe& microvm() const override;
+  const edge::VmProbe& vm() const override;
+  Result<std::string> screenshot(const std::string& id) override;
+  Status input(const std::string& id, const edge::InputAction& action) override;
   edge::NodeCache* localNodeCache() override;
   std::string nodeOf(const std::string& id) const override;
   void bindSandbox(const std::string& id, const std::string& node,

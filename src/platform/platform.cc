@@ -406,6 +406,14 @@ void Platform::handle(http::Request& req, http::Response& res) {
       if (m == "GET") return getAudit(id, res);
       return methodNotAllowed();
     }
+    if (n == 5 && parts[4] == "screenshot") {  // backend vm (api_computer.cc)
+      if (m == "GET") return screenshot(id, res);
+      return methodNotAllowed();
+    }
+    if (n == 5 && parts[4] == "input") {
+      if (m == "POST") return sendInput(id, req, res);
+      return methodNotAllowed();
+    }
     if (n == 5 && parts[4] == "pack_diff") {
       if (m == "POST") return packDiff(id, req, res);
       return methodNotAllowed();

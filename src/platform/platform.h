@@ -115,6 +115,10 @@ class Platform {
   // and stores it; returns the image.
   Result<ImageRecord> packDiffImage(const std::string& id, ImageRecord img);
   void getAudit(const std::string& id, http::Response& res);
+  // Computer use (api_computer.cc, backend vm): the screen as PNG, and
+  // keyboard/mouse input.
+  void screenshot(const std::string& id, http::Response& res);
+  void sendInput(const std::string& id, http::Request& req, http::Response& res);
   void setPhase(const std::string& id, http::Request& req, http::Response& res);
   void pauseSandbox(const std::string& id, bool pause, http::Response& res);
   // The janitor's: pauses a running sandbox that has been idle (auto_pause_s).

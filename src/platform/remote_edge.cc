@@ -22,6 +22,7 @@ RemoteEdge::RemoteEdge(std::string url, std::string key)
     : url_(std::move(url)), key_(std::move(key)) {
   userns_.reason = "remote node";
   microvm_.reason = "remote node";
+  vm_.reason = "remote node";
 }
 
 RemoteEdge::~RemoteEdge() = default;
@@ -223,6 +224,16 @@ Result<image::BuiltLayer> RemoteEdge::packDiff(const std::string& id, const std:
 
 Status RemoteEdge::evictLayer(const std::string& digest) {
   return call("POST", "/edge/v1/layers/" + http::percentEncode(digest) + "/evict").status();
+}
+
+Result<std::string> RemoteEdge::screenshot(const std::string& id) {
+  return Status(Code::kFailedPrecondition,
+                "computer use is not carried to remote nodes yet (sandbox " + id + ")");
+}
+
+Status RemoteEdge::input(const std::string& id, const edge::InputAction&) {
+  return Status(Code::kFailedPrecondition,
+                "computer use is not carried to remote nodes yet (sandbox " + id + ")");
 }
 
 }  // namespace dsec::platform

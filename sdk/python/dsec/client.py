@@ -319,6 +319,10 @@ class Client:
         (per-call rlimits, default cwd ``/scratch``, its processes killed when
         it ends), :meth:`Sandbox.run` runs code, and file calls may change
         only ``/scratch``, whose files persist for the sandbox's lifetime.
+        ``backend="vm"`` boots a ``disk`` image (``dsec image import --kind
+        disk``) as a full QEMU machine (docs/vm.md): exec and files through
+        qemu-guest-agent, and :meth:`Sandbox.screenshot`, :meth:`Sandbox.type`,
+        :meth:`Sandbox.key`, :meth:`Sandbox.mouse` for computer use.
         Raises NotFound for an unknown image, InvalidArgument (with ``field``)
         for a bad parameter. ``extra`` keys are sent as they are.
         """
@@ -582,8 +586,9 @@ class Client:
                      visibility: Optional[str] = None) -> Image:
         """Creates (or replaces) ``name:tag`` from uploaded layer digests, bottom first.
 
-        ``kind`` is base, workspace, toolkit or diff; a layer keeps the kind of
-        the first image that names it (Conflict otherwise). ``config``
+        ``kind`` is base, workspace, toolkit, diff or disk (one bootable blob
+        for backend vm, docs/vm.md); a layer keeps the kind of the first image
+        that names it (Conflict otherwise). ``config``
         (``{"user": ..., "env": ["K=V", ...], "working_dir": ...}``, each key
         optional) sets the defaults of sandboxes created from the image; a bad
         value raises InvalidArgument with ``field`` ``config.<key>``.
@@ -846,6 +851,38 @@ class Sandbox:
         a trainer can flag trajectories that probed their sandbox or its
         network."""
         return self.client._call("GET", f"/v1/sandboxes/{_q(self.id)}/audit")
+
+    # ----- computer use (backend "vm") --------------------------------------------
+
+    def screenshot(self, timeout: Optional[float] = None) -> bytes:
+        """The sandbox's screen as PNG bytes (``GET .../screenshot``). Only a
+        ``backend="vm"`` sandbox has a display; others raise
+        ``failed_precondition``."""
+        return self.client._call("GET", self._p("/screenshot"), raw=True,
+                                 headers={"Accept": "image/png"}, timeout=timeout)
+
+    def _input(self, body: Dict[str, Any]) -> None:
+        self.client._call("POST", self._p("/input"), json_body=body,
+                          timeout=max(self.client.timeout, 60.0))
+
+    def mouse(self, x: int, y: int, button: Optional[str] = "left") -> None:
+        """Moves the pointer to screen pixel (x, y) and clicks ``button``
+        (``left``, ``right``, ``middle``, ``wheel-up``, ``wheel-down``; None
+        only moves)."""
+        body: Dict[str, Any] = {"type": "mouse", "x": int(x), "y": int(y)}
+        if button:
+            body["button"] = button
+        self._input(body)
+
+    def type(self, text: str) -> None:
+        """Types ``text`` on the keyboard (printable ASCII, ``\\n`` is Return,
+        ``\\t`` Tab; US layout)."""
+        self._input({"type": "type", "text": text})
+
+    def key(self, combo: str) -> None:
+        """Presses a key combination such as ``"ctrl+c"``, ``"Return"`` or
+        ``"ctrl+alt+delete"`` (QEMU key names or common aliases)."""
+        self._input({"type": "key", "key": combo})
 
     def destroy(self) -> "Sandbox":
         """Stops and removes the sandbox (repeat calls are fine)."""

@@ -23,6 +23,7 @@
 
 #include "common/log.h"
 #include "common/util.h"
+#include "edge/qemu.h"
 #include "edge/sandbox_state.h"
 
 namespace dsec::edge {
@@ -38,162 +39,15 @@ constexpr int64_t kQemuOverheadBytes = 256ll << 20;
 constexpr int kTbSizeMb = 64;
 constexpr int64_t kMinGuestMemory = 128ll << 20;
 
-std::string which(const std::string& prog) {
-  if (prog.find('/') != std::string::npos) return ::access(prog.c_str(), X_OK) == 0 ? prog : "";
-  const char* path = ::getenv("PATH");
-  for (auto& dir : splitString(path ? path : "/usr/bin:/bin", ':')) {
-    std::string p = dir + "/" + prog;
-    if (::access(p.c_str(), X_OK) == 0) return p;
-  }
-  return "";
-}
+using qemu::connectUnix;
+using qemu::exited;
 
-// Runs a real-mode guest of five bytes through /dev/kvm: `mov al, 0x42; out
-// 0x10, al; hlt`. Where KVM works the vCPU exits with that port write, then
-// the halt. Runs in a child process the caller bounds in time, since a broken
-// KVM may hang KVM_RUN. Exit code 0 means KVM works.
-int kvmProbeChild() {
-  int kvm = ::open("/dev/kvm", O_RDWR | O_CLOEXEC);
-  if (kvm < 0) return 10;
-  if (::ioctl(kvm, KVM_GET_API_VERSION, 0) != 12) return 11;
-  int vm = ::ioctl(kvm, KVM_CREATE_VM, 0);
-  if (vm < 0) return 12;
-  void* mem = ::mmap(nullptr, 0x1000, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
-  if (mem == MAP_FAILED) return 13;
-  const unsigned char code[] = {0xb0, 0x42, 0xe6, 0x10, 0xf4};
-  std::memcpy(mem, code, sizeof code);
-  struct kvm_userspace_memory_region region = {};
-  region.slot = 0;
-  region.guest_phys_addr = 0x1000;
-  region.memory_size = 0x1000;
-  region.userspace_addr = reinterpret_cast<uint64_t>(mem);
-  if (::ioctl(vm, KVM_SET_USER_MEMORY_REGION, &region) < 0) return 14;
-  int vcpu = ::ioctl(vm, KVM_CREATE_VCPU, 0);
-  if (vcpu < 0) return 15;
-  int runSize = ::ioctl(kvm, KVM_GET_VCPU_MMAP_SIZE, 0);
-  if (runSize <= 0) return 16;
-  auto* run = static_cast<struct kvm_run*>(
-      ::mmap(nullptr, size_t(runSize), PROT_READ | PROT_WRITE, MAP_SHARED, vcpu, 0));
-  if (run == MAP_FAILED) return 17;
-  struct kvm_sregs sregs;
-  if (::ioctl(vcpu, KVM_GET_SREGS, &sregs) < 0) return 18;
-  sregs.cs.base = 0;
-  sregs.cs.selector = 0;
-  if (::ioctl(vcpu, KVM_SET_SREGS, &sregs) < 0) return 19;
-  struct kvm_regs regs = {};
-  regs.rip = 0x1000;
-  regs.rax = 0;
-  regs.rflags = 0x2;
-  if (::ioctl(vcpu, KVM_SET_REGS, &regs) < 0) return 20;
-  bool sawOut = false;
-  for (int i = 0; i < 16; ++i) {
-    if (::ioctl(vcpu, KVM_RUN, 0) < 0) return 21;
-    if (run->exit_reason == KVM_EXIT_IO) {
-      auto* data = reinterpret_cast<unsigned char*>(run) + run->io.data_offset;
-      if (run->io.direction != KVM_EXIT_IO_OUT || run->io.port != 0x10 || *data != 0x42) return 22;
-      sawOut = true;
-      continue;
-    }
-    if (run->exit_reason == KVM_EXIT_HLT) return sawOut ? 0 : 23;
-    return 24;  // an emulation failure, shutdown, internal error...
-  }
-  return 25;
-}
-
-// "" when KVM ran the probe guest, else why not.
-std::string probeKvm() {
-  if (::access("/dev/kvm", R_OK | W_OK) != 0) return "no usable /dev/kvm";
-  pid_t pid = ::fork();
-  if (pid < 0) return std::string("fork: ") + std::strerror(errno);
-  if (pid == 0) ::_exit(kvmProbeChild());
-  int status = 0;
-  double deadline = monoSeconds() + 3;
-  for (;;) {
-    pid_t r = ::waitpid(pid, &status, WNOHANG);
-    if (r == pid) break;
-    if (monoSeconds() > deadline) {
-      ::kill(pid, SIGKILL);
-      ::waitpid(pid, &status, 0);
-      return "/dev/kvm hung running a probe guest";
-    }
-    ::usleep(2000);
-  }
-  if (WIFEXITED(status) && WEXITSTATUS(status) == 0) return "";
-  int code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return "/dev/kvm could not run a real-mode probe guest (step " + std::to_string(code) +
-         "; paravirtual or nested KVM?)";
-}
-
-// A unix socket path may exceed sun_path; connect through the directory's fd.
-Result<UniqueFd> connectUnix(int dirFd, const std::string& name) {
-  UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
-  if (!fd) return sysError("socket");
-  struct sockaddr_un addr = {};
-  addr.sun_family = AF_UNIX;
-  std::string path = "/proc/self/fd/" + std::to_string(dirFd) + "/" + name;
-  std::snprintf(addr.sun_path, sizeof addr.sun_path, "%s", path.c_str());
-  if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
-    return sysError("connect " + name);
-  }
-  return fd;
-}
-
-// One QMP command on a fresh connection (QEMU serves one client at a time).
+// One QMP command; its reply as the caller needs it.
 Result<json> qmp(const std::string& dir, const std::string& command) {
-  UniqueFd d(::open(dir.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
-  if (!d) return sysError("open " + dir);
-  ASSIGN_OR_RETURN(UniqueFd fd, connectUnix(d.get(), "qmp.sock"));
-  struct timeval tv = {5, 0};
-  ::setsockopt(fd.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-  std::string buf;
-  auto nextMessage = [&]() -> Result<json> {
-    for (;;) {
-      size_t nl = buf.find('\n');
-      if (nl != std::string::npos) {
-        std::string line = buf.substr(0, nl);
-        buf.erase(0, nl + 1);
-        json j = json::parse(line, nullptr, false);
-        if (j.is_discarded()) return internalError("QMP: unparsable reply " + line);
-        if (j.contains("event")) continue;
-        return j;
-      }
-      char tmp[4096];
-      ssize_t n = ::read(fd.get(), tmp, sizeof tmp);
-      if (n < 0 && errno == EINTR) continue;
-      if (n <= 0) return Status(Code::kUnavailable, "QMP: connection closed");
-      buf.append(tmp, size_t(n));
-    }
-  };
-  auto call = [&](const std::string& cmd) -> Result<json> {
-    std::string line = json{{"execute", cmd}}.dump() + "\n";
-    if (::write(fd.get(), line.data(), line.size()) != ssize_t(line.size())) {
-      return sysError("QMP write");
-    }
-    ASSIGN_OR_RETURN(json r, nextMessage());
-    if (r.contains("error")) {
-      return internalError("QMP " + cmd + ": " + r["error"].value("desc", r.dump()));
-    }
-    return r;
-  };
-  ASSIGN_OR_RETURN(json greeting, nextMessage());
-  (void)greeting;
-  RETURN_IF_ERROR(call("qmp_capabilities").status());
-  return call(command);
+  return qemu::qmp(dir, command);
 }
 
-bool exited(int pidfd) {
-  struct pollfd p = {pidfd, POLLIN, 0};
-  return ::poll(&p, 1, 0) == 1;
-}
-
-std::string tail(const std::string& path, size_t max) {
-  auto text = readFile(path);
-  if (!text.isOk()) return "";
-  std::string s = *text;
-  if (s.size() > max) s = s.substr(s.size() - max);
-  while (!s.empty() && (s.back() == '\n' || s.back() == '\r')) s.pop_back();
-  return s;
-}
+std::string tail(const std::string& path, size_t max) { return qemu::tailFile(path, max); }
 
 class MicroVmInstance : public Instance {
  public:
@@ -229,17 +83,6 @@ class MicroVmInstance : public Instance {
   Cgroups* cgroups_ = nullptr;
 };
 
-std::vector<std::string> vmDirs(const std::string& root) {
-  std::vector<std::string> names;
-  if (DIR* d = ::opendir(root.c_str())) {
-    while (auto* e = ::readdir(d)) {
-      if (startsWith(e->d_name, "sb-")) names.emplace_back(e->d_name);
-    }
-    ::closedir(d);
-  }
-  return names;
-}
-
 Status runMkfs(const std::string& image) {
   pid_t pid = ::fork();
   if (pid < 0) return sysError("fork");
@@ -264,7 +107,7 @@ Status runMkfs(const std::string& image) {
 
 MicroVmProbe probeMicroVm(const MicroVmOptions& opts) {
   MicroVmProbe p;
-  p.qemu = which(opts.qemuPath);
+  p.qemu = qemu::which(opts.qemuPath);
   if (p.qemu.empty()) {
     p.reason = opts.qemuPath + " not found (install qemu-system-x86: scripts/install-deps.sh)";
     return p;
@@ -276,22 +119,8 @@ MicroVmProbe probeMicroVm(const MicroVmOptions& opts) {
       return p;
     }
   }
-  if (opts.accel == "tcg") {
-    p.accelerator = "tcg";
-    p.reason = "TCG as configured";
-  } else {
-    std::string why = probeKvm();
-    if (why.empty()) {
-      p.accelerator = "kvm";
-      p.reason = "KVM ran a probe guest";
-    } else if (opts.accel == "kvm") {
-      p.reason = "KVM required but unusable: " + why;
-      return p;
-    } else {
-      p.accelerator = "tcg";
-      p.reason = "TCG emulation: " + why;
-    }
-  }
+  p.accelerator = qemu::chooseAccel(opts.accel, &p.reason);
+  if (p.accelerator.empty()) return p;
   p.available = true;
   return p;
 }
@@ -312,7 +141,7 @@ Result<std::unique_ptr<MicroVmBackend>> MicroVmBackend::make(MicroVmOptions opts
   std::unique_ptr<MicroVmBackend> b(new MicroVmBackend(opts, probe, cgroups, layers, reactor));
   RETURN_IF_ERROR(makeDirs(opts.vmRoot, 0700));
   RETURN_IF_ERROR(makeDirs(opts.logDir, 0700));
-  for (auto& id : vmDirs(opts.vmRoot)) {
+  for (auto& id : qemu::sandboxDirs(opts.vmRoot)) {
     if (keep.count(id)) continue;
     b->removeOrphan(id);
     b->orphans_.insert(id);
@@ -367,51 +196,10 @@ Status MicroVmBackend::bootOnce(const SandboxSpec& spec, Boot& b, bool* hung) {
     if (!b.files[i].second.data.empty()) disk(l + "d", b.files[i].second.data, true);
   }
   disk("rw", "disk.img", false);
-  std::vector<char*> argv;
-  for (auto& a : args) argv.push_back(a.data());
-  argv.push_back(nullptr);
   for (const char* f : {"/agent.sock", "/qmp.sock", "/console.log"}) ::unlink((dir + f).c_str());
-  // There from the start, so a VM killed before QEMU opened it (a boot
-  // timeout on a loaded host) still leaves a console log to keep.
-  if (UniqueFd c(::open((dir + "/console.log").c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0600)); !c) {
-    return sysError("create console.log");
-  }
-
-  UniqueFd logFd(::open((dir + "/qemu.log").c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
-  if (!logFd) return sysError("open qemu.log");
-  int go[2];
-  if (::pipe2(go, O_CLOEXEC) != 0) return sysError("pipe");
-  UniqueFd goRd(go[0]), goWr(go[1]);
-  pid_t pid = ::fork();
-  if (pid < 0) return sysError("fork");
-  if (pid == 0) {
-    // Only async-signal-safe calls from here on: the edge has threads.
-    ::setsid();
-    int null = ::open("/dev/null", O_RDWR);
-    if (null < 0 || ::dup2(null, 0) < 0 || ::dup2(logFd.get(), 1) < 0 ||
-        ::dup2(logFd.get(), 2) < 0) {
-      ::_exit(120);
-    }
-    // No host network (a fresh, empty netns), nor the host's IPC or hostname;
-    // mounts it makes stay its own.
-    if (::unshare(CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS) != 0) ::_exit(121);
-    char c;
-    if (::read(goRd.get(), &c, 1) != 1) ::_exit(122);  // in its cgroup by now
-    if (::chdir(dir.c_str()) != 0) ::_exit(123);
-    if (syscall(SYS_close_range, 3, ~0U, 0) != 0) ::_exit(124);
-    ::execv(argv[0], argv.data());
-    ::_exit(125);
-  }
-  goRd.reset();
-  logFd.reset();
-  int pidfd = int(syscall(SYS_pidfd_open, pid, 0));
-  if (pidfd < 0) {
-    ::kill(pid, SIGKILL);
-    ::waitpid(pid, nullptr, 0);
-    return sysError("pidfd_open");
-  }
-  inst.pid_ = pid;
-  inst.pidfd_.reset(pidfd);
+  ASSIGN_OR_RETURN(qemu::Process proc, qemu::spawnConfined(args, dir, cgroups_, spec.id));
+  inst.pid_ = proc.pid;
+  inst.pidfd_ = std::move(proc.pidfd);
   auto abandon = [&](Status st) -> Status {
     if (inst.conn_) {
       reactor_->remove(inst.conn_);
@@ -422,10 +210,6 @@ Status MicroVmBackend::bootOnce(const SandboxSpec& spec, Boot& b, bool* hung) {
     inst.pid_ = -1;
     return st;
   };
-  if (Status st = cgroups_->attach(spec.id, pid); !st.isOk()) return abandon(st);
-  if (::write(goWr.get(), "g", 1) != 1) return abandon(sysError("write go pipe"));
-  goWr.reset();
-
   double deadline = monoSeconds() + opts_.bootTimeoutS;
   auto qemuFailed = [&]() {
     std::string why = tail(dir + "/qemu.log", 600);
@@ -457,6 +241,10 @@ Status MicroVmBackend::bootOnce(const SandboxSpec& spec, Boot& b, bool* hung) {
   // The guest speaks only once it has this (guest_init.cc); QEMU holds it
   // until the guest opens its port.
   if (Status st = inst.conn_->send(0, proto::FrameType::kInit, "{}"); !st.isOk()) {
+    // A QEMU that failed at once (a bad kernel) may close the socket just
+    // after accepting us: say why it exited rather than "broken pipe".
+    struct pollfd p = {inst.pidfd_.get(), POLLIN, 0};
+    if (::poll(&p, 1, 2000) == 1) return abandon(qemuFailed());
     return abandon(st);
   }
   // Wait for the hello, and notice a QEMU that died meanwhile.
@@ -668,26 +456,7 @@ MicroVmBackend::~MicroVmBackend() {
 }
 
 void MicroVmBackend::removeOrphan(const std::string& id) {
-  std::string dir = opts_.vmRoot + "/" + id;
-  // Its cgroup holds its QEMU: removing it kills that. A QEMU outside it (it
-  // died before being attached, or the cgroup is gone) by its recorded pid.
-  if (Status st = cgroups_->remove(id); !st.isOk()) log::error("orphan " + id + ": " + st.toString());
-  if (auto pid = readFile(dir + "/qemu.pid"); pid.isOk()) {
-    pid_t p = pid_t(std::atoi(pid->c_str()));
-    int fd = p > 0 ? int(syscall(SYS_pidfd_open, p, 0)) : -1;
-    if (fd >= 0) {
-      // Only if it still is a QEMU of this VM directory.
-      auto cwd = std::string(PATH_MAX, '\0');
-      ssize_t n = ::readlink(("/proc/" + std::to_string(p) + "/cwd").c_str(), cwd.data(), cwd.size());
-      if (n > 0 && cwd.substr(0, size_t(n)) == dir) {
-        syscall(SYS_pidfd_send_signal, fd, SIGKILL, nullptr, 0);
-        struct pollfd pf = {fd, POLLIN, 0};
-        ::poll(&pf, 1, 5000);
-      }
-      ::close(fd);
-    }
-  }
-  if (Status st = removeTree(dir); !st.isOk()) log::error("orphan " + id + ": " + st.toString());
+  qemu::removeLeftovers(cgroups_, id, opts_.vmRoot + "/" + id);
 }
 
 int MicroVmBackend::cleanupOrphans() { return int(std::exchange(orphans_, {}).size()); }

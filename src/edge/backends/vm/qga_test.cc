@@ -1,0 +1,213 @@
+// QgaBridge against a fake qemu-guest-agent: what agent-protocol requests
+// become in qga commands, and how qga's answers come back as frames.
+#include "edge/backends/vm/qga.h"
+
+#include <gtest/gtest.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <mutex>
+#include <thread>
+
+#include "common/base64.h"
+#include "common/util.h"
+
+namespace dsec::edge {
+namespace {
+
+using nlohmann::json;
+
+// Answers qga commands on one end of a socketpair; records what it was asked.
+class FakeQga {
+ public:
+  explicit FakeQga(int fd) : fd_(fd) {
+    thread_ = std::thread([this] { loop(); });
+  }
+  ~FakeQga() {
+    ::shutdown(fd_, SHUT_RDWR);
+    thread_.join();
+    ::close(fd_);
+  }
+  std::vector<json> asked() {
+    std::lock_guard lk(mu_);
+    return asked_;
+  }
+  int exitSignal = 0;  // guest-exec-status reports this signal when set
+
+ private:
+  void reply(const std::string& line) { (void)::send(fd_, line.data(), line.size(), MSG_NOSIGNAL); }
+  void loop() {
+    std::string buf;
+    char tmp[65536];
+    for (;;) {
+      ssize_t n = ::read(fd_, tmp, sizeof tmp);
+      if (n <= 0) return;
+      for (ssize_t i = 0; i < n; ++i) {
+        if (tmp[i] != '\xff') buf += tmp[i];
+      }
+      size_t nl;
+      while ((nl = buf.find('\n')) != std::string::npos) {
+        json j = json::parse(buf.substr(0, nl), nullptr, false);
+        buf.erase(0, nl + 1);
+        if (!j.is_object()) continue;
+        std::string cmd = j.value("execute", "");
+        json args = j.value("arguments", json::object());
+        {
+          std::lock_guard lk(mu_);
+          asked_.push_back(j);
+        }
+        if (cmd == "guest-sync-delimited") {
+          reply("\xff" + json{{"return", args["id"]}}.dump() + "\n");
+        } else if (cmd == "guest-exec") {
+          reply(json{{"return", {{"pid", 42}}}}.dump() + "\n");
+        } else if (cmd == "guest-exec-status") {
+          if (exitSignal) ::usleep(5000);  // a command that ran a while
+          json st = {{"exited", true},
+                     {"out-data", base64Encode("hi\n")},
+                     {"err-data", base64Encode("err\n")}};
+          if (exitSignal) {
+            st["signal"] = exitSignal;
+          } else {
+            st["exitcode"] = 3;
+          }
+          reply(json{{"return", st}}.dump() + "\n");
+        } else if (cmd == "guest-file-open") {
+          reply(R"({"return": 7})"
+                "\n");
+        } else if (cmd == "guest-file-seek") {
+          int64_t pos = args.value("whence", "") == "end" ? 5 : args.value("offset", int64_t(0));
+          reply(json{{"return", {{"position", pos}, {"eof", false}}}}.dump() + "\n");
+        } else if (cmd == "guest-file-read") {
+          reply(json{{"return", {{"count", 5}, {"buf-b64", base64Encode("hello")}, {"eof", true}}}}
+                    .dump() +
+                "\n");
+        } else {
+          reply(R"({"return": {}})"
+                "\n");
+        }
+      }
+    }
+  }
+
+  int fd_;
+  std::mutex mu_;  // guards asked_
+  std::vector<json> asked_;
+  std::thread thread_;
+};
+
+class QgaBridgeTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    int q[2], a[2];
+    ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, q), 0);
+    ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, a), 0);
+    fake_ = std::make_unique<FakeQga>(q[1]);
+    auto client = std::make_shared<QgaClient>(UniqueFd(q[0]));
+    ASSERT_TRUE(client->sync(monoSeconds() + 5).isOk());
+    edge_.reset(a[0]);
+    bridge_ = std::make_unique<QgaBridge>(UniqueFd(a[1]), client);
+    ASSERT_TRUE(bridge_->start().isOk());
+    auto hello = next();
+    ASSERT_EQ(hello.type, proto::FrameType::kHello);
+  }
+  void TearDown() override {
+    bridge_->stop();
+    bridge_.reset();
+    fake_.reset();
+  }
+  void send(uint32_t stream, proto::FrameType type, const std::string& payload) {
+    std::string out;
+    proto::appendFrame(out, stream, type, payload);
+    ASSERT_EQ(::write(edge_.get(), out.data(), out.size()), ssize_t(out.size()));
+  }
+  proto::Frame next() {
+    proto::Frame f;
+    while (!dec_.next(f)) {
+      char tmp[65536];
+      ssize_t n = ::read(edge_.get(), tmp, sizeof tmp);
+      if (n <= 0) return proto::Frame{0, proto::FrameType::kCancel, "eof"};
+      EXPECT_TRUE(dec_.feed(tmp, size_t(n)).isOk());
+    }
+    return f;
+  }
+  json lastExec() {
+    for (auto& j : fake_->asked()) {
+      if (j.value("execute", "") == "guest-exec") return j["arguments"];
+    }
+    return nullptr;
+  }
+
+  std::unique_ptr<FakeQga> fake_;
+  UniqueFd edge_;
+  std::unique_ptr<QgaBridge> bridge_;
+  proto::FrameDecoder dec_;
+};
+
+TEST_F(QgaBridgeTest, ExecWrapsTimeoutAndCwdAndReportsOutputThenExit) {
+  send(1, proto::FrameType::kExec,
+       json{{"argv", {"ls", "-l"}}, {"timeout_ms", 2500}, {"cwd", "/tmp"}}.dump());
+  auto out = next();
+  ASSERT_EQ(out.type, proto::FrameType::kStdout);
+  EXPECT_EQ(out.payload, "hi\n");
+  auto err = next();
+  ASSERT_EQ(err.type, proto::FrameType::kStderr);
+  EXPECT_EQ(err.payload, "err\n");
+  auto exit = next();
+  ASSERT_EQ(exit.type, proto::FrameType::kExit);
+  json e = json::parse(exit.payload);
+  EXPECT_EQ(e["exit_code"], 3);
+  EXPECT_FALSE(e["timed_out"].get<bool>());
+  json args = lastExec();
+  ASSERT_TRUE(args.is_object());
+  EXPECT_EQ(args["path"], "timeout");
+  auto a = args["arg"].get<std::vector<std::string>>();
+  std::vector<std::string> want = {"-s", "KILL", "2.500", "/bin/sh", "-c",
+                                   "cd \"$0\" || exit 126; exec \"$@\"", "/tmp", "ls", "-l"};
+  EXPECT_EQ(a, want);
+  bool hasPath = false;
+  for (auto& v : args["env"]) hasPath = hasPath || startsWith(v.get<std::string>(), "PATH=");
+  EXPECT_TRUE(hasPath);
+}
+
+TEST_F(QgaBridgeTest, AKilledTimeoutWrapperIsATimeout) {
+  fake_->exitSignal = 9;
+  send(1, proto::FrameType::kExec, json{{"argv", {"sleep", "9"}}, {"timeout_ms", 1}}.dump());
+  proto::Frame f;
+  do {
+    f = next();
+  } while (f.type == proto::FrameType::kStdout || f.type == proto::FrameType::kStderr);
+  ASSERT_EQ(f.type, proto::FrameType::kExit);
+  json e = json::parse(f.payload);
+  EXPECT_TRUE(e["timed_out"].get<bool>());
+  EXPECT_EQ(e["exit_code"], -1);
+  EXPECT_EQ(e["signal"], 9);
+}
+
+TEST_F(QgaBridgeTest, FileReadAnswersSizeThenDataThenEnd) {
+  send(3, proto::FrameType::kFileRead, json{{"path", "/etc/x"}, {"offset", 0}, {"length", 5}}.dump());
+  auto r = next();
+  ASSERT_EQ(r.type, proto::FrameType::kResult);
+  json j = json::parse(r.payload);
+  EXPECT_TRUE(j["ok"].get<bool>());
+  EXPECT_EQ(j["size"], 5);
+  auto d = next();
+  ASSERT_EQ(d.type, proto::FrameType::kData);
+  EXPECT_EQ(d.payload, "hello");
+  auto end = next();
+  ASSERT_EQ(end.type, proto::FrameType::kData);
+  EXPECT_TRUE(end.payload.empty());
+}
+
+TEST_F(QgaBridgeTest, PolicyWithFileRulesIsRefused) {
+  send(5, proto::FrameType::kPolicy, json{{"readonly", {"/etc"}}, {"hidden", json::array()}}.dump());
+  auto r = next();
+  ASSERT_EQ(r.type, proto::FrameType::kResult);
+  json j = json::parse(r.payload);
+  EXPECT_FALSE(j["ok"].get<bool>());
+  EXPECT_EQ(j["code"], "failed_precondition");
+  send(6, proto::FrameType::kPolicy, json{{"readonly", json::array()}}.dump());
+  EXPECT_TRUE(json::parse(next().payload)["ok"].get<bool>());
+}
+
+}  // namespace
+}  // namespace dsec::edge

@@ -1,0 +1,598 @@
+#include "edge/backends/vm/vm_backend.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/sendfile.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstring>
+#include <nlohmann/json.hpp>
+#include <utility>
+#include <vector>
+
+#include "common/log.h"
+#include "common/util.h"
+#include "edge/backends/vm/qga.h"
+#include "edge/backends/vm/vm_input.h"
+#include "edge/qemu.h"
+#include "edge/sandbox_state.h"
+
+namespace dsec::edge {
+
+using json = nlohmann::json;
+
+namespace {
+
+// QEMU's own memory beyond the guest's RAM (device model, 16 MiB of VGA
+// memory, firmware, TCG's translation cache): added to the cgroup's limit so
+// that memory_mb is what the guest gets.
+constexpr int64_t kQemuOverheadBytes = 320ll << 20;
+constexpr int kTbSizeMb = 64;
+constexpr int64_t kMinGuestMemory = 256ll << 20;
+// Between two keys typed: the guest's PS/2 queue is short, and under TCG
+// the guest drains it slowly.
+constexpr useconds_t kKeyGapUs = 15000;
+
+// Runs argv to its end; its stdout. stderr goes into the error.
+Result<std::string> runCapture(const std::vector<std::string>& args) {
+  int out[2], err[2];
+  if (::pipe2(out, O_CLOEXEC) != 0) return sysError("pipe");
+  if (::pipe2(err, O_CLOEXEC) != 0) {
+    ::close(out[0]);
+    ::close(out[1]);
+    return sysError("pipe");
+  }
+  std::vector<std::string> copy = args;
+  std::vector<char*> argv;
+  for (auto& a : copy) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  pid_t pid = ::fork();
+  if (pid < 0) return sysError("fork");
+  if (pid == 0) {
+    int null = ::open("/dev/null", O_RDONLY);
+    ::dup2(null, 0);
+    ::dup2(out[1], 1);
+    ::dup2(err[1], 2);
+    ::execv(argv[0], argv.data());
+    ::_exit(127);
+  }
+  ::close(out[1]);
+  ::close(err[1]);
+  std::string o, e;
+  struct pollfd p[2] = {{out[0], POLLIN, 0}, {err[0], POLLIN, 0}};
+  int open = 2;
+  while (open > 0) {
+    if (::poll(p, 2, -1) < 0 && errno != EINTR) break;
+    for (int i = 0; i < 2; ++i) {
+      if (p[i].fd < 0 || !p[i].revents) continue;
+      char buf[8192];
+      ssize_t n = ::read(p[i].fd, buf, sizeof buf);
+      if (n > 0) {
+        (i == 0 ? o : e).append(buf, size_t(n));
+      } else if (n == 0 || errno != EINTR) {
+        ::close(p[i].fd);
+        p[i].fd = -1;
+        --open;
+      }
+    }
+  }
+  int status = 0;
+  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+    while (!e.empty() && e.back() == '\n') e.pop_back();
+    return internalError(args[0] + " failed: " + (e.empty() ? "status " + std::to_string(status) : e));
+  }
+  return o;
+}
+
+Status copyFile(const std::string& from, const std::string& to) {
+  UniqueFd in(::open(from.c_str(), O_RDONLY | O_CLOEXEC));
+  if (!in) return sysError("open " + from);
+  struct stat st;
+  if (::fstat(in.get(), &st) != 0) return sysError("stat " + from);
+  UniqueFd out(::open(to.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
+  if (!out) return sysError("create " + to);
+  off_t left = st.st_size;
+  while (left > 0) {
+    ssize_t n = ::copy_file_range(in.get(), nullptr, out.get(), nullptr, size_t(left), 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return sysError("copy " + from);
+    left -= n;
+  }
+  if (::fsync(out.get()) != 0) return sysError("fsync " + to);
+  return Status::ok();
+}
+
+// Width and height from a PNG's IHDR.
+bool pngSize(const std::string& png, int* w, int* h) {
+  if (png.size() < 24 || png.compare(1, 3, "PNG") != 0) return false;
+  auto be32 = [&](size_t off) {
+    return int(uint32_t(uint8_t(png[off])) << 24 | uint32_t(uint8_t(png[off + 1])) << 16 |
+               uint32_t(uint8_t(png[off + 2])) << 8 | uint32_t(uint8_t(png[off + 3])));
+  };
+  *w = be32(16);
+  *h = be32(20);
+  return *w > 0 && *h > 0;
+}
+
+class VmInstance : public Instance {
+ public:
+  ~VmInstance() override {
+    if (bridge_) bridge_->stop();
+  }
+  const std::string& id() const override { return id_; }
+  std::shared_ptr<AgentConn> agent() const override { return conn_; }
+  Result<CgroupStats> stats() const override { return cgroups_->stats(id_); }
+  Result<int64_t> oomKills() const override { return cgroups_->oomKills(id_); }
+  Status freeze(bool frozen) override {
+    Status st = qemu::qmp(dir_, frozen ? "stop" : "cont").status();
+    if (!st.isOk()) st.withContext("pause " + id_);
+    return st;
+  }
+  Status setLimits(const CgroupLimits& limits) override {
+    CgroupLimits l = limits;
+    if (l.memoryBytes > 0) l.memoryBytes += kQemuOverheadBytes;
+    return cgroups_->setLimits(id_, l);
+  }
+  std::string upperDir() const override { return ""; }
+  Result<UniqueFd> openNetns() const override {
+    return Status(Code::kFailedPrecondition, "a vm has no network to plumb egress into");
+  }
+  pid_t initPid() const override { return pid_; }
+
+  // QMP screendump into the VM's directory (QEMU's cwd), read back, removed.
+  Result<std::string> screenshot() override {
+    std::lock_guard lk(screenMu_);
+    std::string name = "screen-" + randomHex(4) + ".png";
+    auto r = qemu::qmp(dir_, "screendump", {{"filename", name}, {"format", "png"}}, 20);
+    std::string path = dir_ + "/" + name;
+    if (!r.isOk()) {
+      ::unlink(path.c_str());
+      return Status(r.status()).withContext("screenshot " + id_);
+    }
+    auto png = readFile(path);
+    ::unlink(path.c_str());
+    if (!png.isOk()) return Status(png.status()).withContext("screenshot " + id_);
+    int w = 0, h = 0;
+    if (pngSize(*png, &w, &h)) {
+      width_ = w;
+      height_ = h;
+    }
+    return png;
+  }
+
+  Status input(const InputAction& a) override {
+    if (a.kind == "type") {
+      ASSIGN_OR_RETURN(auto batches, vminput::typeText(a.text));
+      for (auto& ev : batches) {
+        RETURN_IF_ERROR(qemu::qmp(dir_, "input-send-event", {{"events", ev}}).status());
+        ::usleep(kKeyGapUs);
+      }
+      return Status::ok();
+    }
+    if (a.kind == "key") {
+      ASSIGN_OR_RETURN(json ev, vminput::keyCombo(a.key));
+      return qemu::qmp(dir_, "input-send-event", {{"events", ev}}).status();
+    }
+    if (a.kind == "mouse") {
+      int w = 0, h = 0;
+      {
+        std::lock_guard lk(screenMu_);
+        w = width_;
+        h = height_;
+      }
+      if (w == 0) {
+        RETURN_IF_ERROR(screenshot().status());  // learns the screen size
+        std::lock_guard lk(screenMu_);
+        w = width_;
+        h = height_;
+      }
+      ASSIGN_OR_RETURN(json ev, vminput::mouse(a.x, a.y, a.button, w, h));
+      // Move first, then press and release: a click needs the pointer there.
+      json move(ev.begin(), ev.begin() + 2);
+      RETURN_IF_ERROR(qemu::qmp(dir_, "input-send-event", {{"events", move}}).status());
+      for (size_t i = 2; i < ev.size(); ++i) {
+        ::usleep(kKeyGapUs);
+        RETURN_IF_ERROR(
+            qemu::qmp(dir_, "input-send-event", {{"events", json::array({ev[i]})}}).status());
+      }
+      return Status::ok();
+    }
+    return invalidArg("kind", "input kind must be type, key or mouse");
+  }
+
+  std::string id_;
+  std::string dir_;
+  pid_t pid_ = -1;
+  UniqueFd pidfd_;
+  std::shared_ptr<AgentConn> conn_;
+  std::shared_ptr<QgaBridge> bridge_;
+  Cgroups* cgroups_ = nullptr;
+  std::mutex screenMu_;  // guards width_, height_; one screendump at a time
+  int width_ = 0;
+  int height_ = 0;
+};
+
+// Waits for qemu-guest-agent behind dir/qga.sock to answer, until deadline;
+// `alive` says whether QEMU still runs.
+Result<std::shared_ptr<QgaClient>> awaitQga(const std::string& dir, double deadline,
+                                            const std::function<bool()>& alive) {
+  UniqueFd dirFd(::open(dir.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
+  if (!dirFd) return sysError("open " + dir);
+  std::shared_ptr<QgaClient> qga;
+  for (;;) {
+    if (!alive()) return Status(Code::kInternal, "QEMU exited");
+    if (monoSeconds() > deadline) {
+      return Status(Code::kDeadlineExceeded, "qemu-guest-agent did not answer");
+    }
+    if (!qga) {
+      auto s = qemu::connectUnix(dirFd.get(), "qga.sock");
+      if (!s.isOk()) {
+        ::usleep(20000);
+        continue;
+      }
+      qga = std::make_shared<QgaClient>(std::move(*s));
+    }
+    Status st = qga->sync(std::min(deadline, monoSeconds() + 2));
+    if (st.isOk() && qga->call("guest-ping", json::object(), 10).isOk()) return qga;
+    if (st.code() != Code::kDeadlineExceeded) {
+      qga.reset();  // connection dropped: connect again
+      ::usleep(100000);
+    }
+  }
+}
+
+// The bridge between the edge's AgentConn and qga, running.
+Status attachBridge(VmInstance& inst, std::shared_ptr<QgaClient> qga, Reactor* reactor) {
+  int sv[2];
+  if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) return sysError("socketpair");
+  UniqueFd edgeEnd(sv[0]), guestEnd(sv[1]);
+  inst.bridge_ = std::make_shared<QgaBridge>(std::move(guestEnd), std::move(qga));
+  inst.conn_ = std::make_shared<AgentConn>(std::move(edgeEnd), "vm-" + inst.id_);
+  RETURN_IF_ERROR(reactor->add(inst.conn_));
+  RETURN_IF_ERROR(inst.bridge_->start());
+  return awaitHello(*inst.conn_, monoSeconds() + 10, Code::kUnavailable, "qga bridge");
+}
+
+}  // namespace
+
+VmProbe probeVm(const VmOptions& opts) {
+  VmProbe p;
+  p.qemu = qemu::which(opts.qemuPath);
+  if (p.qemu.empty()) {
+    p.reason = opts.qemuPath + " not found (install qemu-system-x86: scripts/install-deps.sh)";
+    return p;
+  }
+  p.qemuImg = qemu::which(opts.qemuImgPath);
+  if (p.qemuImg.empty()) {
+    p.reason = opts.qemuImgPath + " not found (install qemu-utils: scripts/install-deps.sh)";
+    return p;
+  }
+  p.accelerator = qemu::chooseAccel(opts.accel, &p.reason);
+  if (p.accelerator.empty()) return p;
+  p.available = true;
+  return p;
+}
+
+Result<DiskInfo> inspectDisk(const std::string& qemuImg, const std::string& path) {
+  auto out = runCapture({qemuImg, "info", "--output=json", "-U", path});
+  if (!out.isOk()) return invalidArg("image", "not a disk image qemu-img can read: " +
+                                                  out.status().message());
+  json j = json::parse(*out, nullptr, false);
+  if (!j.is_object()) return invalidArg("image", "qemu-img info gave no JSON");
+  DiskInfo d;
+  d.format = j.value("format", "");
+  d.virtualSize = j.value("virtual-size", int64_t(0));
+  if (d.format != "qcow2" && d.format != "raw") {
+    return invalidArg("image", "disk format " + d.format + " is not supported (qcow2 or raw)");
+  }
+  if (j.contains("backing-filename") || j.contains("full-backing-filename")) {
+    return invalidArg("image", "a disk image with a backing file is refused (flatten it: "
+                               "qemu-img convert -O qcow2 IN OUT)");
+  }
+  if (auto fs = j.find("format-specific"); fs != j.end() && fs->is_object()) {
+    if (auto data = fs->find("data"); data != fs->end() && data->is_object() &&
+                                      data->contains("data-file")) {
+      return invalidArg("image", "a qcow2 image with an external data file is refused");
+    }
+  }
+  if (d.virtualSize <= 0) return invalidArg("image", "disk image has no size");
+  return d;
+}
+
+struct VmBackend::Boot {
+  VmInstance* inst;
+  std::string base;
+  DiskInfo info;
+  std::string consoleLog;
+};
+
+Result<std::unique_ptr<VmBackend>> VmBackend::make(VmOptions opts, VmProbe probe,
+                                                    Cgroups* cgroups, NodeCache* cache,
+                                                    Reactor* reactor,
+                                                    const std::set<std::string>& keep) {
+  if (!probe.available) return Status(Code::kFailedPrecondition, probe.reason);
+  std::unique_ptr<VmBackend> b(new VmBackend(opts, probe, cgroups, cache, reactor));
+  RETURN_IF_ERROR(makeDirs(opts.vmRoot, 0700));
+  RETURN_IF_ERROR(makeDirs(opts.logDir, 0700));
+  RETURN_IF_ERROR(makeDirs(opts.baseDir, 0700));
+  for (auto& id : qemu::sandboxDirs(opts.vmRoot)) {
+    if (keep.count(id)) continue;
+    b->removeOrphan(id);
+    b->orphans_.insert(id);
+  }
+  b->cleaner_ = std::thread([raw = b.get()] { raw->cleanerLoop(); });
+  return b;
+}
+
+Result<std::pair<std::string, DiskInfo>> VmBackend::baseImage(const std::string& digest) {
+  if (!startsWith(digest, "sha256:") || digest.size() != 71) {
+    return invalidArg("image", "a vm boots one disk image (kind disk), not " + digest);
+  }
+  std::lock_guard lk(baseMu_);
+  std::string base = opts_.baseDir + "/" + digest.substr(7);
+  if (::access(base.c_str(), R_OK) != 0) {
+    // A link of the node cache's verified copy (or of the blob in a local
+    // store): its own name, so that the cache evicting the blob does not
+    // pull the backing file from under running overlays.
+    ASSIGN_OR_RETURN(LayerFiles files, cache_->prepare(digest));
+    std::string tmp = base + ".new";
+    ::unlink(tmp.c_str());
+    if (::link(files.meta.c_str(), tmp.c_str()) != 0) {
+      if (errno != EXDEV && errno != EPERM) return sysError("link " + files.meta);
+      RETURN_IF_ERROR(copyFile(files.meta, tmp));
+    }
+    auto info = inspectDisk(probe_.qemuImg, tmp);
+    if (!info.isOk()) {
+      ::unlink(tmp.c_str());
+      return info.status();
+    }
+    RETURN_IF_ERROR(writeFileAtomic(base + ".format", info->format + "\n", 0600));
+    if (::rename(tmp.c_str(), base.c_str()) != 0) return sysError("rename " + tmp);
+    return std::pair{base, *info};
+  }
+  DiskInfo d;
+  auto fmt = readFile(base + ".format");
+  if (fmt.isOk()) d.format = fmt->substr(0, fmt->find('\n'));
+  if (d.format != "qcow2" && d.format != "raw") {
+    ASSIGN_OR_RETURN(d, inspectDisk(probe_.qemuImg, base));
+  }
+  return std::pair{base, d};
+}
+
+Status VmBackend::bootOnce(const SandboxSpec& spec, Boot& b, bool* hung) {
+  *hung = false;
+  VmInstance& inst = *b.inst;
+  const std::string& dir = inst.dir_;
+  // A fresh overlay each attempt: a retried boot starts from the image.
+  ::unlink((dir + "/disk.qcow2").c_str());
+  if (auto made = runCapture({probe_.qemuImg, "create", "-q", "-f", "qcow2", "-b", b.base, "-F",
+                              b.info.format, dir + "/disk.qcow2"});
+      !made.isOk()) {
+    return Status(made.status()).withContext("overlay");
+  }
+  int vcpus = std::max(1, int(std::ceil(spec.cpu - 1e-9)));
+  std::string accel =
+      probe_.accelerator == "kvm" ? "kvm" : "tcg,tb-size=" + std::to_string(kTbSizeMb);
+  std::vector<std::string> args = {
+      probe_.qemu, "-name", spec.id, "-machine", "q35", "-accel", accel,
+      "-cpu", probe_.accelerator == "kvm" ? "host" : "max",
+      "-smp", std::to_string(vcpus), "-m", std::to_string(spec.memoryBytes >> 20),
+      "-nodefaults", "-no-user-config", "-no-reboot", "-display", "none",
+      "-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
+      "-device", "VGA",
+      "-device", "virtio-tablet-pci",
+      "-drive", "id=disk0,file=disk.qcow2,format=qcow2,if=none,cache=writeback",
+      "-device", "virtio-blk-pci,drive=disk0,bootindex=0",
+      "-serial", "file:console.log",
+      "-qmp", "unix:qmp.sock,server=on,wait=off",
+      "-chardev", "socket,id=qga,path=qga.sock,server=on,wait=off",
+      "-device", "virtio-serial-pci",
+      "-device", "virtserialport,chardev=qga,name=org.qemu.guest_agent.0"};
+  for (const char* f : {"/qga.sock", "/qmp.sock", "/console.log"}) ::unlink((dir + f).c_str());
+  ASSIGN_OR_RETURN(qemu::Process proc, qemu::spawnConfined(args, dir, cgroups_, spec.id));
+  inst.pid_ = proc.pid;
+  inst.pidfd_ = std::move(proc.pidfd);
+  auto abandon = [&](Status st) -> Status {
+    if (inst.bridge_) {
+      inst.bridge_->stop();
+      inst.bridge_.reset();
+    }
+    if (inst.conn_) {
+      reactor_->remove(inst.conn_);
+      inst.conn_.reset();
+    }
+    killAndWait(inst.pidfd_.get());
+    inst.pidfd_.reset();
+    inst.pid_ = -1;
+    return st;
+  };
+  auto qemuFailed = [&]() {
+    std::string why = qemu::tailFile(dir + "/qemu.log", 600);
+    return Status(Code::kInternal, "QEMU exited: " + (why.empty() ? "(no output)" : why) +
+                                       " (console log: " + b.consoleLog + ")");
+  };
+  double deadline = monoSeconds() + opts_.bootTimeoutS;
+  auto qga = awaitQga(dir, deadline, [&] { return !qemu::exited(inst.pidfd_.get()); });
+  if (!qga.isOk()) {
+    if (qemu::exited(inst.pidfd_.get())) return abandon(qemuFailed());
+    *hung = true;
+    return abandon(qga.status());
+  }
+  if (Status st = attachBridge(inst, std::move(*qga), reactor_); !st.isOk()) return abandon(st);
+  return Status::ok();
+}
+
+Result<std::unique_ptr<Instance>> VmBackend::create(const SandboxSpec& spec,
+                                                    std::function<void()> onDeath) {
+  if (spec.memoryBytes < kMinGuestMemory) {
+    return invalidArg("memory_mb", "a vm needs memory_mb >= " +
+                                       std::to_string(kMinGuestMemory >> 20));
+  }
+  if (spec.layers.size() != 1) {
+    return invalidArg("image", "a vm boots exactly one disk image (kind disk); workspaces, "
+                               "toolkits and diffs do not apply");
+  }
+  Laps laps;
+  auto inst = std::make_unique<VmInstance>();
+  inst->id_ = spec.id;
+  inst->cgroups_ = cgroups_;
+  inst->dir_ = opts_.vmRoot + "/" + spec.id;
+  bool cgroupMade = false;
+  Boot b{inst.get(), "", {}, opts_.logDir + "/" + spec.id + ".console.log"};
+  auto fail = [&](Status st) -> Status {
+    if (inst->bridge_) inst->bridge_->stop();
+    if (inst->conn_) reactor_->remove(inst->conn_);
+    killAndWait(inst->pidfd_.get());
+    if (cgroupMade) (void)cgroups_->remove(spec.id);
+    // The console log is kept for diagnosis; the rest (overlay, sockets) goes.
+    ::rename((inst->dir_ + "/console.log").c_str(), b.consoleLog.c_str());
+    (void)removeTree(inst->dir_);
+    return st.withContext("create " + spec.id);
+  };
+  auto base = baseImage(spec.layers[0]);
+  if (!base.isOk()) return Status(base.status()).withContext("create " + spec.id);
+  b.base = base->first;
+  b.info = base->second;
+  laps.lap("base");
+  if (::mkdir(inst->dir_.c_str(), 0700) != 0) return fail(sysError("mkdir " + inst->dir_));
+  CgroupLimits limits{spec.cpu, spec.memoryBytes + kQemuOverheadBytes, spec.pids};
+  if (Status st = cgroups_->create(spec.id, limits); !st.isOk()) return fail(st);
+  cgroupMade = true;
+  // A guest that hangs at boot is killed and booted once more.
+  bool hung = false;
+  Status st = bootOnce(spec, b, &hung);
+  if (!st.isOk() && hung) {
+    log::warn("vm " + spec.id + " did not answer at boot, retrying: " + st.toString() +
+              "; console: " + qemu::tailFile(inst->dir_ + "/console.log", 300));
+    st = bootOnce(spec, b, &hung);
+  }
+  if (!st.isOk()) {
+    if (hung) {
+      char secs[32];
+      std::snprintf(secs, sizeof secs, "%.0f", opts_.bootTimeoutS);
+      st = Status(Code::kUnavailable,
+                  std::string("the vm did not boot within ") + secs +
+                      " s (no answer from qemu-guest-agent), twice (console log: " +
+                      b.consoleLog + ")");
+    }
+    return fail(st);
+  }
+  laps.lap("boot");
+  if (Status w = writeFileAtomic(inst->dir_ + "/qemu.pid", std::to_string(inst->pid_) + "\n");
+      !w.isOk()) {
+    return fail(w);
+  }
+  if (Status w = reactor_->watchExit(inst->pidfd_.get(), std::move(onDeath)); !w.isOk()) {
+    return fail(w);
+  }
+  log::info("vm " + spec.id + " booted (" + probe_.accelerator + ") ms: " + laps.str());
+  return std::unique_ptr<Instance>(std::move(inst));
+}
+
+Result<std::unique_ptr<Instance>> VmBackend::adopt(const SandboxState& state,
+                                                   std::function<void()> onDeath) {
+  auto inst = std::make_unique<VmInstance>();
+  inst->id_ = state.spec.id;
+  inst->cgroups_ = cgroups_;
+  inst->dir_ = opts_.vmRoot + "/" + state.spec.id;
+  inst->pid_ = state.pid;
+  auto fail = [&](Status st) -> Status {
+    if (inst->bridge_) inst->bridge_->stop();
+    if (inst->conn_) reactor_->remove(inst->conn_);
+    return st.withContext("adopt " + state.spec.id);
+  };
+  int pidfd = int(syscall(SYS_pidfd_open, state.pid, 0));
+  if (pidfd < 0) return fail(sysError("pidfd_open"));
+  inst->pidfd_.reset(pidfd);
+  auto started = processStartTime(state.pid);
+  if (!started.isOk() || *started != state.startTime) {
+    return fail(Status(Code::kNotFound, "its QEMU is gone"));
+  }
+  if (state.paused) {
+    if (auto r = qemu::qmp(inst->dir_, "cont"); !r.isOk()) return fail(r.status());
+  }
+  // The earlier edge's qga connection closed with it; QEMU takes a new one.
+  auto qga = awaitQga(inst->dir_, monoSeconds() + 30,
+                      [&] { return !qemu::exited(inst->pidfd_.get()); });
+  if (!qga.isOk()) return fail(qga.status());
+  if (Status st = attachBridge(*inst, std::move(*qga), reactor_); !st.isOk()) return fail(st);
+  if (state.paused) {
+    if (auto r = qemu::qmp(inst->dir_, "stop"); !r.isOk()) return fail(r.status());
+  }
+  if (Status st = reactor_->watchExit(inst->pidfd_.get(), std::move(onDeath)); !st.isOk()) {
+    return fail(st);
+  }
+  return std::unique_ptr<Instance>(std::move(inst));
+}
+
+Status VmBackend::destroy(Instance& base) {
+  auto& inst = static_cast<VmInstance&>(base);
+  reactor_->unwatchExit(inst.pidfd_.get());
+  if (inst.conn_) {
+    reactor_->remove(inst.conn_);
+    inst.conn_->fail(Status(Code::kUnavailable, "sandbox destroyed"));
+  }
+  if (inst.pidfd_) syscall(SYS_pidfd_send_signal, inst.pidfd_.get(), SIGKILL, nullptr, 0);
+  if (inst.bridge_) inst.bridge_->stop();
+  {
+    std::lock_guard lk(cleanMu_);
+    cleanQueue_.push_back(Corpse{inst.id_, std::move(inst.pidfd_)});
+  }
+  cleanCv_.notify_one();
+  return Status::ok();
+}
+
+// As the microvm backend's: QEMU reaped, then its cgroup and directory go.
+void VmBackend::cleanerLoop() {
+  std::unique_lock lk(cleanMu_);
+  for (;;) {
+    cleanCv_.wait(lk, [&] { return stopCleaner_ || !cleanQueue_.empty(); });
+    if (cleanQueue_.empty()) return;
+    Corpse c = std::move(cleanQueue_.front());
+    cleanQueue_.pop_front();
+    cleaning_ = true;
+    lk.unlock();
+    killAndWait(c.pidfd.get());
+    c.pidfd.reset();
+    if (Status st = cgroups_->remove(c.id); !st.isOk()) {
+      log::error("cleanup " + c.id + ": " + st.toString());
+    }
+    if (Status st = removeTree(opts_.vmRoot + "/" + c.id); !st.isOk()) {
+      log::error("cleanup " + c.id + ": " + st.toString());
+    }
+    lk.lock();
+    cleaning_ = false;
+    cleanCv_.notify_all();
+  }
+}
+
+void VmBackend::shutdown(bool) {
+  std::unique_lock lk(cleanMu_);
+  cleanCv_.wait(lk, [&] { return cleanQueue_.empty() && !cleaning_; });
+}
+
+VmBackend::~VmBackend() {
+  shutdown();
+  {
+    std::lock_guard lk(cleanMu_);
+    stopCleaner_ = true;
+  }
+  cleanCv_.notify_all();
+  if (cleaner_.joinable()) cleaner_.join();
+}
+
+void VmBackend::removeOrphan(const std::string& id) {
+  qemu::removeLeftovers(cgroups_, id, opts_.vmRoot + "/" + id);
+}
+
+int VmBackend::cleanupOrphans() { return int(std::exchange(orphans_, {}).size()); }
+
+}  // namespace dsec::edge

@@ -1,0 +1,304 @@
+#include "edge/qemu.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <linux/kvm.h>
+#include <linux/sched.h>
+#include <poll.h>
+#include <sched.h>
+#include <signal.h>
+#include <sys/ioctl.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/syscall.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstring>
+
+#include "common/log.h"
+#include "common/util.h"
+
+namespace dsec::edge::qemu {
+
+using json = nlohmann::json;
+
+std::string which(const std::string& prog) {
+  if (prog.find('/') != std::string::npos) return ::access(prog.c_str(), X_OK) == 0 ? prog : "";
+  const char* path = ::getenv("PATH");
+  for (auto& dir : splitString(path ? path : "/usr/bin:/bin", ':')) {
+    std::string p = dir + "/" + prog;
+    if (::access(p.c_str(), X_OK) == 0) return p;
+  }
+  return "";
+}
+
+namespace {
+
+// Runs a real-mode guest of five bytes through /dev/kvm: `mov al, 0x42; out
+// 0x10, al; hlt`. Where KVM works the vCPU exits with that port write, then
+// the halt. Runs in a child process the caller bounds in time, since a broken
+// KVM may hang KVM_RUN. Exit code 0 means KVM works.
+int kvmProbeChild() {
+  int kvm = ::open("/dev/kvm", O_RDWR | O_CLOEXEC);
+  if (kvm < 0) return 10;
+  if (::ioctl(kvm, KVM_GET_API_VERSION, 0) != 12) return 11;
+  int vm = ::ioctl(kvm, KVM_CREATE_VM, 0);
+  if (vm < 0) return 12;
+  void* mem = ::mmap(nullptr, 0x1000, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  if (mem == MAP_FAILED) return 13;
+  const unsigned char code[] = {0xb0, 0x42, 0xe6, 0x10, 0xf4};
+  std::memcpy(mem, code, sizeof code);
+  struct kvm_userspace_memory_region region = {};
+  region.slot = 0;
+  region.guest_phys_addr = 0x1000;
+  region.memory_size = 0x1000;
+  region.userspace_addr = reinterpret_cast<uint64_t>(mem);
+  if (::ioctl(vm, KVM_SET_USER_MEMORY_REGION, &region) < 0) return 14;
+  int vcpu = ::ioctl(vm, KVM_CREATE_VCPU, 0);
+  if (vcpu < 0) return 15;
+  int runSize = ::ioctl(kvm, KVM_GET_VCPU_MMAP_SIZE, 0);
+  if (runSize <= 0) return 16;
+  auto* run = static_cast<struct kvm_run*>(
+      ::mmap(nullptr, size_t(runSize), PROT_READ | PROT_WRITE, MAP_SHARED, vcpu, 0));
+  if (run == MAP_FAILED) return 17;
+  struct kvm_sregs sregs;
+  if (::ioctl(vcpu, KVM_GET_SREGS, &sregs) < 0) return 18;
+  sregs.cs.base = 0;
+  sregs.cs.selector = 0;
+  if (::ioctl(vcpu, KVM_SET_SREGS, &sregs) < 0) return 19;
+  struct kvm_regs regs = {};
+  regs.rip = 0x1000;
+  regs.rax = 0;
+  regs.rflags = 0x2;
+  if (::ioctl(vcpu, KVM_SET_REGS, &regs) < 0) return 20;
+  bool sawOut = false;
+  for (int i = 0; i < 16; ++i) {
+    if (::ioctl(vcpu, KVM_RUN, 0) < 0) return 21;
+    if (run->exit_reason == KVM_EXIT_IO) {
+      auto* data = reinterpret_cast<unsigned char*>(run) + run->io.data_offset;
+      if (run->io.direction != KVM_EXIT_IO_OUT || run->io.port != 0x10 || *data != 0x42) return 22;
+      sawOut = true;
+      continue;
+    }
+    if (run->exit_reason == KVM_EXIT_HLT) return sawOut ? 0 : 23;
+    return 24;  // an emulation failure, shutdown, internal error...
+  }
+  return 25;
+}
+
+}  // namespace
+
+std::string probeKvm() {
+  if (::access("/dev/kvm", R_OK | W_OK) != 0) return "no usable /dev/kvm";
+  pid_t pid = ::fork();
+  if (pid < 0) return std::string("fork: ") + std::strerror(errno);
+  if (pid == 0) ::_exit(kvmProbeChild());
+  int status = 0;
+  double deadline = monoSeconds() + 3;
+  for (;;) {
+    pid_t r = ::waitpid(pid, &status, WNOHANG);
+    if (r == pid) break;
+    if (monoSeconds() > deadline) {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, &status, 0);
+      return "/dev/kvm hung running a probe guest";
+    }
+    ::usleep(2000);
+  }
+  if (WIFEXITED(status) && WEXITSTATUS(status) == 0) return "";
+  int code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return "/dev/kvm could not run a real-mode probe guest (step " + std::to_string(code) +
+         "; paravirtual or nested KVM?)";
+}
+
+std::string chooseAccel(const std::string& want, std::string* why) {
+  if (want == "tcg") {
+    *why = "TCG as configured";
+    return "tcg";
+  }
+  std::string bad = probeKvm();
+  if (bad.empty()) {
+    *why = "KVM ran a probe guest";
+    return "kvm";
+  }
+  if (want == "kvm") {
+    *why = "KVM required but unusable: " + bad;
+    return "";
+  }
+  *why = "TCG emulation: " + bad;
+  return "tcg";
+}
+
+Result<UniqueFd> connectUnix(int dirFd, const std::string& name) {
+  UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (!fd) return sysError("socket");
+  struct sockaddr_un addr = {};
+  addr.sun_family = AF_UNIX;
+  std::string path = "/proc/self/fd/" + std::to_string(dirFd) + "/" + name;
+  std::snprintf(addr.sun_path, sizeof addr.sun_path, "%s", path.c_str());
+  if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+    return sysError("connect " + name);
+  }
+  return fd;
+}
+
+Result<json> qmp(const std::string& dir, const std::string& command, const json& args,
+                 double timeoutS) {
+  UniqueFd d(::open(dir.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
+  if (!d) return sysError("open " + dir);
+  ASSIGN_OR_RETURN(UniqueFd fd, connectUnix(d.get(), "qmp.sock"));
+  struct timeval tv = {long(timeoutS), long((timeoutS - double(long(timeoutS))) * 1e6)};
+  ::setsockopt(fd.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  std::string buf;
+  auto nextMessage = [&]() -> Result<json> {
+    for (;;) {
+      size_t nl = buf.find('\n');
+      if (nl != std::string::npos) {
+        std::string line = buf.substr(0, nl);
+        buf.erase(0, nl + 1);
+        json j = json::parse(line, nullptr, false);
+        if (j.is_discarded()) return internalError("QMP: unparsable reply " + line);
+        if (j.contains("event")) continue;
+        return j;
+      }
+      char tmp[4096];
+      ssize_t n = ::read(fd.get(), tmp, sizeof tmp);
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+        return Status(Code::kDeadlineExceeded, "QMP: no reply in time");
+      }
+      if (n <= 0) return Status(Code::kUnavailable, "QMP: connection closed");
+      buf.append(tmp, size_t(n));
+    }
+  };
+  auto call = [&](const std::string& cmd, const json& a) -> Result<json> {
+    json req = {{"execute", cmd}};
+    if (!a.is_null()) req["arguments"] = a;
+    std::string line = req.dump() + "\n";
+    if (::send(fd.get(), line.data(), line.size(), MSG_NOSIGNAL) != ssize_t(line.size())) {
+      return sysError("QMP write");
+    }
+    ASSIGN_OR_RETURN(json r, nextMessage());
+    if (r.contains("error")) {
+      return internalError("QMP " + cmd + ": " + r["error"].value("desc", r.dump()));
+    }
+    return r.contains("return") ? r["return"] : json::object();
+  };
+  ASSIGN_OR_RETURN(json greeting, nextMessage());
+  (void)greeting;
+  RETURN_IF_ERROR(call("qmp_capabilities", nullptr).status());
+  return call(command, args);
+}
+
+bool exited(int pidfd) {
+  struct pollfd p = {pidfd, POLLIN, 0};
+  return ::poll(&p, 1, 0) == 1;
+}
+
+std::string tailFile(const std::string& path, size_t max) {
+  auto text = readFile(path);
+  if (!text.isOk()) return "";
+  std::string s = *text;
+  if (s.size() > max) s = s.substr(s.size() - max);
+  while (!s.empty() && (s.back() == '\n' || s.back() == '\r')) s.pop_back();
+  return s;
+}
+
+std::vector<std::string> sandboxDirs(const std::string& root) {
+  std::vector<std::string> names;
+  if (DIR* d = ::opendir(root.c_str())) {
+    while (auto* e = ::readdir(d)) {
+      if (startsWith(e->d_name, "sb-")) names.emplace_back(e->d_name);
+    }
+    ::closedir(d);
+  }
+  return names;
+}
+
+Result<Process> spawnConfined(const std::vector<std::string>& args, const std::string& dir,
+                              Cgroups* cgroups, const std::string& cgroupId) {
+  // argv, all of it made before fork.
+  std::vector<std::string> copy = args;
+  std::vector<char*> argv;
+  for (auto& a : copy) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  UniqueFd logFd(
+      ::open((dir + "/qemu.log").c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
+  if (!logFd) return sysError("open qemu.log");
+  // Empty until QEMU opens it (-serial file:console.log): a boot that fails
+  // before that still leaves a console log to keep.
+  UniqueFd console(
+      ::open((dir + "/console.log").c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
+  if (!console) return sysError("create console.log");
+  console.reset();
+  int go[2];
+  if (::pipe2(go, O_CLOEXEC) != 0) return sysError("pipe");
+  UniqueFd goRd(go[0]), goWr(go[1]);
+  // clone3 rather than fork + unshare: QEMU itself is PID 1 of a new pid
+  // namespace (it sees no host process; with spawn=deny it has no children),
+  // and it comes with a pidfd. No host network (a fresh, empty netns), nor the
+  // host's IPC or hostname; mounts it makes stay its own.
+  int pidfd = -1;
+  struct clone_args ca = {};
+  ca.flags = CLONE_PIDFD | CLONE_NEWPID | CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS;
+  ca.pidfd = reinterpret_cast<uint64_t>(&pidfd);
+  ca.exit_signal = SIGCHLD;
+  pid_t pid = pid_t(syscall(SYS_clone3, &ca, sizeof ca));
+  if (pid < 0) return sysError("clone3");
+  if (pid == 0) {
+    // Only async-signal-safe calls from here on: the edge has threads.
+    ::setsid();
+    int null = ::open("/dev/null", O_RDWR);
+    if (null < 0 || ::dup2(null, 0) < 0 || ::dup2(logFd.get(), 1) < 0 ||
+        ::dup2(logFd.get(), 2) < 0) {
+      ::_exit(120);
+    }
+    char c;
+    if (::read(goRd.get(), &c, 1) != 1) ::_exit(122);  // in its cgroup by now
+    if (::chdir(dir.c_str()) != 0) ::_exit(123);
+    if (syscall(SYS_close_range, 3, ~0U, 0) != 0) ::_exit(124);
+    ::execv(argv[0], argv.data());
+    ::_exit(125);
+  }
+  goRd.reset();
+  logFd.reset();
+  Process p;
+  p.pid = pid;
+  p.pidfd.reset(pidfd);
+  auto kill = [&](Status st) -> Status {
+    ::kill(pid, SIGKILL);
+    ::waitpid(pid, nullptr, 0);
+    return st;
+  };
+  if (!p.pidfd) return kill(internalError("clone3 gave no pidfd"));
+  if (Status st = cgroups->attach(cgroupId, pid); !st.isOk()) return kill(st);
+  if (::write(goWr.get(), "g", 1) != 1) return kill(sysError("write go pipe"));
+  return p;
+}
+
+void removeLeftovers(Cgroups* cgroups, const std::string& id, const std::string& dir) {
+  // Its cgroup holds its QEMU: removing it kills that. A QEMU outside it (it
+  // died before being attached, or the cgroup is gone) by its recorded pid.
+  if (Status st = cgroups->remove(id); !st.isOk()) log::error("orphan " + id + ": " + st.toString());
+  if (auto pid = readFile(dir + "/qemu.pid"); pid.isOk()) {
+    pid_t p = pid_t(std::atoi(pid->c_str()));
+    int fd = p > 0 ? int(syscall(SYS_pidfd_open, p, 0)) : -1;
+    if (fd >= 0) {
+      // Only if it still is a QEMU of this VM directory.
+      auto cwd = std::string(PATH_MAX, '\0');
+      ssize_t n = ::readlink(("/proc/" + std::to_string(p) + "/cwd").c_str(), cwd.data(), cwd.size());
+      if (n > 0 && cwd.substr(0, size_t(n)) == dir) {
+        syscall(SYS_pidfd_send_signal, fd, SIGKILL, nullptr, 0);
+        struct pollfd pf = {fd, POLLIN, 0};
+        ::poll(&pf, 1, 5000);
+      }
+      ::close(fd);
+    }
+  }
+  if (Status st = removeTree(dir); !st.isOk()) log::error("orphan " + id + ": " + st.toString());
+}
+
+}  // namespace dsec::edge::qemu

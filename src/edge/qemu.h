@@ -1,0 +1,71 @@
+// What the two QEMU backends (backends/microvm, backends/vm) share: finding
+// QEMU, probing KVM for real, starting QEMU confined (own namespaces, the
+// sandbox's cgroup, no inherited descriptors), QMP, and removing what a VM
+// left behind. Thread-safe (no state).
+#pragma once
+
+#include <sys/types.h>
+
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "common/fd.h"
+#include "common/status.h"
+#include "edge/cgroup.h"
+
+namespace dsec::edge::qemu {
+
+// prog itself when it has a '/' and is executable, else its first match in
+// PATH; "" when not found.
+std::string which(const std::string& prog);
+
+// "" when /dev/kvm ran a five-byte real-mode guest (`mov al,0x42; out
+// 0x10,al; hlt`) in a child process within 3 s, else why not.
+std::string probeKvm();
+
+// The accelerator to use: "kvm" when `want` is "kvm" or "auto" and the probe
+// passes, "tcg" when `want` is "tcg" or "auto" and it fails. Empty (with
+// *why saying so) when `want` is "kvm" and KVM does not work. *why also says
+// how the choice was made.
+std::string chooseAccel(const std::string& want, std::string* why);
+
+// Connects to the unix socket `name` in the directory of dirFd (through
+// /proc/self/fd, so a long directory path does not hit sun_path's limit).
+Result<UniqueFd> connectUnix(int dirFd, const std::string& name);
+
+// One QMP command (with arguments, may be null) on a fresh connection to
+// `dir`/qmp.sock (QEMU serves one client at a time); its "return" value.
+// Errors carry QEMU's description. Bounded by timeoutS per read.
+Result<nlohmann::json> qmp(const std::string& dir, const std::string& command,
+                           const nlohmann::json& args = nullptr, double timeoutS = 5);
+
+// True once the process behind pidfd has exited.
+bool exited(int pidfd);
+
+// The last `max` bytes of a file, trailing newlines dropped ("" if unreadable).
+std::string tailFile(const std::string& path, size_t max);
+
+// The names of the "sb-*" entries of dir.
+std::vector<std::string> sandboxDirs(const std::string& root);
+
+// A started QEMU.
+struct Process {
+  pid_t pid = -1;
+  UniqueFd pidfd;
+};
+
+// Starts argv[0] with cwd `dir`, stdin /dev/null, stdout and stderr to
+// dir/qemu.log (and an empty dir/console.log made first), in a new session
+// and new pid (it is PID 1 there), mount, network (empty: no host network),
+// IPC and UTS namespaces, every other descriptor closed, and attached to the
+// sandbox `cgroupId` of `cgroups` before it execs.
+Result<Process> spawnConfined(const std::vector<std::string>& argv, const std::string& dir,
+                              Cgroups* cgroups, const std::string& cgroupId);
+
+// Kills what is left of the VM whose directory is `dir` and sandbox id `id`:
+// its cgroup (which holds its QEMU), a QEMU outside it by dir/qemu.pid if
+// that process's cwd is still `dir`, then the directory.
+void removeLeftovers(Cgroups* cgroups, const std::string& id, const std::string& dir);
+
+}  // namespace dsec::edge::qemu
