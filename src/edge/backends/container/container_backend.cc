@@ -279,7 +279,14 @@ Result<std::unique_ptr<ContainerBackend>> ContainerBackend::make(ContainerOption
   // One spawn up front, so a broken aether fails start-up, not the first create.
   ASSIGN_OR_RETURN(Agent probe, b->spawnAgent());
   b->spares_.push_back(std::move(probe));
-  b->cleaner_ = std::thread([raw = b.get()] { raw->cleanerLoop(); });
+  b->cleaner_ = std::make_unique<CorpseCleaner>(
+      [raw = b.get()](const std::string& id) {
+        Status st = raw->cgroups_->remove(id);
+        Status rm = raw->quota_->remove(id);
+        if (!st.isOk()) log::error("cleanup " + id + ": " + st.toString());
+        if (!rm.isOk()) log::error("cleanup " + id + ": " + rm.toString());
+      },
+      /*background=*/true);
   b->spareThread_ = std::thread([raw = b.get()] { raw->spareLoop(); });
   return b;
 }
@@ -622,35 +629,8 @@ Status ContainerBackend::destroy(Instance& base) {
   if (inst.pidfd_) syscall(SYS_pidfd_send_signal, inst.pidfd_.get(), SIGKILL, nullptr, 0);
   for (auto& d : inst.layers_) layers_->release(d);
   inst.layers_.clear();
-  {
-    std::lock_guard lk(cleanMu_);
-    cleanQueue_.push_back(Corpse{inst.id_, std::move(inst.pidfd_)});
-  }
-  cleanCv_.notify_one();
+  cleaner_->add(inst.id_, std::move(inst.pidfd_));
   return Status::ok();
-}
-
-void ContainerBackend::cleanerLoop() {
-  lowerThreadPriority();
-  std::unique_lock lk(cleanMu_);
-  for (;;) {
-    cleanCv_.wait(lk, [&] { return stopCleaner_ || !cleanQueue_.empty(); });
-    if (cleanQueue_.empty()) return;  // stopping and drained
-    Corpse c = std::move(cleanQueue_.front());
-    cleanQueue_.pop_front();
-    cleaning_ = true;
-    lk.unlock();
-    // A PID 1 is reaped only after every process of its namespace is gone.
-    killAndWait(c.pidfd.get());
-    c.pidfd.reset();
-    Status st = cgroups_->remove(c.id);
-    Status rm = quota_->remove(c.id);
-    if (!st.isOk()) log::error("cleanup " + c.id + ": " + st.toString());
-    if (!rm.isOk()) log::error("cleanup " + c.id + ": " + rm.toString());
-    lk.lock();
-    cleaning_ = false;
-    cleanCv_.notify_all();
-  }
 }
 
 void ContainerBackend::shutdown(bool keepSandboxes) {
@@ -665,8 +645,7 @@ void ContainerBackend::shutdown(bool keepSandboxes) {
     killAndWait(a.pidfd.get());
   }
   spares_.clear();
-  std::unique_lock lk(cleanMu_);
-  cleanCv_.wait(lk, [&] { return cleanQueue_.empty() && !cleaning_; });
+  if (cleaner_) cleaner_->drain();
   // Every sandbox directory is gone: the pool (mount, loop device, image) may
   // go, unless sandboxes live on for the next edge.
   if (quota_) {
@@ -680,12 +659,7 @@ void ContainerBackend::shutdown(bool keepSandboxes) {
 
 ContainerBackend::~ContainerBackend() {
   shutdown();
-  {
-    std::lock_guard lk(cleanMu_);
-    stopCleaner_ = true;
-  }
-  cleanCv_.notify_all();
-  if (cleaner_.joinable()) cleaner_.join();
+  cleaner_.reset();
 }
 
 void ContainerBackend::removeOrphan(const std::string& id) {

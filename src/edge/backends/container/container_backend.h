@@ -24,6 +24,7 @@
 
 #include "common/fd.h"
 #include "edge/backend.h"
+#include "edge/corpse_cleaner.h"
 #include "edge/disk_quota.h"
 #include "edge/image/layer_cache.h"
 #include "edge/userns.h"
@@ -104,19 +105,9 @@ class ContainerBackend : public Backend {
   bool stopSpares_ = false;
   std::thread spareThread_;
 
-  // Killed sandboxes are reaped, and their cgroups and directories removed,
-  // off the API path.
-  struct Corpse {
-    std::string id;
-    UniqueFd pidfd;
-  };
-  void cleanerLoop();
-  std::mutex cleanMu_;  // guards cleanQueue_, cleaning_, stopCleaner_
-  std::condition_variable cleanCv_;
-  std::deque<Corpse> cleanQueue_;
-  bool cleaning_ = false;
-  bool stopCleaner_ = false;
-  std::thread cleaner_;
+  // Reaps killed sandboxes and removes what they leave (edge/corpse_cleaner.h).
+  // Last, so it goes first: its work uses the members above.
+  std::unique_ptr<CorpseCleaner> cleaner_;
 };
 
 }  // namespace dsec::edge

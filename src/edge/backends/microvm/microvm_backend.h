@@ -22,6 +22,7 @@
 
 #include "common/fd.h"
 #include "edge/backend.h"
+#include "edge/corpse_cleaner.h"
 #include "edge/image/layer_cache.h"
 
 namespace dsec::edge {
@@ -82,7 +83,6 @@ class MicroVmBackend : public Backend {
   // One boot attempt; on error everything it started is gone again, and
   // `hung` says whether the guest simply never answered (worth a retry).
   Status bootOnce(const SandboxSpec& spec, Boot& b, bool* hung);
-  void cleanerLoop();
 
   const MicroVmOptions opts_;
   const MicroVmProbe probe_;
@@ -91,16 +91,9 @@ class MicroVmBackend : public Backend {
   Reactor* reactor_;    // not owned
   std::set<std::string> orphans_;
 
-  struct Corpse {
-    std::string id;
-    UniqueFd pidfd;
-  };
-  std::mutex cleanMu_;  // guards cleanQueue_, cleaning_, stopCleaner_
-  std::condition_variable cleanCv_;
-  std::deque<Corpse> cleanQueue_;
-  bool cleaning_ = false;
-  bool stopCleaner_ = false;
-  std::thread cleaner_;
+  // Reaps killed sandboxes and removes what they leave (edge/corpse_cleaner.h).
+  // Last, so it goes first: its work uses the members above.
+  std::unique_ptr<CorpseCleaner> cleaner_;
 };
 
 }  // namespace dsec::edge

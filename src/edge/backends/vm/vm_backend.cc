@@ -328,7 +328,15 @@ Result<std::unique_ptr<VmBackend>> VmBackend::make(VmOptions opts, VmProbe probe
     b->removeOrphan(id);
     b->orphans_.insert(id);
   }
-  b->cleaner_ = std::thread([raw = b.get()] { raw->cleanerLoop(); });
+  // QEMU reaped, then its cgroup and directory go.
+  b->cleaner_ = std::make_unique<CorpseCleaner>([raw = b.get()](const std::string& id) {
+    if (Status st = raw->cgroups_->remove(id); !st.isOk()) {
+      log::error("cleanup " + id + ": " + st.toString());
+    }
+    if (Status st = removeTree(raw->opts_.vmRoot + "/" + id); !st.isOk()) {
+      log::error("cleanup " + id + ": " + st.toString());
+    }
+  });
   return b;
 }
 
@@ -542,51 +550,17 @@ Status VmBackend::destroy(Instance& base) {
   }
   if (inst.pidfd_) syscall(SYS_pidfd_send_signal, inst.pidfd_.get(), SIGKILL, nullptr, 0);
   if (inst.bridge_) inst.bridge_->stop();
-  {
-    std::lock_guard lk(cleanMu_);
-    cleanQueue_.push_back(Corpse{inst.id_, std::move(inst.pidfd_)});
-  }
-  cleanCv_.notify_one();
+  cleaner_->add(inst.id_, std::move(inst.pidfd_));
   return Status::ok();
 }
 
-// As the microvm backend's: QEMU reaped, then its cgroup and directory go.
-void VmBackend::cleanerLoop() {
-  std::unique_lock lk(cleanMu_);
-  for (;;) {
-    cleanCv_.wait(lk, [&] { return stopCleaner_ || !cleanQueue_.empty(); });
-    if (cleanQueue_.empty()) return;
-    Corpse c = std::move(cleanQueue_.front());
-    cleanQueue_.pop_front();
-    cleaning_ = true;
-    lk.unlock();
-    killAndWait(c.pidfd.get());
-    c.pidfd.reset();
-    if (Status st = cgroups_->remove(c.id); !st.isOk()) {
-      log::error("cleanup " + c.id + ": " + st.toString());
-    }
-    if (Status st = removeTree(opts_.vmRoot + "/" + c.id); !st.isOk()) {
-      log::error("cleanup " + c.id + ": " + st.toString());
-    }
-    lk.lock();
-    cleaning_ = false;
-    cleanCv_.notify_all();
-  }
-}
-
 void VmBackend::shutdown(bool) {
-  std::unique_lock lk(cleanMu_);
-  cleanCv_.wait(lk, [&] { return cleanQueue_.empty() && !cleaning_; });
+  if (cleaner_) cleaner_->drain();
 }
 
 VmBackend::~VmBackend() {
   shutdown();
-  {
-    std::lock_guard lk(cleanMu_);
-    stopCleaner_ = true;
-  }
-  cleanCv_.notify_all();
-  if (cleaner_.joinable()) cleaner_.join();
+  cleaner_.reset();
 }
 
 void VmBackend::removeOrphan(const std::string& id) {

@@ -24,6 +24,7 @@
 
 #include "common/fd.h"
 #include "edge/backend.h"
+#include "edge/corpse_cleaner.h"
 #include "edge/image/node_cache.h"
 
 namespace dsec::edge {
@@ -95,7 +96,6 @@ class VmBackend : public Backend {
   // One boot attempt; on error everything it started is gone again, and
   // `hung` says whether the guest simply never answered (worth a retry).
   Status bootOnce(const SandboxSpec& spec, Boot& b, bool* hung);
-  void cleanerLoop();
 
   const VmOptions opts_;
   const VmProbe probe_;
@@ -105,16 +105,9 @@ class VmBackend : public Backend {
   std::set<std::string> orphans_;
   std::mutex baseMu_;  // serializes making base images
 
-  struct Corpse {
-    std::string id;
-    UniqueFd pidfd;
-  };
-  std::mutex cleanMu_;  // guards cleanQueue_, cleaning_, stopCleaner_
-  std::condition_variable cleanCv_;
-  std::deque<Corpse> cleanQueue_;
-  bool cleaning_ = false;
-  bool stopCleaner_ = false;
-  std::thread cleaner_;
+  // Reaps killed sandboxes and removes what they leave (edge/corpse_cleaner.h).
+  // Last, so it goes first: its work uses the members above.
+  std::unique_ptr<CorpseCleaner> cleaner_;
 };
 
 }  // namespace dsec::edge

@@ -1,0 +1,58 @@
+#include "edge/corpse_cleaner.h"
+
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include "edge/agent_conn.h"
+
+namespace dsec::edge {
+
+CorpseCleaner::CorpseCleaner(std::function<void(const std::string& id)> cleanup, bool background)
+    : cleanup_(std::move(cleanup)) {
+  thread_ = std::thread([this, background] { loop(background); });
+}
+
+CorpseCleaner::~CorpseCleaner() {
+  {
+    std::lock_guard lk(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+void CorpseCleaner::add(std::string id, UniqueFd pidfd) {
+  {
+    std::lock_guard lk(mu_);
+    queue_.emplace_back(std::move(id), std::move(pidfd));
+  }
+  cv_.notify_all();
+}
+
+void CorpseCleaner::drain() {
+  std::unique_lock lk(mu_);
+  cv_.wait(lk, [&] { return queue_.empty() && !busy_; });
+}
+
+void CorpseCleaner::loop(bool background) {
+  if (background) setpriority(PRIO_PROCESS, pid_t(syscall(SYS_gettid)), 10);
+  std::unique_lock lk(mu_);
+  for (;;) {
+    cv_.wait(lk, [&] { return stop_ || !queue_.empty(); });
+    if (queue_.empty()) return;  // stopping and drained
+    auto [id, pidfd] = std::move(queue_.front());
+    queue_.pop_front();
+    busy_ = true;
+    lk.unlock();
+    // A PID 1 is reaped only after every process of its namespace is gone.
+    killAndWait(pidfd.get());
+    pidfd.reset();
+    cleanup_(id);
+    lk.lock();
+    busy_ = false;
+    cv_.notify_all();
+  }
+}
+
+}  // namespace dsec::edge

@@ -1,0 +1,57 @@
+#include "edge/corpse_cleaner.h"
+
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <mutex>
+#include <vector>
+
+namespace dsec::edge {
+namespace {
+
+// A killed child is reaped before its cleanup runs, in order, and drain()
+// waits for all of it.
+TEST(CorpseCleaner, ReapsThenCleansUpInOrder) {
+  std::mutex mu;
+  std::vector<std::string> done;
+  std::vector<pid_t> pids;
+  {
+    CorpseCleaner cleaner([&](const std::string& id) {
+      std::lock_guard lk(mu);
+      done.push_back(id);
+    });
+    for (int i = 0; i < 3; ++i) {
+      pid_t pid = ::fork();
+      ASSERT_GE(pid, 0);
+      if (pid == 0) {
+        ::pause();
+        _exit(0);
+      }
+      pids.push_back(pid);
+      int pidfd = int(::syscall(SYS_pidfd_open, pid, 0));
+      ASSERT_GE(pidfd, 0);
+      ::kill(pid, SIGKILL);
+      cleaner.add("sb-" + std::to_string(i), UniqueFd(pidfd));
+    }
+    cleaner.drain();
+    std::lock_guard lk(mu);
+    EXPECT_EQ(done, (std::vector<std::string>{"sb-0", "sb-1", "sb-2"}));
+  }
+  // Reaped by the cleaner: nothing left for us to wait for.
+  for (pid_t pid : pids) EXPECT_EQ(::waitpid(pid, nullptr, WNOHANG), -1);
+}
+
+TEST(CorpseCleaner, DestructorDrainsWhatIsQueued) {
+  int calls = 0;
+  {
+    CorpseCleaner cleaner([&](const std::string&) { ++calls; });
+    cleaner.add("sb-x", UniqueFd());  // no process: cleaned up at once
+  }
+  EXPECT_EQ(calls, 1);
+}
+
+}  // namespace
+}  // namespace dsec::edge
