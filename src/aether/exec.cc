@@ -116,16 +116,35 @@ bool moveFd(int from, int to) {
   return ::dup2(from, to) == to;
 }
 
+// rt_sigaction(2) itself: glibc's sigaction() refuses the two real-time
+// signals it keeps for itself (32 and 33), which a parent may still have left
+// at SIG_IGN for us and our children to inherit.
+struct KernelSigaction {
+  void (*handler)(int);
+  unsigned long flags;
+  void (*restorer)();
+  uint64_t mask;
+};
+
+bool hasDefaultDisposition(int sig) {
+  KernelSigaction old{};
+  if (::syscall(SYS_rt_sigaction, sig, nullptr, &old, sizeof old.mask) != 0) return true;
+  return old.handler == SIG_DFL;
+}
+
+void setDefaultDisposition(int sig) {
+  KernelSigaction dfl{};
+  dfl.handler = SIG_DFL;
+  ::syscall(SYS_rt_sigaction, sig, &dfl, nullptr, sizeof dfl.mask);
+}
+
 // Only async-signal-safe calls from here on.
 [[noreturn]] void runChild(ChildPlan& p) {
   // aether blocks SIGCHLD and ignores SIGPIPE; programs expect the defaults.
   // (Handlers would be reset by execve; SIG_IGN is not.)
-  struct sigaction dfl;
-  std::memset(&dfl, 0, sizeof dfl);
-  dfl.sa_handler = SIG_DFL;
-  for (int sig = 1; sig < NSIG && sig <= 64; ++sig) {
+  for (int sig = 1; sig <= 64; ++sig) {
     if (sig == SIGKILL || sig == SIGSTOP || !(p.reset_signals >> (sig - 1) & 1)) continue;
-    ::sigaction(sig, &dfl, nullptr);
+    setDefaultDisposition(sig);
   }
   ::sigprocmask(SIG_SETMASK, &p.empty_mask, nullptr);
 
@@ -535,11 +554,8 @@ std::string spawnFailureMessage(const SpawnedExec& spawned) {
 
 uint64_t nonDefaultSignals() {
   uint64_t mask = 0;
-  for (int sig = 1; sig < NSIG && sig <= 64; ++sig) {
-    struct sigaction old;
-    if (::sigaction(sig, nullptr, &old) == 0 && old.sa_handler != SIG_DFL) {
-      mask |= uint64_t{1} << (sig - 1);
-    }
+  for (int sig = 1; sig <= 64; ++sig) {
+    if (!hasDefaultDisposition(sig)) mask |= uint64_t{1} << (sig - 1);
   }
   return mask;
 }
