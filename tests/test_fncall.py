@@ -8,6 +8,8 @@ to calls: isolation between calls, limits, fncall sandboxes, bad input.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 import dsec
@@ -127,6 +129,27 @@ def test_nothing_leaks_between_calls(client, debian):
     assert lines[1] == "False False False False False", second
     assert lines[2] == "False 0", second
     assert lines[3] == "['.run'] True", second
+
+
+def test_a_thread_outliving_its_main_thread_is_killed(make_sandbox, debian):
+    # A process the call leaves ends its main thread alone (exit(2), not
+    # exit_group(2)): it shows as a zombie while its other thread runs on. It
+    # must be killed with the rest of what the call left, not taken for dead.
+    sb = make_sandbox(debian, backend="fncall", disk_mb=16)
+    inner = ("import ctypes, threading, time\n"
+             "def later():\n"
+             "    time.sleep(1.5)\n"
+             "    open('/scratch/escaped', 'w').write('x')\n"
+             "threading.Thread(target=later).start()\n"
+             "ctypes.CDLL(None).syscall(60, 0)  # SYS_exit: this thread only\n")
+    r = sb.run("import subprocess, sys, time\n"
+               f"subprocess.Popen([sys.executable, '-c', {inner!r}])\n"
+               "time.sleep(0.5)\n"
+               "print('main ends')\n", timeout=10)
+    assert r.exit_code == 0 and r.stdout == "main ends\n", r
+    time.sleep(3)
+    r = sb.run("import os; print(os.path.exists('/scratch/escaped'))")
+    assert r.stdout == "False\n", "a thread of an ended call ran on: " + r.stdout
 
 
 def test_each_call_sees_fresh_random_state(client, debian):

@@ -100,7 +100,12 @@ bool validRelPath(const std::string& p) {
 
 struct ProcInfo {
   pid_t ppid = 0, pgid = 0, sid = 0;
+  // In exit(2), its only thread: it runs no more user code, the kernel is
+  // freeing its memory.
+  bool exiting = false;
 };
+
+constexpr unsigned kPfExiting = 0x4;  // PF_EXITING, include/linux/sched.h
 
 std::map<pid_t, ProcInfo> scanProc() {
   std::map<pid_t, ProcInfo> out;
@@ -122,11 +127,19 @@ std::map<pid_t, ProcInfo> scanProc() {
     // parse from its last ')'.
     char* rp = std::strrchr(buf, ')');
     if (!rp) continue;
+    // Fields 3-6, 9 (flags) and 20 (num_threads) of proc_pid_stat(5).
     char state;
     int ppid, pgid, sid;
-    if (std::sscanf(rp + 1, " %c %d %d %d", &state, &ppid, &pgid, &sid) != 4) continue;
-    if (state == 'Z') continue;  // already dead, waiting to be reaped
-    out[pid_t(pid)] = ProcInfo{ppid, pgid, sid};
+    unsigned flags = 0;
+    long threads = 1;
+    if (std::sscanf(rp + 1, " %c %d %d %d %*d %*d %u %*u %*u %*u %*u %*u %*u %*d %*d %*d %*d %ld",
+                    &state, &ppid, &pgid, &sid, &flags, &threads) < 4) {
+      continue;
+    }
+    // Dead, waiting to be reaped. Not so a zombie leader whose other threads
+    // still run (its main thread called exit(2) alone): it is killed too.
+    if (state == 'Z' && threads <= 1) continue;
+    out[pid_t(pid)] = ProcInfo{ppid, pgid, sid, (flags & kPfExiting) != 0 && threads <= 1};
   }
   ::closedir(d);
   return out;
@@ -282,6 +295,9 @@ void killCallProcesses(pid_t pid, bool everything, const std::set<pid_t>& keep) 
     std::set<pid_t> doomed;
     for (auto& [p, info] : procs) {
       if (p == self || keep.count(p)) continue;
+      // The call itself, reported ended by its zygote before the kernel has
+      // finished freeing it (docs/fncall.md): nothing left to stop.
+      if (p == pid && info.exiting) continue;
       // A zygote's spare (forked ahead, still in the zygote's session: a
       // call's process always has a session of its own) stays too.
       if (keep.count(info.ppid) && info.sid == info.ppid) continue;

@@ -2,7 +2,14 @@
 
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <pthread.h>
 #include <sys/resource.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
 
 namespace dsec::aether {
 namespace {
@@ -96,6 +103,56 @@ TEST(CallRlimits, SetOnlyWhatIsGiven) {
   EXPECT_EQ(r[0].second.rlim_max, 3u);  // SIGKILL a second after SIGXCPU
   EXPECT_EQ(r[1].first, RLIMIT_FSIZE);
   EXPECT_EQ(r[1].second.rlim_cur, 1u << 20);
+}
+
+// A process whose main thread called exit(2) alone shows as a zombie while
+// its other thread runs on: it is killed with what a call left, not skipped.
+TEST(KillCallProcesses, KillsAZombieLeaderWithLiveThreads) {
+  int ready[2];
+  ASSERT_EQ(::pipe(ready), 0);
+  pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    ::setsid();
+    pthread_t t;
+    ::pthread_create(&t, nullptr, [](void*) -> void* {
+      for (;;) ::pause();
+    }, nullptr);
+    ::close(ready[0]);
+    ::close(ready[1]);
+    ::syscall(SYS_exit, 0);  // this thread only
+  }
+  ::close(ready[1]);
+  char c;
+  ASSERT_EQ(::read(ready[0], &c, 1), 0);  // the leader has closed its end
+  ::close(ready[0]);
+  // Wait until the leader is a zombie with its thread alive.
+  char path[64];
+  std::snprintf(path, sizeof path, "/proc/%d/stat", child);
+  for (int i = 0; i < 500; ++i) {
+    FILE* f = std::fopen(path, "r");
+    ASSERT_NE(f, nullptr);
+    char buf[512] = {};
+    size_t n = std::fread(buf, 1, sizeof buf - 1, f);
+    std::fclose(f);
+    const char* rp = std::strrchr(buf, ')');
+    if (n > 0 && rp && rp[2] == 'Z') break;
+    ::usleep(10000);
+  }
+  killCallProcesses(child, false, {});
+  int status = 0;
+  pid_t got = 0;
+  for (int i = 0; i < 500 && got == 0; ++i) {
+    got = ::waitpid(child, &status, WNOHANG);
+    if (got == 0) ::usleep(10000);
+  }
+  if (got == 0) {
+    ::kill(child, SIGKILL);
+    ::waitpid(child, &status, 0);
+    FAIL() << "the zombie leader's thread survived killCallProcesses";
+  }
+  ASSERT_EQ(got, child);
+  EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) << status;
 }
 
 }  // namespace
