@@ -42,52 +42,10 @@ rm -rf "$cache"/.tmp.* 2>/dev/null || true
 
 tmp=""
 child=""
-cleanup() {
-  # A long step runs as its own process group (see run_group); stop all of it.
-  if [ -n "$child" ]; then
-    kill -TERM -- "-$child" 2>/dev/null || true
-    wait "$child" 2>/dev/null || true
-    child=""
-  fi
-  # debootstrap mounts /proc and /sys inside the target; unmount anything left.
-  if [ -n "$tmp" ] && [ -d "$tmp" ]; then
-    local m
-    while read -r m; do
-      umount -l "$m" 2>/dev/null || true
-    done < <(awk -v p="$tmp/" 'index($2, p) == 1 {print $2}' /proc/self/mounts | sort -r)
-    rm -rf "$tmp"
-  fi
-  return 0
-}
+# cleanup, run_group, debian_mirror
+. "$here/image-build-lib.sh"
 trap cleanup EXIT
 trap 'exit 130' INT TERM HUP
-
-# Runs "$@" in its own session and waits in a way a signal interrupts (bash
-# runs traps only between foreground commands), so SIGTERM to this script stops
-# a debootstrap at once and the EXIT trap kills its whole process group.
-run_group() {
-  setsid "$@" &
-  child=$!
-  local rc=0
-  wait "$child" || rc=$?
-  child=""
-  return "$rc"
-}
-
-# Mirror of the first non-security Debian source on the host.
-debian_mirror() {
-  if [ -n "${DSEC_DEBIAN_MIRROR:-}" ]; then echo "$DSEC_DEBIAN_MIRROR"; return; fi
-  local m=""
-  if [ -r /etc/apt/sources.list.d/debian.sources ]; then
-    m="$(awk 'tolower($1)=="uris:" {for (i=2;i<=NF;i++) if ($i !~ /security/) {print $i; exit}}' \
-      /etc/apt/sources.list.d/debian.sources)"
-  fi
-  if [ -z "$m" ] && [ -r /etc/apt/sources.list ]; then
-    m="$(awk '$1=="deb" {for (i=2;i<=NF;i++) if ($i ~ /^[a-z]+:\/\//) { if ($i !~ /security/) {print $i; exit} else break }}' \
-      /etc/apt/sources.list)"
-  fi
-  echo "${m:-http://deb.debian.org/debian}"
-}
 
 # Tars directory $1 into $cache/$2 through a temp file, then renames.
 pack() {

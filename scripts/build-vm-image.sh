@@ -16,6 +16,7 @@ set -euo pipefail
 exec </dev/null
 export DEBIAN_FRONTEND=noninteractive
 
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 cache="${1:-${DSEC_IMAGE_CACHE:-/var/cache/dsec/test-images}}"
 suite=bookworm
 name=vm-debian.qcow2
@@ -46,47 +47,10 @@ rm -rf "$cache"/.tmp.vm.* 2>/dev/null || true
 
 tmp="$(mktemp -d "$cache/.tmp.vm.XXXXXX")"
 child=""
-cleanup() {
-  if [ -n "$child" ]; then
-    kill -TERM -- "-$child" 2>/dev/null || true
-    wait "$child" 2>/dev/null || true
-    child=""
-  fi
-  if [ -n "$tmp" ] && [ -d "$tmp" ]; then
-    local m
-    while read -r m; do
-      umount -l "$m" 2>/dev/null || true
-    done < <(awk -v p="$tmp/" 'index($2, p) == 1 {print $2}' /proc/self/mounts | sort -r)
-    rm -rf "$tmp"
-  fi
-  return 0
-}
+# cleanup, run_group, debian_mirror
+. "$here/image-build-lib.sh"
 trap cleanup EXIT
 trap 'exit 130' INT TERM HUP
-
-run_group() {
-  setsid "$@" &
-  child=$!
-  local rc=0
-  wait "$child" || rc=$?
-  child=""
-  return "$rc"
-}
-
-# The same mirror choice as scripts/build-test-images.sh.
-debian_mirror() {
-  if [ -n "${DSEC_DEBIAN_MIRROR:-}" ]; then echo "$DSEC_DEBIAN_MIRROR"; return; fi
-  local m=""
-  if [ -r /etc/apt/sources.list.d/debian.sources ]; then
-    m="$(awk 'tolower($1)=="uris:" {for (i=2;i<=NF;i++) if ($i !~ /security/) {print $i; exit}}' \
-      /etc/apt/sources.list.d/debian.sources)"
-  fi
-  if [ -z "$m" ] && [ -r /etc/apt/sources.list ]; then
-    m="$(awk '$1=="deb" {for (i=2;i<=NF;i++) if ($i ~ /^[a-z]+:\/\//) { if ($i !~ /security/) {print $i; exit} else break }}' \
-      /etc/apt/sources.list)"
-  fi
-  echo "${m:-http://deb.debian.org/debian}"
-}
 
 root="$tmp/rootfs"
 mkdir -p "$root"
