@@ -168,3 +168,55 @@ def expect_error(fn, cls, field=None, status=None):
     if status is not None:
         assert e.status == status, f"expected HTTP {status}, got {e!r}"
     return e
+
+
+# ----- the QEMU backends (tests/test_microvm.py, tests/test_vm.py) -----------
+
+def qemu_pids(data_dir: Path, backend: str) -> set:
+    """QEMU processes whose working directory is under this server's VM root
+    for `backend` ("microvm" or "vm": <data>/edge/<backend>/<id>)."""
+    root = str(Path(data_dir) / "edge" / backend) + "/"
+    found = set()
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            if os.readlink(p / "exe").endswith("qemu-system-x86_64") and \
+                    (os.readlink(p / "cwd") + "/").startswith(root):
+                found.add(int(p.name))
+        except OSError:
+            pass
+    return found
+
+
+def vm_dirs(data_dir: Path, backend: str) -> set:
+    """The VM directories the edge has for `backend` ("microvm" or "vm")."""
+    root = Path(data_dir) / "edge" / backend
+    return {p.name for p in root.iterdir()} if root.is_dir() else set()
+
+
+def require_qemu(*tools: str):
+    """Skips (with the reason printed) unless the test prerequisites and the
+    QEMU tools (default: qemu-system-x86_64) are there."""
+    import shutil
+    from conftest import _check_prerequisites, unavailable
+    _check_prerequisites()
+    for tool in tools or ("qemu-system-x86_64",):
+        if shutil.which(tool) is None:
+            unavailable(f"{tool} not installed (scripts/install-deps.sh)")
+
+
+def start_vm_server(s, timeout: float):
+    """Starts (or restarts) a test Server whose client waits `timeout` s per
+    call (a TCG boot is slow)."""
+    s.start()
+    s.client = dsec.Client.from_data_dir(str(s.data_dir), timeout=timeout)
+
+
+def require_backend(s, backend: str):
+    """Skips, stopping the server, unless its node says `backend` is available."""
+    from conftest import unavailable
+    info = s.raw("GET", "/v1/node")[3]["backends"][backend]
+    if not info["available"]:
+        s.stop()
+        unavailable(f"{backend} backend unavailable here: {info['reason']}")

@@ -13,7 +13,6 @@ reason printed when QEMU, qemu-img or the image is missing."""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import time
@@ -22,8 +21,9 @@ from pathlib import Path
 import pytest
 
 import dsec
-from conftest import Server, _check_prerequisites, unavailable
-from helpers import edge_cgroup, sandbox_cgroup_dirs, wait_until
+from conftest import Server, unavailable
+from helpers import (edge_cgroup, qemu_pids, require_backend, require_qemu, sandbox_cgroup_dirs,
+                     start_vm_server, vm_dirs, wait_until)
 
 CACHE = Path(os.environ.get("DSEC_IMAGE_CACHE", "/var/cache/dsec/test-images"))
 VM_IMAGE = CACHE / "vm-debian.qcow2"
@@ -32,36 +32,19 @@ BOOT_S = 900  # create deadline for the client: two TCG boots of systemd on a lo
 
 
 def _qemu_pids(data_dir: Path) -> set:
-    """QEMU processes whose working directory is under this server's VM root."""
-    root = str(data_dir / "edge" / "vm")
-    found = set()
-    for p in Path("/proc").iterdir():
-        if not p.name.isdigit():
-            continue
-        try:
-            if os.readlink(p / "exe").endswith("qemu-system-x86_64") and \
-                    os.readlink(p / "cwd").startswith(root):
-                found.add(int(p.name))
-        except OSError:
-            pass
-    return found
+    return qemu_pids(data_dir, "vm")
 
 
 def _vm_dirs(data_dir: Path) -> set:
-    root = data_dir / "edge" / "vm"
-    return {p.name for p in root.iterdir()} if root.is_dir() else set()
+    return vm_dirs(data_dir, "vm")
 
 
 def _start(s: Server):
-    s.start()
-    s.client = dsec.Client.from_data_dir(str(s.data_dir), timeout=BOOT_S)
+    start_vm_server(s, BOOT_S)
 
 
 def _prereqs():
-    _check_prerequisites()
-    for tool in ("qemu-system-x86_64", "qemu-img"):
-        if shutil.which(tool) is None:
-            unavailable(f"{tool} not installed (scripts/install-deps.sh)")
+    require_qemu("qemu-system-x86_64", "qemu-img")
     if not VM_IMAGE.exists():
         unavailable(f"no {VM_IMAGE} (make vm-image, or scripts/build-vm-image.sh)")
 
@@ -77,10 +60,7 @@ def vmserver(tmp_path_factory):
     s = Server(tmp_path_factory.mktemp("vm") / "data")
     s.data_dir.mkdir()
     _start(s)
-    node = s.raw("GET", "/v1/node")[3]
-    if not node["backends"]["vm"]["available"]:
-        s.stop()
-        unavailable(f"vm backend unavailable here: {node['backends']['vm']['reason']}")
+    require_backend(s, "vm")
     r = _import_disk(s, "vmdeb:latest", VM_IMAGE)
     assert r.returncode == 0, r.stderr
     s.import_image("busybox:latest", BUSYBOX_TAR)
@@ -94,7 +74,9 @@ def vmserver(tmp_path_factory):
 @pytest.fixture(scope="module")
 def vm(vmserver):
     t0 = time.monotonic()
-    sb = vmserver.client.create("vmdeb:latest", backend="vm", cpu=2, memory_mb=512)
+    # disk_mb above the image's 2 GiB grows the disk the guest sees
+    sb = vmserver.client.create("vmdeb:latest", backend="vm", cpu=2, memory_mb=512,
+                                disk_mb=3072)
     print(f"vm create (boot to qemu-guest-agent answering): {time.monotonic() - t0:.1f} s")
     yield sb
     vmserver.client.get(sb.id).destroy()
@@ -167,6 +149,9 @@ def test_resources_and_no_network(vm):
     assert 350 * 1024 < kb <= 512 * 1024, kb
     links = vm.exec("ls /sys/class/net").stdout.split()
     assert links in ([], ["lo"]), links
+    # the disk is disk_mb (its file system stays the image's size: no growpart here)
+    sectors = int(vm.exec("cat /sys/block/vda/size").stdout)
+    assert sectors * 512 == 3072 << 20, sectors
 
 
 def test_qemu_runs_confined(vmserver, vm):
@@ -249,14 +234,35 @@ def test_screenshot_of_a_container_is_refused(vmserver):
         sb.destroy()
 
 
-def test_pause_resume_and_pack_diff(vmserver, vm):
+def test_pause_and_resume(vm):
     vm.exec("echo before > /root/p")
     assert vm.pause().state == "paused"
     assert vm.resume().state == "running"
     assert vm.exec("cat /root/p").stdout == "before\n"
-    status, _, _, doc = vmserver.raw("POST", f"/v1/sandboxes/{vm.id}/pack_diff",
-                                     {"name": "vmsnap"}, timeout=60)
-    assert status == 409 and "vm" in doc["error"]["message"], doc
+
+
+def test_pack_diff_is_a_disk_image_that_boots(vmserver, vm):
+    """A vm's snapshot is its whole disk (guest file systems frozen through
+    qga, vCPUs stopped, overlay and base flattened into one qcow2): an image
+    of kind disk that boots like an imported one, with the writes in it."""
+    c = vmserver.client
+    # written just before: the freeze must put it on the disk
+    vm.exec("echo snapshot-me > /root/snap.txt && rm -f /root/p")
+    img = vm.pack_diff("vmsnap", "1")
+    assert img.kind == "disk" and len(img.layers) == 1, img
+    assert img.layers != c.image("vmdeb:latest").layers
+    # the source runs on, thawed
+    assert vm.exec("echo after > /root/after && cat /root/after").stdout == "after\n"
+    again = c.create("vmsnap:1", backend="vm", cpu=2, memory_mb=512)
+    try:
+        assert again.exec("cat /root/snap.txt").stdout == "snapshot-me\n"
+        assert again.exec("test -e /root/p").exit_code == 1
+        assert again.exec("test -e /root/after").exit_code == 1
+        # the disk is the snapshot's size (the source's disk_mb)
+        assert int(again.exec("cat /sys/block/vda/size").stdout) * 512 == 3072 << 20
+    finally:
+        again.destroy()
+        assert wait_until(lambda: len(_qemu_pids(vmserver.data_dir)) == 1, 60)
 
 
 def test_edge_restart_readopts_the_vm(vmserver, vm):
@@ -301,9 +307,7 @@ def test_a_disk_that_never_boots_is_retried_once_then_reported(tmp_path_factory)
     s.data_dir.mkdir()
     _start(s)
     try:
-        node = s.raw("GET", "/v1/node")[3]
-        if not node["backends"]["vm"]["available"]:
-            unavailable(f"vm backend unavailable here: {node['backends']['vm']['reason']}")
+        require_backend(s, "vm")
         blank = tmp / "blank.raw"
         with open(blank, "wb") as f:
             f.truncate(16 << 20)

@@ -225,6 +225,7 @@ void Agent::edgeGone() {
   pid_streams_.clear();
   writes_.clear();
   reads_.clear();
+  packs_.clear();
   out_.clear();
   out_off_ = 0;
   queued_ = 0;
@@ -288,6 +289,7 @@ void Agent::shutdown() {
   pid_streams_.clear();
   writes_.clear();  // removes temporary files
   reads_.clear();
+  packs_.clear();
   done_ = true;
 }
 
@@ -414,7 +416,8 @@ void Agent::updateInterest() {
 // ---- requests ----
 
 bool Agent::busy(uint32_t stream) const {
-  return execs_.count(stream) > 0 || writes_.count(stream) > 0 || reads_.count(stream) > 0;
+  return execs_.count(stream) > 0 || writes_.count(stream) > 0 || reads_.count(stream) > 0 ||
+         packs_.count(stream) > 0;
 }
 
 bool Agent::acceptRequest(const Frame& f) {
@@ -465,6 +468,9 @@ void Agent::dispatch(Frame& f) {
       return;
     case FrameType::kFileRead:
       handleFileRead(f);
+      return;
+    case FrameType::kPackUpper:
+      handlePackUpper(f);
       return;
     case FrameType::kAudit:
       handleAudit(f);
@@ -741,10 +747,15 @@ void Agent::handleCancel(const Frame& f) {
   // A cancelled transfer just stops: no further frames on the stream.
   writes_.erase(f.stream);
   reads_.erase(f.stream);
+  packs_.erase(f.stream);  // thaws the disk
 }
 
 void Agent::handleFileWrite(const Frame& f) {
   if (!acceptRequest(f)) return;
+  if (!packs_.empty()) {
+    return sendError(f.stream, Status(Code::kUnavailable,
+                                      "a pack_diff is reading the sandbox's disk; retry"));
+  }
   Result<Json> j = parseObject(f.payload);
   if (!j.isOk()) return sendError(f.stream, j.status());
   std::string path;
@@ -798,7 +809,43 @@ void Agent::handleFileRead(const Frame& f) {
   reads_.emplace(f.stream, std::move(r).value());
 }
 
+void Agent::handlePackUpper(const Frame& f) {
+  if (!acceptRequest(f)) return;
+  if (options_.upper_fd < 0) {
+    return sendError(f.stream, Status(Code::kFailedPrecondition,
+                                      "pack_upper is served only by a microvm guest"));
+  }
+  if (!packs_.empty() || !writes_.empty()) {
+    // A write in flight would hang on the frozen disk, and this loop with it.
+    return sendError(f.stream, Status(Code::kUnavailable,
+                                      "file transfers in progress; retry the pack_diff"));
+  }
+  Result<std::unique_ptr<UpperTar>> t = UpperTar::open(options_.upper_fd, options_.upper_freeze);
+  if (!t.isOk()) return sendError(f.stream, t.status());
+  sendFrame(f.stream, FrameType::kResult, R"({"ok":true})");
+  // The tar follows from pumpFileReads(), paced like a file read; the disk
+  // thaws when it ends (or the stream is cancelled or the edge goes).
+  packs_.emplace(f.stream, std::move(t).value());
+}
+
 void Agent::pumpFileReads() {
+  while (!packs_.empty() && queued_ < kQueueHighWater && !done_) {
+    auto it = packs_.begin();
+    uint32_t stream = it->first;
+    Status st = it->second->readChunk(scratch_, proto::kDataChunk);
+    if (!st.isOk()) {
+      // After the ok result: a second result ends the stream (as file_read).
+      packs_.erase(it);
+      sendError(stream, st);
+      break;
+    }
+    if (scratch_.empty()) {
+      packs_.erase(it);
+      sendFrame(stream, FrameType::kData, {});
+    } else {
+      sendFrame(it->first, FrameType::kData, scratch_);
+    }
+  }
   while (!reads_.empty() && queued_ < kQueueHighWater && !done_) {
     auto it = reads_.lower_bound(next_read_);
     if (it == reads_.end()) it = reads_.begin();
@@ -827,6 +874,11 @@ void Agent::handleSimpleFileOp(const Frame& f) {
   Status st = readPath(*j, "path", path);
   if (!st.isOk()) return sendError(f.stream, st);
   static const std::string kOk = R"({"ok":true})";
+  if (f.type != FrameType::kList && f.type != FrameType::kStat && !packs_.empty()) {
+    // The disk is frozen: a write would hang this loop, which must thaw it.
+    return sendError(f.stream, Status(Code::kUnavailable,
+                                      "a pack_diff is reading the sandbox's disk; retry"));
+  }
   switch (f.type) {
     case FrameType::kList: {
       Result<std::string> payload = listDir(path, proto::kMaxPayload);

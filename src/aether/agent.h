@@ -28,6 +28,7 @@
 #include "common/fd.h"
 #include "common/frame.h"
 #include "common/status.h"
+#include "aether/upper_tar.h"
 
 namespace dsec::aether {
 
@@ -60,6 +61,13 @@ struct AgentOptions {
   // The sandbox's first policy (the body of a policy frame), applied by
   // start() before the hello: a failure is start()'s.
   std::optional<Json> initial_policy;
+  // A microvm guest's overlay upper dir (guest_init.cc), open across the
+  // switch of root: pack_upper streams it (upper_tar.h). -1: pack_upper is
+  // refused.
+  int upper_fd = -1;
+  // Whether pack_upper freezes upper_fd's file system meanwhile (the guest's
+  // own disk); tests of the agent on a host file system turn it off.
+  bool upper_freeze = true;
 };
 
 class Agent {
@@ -124,6 +132,7 @@ class Agent {
   void handleFileWrite(const proto::Frame& f);
   void handleData(const proto::Frame& f);
   void handleFileRead(const proto::Frame& f);
+  void handlePackUpper(const proto::Frame& f);
   void handleSimpleFileOp(const proto::Frame& f);
   void handleAudit(const proto::Frame& f);
   // Tells the edge the denied-syscall total, now or at the end of the
@@ -213,6 +222,9 @@ class Agent {
   uint64_t call_seq_ = 0;
   std::map<uint32_t, FileWriter> writes_;
   std::map<uint32_t, FileReader> reads_;
+  // pack_upper transfers (at most one): the guest's disk is frozen while one
+  // lives, so requests that write are refused meanwhile.
+  std::map<uint32_t, std::unique_ptr<UpperTar>> packs_;
   uint32_t next_read_ = 0;  // round-robin position among reads_
   std::string scratch_;     // pipe/file read buffer
   // Connection read buffer, deliberately left uninitialised: zero-filling it

@@ -981,6 +981,48 @@ TEST(AgentFilesTest, Errors) {
   EXPECT_EQ(r["entries"].size(), 0u) << r;
 }
 
+TEST(AgentPackUpperTest, StreamsTheTreeAndRefusesWritesMeanwhile) {
+  TempDir dir;
+  {
+    AgentHarness plain;
+    plain.startForked();
+    Json r = plain.request(1, FrameType::kPackUpper, Json::object());
+    EXPECT_EQ(r["code"], "failed_precondition") << r;
+  }
+  std::string big(6u << 20, 'b');  // more than the queue's high water
+  std::ofstream(dir.path() + "/big", std::ios::binary) << big;
+  UniqueFd upper(::open(dir.path().c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  ASSERT_TRUE(upper);
+  AgentOptions options;
+  options.upper_fd = upper.get();
+  options.upper_freeze = false;  // a host file system: never freeze it
+  AgentHarness a;
+  a.startForked(std::move(options));
+  a.sendJson(1, FrameType::kPackUpper, Json::object());
+  Frame f;
+  ASSERT_TRUE(a.next(1, f));
+  ASSERT_EQ(f.type, FrameType::kResult);
+  EXPECT_EQ(Json::parse(f.payload)["ok"], true) << f.payload;
+  // Unread, the tar stalls at the high water: the pack is still going.
+  Json r = a.request(2, FrameType::kMkdir, Json{{"path", dir.path() + "/m"}});
+  EXPECT_EQ(r["code"], "unavailable") << r;
+  r = a.request(3, FrameType::kStat, Json{{"path", dir.path() + "/big"}});
+  EXPECT_EQ(r["ok"], true) << r;
+  std::string tar;
+  for (;;) {
+    ASSERT_TRUE(a.next(1, f, 30000));
+    ASSERT_EQ(f.type, FrameType::kData);
+    if (f.payload.empty()) break;
+    tar += f.payload;
+  }
+  EXPECT_EQ(tar.size() % 512, 0u);
+  EXPECT_NE(tar.find("./big"), std::string::npos);
+  EXPECT_NE(tar.find(big.substr(0, 4096)), std::string::npos);
+  // Over: writes go again.
+  r = a.request(4, FrameType::kMkdir, Json{{"path", dir.path() + "/m"}});
+  EXPECT_EQ(r["ok"], true) << r;
+}
+
 TEST(FilesTest, ListIsCutToFitAFrame) {
   TempDir dir;
   for (int i = 0; i < 50; ++i) {

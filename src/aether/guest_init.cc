@@ -133,7 +133,9 @@ Result<std::string> findPort() {
 }
 
 // Everything up to the switch into the sandbox's root.
-Status setupGuest(const std::map<std::string, std::string>& params) {
+// *upper: the overlay's upper dir, kept open for pack_upper (the chroot
+// hides it from everything else).
+Status setupGuest(const std::map<std::string, std::string>& params, UniqueFd* upper) {
   RETURN_IF_ERROR(loadModules());
   int layers = 0;
   if (auto it = params.find("layers"); it != params.end()) layers = std::atoi(it->second.c_str());
@@ -178,8 +180,15 @@ Status setupGuest(const std::map<std::string, std::string>& params) {
     ::mkdir("/layers/empty", 0755);
     lower = "/layers/empty";
   }
+  // As for containers (container_init.cc): without index, metacopy and
+  // redirect_dir the upper dir is a plain tree of the sandbox's writes that
+  // pack_diff can turn into a layer.
   RETURN_IF_ERROR(mountOrFail("overlay", "/newroot", "overlay", 0,
-                              "lowerdir=" + lower + ",upperdir=/rw/upper,workdir=/rw/work"));
+                              "lowerdir=" + lower +
+                                  ",upperdir=/rw/upper,workdir=/rw/work,index=off,metacopy=off,"
+                                  "redirect_dir=off"));
+  upper->reset(::open("/rw/upper", O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (!*upper) return sysError("open /rw/upper");
   for (const char* d : {"/newroot/dev", "/newroot/proc", "/newroot/sys", "/newroot/tmp"}) {
     ::mkdir(d, 0755);
   }
@@ -354,7 +363,8 @@ int guestMain() {
     say("open " + *portPath + ": " + std::strerror(errno));
     powerOff();
   }
-  if (setup.isOk()) setup = setupGuest(params);
+  UniqueFd upper;
+  if (setup.isOk()) setup = setupGuest(params, &upper);
   if (!setup.isOk()) say(setup.toString());
   else say("root switched; waiting for the host");
   Result<proto::Frame> first = awaitHostFrame(port);
@@ -389,6 +399,7 @@ int guestMain() {
   AgentOptions options;
   options.exec.drop_caps = true;
   options.reattach_fd = kReattachFd;
+  options.upper_fd = upper.get();
   options.exec.default_env = {"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
                               "HOME=/root"};
   Agent agent(UniqueFd(sv[0]), std::move(options));

@@ -37,6 +37,7 @@ const char* frameTypeName(FrameType type) {
     case FrameType::kAudit: return "audit";
     case FrameType::kPolicy: return "policy";
     case FrameType::kDenied: return "denied";
+    case FrameType::kPackUpper: return "pack_upper";
     case FrameType::kResult: return "result";
     case FrameType::kCancel: return "cancel";
   }

@@ -40,6 +40,7 @@ enum class FrameType : uint8_t {
   kAudit = 0x27,      // edge -> aether: denied-syscall counts ({}); kResult answers
   kPolicy = 0x28,     // edge -> aether: file rules of the policy in force (JSON)
   kDenied = 0x29,     // aether -> edge, stream 0, unasked: {"denied_total": N} (rate-limited)
+  kPackUpper = 0x2A,  // edge -> aether: stream a microvm guest's upper dir as tar (kData)
   kResult = 0x2F,     // aether -> edge: outcome of a request (JSON)
   kCancel = 0x31,     // edge -> aether: abandon the stream's request
 };

@@ -71,6 +71,22 @@ class Instance {
   // The node-local directory holding the sandbox's writes in overlayfs form
   // (whiteouts, opaque dirs), or empty when the backend has none.
   virtual std::string upperDir() const = 0;
+  // Backends whose writes the host cannot read in place (a guest's disk:
+  // upperDir() is empty) copy them out instead: into `dest` (which must not
+  // exist yet) as a directory in the same overlayfs form, one consistent
+  // moment of the sandbox (the backend freezes what it must meanwhile).
+  // A backend whose sandbox is one whole disk (vm) snapshots that instead:
+  // a standalone image (no backing file) at `dest`, one consistent moment.
+  virtual bool snapshotsDisk() const { return false; }
+  virtual Status snapshotDisk(const std::string& dest) {
+    (void)dest;
+    return Status(Code::kFailedPrecondition, "this backend has no disk to snapshot");
+  }
+  virtual bool exportsUpper() const { return false; }
+  virtual Status exportUpper(const std::string& dest) {
+    (void)dest;
+    return Status(Code::kFailedPrecondition, "this backend has no writes to export");
+  }
   // An fd of the sandbox's network namespace (to plumb egress into it).
   virtual Result<UniqueFd> openNetns() const = 0;
   // The host pid of the sandbox's PID 1 (recorded so a restarted edge can

@@ -742,6 +742,32 @@ Result<image::BuiltLayer> Edge::packDiff(const std::string& id, const std::strin
   auto inst = find(id);
   if (!inst) return notRunning(id);
   std::string upper = inst->upperDir();
+  if (upper.empty() && inst->snapshotsDisk()) {
+    // A vm: the snapshot is its whole disk (docs/vm.md), not a diff layer.
+    RETURN_IF_ERROR(makeDirs(workDir, 0700));
+    image::BuiltLayer disk;
+    disk.kind = "disk";
+    disk.path = workDir + "/disk.qcow2";
+    RETURN_IF_ERROR(inst->snapshotDisk(disk.path).withContext("pack_diff " + id));
+    ASSIGN_OR_RETURN(std::string hex, sha256File(disk.path));
+    disk.digest = "sha256:" + hex;
+    struct stat st;
+    if (::stat(disk.path.c_str(), &st) != 0) return sysError("stat " + disk.path);
+    disk.size = st.st_size;
+    return disk;
+  }
+  if (upper.empty() && inst->exportsUpper()) {
+    // A guest's writes (microvm): copied out, frozen inside the guest
+    // meanwhile; ids are the guest's own, 0-based already.
+    RETURN_IF_ERROR(makeDirs(workDir, 0700));
+    std::string copy = workDir + "/upper";
+    Status st = inst->exportUpper(copy);
+    Result<image::BuiltLayer> layer = internalError("pack_diff: not built");
+    if (st.isOk()) layer = image::buildLayer(copy, workDir);
+    (void)removeTree(copy);
+    if (!st.isOk()) return st.withContext("pack_diff " + id);
+    return layer;
+  }
   if (upper.empty()) {
     std::string name;
     {

@@ -20,6 +20,7 @@
 
 #include "common/log.h"
 #include "common/util.h"
+#include "edge/sandbox_state.h"
 
 namespace dsec::edge::qemu {
 
@@ -277,6 +278,47 @@ Result<Process> spawnConfined(const std::vector<std::string>& args, const std::s
   if (Status st = cgroups->attach(cgroupId, pid); !st.isOk()) return kill(st);
   if (::write(goWr.get(), "g", 1) != 1) return kill(sysError("write go pipe"));
   return p;
+}
+
+Status bootWithRetry(const std::string& kind, const std::string& id, const std::string& dir,
+                     double timeoutS, const std::string& consoleLog,
+                     const std::function<Status(bool* hung)>& once) {
+  bool hung = false;
+  Status st = once(&hung);
+  if (!st.isOk() && hung) {
+    log::warn(kind + " " + id + " did not answer at boot, retrying: " + st.toString() +
+              "; console: " + tailFile(dir + "/console.log", 300));
+    st = once(&hung);
+  }
+  if (!st.isOk() && hung) {
+    char secs[32];
+    std::snprintf(secs, sizeof secs, "%.0f", timeoutS);
+    st = Status(Code::kUnavailable, "the " + kind + " did not boot within " + secs + " s (" +
+                                        st.message() + "), twice (console log: " + consoleLog +
+                                        ")");
+  }
+  return st;
+}
+
+Status recordAndWatch(const std::string& dir, pid_t pid, int pidfd, Reactor* reactor,
+                      std::function<void()> onDeath) {
+  RETURN_IF_ERROR(writeFileAtomic(dir + "/qemu.pid", std::to_string(pid) + "\n"));
+  return reactor->watchExit(pidfd, std::move(onDeath));
+}
+
+Result<UniqueFd> adoptQemu(const SandboxState& state, const std::string& dir,
+                           const std::function<Status(int pidfd)>& reconnect) {
+  UniqueFd pidfd(int(syscall(SYS_pidfd_open, state.pid, 0)));
+  if (!pidfd) return sysError("pidfd_open");
+  // The pid may have been reused since: only the same process counts.
+  auto started = processStartTime(state.pid);
+  if (!started.isOk() || *started != state.startTime) {
+    return Status(Code::kNotFound, "its QEMU is gone");
+  }
+  if (state.paused) RETURN_IF_ERROR(qmp(dir, "cont").status());
+  RETURN_IF_ERROR(reconnect(pidfd.get()));
+  if (state.paused) RETURN_IF_ERROR(qmp(dir, "stop").status());
+  return pidfd;
 }
 
 void removeLeftovers(Cgroups* cgroups, const std::string& id, const std::string& dir) {

@@ -6,13 +6,19 @@
 
 #include <sys/types.h>
 
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
 #include "common/fd.h"
 #include "common/status.h"
+#include "edge/agent_conn.h"
 #include "edge/cgroup.h"
+
+namespace dsec::edge {
+struct SandboxState;
+}
 
 namespace dsec::edge::qemu {
 
@@ -62,6 +68,28 @@ struct Process {
 // sandbox `cgroupId` of `cgroups` before it execs.
 Result<Process> spawnConfined(const std::vector<std::string>& argv, const std::string& dir,
                               Cgroups* cgroups, const std::string& cgroupId);
+
+// A create's boot with the one retry the issue asks for. `once` is one
+// attempt: on error it leaves nothing running and sets *hung when the guest
+// simply never answered. A hung first attempt is logged with the tail of
+// dir/console.log and tried again; a second hang is kUnavailable "the `kind`
+// did not boot within N s (why), twice (console log: consoleLog)".
+Status bootWithRetry(const std::string& kind, const std::string& id, const std::string& dir,
+                     double timeoutS, const std::string& consoleLog,
+                     const std::function<Status(bool* hung)>& once);
+
+// The end of a create once the guest answered: records QEMU's pid in
+// dir/qemu.pid (for a restarted edge's cleanup of orphans) and has
+// `reactor` call onDeath when it exits.
+Status recordAndWatch(const std::string& dir, pid_t pid, int pidfd, Reactor* reactor,
+                      std::function<void()> onDeath);
+
+// The start of adopting a VM an earlier edge left running: a pidfd of
+// state.pid if that is still the recorded QEMU (kNotFound if not), after
+// `reconnect` (given that pidfd) reached its guest again. A paused guest cannot answer: it is
+// continued for `reconnect` and stopped again after.
+Result<UniqueFd> adoptQemu(const SandboxState& state, const std::string& dir,
+                           const std::function<Status(int pidfd)>& reconnect);
 
 // Kills what is left of the VM whose directory is `dir` and sandbox id `id`:
 // its cgroup (which holds its QEMU), a QEMU outside it by dir/qemu.pid if

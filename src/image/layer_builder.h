@@ -19,6 +19,9 @@ struct BuiltLayer {
   std::string dataPath;    // the data blob
   std::string dataDigest;  // "sha256:<hex>" of it
   int64_t dataSize = 0;
+  // "disk": not a layer but a whole disk image (a vm's pack_diff, docs/vm.md):
+  // `path` only, no data blob.
+  std::string kind;
 };
 
 constexpr int kChunkSize = 1 << 20;  // bytes per data chunk

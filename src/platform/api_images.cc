@@ -301,6 +301,7 @@ Result<ImageRecord> Platform::packDiffImage(const std::string& id, ImageRecord i
     (void)removeTree(work);
     return layer.status();
   }
+  if (layer->kind == "disk") return packDiskImage(sb, *layer, work, std::move(img));
   Status st;
   if (::rename(layer->dataPath.c_str(), blobPath(opts_.dataDir, layer->dataDigest).c_str()) != 0 ||
       ::rename(layer->path.c_str(), blobPath(opts_.dataDir, layer->digest).c_str()) != 0) {
@@ -334,6 +335,32 @@ Result<ImageRecord> Platform::packDiffImage(const std::string& id, ImageRecord i
     for (auto& d : img.layers) RETURN_IF_ERROR(store_->setBlobKind(d, "diff"));
     RETURN_IF_ERROR(store_->putImage(img));
   }
+  return img;
+}
+
+Result<ImageRecord> Platform::packDiskImage(const SandboxRecord& sb, const image::BuiltLayer& disk,
+                                            const std::string& work, ImageRecord img) {
+  // A vm's snapshot is a whole disk image (docs/vm.md): one blob of kind
+  // disk, which boots like an imported one.
+  Status st;
+  if (::rename(disk.path.c_str(), blobPath(opts_.dataDir, disk.digest).c_str()) != 0) {
+    st = sysError("move the disk image into the blob store");
+  }
+  (void)removeTree(work);
+  RETURN_IF_ERROR(st);
+  RETURN_IF_ERROR(linkBlob(disk.digest, disk.size, ""));
+  img.kind = "disk";
+  img.layers = {disk.digest};
+  img.size = disk.size;
+  img.parent = json{{"image", sb.image}}.dump();
+  img.createdAt = nowSeconds();
+  std::lock_guard gc(gcMu_);
+  auto blob = store_->getBlob(disk.digest);
+  if (blob.isOk() && !blob->kind.empty() && blob->kind != "disk") {
+    return Status(Code::kConflict, "the disk equals an existing " + blob->kind + " layer");
+  }
+  RETURN_IF_ERROR(store_->setBlobKind(disk.digest, "disk"));
+  RETURN_IF_ERROR(store_->putImage(img));
   return img;
 }
 

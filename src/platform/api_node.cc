@@ -120,7 +120,9 @@ void Platform::getNode(http::Response& res) {
                    {"accelerator", edge_->microvm().accelerator.empty()
                                        ? json(nullptr)
                                        : json(edge_->microvm().accelerator)},
-                   {"reason", edge_->microvm().reason}}},
+                   {"reason", edge_->microvm().reason},
+                   {"agent_channel", "virtio-serial"},
+                   {"vhost_vsock", edge_->microvm().vhostVsock}}},
                  {"vm",
                   {{"available", edge_->vm().available},
                    {"accelerator", edge_->vm().accelerator.empty()

@@ -114,6 +114,8 @@ class Platform {
   // Packs sandbox `id`'s changes into the diff image named by img.name/tag
   // and stores it; returns the image.
   Result<ImageRecord> packDiffImage(const std::string& id, ImageRecord img);
+  Result<ImageRecord> packDiskImage(const SandboxRecord& sb, const image::BuiltLayer& disk,
+                                    const std::string& work, ImageRecord img);
   void getAudit(const std::string& id, http::Response& res);
   // Computer use (api_computer.cc, backend vm): the screen as PNG, and
   // keyboard/mouse input.

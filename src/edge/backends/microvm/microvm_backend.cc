@@ -25,6 +25,7 @@
 #include "common/util.h"
 #include "edge/qemu.h"
 #include "edge/sandbox_state.h"
+#include "image/layer_builder.h"
 
 namespace dsec::edge {
 
@@ -69,12 +70,15 @@ class MicroVmInstance : public Instance {
     return cgroups_->setLimits(id_, l);
   }
   std::string upperDir() const override { return ""; }
+  bool exportsUpper() const override { return true; }
+  Status exportUpper(const std::string& dest) override;
   Result<UniqueFd> openNetns() const override {
     return Status(Code::kFailedPrecondition, "a microvm has no network to plumb egress into");
   }
   pid_t initPid() const override { return pid_; }
 
   std::string id_;
+  int64_t diskBytes_ = 0;
   std::string dir_;
   std::vector<std::string> layers_;
   pid_t pid_ = -1;
@@ -82,6 +86,111 @@ class MicroVmInstance : public Instance {
   std::shared_ptr<AgentConn> conn_;
   Cgroups* cgroups_ = nullptr;
 };
+
+// Waits this long for each piece of a pack_upper stream (TCG is slow).
+constexpr double kPackFrameTimeoutS = 120;
+
+// Rejects what a guest's upper dir cannot hold and a layer must not: device
+// nodes other than overlayfs whiteouts (character 0:0). A guest's root
+// cannot make them (aether drops its capabilities); a guest that sends one
+// anyway gets no device node onto the host or into a layer.
+Status checkUnpacked(const std::string& root) {
+  std::vector<std::string> todo = {""};
+  while (!todo.empty()) {
+    std::string rel = todo.back();
+    todo.pop_back();
+    std::string dir = root + (rel.empty() ? "" : "/" + rel);
+    DIR* d = ::opendir(dir.c_str());
+    if (!d) return sysError("opendir " + dir);
+    Status bad = Status::ok();
+    while (auto* e = ::readdir(d)) {
+      if (!std::strcmp(e->d_name, ".") || !std::strcmp(e->d_name, "..")) continue;
+      std::string r = rel.empty() ? e->d_name : rel + "/" + e->d_name;
+      struct stat st;
+      if (::fstatat(dirfd(d), e->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0) {
+        bad = sysError("stat " + r);
+        break;
+      }
+      if (S_ISDIR(st.st_mode)) {
+        todo.push_back(r);
+      } else if (S_ISBLK(st.st_mode) || (S_ISCHR(st.st_mode) && st.st_rdev != 0)) {
+        bad = Status(Code::kPermissionDenied,
+                     "the guest's writes hold a device node, /" + r + ": refused");
+        break;
+      }
+    }
+    ::closedir(d);
+    RETURN_IF_ERROR(bad);
+  }
+  return Status::ok();
+}
+
+Status writeAll(int fd, const char* p, size_t n) {
+  while (n > 0) {
+    ssize_t w = ::write(fd, p, n);
+    if (w < 0 && errno == EINTR) continue;
+    if (w < 0) return sysError("write");
+    p += w;
+    n -= size_t(w);
+  }
+  return Status::ok();
+}
+
+Status MicroVmInstance::exportUpper(const std::string& dest) {
+  if (!conn_) return Status(Code::kUnavailable, "no agent connection");
+  // The guest's aether freezes its disk, streams its upper dir as a tar and
+  // thaws it at the end; a cancel (any error here) thaws it too.
+  const std::string tarPath = dest + ".tar";
+  auto stream = conn_->openStream();
+  bool started = false;
+  auto st = [&]() -> Status {
+    RETURN_IF_ERROR(conn_->send(stream->id(), proto::FrameType::kPackUpper, "{}"));
+    UniqueFd out(::open(tarPath.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
+    if (!out) return sysError("create " + tarPath);
+    // A tar of a disk of diskBytes_ (with headers: two blocks per entry at
+    // most); a guest that sends more is refused, not believed.
+    const uint64_t cap = uint64_t(std::max<int64_t>(diskBytes_, 0)) * 2 + (64ull << 20);
+    uint64_t got = 0;
+    for (;;) {
+      ASSIGN_OR_RETURN(proto::Frame f, stream->next(monoSeconds() + kPackFrameTimeoutS));
+      if (f.type == proto::FrameType::kResult) {
+        RETURN_IF_ERROR(resultStatus(f.payload));
+        if (started) return internalError("pack_upper: a second result");
+        started = true;
+        continue;
+      }
+      if (f.type != proto::FrameType::kData || !started) continue;
+      if (f.payload.empty()) break;
+      got += f.payload.size();
+      if (got > cap) {
+        return Status(Code::kResourceExhausted,
+                      "the guest sent more than its disk can hold (" + std::to_string(cap) +
+                          " bytes)");
+      }
+      if (Status w = writeAll(out.get(), f.payload.data(), f.payload.size()); !w.isOk()) {
+        return w.withContext("write " + tarPath);
+      }
+    }
+    return Status::ok();
+  }();
+  if (!st.isOk()) (void)conn_->send(stream->id(), proto::FrameType::kCancel, "");
+  conn_->closeStream(stream->id());
+  if (st.isOk()) {
+    // GNU tar as in image::buildLayer: owners and modes exact; of the
+    // xattrs only those a layer keeps. Names with ".." or a leading "/" are
+    // refused by tar itself, and symlinks are made last.
+    st = makeDirs(dest, 0755);
+    if (st.isOk()) {
+      st = image::runCommand({"tar", "--numeric-owner", "--xattrs", "--xattrs-include=user.*",
+                              "--xattrs-include=security.capability",
+                              "--xattrs-include=trusted.overlay.opaque", "--same-permissions",
+                              "--same-owner", "-xf", tarPath, "-C", dest});
+    }
+    if (st.isOk()) st = checkUnpacked(dest);
+  }
+  ::unlink(tarPath.c_str());
+  return st;
+}
 
 Status runMkfs(const std::string& image) {
   pid_t pid = ::fork();
@@ -122,6 +231,8 @@ MicroVmProbe probeMicroVm(const MicroVmOptions& opts) {
   p.accelerator = qemu::chooseAccel(opts.accel, &p.reason);
   if (p.accelerator.empty()) return p;
   p.available = true;
+  UniqueFd vsock(::open("/dev/vhost-vsock", O_RDWR | O_CLOEXEC));
+  p.vhostVsock = bool(vsock);
   return p;
 }
 
@@ -281,6 +392,7 @@ Result<std::unique_ptr<Instance>> MicroVmBackend::create(const SandboxSpec& spec
   Laps laps;
   auto inst = std::make_unique<MicroVmInstance>();
   inst->id_ = spec.id;
+  inst->diskBytes_ = spec.diskBytes;
   inst->cgroups_ = cgroups_;
   inst->dir_ = opts_.vmRoot + "/" + spec.id;
   bool cgroupMade = false;
@@ -318,30 +430,16 @@ Result<std::unique_ptr<Instance>> MicroVmBackend::create(const SandboxSpec& spec
   cgroupMade = true;
   // A guest that hangs at boot (it happens under TCG) is killed and booted
   // once more.
-  bool hung = false;
-  Status st = bootOnce(spec, b, &hung);
-  if (!st.isOk() && hung) {
-    log::warn("microvm " + spec.id + " hung at boot, retrying: " + st.toString() + "; console: " +
-              tail(inst->dir_ + "/console.log", 300));
-    st = bootOnce(spec, b, &hung);
-  }
-  if (!st.isOk()) {
-    if (hung) {
-      char secs[32];
-      std::snprintf(secs, sizeof secs, "%.0f", opts_.bootTimeoutS);
-      st = Status(Code::kUnavailable, std::string("the microvm did not boot within ") + secs +
-                                          " s, twice (" + st.message() +
-                                          "; console log: " + b.consoleLog + ")");
-    }
+  if (Status st = qemu::bootWithRetry("microvm", spec.id, inst->dir_, opts_.bootTimeoutS,
+                                      b.consoleLog,
+                                      [&](bool* hung) { return bootOnce(spec, b, hung); });
+      !st.isOk()) {
     return fail(st);
   }
   laps.lap("boot");
-  // Recorded for a restarted edge's cleanup of orphans.
-  if (Status w = writeFileAtomic(inst->dir_ + "/qemu.pid", std::to_string(inst->pid_) + "\n");
+  if (Status w = qemu::recordAndWatch(inst->dir_, inst->pid_, inst->pidfd_.get(), reactor_,
+                                      std::move(onDeath));
       !w.isOk()) {
-    return fail(w);
-  }
-  if (Status w = reactor_->watchExit(inst->pidfd_.get(), std::move(onDeath)); !w.isOk()) {
     return fail(w);
   }
   log::info("microvm " + spec.id + " booted (" + probe_.accelerator + ") ms: " + laps.str());
@@ -352,6 +450,7 @@ Result<std::unique_ptr<Instance>> MicroVmBackend::adopt(const SandboxState& stat
                                                         std::function<void()> onDeath) {
   auto inst = std::make_unique<MicroVmInstance>();
   inst->id_ = state.spec.id;
+  inst->diskBytes_ = state.spec.diskBytes;
   inst->cgroups_ = cgroups_;
   inst->dir_ = opts_.vmRoot + "/" + state.spec.id;
   inst->pid_ = state.pid;
@@ -360,38 +459,23 @@ Result<std::unique_ptr<Instance>> MicroVmBackend::adopt(const SandboxState& stat
     for (auto& d : inst->layers_) layers_->release(d);
     return st.withContext("adopt " + state.spec.id);
   };
-  int pidfd = int(syscall(SYS_pidfd_open, state.pid, 0));
-  if (pidfd < 0) return fail(sysError("pidfd_open"));
-  inst->pidfd_.reset(pidfd);
-  auto started = processStartTime(state.pid);
-  if (!started.isOk() || *started != state.startTime) {
-    return fail(Status(Code::kNotFound, "its QEMU is gone"));
-  }
-  // A paused guest cannot answer the reattach.
-  if (state.paused) {
-    if (auto r = qmp(inst->dir_, "cont"); !r.isOk()) return fail(r.status());
-  }
-  UniqueFd dirFd(::open(inst->dir_.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
-  if (!dirFd) return fail(sysError("open " + inst->dir_));
-  ASSIGN_OR_RETURN(UniqueFd sock, connectUnix(dirFd.get(), "agent.sock"));
-  inst->conn_ = std::make_shared<AgentConn>(std::move(sock), "vm-" + state.spec.id);
-  if (Status st = reactor_->add(inst->conn_); !st.isOk()) {
-    inst->conn_.reset();
-    return fail(st);
-  }
-  // The guest's relay noticed the old edge go (the port's host side closed)
-  // and passes this on to its agent, which answers with a hello.
-  if (Status st = inst->conn_->send(0, proto::FrameType::kReattach, "{}"); !st.isOk()) {
-    return fail(st);
-  }
-  if (Status st = awaitHello(*inst->conn_, monoSeconds() + 30, Code::kUnavailable,
-                             "its guest agent did not answer");
-      !st.isOk()) {
-    return fail(st);
-  }
-  if (state.paused) {
-    if (auto r = qmp(inst->dir_, "stop"); !r.isOk()) return fail(r.status());
-  }
+  auto pidfd = qemu::adoptQemu(state, inst->dir_, [&](int) -> Status {
+    UniqueFd dirFd(::open(inst->dir_.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
+    if (!dirFd) return sysError("open " + inst->dir_);
+    ASSIGN_OR_RETURN(UniqueFd sock, connectUnix(dirFd.get(), "agent.sock"));
+    inst->conn_ = std::make_shared<AgentConn>(std::move(sock), "vm-" + state.spec.id);
+    if (Status st = reactor_->add(inst->conn_); !st.isOk()) {
+      inst->conn_.reset();
+      return st;
+    }
+    // The guest's relay noticed the old edge go (the port's host side
+    // closed) and passes this on to its agent, which answers with a hello.
+    RETURN_IF_ERROR(inst->conn_->send(0, proto::FrameType::kReattach, "{}"));
+    return awaitHello(*inst->conn_, monoSeconds() + 30, Code::kUnavailable,
+                      "its guest agent did not answer");
+  });
+  if (!pidfd.isOk()) return fail(pidfd.status());
+  inst->pidfd_ = std::move(*pidfd);
   for (auto& d : state.spec.layers) {
     if (auto m = layers_->acquire(d); m.isOk()) {
       inst->layers_.push_back(d);

@@ -43,6 +43,9 @@ struct MicroVmProbe {
   std::string accelerator;  // "kvm" or "tcg"
   std::string reason;
   std::string qemu;         // resolved binary
+  // Whether /dev/vhost-vsock opened: a vsock agent channel would be possible.
+  // The channel is virtio-serial either way (vsock is not built yet).
+  bool vhostVsock = false;
 };
 
 // Looks for QEMU and the guest files and probes KVM for real: a tiny guest

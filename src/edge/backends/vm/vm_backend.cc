@@ -142,6 +142,8 @@ class VmInstance : public Instance {
     return cgroups_->setLimits(id_, l);
   }
   std::string upperDir() const override { return ""; }
+  bool snapshotsDisk() const override { return true; }
+  Status snapshotDisk(const std::string& dest) override;
   Result<UniqueFd> openNetns() const override {
     return Status(Code::kFailedPrecondition, "a vm has no network to plumb egress into");
   }
@@ -214,6 +216,8 @@ class VmInstance : public Instance {
   UniqueFd pidfd_;
   std::shared_ptr<AgentConn> conn_;
   std::shared_ptr<QgaBridge> bridge_;
+  std::shared_ptr<QgaClient> qga_;  // the bridge's, for fsfreeze
+  std::string qemuImg_;
   Cgroups* cgroups_ = nullptr;
   std::mutex screenMu_;  // guards width_, height_; one screendump at a time
   int width_ = 0;
@@ -254,11 +258,55 @@ Status attachBridge(VmInstance& inst, std::shared_ptr<QgaClient> qga, Reactor* r
   int sv[2];
   if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) return sysError("socketpair");
   UniqueFd edgeEnd(sv[0]), guestEnd(sv[1]);
+  inst.qga_ = qga;
   inst.bridge_ = std::make_shared<QgaBridge>(std::move(guestEnd), std::move(qga));
   inst.conn_ = std::make_shared<AgentConn>(std::move(edgeEnd), "vm-" + inst.id_);
   RETURN_IF_ERROR(reactor->add(inst.conn_));
   RETURN_IF_ERROR(inst.bridge_->start());
   return awaitHello(*inst.conn_, monoSeconds() + 10, Code::kUnavailable, "qga bridge");
+}
+
+Status VmInstance::snapshotDisk(const std::string& dest) {
+  // A running guest's file systems are frozen through qemu-guest-agent
+  // (its dirty pages written, writers waiting), then its vCPUs stopped,
+  // which flushes QEMU's own caches of the overlay to the file; the overlay
+  // and its base are then read as one standalone qcow2. A paused guest
+  // cannot answer qga: its disk is taken as it stands, as after a power cut.
+  ASSIGN_OR_RETURN(json status, qemu::qmp(dir_, "query-status"));
+  bool running = status.value("running", false);
+  bool frozen = false;
+  auto thaw = [&]() {
+    if (running) {
+      if (auto r = qemu::qmp(dir_, "cont"); !r.isOk()) {
+        log::error("pack_diff " + id_ + ": cont: " + r.status().toString());
+      }
+    }
+    if (frozen) {
+      if (auto r = qga_->call("guest-fsfreeze-thaw", json::object(), 60); !r.isOk()) {
+        log::error("pack_diff " + id_ + ": thaw: " + r.status().toString());
+      }
+    }
+  };
+  if (running) {
+    if (!qga_) return Status(Code::kUnavailable, "no qemu-guest-agent connection");
+    auto r = qga_->call("guest-fsfreeze-freeze", json::object(), 120);
+    if (!r.isOk()) {
+      return Status(r.status()).withContext("freeze the guest's file systems (guest-fsfreeze-freeze)");
+    }
+    frozen = true;
+    if (auto stop = qemu::qmp(dir_, "stop", nullptr, 60); !stop.isOk()) {
+      running = false;  // not stopped: nothing to cont
+      thaw();
+      return stop.status();
+    }
+  }
+  auto made = runCapture({qemuImg_, "convert", "-U", "-O", "qcow2", dir_ + "/disk.qcow2", dest});
+  thaw();
+  if (!made.isOk()) {
+    ::unlink(dest.c_str());
+    return Status(made.status()).withContext("qemu-img convert");
+  }
+  return Status::ok();
 }
 
 }  // namespace
@@ -379,10 +427,15 @@ Status VmBackend::bootOnce(const SandboxSpec& spec, Boot& b, bool* hung) {
   *hung = false;
   VmInstance& inst = *b.inst;
   const std::string& dir = inst.dir_;
-  // A fresh overlay each attempt: a retried boot starts from the image.
+  // A fresh overlay each attempt: a retried boot starts from the image. Its
+  // virtual size is disk_mb where that is more than the image's (a disk
+  // cannot shrink under its file system): the guest sees a larger disk and
+  // grows its partition and file system itself (cloud-init's growpart), or
+  // not (docs/vm.md).
   ::unlink((dir + "/disk.qcow2").c_str());
+  int64_t size = std::max(b.info.virtualSize, spec.diskBytes);
   if (auto made = runCapture({probe_.qemuImg, "create", "-q", "-f", "qcow2", "-b", b.base, "-F",
-                              b.info.format, dir + "/disk.qcow2"});
+                              b.info.format, dir + "/disk.qcow2", std::to_string(size)});
       !made.isOk()) {
     return Status(made.status()).withContext("overlay");
   }
@@ -451,6 +504,7 @@ Result<std::unique_ptr<Instance>> VmBackend::create(const SandboxSpec& spec,
   Laps laps;
   auto inst = std::make_unique<VmInstance>();
   inst->id_ = spec.id;
+  inst->qemuImg_ = probe_.qemuImg;
   inst->cgroups_ = cgroups_;
   inst->dir_ = opts_.vmRoot + "/" + spec.id;
   bool cgroupMade = false;
@@ -475,30 +529,15 @@ Result<std::unique_ptr<Instance>> VmBackend::create(const SandboxSpec& spec,
   if (Status st = cgroups_->create(spec.id, limits); !st.isOk()) return fail(st);
   cgroupMade = true;
   // A guest that hangs at boot is killed and booted once more.
-  bool hung = false;
-  Status st = bootOnce(spec, b, &hung);
-  if (!st.isOk() && hung) {
-    log::warn("vm " + spec.id + " did not answer at boot, retrying: " + st.toString() +
-              "; console: " + qemu::tailFile(inst->dir_ + "/console.log", 300));
-    st = bootOnce(spec, b, &hung);
-  }
-  if (!st.isOk()) {
-    if (hung) {
-      char secs[32];
-      std::snprintf(secs, sizeof secs, "%.0f", opts_.bootTimeoutS);
-      st = Status(Code::kUnavailable,
-                  std::string("the vm did not boot within ") + secs +
-                      " s (no answer from qemu-guest-agent), twice (console log: " +
-                      b.consoleLog + ")");
-    }
+  if (Status st = qemu::bootWithRetry("vm", spec.id, inst->dir_, opts_.bootTimeoutS, b.consoleLog,
+                                      [&](bool* hung) { return bootOnce(spec, b, hung); });
+      !st.isOk()) {
     return fail(st);
   }
   laps.lap("boot");
-  if (Status w = writeFileAtomic(inst->dir_ + "/qemu.pid", std::to_string(inst->pid_) + "\n");
+  if (Status w = qemu::recordAndWatch(inst->dir_, inst->pid_, inst->pidfd_.get(), reactor_,
+                                      std::move(onDeath));
       !w.isOk()) {
-    return fail(w);
-  }
-  if (Status w = reactor_->watchExit(inst->pidfd_.get(), std::move(onDeath)); !w.isOk()) {
     return fail(w);
   }
   log::info("vm " + spec.id + " booted (" + probe_.accelerator + ") ms: " + laps.str());
@@ -509,6 +548,7 @@ Result<std::unique_ptr<Instance>> VmBackend::adopt(const SandboxState& state,
                                                    std::function<void()> onDeath) {
   auto inst = std::make_unique<VmInstance>();
   inst->id_ = state.spec.id;
+  inst->qemuImg_ = probe_.qemuImg;
   inst->cgroups_ = cgroups_;
   inst->dir_ = opts_.vmRoot + "/" + state.spec.id;
   inst->pid_ = state.pid;
@@ -517,24 +557,15 @@ Result<std::unique_ptr<Instance>> VmBackend::adopt(const SandboxState& state,
     if (inst->conn_) reactor_->remove(inst->conn_);
     return st.withContext("adopt " + state.spec.id);
   };
-  int pidfd = int(syscall(SYS_pidfd_open, state.pid, 0));
-  if (pidfd < 0) return fail(sysError("pidfd_open"));
-  inst->pidfd_.reset(pidfd);
-  auto started = processStartTime(state.pid);
-  if (!started.isOk() || *started != state.startTime) {
-    return fail(Status(Code::kNotFound, "its QEMU is gone"));
-  }
-  if (state.paused) {
-    if (auto r = qemu::qmp(inst->dir_, "cont"); !r.isOk()) return fail(r.status());
-  }
-  // The earlier edge's qga connection closed with it; QEMU takes a new one.
-  auto qga = awaitQga(inst->dir_, monoSeconds() + 30,
-                      [&] { return !qemu::exited(inst->pidfd_.get()); });
-  if (!qga.isOk()) return fail(qga.status());
-  if (Status st = attachBridge(*inst, std::move(*qga), reactor_); !st.isOk()) return fail(st);
-  if (state.paused) {
-    if (auto r = qemu::qmp(inst->dir_, "stop"); !r.isOk()) return fail(r.status());
-  }
+  auto pidfd = qemu::adoptQemu(state, inst->dir_, [&](int qemuFd) -> Status {
+    // The earlier edge's qga connection closed with it; QEMU takes a new one.
+    auto qga = awaitQga(inst->dir_, monoSeconds() + 30,
+                        [&] { return !qemu::exited(qemuFd); });
+    if (!qga.isOk()) return qga.status();
+    return attachBridge(*inst, std::move(*qga), reactor_);
+  });
+  if (!pidfd.isOk()) return fail(pidfd.status());
+  inst->pidfd_ = std::move(*pidfd);
   if (Status st = reactor_->watchExit(inst->pidfd_.get(), std::move(onDeath)); !st.isOk()) {
     return fail(st);
   }
