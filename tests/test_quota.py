@@ -1,7 +1,8 @@
 """disk_mb: each sandbox's writable layer is bounded by its disk_mb. Writes past
-it fail inside that sandbox only (ENOSPC with the xfs mechanism, the one `auto`
-prefers, EDQUOT with btrfs, ENOSPC with tmpfs: docs/container-backend.md), the sandbox keeps working, deleting frees
-room, and teardown leaves nothing behind."""
+it fail inside that sandbox only (ENOSPC with the xfs and ext4 mechanisms, the
+ones `auto` prefers, EDQUOT with btrfs, ENOSPC with tmpfs:
+docs/container-backend.md), the sandbox keeps working, deleting frees room, and
+teardown leaves nothing behind."""
 
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ from helpers import expect_error, loop_devices_backed_by, mounts_containing, uni
 
 MiB = 1 << 20
 # What a writer over the limit is told, by mechanism.
-ERRNO_TEXT = {"xfs": "No space left on device", "btrfs": "Disk quota exceeded",
-              "tmpfs": "No space left on device"}
+ERRNO_TEXT = {"xfs": "No space left on device", "ext4": "No space left on device",
+              "btrfs": "Disk quota exceeded", "tmpfs": "No space left on device"}
 
 
 def xfs_quota_unavailable_reason() -> str:
@@ -36,6 +37,22 @@ def xfs_quota_unavailable_reason() -> str:
                 "no /proc/fs/xfs/xqmstat)")
     if not any(Path(d, "mkfs.xfs").exists() for d in ("/usr/sbin", "/sbin", "/usr/bin")):
         return "mkfs.xfs not installed (xfsprogs)"
+    return ""
+
+
+def ext4_unavailable_reason() -> str:
+    """Why this host cannot have the ext4 mechanism (as src/edge/ext4_quota.cc
+    checks), empty if it may."""
+    try:
+        fss = Path("/proc/filesystems").read_text().split()
+    except OSError as e:
+        return f"cannot read /proc/filesystems: {e}"
+    if "ext4" not in fss:
+        return "the kernel has no ext4"
+    if not os.access("/dev/loop-control", os.W_OK):
+        return "no loop devices (/dev/loop-control)"
+    if not any(Path(d, "mkfs.ext4").exists() for d in ("/usr/sbin", "/sbin", "/usr/bin")):
+        return "mkfs.ext4 not installed (e2fsprogs)"
     return ""
 
 
@@ -132,13 +149,19 @@ def test_smallest_disk_mb_still_runs(make_sandbox, busybox, mechanism):
     assert r.exit_code != 0 and ERRNO_TEXT[mechanism] in r.stderr, r.stderr
 
 
-def test_auto_prefers_xfs(mechanism):
+def test_auto_prefers_an_enospc_mechanism(mechanism):
+    """auto: xfs where the kernel has XFS quotas, else ext4 (both ENOSPC)."""
     why = xfs_quota_unavailable_reason()
-    if why:
-        print(f"xfs unavailable here ({why}); auto chose {mechanism}")
-        assert mechanism != "xfs"
-    else:
+    if not why:
         assert mechanism == "xfs", "auto should pick xfs where the kernel has XFS quotas"
+        return
+    print(f"xfs unavailable here ({why}); auto chose {mechanism}")
+    why4 = ext4_unavailable_reason()
+    if not why4:
+        assert mechanism == "ext4", "auto should pick ext4 where xfs quotas are missing"
+    else:
+        print(f"ext4 unavailable here ({why4})")
+        assert mechanism not in ("xfs", "ext4")
 
 
 def test_xfs_gives_enospc(tmp_path_factory, server):
@@ -231,3 +254,88 @@ def test_tmpfs_fallback_gives_enospc(tmpfs_server):
     assert s.stop() == 0
     assert not mounts_containing(str(s.data_dir))
     assert not loop_devices_backed_by(str(s.data_dir))
+
+
+@pytest.fixture
+def ext4_server(tmp_path_factory, server):
+    """A private `dsec up --disk-quota ext4`."""
+    why = ext4_unavailable_reason()
+    if why:
+        print(f"SKIP reason: {why}")
+        unavailable(f"ext4 per-sandbox images: {why}")
+    _check_prerequisites()
+    s = Server(tmp_path_factory.mktemp("ext4q") / "data", extra_args=["--disk-quota", "ext4"])
+    s.data_dir.mkdir()
+    s.start()
+    s.import_image("busybox:latest", Path(os.environ.get(
+        "DSEC_IMAGE_CACHE", "/var/cache/dsec/test-images")) / "busybox.tar")
+    yield s
+    if s.proc.poll() is None:
+        s.stop()
+
+
+def test_ext4_gives_enospc_and_leaves_nothing(ext4_server):
+    """`dsec up --disk-quota ext4`: a filesystem of disk_mb per sandbox, so a
+    write past it fails with ENOSPC in that sandbox only; its agent, the files
+    API, pack_diff and the other sandboxes carry on; destroy and stop leave no
+    mount, loop device or image."""
+    s = ext4_server
+    assert mechanism_of(s) == "ext4"
+    disks = s.data_dir / "edge" / "sandbox-disks"
+    made = []
+
+    def make(image, **kw):
+        sb = s.client.create(image, **kw)
+        made.append(sb)
+        return sb
+
+    try:
+        small, other, _ = check_quota_behaviour(s.client, "busybox:latest", make, "ext4")
+        # Each sandbox has a filesystem of its own, of its disk_mb: df inside
+        # shows it, and a loop device backs it.
+        r = small.exec("df -k / | tail -1")
+        assert r.ok and 16 * 1024 < int(r.stdout.split()[1]) <= 32 * 1024, r.stdout
+        r = other.exec("df -k / | tail -1")
+        assert r.ok and 32 * 1024 < int(r.stdout.split()[1]) <= 64 * 1024, r.stdout
+        for sb in (small, other):
+            assert loop_devices_backed_by(str(disks / f"{sb.id}.img")), sb.id
+        # A full sandbox's own processes still write their logs elsewhere:
+        # the agent answers, and a new exec's output is whole.
+        assert small.exec("dd if=/dev/zero of=/fill bs=1M count=64 2>/dev/null; seq 1 2000 | tail -1"
+                          ).stdout == "2000\n"
+        small.exec("rm -f /fill")
+        d = sandbox_dir(s, small.id)
+        img = disks / f"{small.id}.img"
+        small.destroy()
+        assert wait_until(lambda: not d.exists() and not img.exists(), 10), \
+            f"{d} or {img} left after destroy"
+        assert wait_until(lambda: not loop_devices_backed_by(str(img)), 10), \
+            loop_devices_backed_by(str(img))
+        assert not mounts_containing(small.id)
+        assert other.exec("echo ok").stdout == "ok\n"
+    finally:
+        for sb in made:
+            with contextlib.suppress(dsec.DsecError):
+                sb.destroy()
+    assert s.stop() == 0
+    assert not mounts_containing(str(s.data_dir)), mounts_containing(str(s.data_dir))
+    assert wait_until(lambda: not loop_devices_backed_by(str(s.data_dir)), 10), \
+        loop_devices_backed_by(str(s.data_dir))
+    assert not disks.exists() or not any(disks.iterdir()), list(disks.iterdir())
+
+
+def test_ext4_sizes_without_a_spare_are_formatted_on_demand(ext4_server):
+    """A disk_mb no spare was made for is formatted at create (slower, once),
+    and exact too."""
+    s = ext4_server
+    sizes = (16, 48, 100)
+    sbs = [s.client.create("busybox:latest", disk_mb=mb) for mb in sizes]
+    try:
+        for mb, sb in zip(sizes, sbs):
+            r = sb.exec("df -k / | tail -1")
+            assert r.ok and (mb - 8) * 1024 < int(r.stdout.split()[1]) <= mb * 1024, (mb, r.stdout)
+            r = fill(sb, "/big", mb + 8)
+            assert r.exit_code != 0 and "No space left on device" in r.stderr, r.stderr
+    finally:
+        for sb in sbs:
+            sb.destroy()

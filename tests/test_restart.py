@@ -75,17 +75,23 @@ def crashable(tmp_path_factory, server):
         s.stop()
 
 
-@pytest.fixture(params=["auto", "xfs", "tmpfs"])
+@pytest.fixture(params=["auto", "xfs", "btrfs", "tmpfs"])
 def crashable_quota(request, tmp_path_factory, server):
-    """A server per disk-quota mechanism: the pool of auto (xfs, else btrfs
-    here), the xfs pool (its project ids read back) and the tmpfs per sandbox
-    are each taken over differently at a restart."""
+    """A server per disk-quota mechanism: auto (xfs, else an ext4 per sandbox
+    here: each sandbox's filesystem stays mounted), the xfs pool (its project
+    ids read back), the btrfs pool and the tmpfs per sandbox are each taken
+    over differently at a restart."""
     if request.param == "xfs":
         from test_quota import xfs_quota_unavailable_reason
         why = xfs_quota_unavailable_reason()
         if why:
             print(f"SKIP reason: {why}")
             unavailable(f"xfs project quotas: {why}")
+    if request.param == "btrfs":
+        if "btrfs" not in Path("/proc/filesystems").read_text().split() or not any(
+                Path(d, "mkfs.btrfs").exists() for d in ("/usr/sbin", "/sbin", "/usr/bin")):
+            print("SKIP reason: no btrfs in the kernel or no mkfs.btrfs")
+            unavailable("btrfs qgroups: no btrfs in the kernel or no mkfs.btrfs")
     s = _new_server(tmp_path_factory, "--disk-quota", request.param)
     yield s
     if s.proc.poll() is None:

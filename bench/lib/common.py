@@ -284,6 +284,8 @@ def base_parser(name, description):
     p.add_argument("--keep", action="store_true", help="keep the server's data dir")
     p.add_argument("--userns", choices=("auto", "off"), default=None,
                    help="`dsec up --userns` of the server (default: dsec's own, auto)")
+    p.add_argument("--disk-quota", default=None,
+                   help="`dsec up --disk-quota` of the server (default: dsec's own, auto)")
     return p
 
 
@@ -348,6 +350,8 @@ def run_main(name, body):
 
 def start_server(args, cleanup, nofile=65536):
     extra = ["--userns", args.userns] if getattr(args, "userns", None) else []
+    if getattr(args, "disk_quota", None):
+        extra += ["--disk-quota", args.disk_quota]
     srv = Server(args.dsec, args.cache, nofile=nofile, tmp_root=args.tmp, keep=args.keep,
                  extra_args=extra)
     def stop():

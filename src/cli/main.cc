@@ -64,8 +64,9 @@ const char* kUsage = R"(usage: dsec COMMAND [OPTIONS]
         past N MiB (default 64); at most 1000 lines a second, the rest counted
      --prefetch-window-s S: chunks read this long after a layer is attached are
         prefetched when it is next attached with a cold cache (default 15)
-     --disk-quota auto|xfs|btrfs|tmpfs|none: how disk_mb is enforced (default auto: xfs
-        project quotas (ENOSPC), else btrfs qgroups (EDQUOT), else tmpfs; see
+     --disk-quota auto|xfs|ext4|btrfs|tmpfs|none: how disk_mb is enforced (default auto:
+        xfs project quotas (ENOSPC), else an ext4 loop image per sandbox (ENOSPC),
+        else btrfs qgroups (EDQUOT), else tmpfs; see
         docs/container-backend.md) and --disk-pool-mb N: size of the sparse xfs/btrfs
         pool image (default: the free space of the data dir)
      --fncall-pool-max N: warm fncall sandboxes for one-shot calls (POST /v1/run) this

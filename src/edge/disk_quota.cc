@@ -14,6 +14,7 @@
 #include "common/log.h"
 #include "common/util.h"
 #include "edge/btrfs_quota.h"
+#include "edge/ext4_quota.h"
 #include "edge/xfs_quota.h"
 
 namespace dsec::edge {
@@ -21,6 +22,7 @@ namespace dsec::edge {
 const char* diskQuotaKindName(DiskQuotaKind kind) {
   switch (kind) {
     case DiskQuotaKind::kXfs: return "xfs";
+    case DiskQuotaKind::kExt4: return "ext4";
     case DiskQuotaKind::kBtrfs: return "btrfs";
     case DiskQuotaKind::kTmpfs: return "tmpfs";
     case DiskQuotaKind::kNone: return "none";
@@ -31,17 +33,21 @@ const char* diskQuotaKindName(DiskQuotaKind kind) {
 Result<std::vector<DiskQuotaKind>> diskQuotaCandidates(std::string_view mode) {
   // Disk-backed first: a tmpfs turns disk_mb into memory, which a sandbox
   // with disk_mb > memory_mb (the defaults: 1024 > 512) hits as an OOM kill.
-  // xfs before btrfs: its project quotas fail a write with ENOSPC (what a
-  // full disk says), btrfs qgroups with EDQUOT.
+  // xfs and ext4 before btrfs: a write over their limit fails with ENOSPC
+  // (what a full disk says), over a btrfs qgroup's with EDQUOT. xfs before
+  // ext4: one filesystem for the node, where ext4 costs a loop device and a
+  // mounted filesystem per sandbox (docs/container-backend.md has figures).
   if (mode == "auto") {
-    return std::vector{DiskQuotaKind::kXfs, DiskQuotaKind::kBtrfs, DiskQuotaKind::kTmpfs};
+    return std::vector{DiskQuotaKind::kXfs, DiskQuotaKind::kExt4, DiskQuotaKind::kBtrfs,
+                       DiskQuotaKind::kTmpfs};
   }
   if (mode == "xfs") return std::vector{DiskQuotaKind::kXfs};
+  if (mode == "ext4") return std::vector{DiskQuotaKind::kExt4};
   if (mode == "btrfs") return std::vector{DiskQuotaKind::kBtrfs};
   if (mode == "tmpfs") return std::vector{DiskQuotaKind::kTmpfs};
   if (mode == "none") return std::vector{DiskQuotaKind::kNone};
   return invalidArg("disk-quota", "unknown disk quota mode '" + std::string(mode) +
-                                      "' (auto, xfs, btrfs, tmpfs or none)");
+                                      "' (auto, xfs, ext4, btrfs, tmpfs or none)");
 }
 
 Result<int64_t> poolImageBytes(int64_t requested, int64_t freeBytes) {
@@ -200,9 +206,19 @@ class NoQuota : public DiskQuota {
   const std::string root_;
 };
 
+// Where the ext4 mechanism keeps its images: beside the pool image of the
+// other mechanisms (<data>/edge/sandbox-disks by default).
+std::string ext4DisksDir(const DiskQuotaOptions& opts) {
+  if (opts.poolImage.empty()) return opts.root + ".disks";
+  auto slash = opts.poolImage.rfind('/');
+  return (slash == std::string::npos ? std::string(".") : opts.poolImage.substr(0, slash)) +
+         "/sandbox-disks";
+}
+
 Result<std::unique_ptr<DiskQuota>> openKind(DiskQuotaKind kind, const DiskQuotaOptions& opts) {
   switch (kind) {
     case DiskQuotaKind::kXfs: return openXfsQuota(opts);
+    case DiskQuotaKind::kExt4: return openExt4Quota(opts, ext4DisksDir(opts));
     case DiskQuotaKind::kBtrfs: return openBtrfsQuota(opts);
     case DiskQuotaKind::kTmpfs: {
       auto q = std::make_unique<TmpfsQuota>(opts.root);

@@ -10,6 +10,11 @@
 //          limit (quotactl Q_XSETQLIM). Disk-backed; over the limit a write
 //          fails with ENOSPC ("No space left on device"), as the issue asks.
 //          Needs a kernel built with CONFIG_XFS_QUOTA.
+//   ext4   an ext4 of its own per sandbox (a sparse image file on a loop
+//          device, mounted on <root>/<name>), formatted and mounted ahead of
+//          demand by a background thread (ext4_quota.h). Disk-backed, exact
+//          ENOSPC, on kernels without quota support; costs a loop device and
+//          a superblock per sandbox.
 //   btrfs  one btrfs for the node: <root> itself when it is already a btrfs
 //          with quotas enabled, else a sparse image file mounted on <root>
 //          through a loop device, made fresh at every start. A subvolume per
@@ -35,7 +40,7 @@
 
 namespace dsec::edge {
 
-enum class DiskQuotaKind { kXfs, kBtrfs, kTmpfs, kNone };
+enum class DiskQuotaKind { kXfs, kExt4, kBtrfs, kTmpfs, kNone };
 
 const char* diskQuotaKindName(DiskQuotaKind kind);
 
@@ -48,7 +53,7 @@ struct DiskQuotaOptions {
   // Nominal size of the (sparse) pool image; 0: the free space of the
   // filesystem holding it at start.
   int64_t poolBytes = 0;
-  std::string mode = "auto";  // "auto", "xfs", "btrfs", "tmpfs" or "none"
+  std::string mode = "auto";  // "auto", "xfs", "ext4", "btrfs", "tmpfs" or "none"
   // Sandboxes of an earlier edge live on under <root>: take over the pool (or
   // shared bind) it left mounted there instead of making a fresh one.
   bool adopt = false;

@@ -14,6 +14,7 @@
 
 #include "common/util.h"
 #include "edge/btrfs_quota.h"
+#include "edge/ext4_quota.h"
 #include "edge/image/layer_cache.h"
 #include "edge/xfs_quota.h"
 
@@ -23,15 +24,17 @@ namespace {
 TEST(DiskQuotaCandidates, AutoPrefersDiskOverRam) {
   auto c = diskQuotaCandidates("auto");
   ASSERT_TRUE(c.isOk());
-  EXPECT_EQ(*c, (std::vector{DiskQuotaKind::kXfs, DiskQuotaKind::kBtrfs, DiskQuotaKind::kTmpfs}));
+  EXPECT_EQ(*c, (std::vector{DiskQuotaKind::kXfs, DiskQuotaKind::kExt4, DiskQuotaKind::kBtrfs,
+                              DiskQuotaKind::kTmpfs}));
   EXPECT_EQ(*diskQuotaCandidates("xfs"), std::vector{DiskQuotaKind::kXfs});
+  EXPECT_EQ(*diskQuotaCandidates("ext4"), std::vector{DiskQuotaKind::kExt4});
   EXPECT_EQ(*diskQuotaCandidates("btrfs"), std::vector{DiskQuotaKind::kBtrfs});
   EXPECT_EQ(*diskQuotaCandidates("tmpfs"), std::vector{DiskQuotaKind::kTmpfs});
   EXPECT_EQ(*diskQuotaCandidates("none"), std::vector{DiskQuotaKind::kNone});
 }
 
 TEST(DiskQuotaCandidates, UnknownModeNamesTheOption) {
-  for (const char* bad : {"", "ext4", "XFS", "BTRFS", "auto "}) {
+  for (const char* bad : {"", "ext3", "XFS", "BTRFS", "auto "}) {
     auto c = diskQuotaCandidates(bad);
     ASSERT_FALSE(c.isOk()) << bad;
     EXPECT_EQ(c.status().code(), Code::kInvalidArgument);
@@ -352,6 +355,124 @@ TEST(TmpfsQuota, GivesEnospcAndCleansUp) {
   EXPECT_NE(::access((o.root + "/sb-a").c_str(), F_OK), 0);
   dq.close();
   EXPECT_TRUE(mountsUnder(tmp.path).empty());
+}
+
+std::string ext4SkipReason() {
+  if (::geteuid() != 0) return "needs root (mount, loop devices)";
+  if (!kernelHasFilesystem("ext4")) return "the kernel has no ext4";
+  if (findProgram("mkfs.ext4").empty()) return "mkfs.ext4 not installed (e2fsprogs)";
+  if (::access("/dev/loop-control", W_OK) != 0) return "no /dev/loop-control";
+  return {};
+}
+
+TEST(Ext4MkfsArgs, FourKBlocksNoJournalNoReserve) {
+  auto a = ext4MkfsArgs("/sbin/mkfs.ext4", "/x/sb-a.img", (32ll << 20) + 100);
+  std::string joined;
+  for (auto& s : a) joined += s + " ";
+  EXPECT_EQ(joined,
+            "/sbin/mkfs.ext4 -q -F -T default -b 4096 -m 0 -O ^has_journal -L dsec-sb "
+            "/x/sb-a.img 32768k ");
+}
+
+// Spares of the size asked for are moved into place; another size is
+// formatted inline; over its size a write fails with ENOSPC in that sandbox
+// only; deleting frees room; nothing (mounts, loop devices, images) is left.
+TEST(Ext4Quota, GivesEnospcPerSandboxAndCleansUp) {
+  if (auto why = ext4SkipReason(); !why.empty()) GTEST_SKIP() << why;
+  TempDir tmp;
+  ASSERT_FALSE(tmp.path.empty());
+  DiskQuotaOptions o;
+  o.root = tmp.path + "/sandboxes";
+  ASSERT_TRUE(makeDirs(o.root, 0700).isOk());
+  std::string disks = tmp.path + "/disks";
+  constexpr int64_t kLimit = 32ll << 20;
+  Ext4QuotaOptions eo;
+  eo.sparesPerSize = 1;
+  eo.initialSize = kLimit;
+  auto q = openExt4Quota(o, disks, eo);
+  ASSERT_TRUE(q.isOk()) << q.status().toString();
+  DiskQuota& dq = **q;
+  EXPECT_EQ(dq.kind(), DiskQuotaKind::kExt4);
+  EXPECT_EQ(dq.overLimitErrno(), ENOSPC);
+  EXPECT_EQ(loopsBackedBy(disks + "/spare-0.img").size(), 1u) << "no spare made at open";
+  EXPECT_TRUE(mountsUnder(o.root).size() == 1) << "a spare is attached nowhere";
+
+  ASSERT_TRUE(dq.create("sb-a", kLimit).isOk());  // the spare
+  EXPECT_NE(::access((disks + "/spare-0.img").c_str(), F_OK), 0) << "the spare is sb-a's now";
+  ASSERT_TRUE(dq.create("sb-b", 2 * kLimit).isOk());  // formatted inline
+  EXPECT_EQ(dq.create("sb-a", kLimit).code(), Code::kAlreadyExists);
+  EXPECT_EQ(dq.create("sb-c", 1 << 20).code(), Code::kInvalidArgument);
+  EXPECT_EQ(dq.create("../x", kLimit).code(), Code::kInvalidArgument);
+  for (const char* n : {"sb-a", "sb-b"}) {
+    std::string d = o.root + "/" + n;
+    EXPECT_TRUE(isMountPoint(d)) << d;
+    struct stat st;
+    ASSERT_EQ(::stat(d.c_str(), &st), 0);
+    EXPECT_EQ(st.st_mode & 07777, 0700u);
+    EXPECT_NE(::access((d + "/lost+found").c_str(), F_OK), 0);
+    EXPECT_EQ(loopsBackedBy(disks + "/" + n + ".img").size(), 1u) << n;
+  }
+  int64_t written = 0;
+  std::string big = o.root + "/sb-a/big";
+  EXPECT_EQ(writeZeros(big, 2 * kLimit, &written), ENOSPC);
+  EXPECT_GT(written, kLimit * 3 / 4);
+  EXPECT_LE(written, kLimit);
+  // The other sandbox is not charged for it.
+  EXPECT_EQ(writeZeros(o.root + "/sb-b/f", kLimit, &written), 0);
+  ASSERT_EQ(::unlink(big.c_str()), 0);
+  EXPECT_EQ(writeZeros(o.root + "/sb-a/again", kLimit / 2, &written), 0);
+
+  // The filler makes a new spare of the size in use.
+  EXPECT_TRUE(eventually([&] { return loopsBackedBy(disks + "/spare-").size() >= 1; }));
+  for (const char* n : {"sb-a", "sb-b"}) {
+    EXPECT_TRUE(dq.remove(n).isOk());
+    EXPECT_TRUE(dq.remove(n).isOk());  // a missing one is fine
+    EXPECT_NE(::access((o.root + "/" + n).c_str(), F_OK), 0);
+    EXPECT_NE(::access((disks + "/" + n + ".img").c_str(), F_OK), 0);
+    EXPECT_TRUE(eventually([&] { return loopsBackedBy(disks + "/" + n).empty(); })) << n;
+  }
+  dq.close();
+  dq.close();
+  EXPECT_TRUE(mountsUnder(tmp.path).empty());
+  EXPECT_NE(::access(disks.c_str(), F_OK), 0) << "images left";
+  EXPECT_TRUE(eventually([&] { return loopsBackedBy(disks).empty(); }));
+}
+
+// An edge restarted with live sandboxes keeps theirs and drops the rest.
+TEST(Ext4Quota, AdoptKeepsMountedSandboxesAndDropsLeftovers) {
+  if (auto why = ext4SkipReason(); !why.empty()) GTEST_SKIP() << why;
+  TempDir tmp;
+  ASSERT_FALSE(tmp.path.empty());
+  DiskQuotaOptions o;
+  o.root = tmp.path + "/sandboxes";
+  ASSERT_TRUE(makeDirs(o.root, 0700).isOk());
+  std::string disks = tmp.path + "/disks";
+  Ext4QuotaOptions eo;
+  eo.sparesPerSize = 1;
+  eo.initialSize = 16 << 20;
+  auto q = openExt4Quota(o, disks, eo);
+  ASSERT_TRUE(q.isOk()) << q.status().toString();
+  ASSERT_TRUE((*q)->create("sb-live", 16 << 20).isOk());
+  int64_t written = 0;
+  ASSERT_EQ(writeZeros(o.root + "/sb-live/f", 1 << 20, &written), 0);
+  (*q)->keepForNextEdge();
+  q->reset();
+  EXPECT_TRUE(isMountPoint(o.root + "/sb-live"));
+  EXPECT_TRUE(isMountPoint(o.root));
+  // A crashed edge's leftover image.
+  ASSERT_TRUE(writeFileAtomic(disks + "/sb-gone.img", "x").isOk());
+
+  o.adopt = true;
+  auto aq = openExt4Quota(o, disks, eo);
+  ASSERT_TRUE(aq.isOk()) << aq.status().toString();
+  EXPECT_TRUE(isMountPoint(o.root + "/sb-live"));
+  EXPECT_EQ(::access((o.root + "/sb-live/f").c_str(), F_OK), 0);
+  EXPECT_EQ(::access((disks + "/sb-live.img").c_str(), F_OK), 0);
+  EXPECT_NE(::access((disks + "/sb-gone.img").c_str(), F_OK), 0);
+  EXPECT_TRUE((*aq)->remove("sb-live").isOk());
+  (*aq)->close();
+  EXPECT_TRUE(mountsUnder(tmp.path).empty());
+  EXPECT_TRUE(eventually([&] { return loopsBackedBy(disks).empty(); }));
 }
 
 TEST(NoQuota, PlainDirectories) {

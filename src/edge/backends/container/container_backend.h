@@ -38,7 +38,7 @@ struct ContainerOptions {
   // Agents cloned ahead of demand (fresh namespaces, waiting for their init
   // frame), so a create skips clone and exec. 0 disables the pool.
   size_t spareAgents = 4;
-  // Disk quota mechanism ("auto", "btrfs", "tmpfs", "none") and, for btrfs
+  // Disk quota mechanism ("auto", "xfs", "ext4", "btrfs", "tmpfs", "none") and, for btrfs
   // on a non-btrfs host, the pool image and its size (0: the free space).
   std::string diskQuota = "auto";
   std::string diskPoolImage;  // empty: <sandboxRoot>.img

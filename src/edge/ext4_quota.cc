@@ -1,0 +1,465 @@
+#include "edge/ext4_quota.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <linux/loop.h>
+#include <sys/mount.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <thread>
+
+#include "common/fd.h"
+#include "common/log.h"
+#include "common/util.h"
+#include "edge/btrfs_quota.h"
+#include "edge/image/layer_cache.h"
+#include "edge/loop_device.h"
+#include "image/layer_builder.h"
+
+namespace dsec::edge {
+
+namespace {
+
+// The new mount API (<linux/mount.h> clashes with <sys/mount.h> on glibc 2.36).
+constexpr unsigned kFsopenCloexec = 1;          // FSOPEN_CLOEXEC
+constexpr unsigned kFsconfigSetString = 1;      // FSCONFIG_SET_STRING
+constexpr unsigned kFsconfigCmdCreate = 6;      // FSCONFIG_CMD_CREATE
+constexpr unsigned kFsmountCloexec = 1;         // FSMOUNT_CLOEXEC
+constexpr unsigned kMountAttrNoatime = 0x10;    // MOUNT_ATTR_NOATIME
+constexpr unsigned kMoveMountFEmptyPath = 0x4;  // MOVE_MOUNT_F_EMPTY_PATH
+constexpr int64_t kBlock = 4096;
+constexpr int64_t kProbeBytes = 16ll << 20;
+
+Status unavailable(std::string why) { return Status(Code::kFailedPrecondition, std::move(why)); }
+
+Status checkName(const std::string& name) {
+  if (name.empty() || name == "." || name == ".." || name.find('/') != std::string::npos ||
+      name[0] == '.') {
+    return invalidArg("id", "bad sandbox directory name '" + name + "'");
+  }
+  return Status::ok();
+}
+
+// Unmounts (lazily) whatever is mounted on `dir`; fine when nothing is.
+Status unmountIfMounted(const std::string& dir) {
+  if (::umount2(dir.c_str(), MNT_DETACH) != 0 && errno != EINVAL && errno != ENOENT) {
+    return sysError("umount " + dir);
+  }
+  return Status::ok();
+}
+
+class Ext4Quota : public DiskQuota {
+ public:
+  Ext4Quota(std::string root, std::string disksDir, std::string mkfs, Ext4QuotaOptions eo)
+      : root_(std::move(root)), disks_(std::move(disksDir)), mkfs_(std::move(mkfs)), eo_(eo) {
+    if (eo_.sparesPerSize > 0 && eo_.sizesKept > 0 && eo_.initialSize > 0) {
+      wanted_.push_back(roundBytes(eo_.initialSize));
+    }
+  }
+  ~Ext4Quota() override { close(); }
+
+  DiskQuotaKind kind() const override { return DiskQuotaKind::kExt4; }
+  std::string describe() const override {
+    return "ext4, one sparse loop-mounted image per sandbox in " + disks_ + " (" +
+           std::to_string(eo_.sparesPerSize) + " spares kept per size)";
+  }
+  int overLimitErrno() const override { return ENOSPC; }
+
+  Status create(const std::string& name, int64_t bytes) override {
+    RETURN_IF_ERROR(checkName(name));
+    if (bytes < kProbeBytes) {
+      return invalidArg("disk_mb", "disk_mb must be at least " + humanBytes(kProbeBytes));
+    }
+    bytes = roundBytes(bytes);
+    std::string dir = root_ + "/" + name;
+    struct stat st;
+    if (::lstat(dir.c_str(), &st) == 0) {
+      return Status(Code::kAlreadyExists, dir + " exists");
+    }
+    std::optional<Spare> spare;
+    {
+      std::lock_guard lk(mu_);
+      noteSize(bytes);
+      auto it = spares_.find(bytes);
+      if (it != spares_.end()) {
+        spare = std::move(it->second);
+        spares_.erase(it);
+      }
+    }
+    cv_.notify_all();
+    if (!spare) {
+      // No spare of this size (yet): format one now, on the create path.
+      auto made = makeSpare(bytes, imageOf(name));
+      if (!made.isOk()) return std::move(made).takeStatus();
+      spare = std::move(made).value();
+    }
+    if (::mkdir(dir.c_str(), 0700) != 0) {
+      Status st = sysError("mkdir " + dir);
+      destroySpare(*spare);
+      return st;
+    }
+    // One call attaches the ready filesystem; under the shared root_ it
+    // propagates to the mount namespaces cloned from ours.
+    if (::syscall(SYS_move_mount, spare->mount.get(), "", AT_FDCWD, dir.c_str(),
+                  kMoveMountFEmptyPath) != 0) {
+      Status st = sysError("move_mount to " + dir);
+      ::rmdir(dir.c_str());
+      destroySpare(*spare);
+      return st;
+    }
+    spare->mount.reset();
+    if (spare->image != imageOf(name) &&
+        ::rename(spare->image.c_str(), imageOf(name).c_str()) != 0) {
+      // Mounted and usable; only its image keeps the spare's name, which the
+      // next start removes as stale once it is unmounted.
+      log::warn("disk quota: rename " + spare->image + ": " + std::strerror(errno));
+    }
+    return Status::ok();
+  }
+
+  Status remove(const std::string& name) override {
+    RETURN_IF_ERROR(checkName(name));
+    std::string dir = root_ + "/" + name;
+    // The sandbox's processes are gone: this was the filesystem's last use
+    // (copies in other mount namespaces go by propagation), so it is shut
+    // down now and its loop device (autoclear) detaches.
+    RETURN_IF_ERROR(unmountIfMounted(dir));
+    Status st = removeTree(dir);
+    if (::unlink(imageOf(name).c_str()) != 0 && errno != ENOENT && st.isOk()) {
+      st = sysError("remove " + imageOf(name));
+    }
+    return st;
+  }
+
+  void close() override {
+    stopFiller();
+    dropSpares();
+    dropTemplates();
+    if (bound_) {
+      ::umount2(root_.c_str(), MNT_DETACH);
+      bound_ = false;
+    }
+    if (!kept_) ::rmdir(disks_.c_str());  // fails (fine) while images remain
+  }
+
+  void keepForNextEdge() override {
+    stopFiller();
+    dropSpares();  // the next edge makes its own
+    dropTemplates();
+    bound_ = false;
+    kept_ = true;
+  }
+
+  // Takes over root_'s shared bind (adopt) or makes it, removes what an
+  // earlier edge left that no running sandbox uses, checks the whole chain
+  // works by making the first spare (or a probe disk), and starts the filler.
+  Status open(bool adopt) {
+    RETURN_IF_ERROR(makeDirs(disks_, 0700));
+    if (adopt && isMountPoint(root_)) {
+      bound_ = true;
+    } else {
+      RETURN_IF_ERROR(bindShared(root_));
+      bound_ = true;
+    }
+    removeLeftovers();
+    // The first spare (or a probe) shows now whether the whole chain works.
+    auto sp = makeSpare(wanted_.empty() ? kProbeBytes : wanted_.front(), "");
+    if (!sp.isOk()) return std::move(sp).takeStatus();
+    if (wanted_.empty()) {
+      destroySpare(*sp);
+    } else {
+      spares_.emplace(sp->bytes, std::move(sp).value());
+    }
+    filler_ = std::thread([this] { fillLoop(); });
+    return Status::ok();
+  }
+
+ private:
+  struct Spare {
+    int64_t bytes = 0;
+    std::string image;
+    UniqueFd mount;  // fsmount(2): mounted, attached nowhere
+  };
+
+  static int64_t roundBytes(int64_t bytes) { return (bytes + kBlock - 1) / kBlock * kBlock; }
+  std::string imageOf(const std::string& name) const { return disks_ + "/" + name + ".img"; }
+
+  // Most recently used first; at most sizesKept. Under mu_.
+  void noteSize(int64_t bytes) {
+    if (eo_.sparesPerSize <= 0 || eo_.sizesKept <= 0) return;
+    auto it = std::find(wanted_.begin(), wanted_.end(), bytes);
+    if (it != wanted_.end()) wanted_.erase(it);
+    wanted_.insert(wanted_.begin(), bytes);
+    if (int(wanted_.size()) > eo_.sizesKept) wanted_.resize(size_t(eo_.sizesKept));
+  }
+
+  // A sparse image of `bytes` formatted as ext4 and attached to a loop
+  // device, its filesystem mounted but attached nowhere yet (fsmount): no
+  // mount namespace has a copy, and one move_mount puts it in place. Its
+  // root is 0700 (only the edge reaches in) without lost+found. `image`
+  // empty: a spare's name. On error nothing is left.
+  Result<Spare> makeSpare(int64_t bytes, std::string image) {
+    Spare s;
+    s.bytes = bytes;
+    s.image = image.empty() ? disks_ + "/spare-" + std::to_string(nextSpare_.fetch_add(1)) + ".img"
+                            : std::move(image);
+    auto undo = [&](Status st) {
+      s.mount.reset();  // the filesystem goes, and the (autoclear) device with it
+      ::unlink(s.image.c_str());
+      return st;
+    };
+    auto tmpl = templateOf(bytes);
+    if (!tmpl.isOk()) return std::move(tmpl).takeStatus();
+    {
+      // O_EXCL: never reuse (nor, on error, remove) a file we did not make.
+      UniqueFd out(::open(s.image.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
+      if (!out) return sysError("create " + s.image);
+      Status cp = copySparse(*tmpl, out.get(), bytes);
+      if (!cp.isOk()) return undo(cp.withContext("copy " + *tmpl + " to " + s.image));
+    }
+    UniqueFd held;
+    // Direct I/O keeps the host's page cache from holding a second copy of
+    // every block, where the backing filesystem allows it.
+    auto dev = attachLoop(s.image, LO_FLAGS_AUTOCLEAR | LO_FLAGS_DIRECT_IO, held);
+    if (!dev.isOk() && dev.status().sysErrno() == EINVAL) {
+      dev = attachLoop(s.image, LO_FLAGS_AUTOCLEAR, held);
+    }
+    if (!dev.isOk()) return undo(std::move(dev).takeStatus());
+    // The filesystem holds the device from here; closing `held` (on return)
+    // leaves it as its only user, so the device goes with the filesystem.
+    UniqueFd fsfd(int(::syscall(SYS_fsopen, "ext4", kFsopenCloexec)));
+    if (!fsfd) return undo(sysError("fsopen ext4"));
+    if (::syscall(SYS_fsconfig, fsfd.get(), kFsconfigSetString, "source", dev->c_str(), 0) != 0 ||
+        ::syscall(SYS_fsconfig, fsfd.get(), kFsconfigCmdCreate, nullptr, nullptr, 0) != 0) {
+      return undo(sysError("mount ext4 " + *dev + " (" + s.image + ")"));
+    }
+    s.mount.reset(int(::syscall(SYS_fsmount, fsfd.get(), kFsmountCloexec, kMountAttrNoatime)));
+    if (!s.mount) return undo(sysError("fsmount ext4 " + *dev));
+    UniqueFd top(::openat(s.mount.get(), ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+    if (!top) return undo(sysError("open the root of " + s.image));
+    if (::fchmod(top.get(), 0700) != 0) return undo(sysError("chmod the root of " + s.image));
+    if (::unlinkat(top.get(), "lost+found", AT_REMOVEDIR) != 0 && errno != ENOENT) {
+      return undo(sysError("rmdir lost+found in " + s.image));
+    }
+    return s;
+  }
+
+  // The formatted image of `bytes` that disks are copied from: mkfs.ext4
+  // runs once per size (~20-40 ms and a process), a copy of its few written
+  // blocks (~0.1-0.7 MiB) costs well under a millisecond. Every copy has the
+  // template's UUID, which ext4 does not mind (mounts go by device).
+  Result<std::string> templateOf(int64_t bytes) {
+    std::lock_guard lk(templateMu_);
+    std::string path = disks_ + "/template-" + std::to_string(bytes) + ".img";
+    if (templates_.count(bytes)) return path;
+    std::string tmp = path + ".tmp";
+    ::unlink(tmp.c_str());
+    {
+      UniqueFd fd(::open(tmp.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
+      if (!fd) return sysError("create " + tmp);
+      if (::ftruncate(fd.get(), bytes) != 0) {
+        Status st = sysError("truncate " + tmp);
+        ::unlink(tmp.c_str());
+        return st;
+      }
+    }
+    Status mk = image::runCommand(ext4MkfsArgs(mkfs_, tmp, bytes));
+    if (!mk.isOk()) {
+      ::unlink(tmp.c_str());
+      return unavailable("mkfs.ext4 " + tmp + ": " + mk.message());
+    }
+    if (::rename(tmp.c_str(), path.c_str()) != 0) {
+      Status st = sysError("rename " + tmp);
+      ::unlink(tmp.c_str());
+      return st;
+    }
+    templates_.insert(bytes);
+    return path;
+  }
+
+  // Makes the empty file `out` a sparse file of `bytes` holding the data
+  // extents of `from`.
+  static Status copySparse(const std::string& from, int out, int64_t bytes) {
+    UniqueFd in(::open(from.c_str(), O_RDONLY | O_CLOEXEC));
+    if (!in) return sysError("open " + from);
+    if (::ftruncate(out, bytes) != 0) return sysError("truncate");
+    off_t pos = 0;
+    while (pos < bytes) {
+      off_t data = ::lseek(in.get(), pos, SEEK_DATA);
+      if (data < 0) {
+        if (errno == ENXIO) break;  // only a hole is left
+        return sysError("seek data in " + from);
+      }
+      off_t hole = ::lseek(in.get(), data, SEEK_HOLE);
+      if (hole < 0) return sysError("seek hole in " + from);
+      loff_t src = data, dst = data;
+      while (src < hole) {
+        ssize_t n = ::copy_file_range(in.get(), &src, out, &dst, size_t(hole - src), 0);
+        if (n < 0) return sysError("copy_file_range");
+        if (n == 0) return Status(Code::kInternal, from + " shrank while copied");
+      }
+      pos = hole;
+    }
+    return Status::ok();
+  }
+
+  void destroySpare(Spare& s) {
+    s.mount.reset();
+    ::unlink(s.image.c_str());
+  }
+
+  // Keeps sparesPerSize spares of each wanted size, and drops spares of sizes
+  // no longer wanted. Runs at a lower priority: the request path comes first.
+  void fillLoop() {
+    ::setpriority(PRIO_PROCESS, pid_t(::syscall(SYS_gettid)), 10);
+    std::unique_lock lk(mu_);
+    while (!stop_) {
+      std::optional<Spare> excess;
+      for (auto it = spares_.begin(); it != spares_.end(); ++it) {
+        if (std::find(wanted_.begin(), wanted_.end(), it->first) == wanted_.end()) {
+          excess = std::move(it->second);
+          spares_.erase(it);
+          break;
+        }
+      }
+      if (excess) {
+        lk.unlock();
+        destroySpare(*excess);
+        lk.lock();
+        continue;
+      }
+      int64_t need = 0;
+      for (int64_t bytes : wanted_) {
+        if (int(spares_.count(bytes)) < eo_.sparesPerSize) {
+          need = bytes;
+          break;
+        }
+      }
+      if (need == 0) {
+        cv_.wait(lk);
+        continue;
+      }
+      lk.unlock();
+      auto sp = makeSpare(need, "");
+      lk.lock();
+      if (!sp.isOk()) {
+        log::error("disk quota spare: " + sp.status().toString());
+        cv_.wait_for(lk, std::chrono::seconds(1));
+        continue;
+      }
+      if (stop_) {
+        lk.unlock();
+        destroySpare(*sp);
+        lk.lock();
+        break;
+      }
+      spares_.emplace(sp->bytes, std::move(sp).value());
+    }
+  }
+
+  void stopFiller() {
+    {
+      std::lock_guard lk(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    if (filler_.joinable()) filler_.join();
+  }
+
+  void dropTemplates() {
+    std::lock_guard lk(templateMu_);
+    for (int64_t b : templates_) {
+      ::unlink((disks_ + "/template-" + std::to_string(b) + ".img").c_str());
+    }
+    templates_.clear();
+  }
+
+  void dropSpares() {
+    std::multimap<int64_t, Spare> spares;
+    {
+      std::lock_guard lk(mu_);
+      spares.swap(spares_);
+    }
+    for (auto& [bytes, s] : spares) destroySpare(s);
+  }
+
+  // A crashed or upgraded edge's spares (their mounts were attached nowhere,
+  // so they went with its fds) and images no mounted sandbox uses (their
+  // mounts went with the crash cleanup, or the sandbox's removal).
+  void removeLeftovers() {
+    if (DIR* d = ::opendir(disks_.c_str())) {
+      std::vector<std::string> stale;
+      while (auto* e = ::readdir(d)) {
+        std::string n = e->d_name;
+        if (n == "." || n == "..") continue;
+        bool inUse = n.size() > 4 && n.compare(n.size() - 4, 4, ".img") == 0 &&
+                     !startsWith(n, "spare-") &&
+                     isMountPoint(root_ + "/" + n.substr(0, n.size() - 4));
+        if (!inUse) stale.push_back(disks_ + "/" + n);
+      }
+      ::closedir(d);
+      for (auto& p : stale) {
+        if (::unlink(p.c_str()) == 0) log::info("disk quota: removed stale image " + p);
+      }
+    }
+  }
+
+  const std::string root_;
+  const std::string disks_;
+  const std::string mkfs_;
+  const Ext4QuotaOptions eo_;
+  bool bound_ = false;  // root_ bound on itself, shared
+  bool kept_ = false;   // keepForNextEdge: images stay for the next edge
+  std::atomic<uint64_t> nextSpare_{0};
+  std::mutex templateMu_;        // guards templates_ (held while one is made)
+  std::set<int64_t> templates_;  // sizes with a template image
+  std::thread filler_;
+  std::mutex mu_;  // guards spares_, wanted_, stop_
+  std::condition_variable cv_;
+  std::multimap<int64_t, Spare> spares_;  // by size in bytes
+  std::vector<int64_t> wanted_;           // sizes to keep spares of, newest first
+  bool stop_ = false;
+};
+
+}  // namespace
+
+std::vector<std::string> ext4MkfsArgs(const std::string& mkfs, const std::string& image,
+                                      int64_t bytes) {
+  // -T default: 4 KiB blocks and one inode per 16 KiB even below 512 MiB
+  // (where mke2fs would pick 1 KiB blocks). mke2fs discards (punches) the
+  // fresh file, so it knows the inode tables read as zeros and marks them
+  // so: no lazy zeroing of them after mount, and the image stays sparse.
+  return {mkfs,        "-q",      "-F",           "-T", "default", "-b",
+          "4096",      "-m",      "0",            "-O", "^has_journal",
+          "-L",        "dsec-sb", image,          std::to_string(bytes / 1024) + "k"};
+}
+
+Result<std::unique_ptr<DiskQuota>> openExt4Quota(const DiskQuotaOptions& opts,
+                                                 const std::string& disksDir,
+                                                 const Ext4QuotaOptions& eo) {
+  if (!kernelHasFilesystem("ext4")) return unavailable("the kernel has no ext4");
+  if (::access("/dev/loop-control", R_OK | W_OK) != 0) {
+    return unavailable("no loop devices (/dev/loop-control: " + std::string(std::strerror(errno)) +
+                       ")");
+  }
+  std::string mkfs = findProgram("mkfs.ext4");
+  if (mkfs.empty()) return unavailable("mkfs.ext4 not found (package e2fsprogs)");
+  if (disksDir.empty()) return unavailable("no directory for the images configured");
+  auto q = std::make_unique<Ext4Quota>(opts.root, disksDir, std::move(mkfs), eo);
+  RETURN_IF_ERROR(q->open(opts.adopt));  // on error q's destructor undoes it
+  return std::unique_ptr<DiskQuota>(std::move(q));
+}
+
+}  // namespace dsec::edge

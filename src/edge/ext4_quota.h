@@ -1,0 +1,60 @@
+// The ext4 mechanism of DiskQuota (disk_quota.h): a small filesystem of its
+// own per sandbox. Each sandbox directory <root>/<name> is the mount point of
+// an ext4 (no journal, no reserved blocks) on a sparse image file
+// <disks>/<name>.img attached to a loop device: its size is the limit, so a
+// write past it fails with ENOSPC ("No space left on device"), exactly what a
+// full disk says, and no other sandbox, nor the host, is touched.
+//
+// Formatting (mkfs.ext4, ~20-40 ms), attaching and mounting (~2-20 ms here)
+// are far too slow for the create path, so a background thread keeps a few
+// *spares* of each recently used size formatted, attached and mounted with
+// fsmount(2) but attached nowhere (no mount namespace holds a copy); a
+// create puts one on <root>/<name> with one move_mount (~0.03 ms). A size
+// with no spare is formatted inline once, and spares of it are kept from
+// then on. Spares die with the edge's fds: a crash leaves only image files,
+// which the next start removes.
+// Online growth (EXT4_IOC_RESIZE_FS) would serve every size from one kind of
+// spare but needs CAP_SYS_RESOURCE, which the edge may lack (this dev host
+// does), so spares are per size.
+//
+// <root> is bound on itself as a shared mount, so the move and the unmounts
+// reach the mount namespaces cloned from ours in the meantime (spare agents,
+// VM processes); a removed sandbox's filesystem then goes with its last
+// mount, and its loop device (autoclear) with it.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "edge/disk_quota.h"
+
+namespace dsec::edge {
+
+struct Ext4QuotaOptions {
+  // Spares kept per size; 0: none (every create formats inline: tests).
+  int sparesPerSize = 2;
+  // How many distinct sizes keep spares (the most recently used ones).
+  int sizesKept = 3;
+  // A size that has spares from the start (the API's default disk_mb).
+  int64_t initialSize = 1024ll << 20;
+};
+
+// Needs ext4 in the kernel, mkfs.ext4 (e2fsprogs) and /dev/loop-control;
+// kFailedPrecondition with the reason otherwise, or when the probe (one
+// spare formatted and mounted at start) fails. Images live in `disksDir`
+// (made if missing; must not be under opts.root). With opts.adopt, takes over
+// the shared bind and the sandboxes' mounts an earlier edge left; either way
+// stale spares and images of no mounted sandbox are removed. On error nothing
+// is left mounted or attached.
+Result<std::unique_ptr<DiskQuota>> openExt4Quota(const DiskQuotaOptions& opts,
+                                                 const std::string& disksDir,
+                                                 const Ext4QuotaOptions& eo = {});
+
+// The mkfs.ext4 command line for an image of `bytes` (rounded down to 4 KiB
+// blocks): 4 KiB blocks, no journal (a crash of the host takes the sandbox
+// with it), no blocks reserved for root, a volume label.
+std::vector<std::string> ext4MkfsArgs(const std::string& mkfs, const std::string& image,
+                                      int64_t bytes);
+
+}  // namespace dsec::edge
