@@ -22,6 +22,12 @@ std::string sbPath(const std::string& id, const std::string& rest = "") {
   return "/edge/v1/sandboxes/" + http::percentEncode(id) + rest;
 }
 constexpr size_t kMaxPooled = 32;
+// The longest a node may stay silent within one answer. Creates of vm
+// sandboxes wait for a boot (--vm-boot-timeout-s, 300 s, retried once) and an
+// exec may run for long without output: the node's own bounds apply, this
+// only keeps a hung node from holding a platform thread forever (a dead one
+// is found by its heartbeats).
+constexpr double kReadTimeoutS = 3600;
 }  // namespace
 
 RemoteEdge::RemoteEdge(std::string url, std::string key)
@@ -61,6 +67,7 @@ Result<http::ClientResponse> RemoteEdge::call(std::string_view method, const std
   if (!c) {
     http::ClientOptions co;
     co.connectTimeoutS = 3;
+    co.readTimeoutS = kReadTimeoutS;
     auto nc = http::Client::connect(url, key, co);
     if (!nc.isOk()) {
       Status st = nc.status();
@@ -84,6 +91,7 @@ Result<http::ClientResponse> RemoteEdge::call(std::string_view method, const std
     // back, so nothing ran): once more on a fresh one.
     http::ClientOptions co;
     co.connectTimeoutS = 3;
+    co.readTimeoutS = kReadTimeoutS;
     auto nc = http::Client::connect(url, key, co);
     if (nc.isOk()) {
       c = std::move(*nc);
