@@ -465,6 +465,58 @@ def test_concurrent_creates_never_exceed_the_quota(make_tenant, busybox, client)
     assert len(_live(client, t.id)) == 3
 
 
+def test_one_shot_runs_count_against_the_quotas(make_tenant, debian, busybox, client):
+    # POST /v1/run: each call is a creation (creates_per_s) and, while it
+    # runs, one warm sandbox (max_sandboxes, max_cpu, max_memory_mb).
+    t = make_tenant("qrun", max_sandboxes=1)
+    assert t.client.run("print(6 * 7)", image=debian, timeout=60).stdout == "42\n"
+    assert t.client.whoami()["usage"]["runs"] == 0
+    done = {}
+
+    def slow():
+        c = dsec.Client(url=t.client.url, token=t.key["key"], timeout=120)
+        try:
+            done["r"] = c.run("import time; time.sleep(4); print('slept')", image=debian,
+                              timeout=60)
+        finally:
+            c.close()
+    th = threading.Thread(target=slow)
+    th.start()
+    try:
+        assert wait_until(lambda: t.client.whoami()["usage"]["runs"] == 1, 30)
+        usage = t.client.whoami()["usage"]
+        assert usage["sandboxes"] == 0 and usage["cpu"] > 0 and usage["memory_mb"] > 0
+        with pytest.raises(dsec.QuotaExceeded) as e:
+            t.client.run("print(1)", image=debian)
+        assert e.value.status == 403 and e.value.field == "max_sandboxes"
+        assert "runs under way" in e.value.message
+        with pytest.raises(dsec.QuotaExceeded) as e:  # a sandbox create sees the run too
+            t.client.create(busybox)
+        assert e.value.field == "max_sandboxes"
+    finally:
+        th.join(120)
+    assert done["r"].stdout == "slept\n"
+    assert t.client.whoami()["usage"]["runs"] == 0
+    assert t.client.run("print(2)", image=debian).stdout == "2\n"  # room again
+    assert _live(client, t.id) == []
+    # The pool's sandbox is 512 MB: a smaller memory quota refuses the call.
+    m = make_tenant("qrunm", max_memory_mb=256)
+    with pytest.raises(dsec.QuotaExceeded) as e:
+        m.client.run("print(1)", image=debian)
+    assert e.value.field == "max_memory_mb"
+    # The creation rate: runs and creates share the tenant's bucket.
+    r = make_tenant("qrunr", creates_per_s=0.5, create_burst=2)
+    r.client.run("print(1)", image=debian)
+    r.client.run("print(1)", image=debian)
+    with pytest.raises(dsec.RateLimited) as e:
+        r.client.run("print(1)", image=debian)
+    assert e.value.status == 429 and e.value.field == "creates_per_s"
+    with pytest.raises(dsec.RateLimited):
+        r.client.create(busybox)
+    time.sleep(2.1)
+    assert r.client.run("print(3)", image=debian).stdout == "3\n"
+
+
 # ----- restart -----------------------------------------------------------------------
 
 def test_a_restart_keeps_tenants_keys_quotas_and_ownership(tmp_path):

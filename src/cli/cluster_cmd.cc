@@ -71,6 +71,44 @@ Result<std::string> loadOrCreateSecret(const std::string& path) {
   return t;
 }
 
+// --burst-pool P (default cloud; "none": no bursting), --burst-threshold X
+// (0..1, default 0.8), --prestage 'POOL=REF[,REF...][;POOL=...]'.
+Status burstFlags(const ArgGet& get, platform::ClusterOptions& co) {
+  auto validName = [](const std::string& s) {
+    if (s.empty() || s.size() > 63) return false;
+    for (char c : s) {
+      if (!(isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' || c == '.')) {
+        return false;
+      }
+    }
+    return true;
+  };
+  co.burst.pool = get("burst-pool", "cloud");
+  if (co.burst.pool == "none") co.burst.pool.clear();
+  if (!co.burst.pool.empty() && !validName(co.burst.pool)) {
+    return invalidArg("burst-pool", "--burst-pool must be 1-63 of [A-Za-z0-9._-] (or none)");
+  }
+  ASSIGN_OR_RETURN(co.burst.threshold, numberFlag(get, "burst-threshold", 0.8));
+  if (co.burst.threshold > 1) {
+    return invalidArg("burst-threshold", "--burst-threshold must be from 0 to 1 (a utilization)");
+  }
+  std::string spec = get("prestage", "");
+  for (auto& part : splitString(spec, ';')) {
+    if (part.empty()) continue;
+    size_t eq = part.find('=');
+    std::string pool = part.substr(0, eq);
+    if (eq == std::string::npos || !validName(pool) || eq + 1 == part.size()) {
+      return invalidArg("prestage", "--prestage takes POOL=REF[,REF...][;POOL=...], not '" +
+                                        part + "'");
+    }
+    for (auto& ref : splitString(part.substr(eq + 1), ',')) {
+      if (ref.empty()) return invalidArg("prestage", "--prestage: empty ref in '" + part + "'");
+      co.prestage[pool].push_back(ref);
+    }
+  }
+  return Status::ok();
+}
+
 }  // namespace
 
 Result<std::unique_ptr<platform::Cluster>> startCluster(const ArgGet& get,
@@ -87,6 +125,10 @@ Result<std::unique_ptr<platform::Cluster>> startCluster(const ArgGet& get,
   ASSIGN_OR_RETURN(co.admissionWaitS, numberFlag(get, "admission-wait-s", 30));
   co.lookup = [dataDir, store](const std::string& digest) {
     return platform::Platform::describeLayer(store, dataDir, digest);
+  };
+  RETURN_IF_ERROR(burstFlags(get, co));
+  co.resolveLayers = [store](const std::string& ref) {
+    return platform::Platform::layersOfRef(store, ref);
   };
   ASSIGN_OR_RETURN(auto cluster, platform::Cluster::start(co));
   if (local) {
@@ -251,6 +293,9 @@ int cmdEdge(const ArgGet& get) {
       for (auto& l : e->nodeCache().layers()) out.push_back(l.digest);
       return out;
     };
+    // The layers the platform asks this node's pool to hold (--prestage).
+    agent.setPrestager(
+        [e = real.get()](const std::string& digest) { return e->nodeCache().prestage(digest); });
   }
   agent.serveLink(link, layers);
   log::info("dsec edge: node " + ao.name + (simulate ? " (simulated)" : "") + " serving " + ao.url +

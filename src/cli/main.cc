@@ -97,6 +97,7 @@ const char* kUsage = R"(usage: dsec COMMAND [OPTIONS]
         The vm backend uses --microvm-accel's choice too. See docs/vm.md
   platform [--data-dir DIR] [--listen HOST:PORT] [--store ...] [--join-token-file F]
            [--heartbeat-timeout-s S] [--max-inflight N] [--admission-wait-s S]
+           [--burst-pool P|none] [--burst-threshold X] [--prestage 'POOL=REF,...;...']
         The control plane alone (API, store, scheduler): edges join it with the
         token in <data-dir>/join_token (0600). `dsec up` takes the same flags and
         also accepts edges besides its own node. See docs/cluster.md

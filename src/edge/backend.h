@@ -39,6 +39,7 @@ struct SandboxSpec {
   std::string pool = "default";
   std::string tenant;
   bool spread = true;
+  bool burstable = false;  // may go to the burst pool when its pool is busy
 };
 
 // One computer-use action on a sandbox's screen (backend vm, docs/vm.md):

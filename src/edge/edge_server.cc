@@ -1,6 +1,12 @@
 #include "edge/edge_server.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <nlohmann/json.hpp>
+
+#include "common/fd.h"
 
 #include "common/base64.h"
 #include "common/http_client.h"
@@ -113,6 +119,8 @@ Result<std::string> EdgeAgent::platformCall(const std::string& method, const std
 }
 
 void EdgeAgent::serveLink(EdgeLink* link, std::function<std::vector<std::string>()> layers) {
+  // Packs of an earlier process: the platform's fetch of them failed with it.
+  (void)removeTree(opts_.dataDir + "/packs");
   {
     std::lock_guard lk(mu_);
     link_ = link;
@@ -128,6 +136,59 @@ void EdgeAgent::stop() {
   }
   cv_.notify_all();
   if (hbThread_.joinable()) hbThread_.join();
+  if (stageThread_.joinable()) stageThread_.join();
+}
+
+void EdgeAgent::setPrestager(std::function<Status(const std::string&)> stage) {
+  std::lock_guard lk(mu_);
+  stage_ = std::move(stage);
+  if (stage_ && !stageThread_.joinable()) stageThread_ = std::thread([this] { prestageLoop(); });
+}
+
+void EdgeAgent::queuePrestage(const std::vector<std::string>& digests) {
+  double now = nowSeconds();
+  bool added = false;
+  {
+    std::lock_guard lk(mu_);
+    if (!stage_) return;
+    for (auto& d : digests) {
+      if (staged_.count(d) || stageQueued_.count(d)) continue;
+      auto f = stageFailedAt_.find(d);
+      if (f != stageFailedAt_.end() && now - f->second < kPrestageRetryS) continue;
+      stageQueue_.push_back(d);
+      stageQueued_.insert(d);
+      added = true;
+    }
+  }
+  if (added) cv_.notify_all();
+}
+
+void EdgeAgent::prestageLoop() {
+  std::unique_lock lk(mu_);
+  for (;;) {
+    cv_.wait(lk, [&] { return stopping_ || !stageQueue_.empty(); });
+    if (stopping_) return;
+    std::string d = stageQueue_.front();
+    stageQueue_.pop_front();
+    auto stage = stage_;
+    lk.unlock();
+    double t0 = nowSeconds();
+    Status st = stage(d);
+    lk.lock();
+    stageQueued_.erase(d);
+    if (st.isOk()) {
+      staged_.insert(d);
+      stageFailedAt_.erase(d);
+      stagedCount_++;
+      log::info("pre-staged layer " + d + " in " + std::to_string(int((nowSeconds() - t0) * 1000)) +
+                " ms");
+    } else {
+      stageFailedAt_[d] = nowSeconds();
+      stageFailures_++;
+      log::warn("pre-staging layer " + d + ": " + st.toString() + " (retried in " +
+                std::to_string(int(kPrestageRetryS)) + " s)");
+    }
+  }
 }
 
 Status EdgeAgent::heartbeatOnce() {
@@ -162,6 +223,11 @@ Status EdgeAgent::heartbeatOnce() {
   }
   json j = json::parse(*r, nullptr, false);
   if (j.is_discarded() || !j.is_object()) return Status::ok();
+  std::vector<std::string> stage;
+  for (auto& d : j.value("prestage", json::array())) {
+    if (d.is_string()) stage.push_back(d.get<std::string>());
+  }
+  if (!stage.empty()) queuePrestage(stage);
   for (auto& id : j.value("destroy", json::array())) {
     if (!id.is_string()) continue;
     log::info("sandbox " + id.get<std::string>() + ": the platform no longer wants it; destroying");
@@ -263,6 +329,11 @@ void EdgeAgent::handle(http::Request& req, http::Response& res) {
     out += "dsec_edge_unauthenticated_total " + std::to_string(refused_.load()) + "\n";
     fam("dsec_edge_heartbeat_failures_total", "counter", "Heartbeats the platform did not take.");
     out += "dsec_edge_heartbeat_failures_total " + std::to_string(hbFailures_.load()) + "\n";
+    fam("dsec_edge_prestaged_layers_total", "counter",
+        "Layers pre-staged into the node cache at the platform's asking.");
+    out += "dsec_edge_prestaged_layers_total " + std::to_string(stagedCount_.load()) + "\n";
+    fam("dsec_edge_prestage_failures_total", "counter", "Pre-staging attempts that failed.");
+    out += "dsec_edge_prestage_failures_total " + std::to_string(stageFailures_.load()) + "\n";
     fam("dsec_edge_errors_total", "counter", "Calls answered with an error, by code.");
     {
       std::lock_guard lk(errMu_);
@@ -316,6 +387,7 @@ void EdgeAgent::route(http::Request& req, http::Response& res, EdgeLink* link) {
     if (j.is_discarded() || !j.is_object()) return invalidArg("body", "body must be a JSON object");
     return j;
   };
+  if (parts[3] == "packs") return servePack(parts, req, res);
   if (parts[3] == "layers" && n == 6 && parts[5] == "evict" && m == "POST") {
     Status st = link->evictLayer(parts[4]);
     return st.isOk() ? sendJ(res, 200, json::object()) : fail(st);
@@ -435,12 +507,114 @@ void EdgeAgent::route(http::Request& req, http::Response& res, EdgeLink* link) {
     Status st = link->setEgress(id, rules);
     return st.isOk() ? sendJ(res, 200, json::object()) : fail(st);
   }
+  if (op == "pack_diff" && m == "POST") return packDiff(id, res, link);
+  if (op == "screenshot" && m == "GET") {
+    auto png = link->screenshot(id);
+    if (!png.isOk()) return fail(png.status());
+    (void)res.send(200, "image/png", *png);
+    return;
+  }
+  if (op == "input" && m == "POST") {
+    auto j = body();
+    if (!j.isOk()) return fail(j.status());
+    auto a = wire::inputFromJson(*j);
+    if (!a.isOk()) return fail(a.status());
+    Status st = link->input(id, *a);
+    return st.isOk() ? sendJ(res, 200, json::object()) : fail(st);
+  }
   if (op == "egress_denials" && m == "GET") {
     auto d = link->egressDenials(id);
     if (!d.isOk()) return fail(d.status());
     return sendJ(res, 200, {{"count", d->count}, {"last", d->last}});
   }
   fail(notFound("no such endpoint: " + m + " " + req.path));
+}
+
+void EdgeAgent::countError(const Status& st) {
+  std::lock_guard lk(errMu_);
+  errors_[codeName(st.code())]++;
+}
+
+void EdgeAgent::packDiff(const std::string& id, http::Response& res, EdgeLink* link) {
+  auto fail = [&](const Status& st) {
+    countError(st);
+    if (!res.started()) sendJ(res, httpStatusFor(st.code()), wire::errorJson(st));
+  };
+  std::string root = opts_.dataDir + "/packs";
+  if (Status st = makeDirs(root, 0700); !st.isOk()) return fail(st);
+  // Packs the platform never fetched (it died meanwhile) go first.
+  std::vector<std::string> stale;
+  {
+    std::lock_guard lk(mu_);
+    double now = nowSeconds();
+    for (auto it = packs_.begin(); it != packs_.end();) {
+      if (now - it->second.second > kPackKeepS) {
+        stale.push_back(it->first);
+        it = packs_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  for (auto& p : stale) (void)removeTree(root + "/" + p);
+  std::string pack = randomHex(8);
+  std::string dir = root + "/" + pack;
+  auto layer = link->packDiff(id, dir);
+  if (!layer.isOk()) {
+    (void)removeTree(dir);
+    return fail(layer.status());
+  }
+  {
+    std::lock_guard lk(mu_);
+    packs_[pack] = {*layer, nowSeconds()};
+  }
+  sendJ(res, 200,
+        {{"pack", pack},
+         {"digest", layer->digest},
+         {"size", layer->size},
+         {"data_digest", layer->dataDigest},
+         {"data_size", layer->dataSize}});
+}
+
+void EdgeAgent::servePack(const std::vector<std::string>& parts, http::Request& req,
+                          http::Response& res) {
+  auto fail = [&](const Status& st) {
+    countError(st);
+    if (!res.started()) sendJ(res, httpStatusFor(st.code()), wire::errorJson(st));
+  };
+  // "", "edge", "v1", "packs", pack, [meta|data]
+  if (parts.size() < 5) return fail(notFound("no such endpoint: " + req.path));
+  const std::string& pack = parts[4];
+  image::BuiltLayer layer;
+  {
+    std::lock_guard lk(mu_);
+    auto it = packs_.find(pack);
+    if (it == packs_.end()) return fail(notFound("no pack " + pack + " on this node"));
+    layer = it->second.first;
+    if (parts.size() == 5 && req.method == "DELETE") packs_.erase(it);
+  }
+  if (parts.size() == 5 && req.method == "DELETE") {
+    (void)removeTree(opts_.dataDir + "/packs/" + pack);
+    return sendJ(res, 200, json::object());
+  }
+  if (parts.size() != 6 || req.method != "GET" || (parts[5] != "meta" && parts[5] != "data")) {
+    return fail(notFound("no such endpoint: " + req.method + " " + req.path));
+  }
+  const std::string& path = parts[5] == "meta" ? layer.path : layer.dataPath;
+  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (!fd) return fail(sysError("open " + path));
+  struct stat st;
+  if (::fstat(fd.get(), &st) != 0) return fail(sysError("stat " + path));
+  if (Status s = res.beginFixed(200, "application/octet-stream", uint64_t(st.st_size)); !s.isOk()) {
+    return;
+  }
+  std::string buf(1 << 20, '\0');
+  for (;;) {
+    ssize_t n = ::read(fd.get(), buf.data(), buf.size());
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;  // a short body tells the platform (it checks size and digest)
+    if (!res.write(std::string_view(buf.data(), size_t(n))).isOk()) break;
+  }
 }
 
 }  // namespace dsec::edge

@@ -15,6 +15,9 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <deque>
+#include <map>
+#include <set>
 #include <functional>
 #include <mutex>
 #include <string>
@@ -51,6 +54,15 @@ class EdgeAgent {
   Status start();
   // The node the API serves; heartbeats begin. `layers` lists cached layers.
   void serveLink(EdgeLink* link, std::function<std::vector<std::string>()> layers);
+  // Pre-staging (docs/cluster.md, node pools): the layers a heartbeat's
+  // answer lists under "prestage" are handed to `stage` one at a time on a
+  // thread of their own (NodeCache::prestage), each once per process unless
+  // it failed (retried after kPrestageRetryS). Call before serveLink; none:
+  // the list is ignored (a simulated node).
+  void setPrestager(std::function<Status(const std::string& digest)> stage);
+  // The edge's data dir (packs of pack_diff live under it).
+  const std::string& dataDir() const { return opts_.dataDir; }
+  static constexpr double kPrestageRetryS = 30;
   void stop();
 
   // /edge/v1/... (platform-key authenticated) and GET /metrics.
@@ -69,6 +81,15 @@ class EdgeAgent {
   void heartbeatLoop();
   Status heartbeatOnce();
   void route(http::Request& req, http::Response& res, EdgeLink* link);
+  // Queues what a heartbeat answer asks to pre-stage.
+  void queuePrestage(const std::vector<std::string>& digests);
+  void prestageLoop();
+  // pack_diff over the hop: POST .../pack_diff builds the layer into
+  // <dataDir>/packs/<pack>; GET /edge/v1/packs/<pack>/{meta,data} serve its
+  // files; DELETE /edge/v1/packs/<pack> removes them.
+  void packDiff(const std::string& id, http::Response& res, EdgeLink* link);
+  void servePack(const std::vector<std::string>& parts, http::Request& req, http::Response& res);
+  void countError(const Status& st);
 
   EdgeAgentOptions opts_;
   std::string bootId_;
@@ -79,6 +100,16 @@ class EdgeAgent {
   bool stopping_ = false;
   std::condition_variable cv_;
   std::thread hbThread_;
+  // Pre-staging; guarded by mu_.
+  std::function<Status(const std::string&)> stage_;
+  std::deque<std::string> stageQueue_;
+  std::set<std::string> staged_, stageQueued_;
+  std::map<std::string, double> stageFailedAt_;
+  std::thread stageThread_;
+  std::atomic<uint64_t> stagedCount_{0}, stageFailures_{0};
+  // Packed layers waiting for the platform to fetch them: pack -> (layer, when).
+  std::map<std::string, std::pair<image::BuiltLayer, double>> packs_;  // guarded by mu_
+  static constexpr double kPackKeepS = 600;  // an unfetched pack is removed after this
   // Metrics.
   std::atomic<uint64_t> creates_{0}, destroys_{0}, execs_{0}, refused_{0}, hbFailures_{0};
   std::mutex errMu_;

@@ -156,4 +156,24 @@ Status statusFromBody(int httpStatus, const std::string& body) {
   return Status(c, "HTTP " + std::to_string(httpStatus) + ": " + body.substr(0, 200));
 }
 
+json toJson(const InputAction& a) {
+  return {{"kind", a.kind}, {"text", a.text}, {"key", a.key},
+          {"x", a.x},       {"y", a.y},       {"button", a.button}};
+}
+
+Result<InputAction> inputFromJson(const json& j) {
+  InputAction a;
+  try {
+    a.kind = j.at("kind").get<std::string>();
+    a.text = j.value("text", "");
+    a.key = j.value("key", "");
+    a.x = j.value("x", 0);
+    a.y = j.value("y", 0);
+    a.button = j.value("button", "");
+  } catch (const std::exception& e) {
+    return invalidArg("input", std::string("bad input action: ") + e.what());
+  }
+  return a;
+}
+
 }  // namespace dsec::edge::wire

@@ -20,6 +20,8 @@ Result<ExecSpec> execFromJson(const json& j);
 json toJson(const ExecResult& r);
 ExecResult resultFromJson(const json& j);
 json toJson(const net::EgressRule& r);
+json toJson(const InputAction& a);
+Result<InputAction> inputFromJson(const json& j);
 Result<net::EgressRule> ruleFromJson(const json& j);
 // {"error": {"code", "message", "field"?}}
 json errorJson(const Status& st);

@@ -37,5 +37,28 @@ TEST(EdgeWire, SpecWithoutIdIsRefused) {
   EXPECT_EQ(bad.status().field(), "spec");
 }
 
+// Computer-use actions reach the node as the platform checked them.
+TEST(EdgeWire, InputActionRoundTrips) {
+  InputAction a;
+  a.kind = "mouse";
+  a.x = 640;
+  a.y = 480;
+  a.button = "wheel-up";
+  auto back = inputFromJson(toJson(a));
+  ASSERT_TRUE(back.isOk()) << back.status().toString();
+  EXPECT_EQ(back->kind, "mouse");
+  EXPECT_EQ(back->x, 640);
+  EXPECT_EQ(back->y, 480);
+  EXPECT_EQ(back->button, "wheel-up");
+  a = InputAction{};
+  a.kind = "type";
+  a.text = "h\u00e9llo\n";
+  EXPECT_EQ(inputFromJson(toJson(a))->text, a.text);
+  auto bad = inputFromJson(json{{"text", "x"}});
+  ASSERT_FALSE(bad.isOk());
+  EXPECT_EQ(bad.status().field(), "input");
+  EXPECT_FALSE(inputFromJson(json{{"kind", "mouse"}, {"x", "left"}}).isOk());
+}
+
 }  // namespace
 }  // namespace dsec::edge::wire

@@ -143,6 +143,18 @@ Result<edge::LayerDesc> Platform::describeLayer(Store* store, const std::string&
   return d;
 }
 
+Result<std::vector<std::string>> Platform::layersOfRef(Store* store, const std::string& ref) {
+  if (startsWith(ref, "sha256:")) {
+    if (!validDigest(ref)) return invalidArg("prestage", "invalid layer digest " + ref);
+    RETURN_IF_ERROR(store->getBlob(ref).status());
+    return std::vector<std::string>{ref};
+  }
+  std::string name, tag;
+  RETURN_IF_ERROR(parseImageRef(ref, name, tag));
+  ASSIGN_OR_RETURN(ImageRecord img, store->getImage(name, tag));
+  return img.layers;
+}
+
 void Platform::headBlob(const std::string& digest, http::Response& res) {
   if (!validDigest(digest)) {
     return sendError(res, invalidArg("digest", "digest must be sha256:<64 lower-case hex>"));

@@ -256,9 +256,34 @@ void Platform::runCode(http::Request& req, http::Response& res) {
     return sendError(res, invalidArg("language", "unknown language '" + plan->language +
                                                      "' (known: " + known + ")"));
   }
+  // The caller's quotas (docs/tenants.md): a run is a creation (creates_per_s)
+  // and, while under way, holds a warm sandbox of the pool's size
+  // (max_sandboxes, max_cpu, max_memory_mb), checked and taken under the lock
+  // that admits sandbox creates.
+  auto owner = tenants_->tenant(currentCaller().tenant);
+  if (!owner.isOk()) return sendError(res, owner.status());
+  SandboxRecord asked;
+  asked.cpu = opts_.runPool.cpu;
+  asked.memoryMb = opts_.runPool.memoryBytes >> 20;
+  {
+    std::lock_guard lk(mu_);
+    if (Status st = admitLocked(asked, *owner); !st.isOk()) return sendError(res, st);
+    Usage& u = runsInFlight_[owner->id];
+    u.runs++;
+    u.cpu += asked.cpu;
+    u.memoryMb += asked.memoryMb;
+  }
+  auto release = [&] {
+    std::lock_guard lk(mu_);
+    Usage& u = runsInFlight_[owner->id];
+    u.cpu -= asked.cpu;
+    u.memoryMb -= asked.memoryMb;
+    if (--u.runs <= 0) runsInFlight_.erase(owner->id);
+  };
   // One pool per (image, language): a pool's sandboxes keep that language's
   // zygote warm.
   auto r = runPool_->run(key + "|" + plan->language, layers, plan->spec);
+  release();
   if (!r.isOk()) return sendError(res, r.status());
   sendJson(res, 200, dumpJson(runResultJson(*r, *plan)));
 }

@@ -41,6 +41,7 @@ json toApi(const SandboxRecord& r) {
             {"labels", r.labels},
             {"node", r.node},
             {"pool", r.pool},
+            {"burstable", r.burstable},
             {"created_at", isoTime(r.createdAt)},
             {"expires_at", r.expiresAt > 0 ? json(isoTime(r.expiresAt)) : json(nullptr)},
             {"error", r.error.empty() ? json(nullptr) : json(r.error)},
@@ -96,7 +97,7 @@ void Platform::createSandbox(http::Request& req, http::Response& res) {
                                   "ttl_s", "idle_timeout_s", "auto_pause_s", "env", "labels",
                                   "workspaces", "toolkits", "diffs",
                                   "snapshot", "policy", "readonly_paths", "hidden_paths", "user",
-                                  "pool", "spread"});
+                                  "pool", "spread", "burstable"});
   if (!parsed.isOk()) return sendError(res, parsed.status());
   const json& j = *parsed;
   SandboxRecord r;
@@ -341,6 +342,7 @@ Result<SandboxRecord> Platform::launch(SandboxRecord r) {
     spec.initPolicy = plan->agentBody;
     spec.pool = r.pool;
     spec.spread = r.spread;
+    spec.burstable = r.burstable;
     spec.tenant = r.owner;
     // As Docker does: a WorkingDir the image lacks is made (root's, 0755), or
     // every exec would fail to chdir into it.

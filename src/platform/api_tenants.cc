@@ -23,7 +23,7 @@ json quotaToApi(const TenantQuota& q) {
 }
 
 json usageToApi(const Usage& u) {
-  return {{"sandboxes", u.sandboxes}, {"cpu", u.cpu}, {"memory_mb", u.memoryMb}};
+  return {{"sandboxes", u.sandboxes}, {"runs", u.runs}, {"cpu", u.cpu}, {"memory_mb", u.memoryMb}};
 }
 
 json keyToApi(const ApiKeyRecord& k) {
@@ -158,8 +158,18 @@ Status Platform::mayWriteImage(ImageRecord& img) {
 }
 
 Status Platform::admitLocked(const SandboxRecord& r, const TenantRecord& owner) {
-  RETURN_IF_ERROR(checkQuota(owner.quota, usageOf(owner.id, sandboxes_), r));
+  RETURN_IF_ERROR(checkQuota(owner.quota, usageLocked(owner.id), r));
   return tenants_->takeCreate(owner, nowSeconds());
+}
+
+Usage Platform::usageLocked(const std::string& tenant) const {
+  Usage u = usageOf(tenant, sandboxes_);
+  if (auto it = runsInFlight_.find(tenant); it != runsInFlight_.end()) {
+    u.runs = it->second.runs;
+    u.cpu += it->second.cpu;
+    u.memoryMb += it->second.memoryMb;
+  }
+  return u;
 }
 
 // ----- /v1/whoami and /v1/tenants ---------------------------------------------------
@@ -168,7 +178,7 @@ json Platform::tenantToApi(const TenantRecord& t) {
   Usage u;
   {
     std::lock_guard lk(mu_);
-    u = usageOf(t.id, sandboxes_);
+    u = usageLocked(t.id);
   }
   return {{"id", t.id},
           {"name", t.name},

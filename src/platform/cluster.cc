@@ -88,7 +88,8 @@ std::string apiErrorMetrics() {
 }
 
 Cluster::Cluster(ClusterOptions opts)
-    : opts_(std::move(opts)), sched_(defaultScorers(), opts_.maxInflightPerNode) {
+    : opts_(std::move(opts)),
+      sched_(defaultScorers(), opts_.maxInflightPerNode, opts_.burst) {
   schedBuckets_ = {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
                    0.25,   0.5,   1,      2.5,   5,    10,    30};
   schedCounts_.assign(schedBuckets_.size(), 0);
@@ -246,10 +247,12 @@ Status Cluster::create(const std::string& backend, const edge::SandboxSpec& spec
   pr.pool = spec.pool.empty() ? "default" : spec.pool;
   pr.tenant = spec.tenant;
   pr.spread = spec.spread;
+  pr.burstable = spec.burstable;
   double t0 = nowSeconds();
   auto deadline = std::chrono::steady_clock::now() +
                   std::chrono::milliseconds(int64_t(opts_.admissionWaitS * 1000));
   Node* node = nullptr;
+  bool burst = false;
   {
     std::unique_lock lk(mu_);
     ++queued_;
@@ -262,6 +265,7 @@ Status Cluster::create(const std::string& backend, const edge::SandboxSpec& spec
       auto p = sched_.pick(viewsLocked(), pr);
       if (p.isOk()) {
         node = nodes_.at(p->node).get();
+        burst = p->burst;
         break;
       }
       why = p.status();
@@ -270,6 +274,7 @@ Status Cluster::create(const std::string& backend, const edge::SandboxSpec& spec
         auto last = sched_.pick(viewsLocked(), pr);
         if (last.isOk()) {
           node = nodes_.at(last->node).get();
+          burst = last->burst;
         } else {
           why = last.status();
         }
@@ -296,6 +301,7 @@ Status Cluster::create(const std::string& backend, const edge::SandboxSpec& spec
     }
     schedSum_ += lat;
     schedN_++;
+    if (burst) bursts_[pr.pool]++;
     node->inflight++;
     placed_[spec.id] = Placed{node->name, spec.cpu, spec.memoryBytes >> 20, spec.tenant};
     creating_.insert(spec.id);
@@ -656,6 +662,8 @@ void Cluster::heartbeat(const std::string& name, http::Request& req, http::Respo
     return sendErr(res, invalidArg("sandboxes", "sandboxes and layers must be lists of strings"));
   }
   std::string bootId = j.value("boot_id", "");
+  std::set<std::string> cached = layers;  // for the prestage answer
+  std::string pool;
   std::vector<std::string> destroy;
   std::vector<std::pair<std::string, bool>> changes;  // sandbox, lost
   std::string why;
@@ -669,6 +677,7 @@ void Cluster::heartbeat(const std::string& name, http::Request& req, http::Respo
     n->up = true;
     n->lastHeartbeat = nowSeconds();
     n->bootId = bootId;
+    pool = n->pool;
     n->cap = cap;
     n->layers = std::move(layers);
     n->reported = int64_t(running.size());
@@ -705,7 +714,36 @@ void Cluster::heartbeat(const std::string& name, http::Request& req, http::Respo
   for (auto& [id, lost] : changes) {
     if (h) h(id, lost, lost ? why : "");
   }
-  sendJsonBody(res, 200, {{"destroy", destroy}});
+  json prestage = json::array();
+  for (auto& d : prestageFor(pool)) {
+    if (!cached.count(d)) prestage.push_back(d);
+  }
+  sendJsonBody(res, 200, {{"destroy", destroy}, {"prestage", prestage}});
+}
+
+std::vector<std::string> Cluster::prestageFor(const std::string& pool) {
+  auto refs = opts_.prestage.find(pool);
+  if (refs == opts_.prestage.end() || !opts_.resolveLayers) return {};
+  double now = nowSeconds();
+  std::lock_guard lk(prestageMu_);
+  auto& slot = prestageCache_[pool];
+  // Resolved at most every few seconds: a re-tagged image is picked up soon,
+  // and 160 nodes' heartbeats do not each read the store.
+  if (slot.second > 0 && now - slot.second < kPrestageRefreshS) return slot.first;
+  std::vector<std::string> digests;
+  std::set<std::string> seen;  // a layer shared by several images is staged once
+  for (auto& ref : refs->second) {
+    auto layers = opts_.resolveLayers(ref);
+    if (!layers.isOk()) {
+      log::warn("prestage for pool " + pool + ": " + ref + ": " + layers.status().toString());
+      continue;
+    }
+    for (auto& d : *layers) {
+      if (seen.insert(d).second) digests.push_back(d);
+    }
+  }
+  slot = {digests, now};
+  return digests;
 }
 
 void Cluster::event(const std::string& name, http::Request& req, http::Response& res) {
@@ -814,6 +852,28 @@ std::string Cluster::extraMetrics() {
   for (auto& v : views)
     out +=
         "dsec_node_inflight_creates{node=\"" + v.name + "\"} " + std::to_string(v.inflight) + "\n";
+  {
+    // Bursting (scheduler.h): each pool's utilization, and the sandboxes that
+    // went to the burst pool because their own pool was busy.
+    std::set<std::string> pools;
+    for (auto& v : views) pools.insert(v.pool);
+    family("dsec_pool_utilization", "gauge",
+           "Largest of CPU, memory and slot use over the pool's up nodes (1: none up).");
+    for (auto& p : pools) {
+      out += "dsec_pool_utilization{pool=\"" + p + "\"} " +
+             std::to_string(poolUtilization(views, p)) + "\n";
+    }
+    family("dsec_sandbox_bursts_total", "counter",
+           "Burstable sandboxes placed in the burst pool, by the pool they asked for.");
+    if (!opts_.burst.pool.empty() && !bursts_.count("default")) {
+      out += "dsec_sandbox_bursts_total{pool=\"default\",burst_pool=\"" + opts_.burst.pool +
+             "\"} 0\n";
+    }
+    for (auto& [p, k] : bursts_) {
+      out += "dsec_sandbox_bursts_total{pool=\"" + p + "\",burst_pool=\"" + opts_.burst.pool +
+             "\"} " + std::to_string(k) + "\n";
+    }
+  }
   family("dsec_schedule_queue_depth", "gauge", "Creates waiting for a node with room.");
   out += "dsec_schedule_queue_depth " + std::to_string(queued_) + "\n";
   family("dsec_sandbox_creations_total", "counter", "Sandboxes created on a node.");

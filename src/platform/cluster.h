@@ -26,6 +26,7 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -49,6 +50,13 @@ struct ClusterOptions {
   int maxInflightPerNode = 16;
   double admissionWaitS = 30;
   edge::LayerLookup lookup;  // answers the edges' layer lookups
+  // Where burstable sandboxes go when their pool is busy (scheduler.h).
+  BurstPolicy burst;
+  // Layers the nodes of a pool pre-stage (docs/cluster.md): pool -> image
+  // refs or layer digests, resolved to layer digests by resolveLayers. A
+  // node's heartbeat answer lists those it does not report cached yet.
+  std::map<std::string, std::vector<std::string>> prestage;
+  std::function<Result<std::vector<std::string>>(const std::string& ref)> resolveLayers;
 };
 
 struct NodeCapacity {
@@ -170,6 +178,13 @@ class Cluster : public edge::EdgeLink {
   int queued_ = 0;
   uint64_t creations_ = 0;
   std::map<std::string, uint64_t> createErrors_;  // by code
+  std::map<std::string, uint64_t> bursts_;        // by the pool asked for
+  // The layers nodes of `pool` pre-stage (opts_.prestage, resolved; cached
+  // for kPrestageRefreshS). Takes prestageMu_, not mu_ (it reads the store).
+  std::vector<std::string> prestageFor(const std::string& pool);
+  static constexpr double kPrestageRefreshS = 5;
+  std::mutex prestageMu_;  // guards prestageCache_
+  std::map<std::string, std::pair<std::vector<std::string>, double>> prestageCache_;
   std::vector<double> schedBuckets_;              // histogram bounds (s)
   std::vector<uint64_t> schedCounts_;             // per bound, cumulative at render
   double schedSum_ = 0;

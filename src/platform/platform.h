@@ -76,6 +76,9 @@ class Platform {
   // directory and records its digest, unless it has one.
   static Result<std::string> ensureChunkIndex(Store* store, const std::string& dataDir,
                                               const std::string& dataDigest);
+  // The layer digests of image ref `ref` (NAME[:TAG], any owner), or {ref}
+  // for a stored layer digest: what nodes pre-stage (docs/cluster.md).
+  static Result<std::vector<std::string>> layersOfRef(Store* store, const std::string& ref);
 
  private:
   Platform() = default;
@@ -209,6 +212,8 @@ class Platform {
   Status mayWriteImage(ImageRecord& img);
   // Quota and rate admission of sandbox `r` for its owner; mu_ held.
   Status admitLocked(const SandboxRecord& r, const TenantRecord& owner);
+  // A tenant's live sandboxes and runs under way (runsInFlight_); mu_ held.
+  Usage usageLocked(const std::string& tenant) const;
 
  public:
   // Deletes layer blobs that no image names and no live sandbox stacks, once
@@ -261,6 +266,8 @@ class Platform {
   std::map<std::string, SandboxRecord> sandboxes_;
   int orphanSandboxes_ = 0;  // set in start(): sandboxes the edge ran that no record owned
   std::map<std::string, double> lastCall_;  // guarded by mu_: for idle timeouts and auto-pause
+  // POST /v1/run calls under way, per tenant (runs, cpu, memory_mb); guarded by mu_.
+  std::map<std::string, Usage> runsInFlight_;
   // Sandboxes asked to stop while still being created; createSandbox honours it.
   std::set<std::string> deleteRequested_;
   bool stopping_ = false;

@@ -70,6 +70,10 @@ Status Platform::parsePlacement(const json& j, SandboxRecord& r) {
     if (!s->is_boolean()) return invalidArg("spread", "spread must be true or false");
     r.spread = s->get<bool>();
   }
+  if (auto b = j.find("burstable"); b != j.end() && !b->is_null()) {
+    if (!b->is_boolean()) return invalidArg("burstable", "burstable must be true or false");
+    r.burstable = b->get<bool>();
+  }
   return Status::ok();
 }
 

@@ -2,7 +2,13 @@
 
 #include <nlohmann/json.hpp>
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include "common/base64.h"
+#include "common/fd.h"
+#include "common/sha256.h"
+#include "common/util.h"
 #include "common/http_server.h"
 #include "edge/edge_wire.h"
 
@@ -16,6 +22,12 @@ std::string sbPath(const std::string& id, const std::string& rest = "") {
   return "/edge/v1/sandboxes/" + http::percentEncode(id) + rest;
 }
 constexpr size_t kMaxPooled = 32;
+// The longest a node may stay silent within one answer. Creates of vm
+// sandboxes wait for a boot (--vm-boot-timeout-s, 300 s, retried once) and an
+// exec may run for long without output: the node's own bounds apply, this
+// only keeps a hung node from holding a platform thread forever (a dead one
+// is found by its heartbeats).
+constexpr double kReadTimeoutS = 3600;
 }  // namespace
 
 RemoteEdge::RemoteEdge(std::string url, std::string key)
@@ -55,6 +67,7 @@ Result<http::ClientResponse> RemoteEdge::call(std::string_view method, const std
   if (!c) {
     http::ClientOptions co;
     co.connectTimeoutS = 3;
+    co.readTimeoutS = kReadTimeoutS;
     auto nc = http::Client::connect(url, key, co);
     if (!nc.isOk()) {
       Status st = nc.status();
@@ -78,6 +91,7 @@ Result<http::ClientResponse> RemoteEdge::call(std::string_view method, const std
     // back, so nothing ran): once more on a fresh one.
     http::ClientOptions co;
     co.connectTimeoutS = 3;
+    co.readTimeoutS = kReadTimeoutS;
     auto nc = http::Client::connect(url, key, co);
     if (nc.isOk()) {
       c = std::move(*nc);
@@ -217,9 +231,58 @@ Result<edge::net::EgressDenials> RemoteEdge::egressDenials(const std::string& id
   return d;
 }
 
-Result<image::BuiltLayer> RemoteEdge::packDiff(const std::string& id, const std::string&) {
-  return Status(Code::kFailedPrecondition,
-                "pack_diff of sandbox " + id + " on a remote node is not supported yet");
+Result<image::BuiltLayer> RemoteEdge::packDiff(const std::string& id, const std::string& workDir) {
+  // The node builds the layer; its two files come back over the hop into
+  // workDir, each checked against the size and digest the node announced
+  // (the caller moves them into the blob store, where every node reads them).
+  auto r = call("POST", sbPath(id, "/pack_diff"));
+  if (!r.isOk()) return r.status();
+  json j = json::parse(r->body, nullptr, false);
+  if (j.is_discarded() || !j.is_object() || !j.contains("pack")) {
+    return internalError("node: bad pack_diff answer");
+  }
+  std::string pack = j.value("pack", "");
+  image::BuiltLayer layer;
+  layer.digest = j.value("digest", "");
+  layer.size = j.value("size", int64_t(0));
+  layer.dataDigest = j.value("data_digest", "");
+  layer.dataSize = j.value("data_size", int64_t(0));
+  layer.path = workDir + "/meta";
+  layer.dataPath = workDir + "/data";
+  Status st = makeDirs(workDir, 0700);
+  if (st.isOk()) st = fetchPackFile(pack, "meta", layer.path, layer.digest, layer.size);
+  if (st.isOk()) st = fetchPackFile(pack, "data", layer.dataPath, layer.dataDigest, layer.dataSize);
+  // The node's copy goes either way (it also drops packs nobody fetched).
+  (void)call("DELETE", "/edge/v1/packs/" + http::percentEncode(pack));
+  if (!st.isOk()) return st.withContext("pack_diff " + id + ": fetching the layer from the node");
+  return layer;
+}
+
+Status RemoteEdge::fetchPackFile(const std::string& pack, const std::string& which,
+                                 const std::string& dest, const std::string& digest,
+                                 int64_t size) {
+  UniqueFd fd(::open(dest.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
+  if (!fd) return sysError("create " + dest);
+  Sha256 h;
+  int64_t got = 0;
+  Status wrote;
+  std::function<void(std::string_view)> onData = [&](std::string_view d) {
+    if (!wrote.isOk()) return;
+    h.update(d.data(), d.size());
+    got += int64_t(d.size());
+    if (::write(fd.get(), d.data(), d.size()) != ssize_t(d.size())) wrote = sysError("write " + dest);
+  };
+  auto r = call("GET", "/edge/v1/packs/" + http::percentEncode(pack) + "/" + which, {}, &onData);
+  if (!r.isOk()) return r.status();
+  RETURN_IF_ERROR(wrote);
+  if (::fsync(fd.get()) != 0) return sysError("fsync " + dest);
+  std::string sum = "sha256:" + h.hexDigest();
+  if (got != size || sum != digest) {
+    return Status(Code::kDataLoss, "the node's " + which + " file is " + std::to_string(got) +
+                                       " bytes hashing to " + sum + ", it announced " +
+                                       std::to_string(size) + " bytes of " + digest);
+  }
+  return Status::ok();
 }
 
 Status RemoteEdge::evictLayer(const std::string& digest) {
@@ -227,13 +290,13 @@ Status RemoteEdge::evictLayer(const std::string& digest) {
 }
 
 Result<std::string> RemoteEdge::screenshot(const std::string& id) {
-  return Status(Code::kFailedPrecondition,
-                "computer use is not carried to remote nodes yet (sandbox " + id + ")");
+  auto r = call("GET", sbPath(id, "/screenshot"));
+  if (!r.isOk()) return r.status();
+  return std::move(r->body);
 }
 
-Status RemoteEdge::input(const std::string& id, const edge::InputAction&) {
-  return Status(Code::kFailedPrecondition,
-                "computer use is not carried to remote nodes yet (sandbox " + id + ")");
+Status RemoteEdge::input(const std::string& id, const edge::InputAction& action) {
+  return call("POST", sbPath(id, "/input"), wire::toJson(action).dump()).status();
 }
 
 }  // namespace dsec::platform

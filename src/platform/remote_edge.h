@@ -60,7 +60,9 @@ class RemoteEdge : public edge::EdgeLink {
   const edge::Userns& userns() const override { return userns_; }
   const edge::MicroVmProbe& microvm() const override { return microvm_; }
   const edge::VmProbe& vm() const override { return vm_; }
-  // Not carried over the node hop yet: kFailedPrecondition (docs/cluster.md).
+  // Builds the diff layer on the node and fetches its two files into workDir
+  // (verified against the digests the node gives; kDataLoss otherwise).
+  // Computer use (backend vm) is forwarded as is: the node's errors come back.
   Result<std::string> screenshot(const std::string& id) override;
   Status input(const std::string& id, const edge::InputAction& action) override;
   edge::NodeCache* localNodeCache() override { return nullptr; }
@@ -70,6 +72,9 @@ class RemoteEdge : public edge::EdgeLink {
   Result<http::ClientResponse> call(std::string_view method, const std::string& target,
                                     std::string_view body = {},
                                     const std::function<void(std::string_view)>* onData = nullptr);
+  // One file of a pack (pack_diff) into dest, checked against size and digest.
+  Status fetchPackFile(const std::string& pack, const std::string& which, const std::string& dest,
+                       const std::string& digest, int64_t size);
 
   mutable std::mutex mu_;  // guards url_, key_, idle_, epoch_
   std::string url_, key_;

@@ -61,13 +61,61 @@ double Scheduler::score(const NodeView& n, const PlacementRequest& r) const {
   return s;
 }
 
+double poolUtilization(const std::vector<NodeView>& nodes, const std::string& pool) {
+  double cpus = 0, cpuUsed = 0, mem = 0, memUsed = 0, slots = 0, slotsUsed = 0;
+  int up = 0;
+  for (auto& n : nodes) {
+    if (!n.up || n.pool != pool) continue;
+    ++up;
+    cpus += n.cpus;
+    cpuUsed += n.cpuUsed;
+    mem += double(n.memoryMb);
+    memUsed += double(n.memoryUsedMb);
+    slots += double(n.slots);
+    slotsUsed += double(n.sandboxes + n.inflight);
+  }
+  if (up == 0) return 1;
+  // A resource the pool offers none of is full as soon as anything wants it.
+  auto use = [](double used, double cap) { return cap > 0 ? used / cap : 1.0; };
+  return std::max({use(cpuUsed, cpus), use(memUsed, mem), use(slotsUsed, slots)});
+}
+
 Result<Placement> Scheduler::pick(const std::vector<NodeView>& nodes,
                                   const PlacementRequest& r) const {
+  if (!r.burstable || burst_.pool.empty() || burst_.pool == r.pool) {
+    return pickIn(nodes, r, r.pool);
+  }
+  auto own = [&]() -> Result<Placement> { return pickIn(nodes, r, r.pool); };
+  double u = poolUtilization(nodes, r.pool);
+  Result<Placement> home = Status(Code::kInternal, "not tried");
+  if (u < burst_.threshold) {
+    home = own();
+    // Below the threshold, a pool that is merely at its in-flight bound is
+    // waited for (the request queues), not burst out of.
+    if (home.isOk() || home.status().code() == Code::kUnavailable) return home;
+  }
+  auto burst = pickIn(nodes, r, burst_.pool);
+  if (burst.isOk()) {
+    burst->burst = true;
+    return burst;
+  }
+  if (u >= burst_.threshold) home = own();
+  if (home.isOk()) return home;
+  Code code = home.status().code() == Code::kUnavailable ||
+                      burst.status().code() == Code::kUnavailable
+                  ? Code::kUnavailable
+                  : home.status().code();
+  return Status(code, home.status().message() + "; burst pool: " + burst.status().message(), 0,
+                home.status().field());
+}
+
+Result<Placement> Scheduler::pickIn(const std::vector<NodeView>& nodes, const PlacementRequest& r,
+                                    const std::string& pool) const {
   int up = 0, roomy = 0;
   const NodeView* best = nullptr;
   double bestScore = 0;
   for (auto& n : nodes) {
-    if (!n.up || n.pool != r.pool) continue;
+    if (!n.up || n.pool != pool) continue;
     ++up;
     if (!fits(n, r)) continue;
     ++roomy;
@@ -79,17 +127,17 @@ Result<Placement> Scheduler::pick(const std::vector<NodeView>& nodes,
       bestScore = s;
     }
   }
-  if (best) return Placement{best->name, bestScore};
+  if (best) return Placement{best->name, bestScore, pool, false};
   if (up == 0) {
-    return Status(Code::kFailedPrecondition, "no node of pool '" + r.pool + "' is up", 0, "pool");
+    return Status(Code::kFailedPrecondition, "no node of pool '" + pool + "' is up", 0, "pool");
   }
   if (roomy == 0) {
-    return Status(Code::kResourceExhausted, "no node of pool '" + r.pool + "' has room for " +
+    return Status(Code::kResourceExhausted, "no node of pool '" + pool + "' has room for " +
                                                 std::to_string(r.cpu) + " cpu and " +
                                                 std::to_string(r.memoryMb) + " MiB (" +
                                                 std::to_string(up) + " nodes up)");
   }
-  return Status(Code::kUnavailable, "every node of pool '" + r.pool + "' with room has " +
+  return Status(Code::kUnavailable, "every node of pool '" + pool + "' with room has " +
                                         std::to_string(maxInflight_) + " creations in flight");
 }
 

@@ -7,6 +7,15 @@
 // than the admission bound. Among eligible nodes the highest weighted sum of
 // the scorers' scores wins (ties: the node name, so placement is
 // deterministic). Scorers are pluggable: any Scorer with a weight.
+//
+// Bursting (docs/cluster.md): a request marked burstable goes to the burst
+// pool (BurstPolicy) while its own pool's utilization is at or above the
+// threshold, or when its own pool cannot take it at all (no node up, none with
+// room). Utilization of a pool is the largest of its CPU, memory and slot use,
+// each summed over the pool's up nodes (placed and in-flight sandboxes over
+// capacity); a pool with no up node counts as full (1). A burstable request the
+// burst pool cannot take (down, full, or at the in-flight bound) falls back to
+// its own pool. A request that is not burstable only ever goes to its own pool.
 #pragma once
 
 #include <map>
@@ -43,7 +52,18 @@ struct PlacementRequest {
   std::string pool = "default";
   std::string tenant;  // empty: the anonymous tenant
   bool spread = true;  // spread the tenant's sandboxes over nodes
+  bool burstable = false;  // may go to the burst pool (BurstPolicy)
 };
+
+// Where burstable sandboxes go when their pool is busy. Empty pool: none.
+struct BurstPolicy {
+  std::string pool;
+  double threshold = 0.8;  // utilization in [0, 1] at or above which they burst
+};
+
+// The utilization of `pool` (see above): in [0, 1] (above 1 only when
+// capacity shrank under its sandboxes); 1 when no node of the pool is up.
+double poolUtilization(const std::vector<NodeView>& nodes, const std::string& pool);
 
 // Scores an eligible node for a request, in [0, 1]; higher is better.
 class Scorer {
@@ -75,14 +95,21 @@ std::vector<WeightedScorer> defaultScorers();
 struct Placement {
   std::string node;
   double score = 0;
+  std::string pool;    // the node's pool
+  bool burst = false;  // placed in the burst pool, not the request's own
 };
 
 class Scheduler {
  public:
-  explicit Scheduler(std::vector<WeightedScorer> scorers, int maxInflightPerNode = 8)
-      : scorers_(std::move(scorers)), maxInflight_(maxInflightPerNode) {}
+  explicit Scheduler(std::vector<WeightedScorer> scorers, int maxInflightPerNode = 8,
+                     BurstPolicy burst = {})
+      : scorers_(std::move(scorers)), maxInflight_(maxInflightPerNode), burst_(std::move(burst)) {}
 
-  // The best node for `r`. Errors (the message says why, for the client):
+  // The best node for `r` (in the burst pool when r is burstable and its pool
+  // is busy, see above). Errors (the message says why, for the client; for a
+  // burstable request that neither pool can take, the own pool's error, the
+  // burst pool's reason appended, and kUnavailable if either pool is only at
+  // its in-flight bound):
   //   kUnavailable       nodes fit but all are at the in-flight bound (wait and retry)
   //   kResourceExhausted no up node of the pool has room (retrying may help
   //                      once sandboxes go away or nodes join)
@@ -93,10 +120,16 @@ class Scheduler {
   // Whether `n` has room for `r` (ignoring the in-flight bound).
   static bool fits(const NodeView& n, const PlacementRequest& r);
   int maxInflightPerNode() const { return maxInflight_; }
+  const BurstPolicy& burstPolicy() const { return burst_; }
 
  private:
+  // The best node of `pool` alone.
+  Result<Placement> pickIn(const std::vector<NodeView>& nodes, const PlacementRequest& r,
+                           const std::string& pool) const;
+
   std::vector<WeightedScorer> scorers_;
   int maxInflight_;
+  BurstPolicy burst_;
 };
 
 }  // namespace dsec::platform

@@ -69,6 +69,7 @@ std::string sandboxToJson(const SandboxRecord& r) {
             {"node", r.node},
             {"pool", r.pool},
             {"spread", r.spread},
+            {"burstable", r.burstable},
             {"workspaces", r.workspaces},
             {"toolkits", r.toolkits},
             {"diffs", r.diffs},
@@ -115,6 +116,7 @@ Result<SandboxRecord> sandboxFromJson(const std::string& s) {
     r.node = j.value("node", "local");
     r.pool = j.value("pool", "default");
     r.spread = j.value("spread", true);
+    r.burstable = j.value("burstable", false);
     r.error = j.value("error", "");
     r.cpu = j.at("cpu");
     r.memoryMb = j.at("memory_mb");

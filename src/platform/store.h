@@ -32,6 +32,7 @@ struct SandboxRecord {
   // the tenant's sandboxes over nodes.
   std::string pool = "default";
   bool spread = true;
+  bool burstable = false;  // may go to the burst pool when its pool is busy
   std::string error;
   double cpu = 1.0;
   int64_t memoryMb = 512;

@@ -83,11 +83,13 @@ Status checkQuota(const TenantQuota& q, const Usage& used, const SandboxRecord& 
   auto exceeded = [](const char* field, const std::string& msg) {
     return Status(Code::kQuotaExceeded, msg, 0, field);
   };
-  if (q.maxSandboxes > 0 && used.sandboxes + 1 > q.maxSandboxes) {
-    return exceeded("max_sandboxes", "quota exceeded: tenant has " +
-                                         std::to_string(used.sandboxes) +
-                                         " live sandboxes, its quota max_sandboxes is " +
-                                         std::to_string(q.maxSandboxes));
+  if (q.maxSandboxes > 0 && used.sandboxes + used.runs + 1 > q.maxSandboxes) {
+    return exceeded("max_sandboxes",
+                    "quota exceeded: tenant has " + std::to_string(used.sandboxes) +
+                        " live sandboxes" +
+                        (used.runs > 0 ? " and " + std::to_string(used.runs) + " runs under way"
+                                       : std::string()) +
+                        ", its quota max_sandboxes is " + std::to_string(q.maxSandboxes));
   }
   // A small tolerance: cpu is a sum of decimals.
   if (q.maxCpu > 0 && used.cpu + asked.cpu > q.maxCpu + 1e-9) {

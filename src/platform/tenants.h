@@ -69,11 +69,14 @@ std::optional<std::string> trajectoryAsSeenBy(const Caller& c, const std::string
 // name `field`.
 Status validateTenantId(const std::string& id, const std::string& field);
 
-// What a tenant's live sandboxes (neither stopped nor failed) hold.
+// What a tenant's live sandboxes (neither stopped nor failed) hold, and its
+// one-shot calls (POST /v1/run) under way: each of those holds a warm
+// sandbox, so it counts against max_sandboxes, max_cpu and max_memory_mb too.
 struct Usage {
   int64_t sandboxes = 0;
-  double cpu = 0;
+  double cpu = 0;  // of both
   int64_t memoryMb = 0;
+  int64_t runs = 0;  // POST /v1/run calls under way
 };
 Usage usageOf(const std::string& tenant, const std::map<std::string, SandboxRecord>& sandboxes);
 // Whether `asked` fits quota `q` next to `used`: kQuotaExceeded naming the

@@ -74,6 +74,14 @@ TEST(QuotaTest, EachLimitNamesItsField) {
   EXPECT_EQ(checkQuota(q, used, asked).field(), "max_memory_mb");
   q.maxMemoryMb = 500;
   EXPECT_TRUE(checkQuota(q, used, asked).isOk());
+  // One-shot runs under way take sandboxes too (their cpu and memory are in
+  // the sums already).
+  used.runs = 1;
+  st = checkQuota(q, used, asked);
+  EXPECT_EQ(st.field(), "max_sandboxes");
+  EXPECT_NE(st.message().find("1 runs under way"), std::string::npos) << st.message();
+  q.maxSandboxes = 4;
+  EXPECT_TRUE(checkQuota(q, used, asked).isOk());
   EXPECT_EQ(httpStatusFor(Code::kQuotaExceeded), 403);
   EXPECT_EQ(httpStatusFor(Code::kRateLimited), 429);
 }

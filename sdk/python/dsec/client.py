@@ -292,6 +292,7 @@ class Client:
                policy: Optional[str] = None,
                user: Optional[Union[str, int]] = None,
                idle_timeout_s: Optional[int] = None, auto_pause_s: Optional[int] = None,
+               pool: Optional[str] = None, burstable: Optional[bool] = None,
                timeout: Optional[float] = None, **extra: Any) -> "Sandbox":
         """Creates a sandbox and returns it once it is running (or failed).
 
@@ -323,6 +324,9 @@ class Client:
         disk``) as a full QEMU machine (docs/vm.md): exec and files through
         qemu-guest-agent, and :meth:`Sandbox.screenshot`, :meth:`Sandbox.type`,
         :meth:`Sandbox.key`, :meth:`Sandbox.mouse` for computer use.
+        ``pool`` names the node pool to place it in (default ``"default"``);
+        ``burstable=True`` lets it go to the platform's burst pool while that
+        pool is busy (docs/cluster.md).
         Raises NotFound for an unknown image, InvalidArgument (with ``field``)
         for a bad parameter. ``extra`` keys are sent as they are.
         """
@@ -337,7 +341,8 @@ class Client:
                      ("toolkits", list(toolkits) if toolkits is not None else None),
                      ("diffs", list(diffs) if diffs is not None else None),
                      ("policy", policy), ("user", str(user) if user is not None else None),
-                     ("idle_timeout_s", idle_timeout_s), ("auto_pause_s", auto_pause_s)):
+                     ("idle_timeout_s", idle_timeout_s), ("auto_pause_s", auto_pause_s),
+                     ("pool", pool), ("burstable", burstable)):
             if v is not None:
                 req[k] = v
         req.update(extra)

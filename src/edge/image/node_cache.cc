@@ -14,6 +14,7 @@
 #include "common/util.h"
 #include "edge/image/fanotify_loader.h"
 #include "edge/image/fuse_loader.h"
+#include "edge/image/loader_control.h"
 
 namespace dsec::edge {
 
@@ -110,6 +111,96 @@ Status NodeCache::fetchWhole(const std::string& name, const std::string& digest,
 }
 
 Result<LayerFiles> NodeCache::prepare(const std::string& digest) {
+  // Not while prestage() fills the same files; prestage() leaves alone what
+  // is being prepared.
+  {
+    std::unique_lock lk(mu_);
+    cv_.wait(lk, [&] { return stopping_ || !staging_.count(digest); });
+    preparing_[digest]++;
+  }
+  auto r = prepareFiles(digest);
+  {
+    std::lock_guard lk(mu_);
+    if (--preparing_[digest] == 0) preparing_.erase(digest);
+  }
+  return r;
+}
+
+Status NodeCache::prestage(const std::string& digest) {
+  ASSIGN_OR_RETURN(LayerDesc d, lookup_(digest));
+  if (!loader_) {
+    for (auto& name : {d.digest, d.dataDigest}) {
+      if (name.empty()) continue;
+      std::string p = store_->localPath(image::blobName(name));
+      if (::access(p.c_str(), R_OK) != 0) return notFound("blob of layer " + digest + " not in the store: " + p);
+    }
+    return Status::ok();
+  }
+  {
+    std::lock_guard lk(mu_);
+    bool inUse = preparing_.count(digest) || staging_.count(digest);
+    for (auto& [other, e] : entries_) {
+      // This layer, or another on the same data blob, is attached.
+      inUse = inUse || (e.attached && (other == digest ||
+                                       (!d.dataDigest.empty() && e.desc.dataDigest == d.dataDigest)));
+    }
+    if (inUse) return Status::ok();  // its loader fills it as it is read
+    staging_.insert(digest);
+  }
+  int64_t fetched = 0;
+  Status st = stageFiles(d, &fetched);
+  {
+    std::lock_guard lk(mu_);
+    staging_.erase(digest);
+    if (st.isOk()) {
+      Entry& e = entries_[digest];
+      e.desc = d;
+      e.wholeBytesFetched += fetched;
+    }
+  }
+  cv_.notify_all();
+  return st;
+}
+
+Status NodeCache::stageFiles(const LayerDesc& d, int64_t* fetched) {
+  RETURN_IF_ERROR(fetchWhole(image::blobName(d.digest), d.digest, pathOf(d.digest, ".meta"), fetched));
+  if (d.dataDigest.empty()) return Status::ok();
+  std::string chunks = pathOf(d.dataDigest, ".chunks");
+  RETURN_IF_ERROR(fetchWhole(image::chunkIndexName(d.dataDigest), d.chunksDigest, chunks, fetched));
+  ASSIGN_OR_RETURN(std::string bytes, readFile(chunks));
+  ASSIGN_OR_RETURN(image::ChunkIndex idx, image::ChunkIndex::parse(bytes));
+  if (idx.dataSize != d.dataSize) {
+    return Status(Code::kDataLoss, "chunk index of " + d.dataDigest + " is for " +
+                                       std::to_string(idx.dataSize) + " bytes, not " +
+                                       std::to_string(d.dataSize));
+  }
+  std::string data = pathOf(d.dataDigest, ".data");
+  if (::access(data.c_str(), F_OK) != 0) {
+    // Whole, verified against the data blob's digest, renamed into place.
+    RETURN_IF_ERROR(store_->fetchVerified(image::blobName(d.dataDigest), hexOf(d.dataDigest), data));
+    *fetched += d.dataSize;
+    return Status::ok();
+  }
+  // A sparse copy from earlier use: its holes, chunk by chunk, each verified.
+  UniqueFd fd(::open(data.c_str(), O_RDWR | O_CLOEXEC));
+  if (!fd) return sysError("open " + data);
+  struct stat sb;
+  if (::fstat(fd.get(), &sb) != 0) return sysError("stat " + data);
+  if (sb.st_size != d.dataSize) {
+    return Status(Code::kDataLoss, data + " is " + std::to_string(sb.st_size) + " bytes, not " +
+                                       std::to_string(d.dataSize));
+  }
+  for (int64_t i = 0; i < idx.chunkCount(); ++i) {
+    int64_t off = i * idx.chunkSize;
+    if (chunkPresent(fd.get(), off, off + idx.chunkLength(i))) continue;
+    RETURN_IF_ERROR(fetchChunkInto(store_.get(), d.dataDigest, idx, i, fd.get(), data));
+    *fetched += idx.chunkLength(i);
+  }
+  if (::fsync(fd.get()) != 0) return sysError("fsync " + data);
+  return Status::ok();
+}
+
+Result<LayerFiles> NodeCache::prepareFiles(const std::string& digest) {
   ASSIGN_OR_RETURN(LayerDesc d, lookup_(digest));
   if (!loader_) {
     LayerFiles files{store_->localPath(image::blobName(d.digest)), ""};
@@ -295,6 +386,10 @@ std::vector<std::string> NodeCache::trim(const std::set<std::string>& mounted) {
     if (name.size() != 64 + 5 || name.substr(64) != ".meta") continue;
     std::string digest = "sha256:" + name.substr(0, 64);
     struct stat st;
+    {
+      std::lock_guard lk(mu_);
+      if (staging_.count(digest) || preparing_.count(digest)) continue;
+    }
     if (mounted.count(digest) || ::fstatat(::dirfd(d), e->d_name, &st, 0) != 0) continue;
     lru.push_back({st.st_mtim, digest});
   }

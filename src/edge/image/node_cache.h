@@ -48,6 +48,14 @@ class NodeCache {
 
   // Fetches what is missing and attaches the data blob to the loader.
   Result<LayerFiles> prepare(const std::string& digest);
+  // Pre-stages layer `digest` (docs/cluster.md, node pools): fetches its
+  // metadata image, chunk index and every chunk of its data blob into the
+  // cache, verified, so sandboxes that stack it later fetch nothing; it is
+  // listed by layers() from then on. A layer some sandbox mounts (or is
+  // mounting) is left to its loader. With the direct loader the blobs are
+  // read in place: it only checks they are there (nothing to fetch; not
+  // listed). Errors: the lookup's, the store's (kDataLoss for bad bytes).
+  Status prestage(const std::string& digest);
   // True when the layer's mount can no longer read its data (the loader
   // process serving it died): unmount it, then prepare() it again.
   bool broken(const std::string& digest);
@@ -94,6 +102,10 @@ class NodeCache {
   };
   NodeCache() = default;
   std::string pathOf(const std::string& digest, const char* suffix) const;
+  // prepare() once no prestage() of the layer runs.
+  Result<LayerFiles> prepareFiles(const std::string& digest);
+  // prestage(): the files of `d`, all verified; adds the bytes fetched.
+  Status stageFiles(const LayerDesc& d, int64_t* fetched);
   // Fetches name to dest unless it is there; adds the bytes fetched to *fetched.
   Status fetchWhole(const std::string& name, const std::string& digest, const std::string& dest,
                     int64_t* fetched);
@@ -114,6 +126,8 @@ class NodeCache {
 
   std::mutex mu_;  // guards entries_, stopping_, prefetchQueue_
   std::map<std::string, Entry> entries_;  // by layer digest
+  std::map<std::string, int> preparing_;  // digests prepare() is working on (count)
+  std::set<std::string> staging_;         // digests prestage() is working on
   bool stopping_ = false;
   std::condition_variable cv_;
   std::thread recorder_;
