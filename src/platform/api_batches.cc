@@ -167,16 +167,25 @@ json Platform::batchToApi(const std::string& id) {
   BatchRecord rec;
   std::vector<std::string> ids;
   std::map<std::string, int64_t> errors;
+  int64_t pending = 0, running = 0, failed = 0, stopped = 0, lost = 0;
   {
     std::lock_guard lk(batchMu_);
     auto it = batches_.find(id);
     if (it == batches_.end()) return nullptr;
-    rec = it->second.rec;
-    ids = it->second.ids;
-    errors = it->second.errors;
+    const Batch& b = it->second;
+    rec = b.rec;
+    errors = b.errors;
+    // While it runs, its counters (a poll must not walk 32,768 records under
+    // the lock every create takes); once it is over, its records' states.
+    if (rec.state == "running") {
+      pending = b.outstanding;
+      running = b.created;
+      failed = b.failed;
+    } else {
+      ids = b.ids;
+    }
   }
-  int64_t pending = 0, running = 0, failed = 0, stopped = 0, lost = 0;
-  {
+  if (!ids.empty()) {
     std::lock_guard lk(mu_);
     for (auto& sid : ids) {
       auto it = sandboxes_.find(sid);
@@ -484,6 +493,7 @@ void Platform::batchCommitter() {
         auto b = batches_.find(r.batch);
         if (b == batches_.end()) continue;
         b->second.outstanding--;
+        (r.state == "failed" ? b->second.failed : b->second.created)++;
         if (r.state == "failed") {
           b->second.errors[errorCode(r.error)]++;
           if (b->second.rec.allOrNothing && b->second.rec.state == "running") {
@@ -552,6 +562,11 @@ Status Platform::resumeBatches(std::vector<SandboxRecord>& records) {
     if (r.batch.empty() || it == batches_.end()) continue;
     it->second.ids.push_back(r.id);
     if (r.state == "failed") it->second.errors[errorCode(r.error)]++;
+    if (r.state == "failed") {
+      it->second.failed++;
+    } else if (r.state != "pending") {
+      it->second.created++;
+    }
     if (r.state == "pending") {
       it->second.outstanding++;
       batchQueue_.push_back(r.id);

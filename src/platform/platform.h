@@ -307,6 +307,7 @@ class Platform {
     BatchRecord rec;
     std::vector<std::string> ids;  // its sandboxes (pending ones renamed on restart)
     int64_t outstanding = 0;       // not yet created or failed
+    int64_t created = 0, failed = 0;  // outcomes stored so far
     std::map<std::string, int64_t> errors;  // failures by code
   };
   std::mutex batchMu_;
