@@ -186,7 +186,9 @@ TEST_P(StoreTest, BatchesAndGroupWritesSurviveReopen) {
     pending += r.state == "pending";
     sawNew = sawNew || r.id == "sb-new";
     sawOld = sawOld || r.id == "sb-1299";
-    if (r.id == "sb-1007") EXPECT_EQ(r.error, "quote \" and \\ and {json}");
+    if (r.id == "sb-1007") {
+      EXPECT_EQ(r.error, "quote \" and \\ and {json}");
+    }
   }
   EXPECT_EQ(running, 100);
   EXPECT_EQ(pending, 200);
