@@ -165,6 +165,65 @@ http::Handler platformHandler(platform::Platform* p, platform::Cluster* c, std::
   };
 }
 
+// `dsec edge --simulate --sim-nodes K`: K simulated nodes in one process,
+// each its own node as the platform sees it (name NAME-i, data dir
+// DIR/node-i, its own port, keys and heartbeats), so a cluster of hundreds of
+// nodes does not need hundreds of processes. Stops on SIGTERM/SIGINT.
+int runSimNodes(const edge::EdgeAgentOptions& base, const http::ServerOptions& so0, int k,
+                const edge::SimOptions& sopt, sigset_t sigs) {
+  struct SimNode {
+    std::unique_ptr<http::Server> server;
+    std::unique_ptr<edge::EdgeAgent> agent;
+    std::unique_ptr<edge::SimEdge> sim;
+    std::thread serving;
+  };
+  std::vector<std::unique_ptr<SimNode>> nodes;
+  json list = json::array();
+  for (int i = 0; i < k; ++i) {
+    auto n = std::make_unique<SimNode>();
+    http::ServerOptions so = so0;
+    so.port = 0;
+    n->server = std::make_unique<http::Server>(so);
+    if (Status st = n->server->listen(); !st.isOk()) return fail(st.toString());
+    edge::EdgeAgentOptions ao = base;
+    ao.name = base.name + "-" + std::to_string(i);
+    ao.dataDir = base.dataDir + "/node-" + std::to_string(i);
+    if (Status st = makeDirs(ao.dataDir, 0700); !st.isOk()) return fail(st.toString());
+    std::string host = base.url.substr(0, base.url.rfind(':'));
+    ao.url = host + ":" + std::to_string(n->server->port());
+    n->agent = std::make_unique<edge::EdgeAgent>(ao);
+    if (Status st = n->agent->start(); !st.isOk()) return fail("join " + ao.name + ": " + st.toString());
+    n->sim = std::make_unique<edge::SimEdge>(sopt);
+    n->agent->serveLink(n->sim.get(), nullptr);
+    auto* agent = n->agent.get();
+    auto* server = n->server.get();
+    n->serving = std::thread([server, agent] {
+      server->serve([agent](http::Request& req, http::Response& res) { agent->handle(req, res); });
+    });
+    list.push_back({{"node", ao.name}, {"url", ao.url}});
+    nodes.push_back(std::move(n));
+  }
+  log::info("dsec edge: " + std::to_string(k) + " simulated nodes " + base.name + "-0.." +
+            std::to_string(k - 1) + " for " + base.platformUrl);
+  json info = {{"url", list[0]["url"]}, {"pid", getpid()}, {"nodes", list}};
+  (void)writeFileAtomic(base.dataDir + "/edge.json", info.dump() + "\n", 0644);
+  int sig = 0;
+  sigwait(&sigs, &sig);
+  log::info(std::string("received ") + strsignal(sig) + ", shutting down");
+  // As one simulated edge does: the platform hears its sandboxes go first.
+  for (auto& n : nodes) {
+    for (auto& id : n->sim->sandboxIds()) n->agent->reportDeath(id, "node stopped");
+  }
+  for (auto& n : nodes) n->server->stop();
+  for (auto& n : nodes) {
+    n->serving.join();
+    n->agent->stop();
+  }
+  ::unlink((base.dataDir + "/edge.json").c_str());
+  log::info("dsec edge: stopped");
+  return 0;
+}
+
 int cmdEdge(const ArgGet& get) {
   std::string dataDir = get("data-dir", "");
   std::string platformUrl = get("platform", "");
@@ -248,6 +307,18 @@ int cmdEdge(const ArgGet& get) {
   ao.cpus = *cpus;
   ao.memoryMb = int64_t(*mem);
   ao.slots = int64_t(*slots);
+
+  auto simNodes = num("sim-nodes", 1);
+  if (!simNodes.isOk() || *simNodes < 1 || *simNodes > 1024) {
+    return fail("--sim-nodes must be a number from 1 to 1024");
+  }
+  if (*simNodes > 1) {
+    if (!simulate) return fail("--sim-nodes needs --simulate");
+    edge::SimOptions sopt;
+    sopt.latencyMs = int(*simLat);
+    sopt.capacity = int64_t(*simCap);
+    return runSimNodes(ao, so, int(*simNodes), sopt, sigs);
+  }
 
   bool liveRestore = !simulate && get("live-restore", "no") == "yes";
   edge::EdgeAgent agent(ao);

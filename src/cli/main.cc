@@ -98,15 +98,17 @@ const char* kUsage = R"(usage: dsec COMMAND [OPTIONS]
   platform [--data-dir DIR] [--listen HOST:PORT] [--store ...] [--join-token-file F]
            [--heartbeat-timeout-s S] [--max-inflight N] [--admission-wait-s S]
            [--burst-pool P|none] [--burst-threshold X] [--prestage 'POOL=REF,...;...']
+           [--batch-workers N]   threads creating batches' sandboxes (default 128)
         The control plane alone (API, store, scheduler): edges join it with the
         token in <data-dir>/join_token (0600). `dsec up` takes the same flags and
         also accepts edges besides its own node. See docs/cluster.md
   edge --platform URL --data-dir DIR [--join-token T | --join-token-file F]
        [--listen HOST:PORT] [--name N] [--pool P] [--cpus N] [--memory-mb N] [--slots N]
        [--heartbeat-s S] --blob-store URI [--loader ...] [--live-restore yes|no]
-       [--simulate [--sim-latency-ms N] [--sim-capacity N]]
+       [--simulate [--sim-latency-ms N] [--sim-capacity N] [--sim-nodes K]]
         A node in its own process: joins the platform, heartbeats, serves the
-        platform's calls (each authenticated); --simulate runs no sandboxes
+        platform's calls (each authenticated); --simulate runs no sandboxes;
+        --sim-nodes K runs K simulated nodes (NAME-0..K-1) in this one process
   image import --name NAME[:TAG] [--kind base|workspace|toolkit|diff]
                [--format auto|rootfs|oci|docker] PATH
         Build EROFS layers from a root filesystem (dir or tarball), an OCI image
@@ -123,8 +125,11 @@ const char* kUsage = R"(usage: dsec COMMAND [OPTIONS]
   sandbox create --image REF [--workspace REF]... [--toolkit REF]... [--diff REF]...
                  [--cpu N] [--memory-mb N] [--ttl-s N] [--policy P] [--label K=V]... [--env K=V]...
                  [--user U]   who execs run as by default (else the image's User, else root)
-  sandbox ls [--label K=V]...
-  sandbox rm ID...
+                 [--count N [--all-or-nothing yes] [--wait yes]]   N alike: a batch
+                 (docs/batches.md); prints the batch id
+  sandbox ls [--label K=V]... [--batch ID]
+  sandbox rm ID... | --label K=V... | --batch ID
+  sandbox batch ls | show ID | rm ID     Batches and their progress; rm destroys its sandboxes
   sandbox phase ID POLICY [--readonly PATH]... [--hide PATH]...   Switch its security policy
   sandbox audit ID                       Syscalls it tried and was refused
   sandbox exec ID [--timeout S] [--user U] [--cwd DIR] -- CMD [ARG...]
@@ -432,6 +437,10 @@ int cmdUp(const Args& a) {
   po.runPool = runPool;
   po.token = *token;
   po.liveRestore = eo.liveRestore;
+  if (!a.get("batch-workers").empty()) {
+    po.batchWorkers = std::atoi(a.get("batch-workers").c_str());
+    if (po.batchWorkers < 1 || po.batchWorkers > 4096) return die("--batch-workers must be 1..4096");
+  }
   if (!a.get("gc-grace-s").empty()) po.gcGraceS = std::atof(a.get("gc-grace-s").c_str());
   if (!a.get("trajectory-retention-s").empty()) {
     po.trajectoryRetentionS = std::atof(a.get("trajectory-retention-s").c_str());
@@ -765,15 +774,50 @@ int cmdSandbox(const Args& a) {
     auto envs = keyValues(a.all("env"), "env");
     if (!envs.isOk()) return die(envs.status().message());
     if (!envs->empty()) body["env"] = *envs;
+    if (!a.get("count").empty()) {
+      // A batch (docs/batches.md): prints its id; --wait yes polls its progress.
+      json batch = {{"count", std::atoll(a.get("count").c_str())}, {"spec", body},
+                    {"all_or_nothing", a.get("all-or-nothing", "no") == "yes"}};
+      auto r = c.request("POST", "/v1/batches", batch.dump());
+      if (!r.isOk()) return die(r.status().toString());
+      if (r->status != 202) return apiError(*r);
+      std::string id = json::parse(r->body)["id"];
+      std::cout << id << "\n";
+      if (a.get("wait", "no") != "yes") return 0;
+      for (;;) {
+        auto g = c.request("GET", "/v1/batches/" + id);
+        if (!g.isOk()) return die(g.status().toString());
+        if (g->status != 200) return apiError(*g);
+        json b = json::parse(g->body);
+        std::cerr << "batch " << id << ": " << b["running"] << " running, " << b["pending"]
+                  << " pending, " << b["failed"] << " failed of " << b["requested"] << "\n";
+        if (b["pending"] == 0 && b["state"] != "running") return b["failed"] == 0 ? 0 : 1;
+        std::this_thread::sleep_for(std::chrono::milliseconds(500));
+      }
+    }
     auto r = c.request("POST", "/v1/sandboxes", body.dump());
     if (!r.isOk()) return die(r.status().toString());
     if (r->status != 201) return apiError(*r);
     std::cout << json::parse(r->body)["id"].get<std::string>() << "\n";
     return 0;
   }
+  if (sub == "batch") {
+    // dsec sandbox batch ls | show ID | rm ID
+    std::string op = a.positional.size() > 2 ? a.positional[2] : "";
+    if (op == "ls" || ((op == "show" || op == "rm") && a.positional.size() == 4)) {
+      std::string path = "/v1/batches" + (op == "ls" ? "" : "/" + a.positional[3]);
+      auto r = c.request(op == "rm" ? "DELETE" : "GET", path);
+      if (!r.isOk()) return die(r.status().toString());
+      if (r->status != 200) return apiError(*r);
+      std::cout << json::parse(r->body).dump(2) << "\n";
+      return 0;
+    }
+    return die("usage: dsec sandbox batch ls | show ID | rm ID");
+  }
   if (sub == "ls") {
     std::string q;
     for (auto& l : a.all("label")) q += (q.empty() ? "?" : "&") + std::string("label=") + http::percentEncode(l);
+    if (!a.get("batch").empty()) q += (q.empty() ? "?" : "&") + std::string("batch=") + http::percentEncode(a.get("batch"));
     auto r = c.request("GET", "/v1/sandboxes" + q);
     if (!r.isOk()) return die(r.status().toString());
     if (r->status != 200) return apiError(*r);
@@ -786,8 +830,20 @@ int cmdSandbox(const Args& a) {
     }
     return 0;
   }
+  if (sub == "rm" && a.positional.size() == 2 &&
+      (!a.all("label").empty() || !a.get("batch").empty())) {
+    // Every live sandbox matching the filters (DELETE /v1/sandboxes?label=&batch=).
+    std::string q;
+    for (auto& l : a.all("label")) q += (q.empty() ? "?" : "&") + std::string("label=") + http::percentEncode(l);
+    if (!a.get("batch").empty()) q += (q.empty() ? "?" : "&") + std::string("batch=") + http::percentEncode(a.get("batch"));
+    auto r = c.request("DELETE", "/v1/sandboxes" + q);
+    if (!r.isOk()) return die(r.status().toString());
+    if (r->status != 200) return apiError(*r);
+    std::cout << json::parse(r->body)["destroyed"] << " destroyed\n";
+    return 0;
+  }
   if (sub == "rm") {
-    if (a.positional.size() < 3) return die("usage: dsec sandbox rm ID...");
+    if (a.positional.size() < 3) return die("usage: dsec sandbox rm ID... | --label K=V... | --batch ID");
     int rc = 0;
     for (size_t i = 2; i < a.positional.size(); ++i) {
       auto r = c.request("DELETE", "/v1/sandboxes/" + a.positional[i]);

@@ -52,6 +52,7 @@ json toApi(const SandboxRecord& r) {
   for (auto& p : r.phases) phases.push_back({{"policy", p.policy}, {"at", isoTime(p.at)}});
   j["phases"] = phases;
   j["owner"] = r.owner;
+  j["batch"] = r.batch.empty() ? json(nullptr) : json(r.batch);
   return j;
 }
 
@@ -90,78 +91,95 @@ Result<int> parseMode(const std::optional<std::string>& s, int def) {
 
 }  // namespace
 
+namespace {
+// The error naming `field` unless it names one already.
+Status withField(const Status& st, const char* field) {
+  if (!st.field().empty()) return st;
+  return Status(st.code(), st.message(), 0, field);
+}
+}  // namespace
+
 json sandboxToApi(const SandboxRecord& r) { return toApi(r); }
 
+extern const std::initializer_list<const char*> kCreateFields;
+const std::initializer_list<const char*> kCreateFields = {
+    "image",      "backend",  "cpu",      "memory_mb",      "disk_mb",        "pids",
+    "ttl_s",      "idle_timeout_s", "auto_pause_s", "env", "labels",       "workspaces",
+    "toolkits",   "diffs",    "snapshot", "policy",         "readonly_paths", "hidden_paths",
+    "user",       "pool",     "spread",   "burstable"};
+
 void Platform::createSandbox(http::Request& req, http::Response& res) {
-  auto parsed = parseObject(req, {"image", "backend", "cpu", "memory_mb", "disk_mb", "pids",
-                                  "ttl_s", "idle_timeout_s", "auto_pause_s", "env", "labels",
-                                  "workspaces", "toolkits", "diffs",
-                                  "snapshot", "policy", "readonly_paths", "hidden_paths", "user",
-                                  "pool", "spread", "burstable"});
+  auto parsed = parseObject(req, kCreateFields);
   if (!parsed.isOk()) return sendError(res, parsed.status());
-  const json& j = *parsed;
+  auto r = checkCreate(*parsed);
+  if (!r.isOk()) return sendError(res, r.status());
+  auto made = launch(std::move(*r));
+  if (!made.isOk()) return sendError(res, made.status());
+  sendJson(res, 201, dumpJson(toApi(*made)));
+}
+
+Result<SandboxRecord> Platform::checkCreate(const json& j) {
   SandboxRecord r;
   r.owner = currentCaller().tenant;
-  auto fail = [&](const Status& st) { sendError(res, st); };
   {
     auto image = getString(j, "image", "", 512);
-    if (!image.isOk()) return fail(image.status());
+    if (!image.isOk()) return (image.status());
     if (image->empty() && !j.contains("snapshot")) {
-      return fail(invalidArg("image", "image (or snapshot) is required"));
+      return (invalidArg("image", "image (or snapshot) is required"));
     }
     r.image = *image;
     auto backend = getString(j, "backend", "container", 32);
-    if (!backend.isOk()) return fail(backend.status());
+    if (!backend.isOk()) return (backend.status());
     // microvm is known; whether this node can run it is the edge's to say
     // (409 with the reason when it cannot).
     if (*backend != "container" && *backend != "fncall" && *backend != "microvm" &&
         *backend != "vm") {
-      return fail(invalidArg("backend", "unknown backend '" + *backend +
+      return (invalidArg("backend", "unknown backend '" + *backend +
                                             "' (known: container, fncall, microvm, vm)"));
     }
     r.backend = *backend;
     auto cpu = getNumber(j, "cpu", 1.0, 0.05, 64);
-    if (!cpu.isOk()) return fail(cpu.status());
+    if (!cpu.isOk()) return (cpu.status());
     r.cpu = *cpu;
     auto mem = getInt(j, "memory_mb", 512, 16, 262144);
-    if (!mem.isOk()) return fail(mem.status());
+    if (!mem.isOk()) return (mem.status());
     r.memoryMb = *mem;
     auto disk = getInt(j, "disk_mb", 1024, 16, 1048576);
-    if (!disk.isOk()) return fail(disk.status());
+    if (!disk.isOk()) return (disk.status());
     r.diskMb = *disk;
     auto pids = getInt(j, "pids", 1024, 16, 65536);
-    if (!pids.isOk()) return fail(pids.status());
+    if (!pids.isOk()) return (pids.status());
     r.pids = *pids;
     auto ttl = getInt(j, "ttl_s", 3600, 0, 604800);
-    if (!ttl.isOk()) return fail(ttl.status());
+    if (!ttl.isOk()) return (ttl.status());
     r.ttlS = *ttl;
     auto idle = getInt(j, "idle_timeout_s", 0, 0, 604800);
-    if (!idle.isOk()) return fail(idle.status());
+    if (!idle.isOk()) return (idle.status());
     r.idleTimeoutS = *idle;
     auto autoPause = getInt(j, "auto_pause_s", 0, 0, 604800);
-    if (!autoPause.isOk()) return fail(autoPause.status());
+    if (!autoPause.isOk()) return (autoPause.status());
     r.autoPauseS = *autoPause;
     auto env = getStringMap(j, "env");
-    if (!env.isOk()) return fail(env.status());
-    if (Status st = validateEnv(*env, "env"); !st.isOk()) return fail(st);
+    if (!env.isOk()) return (env.status());
+    if (Status st = validateEnv(*env, "env"); !st.isOk()) return (st);
     r.env = *env;
     auto user = getString(j, "user", "", 64);
-    if (!user.isOk()) return fail(user.status());
-    if (Status st = validateUserSpec(*user, "user"); !st.isOk()) return fail(st);
+    if (!user.isOk()) return (user.status());
+    if (Status st = validateUserSpec(*user, "user"); !st.isOk()) return (st);
     r.user = *user;
     auto labels = getStringMap(j, "labels");
-    if (!labels.isOk()) return fail(labels.status());
-    if (Status st = validateLabels(*labels); !st.isOk()) return fail(st);
+    if (!labels.isOk()) return (labels.status());
+    if (Status st = validateLabels(*labels); !st.isOk()) return (st);
     r.labels = *labels;
-    if (Status st = parsePlacement(j, r); !st.isOk()) return fail(st);  // platform_nodes.cc
+    if (Status st = parsePlacement(j, r); !st.isOk()) return (st);  // platform_nodes.cc
     auto policy = getString(j, "policy", "default", 64);
-    if (!policy.isOk()) return fail(policy.status());
+    if (!policy.isOk()) return (policy.status());
     auto found = policies_->find(*policy, "policy");
-    if (!found.isOk()) return fail(found.status());
+    if (!found.isOk()) return (found.status());
     // A microvm has no network device (docs/microvm.md): refused before it boots.
     if ((r.backend == "microvm" || r.backend == "vm") &&
         (!found->egress.empty() || !found->dns.empty())) {
-      return fail(Status(Code::kFailedPrecondition,
+      return (Status(Code::kFailedPrecondition,
                          "policy '" + *policy + "' grants egress, which backend " + r.backend +
                              " does not support",
                          0, "policy"));
@@ -170,8 +188,8 @@ void Platform::createSandbox(http::Request& req, http::Response& res) {
     for (auto [field, out] : {std::pair{"readonly_paths", &r.readonlyPaths},
                               std::pair{"hidden_paths", &r.hiddenPaths}}) {
       auto paths = getStringList(j, field);
-      if (!paths.isOk()) return fail(paths.status());
-      if (Status st = validatePolicyPaths(*paths, field); !st.isOk()) return fail(st);
+      if (!paths.isOk()) return (paths.status());
+      if (Status st = validatePolicyPaths(*paths, field); !st.isOk()) return (st);
       *out = *paths;
     }
   }
@@ -181,22 +199,22 @@ void Platform::createSandbox(http::Request& req, http::Response& res) {
   // must then be left out (they come from the snapshot).
   json stack = j;
   if (auto snap = j.find("snapshot"); snap != j.end() && !snap->is_null()) {
-    if (!snap->is_string()) return fail(invalidArg("snapshot", "snapshot must be an image ref"));
+    if (!snap->is_string()) return (invalidArg("snapshot", "snapshot must be an image ref"));
     for (const char* f : {"workspaces", "toolkits"}) {
-      if (j.contains(f)) return fail(invalidArg(f, std::string(f) + " come from the snapshot"));
+      if (j.contains(f)) return (invalidArg(f, std::string(f) + " come from the snapshot"));
     }
     std::string sname, stag;
     if (Status st = parseImageRef(snap->get<std::string>(), sname, stag); !st.isOk()) {
-      return fail(invalidArg("snapshot", st.message()));
+      return (invalidArg("snapshot", st.message()));
     }
     auto img = visibleImage(sname, stag);
-    if (!img.isOk()) return fail(img.status());
+    if (!img.isOk()) return withField(img.status(), "snapshot");
     json parent = json::parse(img->parent, nullptr, false);
     if (img->kind != "diff" || !parent.is_object()) {
-      return fail(invalidArg("snapshot", sname + ":" + stag + " is not a pack_diff snapshot"));
+      return (invalidArg("snapshot", sname + ":" + stag + " is not a pack_diff snapshot"));
     }
     if (!r.image.empty() && r.image != parent.value("image", "")) {
-      return fail(invalidArg(
+      return (invalidArg(
           "image", "the snapshot was made on " + parent.value("image", "") + ", not " + r.image));
     }
     r.image = parent.value("image", "");
@@ -232,53 +250,53 @@ void Platform::createSandbox(http::Request& req, http::Response& res) {
     std::string imageKind;
     if (startsWith(r.image, "sha256:")) {
       auto base = resolveLayers(r.image, "", "image");
-      if (!base.isOk()) return fail(base.status());
+      if (!base.isOk()) return (base.status());
       r.layers = *base;
       if (auto blob = store_->getBlob(r.image); blob.isOk()) imageKind = blob->kind;
     } else {
       // One read, so layers and config come from the same version of the image.
       std::string name, tag;
       if (Status st = parseImageRef(r.image, name, tag); !st.isOk()) {
-        return fail(invalidArg("image", st.message()));
+        return (invalidArg("image", st.message()));
       }
       auto img = visibleImage(name, tag);
-      if (!img.isOk()) return fail(img.status());
+      if (!img.isOk()) return withField(img.status(), "image");
       r.layers = img->layers;
       imageConfig = img->config;
       r.image = name + ":" + tag;
       imageKind = img->kind;
     }
     if (r.backend == "vm" && imageKind != "disk") {
-      return fail(Status(Code::kConflict,
+      return (Status(Code::kConflict,
                          "backend vm boots a disk image (dsec image import --kind disk); " +
                              r.image + " is a " + (imageKind.empty() ? "layer" : imageKind) +
                              " image",
                          0, "image"));
     }
     if (r.backend != "vm" && imageKind == "disk") {
-      return fail(Status(Code::kConflict,
+      return (Status(Code::kConflict,
                          r.image + " is a disk image: it boots only with backend vm", 0,
                          "image"));
     }
     if (r.backend == "vm") {
       for (const char* f : {"workspaces", "toolkits", "diffs", "snapshot"}) {
         if (j.contains(f)) {
-          return fail(invalidArg(f, std::string(f) + " do not apply to backend vm (one disk image)"));
+          return (invalidArg(f, std::string(f) + " do not apply to backend vm (one disk image)"));
         }
       }
     }
     for (auto [field, kind, asked] :
          {std::tuple{"workspaces", "workspace", &r.workspaces},
           std::tuple{"toolkits", "toolkit", &r.toolkits}, std::tuple{"diffs", "diff", &r.diffs}}) {
-      if (Status st = stackOn(field, kind, asked); !st.isOk()) return fail(st);
+      if (Status st = stackOn(field, kind, asked); !st.isOk()) return (st);
     }
     std::set<std::string> seen;
     for (auto& d : r.layers) {
       if (!seen.insert(d).second) {
-        return fail(invalidArg("image", "layer " + d + " appears twice in the stack"));
+        return (invalidArg("image", "layer " + d + " appears twice in the stack"));
       }
     }
-    if (r.layers.size() > 128) return fail(invalidArg("image", "more than 128 layers"));
+    if (r.layers.size() > 128) return (invalidArg("image", "more than 128 layers"));
   }
   // The image's config gives the defaults, as a container runtime applies it;
   // what the request says wins.
@@ -289,9 +307,42 @@ void Platform::createSandbox(http::Request& req, http::Response& res) {
     if (r.user.empty()) r.user = imageConfig.user;
     r.workingDir = imageConfig.workingDir;
   }
-  auto made = launch(std::move(r));
-  if (!made.isOk()) return fail(made.status());
-  sendJson(res, 201, dumpJson(toApi(*made)));
+  return r;
+}
+
+// The first phase's policy goes with the create: its limits are the
+// cgroups' first, its file rules the agent's init (no round trip), and a new
+// sandbox has no egress until rules are set. On error the edge keeps nothing.
+Status Platform::createOnEdge(SandboxRecord& r) {
+  r.phases.push_back({r.policy, nowSeconds()});
+  auto plan = planPolicy(r);
+  Status st = plan.isOk() ? Status::ok() : Status(plan.status()).withContext("apply policy " + r.policy);
+  if (st.isOk()) {
+    edge::SandboxSpec spec;
+    spec.id = r.id;
+    spec.layers = r.layers;
+    spec.cpu = plan->limits.cpu;
+    spec.memoryBytes = plan->limits.memoryBytes;
+    spec.diskBytes = r.diskMb << 20;
+    spec.pids = plan->limits.pids;
+    spec.initPolicy = plan->agentBody;
+    spec.pool = r.pool;
+    spec.spread = r.spread;
+    spec.burstable = r.burstable;
+    spec.tenant = r.owner;
+    // As Docker does: a WorkingDir the image lacks is made (root's, 0755), or
+    // every exec would fail to chdir into it.
+    spec.workingDir = r.workingDir;
+    st = edge_->create(r.backend, spec);
+  }
+  if (st.isOk() && !plan->egress.empty()) {
+    st = edge_->setEgress(r.id, plan->egress);
+    if (!st.isOk()) {
+      st.withContext("apply policy " + r.policy);
+      (void)edge_->destroy(r.id);
+    }
+  }
+  return st;
 }
 
 // From a checked record (layers resolved, env/user/working dir final) to a
@@ -325,39 +376,8 @@ Result<SandboxRecord> Platform::launch(SandboxRecord r) {
     return st;
   }
   laps.lap("put1");
-  // The first phase's policy goes with the create: its limits are the
-  // cgroups' first, its file rules the agent's init (no round trip), and a
-  // new sandbox has no egress until rules are set.
-  r.phases.push_back({r.policy, nowSeconds()});
-  auto plan = planPolicy(r);
-  Status st = plan.isOk() ? Status::ok() : Status(plan.status()).withContext("apply policy " + r.policy);
-  if (st.isOk()) {
-    edge::SandboxSpec spec;
-    spec.id = r.id;
-    spec.layers = r.layers;
-    spec.cpu = plan->limits.cpu;
-    spec.memoryBytes = plan->limits.memoryBytes;
-    spec.diskBytes = r.diskMb << 20;
-    spec.pids = plan->limits.pids;
-    spec.initPolicy = plan->agentBody;
-    spec.pool = r.pool;
-    spec.spread = r.spread;
-    spec.burstable = r.burstable;
-    spec.tenant = r.owner;
-    // As Docker does: a WorkingDir the image lacks is made (root's, 0755), or
-    // every exec would fail to chdir into it.
-    spec.workingDir = r.workingDir;
-    st = edge_->create(r.backend, spec);
-  }
+  Status st = createOnEdge(r);
   laps.lap("edge");
-  if (st.isOk() && !plan->egress.empty()) {
-    st = edge_->setEgress(r.id, plan->egress);
-    if (!st.isOk()) {
-      st.withContext("apply policy " + r.policy);
-      (void)edge_->destroy(r.id);
-    }
-  }
-  laps.lap("policy");
   if (!st.isOk()) {
     // Nothing half-made: the edge cleaned up; drop the record too.
     log::warn("create " + r.id + " failed: " + st.toString());
@@ -416,12 +436,14 @@ void Platform::listSandboxes(http::Request& req, http::Response& res) {
     want[it->second.substr(0, eq)] = it->second.substr(eq + 1);
   }
   auto state = req.param("state");
+  auto batch = req.param("batch");
   json arr = json::array();
   {
     std::lock_guard lk(mu_);
     for (auto& [id, r] : sandboxes_) {
       if (!mayAccess(currentCaller(), r.owner)) continue;  // another tenant's
       if (state && r.state != *state) continue;
+      if (batch && r.batch != *batch) continue;
       bool match = true;
       for (auto& [k, v] : want) {
         auto it = r.labels.find(k);

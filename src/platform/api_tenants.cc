@@ -158,7 +158,11 @@ Status Platform::mayWriteImage(ImageRecord& img) {
 }
 
 Status Platform::admitLocked(const SandboxRecord& r, const TenantRecord& owner) {
-  RETURN_IF_ERROR(checkQuota(owner.quota, usageLocked(owner.id), r));
+  // Counting the owner's usage walks every record: only when a limit needs it.
+  const TenantQuota& q = owner.quota;
+  if (q.maxSandboxes > 0 || q.maxCpu > 0 || q.maxMemoryMb > 0) {
+    RETURN_IF_ERROR(checkQuota(q, usageLocked(owner.id), r));
+  }
   return tenants_->takeCreate(owner, nowSeconds());
 }
 

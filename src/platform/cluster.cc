@@ -210,13 +210,105 @@ bool Cluster::isRemoteNode(const std::string& node) const {
 void Cluster::bindSandbox(const std::string& id, const std::string& node,
                           const edge::SandboxSpec& spec) {
   std::lock_guard lk(mu_);
-  placed_[id] = Placed{node, spec.cpu, spec.memoryBytes >> 20, spec.tenant};
+  unplaceLocked(id);
+  placeLocked(id, Placed{node, spec.cpu, spec.memoryBytes >> 20, spec.tenant}, false);
+}
+
+void Cluster::placeLocked(const std::string& id, Placed p, bool creating) {
+  auto n = nodes_.find(p.node);
+  if (n != nodes_.end()) {
+    Node& x = *n->second;
+    x.cpuUsed += p.cpu;
+    x.memoryUsedMb += p.memoryMb;
+    x.tenants[p.tenant]++;
+    if (!creating) x.sandboxes++;
+  }
+  if (creating) creating_.insert(id);
+  placed_[id] = std::move(p);
+}
+
+void Cluster::beginCreateLocked(const std::string& id) {
+  auto p = placed_.find(id);
+  if (p == placed_.end() || !creating_.insert(id).second) return;
+  p->second.reserved = false;
+  if (auto n = nodes_.find(p->second.node); n != nodes_.end()) n->second->sandboxes--;
+}
+
+void Cluster::settleLocked(const std::string& id) {
+  if (!creating_.erase(id)) return;
+  auto p = placed_.find(id);
+  if (p == placed_.end()) return;
+  if (auto n = nodes_.find(p->second.node); n != nodes_.end()) n->second->sandboxes++;
+}
+
+void Cluster::unplaceLocked(const std::string& id) {
+  auto p = placed_.find(id);
+  bool creating = creating_.erase(id) > 0;
+  if (p == placed_.end()) return;
+  if (auto n = nodes_.find(p->second.node); n != nodes_.end()) {
+    Node& x = *n->second;
+    x.cpuUsed -= p->second.cpu;
+    x.memoryUsedMb -= p->second.memoryMb;
+    auto t = x.tenants.find(p->second.tenant);
+    if (t != x.tenants.end() && --t->second <= 0) x.tenants.erase(t);
+    if (!creating) x.sandboxes--;
+  }
+  placed_.erase(p);
+}
+
+void Cluster::release(const std::vector<std::string>& ids) {
+  {
+    std::lock_guard lk(mu_);
+    for (auto& id : ids) {
+      auto p = placed_.find(id);
+      if (p != placed_.end() && p->second.reserved) unplaceLocked(id);
+    }
+  }
+  roomCv_.notify_all();
+}
+
+Status Cluster::reserve(const std::vector<std::string>& ids, const PlacementRequest& r) {
+  std::lock_guard lk(mu_);
+  auto views = viewsLocked();
+  // The in-flight bound does not apply to a reservation: it holds room, the
+  // creations queue later. What is in flight holds room too.
+  for (auto& v : views) {
+    v.sandboxes += v.inflight;
+    v.inflight = 0;
+  }
+  std::map<std::string, size_t> at;
+  for (size_t i = 0; i < views.size(); ++i) at[views[i].name] = i;
+  std::vector<std::string> picked;
+  picked.reserve(ids.size());
+  for (size_t i = 0; i < ids.size(); ++i) {
+    auto p = sched_.pick(views, r);
+    if (!p.isOk()) {
+      if (p.status().code() == Code::kFailedPrecondition) return p.status();
+      return Status(Code::kResourceExhausted,
+                    "all_or_nothing: only " + std::to_string(i) + " of " +
+                        std::to_string(ids.size()) + " sandboxes fit: " + p.status().message(),
+                    0, "count");
+    }
+    NodeView& v = views[at[p->node]];
+    v.cpuUsed += r.cpu;
+    v.memoryUsedMb += r.memoryMb;
+    v.sandboxes++;
+    v.tenants[r.tenant]++;
+    picked.push_back(p->node);
+  }
+  for (size_t i = 0; i < ids.size(); ++i) {
+    Placed pl{picked[i], r.cpu, r.memoryMb, r.tenant};
+    pl.reserved = true;
+    placeLocked(ids[i], std::move(pl), false);
+  }
+  return Status::ok();
 }
 
 std::vector<NodeView> Cluster::viewsLocked() const {
-  std::map<std::string, NodeView> v;
+  std::vector<NodeView> out;
+  out.reserve(nodes_.size());
   for (auto& [name, n] : nodes_) {
-    NodeView& x = v[name];
+    NodeView& x = out.emplace_back();
     x.name = name;
     x.pool = n->pool;
     x.up = n->up && (n->local || n->reconciled);
@@ -225,17 +317,11 @@ std::vector<NodeView> Cluster::viewsLocked() const {
     x.slots = n->cap.slots;
     x.inflight = n->inflight;
     x.layers = n->layers;
+    x.cpuUsed = n->cpuUsed;
+    x.memoryUsedMb = n->memoryUsedMb;
+    x.sandboxes = n->sandboxes;
+    x.tenants = n->tenants;
   }
-  for (auto& [id, p] : placed_) {
-    auto it = v.find(p.node);
-    if (it == v.end()) continue;
-    it->second.cpuUsed += p.cpu;
-    it->second.memoryUsedMb += p.memoryMb;
-    it->second.sandboxes += creating_.count(id) ? 0 : 1;  // in flight counts as inflight
-    it->second.tenants[p.tenant]++;
-  }
-  std::vector<NodeView> out;
-  for (auto& [_, x] : v) out.push_back(std::move(x));
   return out;
 }
 
@@ -257,10 +343,26 @@ Status Cluster::create(const std::string& backend, const edge::SandboxSpec& spec
     std::unique_lock lk(mu_);
     ++queued_;
     Status why;
+    // A reservation (reserve()) fixes the node: wait for an in-flight slot there.
+    std::string reservedOn;
+    if (auto r = placed_.find(spec.id); r != placed_.end() && r->second.reserved) {
+      reservedOn = r->second.node;
+    }
     for (;;) {
       if (stopping_) {
         why = Status(Code::kUnavailable, "platform is shutting down");
         break;
+      }
+      if (!reservedOn.empty()) {
+        Node* n = nodes_.at(reservedOn).get();
+        if (n->up && n->inflight < sched_.maxInflightPerNode()) {
+          node = n;
+          break;
+        }
+        why = Status(Code::kUnavailable, "reserved node " + reservedOn +
+                                             (n->up ? " has its creations in flight" : " is down"));
+        if (roomCv_.wait_until(lk, deadline) == std::cv_status::timeout) break;
+        continue;
       }
       auto p = sched_.pick(viewsLocked(), pr);
       if (p.isOk()) {
@@ -303,21 +405,25 @@ Status Cluster::create(const std::string& backend, const edge::SandboxSpec& spec
     schedN_++;
     if (burst) bursts_[pr.pool]++;
     node->inflight++;
-    placed_[spec.id] = Placed{node->name, spec.cpu, spec.memoryBytes >> 20, spec.tenant};
-    creating_.insert(spec.id);
+    if (!reservedOn.empty()) {
+      beginCreateLocked(spec.id);
+    } else {
+      placeLocked(spec.id, Placed{node->name, spec.cpu, spec.memoryBytes >> 20, spec.tenant},
+                  true);
+    }
   }
   Status st = node->link->create(backend, spec);
   {
     std::lock_guard lk(mu_);
     node->inflight--;
-    creating_.erase(spec.id);
     node->creates++;
     if (st.isOk()) {
+      settleLocked(spec.id);
       creations_++;
     } else {
       node->createErrors++;
       createErrors_[codeName(st.code())]++;
-      placed_.erase(spec.id);
+      unplaceLocked(spec.id);
     }
   }
   roomCv_.notify_all();
@@ -341,7 +447,7 @@ Status Cluster::destroy(const std::string& id) {
   Status st = link ? link->destroy(id) : Status::ok();
   {
     std::lock_guard lk(mu_);
-    placed_.erase(id);
+    unplaceLocked(id);
   }
   roomCv_.notify_all();
   if (down) return Status::ok();  // the node destroys it when it returns

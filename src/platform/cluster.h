@@ -125,6 +125,14 @@ class Cluster : public edge::EdgeLink {
                    const edge::SandboxSpec& spec) override;
   bool isRemoteNode(const std::string& node) const override;
   std::string extraMetrics() override;
+  // All-or-nothing placement (POST /v1/batches): places every id of `ids`
+  // with `r` now, ignoring the in-flight bound, and holds the room for them
+  // until each is created (create() then uses that node) or destroyed. If
+  // not all fit, reserves nothing: kResourceExhausted saying how many fit, or
+  // kFailedPrecondition (field pool) when no node of the pool is up.
+  Status reserve(const std::vector<std::string>& ids, const PlacementRequest& r);
+  // Gives back the reservations of `ids` whose creation never started.
+  void release(const std::vector<std::string>& ids);
 
  private:
   struct Node {
@@ -144,13 +152,26 @@ class Cluster : public edge::EdgeLink {
     double loadavg = 0;    // its host's 1-minute load average (last heartbeat)
     int64_t reported = 0;  // sandboxes it said it runs
     uint64_t creates = 0, createErrors = 0;
+    // What the placements on it hold, kept as they change so a placement
+    // costs O(nodes), not O(sandboxes): cpu, memory, tenants (placed and
+    // creating) and sandboxes (placed, not creating: those are `inflight`).
+    double cpuUsed = 0;
+    int64_t memoryUsedMb = 0;
+    int64_t sandboxes = 0;
+    std::map<std::string, int64_t> tenants;
   };
   struct Placed {
     std::string node;
     double cpu = 0;
     int64_t memoryMb = 0;
     std::string tenant;
+    bool reserved = false;  // by reserve(), not yet being created
   };
+  // placed_/creating_ changes that keep the nodes' sums above; mu_ held.
+  void placeLocked(const std::string& id, Placed p, bool creating);
+  void beginCreateLocked(const std::string& id);
+  void settleLocked(const std::string& id);
+  void unplaceLocked(const std::string& id);
 
   explicit Cluster(ClusterOptions opts);
   // The node of sandbox `id`, or kNotFound / kUnavailable (down) for calls.

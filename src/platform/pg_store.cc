@@ -40,6 +40,8 @@ constexpr const char* kMigrations[] = {
     "CREATE INDEX api_keys_tenant ON api_keys(tenant);"
     "ALTER TABLE images ADD COLUMN owner TEXT NOT NULL DEFAULT '';"
     "ALTER TABLE images ADD COLUMN visibility TEXT NOT NULL DEFAULT 'public';",
+    // 3: batch creations (POST /v1/batches).
+    "CREATE TABLE batches(id TEXT PRIMARY KEY, doc TEXT NOT NULL);",
 };
 constexpr int kSchemaVersion = int(std::size(kMigrations));
 // pg_advisory_xact_lock key serializing migrations ("dsec" "schema").
@@ -395,6 +397,60 @@ Status PostgresStore::deleteSandbox(const std::string& id) {
   return Query::run(this, "deleteSandbox", "DELETE FROM sandboxes WHERE id=$1", Params().add(id),
                     kRetry)
       .takeStatus();
+}
+
+namespace {
+// Many sandbox records as one JSON array parameter, so one statement (one
+// transaction, one commit) upserts them all.
+std::string sandboxRows(const std::vector<SandboxRecord>& rs) {
+  json arr = json::array();
+  for (auto& r : rs) arr.push_back({{"id", r.id}, {"state", r.state}, {"doc", sandboxToJson(r)}});
+  return arr.dump(-1, ' ', false, json::error_handler_t::replace);
+}
+constexpr const char* kUpsertRows =
+    "INSERT INTO sandboxes(id, state, doc) SELECT x->>'id', x->>'state', x->>'doc' "
+    "FROM json_array_elements($1::json) x "
+    "ON CONFLICT(id) DO UPDATE SET state=excluded.state, doc=excluded.doc";
+}  // namespace
+
+Status PostgresStore::putSandboxes(const std::vector<SandboxRecord>& rs,
+                                   const std::vector<std::string>& drop) {
+  if (rs.empty() && drop.empty()) return Status::ok();
+  // Upserts and deletes: repeating them is harmless.
+  std::string sql = std::string("WITH d AS (DELETE FROM sandboxes WHERE id IN "
+                                "(SELECT json_array_elements_text($2::json))) ") +
+                    kUpsertRows;
+  return Query::run(this, "putSandboxes", sql.c_str(),
+                    Params().add(sandboxRows(rs)).add(json(drop).dump()), kRetry)
+      .takeStatus();
+}
+
+Status PostgresStore::putBatch(const BatchRecord& b, const std::vector<SandboxRecord>& sandboxes) {
+  std::string sql = std::string("WITH b AS (INSERT INTO batches(id, doc) VALUES($2, $3) "
+                                "ON CONFLICT(id) DO UPDATE SET doc=excluded.doc) ") +
+                    kUpsertRows;
+  return Query::run(this, "putBatch", sql.c_str(),
+                    Params().add(sandboxRows(sandboxes)).add(b.id).add(batchToJson(b)), kRetry)
+      .takeStatus();
+}
+
+Result<std::vector<BatchRecord>> PostgresStore::loadBatches() {
+  ASSIGN_OR_RETURN(Rows rows, Query::run(this, "loadBatches",
+                                         "SELECT doc FROM batches ORDER BY id COLLATE \"C\"",
+                                         Params(), kRetry));
+  std::vector<BatchRecord> out;
+  for (int i = 0; i < rows.size(); ++i) {
+    ASSIGN_OR_RETURN(auto b, batchFromJson(rows.text(i, 0)));
+    out.push_back(std::move(b));
+  }
+  return out;
+}
+
+Status PostgresStore::deleteBatch(const std::string& id) {
+  ASSIGN_OR_RETURN(Rows rows, Query::run(this, "deleteBatch", "DELETE FROM batches WHERE id=$1",
+                                         Params().add(id), kNoRetry));
+  if (rows.affected() == 0) return notFound("batch " + id + " not found");
+  return Status::ok();
 }
 
 Result<std::vector<SandboxRecord>> PostgresStore::loadSandboxes() {

@@ -55,6 +55,11 @@ class PostgresStore : public Store {
   Status putSandbox(const SandboxRecord& r) override;
   Status deleteSandbox(const std::string& id) override;
   Result<std::vector<SandboxRecord>> loadSandboxes() override;
+  Status putSandboxes(const std::vector<SandboxRecord>& rs,
+                      const std::vector<std::string>& drop = {}) override;
+  Status putBatch(const BatchRecord& b, const std::vector<SandboxRecord>& sandboxes) override;
+  Result<std::vector<BatchRecord>> loadBatches() override;
+  Status deleteBatch(const std::string& id) override;
   Status putBlob(const std::string& digest, int64_t size) override;
   Result<bool> hasBlob(const std::string& digest) override;
   Result<int64_t> blobSize(const std::string& digest) override;

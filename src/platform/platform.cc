@@ -82,6 +82,8 @@ Result<std::unique_ptr<Platform>> Platform::start(PlatformOptions opts, Store* s
   p->chronus_ = std::make_unique<Chronus>(store);
   ASSIGN_OR_RETURN(p->tenants_, Tenants::open(store, p->opts_.token));
   ASSIGN_OR_RETURN(auto records, store->loadSandboxes());
+  // Batches carry on: their pending sandboxes are created (under fresh ids).
+  RETURN_IF_ERROR(p->resumeBatches(records));
   double now = nowSeconds();
   int lost = 0, kept = 0;
   // What the edge re-adopted from its predecessor (this process restarted:
@@ -89,6 +91,10 @@ Result<std::unique_ptr<Platform>> Platform::start(PlatformOptions opts, Store* s
   auto adoptedList = edge->adoptedIds();
   std::set<std::string> adopted(adoptedList.begin(), adoptedList.end());
   for (auto& r : records) {
+    if (r.state == "pending") {  // a batch's, resumed above
+      p->sandboxes_[r.id] = r;
+      continue;
+    }
     if (p->bindRemote(r)) {
       p->lastCall_[r.id] = now;
       p->sandboxes_[r.id] = r;
@@ -130,8 +136,24 @@ Result<std::unique_ptr<Platform>> Platform::start(PlatformOptions opts, Store* s
     raw->onSandboxLost(id, lost, why);
   });
   p->janitorThread_ = std::thread([raw = p.get()] { raw->janitor(); });
+  p->batchThreads_.emplace_back([raw = p.get()] { raw->batchCommitter(); });
+  for (int i = 0; i < std::max(1, p->opts_.batchWorkers); ++i) {
+    p->batchThreads_.emplace_back([raw = p.get()] { raw->batchWorker(); });
+  }
   p->runPool_ = std::make_unique<edge::RunPool>(edge, p->opts_.runPool);
   return p;
+}
+
+void Platform::stopBatches() {
+  {
+    std::lock_guard lk(batchMu_);
+    batchStop_ = true;
+  }
+  batchCv_.notify_all();
+  commitCv_.notify_all();
+  // Workers finish the create they are in; the committer stores every outcome.
+  for (auto& t : batchThreads_) t.join();
+  batchThreads_.clear();
 }
 
 Platform::~Platform() {
@@ -141,6 +163,7 @@ Platform::~Platform() {
   }
   janitorCv_.notify_all();
   if (janitorThread_.joinable()) janitorThread_.join();
+  stopBatches();
 }
 
 void Platform::shutdown() {
@@ -152,6 +175,7 @@ void Platform::shutdown() {
   }
   janitorCv_.notify_all();
   if (janitorThread_.joinable()) janitorThread_.join();
+  stopBatches();
   // Pool sandboxes have no records: they never outlive the platform.
   if (runPool_) runPool_->shutdown();
   if (opts_.liveRestore) return;  // they carry on; the next start re-adopts them
@@ -378,6 +402,7 @@ void Platform::handle(http::Request& req, http::Response& res) {
     if (n == 3) {
       if (m == "POST") return createSandbox(req, res);
       if (m == "GET") return listSandboxes(req, res);
+      if (m == "DELETE") return destroyMatching(req, res);  // api_batches.cc
       return methodNotAllowed();
     }
     const std::string& id = parts[3];
@@ -419,6 +444,8 @@ void Platform::handle(http::Request& req, http::Response& res) {
       return methodNotAllowed();
     }
     if (parts[4] == "files" && n <= 6) return files(id, n == 6 ? parts[5] : "", req, res);
+  } else if (coll == "batches") {  // api_batches.cc
+    return batchesApi(parts, req, res);
   } else if (coll == "run" && n == 3) {  // fncall one-shot calls (api_run.cc)
     if (m == "POST") return runCode(req, res);
     return methodNotAllowed();

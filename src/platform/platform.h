@@ -8,6 +8,7 @@
 #pragma once
 
 #include <condition_variable>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -47,6 +48,9 @@ struct PlatformOptions {
   // names none runs on, and the warm pools' bounds.
   std::string runImage = "debian:latest";
   edge::RunPoolOptions runPool;
+  // Batch creations (api_batches.cc): threads creating a batch's sandboxes
+  // concurrently (each waits on one node call at a time).
+  int batchWorkers = 128;
 };
 
 class Platform {
@@ -89,6 +93,30 @@ class Platform {
   // no phases yet) to a running sandbox with a fresh id, persisted; on error
   // nothing is left (no record, nothing on the edge).
   Result<SandboxRecord> launch(SandboxRecord r);
+  // A create body (checked object) to a record: layers resolved, env, user
+  // and working dir final. Errors name the field.
+  Result<SandboxRecord> checkCreate(const nlohmann::json& j);
+  // Creates r (id set) on its node with its first policy phase; on error the
+  // node keeps nothing.
+  Status createOnEdge(SandboxRecord& r);
+  // Batches (api_batches.cc): POST/GET /v1/batches, GET/DELETE
+  // /v1/batches/{id}, DELETE /v1/sandboxes?label=k=v|batch=ID.
+  void batchesApi(const std::vector<std::string>& parts, http::Request& req, http::Response& res);
+  void createBatch(http::Request& req, http::Response& res);
+  nlohmann::json batchToApi(const std::string& id);
+  void destroyMatching(http::Request& req, http::Response& res);
+  // Destroys the sandboxes `ids` together: pending ones are never created,
+  // nodes are called concurrently, and every final record is stored in one
+  // transaction before it returns. Returns how many it stopped.
+  Result<int64_t> destroyMany(const std::vector<std::string>& ids, const std::string& why);
+  // Resumes batches at start: their pending records, under fresh ids.
+  Status resumeBatches(std::vector<SandboxRecord>& records);
+  void batchWorker();
+  void batchCommitter();
+  // Ends batch `id` when none of its sandboxes is pending; batchMu_ held.
+  void settleBatchLocked(const std::string& id);
+  // Stops the batch threads (idempotent); outcomes gathered are stored first.
+  void stopBatches();
   void listSandboxes(http::Request& req, http::Response& res);
   void getSandbox(const std::string& id, http::Response& res);
   void deleteSandbox(const std::string& id, http::Response& res);
@@ -282,6 +310,23 @@ class Platform {
   std::multiset<std::string> stepBytesPinned_;
   std::condition_variable janitorCv_;
   std::thread janitorThread_;
+  // Batches (api_batches.cc). batchMu_ guards batches_, batchQueue_,
+  // batchDone_ and batchStop_; taken before mu_ when both are held.
+  struct Batch {
+    BatchRecord rec;
+    std::vector<std::string> ids;  // its sandboxes (pending ones renamed on restart)
+    int64_t outstanding = 0;       // not yet created or failed
+    int64_t created = 0, failed = 0;  // outcomes stored so far
+    std::map<std::string, int64_t> errors;  // failures by code
+  };
+  std::mutex batchMu_;
+  std::map<std::string, Batch> batches_;
+  std::deque<std::string> batchQueue_;   // sandbox ids to create
+  std::vector<SandboxRecord> batchDone_;  // created or failed on a node, to store
+  bool batchStop_ = false;
+  std::condition_variable batchCv_;   // work queued, or stopping
+  std::condition_variable commitCv_;  // batchDone_ grew, or stopping
+  std::vector<std::thread> batchThreads_;
 };
 
 // Helpers shared by the api_*.cc files.

@@ -40,6 +40,11 @@ class Stmt {
     return *this;
   }
   int step() { return sqlite3_step(st_); }
+  // For the next step with new bindings.
+  void reset() {
+    sqlite3_reset(st_);
+    sqlite3_clear_bindings(st_);
+  }
   // Text and blob columns alike (sqlite3_column_blob for a BLOB).
   std::string text(int col) {
     if (sqlite3_column_type(st_, col) == SQLITE_BLOB) {
@@ -93,10 +98,38 @@ std::string sandboxToJson(const SandboxRecord& r) {
             {"readonly_paths", r.readonlyPaths},
             {"hidden_paths", r.hiddenPaths},
             {"owner", r.owner}};
+  if (!r.batch.empty()) j["batch"] = r.batch;
   json phases = json::array();
   for (auto& p : r.phases) phases.push_back({{"policy", p.policy}, {"at", p.at}});
   j["phases"] = phases;
   return j.dump();
+}
+
+std::string batchToJson(const BatchRecord& b) {
+  return json{{"id", b.id},          {"owner", b.owner},           {"count", b.count},
+              {"all_or_nothing", b.allOrNothing}, {"spec", b.spec}, {"state", b.state},
+              {"error", b.error},    {"created_at", b.createdAt}, {"updated_at", b.updatedAt}}
+      .dump();
+}
+
+Result<BatchRecord> batchFromJson(const std::string& s) {
+  json j = json::parse(s, nullptr, false);
+  if (j.is_discarded() || !j.is_object()) return internalError("corrupt batch record");
+  try {
+    BatchRecord b;
+    b.id = j.at("id");
+    b.owner = j.at("owner");
+    b.count = j.at("count");
+    b.allOrNothing = j.at("all_or_nothing");
+    b.spec = j.at("spec");
+    b.state = j.at("state");
+    b.error = j.value("error", "");
+    b.createdAt = j.at("created_at");
+    b.updatedAt = j.at("updated_at");
+    return b;
+  } catch (const json::exception& e) {
+    return internalError(std::string("corrupt batch record: ") + e.what());
+  }
 }
 
 Result<SandboxRecord> sandboxFromJson(const std::string& s) {
@@ -137,6 +170,7 @@ Result<SandboxRecord> sandboxFromJson(const std::string& s) {
     r.readonlyPaths = j.value("readonly_paths", Strings{});
     r.hiddenPaths = j.value("hidden_paths", Strings{});
     r.owner = j.value("owner", "admin");  // absent in records older than tenants
+    r.batch = j.value("batch", "");
     if (auto it = j.find("phases"); it != j.end() && it->is_array()) {
       for (auto& p : *it) r.phases.push_back({p.at("policy"), p.at("at")});
     }
@@ -175,7 +209,8 @@ Result<std::unique_ptr<SqliteStore>> SqliteStore::open(const std::string& path) 
       "CREATE TABLE IF NOT EXISTS trajectories(id TEXT PRIMARY KEY, doc TEXT NOT NULL);"
       "CREATE TABLE IF NOT EXISTS tenants(id TEXT PRIMARY KEY, doc TEXT NOT NULL);"
       "CREATE TABLE IF NOT EXISTS api_keys(id TEXT PRIMARY KEY, tenant TEXT NOT NULL, "
-      "doc TEXT NOT NULL);"));
+      "doc TEXT NOT NULL);"
+      "CREATE TABLE IF NOT EXISTS batches(id TEXT PRIMARY KEY, doc TEXT NOT NULL);"));
   // Columns added after the first release of the schema; "duplicate column"
   // means the database already has them.
   for (const char* alter : {"ALTER TABLE images ADD COLUMN kind TEXT NOT NULL DEFAULT 'base'",
@@ -214,6 +249,83 @@ Status SqliteStore::putSandbox(const SandboxRecord& r) {
   if (!st.ok()) return sqlError(db_, "prepare putSandbox");
   st.bind(1, r.id).bind(2, r.state).bind(3, sandboxToJson(r));
   if (st.step() != SQLITE_DONE) return sqlError(db_, "putSandbox");
+  return Status::ok();
+}
+
+Status SqliteStore::putSandboxesLocked(const std::vector<SandboxRecord>& rs) {
+  Stmt st(db_, "INSERT INTO sandboxes(id, state, doc) VALUES(?1, ?2, ?3) "
+               "ON CONFLICT(id) DO UPDATE SET state=excluded.state, doc=excluded.doc");
+  if (!st.ok()) return sqlError(db_, "prepare putSandboxes");
+  for (auto& r : rs) {
+    st.bind(1, r.id).bind(2, r.state).bind(3, sandboxToJson(r));
+    if (st.step() != SQLITE_DONE) return sqlError(db_, "putSandboxes");
+    st.reset();
+  }
+  return Status::ok();
+}
+
+Status SqliteStore::putSandboxes(const std::vector<SandboxRecord>& rs,
+                                 const std::vector<std::string>& drop) {
+  if (rs.empty() && drop.empty()) return Status::ok();
+  std::lock_guard lk(mu_);
+  RETURN_IF_ERROR(exec("BEGIN IMMEDIATE"));
+  Status st = putSandboxesLocked(rs);
+  if (st.isOk() && !drop.empty()) {
+    Stmt del(db_, "DELETE FROM sandboxes WHERE id=?1");
+    for (auto& id : drop) {
+      del.bind(1, id);
+      if (del.step() != SQLITE_DONE) {
+        st = sqlError(db_, "putSandboxes delete");
+        break;
+      }
+      del.reset();
+    }
+  }
+  if (!st.isOk()) {
+    (void)exec("ROLLBACK");
+    return st;
+  }
+  return exec("COMMIT");
+}
+
+Status SqliteStore::putBatch(const BatchRecord& b, const std::vector<SandboxRecord>& sandboxes) {
+  std::lock_guard lk(mu_);
+  RETURN_IF_ERROR(exec("BEGIN IMMEDIATE"));
+  Stmt st(db_, "INSERT INTO batches(id, doc) VALUES(?1, ?2) "
+               "ON CONFLICT(id) DO UPDATE SET doc=excluded.doc");
+  Status s = st.ok() ? Status::ok() : sqlError(db_, "prepare putBatch");
+  if (s.isOk()) {
+    st.bind(1, b.id).bind(2, batchToJson(b));
+    if (st.step() != SQLITE_DONE) s = sqlError(db_, "putBatch");
+  }
+  if (s.isOk()) s = putSandboxesLocked(sandboxes);
+  if (!s.isOk()) {
+    (void)exec("ROLLBACK");
+    return s;
+  }
+  return exec("COMMIT");
+}
+
+Result<std::vector<BatchRecord>> SqliteStore::loadBatches() {
+  std::lock_guard lk(mu_);
+  Stmt st(db_, "SELECT doc FROM batches ORDER BY id");
+  if (!st.ok()) return sqlError(db_, "prepare loadBatches");
+  std::vector<BatchRecord> out;
+  int rc;
+  while ((rc = st.step()) == SQLITE_ROW) {
+    ASSIGN_OR_RETURN(auto b, batchFromJson(st.text(0)));
+    out.push_back(std::move(b));
+  }
+  if (rc != SQLITE_DONE) return sqlError(db_, "loadBatches");
+  return out;
+}
+
+Status SqliteStore::deleteBatch(const std::string& id) {
+  std::lock_guard lk(mu_);
+  Stmt st(db_, "DELETE FROM batches WHERE id=?1");
+  st.bind(1, id);
+  if (st.step() != SQLITE_DONE) return sqlError(db_, "deleteBatch");
+  if (sqlite3_changes(db_) == 0) return notFound("batch " + id + " not found");
   return Status::ok();
 }
 

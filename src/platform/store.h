@@ -67,6 +67,23 @@ struct SandboxRecord {
   // The tenant that owns it (platform/tenants.h); records written before
   // tenants existed belong to the built-in "admin" tenant.
   std::string owner = "admin";
+  // The batch that made it (POST /v1/batches), empty for a single create.
+  std::string batch;
+};
+
+// A batch creation (POST /v1/batches, docs/batches.md): `count` sandboxes of
+// one spec, whose records (state `pending` until created) are stored with it
+// in one transaction.
+struct BatchRecord {
+  std::string id;
+  std::string owner = "admin";
+  int64_t count = 0;
+  bool allOrNothing = false;
+  std::string spec;            // the create body as asked (JSON)
+  std::string state = "running";  // running | done | failed | deleted
+  std::string error;
+  double createdAt = 0;
+  double updatedAt = 0;
 };
 
 struct ImageRecord {
@@ -179,6 +196,16 @@ class Store {
   virtual Status putSandbox(const SandboxRecord& r) = 0;
   virtual Status deleteSandbox(const std::string& id) = 0;
   virtual Result<std::vector<SandboxRecord>> loadSandboxes() = 0;
+  // Inserts or replaces every record of `rs` and deletes the records `drop`
+  // names, in one transaction (one commit).
+  virtual Status putSandboxes(const std::vector<SandboxRecord>& rs,
+                              const std::vector<std::string>& drop = {}) = 0;
+  // Batches: putBatch inserts or replaces the batch and `sandboxes` in one
+  // transaction; deleteBatch removes the batch row (kNotFound when absent),
+  // not its sandboxes' records.
+  virtual Status putBatch(const BatchRecord& b, const std::vector<SandboxRecord>& sandboxes) = 0;
+  virtual Result<std::vector<BatchRecord>> loadBatches() = 0;
+  virtual Status deleteBatch(const std::string& id) = 0;
 
   virtual Status putBlob(const std::string& digest, int64_t size) = 0;
   virtual Result<bool> hasBlob(const std::string& digest) = 0;
@@ -247,6 +274,11 @@ class SqliteStore : public Store {
   Status putSandbox(const SandboxRecord& r) override;
   Status deleteSandbox(const std::string& id) override;
   Result<std::vector<SandboxRecord>> loadSandboxes() override;
+  Status putSandboxes(const std::vector<SandboxRecord>& rs,
+                      const std::vector<std::string>& drop = {}) override;
+  Status putBatch(const BatchRecord& b, const std::vector<SandboxRecord>& sandboxes) override;
+  Result<std::vector<BatchRecord>> loadBatches() override;
+  Status deleteBatch(const std::string& id) override;
   Status putBlob(const std::string& digest, int64_t size) override;
   Result<bool> hasBlob(const std::string& digest) override;
   Result<int64_t> blobSize(const std::string& digest) override;
@@ -284,6 +316,8 @@ class SqliteStore : public Store {
  private:
   SqliteStore() = default;
   Status exec(const std::string& sql);
+  // Upserts `rs` with the connection's lock held, inside a transaction.
+  Status putSandboxesLocked(const std::vector<SandboxRecord>& rs);
 
   std::mutex mu_;  // guards db_
   sqlite3* db_ = nullptr;
@@ -291,6 +325,8 @@ class SqliteStore : public Store {
 
 std::string sandboxToJson(const SandboxRecord& r);
 Result<SandboxRecord> sandboxFromJson(const std::string& s);
+std::string batchToJson(const BatchRecord& b);
+Result<BatchRecord> batchFromJson(const std::string& s);
 
 // Column encodings both stores share.
 std::string imageConfigToColumn(const image::ImageConfig& c);

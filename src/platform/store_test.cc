@@ -139,6 +139,73 @@ TEST_P(StoreTest, SandboxesSurviveReopen) {
   EXPECT_EQ((*s)->deleteImage("busybox", "latest").code(), Code::kNotFound);
 }
 
+TEST_P(StoreTest, BatchesAndGroupWritesSurviveReopen) {
+  std::vector<SandboxRecord> recs;
+  for (int i = 0; i < 300; ++i) {
+    SandboxRecord r;
+    r.id = "sb-" + std::to_string(1000 + i);
+    r.backend = "container";
+    r.image = "busybox:latest";
+    r.state = "pending";
+    r.batch = "bt-1";
+    r.error = i == 7 ? "quote \" and \\ and {json}" : "";
+    recs.push_back(r);
+  }
+  BatchRecord b;
+  b.id = "bt-1";
+  b.owner = "team-a";
+  b.count = 300;
+  b.allOrNothing = true;
+  b.spec = R"({"image":"busybox:latest"})";
+  b.createdAt = b.updatedAt = 5;
+  {
+    auto s = env_->open();
+    ASSERT_TRUE(s.isOk()) << s.status().toString();
+    ASSERT_TRUE((*s)->putBatch(b, recs).isOk());
+    // A group of outcomes, and a rename (drop one id, add another) in one write.
+    std::vector<SandboxRecord> done(recs.begin(), recs.begin() + 100);
+    for (auto& r : done) r.state = "running";
+    SandboxRecord renamed = recs[299];
+    renamed.id = "sb-new";
+    done.push_back(renamed);
+    ASSERT_TRUE((*s)->putSandboxes(done, {"sb-1299"}).isOk());
+    b.state = "done";
+    ASSERT_TRUE((*s)->putBatch(b, {}).isOk());
+    EXPECT_TRUE((*s)->putSandboxes({}).isOk());
+  }
+  auto s = env_->open();
+  ASSERT_TRUE(s.isOk());
+  auto all = (*s)->loadSandboxes();
+  ASSERT_TRUE(all.isOk());
+  ASSERT_EQ(all->size(), 300u);
+  int running = 0, pending = 0;
+  bool sawNew = false, sawOld = false;
+  for (auto& r : *all) {
+    EXPECT_EQ(r.batch, "bt-1");
+    running += r.state == "running";
+    pending += r.state == "pending";
+    sawNew = sawNew || r.id == "sb-new";
+    sawOld = sawOld || r.id == "sb-1299";
+    if (r.id == "sb-1007") {
+      EXPECT_EQ(r.error, "quote \" and \\ and {json}");
+    }
+  }
+  EXPECT_EQ(running, 100);
+  EXPECT_EQ(pending, 200);
+  EXPECT_TRUE(sawNew);
+  EXPECT_FALSE(sawOld);
+  auto batches = (*s)->loadBatches();
+  ASSERT_TRUE(batches.isOk());
+  ASSERT_EQ(batches->size(), 1u);
+  EXPECT_EQ((*batches)[0].state, "done");
+  EXPECT_EQ((*batches)[0].owner, "team-a");
+  EXPECT_EQ((*batches)[0].count, 300);
+  EXPECT_TRUE((*batches)[0].allOrNothing);
+  EXPECT_EQ((*batches)[0].spec, b.spec);
+  EXPECT_TRUE((*s)->deleteBatch("bt-1").isOk());
+  EXPECT_EQ((*s)->deleteBatch("bt-1").code(), Code::kNotFound);
+}
+
 TEST_P(StoreTest, ImageConfigsPersist) {
   auto s = open();
   ASSERT_TRUE(s);

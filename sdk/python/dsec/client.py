@@ -19,6 +19,7 @@ import os
 import select
 import socket
 import threading
+import time
 import urllib.parse
 import weakref
 from typing import Any, BinaryIO, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
@@ -392,6 +393,59 @@ class Client:
         doc = self._call("POST", "/v1/run", json_body=body, timeout=t)
         return ExecResult.from_json(doc, base64_output=(encoding == "base64"))
 
+    def create_batch(self, count: int, image: Optional[str] = None, *,
+                     all_or_nothing: bool = False, wait: bool = False,
+                     progress: bool = False, timeout: Optional[float] = None,
+                     **spec: Any) -> "Batch":
+        """``POST /v1/batches``: ``count`` sandboxes (1..32768) of one spec.
+
+        ``spec`` takes the keyword arguments of :meth:`create` (``backend``,
+        ``cpu``, ``memory_mb``, ``labels``, ...). The call returns at once with
+        the batch stored (its sandboxes ``pending``); the platform creates them
+        in the background and a restart of it resumes the batch.
+        ``all_or_nothing=True`` reserves room for all of them first and refuses
+        the batch (ResourceExhausted, field ``count``) when not all fit; a
+        sandbox failing later destroys the rest. A batch past the tenant's
+        quota is refused whole (QuotaExceeded). ``wait=True`` returns after
+        :meth:`Batch.wait` (``timeout`` s, a progress bar on stderr with
+        ``progress=True``). Bad spec fields raise InvalidArgument with
+        ``field`` ``spec.<name>``.
+        """
+        body: Dict[str, Any] = {"backend": spec.pop("backend", "container")}
+        if image:
+            body["image"] = image
+        if "user" in spec and spec["user"] is not None:
+            spec["user"] = str(spec["user"])
+        for k in ("workspaces", "toolkits", "diffs", "readonly_paths", "hidden_paths"):
+            if spec.get(k) is not None:
+                spec[k] = list(spec[k])
+        body.update({k: v for k, v in spec.items() if v is not None})
+        doc = self._call("POST", "/v1/batches",
+                         json_body={"count": count, "spec": body,
+                                    "all_or_nothing": all_or_nothing})
+        b = Batch(self, doc)
+        if wait:
+            b.wait(timeout=timeout, progress=progress)
+        return b
+
+    def batch(self, batch_id: str) -> "Batch":
+        """``GET /v1/batches/{id}``; unknown id → NotFound."""
+        return Batch(self, self._call("GET", "/v1/batches/" + _q(batch_id)))
+
+    def batches(self) -> List["Batch"]:
+        """``GET /v1/batches``: this tenant's batches (every tenant's for an admin)."""
+        return [Batch(self, b) for b in self._call("GET", "/v1/batches").get("batches", [])]
+
+    def destroy_where(self, labels: Optional[Dict[str, str]] = None,
+                      batch: Optional[str] = None) -> int:
+        """``DELETE /v1/sandboxes?label=k=v&batch=ID``: destroys every live
+        sandbox matching all filters (at least one needed); how many."""
+        query: List[Tuple[str, str]] = [("label", f"{k}={v}") for k, v in (labels or {}).items()]
+        if batch:
+            query.append(("batch", batch))
+        doc = self._call("DELETE", "/v1/sandboxes", query=query, timeout=max(self.timeout, 300.0))
+        return int(doc.get("destroyed", 0))
+
     def get(self, sandbox_id: str) -> "Sandbox":
         """``GET /v1/sandboxes/{id}``; unknown id → NotFound."""
         return Sandbox(self, self._call("GET", "/v1/sandboxes/" + _q(sandbox_id)))
@@ -401,11 +455,14 @@ class Client:
         return Sandbox(self, {"id": sandbox_id})
 
     def list(self, labels: Optional[Dict[str, str]] = None,
-             state: Optional[str] = None) -> List["Sandbox"]:
-        """Sandboxes whose labels include all of ``labels`` (and in ``state``)."""
+             state: Optional[str] = None, batch: Optional[str] = None) -> List["Sandbox"]:
+        """Sandboxes whose labels include all of ``labels`` (and in ``state``,
+        and made by batch ``batch``)."""
         query: List[Tuple[str, str]] = [("label", f"{k}={v}") for k, v in (labels or {}).items()]
         if state:
             query.append(("state", state))
+        if batch:
+            query.append(("batch", batch))
         doc = self._call("GET", "/v1/sandboxes", query=query)
         return [Sandbox(self, s) for s in doc.get("sandboxes", [])]
 
@@ -744,6 +801,76 @@ def _chunks(f: BinaryIO) -> Iterator[bytes]:
         if not b:
             return
         yield b
+
+
+class Batch:
+    """A batch creation (``Client.create_batch``): its last known progress in
+    ``info`` (``state``, ``requested``, ``pending``, ``running``, ``failed``,
+    ``errors`` by code, ...)."""
+
+    def __init__(self, client: Client, info: Dict[str, Any]):
+        self._client = client
+        self.info = info
+        self.id: str = info["id"]
+
+    def __getattr__(self, name: str) -> Any:
+        info = self.__dict__.get("info", {})
+        if name in info:
+            return info[name]
+        raise AttributeError(name)
+
+    def __repr__(self) -> str:
+        i = self.info
+        return (f"Batch({self.id!r}, state={i.get('state')!r}, running={i.get('running')}, "
+                f"pending={i.get('pending')}, failed={i.get('failed')}/{i.get('requested')})")
+
+    def status(self) -> Dict[str, Any]:
+        """``GET /v1/batches/{id}``: progress now (also kept in ``info``)."""
+        self.info = self._client._call("GET", "/v1/batches/" + _q(self.id))
+        return self.info
+
+    def wait(self, timeout: Optional[float] = None, progress: bool = True,
+             interval: float = 0.25) -> "Batch":
+        """Polls until no sandbox of the batch is pending; with ``progress``
+        draws a bar on stderr. DeadlineExceeded after ``timeout`` seconds."""
+        import sys
+        deadline = None if timeout is None else time.monotonic() + timeout
+        tty = progress and sys.stderr.isatty()
+        last = ""
+        while True:
+            i = self.status()
+            n = max(1, int(i.get("requested", 1)))
+            done = n - int(i.get("pending", 0))
+            if progress:
+                width = 30
+                fill = width * done // n
+                line = (f"batch {self.id} [{'#' * fill}{'.' * (width - fill)}] {done}/{n} "
+                        f"running {i.get('running', 0)} failed {i.get('failed', 0)} "
+                        f"{i.get('state')}")
+                if line != last:
+                    sys.stderr.write(("\r" + line) if tty else (line + "\n"))
+                    sys.stderr.flush()
+                    last = line
+            if i.get("pending", 0) == 0 and i.get("state") != "running":
+                if progress and tty:
+                    sys.stderr.write("\n")
+                return self
+            if deadline is not None and time.monotonic() > deadline:
+                from .errors import DeadlineExceeded
+                raise DeadlineExceeded(message=f"batch {self.id}: {i.get('pending')} of {n} "
+                                               f"still pending after {timeout} s")
+            time.sleep(interval)
+
+    def sandboxes(self, state: Optional[str] = None) -> List["Sandbox"]:
+        """The batch's sandboxes (``GET /v1/sandboxes?batch=ID``)."""
+        return self._client.list(state=state, batch=self.id)
+
+    def destroy(self) -> int:
+        """``DELETE /v1/batches/{id}``: destroys its sandboxes; how many."""
+        doc = self._client._call("DELETE", "/v1/batches/" + _q(self.id),
+                                 timeout=max(self._client.timeout, 300.0))
+        self.info = doc
+        return int(doc.get("destroyed", 0))
 
 
 class Sandbox:
