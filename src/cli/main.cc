@@ -96,10 +96,12 @@ const char* kUsage = R"(usage: dsec COMMAND [OPTIONS]
         The vm backend uses --microvm-accel's choice too. See docs/vm.md
   platform [--data-dir DIR] [--listen HOST:PORT] [--store ...] [--join-token-file F]
            [--heartbeat-timeout-s S] [--max-inflight N] [--admission-wait-s S]
+           [--replica-id ID] [--lease-ttl-s S]
         The control plane alone (API, store, scheduler): edges join it with the
         token in <data-dir>/join_token (0600). `dsec up` takes the same flags and
-        also accepts edges besides its own node. See docs/cluster.md
-  edge --platform URL --data-dir DIR [--join-token T | --join-token-file F]
+        also accepts edges besides its own node. Several platforms on one
+        --store postgres://... are replicas of one cluster. See docs/cluster.md
+  edge --platform URL[,URL...] --data-dir DIR [--join-token T | --join-token-file F]
        [--listen HOST:PORT] [--name N] [--pool P] [--cpus N] [--memory-mb N] [--slots N]
        [--heartbeat-s S] --blob-store URI [--loader ...] [--live-restore yes|no]
        [--simulate [--sim-latency-ms N] [--sim-capacity N]]
@@ -427,6 +429,8 @@ int cmdUp(const Args& a) {
 
   platform::PlatformOptions po;
   po.dataDir = dataDir;
+  po.replicaId = (*cluster)->replicaId();
+  po.leader = [c = cluster->get()] { return c->isLeader(); };
   po.runPool = runPool;
   po.token = *token;
   po.liveRestore = eo.liveRestore;

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <condition_variable>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -47,6 +48,11 @@ struct PlatformOptions {
   // names none runs on, and the warm pools' bounds.
   std::string runImage = "debian:latest";
   edge::RunPoolOptions runPool;
+  // Replicas on a shared store (docs/cluster.md): this replica's id, kept in
+  // the records it creates, and whether it is the leader now (it alone runs
+  // the janitor's sweeps); unset: always.
+  std::string replicaId;
+  std::function<bool()> leader;
 };
 
 class Platform {
@@ -241,6 +247,23 @@ class Platform {
   bool bindRemote(const SandboxRecord& r);
   // The request's "pool" and "spread" into r.
   static Status parsePlacement(const nlohmann::json& j, SandboxRecord& r);
+  // Replicas (platform_nodes.cc), for a shared store: records other replicas
+  // wrote come into sandboxes_. refreshSandbox re-reads one (before a call on
+  // it); syncSandboxes reads those changed since the last sync; applyStoredLocked
+  // (mu_ held) takes a stored record unless the cached one is newer or in a
+  // change this replica is making; reapCreating (leader) fails records left
+  // `creating` by a replica that died.
+  void refreshSandbox(const std::string& id);
+  void syncSandboxes();
+  void applyStoredLocked(const SandboxRecord& r);
+  void reapCreating();
+  // Idle timers across replicas: shareCalls writes the calls seen here (of
+  // sandboxes with idle_timeout_s or auto_pause_s) to the store, at most one
+  // a second per sandbox; dropCalledElsewhere (leader) takes from the
+  // candidates those called through another replica meanwhile.
+  void shareCalls();
+  void dropCalledElsewhere(std::vector<std::string>& idle, std::vector<std::string>& toPause);
+  bool isLeader() const { return !opts_.leader || opts_.leader(); }
   // Prometheus text: sandboxes by state.
   std::string sandboxStateMetrics();
   void janitor();
@@ -273,6 +296,9 @@ class Platform {
   std::multiset<std::string> stepBytesPinned_;
   std::condition_variable janitorCv_;
   std::thread janitorThread_;
+  std::mutex syncMu_;      // one syncSandboxes at a time; guards syncSince_
+  double syncSince_ = 0;  // the store's clock at the last sync
+  std::map<std::string, double> sharedCalls_;  // janitor thread only: last call time shared
 };
 
 // Helpers shared by the api_*.cc files.
