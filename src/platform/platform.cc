@@ -390,7 +390,9 @@ void Platform::handle(http::Request& req, http::Response& res) {
     return;
   }
   // Another replica may have made or changed it (docs/cluster.md).
-  if (store_->shared() && parts[2] == "sandboxes" && parts.size() >= 4) refreshSandbox(parts[3]);
+  if (store_->shared() && parts[2] == "sandboxes" && parts.size() >= 4) {
+    refreshSandbox(parts[3], !othersAlive_);
+  }
   if (Status st = authorize(parts, req.method); !st.isOk()) return sendError(res, st);
   // Trajectory ids are per tenant (platform/tenants.h).
   if (parts[2] == "trajectories" && parts.size() >= 4) {

@@ -7,6 +7,7 @@
 // edge calls are made without it. A janitor thread enforces TTLs.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <functional>
 #include <map>
@@ -253,7 +254,7 @@ class Platform {
   // (mu_ held) takes a stored record unless the cached one is newer or in a
   // change this replica is making; reapCreating (leader) fails records left
   // `creating` by a replica that died.
-  void refreshSandbox(const std::string& id);
+  void refreshSandbox(const std::string& id, bool missingOnly = false);
   void syncSandboxes();
   void applyStoredLocked(const SandboxRecord& r);
   void reapCreating();
@@ -299,6 +300,9 @@ class Platform {
   std::mutex syncMu_;      // one syncSandboxes at a time; guards syncSince_
   double syncSince_ = 0;  // the store's clock at the last sync
   std::map<std::string, double> sharedCalls_;  // janitor thread only: last call time shared
+  // Whether another replica held a live lease at the last sync: alone, a
+  // replica re-reads a record only when it has none (no cost per call).
+  std::atomic<bool> othersAlive_{true};
 };
 
 // Helpers shared by the api_*.cc files.

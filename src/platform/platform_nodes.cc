@@ -100,7 +100,11 @@ void Platform::applyStoredLocked(const SandboxRecord& r) {
   stateCv_.notify_all();
 }
 
-void Platform::refreshSandbox(const std::string& id) {
+void Platform::refreshSandbox(const std::string& id, bool missingOnly) {
+  if (missingOnly) {
+    std::lock_guard lk(mu_);
+    if (sandboxes_.count(id)) return;
+  }
   auto r = store_->getSandbox(id);
   if (!r.isOk()) {
     if (r.status().code() != Code::kNotFound) log::warn("refresh " + id + ": " + r.status().toString());
@@ -112,10 +116,33 @@ void Platform::refreshSandbox(const std::string& id) {
 
 void Platform::syncSandboxes() {
   std::lock_guard sl(syncMu_);
+  // Alone on the store (no other replica's lease live, now or at the last
+  // sync), only the watermark moves: there is nothing of others' to read.
+  // The clock is read before the leases, so a replica whose lease is taken
+  // after the look has its writes after the watermark.
+  double before = 0;
+  if (auto c = store_->sandboxesChangedSince(1e300, &before); !c.isOk()) {
+    log::warn("following other replicas: " + c.status().toString());
+    return;
+  }
+  bool others = true;
+  if (auto leases = store_->listLeases(); leases.isOk()) {
+    others = false;
+    for (auto& l : *leases) {
+      if (l.live && startsWith(l.name, "replica:") && l.name.substr(8) != opts_.replicaId) {
+        others = true;
+      }
+    }
+  }
+  bool wereOthers = othersAlive_.exchange(others);
+  if (!others && !wereOthers) {
+    syncSince_ = before;
+    return;
+  }
   double now = 0;
   // A margin behind the last reading: a write stamped before it but
   // committed after it is still read (at worst twice; applying is idempotent).
-  auto recs = store_->sandboxesChangedSince(syncSince_ - 5, &now);
+  auto recs = store_->sandboxesChangedSince(syncSince_ - 2, &now);
   if (!recs.isOk()) {
     log::warn("following other replicas: " + recs.status().toString());
     return;
