@@ -232,8 +232,20 @@ def test_nodes_join_and_list(real_cluster):
     st, _, doc = raw(cl.platform.url, "GET", "/v1/nodes")
     assert st == 401 and doc["error"]["code"] == "unauthenticated"
     # The join token and the node credentials are files only root reads.
-    for f in (cl.pdir / "join_token", cl.pdir / "nodes.json", cl.root / "edge0" / "node.json"):
+    for f in (cl.pdir / "join_token", cl.root / "edge0" / "node.json"):
         assert f.stat().st_mode & 0o077 == 0, f
+    # The node registry is in the store (edge keys only as hashes), not in a file.
+    assert not (cl.pdir / "nodes.json").exists()
+    import sqlite3
+    db = sqlite3.connect(cl.pdir / "state.db")
+    try:
+        rows = db.execute("SELECT name, edge_key_hash FROM nodes ORDER BY name").fetchall()
+    finally:
+        db.close()
+    assert [r[0] for r in rows] == ["n0", "n1", "n2"]
+    keys = json.loads((cl.root / "edge0" / "node.json").read_text())
+    import hashlib
+    assert rows[0][1] == hashlib.sha256(keys["edge_key"].encode()).hexdigest()
     # ... and never logged.
     token = (cl.pdir / "join_token").read_text().strip()
     for p in [cl.platform, *cl.edges]:

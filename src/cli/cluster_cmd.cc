@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "common/log.h"
+#include "common/sha256.h"
 #include "common/util.h"
 #include "edge/edge_server.h"
 #include "edge/edge_wire.h"
@@ -116,9 +117,43 @@ Result<std::unique_ptr<platform::Cluster>> startCluster(const ArgGet& get,
                                                         platform::Store* store, edge::Edge* local) {
   platform::ClusterOptions co;
   co.dataDir = dataDir;
+  co.store = store;
+  // The replica's id: kept in its data dir, so a restart is the same replica
+  // (and fails its own half-made creates at once).
+  co.replicaId = get("replica-id", "");
+  if (co.replicaId.empty()) {
+    ASSIGN_OR_RETURN(std::string id, loadOrCreateSecret(dataDir + "/replica_id"));
+    co.replicaId = "r-" + id.substr(0, 12);
+  }
+  // The cluster's join token: the store keeps its SHA-256, set by the first
+  // platform; every replica checks joins against it (docs/cluster.md).
   std::string tokenFile = get("join-token-file", dataDir + "/join_token");
-  ASSIGN_OR_RETURN(co.joinToken, loadOrCreateSecret(tokenFile));
+  bool givenFile = !get("join-token-file", "").empty();
+  std::string mine;
+  if (auto t = readFile(tokenFile); t.isOk()) {
+    mine = *t;
+    while (!mine.empty() && (mine.back() == '\n' || mine.back() == ' ')) mine.pop_back();
+  } else if (givenFile) {
+    return invalidArg("join-token-file", "--join-token-file: " + t.status().message());
+  }
+  if (!mine.empty() && mine.size() < 32) {
+    return invalidArg("join-token-file", tokenFile + " holds fewer than 32 characters");
+  }
+  std::string candidate = mine.empty() ? randomHex(32) : mine;
+  ASSIGN_OR_RETURN(co.joinTokenHash, store->settingOrPut("join_token_sha256", sha256Hex(candidate)));
+  if (co.joinTokenHash == sha256Hex(candidate)) {
+    if (mine.empty()) RETURN_IF_ERROR(writeFileAtomic(tokenFile, candidate + "\n", 0600));
+    log::info("edges join with the token in " + tokenFile);
+  } else if (!mine.empty()) {
+    return invalidArg("join-token-file",
+                      tokenFile + " is not this cluster's join token (the store holds another, set "
+                                  "by the first platform on it): pass that platform's token file");
+  } else {
+    log::info("edges join with the cluster's token (in the data dir of the platform that set it)");
+  }
   ASSIGN_OR_RETURN(co.heartbeatTimeoutS, numberFlag(get, "heartbeat-timeout-s", 5));
+  ASSIGN_OR_RETURN(co.leaseTtlS, numberFlag(get, "lease-ttl-s", std::max(2.0, co.heartbeatTimeoutS)));
+  if (co.leaseTtlS <= 0) return invalidArg("lease-ttl-s", "--lease-ttl-s must be positive");
   ASSIGN_OR_RETURN(double inflight, numberFlag(get, "max-inflight", 16));
   if (inflight < 1) return invalidArg("max-inflight", "--max-inflight must be at least 1");
   co.maxInflightPerNode = int(inflight);
@@ -142,7 +177,6 @@ Result<std::unique_ptr<platform::Cluster>> startCluster(const ArgGet& get,
     cap.slots = int64_t(slots);
     cluster->addLocal(local, get("node-name", "local"), cap);
   }
-  log::info("edges join with the token in " + tokenFile);
   return cluster;
 }
 
@@ -230,8 +264,11 @@ int cmdEdge(const ArgGet& get) {
   std::string listen = get("listen", "127.0.0.1:0");
   bool simulate = get("simulate", "-") != "-";
   if (dataDir.empty()) return fail("dsec edge needs --data-dir DIR");
-  if (!startsWith(platformUrl, "http://"))
-    return fail("dsec edge needs --platform http://HOST:PORT");
+  for (auto& u : splitString(platformUrl, ',')) {
+    if (!startsWith(u, "http://")) {
+      return fail("dsec edge needs --platform http://HOST:PORT[,http://HOST:PORT...]");
+    }
+  }
   std::string lvl = get("log-level", "info");
   if (lvl == "debug") log::setLevel(log::Level::kDebug);
   if (lvl == "warn") log::setLevel(log::Level::kWarn);

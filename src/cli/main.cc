@@ -99,10 +99,12 @@ const char* kUsage = R"(usage: dsec COMMAND [OPTIONS]
            [--heartbeat-timeout-s S] [--max-inflight N] [--admission-wait-s S]
            [--burst-pool P|none] [--burst-threshold X] [--prestage 'POOL=REF,...;...']
            [--batch-workers N]   threads creating batches' sandboxes (default 128)
+           [--replica-id ID] [--lease-ttl-s S]
         The control plane alone (API, store, scheduler): edges join it with the
         token in <data-dir>/join_token (0600). `dsec up` takes the same flags and
-        also accepts edges besides its own node. See docs/cluster.md
-  edge --platform URL --data-dir DIR [--join-token T | --join-token-file F]
+        also accepts edges besides its own node. Several platforms on one
+        --store postgres://... are replicas of one cluster. See docs/cluster.md
+  edge --platform URL[,URL...] --data-dir DIR [--join-token T | --join-token-file F]
        [--listen HOST:PORT] [--name N] [--pool P] [--cpus N] [--memory-mb N] [--slots N]
        [--heartbeat-s S] --blob-store URI [--loader ...] [--live-restore yes|no]
        [--simulate [--sim-latency-ms N] [--sim-capacity N] [--sim-nodes K]]
@@ -434,6 +436,8 @@ int cmdUp(const Args& a) {
 
   platform::PlatformOptions po;
   po.dataDir = dataDir;
+  po.replicaId = (*cluster)->replicaId();
+  po.leader = [c = cluster->get()] { return c->isLeader(); };
   po.runPool = runPool;
   po.token = *token;
   po.liveRestore = eo.liveRestore;

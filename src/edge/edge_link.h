@@ -117,6 +117,8 @@ class EdgeLink {
   // `node`, so its calls go there.
   virtual void bindSandbox(const std::string& /*id*/, const std::string& /*node*/,
                            const SandboxSpec& /*spec*/) {}
+  // Forgets that placement (another platform replica ended the sandbox).
+  virtual void unbindSandbox(const std::string& /*id*/) {}
   // Whether `node` is another process's (its sandboxes outlive this one).
   virtual bool isRemoteNode(const std::string& /*node*/) const { return false; }
   // Called when the sandboxes of a node that stopped answering are lost

@@ -32,7 +32,36 @@ std::string bearerOf(http::Request& req) {
 
 }  // namespace
 
-EdgeAgent::EdgeAgent(EdgeAgentOptions opts) : opts_(std::move(opts)), bootId_(randomHex(8)) {}
+EdgeAgent::EdgeAgent(EdgeAgentOptions opts) : opts_(std::move(opts)), bootId_(randomHex(8)) {
+  for (auto& u : splitString(opts_.platformUrl, ',')) {
+    if (!u.empty()) urls_.push_back(u);
+  }
+  if (urls_.empty()) urls_.push_back(opts_.platformUrl);
+}
+
+Result<http::ClientResponse> EdgeAgent::send(const std::string& key, const std::string& method,
+                                             const std::string& target, const std::string& body,
+                                             double readTimeoutS) {
+  http::ClientOptions co;
+  co.connectTimeoutS = 3;
+  co.readTimeoutS = readTimeoutS;
+  size_t start = current_.load();
+  std::string errors;
+  for (size_t k = 0; k < urls_.size(); ++k) {
+    size_t i = (start + k) % urls_.size();
+    auto c = http::Client::connect(urls_[i], key, co);
+    auto r = c.isOk() ? (*c)->request(method, target, body)
+                      : Result<http::ClientResponse>(c.status());
+    if (r.isOk()) {
+      if (i != start && current_.exchange(i) != i) {
+        log::info("platform: now talking to " + urls_[i]);
+      }
+      return r;
+    }
+    errors += (errors.empty() ? "" : "; ") + urls_[i] + ": " + r.status().message();
+  }
+  return Status(Code::kUnavailable, "platform: " + errors);
+}
 
 EdgeAgent::~EdgeAgent() { stop(); }
 
@@ -60,13 +89,8 @@ Status EdgeAgent::join() {
       {"url", opts_.url},
       {"pool", opts_.pool},
       {"capacity", {{"cpus", opts_.cpus}, {"memory_mb", opts_.memoryMb}, {"slots", opts_.slots}}}};
-  http::ClientOptions co;
-  co.connectTimeoutS = 3;
-  co.readTimeoutS = 10;
-  auto c = http::Client::connect(opts_.platformUrl, opts_.joinToken, co);
-  if (!c.isOk()) return Status(Code::kUnavailable, "platform: " + c.status().message());
-  auto r = (*c)->request("POST", "/internal/v1/join", body.dump());
-  if (!r.isOk()) return Status(Code::kUnavailable, "platform: " + r.status().message());
+  auto r = send(opts_.joinToken, "POST", "/internal/v1/join", body.dump(), 10);
+  if (!r.isOk()) return r.status();
   if (r->status != 200) return wire::statusFromBody(r->status, r->body);
   json j = json::parse(r->body, nullptr, false);
   if (j.is_discarded() || !j.contains("edge_key"))
@@ -82,7 +106,7 @@ Status EdgeAgent::join() {
                 {"platform_key", platformKey_},
                 {"platform", opts_.platformUrl}};
   RETURN_IF_ERROR(writeFileAtomic(opts_.dataDir + "/node.json", saved.dump() + "\n", 0600));
-  log::info("joined the platform at " + opts_.platformUrl + " as node " + node_);
+  log::info("joined the platform at " + urls_[current_.load()] + " as node " + node_);
   return Status::ok();
 }
 
@@ -107,13 +131,8 @@ Result<std::string> EdgeAgent::platformCall(const std::string& method, const std
     key = edgeKey_;
     node = node_;
   }
-  http::ClientOptions co;
-  co.connectTimeoutS = 3;
-  co.readTimeoutS = 30;
-  auto c = http::Client::connect(opts_.platformUrl, key, co);
-  if (!c.isOk()) return Status(Code::kUnavailable, "platform: " + c.status().message());
-  auto r = (*c)->request(method, target, body);
-  if (!r.isOk()) return Status(Code::kUnavailable, "platform: " + r.status().message());
+  auto r = send(key, method, target, body, 30);
+  if (!r.isOk()) return r.status();
   if (r->status != 200) return wire::statusFromBody(r->status, r->body);
   return r->body;
 }
@@ -268,15 +287,11 @@ Result<LayerDesc> EdgeAgent::lookupLayer(const std::string& digest) {
     std::lock_guard lk(mu_);
     key = edgeKey_;
   }
-  http::ClientOptions co;
-  co.connectTimeoutS = 3;
-  co.readTimeoutS = 30;
-  auto c = http::Client::connect(opts_.platformUrl, key, co);
-  if (!c.isOk()) return Status(Code::kUnavailable, "platform: " + c.status().message());
-  (void)node;
-  auto r = (*c)->request("GET", "/internal/v1/layers/" + http::percentEncode(digest) +
-                                    "?node=" + http::percentEncode(node));
-  if (!r.isOk()) return Status(Code::kUnavailable, "platform: " + r.status().message());
+  auto r = send(key, "GET",
+                "/internal/v1/layers/" + http::percentEncode(digest) +
+                    "?node=" + http::percentEncode(node),
+                "", 30);
+  if (!r.isOk()) return r.status();
   if (r->status != 200) return wire::statusFromBody(r->status, r->body);
   json j = json::parse(r->body, nullptr, false);
   if (j.is_discarded()) return internalError("platform: bad layer answer");

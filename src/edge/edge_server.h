@@ -24,6 +24,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/http_client.h"
 #include "common/http_server.h"
 #include "edge/edge_link.h"
 #include "edge/image/loader.h"
@@ -31,7 +32,10 @@
 namespace dsec::edge {
 
 struct EdgeAgentOptions {
-  std::string platformUrl;  // http://HOST:PORT
+  // http://HOST:PORT, or several, comma-separated: the replicas of one
+  // platform. Calls go to the one that last answered; one that cannot be
+  // reached (connect or transport error) is skipped for the next.
+  std::string platformUrl;
   std::string joinToken;    // needed for the first join (and a re-join)
   std::string dataDir;      // node.json lives here
   std::string name;         // node name, unique in the cluster
@@ -78,6 +82,11 @@ class EdgeAgent {
   // A call to the platform with the edge key; kUnauthenticated on 401.
   Result<std::string> platformCall(const std::string& method, const std::string& target,
                                    const std::string& body);
+  // One request to the platform with `key`, failing over between the
+  // replicas' URLs; kUnavailable when none can be reached.
+  Result<http::ClientResponse> send(const std::string& key, const std::string& method,
+                                    const std::string& target, const std::string& body,
+                                    double readTimeoutS);
   void heartbeatLoop();
   Status heartbeatOnce();
   void route(http::Request& req, http::Response& res, EdgeLink* link);
@@ -93,6 +102,8 @@ class EdgeAgent {
 
   EdgeAgentOptions opts_;
   std::string bootId_;
+  std::vector<std::string> urls_;  // the platform's replicas
+  std::atomic<size_t> current_{0};  // index into urls_ of the one that last answered
   mutable std::mutex mu_;  // guards node_, edgeKey_, platformKey_, link_, layers_, stopping_
   std::string node_, edgeKey_, platformKey_;
   EdgeLink* link_ = nullptr;

@@ -351,6 +351,7 @@ Result<SandboxRecord> Platform::launch(SandboxRecord r) {
   Laps laps;
   r.id = "sb-" + randomHex(8);
   r.state = "creating";
+  r.replica = opts_.replicaId;
   r.createdAt = r.updatedAt = nowSeconds();
   r.expiresAt = r.ttlS > 0 ? r.createdAt + double(r.ttlS) : 0;
   // The owner's quotas are checked against its live records, under the same
@@ -427,6 +428,7 @@ Result<SandboxRecord> Platform::launch(SandboxRecord r) {
 }
 
 void Platform::listSandboxes(http::Request& req, http::Response& res) {
+  if (store_->shared()) syncSandboxes();  // what other replicas made just now
   std::map<std::string, std::string> want;
   for (auto [it, end] = req.query.equal_range("label"); it != end; ++it) {
     size_t eq = it->second.find('=');

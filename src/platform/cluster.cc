@@ -2,9 +2,13 @@
 
 #include <algorithm>
 #include <array>
+#include <cerrno>
+#include <cstdio>
+#include <optional>
 #include <nlohmann/json.hpp>
 
 #include "common/log.h"
+#include "common/sha256.h"
 #include "common/util.h"
 #include "edge/backends/microvm/microvm_backend.h"
 #include "edge/backends/vm/vm_backend.h"
@@ -96,8 +100,35 @@ Cluster::Cluster(ClusterOptions opts)
 }
 
 Result<std::unique_ptr<Cluster>> Cluster::start(ClusterOptions opts) {
+  if (!opts.store) return internalError("cluster: no store");
+  if (opts.replicaId.empty()) opts.replicaId = "r-" + randomHex(6);
   std::unique_ptr<Cluster> c(new Cluster(std::move(opts)));
-  RETURN_IF_ERROR(c->loadNodes());
+  Store* store = c->opts_.store;
+  // Another live process with this replica id would fail this one's creates.
+  // The lease of a predecessor killed a moment ago lapses within its TTL.
+  // One process owns an unshared store (its data dir is locked): a restart
+  // takes its leases over at once.
+  c->holder_ = store->shared() ? c->opts_.replicaId + "/" + randomHex(4) : c->opts_.replicaId;
+  double deadline = nowSeconds() + c->opts_.leaseTtlS + 1;
+  for (;;) {
+    ASSIGN_OR_RETURN(bool mine, store->acquireLease("replica:" + c->opts_.replicaId, c->holder_,
+                                                    c->opts_.leaseTtlS));
+    if (mine) break;
+    if (nowSeconds() >= deadline) {
+      return Status(Code::kFailedPrecondition, "replica id " + c->opts_.replicaId +
+                                                   " is held by a live platform on this store");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  RETURN_IF_ERROR(c->migrateNodesJson());
+  RETURN_IF_ERROR(c->syncNodes());
+  {
+    // Up until they miss heartbeats: their sandboxes stay as recorded meanwhile.
+    std::lock_guard lk(c->mu_);
+    double now = nowSeconds();
+    for (auto& [_, n] : c->nodes_) n->lastHeartbeat = std::max(n->lastHeartbeat, now);
+  }
+  c->renewLeases();
   c->monitorThread_ = std::thread([raw = c.get()] { raw->monitor(); });
   return c;
 }
@@ -110,9 +141,12 @@ Cluster::~Cluster() {
   monitorCv_.notify_all();
   roomCv_.notify_all();
   if (monitorThread_.joinable()) monitorThread_.join();
+  // A clean stop hands leadership over at once instead of after the TTL.
+  if (leader_) (void)opts_.store->releaseLease("leader", holder_);
+  (void)opts_.store->releaseLease("replica:" + opts_.replicaId, holder_);
 }
 
-Status Cluster::loadNodes() {
+Status Cluster::migrateNodesJson() {
   std::string path = opts_.dataDir + "/nodes.json";
   auto read = dsec::readFile(path);
   if (!read.isOk() && read.status().code() == Code::kNotFound) return Status::ok();
@@ -121,36 +155,117 @@ Status Cluster::loadNodes() {
   if (j.is_discarded() || !j.is_object() || !j.contains("nodes")) {
     return internalError(path + ": not a node list");
   }
-  double now = nowSeconds();
-  std::lock_guard lk(mu_);
+  ASSIGN_OR_RETURN(auto have, opts_.store->listNodes());
+  std::set<std::string> known;
+  for (auto& r : have) known.insert(r.name);
+  int moved = 0;
   for (auto& n : j["nodes"]) {
-    auto node = std::make_unique<Node>();
-    node->name = n.value("name", "");
-    node->pool = n.value("pool", "default");
-    node->url = n.value("url", "");
-    node->edgeKey = n.value("edge_key", "");
-    node->platformKey = n.value("platform_key", "");
-    if (!validNodeName(node->name) || node->edgeKey.empty()) continue;
-    node->remote = std::make_unique<RemoteEdge>(node->url, node->platformKey);
-    node->link = node->remote.get();
-    // Up until it misses heartbeats: its sandboxes stay as recorded meanwhile.
-    node->lastHeartbeat = now;
-    nodes_[node->name] = std::move(node);
+    NodeRecord r;
+    r.name = n.value("name", "");
+    r.pool = n.value("pool", "default");
+    r.url = n.value("url", "");
+    std::string edgeKey = n.value("edge_key", "");
+    r.platformKey = n.value("platform_key", "");
+    if (!validNodeName(r.name) || edgeKey.empty() || known.count(r.name)) continue;
+    r.edgeKeyHash = sha256Hex(edgeKey);
+    r.lastHeartbeat = r.joinedAt = nowSeconds();
+    RETURN_IF_ERROR(opts_.store->putNode(r));
+    ++moved;
   }
+  // Kept (0600) beside, not deleted: a rollback to the older release finds it.
+  if (::rename(path.c_str(), (path + ".migrated").c_str()) != 0) {
+    return Status(Code::kInternal, "rename " + path, errno);
+  }
+  log::info("moved " + std::to_string(moved) + " nodes from " + path + " into the store");
   return Status::ok();
 }
 
-Status Cluster::saveNodesLocked() const {
-  json list = json::array();
-  for (auto& [name, n] : nodes_) {
-    if (n->local) continue;
-    list.push_back({{"name", name},
-                    {"pool", n->pool},
-                    {"url", n->url},
-                    {"edge_key", n->edgeKey},
-                    {"platform_key", n->platformKey}});
+NodeRecord Cluster::recordLocked(const Node& n) const {
+  NodeRecord r;
+  r.name = n.name;
+  r.pool = n.pool;
+  r.url = n.url;
+  r.edgeKeyHash = n.edgeKeyHash;
+  r.platformKey = n.platformKey;
+  r.cpus = n.cap.cpus;
+  r.memoryMb = n.cap.memoryMb;
+  r.slots = n.cap.slots;
+  r.state = n.up ? "up" : "down";
+  r.lastHeartbeat = n.lastHeartbeat;
+  r.bootId = n.bootId;
+  r.joinedAt = n.joinedAt;
+  return r;
+}
+
+Status Cluster::syncNodes() {
+  lastNodeSync_ = nowSeconds();
+  ASSIGN_OR_RETURN(auto recs, opts_.store->listNodes());
+  bool changed = false;
+  {
+    std::lock_guard lk(mu_);
+    for (auto& r : recs) {
+      if (!validNodeName(r.name)) continue;
+      auto& slot = nodes_[r.name];
+      if (slot && slot->local) continue;  // a stale row of a name now local here
+      if (!slot) {
+        slot = std::make_unique<Node>();
+        slot->name = r.name;
+        slot->url = r.url;
+        slot->platformKey = r.platformKey;
+        slot->remote = std::make_unique<RemoteEdge>(r.url, r.platformKey);
+        slot->link = slot->remote.get();
+        slot->up = r.state != "down";
+        slot->reconciled = true;  // whichever replica hears it reconciles
+        slot->bootId = r.bootId;
+        changed = true;
+      }
+      Node& n = *slot;
+      n.pool = r.pool;
+      n.edgeKeyHash = r.edgeKeyHash;
+      n.joinedAt = r.joinedAt;
+      if (n.cap.cpus == 0 && n.cap.slots == 0) n.cap = {r.cpus, r.memoryMb, r.slots};
+      if (r.url != n.url || r.platformKey != n.platformKey) {
+        n.url = r.url;
+        n.platformKey = r.platformKey;
+        n.remote->reset(n.url, n.platformKey);
+      }
+      if (r.lastHeartbeat > n.lastHeartbeat) {
+        // Heard by another replica since we last did: its view is newer.
+        n.lastHeartbeat = r.lastHeartbeat;
+        n.bootId = r.bootId;
+        n.cap = {r.cpus, r.memoryMb, r.slots};
+      }
+      if (r.state == "down" && n.up) {
+        n.up = false;  // the leader marked it (and its sandboxes lost)
+        n.reconciled = false;
+        changed = true;
+      } else if (r.state == "up" && !n.up && r.lastHeartbeat >= n.lastHeartbeat) {
+        n.up = true;  // back through another replica, which reconciled
+        n.reconciled = true;
+        changed = true;
+      }
+    }
   }
-  return writeFileAtomic(opts_.dataDir + "/nodes.json", json{{"nodes", list}}.dump(1) + "\n", 0600);
+  if (changed) roomCv_.notify_all();
+  return Status::ok();
+}
+
+void Cluster::syncNodesSoon() {
+  if (nowSeconds() - lastNodeSync_.load() < 0.2) return;
+  if (Status st = syncNodes(); !st.isOk()) log::warn("node registry: " + st.toString());
+}
+
+void Cluster::renewLeases() {
+  double ttl = opts_.leaseTtlS;
+  auto mine = opts_.store->acquireLease("replica:" + opts_.replicaId, holder_, ttl);
+  if (!mine.isOk()) log::warn("replica lease: " + mine.status().toString());
+  auto lead = opts_.store->acquireLease("leader", holder_, ttl);
+  bool now = lead.isOk() && *lead;
+  if (!lead.isOk()) log::warn("leader lease: " + lead.status().toString());
+  if (now != leader_.exchange(now)) {
+    log::info(std::string("replica ") + opts_.replicaId +
+              (now ? " is the leader" : " is no longer the leader"));
+  }
 }
 
 void Cluster::addLocal(edge::EdgeLink* e, const std::string& name, NodeCapacity cap) {
@@ -210,6 +325,7 @@ bool Cluster::isRemoteNode(const std::string& node) const {
 void Cluster::bindSandbox(const std::string& id, const std::string& node,
                           const edge::SandboxSpec& spec) {
   std::lock_guard lk(mu_);
+  if (creating_.count(id)) return;  // our own create: it binds itself
   unplaceLocked(id);
   placeLocked(id, Placed{node, spec.cpu, spec.memoryBytes >> 20, spec.tenant}, false);
 }
@@ -302,6 +418,15 @@ Status Cluster::reserve(const std::vector<std::string>& ids, const PlacementRequ
     placeLocked(ids[i], std::move(pl), false);
   }
   return Status::ok();
+}
+
+void Cluster::unbindSandbox(const std::string& id) {
+  {
+    std::lock_guard lk(mu_);
+    if (creating_.count(id)) return;
+    unplaceLocked(id);
+  }
+  roomCv_.notify_all();
 }
 
 std::vector<NodeView> Cluster::viewsLocked() const {
@@ -592,35 +717,79 @@ edge::NodeCache* Cluster::localNodeCache() {
 // ------------------------------------------------------------------ liveness
 
 void Cluster::monitor() {
-  std::unique_lock lk(mu_);
-  while (!stopping_) {
-    monitorCv_.wait_for(lk, std::chrono::milliseconds(250));
-    if (stopping_) break;
+  for (;;) {
+    {
+      std::unique_lock lk(mu_);
+      monitorCv_.wait_for(lk, std::chrono::milliseconds(250));
+      if (stopping_) break;
+    }
     double now = nowSeconds();
-    std::vector<std::pair<std::string, std::string>> lost;  // sandbox, why
-    for (auto& [name, n] : nodes_) {
-      if (n->local || !n->up || now - n->lastHeartbeat <= opts_.heartbeatTimeoutS) continue;
-      n->up = false;
-      n->reconciled = false;
-      std::string why = "node " + name + " missed heartbeats for " +
-                        std::to_string(int(now - n->lastHeartbeat)) + " s";
-      log::warn(why + ": marked down");
-      for (auto& [id, p] : placed_) {
-        if (p.node == name && !creating_.count(id)) lost.emplace_back(id, why);
+    if (now - lastLease_ >= opts_.leaseTtlS / 4) {
+      lastLease_ = now;
+      renewLeases();
+    }
+    if (Status st = syncNodes(); !st.isOk()) {
+      log::warn("node registry: " + st.toString());
+      continue;  // without the store's view, marking anything down would be a guess
+    }
+    if (!leader_) continue;
+    std::vector<std::pair<std::string, double>> silent;  // name, seconds
+    {
+      std::lock_guard lk(mu_);
+      for (auto& [name, n] : nodes_) {
+        if (n->local || !n->up || now - n->lastHeartbeat <= opts_.heartbeatTimeoutS) continue;
+        silent.emplace_back(name, now - n->lastHeartbeat);
       }
     }
-    if (lost.empty()) continue;
-    auto h = onLost_;
-    lk.unlock();
-    roomCv_.notify_all();
-    for (auto& [id, why] : lost) {
-      if (h) h(id, true, why);
+    for (auto& [name, age] : silent) {
+      // The compare-and-set makes one replica the one that acts.
+      auto won = opts_.store->setNodeState(name, "up", "down");
+      if (!won.isOk()) {
+        log::warn("marking node " + name + " down: " + won.status().toString());
+        continue;
+      }
+      std::vector<std::pair<std::string, std::string>> lost;  // sandbox, why
+      std::string why = "node " + name + " missed heartbeats for " + std::to_string(int(age)) + " s";
+      {
+        std::lock_guard lk(mu_);
+        Node& n = *nodes_.at(name);
+        if (!n.up) continue;
+        n.up = false;
+        n.reconciled = false;
+        if (!*won) continue;  // another replica marked it
+        log::warn(why + ": marked down");
+        for (auto& [id, p] : placed_) {
+          if (p.node == name && !creating_.count(id)) lost.emplace_back(id, why);
+        }
+      }
+      roomCv_.notify_all();
+      std::function<void(const std::string&, bool, const std::string&)> h;
+      {
+        std::lock_guard lk(mu_);
+        h = onLost_;
+      }
+      for (auto& [id, w] : lost) {
+        if (h) h(id, true, w);
+      }
     }
-    lk.lock();
   }
 }
 
 // ------------------------------------------------------------------ edges' calls
+
+bool Cluster::authNode(const std::string& name, http::Request& req, http::Response& res) {
+  auto known = [&] {
+    std::lock_guard lk(mu_);
+    auto it = nodes_.find(name);
+    std::string key = bearer(req);
+    return it != nodes_.end() && !it->second->local && !key.empty() &&
+           secretEquals(sha256Hex(key), it->second->edgeKeyHash);
+  };
+  // Joined (or re-joined) through another replica since our last sync?
+  if (!known()) syncNodesSoon();
+  std::lock_guard lk(mu_);
+  return authNodeLocked(name, req, res) != nullptr;
+}
 
 Cluster::Node* Cluster::authNodeLocked(const std::string& name, http::Request& req,
                                        http::Response& res) {
@@ -628,7 +797,7 @@ Cluster::Node* Cluster::authNodeLocked(const std::string& name, http::Request& r
   std::string key = bearer(req);
   // One answer for an unknown node and a wrong key: no probing of names.
   if (it == nodes_.end() || it->second->local || key.empty() ||
-      !secretEquals(key, it->second->edgeKey)) {
+      !secretEquals(sha256Hex(key), it->second->edgeKeyHash)) {
     res.setHeader("WWW-Authenticate", "Bearer");
     sendErr(res, Status(Code::kUnauthenticated,
                         key.empty() ? "missing node credential" : "invalid node credential"));
@@ -648,10 +817,7 @@ void Cluster::handleInternal(http::Request& req, http::Response& res) {
   if (n == 5 && parts[3] == "layers" && req.method == "GET") {
     // Any joined node may look layers up: their bytes are in the blob store.
     std::string node = req.param("node").value_or("");
-    {
-      std::lock_guard lk(mu_);
-      if (!authNodeLocked(node, req, res)) return;
-    }
+    if (!authNode(node, req, res)) return;
     if (!opts_.lookup) return sendErr(res, notFound("no layer lookup here"));
     auto d = opts_.lookup(parts[4]);
     if (!d.isOk()) return sendErr(res, d.status());
@@ -687,7 +853,8 @@ Status parseCapacity(const json& j, NodeCapacity& cap) {
 
 void Cluster::join(http::Request& req, http::Response& res) {
   std::string key = bearer(req);
-  if (opts_.joinToken.empty() || key.empty() || !secretEquals(key, opts_.joinToken)) {
+  if (opts_.joinTokenHash.empty() || key.empty() ||
+      !secretEquals(sha256Hex(key), opts_.joinTokenHash)) {
     res.setHeader("WWW-Authenticate", "Bearer");
     return sendErr(res, Status(Code::kUnauthenticated,
                                key.empty() ? "missing join token" : "invalid join token"));
@@ -710,47 +877,60 @@ void Cluster::join(http::Request& req, http::Response& res) {
     return sendErr(res, invalidArg("pool", "pool must be 1-63 of [A-Za-z0-9._-]"));
   NodeCapacity cap;
   if (Status st = parseCapacity(j, cap); !st.isOk()) return sendErr(res, st);
-  json reply;
   {
     std::lock_guard lk(mu_);
-    auto& slot = nodes_[name];
-    if (slot && slot->local) {
+    auto it = nodes_.find(name);
+    if (it != nodes_.end() && it->second->local) {
       return sendErr(res,
                      Status(Code::kAlreadyExists, "node name " + name + " is taken", 0, "name"));
     }
+  }
+  // Fresh keys: a re-join (new data dir, lost credentials) shuts the old ones out.
+  std::string edgeKey = randomHex(32);
+  NodeRecord rec;
+  rec.name = name;
+  rec.pool = pool;
+  rec.url = url;
+  rec.edgeKeyHash = sha256Hex(edgeKey);
+  rec.platformKey = randomHex(32);
+  rec.cpus = cap.cpus;
+  rec.memoryMb = cap.memoryMb;
+  rec.slots = cap.slots;
+  rec.lastHeartbeat = rec.joinedAt = nowSeconds();
+  // In the store before the answer: any replica then accepts the edge key.
+  if (Status st = opts_.store->putNode(rec); !st.isOk()) return sendErr(res, st);
+  {
+    std::lock_guard lk(mu_);
+    auto& slot = nodes_[name];
     if (!slot) slot = std::make_unique<Node>();
     Node& n = *slot;
     n.name = name;
     n.pool = pool;
     n.url = url;
     n.cap = cap;
-    // Fresh keys: a re-join (new data dir, lost credentials) shuts the old ones out.
-    n.edgeKey = randomHex(32);
-    n.platformKey = randomHex(32);
+    n.edgeKeyHash = rec.edgeKeyHash;
+    n.platformKey = rec.platformKey;
+    n.joinedAt = rec.joinedAt;
     if (n.remote) {
       n.remote->reset(url, n.platformKey);
     } else {
       n.remote = std::make_unique<RemoteEdge>(url, n.platformKey);
     }
     n.link = n.remote.get();
-    n.lastHeartbeat = nowSeconds();
+    n.lastHeartbeat = n.lastStored = rec.lastHeartbeat;
     n.up = true;
     n.reconciled = false;  // its first heartbeat reconciles
-    if (Status st = saveNodesLocked(); !st.isOk()) return sendErr(res, st);
-    reply = {{"node", name},
-             {"edge_key", n.edgeKey},
-             {"platform_key", n.platformKey},
-             {"heartbeat_timeout_s", opts_.heartbeatTimeoutS}};
   }
+  json reply = {{"node", name},
+                {"edge_key", edgeKey},
+                {"platform_key", rec.platformKey},
+                {"heartbeat_timeout_s", opts_.heartbeatTimeoutS}};
   log::info("node " + name + " joined from " + url + " (pool " + pool + ")");
   sendJsonBody(res, 200, reply);
 }
 
 void Cluster::heartbeat(const std::string& name, http::Request& req, http::Response& res) {
-  {
-    std::lock_guard lk(mu_);  // nothing of an unauthenticated caller is read
-    if (!authNodeLocked(name, req, res)) return;
-  }
+  if (!authNode(name, req, res)) return;  // nothing of an unauthenticated caller is read
   auto body = req.readBody(64 << 20);
   if (!body.isOk()) return sendErr(res, body.status());
   json j = json::parse(*body, nullptr, false);
@@ -770,18 +950,21 @@ void Cluster::heartbeat(const std::string& name, http::Request& req, http::Respo
   std::string bootId = j.value("boot_id", "");
   std::set<std::string> cached = layers;  // for the prestage answer
   std::string pool;
-  std::vector<std::string> destroy;
+  std::vector<std::string> unknown;  // runs there, no placement here: ask the store
   std::vector<std::pair<std::string, bool>> changes;  // sandbox, lost
   std::string why;
   bool returned = false;
+  std::optional<NodeRecord> store;  // the heartbeat, to write through
+  double now = nowSeconds();
   {
     std::lock_guard lk(mu_);
     Node* n = authNodeLocked(name, req, res);
     if (!n) return;
     if (!n->up || n->bootId != bootId) n->reconciled = false;
     returned = !n->up;
+    bool rebooted = n->bootId != bootId;
     n->up = true;
-    n->lastHeartbeat = nowSeconds();
+    n->lastHeartbeat = now;
     n->bootId = bootId;
     pool = n->pool;
     n->cap = cap;
@@ -791,15 +974,21 @@ void Cluster::heartbeat(const std::string& name, http::Request& req, http::Respo
       n->loadavg = j["load"].value("loadavg_1m", 0.0);
     }
     std::string url = j.value("url", n->url);
-    if (url != n->url && startsWith(url, "http://")) {
+    bool moved = url != n->url && startsWith(url, "http://");
+    if (moved) {
       n->url = url;
       n->remote->reset(url, n->platformKey);
-      (void)saveNodesLocked();
     }
-    // What the node runs that no placement here wants: it destroys them.
+    // Written through at a quarter of the timeout: enough for the leader
+    // (maybe another replica) to see the node alive, few writes per node.
+    if (returned || rebooted || moved ||
+        now - n->lastStored >= std::max(0.2, opts_.heartbeatTimeoutS / 4)) {
+      n->lastStored = now;
+      store = recordLocked(*n);
+    }
     for (auto& id : running) {
       auto p = placed_.find(id);
-      if (p == placed_.end() || p->second.node != name) destroy.push_back(id);
+      if (p == placed_.end() || p->second.node != name) unknown.push_back(id);
     }
     if (!n->reconciled) {
       why = "node " + name + " came back without it";
@@ -809,6 +998,38 @@ void Cluster::heartbeat(const std::string& name, http::Request& req, http::Respo
       }
       n->reconciled = true;
     }
+  }
+  if (store) {
+    if (Status st = opts_.store->touchNode(*store); !st.isOk()) {
+      log::warn("recording the heartbeat of node " + name + ": " + st.toString());
+    }
+    if (returned) (void)opts_.store->setNodeState(name, "down", "up");
+  }
+  // What the node runs that no placement here wants: the store decides (another
+  // replica may have created it a moment ago, or be creating it now).
+  std::vector<std::string> destroy;
+  for (auto& id : unknown) {
+    auto r = opts_.store->getSandbox(id);
+    if (!r.isOk()) {
+      if (r.status().code() != Code::kNotFound) {
+        log::warn("heartbeat of " + name + ": looking up " + id + ": " + r.status().toString());
+        continue;  // unknown is not unwanted: ask again next heartbeat
+      }
+      destroy.push_back(id);
+      continue;
+    }
+    if (r->state == "creating") continue;  // its replica finishes it, or the leader fails it
+    bool live = r->state == "running" || r->state == "paused" || r->state == "lost";
+    if (!live || r->node != name) {
+      destroy.push_back(id);
+      continue;
+    }
+    edge::SandboxSpec spec;
+    spec.cpu = r->cpu;
+    spec.memoryBytes = r->memoryMb << 20;
+    spec.tenant = r->owner;
+    bindSandbox(id, name, spec);
+    if (r->state == "lost") changes.emplace_back(id, false);  // found
   }
   if (returned) log::info("node " + name + " is back");
   roomCv_.notify_all();
@@ -853,10 +1074,7 @@ std::vector<std::string> Cluster::prestageFor(const std::string& pool) {
 }
 
 void Cluster::event(const std::string& name, http::Request& req, http::Response& res) {
-  {
-    std::lock_guard lk(mu_);
-    if (!authNodeLocked(name, req, res)) return;
-  }
+  if (!authNode(name, req, res)) return;
   auto body = req.readBody(1 << 20);
   if (!body.isOk()) return sendErr(res, body.status());
   json j = json::parse(*body, nullptr, false);
@@ -865,14 +1083,19 @@ void Cluster::event(const std::string& name, http::Request& req, http::Response&
   }
   std::string id = j["sandbox"];
   std::function<void(const std::string&, const std::string&)> h;
+  bool placedHere;
   {
     std::lock_guard lk(mu_);
     if (!authNodeLocked(name, req, res)) return;
     auto p = placed_.find(id);
-    if (p == placed_.end() || p->second.node != name) {
-      return sendJsonBody(res, 200, {{"ignored", true}});
-    }
+    placedHere = p != placed_.end() && p->second.node == name;
     h = onDeath_;
+  }
+  if (!placedHere) {
+    // Maybe placed through another replica and not yet followed here.
+    auto r = opts_.store->getSandbox(id);
+    bool live = r.isOk() && (r->state == "running" || r->state == "paused" || r->state == "lost");
+    if (!live || r->node != name) return sendJsonBody(res, 200, {{"ignored", true}});
   }
   sendJsonBody(res, 200, {{"ignored", false}});
   // After the answer: recording the death calls back into the node.

@@ -7,7 +7,18 @@
 // (POST /internal/v1/join) and receives two per-node keys: the edge key, which
 // authenticates its calls to the platform (heartbeats, events, layer lookups),
 // and the platform key, which the platform's calls to the edge carry. Nodes
-// and keys persist in <data>/nodes.json (0600).
+// persist in the Store (NodeRecord: the edge key only as its SHA-256, the
+// platform key as is, since every replica must present it); a <data>/nodes.json
+// of an older release is moved into the store once.
+//
+// Replicas: several platforms on one shared store (PostgreSQL) serve one
+// cluster. Each follows the node registry in the store (a node that joined
+// or heartbeats through another replica is known here within a monitor tick),
+// and writes its heartbeats' times there. One replica at a time holds the
+// store's "leader" lease; only the leader marks nodes down (a compare-and-set
+// on the node's state, so no two replicas act on one silence), and a dead
+// leader's lease expires after leaseTtlS so another takes over. Each replica
+// also holds "replica:<id>", by which the leader knows it is alive.
 //
 // Liveness: an edge heartbeats its capacity, load, cached layers and running
 // sandboxes. A remote node silent for heartbeatTimeoutS is marked down and its
@@ -15,6 +26,8 @@
 // restarted: a new boot id), the two reconcile: sandboxes it still runs are
 // reported found, ones it no longer has stay lost, and ones the platform no
 // longer wants are destroyed by the edge (the heartbeat's answer lists them).
+// A sandbox this replica has no placement for is looked up in the store
+// before it is condemned: another replica may have just created it.
 //
 // Admission: each node takes at most maxInflightPerNode creations at a time;
 // a create that finds no room waits (queued) up to admissionWaitS, then fails
@@ -40,12 +53,16 @@
 #include "edge/image/loader.h"
 #include "platform/remote_edge.h"
 #include "platform/scheduler.h"
+#include "platform/store.h"
 
 namespace dsec::platform {
 
 struct ClusterOptions {
-  std::string dataDir;    // nodes.json lives here
-  std::string joinToken;  // empty: no edge may join
+  std::string dataDir;    // a nodes.json of an older release is migrated from here
+  Store* store = nullptr; // required; not owned
+  std::string replicaId;  // unique among the replicas on the store
+  double leaseTtlS = 3;   // the leader and replica leases
+  std::string joinTokenHash;  // hex SHA-256 of the join token; empty: no edge may join
   double heartbeatTimeoutS = 5;
   int maxInflightPerNode = 16;
   double admissionWaitS = 30;
@@ -67,10 +84,16 @@ struct NodeCapacity {
 
 class Cluster : public edge::EdgeLink {
  public:
-  // Loads the nodes of <dataDir>/nodes.json (as up, awaiting their first
-  // heartbeat) and starts the liveness monitor.
+  // Moves an old <dataDir>/nodes.json into the store, loads the store's nodes
+  // (those up await their first heartbeat) and starts the liveness monitor.
+  // kFailedPrecondition when a live replica already holds opts.replicaId.
   static Result<std::unique_ptr<Cluster>> start(ClusterOptions opts);
   ~Cluster() override;
+
+  // Whether this replica holds the leader lease (it runs the sweeps that must
+  // run once per cluster: down-marking here, the janitor in Platform).
+  bool isLeader() const { return leader_.load(); }
+  const std::string& replicaId() const { return opts_.replicaId; }
 
   // The in-process node of `dsec up`: always up, reached directly.
   void addLocal(edge::EdgeLink* e, const std::string& name, NodeCapacity cap);
@@ -123,6 +146,7 @@ class Cluster : public edge::EdgeLink {
   std::string nodeOf(const std::string& id) const override;
   void bindSandbox(const std::string& id, const std::string& node,
                    const edge::SandboxSpec& spec) override;
+  void unbindSandbox(const std::string& id) override;
   bool isRemoteNode(const std::string& node) const override;
   std::string extraMetrics() override;
   // All-or-nothing placement (POST /v1/batches): places every id of `ids`
@@ -141,7 +165,9 @@ class Cluster : public edge::EdgeLink {
     bool local = false;
     edge::EdgeLink* link = nullptr;      // local_ or remote->get()
     std::unique_ptr<RemoteEdge> remote;  // remote nodes
-    std::string url, edgeKey, platformKey;
+    std::string url, edgeKeyHash, platformKey;
+    double joinedAt = 0;
+    double lastStored = 0;  // when this replica last wrote its heartbeat to the store
     std::string bootId;  // of the edge process last heard
     bool up = true;
     bool reconciled = false;  // since it (re)appeared
@@ -178,14 +204,23 @@ class Cluster : public edge::EdgeLink {
   Result<edge::EdgeLink*> route(const std::string& id) const;
   edge::EdgeLink* localLink() const;
   std::vector<NodeView> viewsLocked() const;
-  Status saveNodesLocked() const;
-  Status loadNodes();
+  NodeRecord recordLocked(const Node& n) const;
+  Status migrateNodesJson();
+  // Follows the store's node registry (nodes that joined, re-joined, went
+  // down or came back through other replicas). Called without mu_.
+  Status syncNodes();
+  // syncNodes() unless one ran within the last 200 ms (an unknown node or key).
+  void syncNodesSoon();
+  void renewLeases();
   void monitor();
   void join(http::Request& req, http::Response& res);
   void heartbeat(const std::string& name, http::Request& req, http::Response& res);
   void event(const std::string& name, http::Request& req, http::Response& res);
   // The node `name` if the request carries its edge key; else answers 401/404.
   Node* authNodeLocked(const std::string& name, http::Request& req, http::Response& res);
+  // authNodeLocked after a registry sync when the node or key is not known yet
+  // (it joined through another replica); true when authenticated.
+  bool authNode(const std::string& name, http::Request& req, http::Response& res);
 
   ClusterOptions opts_;
   Scheduler sched_;
@@ -214,6 +249,10 @@ class Cluster : public edge::EdgeLink {
   std::function<void(const std::string&, bool, const std::string&)> onLost_;
   std::condition_variable monitorCv_;
   std::thread monitorThread_;
+  std::string holder_;  // "<replica id>/<random>": this process, in the leases
+  std::atomic<bool> leader_{false};
+  std::atomic<double> lastNodeSync_{0};
+  double lastLease_ = 0;  // monitor thread only
 };
 
 // Counts an API error by code (for dsec_api_errors_total); cheap, lock-free.

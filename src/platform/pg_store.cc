@@ -40,7 +40,26 @@ constexpr const char* kMigrations[] = {
     "CREATE INDEX api_keys_tenant ON api_keys(tenant);"
     "ALTER TABLE images ADD COLUMN owner TEXT NOT NULL DEFAULT '';"
     "ALTER TABLE images ADD COLUMN visibility TEXT NOT NULL DEFAULT 'public';",
-    // 3: batch creations (POST /v1/batches).
+    // 3: replicas (docs/cluster.md): the node registry, leases, settings, and
+    // when each sandbox row last changed (stamped by the server, so replicas
+    // can follow each other's writes).
+    "CREATE TABLE nodes(name TEXT PRIMARY KEY, pool TEXT NOT NULL, url TEXT NOT NULL, "
+    "edge_key_hash TEXT NOT NULL, platform_key TEXT NOT NULL, cpus DOUBLE PRECISION NOT NULL, "
+    "memory_mb BIGINT NOT NULL, slots BIGINT NOT NULL, state TEXT NOT NULL, "
+    "last_heartbeat DOUBLE PRECISION NOT NULL, boot_id TEXT NOT NULL, "
+    "joined_at DOUBLE PRECISION NOT NULL);"
+    "CREATE TABLE leases(name TEXT PRIMARY KEY, holder TEXT NOT NULL, "
+    "expires DOUBLE PRECISION NOT NULL);"
+    "CREATE TABLE settings(name TEXT PRIMARY KEY, value TEXT NOT NULL);"
+    "CREATE TABLE sandbox_calls(id TEXT PRIMARY KEY REFERENCES sandboxes(id) ON DELETE CASCADE, "
+    "at DOUBLE PRECISION NOT NULL);"
+    "ALTER TABLE sandboxes ADD COLUMN changed DOUBLE PRECISION NOT NULL DEFAULT 0;"
+    "CREATE INDEX sandboxes_changed ON sandboxes(changed);"
+    "CREATE FUNCTION dsec_sandbox_changed() RETURNS trigger AS $$ BEGIN "
+    "NEW.changed := EXTRACT(EPOCH FROM clock_timestamp()); RETURN NEW; END $$ LANGUAGE plpgsql;"
+    "CREATE TRIGGER sandboxes_changed BEFORE INSERT OR UPDATE ON sandboxes "
+    "FOR EACH ROW EXECUTE FUNCTION dsec_sandbox_changed();",
+    // 4: batch creations (POST /v1/batches).
     "CREATE TABLE batches(id TEXT PRIMARY KEY, doc TEXT NOT NULL);",
 };
 constexpr int kSchemaVersion = int(std::size(kMigrations));
@@ -843,6 +862,214 @@ Result<std::vector<ApiKeyRecord>> PostgresStore::listApiKeys(const std::string& 
     ASSIGN_OR_RETURN(auto r, apiKeyFromJson(rows.text(i, 0)));
     out.push_back(std::move(r));
   }
+  return out;
+}
+
+// ---------------------------------------------------------------- replicas and nodes
+
+namespace {
+constexpr const char* kNodeColumns =
+    "name, pool, url, edge_key_hash, platform_key, cpus, memory_mb, slots, state, "
+    "last_heartbeat, boot_id, joined_at";
+}  // namespace
+
+Result<SandboxRecord> PostgresStore::getSandbox(const std::string& id) {
+  ASSIGN_OR_RETURN(Rows rows, Query::run(this, "getSandbox", "SELECT doc FROM sandboxes WHERE id=$1",
+                                         Params().add(id), kRetry));
+  if (rows.size() == 0) return notFound("sandbox " + id + " not found");
+  return sandboxFromJson(rows.text(0, 0));
+}
+
+Result<std::vector<SandboxRecord>> PostgresStore::sandboxesChangedSince(double since, double* now) {
+  if (now) {
+    // Read first: a row stamped after this reading is seen by the next call.
+    ASSIGN_OR_RETURN(Rows t, Query::run(this, "store clock",
+                                        "SELECT EXTRACT(EPOCH FROM clock_timestamp())::float8",
+                                        Params(), kRetry));
+    *now = t.dbl(0, 0);
+  }
+  ASSIGN_OR_RETURN(Rows rows, Query::run(this, "sandboxesChangedSince",
+                                         "SELECT doc FROM sandboxes WHERE changed >= $1::float8",
+                                         Params().add(since), kRetry));
+  std::vector<SandboxRecord> out;
+  for (int i = 0; i < rows.size(); ++i) {
+    ASSIGN_OR_RETURN(auto r, sandboxFromJson(rows.text(i, 0)));
+    out.push_back(std::move(r));
+  }
+  return out;
+}
+
+Result<bool> PostgresStore::casSandbox(const SandboxRecord& r, const std::string& fromState) {
+  ASSIGN_OR_RETURN(Rows rows,
+                   Query::run(this, "casSandbox",
+                              "UPDATE sandboxes SET state=$2, doc=$3 WHERE id=$1 AND state=$4",
+                              Params().add(r.id).add(r.state).add(sandboxToJson(r)).add(fromState),
+                              kRetry));
+  return rows.affected() > 0;
+}
+
+Status PostgresStore::putNode(const NodeRecord& r) {
+  return Query::run(this, "putNode",
+                    "INSERT INTO nodes(name, pool, url, edge_key_hash, platform_key, cpus, "
+                    "memory_mb, slots, state, last_heartbeat, boot_id, joined_at) "
+                    "VALUES($1, $2, $3, $4, $5, $6::float8, $7::bigint, $8::bigint, $9, "
+                    "$10::float8, $11, $12::float8) ON CONFLICT(name) DO UPDATE SET "
+                    "pool=excluded.pool, url=excluded.url, edge_key_hash=excluded.edge_key_hash, "
+                    "platform_key=excluded.platform_key, cpus=excluded.cpus, "
+                    "memory_mb=excluded.memory_mb, slots=excluded.slots, state=excluded.state, "
+                    "last_heartbeat=excluded.last_heartbeat, boot_id=excluded.boot_id, "
+                    "joined_at=excluded.joined_at",
+                    Params()
+                        .add(r.name)
+                        .add(r.pool)
+                        .add(r.url)
+                        .add(r.edgeKeyHash)
+                        .add(r.platformKey)
+                        .add(r.cpus)
+                        .add(r.memoryMb)
+                        .add(r.slots)
+                        .add(r.state)
+                        .add(r.lastHeartbeat)
+                        .add(r.bootId)
+                        .add(r.joinedAt),
+                    kRetry)
+      .takeStatus();
+}
+
+Result<std::vector<NodeRecord>> PostgresStore::listNodes() {
+  ASSIGN_OR_RETURN(Rows rows, Query::run(this, "listNodes",
+                                         (std::string("SELECT ") + kNodeColumns +
+                                          " FROM nodes ORDER BY name")
+                                             .c_str(),
+                                         Params(), kRetry));
+  std::vector<NodeRecord> out;
+  for (int i = 0; i < rows.size(); ++i) {
+    NodeRecord r;
+    r.name = rows.text(i, 0);
+    r.pool = rows.text(i, 1);
+    r.url = rows.text(i, 2);
+    r.edgeKeyHash = rows.text(i, 3);
+    r.platformKey = rows.text(i, 4);
+    r.cpus = rows.dbl(i, 5);
+    r.memoryMb = rows.i64(i, 6);
+    r.slots = rows.i64(i, 7);
+    r.state = rows.text(i, 8);
+    r.lastHeartbeat = rows.dbl(i, 9);
+    r.bootId = rows.text(i, 10);
+    r.joinedAt = rows.dbl(i, 11);
+    out.push_back(std::move(r));
+  }
+  return out;
+}
+
+Status PostgresStore::touchNode(const NodeRecord& r) {
+  ASSIGN_OR_RETURN(
+      Rows rows,
+      Query::run(this, "touchNode",
+                 "UPDATE nodes SET url=$2, pool=$3, cpus=$4::float8, memory_mb=$5::bigint, "
+                 "slots=$6::bigint, last_heartbeat=GREATEST(last_heartbeat, $7::float8), "
+                 "boot_id=$8 WHERE name=$1",
+                 Params()
+                     .add(r.name)
+                     .add(r.url)
+                     .add(r.pool)
+                     .add(r.cpus)
+                     .add(r.memoryMb)
+                     .add(r.slots)
+                     .add(r.lastHeartbeat)
+                     .add(r.bootId),
+                 kRetry));
+  if (rows.affected() == 0) return notFound("node " + r.name + " not found");
+  return Status::ok();
+}
+
+Result<bool> PostgresStore::setNodeState(const std::string& name, const std::string& from,
+                                         const std::string& to) {
+  ASSIGN_OR_RETURN(Rows rows,
+                   Query::run(this, "setNodeState",
+                              "UPDATE nodes SET state=$3 WHERE name=$1 AND state=$2",
+                              Params().add(name).add(from).add(to), kRetry));
+  return rows.affected() > 0;
+}
+
+Result<bool> PostgresStore::acquireLease(const std::string& name, const std::string& holder,
+                                         double ttlS) {
+  // One statement: two replicas racing for a free lease cannot both win.
+  ASSIGN_OR_RETURN(
+      Rows rows,
+      Query::run(this, "acquireLease",
+                 "INSERT INTO leases(name, holder, expires) "
+                 "VALUES($1, $2, EXTRACT(EPOCH FROM clock_timestamp())::float8 + $3::float8) "
+                 "ON CONFLICT(name) DO UPDATE SET holder=excluded.holder, "
+                 "expires=excluded.expires WHERE leases.holder=excluded.holder OR "
+                 "leases.expires < EXTRACT(EPOCH FROM clock_timestamp())::float8 RETURNING holder",
+                 Params().add(name).add(holder).add(ttlS), kRetry));
+  return rows.size() > 0;
+}
+
+Status PostgresStore::releaseLease(const std::string& name, const std::string& holder) {
+  return Query::run(this, "releaseLease", "DELETE FROM leases WHERE name=$1 AND holder=$2",
+                    Params().add(name).add(holder), kRetry)
+      .takeStatus();
+}
+
+Result<std::vector<LeaseRecord>> PostgresStore::listLeases() {
+  ASSIGN_OR_RETURN(Rows rows, Query::run(this, "listLeases",
+                                         "SELECT name, holder, (expires >= EXTRACT(EPOCH FROM "
+                                         "clock_timestamp())::float8)::int FROM leases "
+                                         "ORDER BY name",
+                                         Params(), kRetry));
+  std::vector<LeaseRecord> out;
+  for (int i = 0; i < rows.size(); ++i) {
+    out.push_back({rows.text(i, 0), rows.text(i, 1), rows.i64(i, 2) != 0});
+  }
+  return out;
+}
+
+Result<std::string> PostgresStore::settingOrPut(const std::string& name, const std::string& value) {
+  ASSIGN_OR_RETURN(Rows rows, Query::run(this, "settingOrPut",
+                                         "INSERT INTO settings(name, value) VALUES($1, $2) "
+                                         "ON CONFLICT(name) DO UPDATE SET value=settings.value "
+                                         "RETURNING value",
+                                         Params().add(name).add(value), kRetry));
+  if (rows.size() == 0) return internalError("postgres settingOrPut: no row");
+  return rows.text(0, 0);
+}
+
+Status PostgresStore::noteCalls(const std::map<std::string, double>& calls) {
+  for (auto& [id, at] : calls) {
+    // A sandbox purged meanwhile (foreign key) is no error: nothing to time.
+    auto r = Query::run(this, "noteCalls",
+                        "INSERT INTO sandbox_calls(id, at) SELECT $1, $2::float8 "
+                        "WHERE EXISTS (SELECT 1 FROM sandboxes WHERE id=$1) "
+                        "ON CONFLICT(id) DO UPDATE SET at=GREATEST(sandbox_calls.at, excluded.at)",
+                        Params().add(id).add(at), kRetry);
+    if (!r.isOk() && r.status().message().find("foreign key") == std::string::npos) {
+      return r.status();
+    }
+  }
+  return Status::ok();
+}
+
+Result<std::map<std::string, double>> PostgresStore::lastCalls(const std::vector<std::string>& ids) {
+  std::map<std::string, double> out;
+  if (ids.empty()) return out;
+  std::string arr = "{";
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (i) arr += ",";
+    arr += "\"";
+    for (char c : ids[i]) {
+      if (c == '"' || c == '\\') arr += '\\';
+      arr += c;
+    }
+    arr += "\"";
+  }
+  arr += "}";
+  ASSIGN_OR_RETURN(Rows rows,
+                   Query::run(this, "lastCalls",
+                              "SELECT id, at FROM sandbox_calls WHERE id = ANY($1::text[])",
+                              Params().add(arr), kRetry));
+  for (int i = 0; i < rows.size(); ++i) out[rows.text(i, 0)] = rows.dbl(i, 1);
   return out;
 }
 

@@ -93,6 +93,22 @@ class PostgresStore : public Store {
   Status putApiKey(const ApiKeyRecord& r) override;
   Result<ApiKeyRecord> getApiKey(const std::string& id) override;
   Result<std::vector<ApiKeyRecord>> listApiKeys(const std::string& tenant) override;
+  bool shared() const override { return true; }
+  Result<SandboxRecord> getSandbox(const std::string& id) override;
+  Result<std::vector<SandboxRecord>> sandboxesChangedSince(double since, double* now) override;
+  Result<bool> casSandbox(const SandboxRecord& r, const std::string& fromState) override;
+  Status putNode(const NodeRecord& r) override;
+  Result<std::vector<NodeRecord>> listNodes() override;
+  Status touchNode(const NodeRecord& r) override;
+  Result<bool> setNodeState(const std::string& name, const std::string& from,
+                            const std::string& to) override;
+  Result<bool> acquireLease(const std::string& name, const std::string& holder,
+                            double ttlS) override;
+  Status releaseLease(const std::string& name, const std::string& holder) override;
+  Result<std::vector<LeaseRecord>> listLeases() override;
+  Result<std::string> settingOrPut(const std::string& name, const std::string& value) override;
+  Status noteCalls(const std::map<std::string, double>& calls) override;
+  Result<std::map<std::string, double>> lastCalls(const std::vector<std::string>& ids) override;
 
   class Query;  // pg_store.cc
 

@@ -91,7 +91,11 @@ Result<std::unique_ptr<Platform>> Platform::start(PlatformOptions opts, Store* s
   auto adoptedList = edge->adoptedIds();
   std::set<std::string> adopted(adoptedList.begin(), adoptedList.end());
   for (auto& r : records) {
-    if (r.state == "pending") {  // a batch's, resumed above
+    // A batch's, resumed above; or another live replica's create in flight
+    // (docs/cluster.md): it finishes it, or the leader fails it if that
+    // replica dies.
+    if (r.state == "pending" ||
+        (store->shared() && r.state == "creating" && r.replica != p->opts_.replicaId)) {
       p->sandboxes_[r.id] = r;
       continue;
     }
@@ -135,6 +139,11 @@ Result<std::unique_ptr<Platform>> Platform::start(PlatformOptions opts, Store* s
   edge->setLostHandler([raw = p.get()](const std::string& id, bool lost, const std::string& why) {
     raw->onSandboxLost(id, lost, why);
   });
+  if (store->shared()) {
+    // Where following other replicas' writes starts: the store's clock now.
+    ASSIGN_OR_RETURN(auto none, store->sandboxesChangedSince(1e300, &p->syncSince_));
+    (void)none;
+  }
   p->janitorThread_ = std::thread([raw = p.get()] { raw->janitor(); });
   p->batchThreads_.emplace_back([raw = p.get()] { raw->batchCommitter(); });
   for (int i = 0; i < std::max(1, p->opts_.batchWorkers); ++i) {
@@ -204,14 +213,16 @@ Result<SandboxRecord> Platform::destroy(const std::string& id, const std::string
     if (it == sandboxes_.end()) return notFound("sandbox " + id + " not found");
     if (it->second.state == "creating") deleteRequested_.insert(id);
     if (it->second.state == "creating" || it->second.state == "stopping") {
-      // Someone else finishes it; wait for the outcome.
+      // Someone else finishes it; wait for the outcome. (Another replica's
+      // create ends in a live record here, which is then ours to destroy.)
       stateCv_.wait(lk, [&] {
         auto cur = sandboxes_.find(id);
-        return cur == sandboxes_.end() || isFinal(cur->second.state);
+        return cur == sandboxes_.end() || (cur->second.state != "creating" &&
+                                           cur->second.state != "stopping");
       });
-      auto cur = sandboxes_.find(id);
-      if (cur == sandboxes_.end()) return notFound("sandbox " + id + " not found");
-      return cur->second;
+      it = sandboxes_.find(id);
+      if (it == sandboxes_.end()) return notFound("sandbox " + id + " not found");
+      if (isFinal(it->second.state)) return it->second;
     }
     if (isFinal(it->second.state)) return it->second;
     it->second.state = "stopping";
@@ -267,6 +278,7 @@ void Platform::autoPause(const std::string& id) {
 }
 
 void Platform::onSandboxDeath(const std::string& id, const std::string& why) {
+  if (store_->shared()) refreshSandbox(id);  // placed through another replica?
   auto st = destroy(id, "failed", why);
   if (!st.isOk()) log::error("recording death of " + id + ": " + st.status().toString());
 }
@@ -299,7 +311,17 @@ void Platform::janitor() {
       sandboxes_.erase(id);
       lastCall_.erase(id);
     }
-    bool gcDue = now - lastGc >= opts_.gcIntervalS;
+    lk.unlock();
+    if (store_->shared()) {
+      syncSandboxes();
+      shareCalls();
+    }
+    // With replicas only the leader sweeps (the others' lists are cleared).
+    bool leader = isLeader();
+    if (leader && store_->shared()) reapCreating();
+    lk.lock();
+    if (!leader) expired.clear(), idle.clear(), toPause.clear();
+    bool gcDue = leader && now - lastGc >= opts_.gcIntervalS;
     if (gcDue) lastGc = now;
     lk.unlock();
     if (gcDue) {
@@ -311,7 +333,10 @@ void Platform::janitor() {
         if (n.isOk() && *n > 0) log::info("retention: deleted " + std::to_string(*n) + " steps");
       }
     }
-    for (auto& id : purge) (void)store_->deleteSandbox(id);
+    if (leader) {
+      for (auto& id : purge) (void)store_->deleteSandbox(id);
+    }
+    if (leader && store_->shared()) dropCalledElsewhere(idle, toPause);
     for (auto& id : expired) {
       log::info("sandbox " + id + ": TTL expired");
       auto st = destroy(id, "stopped", "ttl expired");
@@ -385,6 +410,10 @@ void Platform::handle(http::Request& req, http::Response& res) {
   if (parts.size() < 3 || parts[1] != "v1") {
     sendError(res, notFound("no such endpoint: " + req.path));
     return;
+  }
+  // Another replica may have made or changed it (docs/cluster.md).
+  if (store_->shared() && parts[2] == "sandboxes" && parts.size() >= 4) {
+    refreshSandbox(parts[3], !othersAlive_);
   }
   if (Status st = authorize(parts, req.method); !st.isOk()) return sendError(res, st);
   // Trajectory ids are per tenant (platform/tenants.h).

@@ -7,8 +7,10 @@
 // edge calls are made without it. A janitor thread enforces TTLs.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -51,6 +53,11 @@ struct PlatformOptions {
   // Batch creations (api_batches.cc): threads creating a batch's sandboxes
   // concurrently (each waits on one node call at a time).
   int batchWorkers = 128;
+  // Replicas on a shared store (docs/cluster.md): this replica's id, kept in
+  // the records it creates, and whether it is the leader now (it alone runs
+  // the janitor's sweeps); unset: always.
+  std::string replicaId;
+  std::function<bool()> leader;
 };
 
 class Platform {
@@ -276,6 +283,23 @@ class Platform {
   bool bindRemote(const SandboxRecord& r);
   // The request's "pool" and "spread" into r.
   static Status parsePlacement(const nlohmann::json& j, SandboxRecord& r);
+  // Replicas (platform_nodes.cc), for a shared store: records other replicas
+  // wrote come into sandboxes_. refreshSandbox re-reads one (before a call on
+  // it); syncSandboxes reads those changed since the last sync; applyStoredLocked
+  // (mu_ held) takes a stored record unless the cached one is newer or in a
+  // change this replica is making; reapCreating (leader) fails records left
+  // `creating` by a replica that died.
+  void refreshSandbox(const std::string& id, bool missingOnly = false);
+  void syncSandboxes();
+  void applyStoredLocked(const SandboxRecord& r);
+  void reapCreating();
+  // Idle timers across replicas: shareCalls writes the calls seen here (of
+  // sandboxes with idle_timeout_s or auto_pause_s) to the store, at most one
+  // a second per sandbox; dropCalledElsewhere (leader) takes from the
+  // candidates those called through another replica meanwhile.
+  void shareCalls();
+  void dropCalledElsewhere(std::vector<std::string>& idle, std::vector<std::string>& toPause);
+  bool isLeader() const { return !opts_.leader || opts_.leader(); }
   // Prometheus text: sandboxes by state.
   std::string sandboxStateMetrics();
   void janitor();
@@ -327,6 +351,12 @@ class Platform {
   std::condition_variable batchCv_;   // work queued, or stopping
   std::condition_variable commitCv_;  // batchDone_ grew, or stopping
   std::vector<std::thread> batchThreads_;
+  std::mutex syncMu_;      // one syncSandboxes at a time; guards syncSince_
+  double syncSince_ = 0;  // the store's clock at the last sync
+  std::map<std::string, double> sharedCalls_;  // janitor thread only: last call time shared
+  // Whether another replica held a live lease at the last sync: alone, a
+  // replica re-reads a record only when it has none (no cost per call).
+  std::atomic<bool> othersAlive_{true};
 };
 
 // Helpers shared by the api_*.cc files.

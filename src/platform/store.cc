@@ -99,6 +99,7 @@ std::string sandboxToJson(const SandboxRecord& r) {
             {"hidden_paths", r.hiddenPaths},
             {"owner", r.owner}};
   if (!r.batch.empty()) j["batch"] = r.batch;
+  if (!r.replica.empty()) j["replica"] = r.replica;
   json phases = json::array();
   for (auto& p : r.phases) phases.push_back({{"policy", p.policy}, {"at", p.at}});
   j["phases"] = phases;
@@ -171,6 +172,7 @@ Result<SandboxRecord> sandboxFromJson(const std::string& s) {
     r.hiddenPaths = j.value("hidden_paths", Strings{});
     r.owner = j.value("owner", "admin");  // absent in records older than tenants
     r.batch = j.value("batch", "");
+    r.replica = j.value("replica", "");
     if (auto it = j.find("phases"); it != j.end() && it->is_array()) {
       for (auto& p : *it) r.phases.push_back({p.at("policy"), p.at("at")});
     }
@@ -227,6 +229,7 @@ Result<std::unique_ptr<SqliteStore>> SqliteStore::open(const std::string& path) 
     Status st = s->exec(alter);
     if (!st.isOk() && st.message().find("duplicate column") == std::string::npos) return st;
   }
+  RETURN_IF_ERROR(s->openNodeTables());
   return s;
 }
 
@@ -891,6 +894,208 @@ Result<std::vector<ApiKeyRecord>> SqliteStore::listApiKeys(const std::string& te
   for (auto& d : docs) {
     ASSIGN_OR_RETURN(auto r, apiKeyFromJson(d));
     out.push_back(std::move(r));
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------- replicas and nodes
+
+namespace {
+// Wall clock in SQL: one process writes this store, so its clock is the store's.
+constexpr const char* kSqlNow = "((julianday('now') - 2440587.5) * 86400.0)";
+
+NodeRecord nodeFromRow(Stmt& st) {
+  NodeRecord r;
+  r.name = st.text(0);
+  r.pool = st.text(1);
+  r.url = st.text(2);
+  r.edgeKeyHash = st.text(3);
+  r.platformKey = st.text(4);
+  r.cpus = st.dbl(5);
+  r.memoryMb = st.i64(6);
+  r.slots = st.i64(7);
+  r.state = st.text(8);
+  r.lastHeartbeat = st.dbl(9);
+  r.bootId = st.text(10);
+  r.joinedAt = st.dbl(11);
+  return r;
+}
+}  // namespace
+
+Status SqliteStore::openNodeTables() {
+  RETURN_IF_ERROR(exec(
+      "CREATE TABLE IF NOT EXISTS nodes(name TEXT PRIMARY KEY, pool TEXT NOT NULL, "
+      "url TEXT NOT NULL, edge_key_hash TEXT NOT NULL, platform_key TEXT NOT NULL, "
+      "cpus REAL NOT NULL, memory_mb INTEGER NOT NULL, slots INTEGER NOT NULL, "
+      "state TEXT NOT NULL, last_heartbeat REAL NOT NULL, boot_id TEXT NOT NULL, "
+      "joined_at REAL NOT NULL);"
+      "CREATE TABLE IF NOT EXISTS leases(name TEXT PRIMARY KEY, holder TEXT NOT NULL, "
+      "expires REAL NOT NULL);"
+      "CREATE TABLE IF NOT EXISTS settings(name TEXT PRIMARY KEY, value TEXT NOT NULL);"
+      "CREATE TABLE IF NOT EXISTS sandbox_calls(id TEXT PRIMARY KEY, at REAL NOT NULL);"
+      "CREATE TRIGGER IF NOT EXISTS sandbox_calls_gone AFTER DELETE ON sandboxes "
+      "BEGIN DELETE FROM sandbox_calls WHERE id=OLD.id; END;"));
+  Status st = exec("ALTER TABLE sandboxes ADD COLUMN changed REAL NOT NULL DEFAULT 0");
+  if (!st.isOk() && st.message().find("duplicate column") == std::string::npos) return st;
+  // Stamped by triggers, so every writer of the table (whatever its path) is seen.
+  return exec(std::string("CREATE INDEX IF NOT EXISTS sandboxes_changed ON sandboxes(changed);"
+                          "CREATE TRIGGER IF NOT EXISTS sandboxes_changed_ins AFTER INSERT ON "
+                          "sandboxes BEGIN UPDATE sandboxes SET changed=") +
+              kSqlNow +
+              " WHERE id=NEW.id; END;"
+              "CREATE TRIGGER IF NOT EXISTS sandboxes_changed_upd AFTER UPDATE OF state, doc ON "
+              "sandboxes BEGIN UPDATE sandboxes SET changed=" +
+              kSqlNow + " WHERE id=NEW.id; END;");
+}
+
+Result<SandboxRecord> SqliteStore::getSandbox(const std::string& id) {
+  std::lock_guard lk(mu_);
+  Stmt st(db_, "SELECT doc FROM sandboxes WHERE id=?1");
+  st.bind(1, id);
+  int rc = st.step();
+  if (rc == SQLITE_DONE) return notFound("sandbox " + id + " not found");
+  if (rc != SQLITE_ROW) return sqlError(db_, "getSandbox");
+  return sandboxFromJson(st.text(0));
+}
+
+Result<std::vector<SandboxRecord>> SqliteStore::sandboxesChangedSince(double since, double* now) {
+  std::lock_guard lk(mu_);
+  if (now) {
+    Stmt t(db_, std::string("SELECT ") + kSqlNow);
+    if (t.step() != SQLITE_ROW) return sqlError(db_, "store clock");
+    *now = t.dbl(0);
+  }
+  Stmt st(db_, "SELECT doc FROM sandboxes WHERE changed >= ?1");
+  st.bind(1, since);
+  std::vector<SandboxRecord> out;
+  int rc;
+  while ((rc = st.step()) == SQLITE_ROW) {
+    ASSIGN_OR_RETURN(auto r, sandboxFromJson(st.text(0)));
+    out.push_back(std::move(r));
+  }
+  if (rc != SQLITE_DONE) return sqlError(db_, "sandboxesChangedSince");
+  return out;
+}
+
+Result<bool> SqliteStore::casSandbox(const SandboxRecord& r, const std::string& fromState) {
+  std::lock_guard lk(mu_);
+  Stmt st(db_, "UPDATE sandboxes SET state=?2, doc=?3 WHERE id=?1 AND state=?4");
+  st.bind(1, r.id).bind(2, r.state).bind(3, sandboxToJson(r)).bind(4, fromState);
+  if (st.step() != SQLITE_DONE) return sqlError(db_, "casSandbox");
+  return sqlite3_changes(db_) > 0;
+}
+
+Status SqliteStore::putNode(const NodeRecord& r) {
+  std::lock_guard lk(mu_);
+  Stmt st(db_,
+          "INSERT OR REPLACE INTO nodes(name, pool, url, edge_key_hash, platform_key, cpus, "
+          "memory_mb, slots, state, last_heartbeat, boot_id, joined_at) "
+          "VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12)");
+  st.bind(1, r.name).bind(2, r.pool).bind(3, r.url).bind(4, r.edgeKeyHash).bind(5, r.platformKey);
+  st.bind(6, r.cpus).bind(7, r.memoryMb).bind(8, r.slots).bind(9, r.state);
+  st.bind(10, r.lastHeartbeat).bind(11, r.bootId).bind(12, r.joinedAt);
+  if (st.step() != SQLITE_DONE) return sqlError(db_, "putNode");
+  return Status::ok();
+}
+
+Result<std::vector<NodeRecord>> SqliteStore::listNodes() {
+  std::lock_guard lk(mu_);
+  Stmt st(db_,
+          "SELECT name, pool, url, edge_key_hash, platform_key, cpus, memory_mb, slots, state, "
+          "last_heartbeat, boot_id, joined_at FROM nodes ORDER BY name");
+  std::vector<NodeRecord> out;
+  int rc;
+  while ((rc = st.step()) == SQLITE_ROW) out.push_back(nodeFromRow(st));
+  if (rc != SQLITE_DONE) return sqlError(db_, "listNodes");
+  return out;
+}
+
+Status SqliteStore::touchNode(const NodeRecord& r) {
+  std::lock_guard lk(mu_);
+  Stmt st(db_,
+          "UPDATE nodes SET url=?2, pool=?3, cpus=?4, memory_mb=?5, slots=?6, "
+          "last_heartbeat=MAX(last_heartbeat, ?7), boot_id=?8 WHERE name=?1");
+  st.bind(1, r.name).bind(2, r.url).bind(3, r.pool).bind(4, r.cpus).bind(5, r.memoryMb);
+  st.bind(6, r.slots).bind(7, r.lastHeartbeat).bind(8, r.bootId);
+  if (st.step() != SQLITE_DONE) return sqlError(db_, "touchNode");
+  if (sqlite3_changes(db_) == 0) return notFound("node " + r.name + " not found");
+  return Status::ok();
+}
+
+Result<bool> SqliteStore::setNodeState(const std::string& name, const std::string& from,
+                                       const std::string& to) {
+  std::lock_guard lk(mu_);
+  Stmt st(db_, "UPDATE nodes SET state=?3 WHERE name=?1 AND state=?2");
+  st.bind(1, name).bind(2, from).bind(3, to);
+  if (st.step() != SQLITE_DONE) return sqlError(db_, "setNodeState");
+  return sqlite3_changes(db_) > 0;
+}
+
+Result<bool> SqliteStore::acquireLease(const std::string& name, const std::string& holder,
+                                       double ttlS) {
+  std::lock_guard lk(mu_);
+  Stmt st(db_, std::string("INSERT INTO leases(name, holder, expires) VALUES(?1, ?2, ") + kSqlNow +
+                   " + ?3) ON CONFLICT(name) DO UPDATE SET holder=excluded.holder, "
+                   "expires=excluded.expires WHERE leases.holder=excluded.holder OR "
+                   "leases.expires < " +
+                   kSqlNow);
+  st.bind(1, name).bind(2, holder).bind(3, ttlS);
+  if (st.step() != SQLITE_DONE) return sqlError(db_, "acquireLease");
+  return sqlite3_changes(db_) > 0;
+}
+
+Status SqliteStore::releaseLease(const std::string& name, const std::string& holder) {
+  std::lock_guard lk(mu_);
+  Stmt st(db_, "DELETE FROM leases WHERE name=?1 AND holder=?2");
+  st.bind(1, name).bind(2, holder);
+  if (st.step() != SQLITE_DONE) return sqlError(db_, "releaseLease");
+  return Status::ok();
+}
+
+Result<std::vector<LeaseRecord>> SqliteStore::listLeases() {
+  std::lock_guard lk(mu_);
+  Stmt st(db_, std::string("SELECT name, holder, expires >= ") + kSqlNow +
+                   " FROM leases ORDER BY name");
+  std::vector<LeaseRecord> out;
+  int rc;
+  while ((rc = st.step()) == SQLITE_ROW) out.push_back({st.text(0), st.text(1), st.i64(2) != 0});
+  if (rc != SQLITE_DONE) return sqlError(db_, "listLeases");
+  return out;
+}
+
+Result<std::string> SqliteStore::settingOrPut(const std::string& name, const std::string& value) {
+  std::lock_guard lk(mu_);
+  {
+    Stmt st(db_, "INSERT OR IGNORE INTO settings(name, value) VALUES(?1, ?2)");
+    st.bind(1, name).bind(2, value);
+    if (st.step() != SQLITE_DONE) return sqlError(db_, "settingOrPut");
+  }
+  Stmt st(db_, "SELECT value FROM settings WHERE name=?1");
+  st.bind(1, name);
+  if (st.step() != SQLITE_ROW) return sqlError(db_, "settingOrPut");
+  return st.text(0);
+}
+
+Status SqliteStore::noteCalls(const std::map<std::string, double>& calls) {
+  std::lock_guard lk(mu_);
+  for (auto& [id, at] : calls) {
+    Stmt st(db_, "INSERT INTO sandbox_calls(id, at) VALUES(?1, ?2) ON CONFLICT(id) DO UPDATE "
+                 "SET at=MAX(at, excluded.at)");
+    st.bind(1, id).bind(2, at);
+    if (st.step() != SQLITE_DONE) return sqlError(db_, "noteCalls");
+  }
+  return Status::ok();
+}
+
+Result<std::map<std::string, double>> SqliteStore::lastCalls(const std::vector<std::string>& ids) {
+  std::lock_guard lk(mu_);
+  std::map<std::string, double> out;
+  for (auto& id : ids) {
+    Stmt st(db_, "SELECT at FROM sandbox_calls WHERE id=?1");
+    st.bind(1, id);
+    int rc = st.step();
+    if (rc == SQLITE_ROW) out[id] = st.dbl(0);
+    else if (rc != SQLITE_DONE) return sqlError(db_, "lastCalls");
   }
   return out;
 }

@@ -69,6 +69,10 @@ struct SandboxRecord {
   std::string owner = "admin";
   // The batch that made it (POST /v1/batches), empty for a single create.
   std::string batch;
+  // The platform replica that created it (docs/cluster.md): while it is
+  // `creating`, only that replica finishes it; if that replica dies, the
+  // leader fails it.
+  std::string replica;
 };
 
 // A batch creation (POST /v1/batches, docs/batches.md): `count` sandboxes of
@@ -185,6 +189,30 @@ struct ApiKeyRecord {
   double revokedAt = 0;  // 0: live
 };
 
+// A node of the cluster (platform/cluster.h): where it is reached, its
+// credentials and liveness. Shared by every platform replica on the store.
+struct NodeRecord {
+  std::string name;
+  std::string pool = "default";
+  std::string url;
+  std::string edgeKeyHash;  // hex SHA-256 of the edge key: it is only ever checked
+  std::string platformKey;  // sent to the edge on each call, so kept as is
+  double cpus = 0;
+  int64_t memoryMb = 0;
+  int64_t slots = 0;
+  std::string state = "up";  // up | down
+  double lastHeartbeat = 0;  // wall clock of the replica that took it
+  std::string bootId;        // of the edge process last heard
+  double joinedAt = 0;
+};
+
+// A named lease (leader election, replica liveness) as the store sees it now.
+struct LeaseRecord {
+  std::string name;
+  std::string holder;
+  bool live = false;  // not expired by the store's clock
+};
+
 std::string tenantToJson(const TenantRecord& r);
 Result<TenantRecord> tenantFromJson(const std::string& s);
 std::string apiKeyToJson(const ApiKeyRecord& r);
@@ -261,6 +289,45 @@ class Store {
   virtual Status putApiKey(const ApiKeyRecord& r) = 0;
   virtual Result<ApiKeyRecord> getApiKey(const std::string& id) = 0;
   virtual Result<std::vector<ApiKeyRecord>> listApiKeys(const std::string& tenant) = 0;
+
+  // ---- Replicas and nodes (platform/cluster.h, docs/cluster.md).
+  // Whether other processes may write this store at the same time
+  // (PostgreSQL): the platform then re-reads what they wrote.
+  virtual bool shared() const { return false; }
+  // kNotFound when absent.
+  virtual Result<SandboxRecord> getSandbox(const std::string& id) = 0;
+  // Sandboxes written (by anyone) at or after `since` on the store's clock,
+  // and that clock's reading now in *now (the next call's `since`, less a
+  // margin for writes committed late).
+  virtual Result<std::vector<SandboxRecord>> sandboxesChangedSince(double since, double* now) = 0;
+  // Writes r only if the stored record's state is `fromState`; false (and no
+  // write) otherwise, or when there is no record.
+  virtual Result<bool> casSandbox(const SandboxRecord& r, const std::string& fromState) = 0;
+  // Insert or replace (a join).
+  virtual Status putNode(const NodeRecord& r) = 0;
+  virtual Result<std::vector<NodeRecord>> listNodes() = 0;
+  // A heartbeat: url, pool, capacity, lastHeartbeat and bootId of r.name
+  // (never its keys or state). kNotFound for an unknown node.
+  virtual Status touchNode(const NodeRecord& r) = 0;
+  // Sets the node's state to `to` if it is `from`; whether it did.
+  virtual Result<bool> setNodeState(const std::string& name, const std::string& from,
+                                    const std::string& to) = 0;
+  // Takes or renews lease `name` for `holder` for ttlS seconds of the
+  // store's clock; true when holder has it (it was free, expired or its own).
+  virtual Result<bool> acquireLease(const std::string& name, const std::string& holder,
+                                    double ttlS) = 0;
+  // Gives the lease up if holder has it.
+  virtual Status releaseLease(const std::string& name, const std::string& holder) = 0;
+  virtual Result<std::vector<LeaseRecord>> listLeases() = 0;
+  // The value of setting `name`, storing `value` first if it has none (the
+  // first writer wins); e.g. the cluster's join token.
+  virtual Result<std::string> settingOrPut(const std::string& name, const std::string& value) = 0;
+  // When sandboxes were last called, through any replica (for the leader's
+  // idle timeouts and auto-pause): noteCalls keeps the later of the stored
+  // and the given time; lastCalls answers for those of `ids` it has. Rows go
+  // with their sandbox's record.
+  virtual Status noteCalls(const std::map<std::string, double>& calls) = 0;
+  virtual Result<std::map<std::string, double>> lastCalls(const std::vector<std::string>& ids) = 0;
 };
 
 // SQLite in WAL mode with synchronous=NORMAL: a commit is in the OS when it
@@ -312,9 +379,26 @@ class SqliteStore : public Store {
   Status putApiKey(const ApiKeyRecord& r) override;
   Result<ApiKeyRecord> getApiKey(const std::string& id) override;
   Result<std::vector<ApiKeyRecord>> listApiKeys(const std::string& tenant) override;
+  Result<SandboxRecord> getSandbox(const std::string& id) override;
+  Result<std::vector<SandboxRecord>> sandboxesChangedSince(double since, double* now) override;
+  Result<bool> casSandbox(const SandboxRecord& r, const std::string& fromState) override;
+  Status putNode(const NodeRecord& r) override;
+  Result<std::vector<NodeRecord>> listNodes() override;
+  Status touchNode(const NodeRecord& r) override;
+  Result<bool> setNodeState(const std::string& name, const std::string& from,
+                            const std::string& to) override;
+  Result<bool> acquireLease(const std::string& name, const std::string& holder,
+                            double ttlS) override;
+  Status releaseLease(const std::string& name, const std::string& holder) override;
+  Result<std::vector<LeaseRecord>> listLeases() override;
+  Result<std::string> settingOrPut(const std::string& name, const std::string& value) override;
+  Status noteCalls(const std::map<std::string, double>& calls) override;
+  Result<std::map<std::string, double>> lastCalls(const std::vector<std::string>& ids) override;
 
  private:
   SqliteStore() = default;
+  // The node and lease tables (store.cc, at its end).
+  Status openNodeTables();
   Status exec(const std::string& sql);
   // Upserts `rs` with the connection's lock held, inside a transaction.
   Status putSandboxesLocked(const std::vector<SandboxRecord>& rs);
