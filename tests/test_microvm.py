@@ -313,3 +313,38 @@ def test_a_guest_that_does_not_answer_is_retried_once_then_reported(tmp_path_fac
         assert not _vm_dirs(s.data_dir)
     finally:
         assert s.stop() == 0
+
+
+def test_stopping_the_node_mid_boot_leaves_no_vm(tmp_path_factory):
+    """`dsec up` stopped (SIGTERM) while a microvm still boots: the create in
+    flight is stopped and undone, so no QEMU, VM directory or sandbox cgroup
+    of it is left behind, and the client gets an error, not a sandbox."""
+    import threading
+    require_qemu()
+    s = Server(tmp_path_factory.mktemp("microvm-stop") / "data", ["--microvm-accel", "tcg"])
+    s.data_dir.mkdir()
+    _start(s)
+    require_backend(s, "microvm")
+    s.import_image("busybox:latest", BUSYBOX_TAR)
+    answer = {}
+
+    def create():
+        try:
+            answer["r"] = s.raw("POST", "/v1/sandboxes",
+                                {"image": "busybox:latest", "backend": "microvm",
+                                 "memory_mb": 128, "disk_mb": 32}, timeout=BOOT_S)
+        except Exception as e:  # the server went away mid-request
+            answer["e"] = e
+
+    t = threading.Thread(target=create, daemon=True)
+    t.start()
+    # Booting: its QEMU runs (a TCG boot takes seconds at least).
+    assert wait_until(lambda: _qemu_pids(s.data_dir), 60), s.log_tail()
+    cgroup = edge_cgroup(s.data_dir)
+    assert s.stop() == 0, s.log_tail()
+    t.join(30)
+    status = answer.get("r", (None,))[0]
+    assert "e" in answer or (status is not None and status >= 400), answer
+    assert not _qemu_pids(s.data_dir)
+    assert not _vm_dirs(s.data_dir)
+    assert not sandbox_cgroup_dirs(cgroup), sandbox_cgroup_dirs(cgroup)

@@ -342,6 +342,7 @@ Status Edge::create(const std::string& backend, const SandboxSpec& spec) {
     // A placeholder from here on, so a death during the backend's create is
     // not mistaken for a deliberate destroy.
     std::lock_guard lk(mu_);
+    if (stopping_) return Status(Code::kUnavailable, "the node is shutting down");
     if (sandboxes_.count(spec.id)) return Status(Code::kAlreadyExists, spec.id + " exists");
     sandboxes_[spec.id] = nullptr;
   }
@@ -381,9 +382,19 @@ Status Edge::create(const std::string& backend, const SandboxSpec& spec) {
       inst = st.withContext("record " + spec.id);
     }
   }
-  std::lock_guard lk(mu_);
+  std::unique_lock lk(mu_);
+  if (inst.isOk() && stopping_) {
+    // The node began to shut down while this create ran (a VM boot can take
+    // minutes): undo it rather than leave it to nobody.
+    lk.unlock();
+    (void)bit->second->destroy(**inst);
+    stateDir_->remove(spec.id);
+    inst = Status(Code::kUnavailable, "the node shut down while " + spec.id + " was created");
+    lk.lock();
+  }
   if (!inst.isOk()) {
     sandboxes_.erase(spec.id);
+    creatingCv_.notify_all();
     return inst.status();
   }
   states_[spec.id] = std::move(state);
@@ -833,6 +844,33 @@ std::vector<std::string> Edge::sandboxIds() const {
 
 void Edge::shutdown() {
   if (!reactor_) return;
+  // Creates still in flight (placeholders) are stopped first: their groups'
+  // processes are killed (a booting VM's QEMU with them), so the backend's
+  // create fails and cleans up, or, done already, is undone by create().
+  {
+    std::unique_lock lk(mu_);
+    stopping_ = true;
+    auto inFlight = [&] {
+      std::vector<std::string> ids;
+      for (auto& [id, inst] : sandboxes_) {
+        if (!inst) ids.push_back(id);
+      }
+      return ids;
+    };
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    for (auto ids = inFlight(); !ids.empty(); ids = inFlight()) {
+      if (std::chrono::steady_clock::now() >= deadline) {
+        log::error("shutdown: " + std::to_string(ids.size()) +
+                   " creates still in flight after 60 s; leaving them");
+        break;
+      }
+      log::info("shutdown: stopping " + std::to_string(ids.size()) + " creates in flight");
+      lk.unlock();
+      for (auto& id : ids) (void)cgroups_->remove(id);
+      lk.lock();
+      creatingCv_.wait_for(lk, std::chrono::seconds(1));
+    }
+  }
   // Live restore: running sandboxes stay, with their cgroups, directories
   // and state files, the disk quota's pool, the egress filter's programs and
   // path, and the loader process; the next edge re-adopts them.

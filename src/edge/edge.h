@@ -4,6 +4,7 @@
 // in parallel; a sandbox being destroyed fails its in-flight calls.
 #pragma once
 
+#include <condition_variable>
 #include <functional>
 #include <map>
 #include <memory>
@@ -189,6 +190,10 @@ class Edge : public EdgeLink {
   std::set<std::string> veths_;           // sandboxes that have one
 
   mutable std::mutex mu_;  // guards sandboxes_, backendOf_, egressCg_, paused_, onDeath_
+  // Set by shutdown(): creates are refused, and one in flight is undone when
+  // its backend returns; creatingCv_ tells shutdown() when the last has.
+  bool stopping_ = false;
+  std::condition_variable creatingCv_;
   std::map<std::string, std::shared_ptr<Instance>> sandboxes_;
   std::map<std::string, Backend*> backendOf_;
   std::map<std::string, uint64_t> egressCg_;  // sandbox -> cgroup id in the filter
