@@ -227,10 +227,7 @@ void Platform::batchesApi(const std::vector<std::string>& parts, http::Request& 
                           http::Response& res) {
   const std::string& m = req.method;
   size_t n = parts.size();
-  auto methodNotAllowed = [&] {
-    sendError(res, Status(Code::kInvalidArgument, "method " + m + " not allowed on " + req.path, 0,
-                          "method"));
-  };
+  auto methodNotAllowed = [&] { sendError(res, platform::methodNotAllowed(req)); };
   if (n == 3) {
     if (m == "POST") return createBatch(req, res);
     if (m != "GET") return methodNotAllowed();
@@ -283,14 +280,9 @@ void Platform::batchesApi(const std::vector<std::string>& parts, http::Request& 
 }
 
 void Platform::destroyMatching(http::Request& req, http::Response& res) {
-  std::map<std::string, std::string> want;
-  for (auto [it, end] = req.query.equal_range("label"); it != end; ++it) {
-    size_t eq = it->second.find('=');
-    if (eq == std::string::npos || eq == 0) {
-      return sendError(res, invalidArg("label", "label filter must be key=value"));
-    }
-    want[it->second.substr(0, eq)] = it->second.substr(eq + 1);
-  }
+  auto filter = labelFilter(req);
+  if (!filter.isOk()) return sendError(res, filter.status());
+  const std::map<std::string, std::string>& want = *filter;
   auto batch = req.param("batch");
   if (want.empty() && (!batch || batch->empty())) {
     return sendError(res, invalidArg("label", "DELETE /v1/sandboxes needs a filter: label=k=v "

@@ -429,14 +429,9 @@ Result<SandboxRecord> Platform::launch(SandboxRecord r) {
 
 void Platform::listSandboxes(http::Request& req, http::Response& res) {
   if (store_->shared()) syncSandboxes();  // what other replicas made just now
-  std::map<std::string, std::string> want;
-  for (auto [it, end] = req.query.equal_range("label"); it != end; ++it) {
-    size_t eq = it->second.find('=');
-    if (eq == std::string::npos || eq == 0) {
-      return sendError(res, invalidArg("label", "label filter must be key=value"));
-    }
-    want[it->second.substr(0, eq)] = it->second.substr(eq + 1);
-  }
+  auto filter = labelFilter(req);
+  if (!filter.isOk()) return sendError(res, filter.status());
+  const std::map<std::string, std::string>& want = *filter;
   auto state = req.param("state");
   auto batch = req.param("batch");
   json arr = json::array();

@@ -209,10 +209,7 @@ void Platform::tenantsApi(const std::vector<std::string>& parts, http::Request& 
   // authorize() let only admins through.
   const std::string& m = req.method;
   size_t n = parts.size();
-  auto methodNotAllowed = [&] {
-    sendError(res, Status(Code::kInvalidArgument, "method " + m + " not allowed on " + req.path, 0,
-                          "method"));
-  };
+  auto methodNotAllowed = [&] { sendError(res, platform::methodNotAllowed(req)); };
   if (n == 3) {
     if (m == "GET") {
       auto list = store_->listTenants();

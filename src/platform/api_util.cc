@@ -192,4 +192,21 @@ std::map<std::string, std::string> envMap(const std::vector<std::string>& env) {
 
 std::string dumpJson(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
 
+Status methodNotAllowed(const http::Request& req) {
+  return Status(Code::kInvalidArgument, "method " + req.method + " not allowed on " + req.path, 0,
+                "method");
+}
+
+Result<std::map<std::string, std::string>> labelFilter(const http::Request& req) {
+  std::map<std::string, std::string> want;
+  for (auto [it, end] = req.query.equal_range("label"); it != end; ++it) {
+    size_t eq = it->second.find('=');
+    if (eq == std::string::npos || eq == 0) {
+      return invalidArg("label", "label filter must be key=value");
+    }
+    want[it->second.substr(0, eq)] = it->second.substr(eq + 1);
+  }
+  return want;
+}
+
 }  // namespace dsec::platform

@@ -62,4 +62,11 @@ std::map<std::string, std::string> envMap(const std::vector<std::string>& env);
 // JSON with invalid UTF-8 replaced (exec output is arbitrary bytes).
 std::string dumpJson(const json& j);
 
+// 400 "method M not allowed on PATH", field "method".
+Status methodNotAllowed(const http::Request& req);
+
+// The request's `label=key=value` query parameters (all must match), or 400
+// naming "label".
+Result<std::map<std::string, std::string>> labelFilter(const http::Request& req);
+
 }  // namespace dsec::platform

@@ -5,6 +5,7 @@
 
 #include "common/log.h"
 #include "common/util.h"
+#include "platform/api_util.h"
 #include "platform/cluster.h"
 
 namespace dsec::platform {
@@ -423,10 +424,7 @@ void Platform::handle(http::Request& req, http::Response& res) {
   const std::string& m = req.method;
   const std::string& coll = parts[2];
   size_t n = parts.size();
-  auto methodNotAllowed = [&] {
-    sendError(res, Status(Code::kInvalidArgument, "method " + m + " not allowed on " + req.path, 0,
-                          "method"));
-  };
+  auto methodNotAllowed = [&] { sendError(res, platform::methodNotAllowed(req)); };
   if (coll == "sandboxes") {
     if (n == 3) {
       if (m == "POST") return createSandbox(req, res);
