@@ -44,18 +44,10 @@ fi
 rm -rf "$out"/.tmp.* 2>/dev/null || true
 
 tmp=""
-cleanup() {
-  if [ -n "$tmp" ] && [ -d "$tmp" ]; then
-    # The chroot's mounts live in a private mount namespace (unshare -m) and
-    # die with it; unmount anything that leaked all the same.
-    local m
-    while read -r m; do
-      umount -l "$m" 2>/dev/null || true
-    done < <(awk -v p="$tmp/" 'index($2, p) == 1 {print $2}' /proc/self/mounts | sort -r)
-    rm -rf "$tmp"
-  fi
-  return 0
-}
+child=""
+# cleanup (the chroot's mounts live in a private mount namespace and die with
+# it; cleanup unmounts anything that leaked all the same)
+. "$here/image-build-lib.sh"
 trap cleanup EXIT
 trap 'exit 130' INT TERM HUP
 
