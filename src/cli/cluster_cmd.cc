@@ -258,6 +258,38 @@ int runSimNodes(const edge::EdgeAgentOptions& base, const http::ServerOptions& s
   return 0;
 }
 
+Result<Daemon> prepareDaemon(const std::string& listen, const std::string& dataDir) {
+  Daemon d;
+  size_t colon = listen.rfind(':');
+  if (colon == std::string::npos) return invalidArg("listen", "--listen must be HOST:PORT");
+  d.server.host = listen.substr(0, colon);
+  int port = std::atoi(listen.substr(colon + 1).c_str());
+  if (port < 0 || port > 65535) return invalidArg("listen", "bad port in --listen");
+  d.server.port = uint16_t(port);
+
+  // Signals go to one thread that stops the server; everything else has them blocked.
+  sigemptyset(&d.sigs);
+  sigaddset(&d.sigs, SIGTERM);
+  sigaddset(&d.sigs, SIGINT);
+  sigaddset(&d.sigs, SIGHUP);
+  pthread_sigmask(SIG_BLOCK, &d.sigs, nullptr);
+  signal(SIGPIPE, SIG_IGN);
+  rlimit rl;
+  if (getrlimit(RLIMIT_NOFILE, &rl) == 0) {
+    rl.rlim_cur = rl.rlim_max;
+    setrlimit(RLIMIT_NOFILE, &rl);
+  }
+  if (Status st = makeDirs(dataDir, 0700); !st.isOk()) {
+    return Status(st.code(), st.toString(), st.sysErrno());
+  }
+  // Held (never closed) for the life of the process.
+  int lockFd = ::open((dataDir + "/lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+  if (lockFd < 0 || flock(lockFd, LOCK_EX | LOCK_NB) != 0) {
+    return Status(Code::kFailedPrecondition, "another dsec is running on " + dataDir);
+  }
+  return d;
+}
+
 int cmdEdge(const ArgGet& get) {
   std::string dataDir = get("data-dir", "");
   std::string platformUrl = get("platform", "");
@@ -276,31 +308,10 @@ int cmdEdge(const ArgGet& get) {
     return fail("cannot open --log-file " + get("log-file", ""));
   }
   if (!simulate && geteuid() != 0) return fail("dsec edge must run as root (or with --simulate)");
-  size_t colon = listen.rfind(':');
-  if (colon == std::string::npos) return fail("--listen must be HOST:PORT");
-  http::ServerOptions so;
-  so.host = listen.substr(0, colon);
-  int port = std::atoi(listen.substr(colon + 1).c_str());
-  if (port < 0 || port > 65535) return fail("bad port in --listen");
-  so.port = uint16_t(port);
-
-  sigset_t sigs;
-  sigemptyset(&sigs);
-  sigaddset(&sigs, SIGTERM);
-  sigaddset(&sigs, SIGINT);
-  sigaddset(&sigs, SIGHUP);
-  pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
-  signal(SIGPIPE, SIG_IGN);
-  rlimit rl;
-  if (getrlimit(RLIMIT_NOFILE, &rl) == 0) {
-    rl.rlim_cur = rl.rlim_max;
-    setrlimit(RLIMIT_NOFILE, &rl);
-  }
-  if (Status st = makeDirs(dataDir, 0700); !st.isOk()) return fail(st.toString());
-  int lockFd = ::open((dataDir + "/lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
-  if (lockFd < 0 || flock(lockFd, LOCK_EX | LOCK_NB) != 0) {
-    return fail("another dsec is running on " + dataDir);
-  }
+  auto daemon = prepareDaemon(listen, dataDir);
+  if (!daemon.isOk()) return fail(daemon.status().message());
+  http::ServerOptions so = daemon->server;
+  sigset_t sigs = daemon->sigs;
 
   // The join token: from a file (kept out of /proc/PID/cmdline) or the flag.
   std::string joinToken = get("join-token", "");

@@ -3,6 +3,8 @@
 // /v1/nodes) and `dsec edge`, a node in its own process.
 #pragma once
 
+#include <signal.h>
+
 #include <functional>
 #include <memory>
 #include <string>
@@ -31,6 +33,17 @@ Result<std::unique_ptr<platform::Cluster>> startCluster(const ArgGet& get,
 // credentials), /v1/nodes to the cluster (API token), /metrics as
 // /v1/metrics, the rest to the Platform.
 http::Handler platformHandler(platform::Platform* p, platform::Cluster* c, std::string token);
+
+// What `dsec up`, `dsec platform` and `dsec edge` do before serving: parse
+// --listen (HOST:PORT), block SIGTERM/SIGINT/SIGHUP in every thread (the
+// caller sigwait()s `sigs`), ignore SIGPIPE, raise RLIMIT_NOFILE to its hard
+// limit (each sandbox holds an agent socket and a pidfd), make dataDir (0700)
+// and hold its lock for the process's life. The error says which step failed.
+struct Daemon {
+  http::ServerOptions server;
+  sigset_t sigs;
+};
+Result<Daemon> prepareDaemon(const std::string& listen, const std::string& dataDir);
 
 // `dsec edge --platform URL --join-token T --data-dir D --listen HOST:PORT
 // [--name N] [--pool P] [--simulate --sim-latency-ms N --sim-capacity N] ...`

@@ -311,35 +311,11 @@ int cmdUp(const Args& a) {
   if (geteuid() != 0 && a.positional[0] == "up") {
     return die("dsec up must run as root (it builds namespaces and cgroups)");
   }
-  size_t colon = listen.rfind(':');
-  if (colon == std::string::npos) return die("--listen must be HOST:PORT");
-  http::ServerOptions so;
-  so.host = listen.substr(0, colon);
-  int port = std::atoi(listen.substr(colon + 1).c_str());
-  if (port < 0 || port > 65535) return die("bad port in --listen");
-  so.port = uint16_t(port);
-
-  // Signals go to one thread that stops the server; everything else has them blocked.
-  sigset_t sigs;
-  sigemptyset(&sigs);
-  sigaddset(&sigs, SIGTERM);
-  sigaddset(&sigs, SIGINT);
-  sigaddset(&sigs, SIGHUP);
-  pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
-  signal(SIGPIPE, SIG_IGN);
-  // Each sandbox holds an agent socket and a pidfd.
-  rlimit rl;
-  if (getrlimit(RLIMIT_NOFILE, &rl) == 0) {
-    rl.rlim_cur = rl.rlim_max;
-    setrlimit(RLIMIT_NOFILE, &rl);
-  }
-
-  if (Status st = makeDirs(dataDir, 0700); !st.isOk()) return die(st.toString());
+  auto daemon = cli::prepareDaemon(listen, dataDir);
+  if (!daemon.isOk()) return die(daemon.status().message());
+  http::ServerOptions so = daemon->server;
+  sigset_t sigs = daemon->sigs;
   ::chmod(dataDir.c_str(), 0700);
-  int lockFd = ::open((dataDir + "/lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
-  if (lockFd < 0 || flock(lockFd, LOCK_EX | LOCK_NB) != 0) {
-    return die("another dsec is running on " + dataDir);
-  }
   // A crashed run leaves its up.json behind; it must not point clients at a
   // dead address while this one starts.
   ::unlink((dataDir + "/up.json").c_str());
