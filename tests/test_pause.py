@@ -74,9 +74,13 @@ def test_auto_pause_and_idle_timeout(make_sandbox, busybox, server):
     # Calls keep an idle sandbox alive; without them it goes.
     idle = make_sandbox(busybox, idle_timeout_s=2)
     assert idle.info["idle_timeout_s"] == 2
-    for _ in range(3):
-        time.sleep(1)
+    for _ in range(4):
+        time.sleep(0.7)
         idle.exec("true")
+    assert server.client.get(idle.id).info["state"] == "running"
+    # A call that runs longer than the idle timeout is activity throughout.
+    r = idle.exec("sleep 4; echo done")
+    assert r.stdout == "done\n"
     assert server.client.get(idle.id).info["state"] == "running"
     assert wait_until(lambda: server.client.get(idle.id).info["state"] == "stopped", 6)
     assert server.client.get(idle.id).info["error"] == "idle timeout"

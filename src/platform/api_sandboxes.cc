@@ -400,6 +400,8 @@ Result<SandboxRecord> Platform::launch(SandboxRecord r) {
     cur.node = edge_->nodeOf(r.id);
     cur.state = cancelled ? "stopped" : "running";
     cur.updatedAt = nowSeconds();
+    // Idle time counts from when it could first be called, not from the request.
+    if (!cancelled) lastCall_[r.id] = cur.updatedAt;
     if (cancelled) {
       cur.stoppedAt = cur.updatedAt;
       cur.error = "deleted while being created";

@@ -1,6 +1,7 @@
 #include "platform/platform.h"
 
 #include <atomic>
+#include <optional>
 #include <nlohmann/json.hpp>
 
 #include "common/log.h"
@@ -291,6 +292,9 @@ void Platform::janitor() {
     janitorCv_.wait_for(lk, std::chrono::seconds(1));
     if (stopping_) break;
     double now = nowSeconds();
+    // A call under way is activity right now (and is shared as such with the
+    // other replicas by shareCalls below).
+    for (auto& [id, n] : callsInFlight_) lastCall_[id] = now;
     std::vector<std::string> expired, purge, idle, toPause;
     for (auto& [id, r] : sandboxes_) {
       // A lost sandbox (its node is down) keeps its TTL and idle timeout.
@@ -433,6 +437,23 @@ void Platform::handle(http::Request& req, http::Response& res) {
       return methodNotAllowed();
     }
     const std::string& id = parts[3];
+    // Every call on a sandbox's sub-resources is activity, from its first byte
+    // to its last (idle timeout and auto-pause, platform.h callsInFlight_).
+    struct Activity {
+      Platform* p;
+      std::string id;
+      Activity(Platform* p, std::string i) : p(p), id(std::move(i)) {
+        std::lock_guard lk(p->mu_);
+        ++p->callsInFlight_[id];
+      }
+      ~Activity() {
+        std::lock_guard lk(p->mu_);
+        if (--p->callsInFlight_[id] <= 0) p->callsInFlight_.erase(id);
+        if (p->lastCall_.count(id) || p->sandboxes_.count(id)) p->lastCall_[id] = nowSeconds();
+      }
+    };
+    std::optional<Activity> activity;
+    if (n >= 5) activity.emplace(this, id);
     if (n == 4) {
       if (m == "GET") return getSandbox(id, res);
       if (m == "DELETE") return deleteSandbox(id, res);

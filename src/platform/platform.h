@@ -318,6 +318,9 @@ class Platform {
   std::map<std::string, SandboxRecord> sandboxes_;
   int orphanSandboxes_ = 0;  // set in start(): sandboxes the edge ran that no record owned
   std::map<std::string, double> lastCall_;  // guarded by mu_: for idle timeouts and auto-pause
+  // Calls to a sandbox still being answered (an exec that runs for minutes
+  // keeps its sandbox awake however short its idle timeout); guarded by mu_.
+  std::map<std::string, int> callsInFlight_;
   // POST /v1/run calls under way, per tenant (runs, cpu, memory_mb); guarded by mu_.
   std::map<std::string, Usage> runsInFlight_;
   // Sandboxes asked to stop while still being created; createSandbox honours it.
