@@ -4,13 +4,18 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
+
 #include "edge/agent_conn.h"
 
 namespace dsec::edge {
 
-CorpseCleaner::CorpseCleaner(std::function<void(const std::string& id)> cleanup, bool background)
+CorpseCleaner::CorpseCleaner(std::function<void(const std::string& id)> cleanup, bool background,
+                             int workers)
     : cleanup_(std::move(cleanup)) {
-  thread_ = std::thread([this, background] { loop(background); });
+  for (int i = 0; i < std::max(1, workers); ++i) {
+    threads_.emplace_back([this, background] { loop(background); });
+  }
 }
 
 CorpseCleaner::~CorpseCleaner() {
@@ -19,7 +24,7 @@ CorpseCleaner::~CorpseCleaner() {
     stop_ = true;
   }
   cv_.notify_all();
-  if (thread_.joinable()) thread_.join();
+  for (auto& t : threads_) t.join();
 }
 
 void CorpseCleaner::add(std::string id, UniqueFd pidfd) {
@@ -32,7 +37,7 @@ void CorpseCleaner::add(std::string id, UniqueFd pidfd) {
 
 void CorpseCleaner::drain() {
   std::unique_lock lk(mu_);
-  cv_.wait(lk, [&] { return queue_.empty() && !busy_; });
+  cv_.wait(lk, [&] { return queue_.empty() && busy_ == 0; });
 }
 
 void CorpseCleaner::loop(bool background) {
@@ -43,14 +48,14 @@ void CorpseCleaner::loop(bool background) {
     if (queue_.empty()) return;  // stopping and drained
     auto [id, pidfd] = std::move(queue_.front());
     queue_.pop_front();
-    busy_ = true;
+    ++busy_;
     lk.unlock();
     // A PID 1 is reaped only after every process of its namespace is gone.
     killAndWait(pidfd.get());
     pidfd.reset();
     cleanup_(id);
     lk.lock();
-    busy_ = false;
+    --busy_;
     cv_.notify_all();
   }
 }

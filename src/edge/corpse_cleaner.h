@@ -1,5 +1,5 @@
 // Killed sandboxes are reaped, and what they leave (cgroups, directories,
-// disks) removed, on a thread of their own, off the API path: destroy() only
+// disks) removed, on threads of their own, off the API path: destroy() only
 // sends SIGKILL and hands the pidfd over. Shared by the container, microvm
 // and vm backends.
 #pragma once
@@ -10,6 +10,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "common/fd.h"
 
@@ -17,11 +18,17 @@ namespace dsec::edge {
 
 class CorpseCleaner {
  public:
-  // `cleanup(id)` runs on the cleaner's thread once the sandbox's process
-  // (its PID 1 or QEMU) is reaped. With `background`, the thread runs at a
-  // lower priority than the request path, but still runs under load.
+  // `cleanup(id)` runs on one of `workers` threads once the sandbox's process
+  // (its PID 1 or QEMU) is reaped, so must be safe to call for different ids
+  // at once. Several workers because most of a teardown is waiting (a PID 1
+  // reaped only after all its namespace, an unmount, a discard): one slow
+  // death must not hold up the rest, and a burst of destroys must be cleaned
+  // up as fast as a burst of creates makes sandboxes. With `background`, the
+  // threads run at a lower priority than the request path, but still run
+  // under load.
   explicit CorpseCleaner(std::function<void(const std::string& id)> cleanup,
-                         bool background = false);
+                         bool background = false, int workers = kDefaultWorkers);
+  static constexpr int kDefaultWorkers = 4;
   // Drains the queue, then stops the thread.
   ~CorpseCleaner();
   CorpseCleaner(const CorpseCleaner&) = delete;
@@ -40,9 +47,9 @@ class CorpseCleaner {
   std::mutex mu_;  // guards queue_, busy_, stop_
   std::condition_variable cv_;
   std::deque<std::pair<std::string, UniqueFd>> queue_;
-  bool busy_ = false;
+  int busy_ = 0;  // workers cleaning up right now
   bool stop_ = false;
-  std::thread thread_;
+  std::vector<std::thread> threads_;
 };
 
 }  // namespace dsec::edge

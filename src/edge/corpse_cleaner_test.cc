@@ -6,15 +6,18 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
 #include <mutex>
 #include <vector>
 
 namespace dsec::edge {
 namespace {
 
-// A killed child is reaped before its cleanup runs, in order, and drain()
-// waits for all of it.
-TEST(CorpseCleaner, ReapsThenCleansUpInOrder) {
+// A killed child is reaped before its cleanup runs, and drain() waits for all
+// of it.
+TEST(CorpseCleaner, ReapsThenCleansUp) {
   std::mutex mu;
   std::vector<std::string> done;
   std::vector<pid_t> pids;
@@ -38,10 +41,34 @@ TEST(CorpseCleaner, ReapsThenCleansUpInOrder) {
     }
     cleaner.drain();
     std::lock_guard lk(mu);
+    std::sort(done.begin(), done.end());
     EXPECT_EQ(done, (std::vector<std::string>{"sb-0", "sb-1", "sb-2"}));
   }
   // Reaped by the cleaner: nothing left for us to wait for.
   for (pid_t pid : pids) EXPECT_EQ(::waitpid(pid, nullptr, WNOHANG), -1);
+}
+
+// One slow teardown does not hold up the others queued behind it.
+TEST(CorpseCleaner, ASlowCleanupDoesNotBlockTheRest) {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool fastDone = false;
+  bool slowSawFast = false;
+  {
+    CorpseCleaner cleaner([&](const std::string& id) {
+      std::unique_lock lk(mu);
+      if (id == "sb-slow") {
+        slowSawFast = cv.wait_for(lk, std::chrono::seconds(10), [&] { return fastDone; });
+      } else {
+        fastDone = true;
+        cv.notify_all();
+      }
+    });
+    cleaner.add("sb-slow", UniqueFd());
+    cleaner.add("sb-fast", UniqueFd());
+    cleaner.drain();
+  }
+  EXPECT_TRUE(slowSawFast);
 }
 
 TEST(CorpseCleaner, DestructorDrainsWhatIsQueued) {

@@ -4,8 +4,10 @@
 #include <fcntl.h>
 #include <linux/loop.h>
 #include <sys/mount.h>
+#include <sys/ioctl.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -40,6 +42,11 @@ constexpr unsigned kFsmountCloexec = 1;         // FSMOUNT_CLOEXEC
 constexpr unsigned kMountAttrNoatime = 0x10;    // MOUNT_ATTR_NOATIME
 constexpr unsigned kMoveMountFEmptyPath = 0x4;  // MOVE_MOUNT_F_EMPTY_PATH
 constexpr int64_t kBlock = 4096;
+// EXT4_IOC_SHUTDOWN and its "write nothing more" flag (fs/ext4/ext4.h; not in
+// Debian 12's uapi headers).
+constexpr unsigned long kExt4IocShutdown = _IOR('X', 125, uint32_t);
+constexpr uint32_t kExt4GoingFlagsNoLogFlush = 2;
+constexpr long kExt4SuperMagic = 0xEF53;
 constexpr int64_t kProbeBytes = 16ll << 20;
 
 Status unavailable(std::string why) { return Status(Code::kFailedPrecondition, std::move(why)); }
@@ -50,6 +57,29 @@ Status checkName(const std::string& name) {
     return invalidArg("id", "bad sandbox directory name '" + name + "'");
   }
   return Status::ok();
+}
+
+// A removed sandbox's filesystem is thrown away with its image, so nothing
+// it still has in memory needs writing: shut it down first, and its final
+// unmount (once the last mount namespace holding it is gone) skips the
+// writeback. Without this, each teardown wrote its dirty blocks through the
+// loop device, one filesystem after another: about 16 released per second
+// here, slower than a burst of creates takes new ones. Only ever the
+// sandbox's own ext4: `dir` must be a mount root on a device other than its
+// parent's (so never the host filesystem beneath an unmounted `dir`).
+void shutDownSandboxFs(const std::string& dir, const std::string& parent) {
+  UniqueFd fd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+  if (!fd) return;
+  struct stat own, up;
+  struct statfs fs;
+  if (::fstat(fd.get(), &own) != 0 || ::stat(parent.c_str(), &up) != 0 ||
+      own.st_dev == up.st_dev || ::fstatfs(fd.get(), &fs) != 0 || fs.f_type != kExt4SuperMagic) {
+    return;
+  }
+  uint32_t flags = kExt4GoingFlagsNoLogFlush;
+  if (::ioctl(fd.get(), kExt4IocShutdown, &flags) != 0) {
+    log::debug("disk quota: shut down " + dir + ": " + std::strerror(errno));
+  }
 }
 
 // Unmounts (lazily) whatever is mounted on `dir`; fine when nothing is.
@@ -135,6 +165,7 @@ class Ext4Quota : public DiskQuota {
     // The sandbox's processes are gone: this was the filesystem's last use
     // (copies in other mount namespaces go by propagation), so it is shut
     // down now and its loop device (autoclear) detaches.
+    shutDownSandboxFs(dir, root_);
     RETURN_IF_ERROR(unmountIfMounted(dir));
     Status st = removeTree(dir);
     if (::unlink(imageOf(name).c_str()) != 0 && errno != ENOENT && st.isOk()) {

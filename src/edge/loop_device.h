@@ -15,8 +15,10 @@ namespace dsec::edge {
 // kernel detaches the device once its last user (the caller's fd, a mount)
 // lets go, so close `held` after mounting. The file is opened read-only when
 // loFlags has LO_FLAGS_READ_ONLY, else read-write. Errors: sysError of the
-// open/ioctl with its errno and path; kResourceExhausted after 16 races for a
-// free device.
+// open/ioctl with its errno and path; kResourceExhausted when 64 tries found
+// no device to take. Attaches within one process are serialized; a device
+// that refuses (EBUSY: another process took it, or its previous filesystem
+// still holds it while unmounting) is passed over for a newly added one.
 Result<std::string> attachLoop(const std::string& file, uint32_t loFlags, UniqueFd& held);
 
 }  // namespace dsec::edge
