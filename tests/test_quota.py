@@ -324,6 +324,26 @@ def test_ext4_gives_enospc_and_leaves_nothing(ext4_server):
     assert not disks.exists() or not any(disks.iterdir()), list(disks.iterdir())
 
 
+def test_ext4_gives_freed_blocks_back_to_the_host(ext4_server):
+    """The sandbox's ext4 is mounted with online discard: a deleted file's
+    blocks leave the sparse image on the host at once, not at destroy."""
+    s = ext4_server
+    sb = s.client.create("busybox:latest", disk_mb=128)
+    try:
+        img = s.data_dir / "edge" / "sandbox-disks" / f"{sb.id}.img"
+
+        def allocated_mb():
+            return img.stat().st_blocks * 512 / (1 << 20)
+
+        base = allocated_mb()
+        assert sb.exec("dd if=/dev/urandom of=/big bs=1M count=40 2>/dev/null && sync").ok
+        assert allocated_mb() >= base + 35, (base, allocated_mb())
+        assert sb.exec("rm /big && sync").ok
+        assert wait_until(lambda: allocated_mb() <= base + 5, 10), (base, allocated_mb())
+    finally:
+        sb.destroy()
+
+
 def test_ext4_survives_a_burst_of_concurrent_creates_and_destroys(ext4_server):
     """16 clients creating and destroying at once: every create gets a loop
     device (no 429 `no free loop device` from threads racing for the same

@@ -36,6 +36,7 @@ namespace {
 
 // The new mount API (<linux/mount.h> clashes with <sys/mount.h> on glibc 2.36).
 constexpr unsigned kFsopenCloexec = 1;          // FSOPEN_CLOEXEC
+constexpr unsigned kFsconfigSetFlag = 0;        // FSCONFIG_SET_FLAG
 constexpr unsigned kFsconfigSetString = 1;      // FSCONFIG_SET_STRING
 constexpr unsigned kFsconfigCmdCreate = 6;      // FSCONFIG_CMD_CREATE
 constexpr unsigned kFsmountCloexec = 1;         // FSMOUNT_CLOEXEC
@@ -272,7 +273,10 @@ class Ext4Quota : public DiskQuota {
     // leaves it as its only user, so the device goes with the filesystem.
     UniqueFd fsfd(int(::syscall(SYS_fsopen, "ext4", kFsopenCloexec)));
     if (!fsfd) return undo(sysError("fsopen ext4"));
+    // Online discard: blocks a sandbox frees go back to the host at once (the
+    // loop device punches holes in the sparse image), not only at destroy.
     if (::syscall(SYS_fsconfig, fsfd.get(), kFsconfigSetString, "source", dev->c_str(), 0) != 0 ||
+        ::syscall(SYS_fsconfig, fsfd.get(), kFsconfigSetFlag, "discard", nullptr, 0) != 0 ||
         ::syscall(SYS_fsconfig, fsfd.get(), kFsconfigCmdCreate, nullptr, nullptr, 0) != 0) {
       return undo(sysError("mount ext4 " + *dev + " (" + s.image + ")"));
     }
