@@ -319,6 +319,17 @@ def test_killed_zygote_is_replaced(client, debian):
     assert r.exit_code == 0 and r.stdout == "2\n", r
 
 
+def test_a_call_right_after_one_that_killed_its_zygote_runs(make_sandbox, debian):
+    # The killer's result comes from its own socket, possibly before aether
+    # has seen its zygote die: the next call must start a new zygote, not fail.
+    sb = make_sandbox(debian, backend="fncall", disk_mb=16)
+    for i in range(3):
+        r = sb.run("import os, signal; os.kill(os.getppid(), signal.SIGKILL); print('k')")
+        assert r.exit_code == 0 and r.stdout == "k\n", r
+        r = sb.run("print(%d)" % i)
+        assert r.exit_code == 0 and r.stdout == "%d\n" % i, r
+
+
 def test_bad_input(client, server, debian):
     expect_error(lambda: client.run("x", language="cobol", image=debian),
                  dsec.InvalidArgument, field="language", status=400)

@@ -1264,6 +1264,16 @@ Result<SpawnedExec> Agent::spawnCall(ExecRequest& req, const CallRequest& call, 
   ::clock_gettime(CLOCK_MONOTONIC, &out.started);
   auto spawned = z->spawn(call.code, *req.cwd, env, limits, child_in.get(), child_out.get(),
                           child_err.get(), exits);
+  if (!spawned.isOk() && z->hungUp() && !e.zygote_started) {
+    // It died after its last call (a call may kill it; that call's result
+    // can come, from its own socket, before aether sees the zygote go):
+    // this call starts a new one.
+    dropZygote(call.language, false);
+    e.zygote_started = true;
+    ASSIGN_OR_RETURN(z, zygoteFor(call.language));
+    spawned = z->spawn(call.code, *req.cwd, env, limits, child_in.get(), child_out.get(),
+                       child_err.get(), exits);
+  }
   if (!spawned.isOk()) {
     // A zygote that fails a request is replaced on the next call.
     dropZygote(call.language, false);

@@ -485,6 +485,11 @@ bool Zygote::handleMessage(const std::string& msg, UniqueFd fd,
   return false;
 }
 
+bool Zygote::hungUp() const {
+  pollfd p{ctl_.get(), POLLIN, 0};
+  return !ctl_ || (::poll(&p, 1, 0) > 0 && (p.revents & (POLLHUP | POLLERR)));
+}
+
 void Zygote::requestSpare() {
   if (!spares_.empty() || spareAsked_ || !ctl_) return;
   if (::send(ctl_.get(), "spare", 5, MSG_DONTWAIT | MSG_NOSIGNAL) == 5) spareAsked_ = true;

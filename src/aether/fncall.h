@@ -141,6 +141,8 @@ class Zygote {
   void endedEarly(pid_t pid) { live_.erase(pid); }
   // Spares held (for tests and metrics).
   size_t spares() const { return spares_.size(); }
+  // The zygote closed its end of the control socket (it died).
+  bool hungUp() const;
 
  private:
   struct Spare {
