@@ -497,8 +497,7 @@ void Zygote::requestSpare() {
 
 Result<std::pair<pid_t, UniqueFd>> Zygote::spawn(const std::string& code, const std::string& cwd,
                                                  const std::vector<std::string>& env,
-                                                 const CallLimits& limits, int in, int out,
-                                                 int err,
+                                                 const CallLimits& limits, int in, int out, int err,
                                                  std::vector<std::pair<pid_t, int>>& exits) {
   std::string body = dumpJson(Json{{"code", code}, {"cwd", cwd}, {"env", env},
                                    {"limits", limitsJson(limits)}});

@@ -162,8 +162,8 @@ class Zygote {
   UniqueFd ctl_;
   UniqueFd stderr_;  // the zygote's own stderr, read for a start-up failure
   std::deque<Spare> spares_;  // forked ahead, waiting for a request
-  bool spareAsked_ = true;     // the first spare comes unasked
-  std::set<pid_t> live_;       // calls handed out whose end is not known yet
+  bool spareAsked_ = true;    // the first spare comes unasked
+  std::set<pid_t> live_;      // calls handed out whose end is not known yet
   int64_t calls_ = 0;
 };
 
