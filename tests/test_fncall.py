@@ -8,6 +8,7 @@ to calls: isolation between calls, limits, fncall sandboxes, bad input.
 
 from __future__ import annotations
 
+import shlex
 import time
 
 import pytest
@@ -152,6 +153,59 @@ def test_a_thread_outliving_its_main_thread_is_killed(make_sandbox, debian):
     assert r.stdout == "False\n", "a thread of an ended call ran on: " + r.stdout
 
 
+def test_a_call_runs_in_a_child_forked_after_the_previous_call_ended(make_sandbox, debian):
+    # The spare a call runs in is forked when the previous call has ended
+    # (docs/fncall.md): it never existed while that call ran, so nothing that
+    # call did can have reached it, and it is a child of the same zygote.
+    sb = make_sandbox(debian, backend="fncall", disk_mb=16)
+    first = sb.run("import os, json\n"
+                   "json.LEAK = 1; os.environ['LEAK'] = '1'\n"
+                   "print(os.getppid(), *[p for p in os.listdir('/proc') if p.isdigit()])")
+    assert first.exit_code == 0, first
+    zygote, *seen = first.stdout.split()
+    second = sb.run("import os, json\n"
+                    "print(os.getpid(), os.getppid(), hasattr(json, 'LEAK'), 'LEAK' in os.environ)")
+    assert second.exit_code == 0, second
+    pid, ppid, leak_json, leak_env = second.stdout.split()
+    assert ppid == zygote, "not the same zygote: the check proves nothing"
+    assert pid not in seen, "the second call's process existed during the first call"
+    assert (leak_json, leak_env) == ("False", "False"), second
+
+
+def test_a_killed_spare_is_replaced(make_sandbox, debian):
+    # A call may kill any process of its uid, the zygote's spare included
+    # (other languages' calls run while one is held): the next python call
+    # takes a new spare of the same zygote.
+    sb = make_sandbox(debian, backend="fncall", disk_mb=16)
+    r = sb.run("import os; print(os.getppid())")
+    assert r.exit_code == 0, r
+    zygote = r.stdout.strip()
+    killer = (
+        "import os, signal, time\n"
+        "def procs():\n"
+        "    out = {}\n"
+        "    for p in filter(str.isdigit, os.listdir('/proc')):\n"
+        "        try:\n"
+        "            st = open(f'/proc/{p}/stat').read().rsplit(')', 1)[1].split()\n"
+        "        except (OSError, ValueError):\n"
+        "            continue\n"
+        "        out[int(p)] = int(st[1])\n"
+        "    return out\n"
+        "for _ in range(100):\n"
+        "    spares = [p for p, pp in procs().items() if pp == ZYGOTE]\n"
+        "    if spares:\n"
+        "        break\n"
+        "    time.sleep(0.05)\n"
+        "for p in spares:\n"
+        "    os.kill(p, signal.SIGKILL)\n"
+        "print(len(spares))\n").replace("ZYGOTE", zygote)
+    r = sb.run("python3 -c " + shlex.quote(killer), language="bash", timeout=20)
+    assert r.exit_code == 0 and r.stdout.strip() == "1", r
+    for i in range(3):
+        r = sb.run("import os; print(os.getppid(), %d)" % i, timeout=20)
+        assert r.exit_code == 0 and r.stdout == "%s %d\n" % (zygote, i), r
+
+
 def test_each_call_sees_fresh_random_state(client, debian):
     code = "import random, uuid; print(random.random(), uuid.uuid4())"
     a = client.run(code, image=debian)
@@ -263,6 +317,17 @@ def test_killed_zygote_is_replaced(client, debian):
     assert r.stdout == "ok\n", r
     r = client.run("print(2)", image=debian)
     assert r.exit_code == 0 and r.stdout == "2\n", r
+
+
+def test_a_call_right_after_one_that_killed_its_zygote_runs(make_sandbox, debian):
+    # The killer's result comes from its own socket, possibly before aether
+    # has seen its zygote die: the next call must start a new zygote, not fail.
+    sb = make_sandbox(debian, backend="fncall", disk_mb=16)
+    for i in range(3):
+        r = sb.run("import os, signal; os.kill(os.getppid(), signal.SIGKILL); print('k')")
+        assert r.exit_code == 0 and r.stdout == "k\n", r
+        r = sb.run("print(%d)" % i)
+        assert r.exit_code == 0 and r.stdout == "%d\n" % i, r
 
 
 def test_bad_input(client, server, debian):

@@ -44,6 +44,7 @@ enum Kind : uint64_t {
   kSeccompKind,  // the "stream" is the listener's fd
   kDeniedTimerKind,
   kZygoteKind,  // the "stream" is the zygote's control socket fd
+  kCallKind,    // a zygote call's own socket
 };
 
 // Denied-syscall counts go to the edge unasked, at most this often, so a
@@ -152,6 +153,7 @@ int Agent::run() {
   struct epoll_event events[64];
   while (!done_) {
     flushOutput();
+    finishedCalls();
     pumpFileReads();
     flushOutput();
     if (done_) break;
@@ -165,6 +167,9 @@ int Agent::run() {
       break;
     }
     for (int i = 0; i < n && !done_; ++i) {
+      // A call that ended in the previous event is cleaned up before the
+      // next event can bring a frame of the edge.
+      finishedCalls();
       uint32_t ev = events[i].events;
       auto kind = static_cast<Kind>(events[i].data.u64 >> 32);
       auto stream = static_cast<uint32_t>(events[i].data.u64);
@@ -193,6 +198,9 @@ int Agent::run() {
           break;
         case kZygoteKind:
           onZygoteReadable(static_cast<int>(stream));
+          break;
+        case kCallKind:
+          onCallSocket(stream);
           break;
         case kDeniedTimerKind: {
           uint64_t expirations;
@@ -280,6 +288,7 @@ void Agent::handleReattach(const Frame&) {
 }
 
 void Agent::shutdown() {
+  finishedCalls();
   for (auto& [stream, e] : execs_) {
     killGroup(*e, SIGKILL);
     closeStdin(*e);
@@ -551,6 +560,7 @@ void Agent::handleExec(const Frame& f) {
   }
   e->out[0].fd = std::move(e->proc.stdout_r);
   e->out[1].fd = std::move(e->proc.stderr_r);
+  if (e->call_sock) watch(e->call_sock.get(), tag(kCallKind, f.stream), EPOLLIN);
 
   if (e->timer) {
     struct itimerspec its {};
@@ -1041,7 +1051,6 @@ void Agent::maybeFinish(Exec& e) {
                {"truncated", e.truncated},
                {"duration_us", e.duration_us}};
   if (e.call) {
-    finishCall(e);
     // Which limit stopped it, when one did (docs/fncall.md).
     const char* limit = nullptr;
     if (e.timed_out) {
@@ -1051,15 +1060,9 @@ void Agent::maybeFinish(Exec& e) {
     } else if (sig == SIGXFSZ) {
       limit = "file_size";
     }
-    // What only the call (through its zygote) or its shell's exit code
-    // tells: an uncaught MemoryError / EFBIG, a command killed by SIGXFSZ.
-    // The hint is taken whatever else applies: left behind, it would be
-    // found by a later call that reuses the pid.
-    std::string hinted;
-    for (auto& [lang, z] : zygotes_) {
-      hinted = z->takeLimitHint(e.proc.pid);
-      if (!hinted.empty()) break;
-    }
+    // What only the call (on its socket) or its shell's exit code tells:
+    // an uncaught MemoryError / EFBIG, a command killed by SIGXFSZ.
+    std::string hinted = e.hint;
     if (!limit) {
       if (hinted.empty()) hinted = shellLimitOf(e.wait_status, e.limits);
       if (!hinted.empty()) limit = hinted.c_str();
@@ -1069,6 +1072,16 @@ void Agent::maybeFinish(Exec& e) {
     if (e.zygote_started) exit["zygote_start"] = true;
   }
   sendFrame(e.stream, FrameType::kExit, dumpJson(exit));
+  if (e.call) {
+    // The result goes out first (the main loop flushes it, then runs
+    // finishedCalls), and what the clean-up takes is off its path. No
+    // frame of the edge is read before the clean-up is done (one thread),
+    // so the next call still finds nothing of this one.
+    finished_calls_.push_back(
+        FinishedCall{e.proc.pid, e.exclusive, std::move(e.run_dir), e.zygote_lang});
+    e.run_dir.clear();
+    if (e.call_sock) unwatch(e.call_sock.get());
+  }
   execs_.erase(e.stream);  // `e` is gone from here on
 }
 
@@ -1249,17 +1262,68 @@ Result<SpawnedExec> Agent::spawnCall(ExecRequest& req, const CallRequest& call, 
   if (!hasEnv(env, "PATH")) env.push_back(std::string("PATH=") + kDefaultPath);
   if (!hasEnv(env, "HOME")) env.push_back("HOME=/root");
   ::clock_gettime(CLOCK_MONOTONIC, &out.started);
-  Result<pid_t> pid = z->spawn(call.code, *req.cwd, env, limits, child_in.get(), child_out.get(),
-                               child_err.get(), exits);
-  if (!pid.isOk()) {
+  auto spawned = z->spawn(call.code, *req.cwd, env, limits, child_in.get(), child_out.get(),
+                          child_err.get(), exits);
+  if (!spawned.isOk() && z->hungUp() && !e.zygote_started) {
+    // It died after its last call (a call may kill it; that call's result
+    // can come, from its own socket, before aether sees the zygote go):
+    // this call starts a new one.
+    dropZygote(call.language, false);
+    e.zygote_started = true;
+    ASSIGN_OR_RETURN(z, zygoteFor(call.language));
+    spawned = z->spawn(call.code, *req.cwd, env, limits, child_in.get(), child_out.get(),
+                       child_err.get(), exits);
+  }
+  if (!spawned.isOk()) {
     // A zygote that fails a request is replaced on the next call.
     dropZygote(call.language, false);
-    return pid.status();
+    return spawned.status();
   }
-  out.pid = *pid;
+  out.pid = spawned->first;
+  e.call_sock = std::move(spawned->second);
+  e.zygote_lang = call.language;
   out.argv0 = call.language;
   out.cwd = *req.cwd;
   return out;
+}
+
+void Agent::onCallSocket(uint32_t stream) {
+  auto it = execs_.find(stream);
+  if (it == execs_.end() || !it->second->call_sock) return;
+  Exec& e = *it->second;
+  char buf[64];
+  for (;;) {
+    ssize_t got = ::recv(e.call_sock.get(), buf, sizeof buf, MSG_DONTWAIT);
+    if (got < 0 && errno == EINTR) continue;
+    if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
+    if (got <= 0) {
+      // Hung up without "exit:" (killed, or it died in its set-up): its
+      // zygote reports the wait status once it reaps it.
+      unwatch(e.call_sock.get());
+      e.call_sock.reset();
+      return;
+    }
+    std::string_view m(buf, size_t(got));
+    // Only names aether itself would give: a call cannot forge others.
+    if (m == "memory" || m == "file_size") {
+      e.hint = std::string(m);
+    } else if (m.starts_with("exit:") && !e.reaped) {
+      int rc = 0;
+      for (char c : m.substr(5)) {
+        if (c < '0' || c > '9' || rc > 255) return;
+        rc = rc * 10 + (c - '0');
+      }
+      // Said just before its _exit: the result need not wait for the
+      // kernel to free its copy of the zygote's memory, nor for the zygote
+      // to reap it. A call that says it early only ends itself: what it
+      // left is killed as any call's (finishCall).
+      if (auto z = zygotes_.find(e.zygote_lang); z != zygotes_.end()) {
+        z->second->endedEarly(e.proc.pid);
+      }
+      onReaped(e.proc.pid, (rc & 0xFF) << 8);  // may end `e`
+      return;
+    }
+  }
 }
 
 Result<Zygote*> Agent::zygoteFor(const std::string& language) {
@@ -1326,15 +1390,31 @@ std::set<pid_t> Agent::zygotePids() const {
 }
 
 void Agent::finishCall(Exec& e) {
+  cleanUpCall(e.proc.pid, e.exclusive, e.run_dir);
+  e.run_dir.clear();
+}
+
+void Agent::cleanUpCall(pid_t pid, bool exclusive, const std::string& run_dir) {
   // Nothing a call started survives it: its session, process group and
   // their descendants (an exclusive caller: everything but the zygotes).
-  killCallProcesses(e.proc.pid, e.exclusive, zygotePids());
-  if (!e.run_dir.empty()) {
-    Status st = removePath(e.run_dir, true);
+  killCallProcesses(pid, exclusive, zygotePids());
+  if (!run_dir.empty()) {
+    Status st = removePath(run_dir, true);
     if (!st.isOk()) logError("remove call dir", st);
-    e.run_dir.clear();
   }
-  if (e.exclusive) wipeSandboxState();
+  if (exclusive) wipeSandboxState();
+}
+
+void Agent::finishedCalls() {
+  if (finished_calls_.empty()) return;
+  flushOutput();  // their results first
+  auto done = std::move(finished_calls_);
+  finished_calls_.clear();
+  for (auto& c : done) {
+    cleanUpCall(c.pid, c.exclusive, c.run_dir);
+    // The next spare is forked now, not while a call runs.
+    if (auto it = zygotes_.find(c.zygote_lang); it != zygotes_.end()) it->second->requestSpare();
+  }
 }
 
 }  // namespace dsec::aether

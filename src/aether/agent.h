@@ -119,6 +119,11 @@ class Agent {
     std::string run_dir;
     CallLimits limits;            // the call's, for which limit stopped it
     bool zygote_started = false;  // it had to start its zygote (metrics)
+    // A zygote's call: its socket (limit hints, "exit:RC"), the limit it
+    // said stopped it, the language of its zygote.
+    UniqueFd call_sock;
+    std::string hint;
+    std::string zygote_lang;
   };
 
   void handleConnReadable();
@@ -150,6 +155,20 @@ class Agent {
   void onSeccompNotify(int fd, uint32_t events);
 
   void reapChildren();
+  // What finishCall does, for an exec already gone.
+  void cleanUpCall(pid_t pid, bool exclusive, const std::string& run_dir);
+  // Cleans up the calls whose results were sent (after flushing them).
+  void finishedCalls();
+  struct FinishedCall {
+    pid_t pid;
+    bool exclusive;
+    std::string run_dir;
+    std::string zygote_lang;
+  };
+  std::vector<FinishedCall> finished_calls_;
+  // A zygote's call wrote on its socket: a limit hint, or its exit status
+  // just before exiting (handled as its end).
+  void onCallSocket(uint32_t stream);
   // A tracked or untracked child ended (reaped by us, or by a zygote).
   void onReaped(pid_t pid, int status);
   // fncall: starts the call's process (argv, fresh exec of an interpreter,

@@ -424,31 +424,81 @@ Zygote::~Zygote() {
   if (pid_ > 0) ::kill(pid_, SIGKILL);
 }
 
-bool Zygote::handleMessage(const std::string& msg, pid_t* spawned,
+ssize_t Zygote::recvControl(std::string& msg, UniqueFd& fd, bool dontwait) {
+  char buf[4096];
+  iovec iov{buf, sizeof buf};
+  alignas(cmsghdr) char ctl[CMSG_SPACE(sizeof(int) * 4)];
+  msghdr m{};
+  m.msg_iov = &iov;
+  m.msg_iovlen = 1;
+  m.msg_control = ctl;
+  m.msg_controllen = sizeof ctl;
+  ssize_t got;
+  do {
+    got = ::recvmsg(ctl_.get(), &m, MSG_CMSG_CLOEXEC | (dontwait ? MSG_DONTWAIT : 0));
+  } while (got < 0 && errno == EINTR);
+  if (got < 0) return got;
+  fd.reset();
+  for (cmsghdr* c = CMSG_FIRSTHDR(&m); c; c = CMSG_NXTHDR(&m, c)) {
+    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+    size_t n = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+    for (size_t i = 0; i < n; ++i) {
+      int f;
+      std::memcpy(&f, CMSG_DATA(c) + i * sizeof(int), sizeof f);
+      if (!fd) {
+        fd.reset(f);
+      } else {
+        ::close(f);  // one fd per message: more is not ours to keep
+      }
+    }
+  }
+  msg.assign(buf, size_t(got));
+  return got;
+}
+
+bool Zygote::handleMessage(const std::string& msg, UniqueFd fd,
                            std::vector<std::pair<pid_t, int>>& exits) {
   Json j = Json::parse(msg, nullptr, false);
   if (!j.is_object()) return false;
   if (auto it = j.find("exit"); it != j.end() && it->is_number_integer()) {
     pid_t pid = pid_t(it->get<int64_t>());
-    if (auto l = j.find("limit"); l != j.end() && l->is_string()) {
-      std::string limit = l->get<std::string>();
-      // Only names aether itself would give: a call cannot forge others.
-      if (limit == "memory" || limit == "file_size") limitHints_[pid] = limit;
+    // Only the end of a call still running counts: a call that said its
+    // own status is done, and a spare that died unused is just dropped.
+    if (live_.erase(pid)) {
+      exits.emplace_back(pid, int(j.value("status", 0)));
+    } else {
+      for (auto s = spares_.begin(); s != spares_.end(); ++s) {
+        if (s->pid == pid) {
+          spares_.erase(s);
+          break;
+        }
+      }
     }
-    exits.emplace_back(pid, int(j.value("status", 0)));
     return true;
   }
-  if (auto it = j.find("pid"); it != j.end() && it->is_number_integer() && spawned) {
-    *spawned = pid_t(it->get<int64_t>());
+  if (auto it = j.find("spare"); it != j.end() && it->is_number_integer()) {
+    spareAsked_ = false;
+    if (fd) spares_.push_back(Spare{pid_t(it->get<int64_t>()), std::move(fd)});
     return true;
   }
+  if (j.contains("error")) spareAsked_ = false;  // it could not fork one
   return false;
 }
 
-Result<pid_t> Zygote::spawn(const std::string& code, const std::string& cwd,
-                            const std::vector<std::string>& env, const CallLimits& limits,
-                            int in, int out, int err,
-                            std::vector<std::pair<pid_t, int>>& exits) {
+bool Zygote::hungUp() const {
+  pollfd p{ctl_.get(), POLLIN, 0};
+  return !ctl_ || (::poll(&p, 1, 0) > 0 && (p.revents & (POLLHUP | POLLERR)));
+}
+
+void Zygote::requestSpare() {
+  if (!spares_.empty() || spareAsked_ || !ctl_) return;
+  if (::send(ctl_.get(), "spare", 5, MSG_DONTWAIT | MSG_NOSIGNAL) == 5) spareAsked_ = true;
+}
+
+Result<std::pair<pid_t, UniqueFd>> Zygote::spawn(const std::string& code, const std::string& cwd,
+                                                 const std::vector<std::string>& env,
+                                                 const CallLimits& limits, int in, int out, int err,
+                                                 std::vector<std::pair<pid_t, int>>& exits) {
   std::string body = dumpJson(Json{{"code", code}, {"cwd", cwd}, {"env", env},
                                    {"limits", limitsJson(limits)}});
   int fds[4] = {in, out, err, -1};
@@ -468,53 +518,57 @@ Result<pid_t> Zygote::spawn(const std::string& code, const std::string& cwd,
     nfds = 4;
     body = "{}";
   }
-  iovec iov{body.data(), body.size()};
-  alignas(cmsghdr) char ctl[CMSG_SPACE(sizeof(int) * 4)];
-  std::memset(ctl, 0, sizeof ctl);
-  msghdr m{};
-  m.msg_iov = &iov;
-  m.msg_iovlen = 1;
-  m.msg_control = ctl;
-  m.msg_controllen = CMSG_SPACE(sizeof(int) * nfds);
-  cmsghdr* c = CMSG_FIRSTHDR(&m);
-  c->cmsg_level = SOL_SOCKET;
-  c->cmsg_type = SCM_RIGHTS;
-  c->cmsg_len = CMSG_LEN(sizeof(int) * nfds);
-  std::memcpy(CMSG_DATA(c), fds, sizeof(int) * nfds);
-  ssize_t sent;
-  do {
-    sent = ::sendmsg(ctl_.get(), &m, MSG_NOSIGNAL);
-  } while (sent < 0 && errno == EINTR);
-  if (sent < 0) return Status(Code::kUnavailable, "python zygote is gone", errno);
-  std::string buf(4096, '\0');
-  for (;;) {
-    pollfd p{ctl_.get(), POLLIN, 0};
-    int n = ::poll(&p, 1, kZygoteAnswerMs);
-    if (n < 0 && errno == EINTR) continue;
-    if (n == 0) return Status(Code::kUnavailable, "python zygote did not answer");
-    ssize_t got = ::recv(ctl_.get(), buf.data(), buf.size(), 0);
-    if (got < 0 && errno == EINTR) continue;
-    if (got <= 0) return Status(Code::kUnavailable, "python zygote is gone");
-    std::string msg(buf.data(), size_t(got));
-    pid_t child = -1;
-    if (!handleMessage(msg, &child, exits)) {
-      Json j = Json::parse(msg, nullptr, false);
-      std::string why = j.is_object() ? j.value("error", msg) : msg;
-      return Status(Code::kInternal, "python zygote: " + why);
+  // A spare killed before its request (a call may kill any process of its
+  // uid) fails the send: the next one is taken.
+  for (int attempt = 0; attempt < 4; ++attempt) {
+    int64_t deadline = 0;
+    while (spares_.empty()) {
+      requestSpare();
+      if (!spareAsked_) return Status(Code::kUnavailable, "python zygote is gone");
+      struct timespec now;
+      ::clock_gettime(CLOCK_MONOTONIC, &now);
+      int64_t nowMs = int64_t(now.tv_sec) * 1000 + now.tv_nsec / 1000000;
+      if (deadline == 0) deadline = nowMs + kZygoteAnswerMs;
+      if (nowMs >= deadline) return Status(Code::kUnavailable, "python zygote did not answer");
+      pollfd p{ctl_.get(), POLLIN, 0};
+      int n = ::poll(&p, 1, int(deadline - nowMs));
+      if (n < 0 && errno == EINTR) continue;
+      if (n == 0) return Status(Code::kUnavailable, "python zygote did not answer");
+      std::string msg;
+      UniqueFd fd;
+      ssize_t got = recvControl(msg, fd, false);
+      if (got <= 0) return Status(Code::kUnavailable, "python zygote is gone");
+      if (!handleMessage(msg, std::move(fd), exits)) {
+        Json j = Json::parse(msg, nullptr, false);
+        std::string why = j.is_object() ? j.value("error", msg) : msg;
+        return Status(Code::kInternal, "python zygote: " + why);
+      }
     }
-    if (child > 0) {
-      ++calls_;
-      return child;
-    }
+    Spare s = std::move(spares_.front());
+    spares_.pop_front();
+    iovec iov{body.data(), body.size()};
+    alignas(cmsghdr) char ctl[CMSG_SPACE(sizeof(int) * 4)];
+    std::memset(ctl, 0, sizeof ctl);
+    msghdr m{};
+    m.msg_iov = &iov;
+    m.msg_iovlen = 1;
+    m.msg_control = ctl;
+    m.msg_controllen = CMSG_SPACE(sizeof(int) * nfds);
+    cmsghdr* c = CMSG_FIRSTHDR(&m);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof(int) * nfds);
+    std::memcpy(CMSG_DATA(c), fds, sizeof(int) * nfds);
+    ssize_t sent;
+    do {
+      sent = ::sendmsg(s.sock.get(), &m, MSG_NOSIGNAL | MSG_DONTWAIT);
+    } while (sent < 0 && errno == EINTR);
+    if (sent < 0) continue;  // it died: its exit report is dropped, as a spare's
+    ++calls_;
+    live_.insert(s.pid);
+    return std::make_pair(s.pid, std::move(s.sock));
   }
-}
-
-std::string Zygote::takeLimitHint(pid_t pid) {
-  auto it = limitHints_.find(pid);
-  if (it == limitHints_.end()) return {};
-  std::string out = std::move(it->second);
-  limitHints_.erase(it);
-  return out;
+  return Status(Code::kUnavailable, "python zygote's spares died before their requests");
 }
 
 std::string shellLimitOf(int waitStatus, const CallLimits& limits) {
@@ -526,13 +580,13 @@ std::string shellLimitOf(int waitStatus, const CallLimits& limits) {
 }
 
 bool Zygote::readExits(std::vector<std::pair<pid_t, int>>& exits) {
-  char buf[512];
   for (;;) {
-    ssize_t got = ::recv(ctl_.get(), buf, sizeof buf, MSG_DONTWAIT);
-    if (got < 0 && errno == EINTR) continue;
+    std::string msg;
+    UniqueFd fd;
+    ssize_t got = recvControl(msg, fd, true);
     if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return true;
     if (got <= 0) return false;
-    (void)handleMessage(std::string(buf, size_t(got)), nullptr, exits);
+    (void)handleMessage(msg, std::move(fd), exits);
   }
 }
 

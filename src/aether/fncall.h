@@ -16,6 +16,7 @@
 
 #include <sys/types.h>
 
+#include <deque>
 #include <map>
 #include <memory>
 #include <optional>
@@ -115,29 +116,54 @@ class Zygote {
   // The process was reaped elsewhere: the destructor must not signal its pid.
   void forgetPid() { pid_ = -1; }
   int ctlFd() const { return ctl_.get(); }
-  // Forks a call: the child gets in/out/err as its stdio and runs `code` in
-  // `cwd` with `env` and the limits. Returns the child's pid. Exit reports
-  // that arrive meanwhile are appended to `exits`.
-  Result<pid_t> spawn(const std::string& code, const std::string& cwd,
-                      const std::vector<std::string>& env, const CallLimits& limits, int in,
-                      int out, int err, std::vector<std::pair<pid_t, int>>& exits);
-  // Reads the exit reports waiting on the control socket. False once the
-  // zygote has hung up (it died).
+  // Hands a call to a spare (a child the zygote forked ahead, waiting for
+  // one request): the child gets in/out/err as its stdio and runs `code` in
+  // `cwd` with `env` and the limits. Waits for a spare if none is held (at
+  // most kZygoteAnswerMs). Returns the child's pid and aether's end of its
+  // socket, on which the call says "memory" / "file_size" (a limit stopped
+  // it) and "exit:RC" (its exit status, just before it exits). Exit reports
+  // of other calls that arrive meanwhile are appended to `exits`. Errors:
+  // kUnavailable (the zygote is gone or silent), kInternal (it refused).
+  Result<std::pair<pid_t, UniqueFd>> spawn(const std::string& code, const std::string& cwd,
+                                           const std::vector<std::string>& env,
+                                           const CallLimits& limits, int in, int out, int err,
+                                           std::vector<std::pair<pid_t, int>>& exits);
+  // Asks the zygote for the next spare, unless one is held or asked for.
+  // Called when a call has ended, so the fork and its page copies do not
+  // compete with a running call.
+  void requestSpare();
+  // Reads the messages waiting on the control socket: exit reports of its
+  // calls (appended to `exits`; those of other children are dropped) and
+  // spares. False once the zygote has hung up (it died).
   bool readExits(std::vector<std::pair<pid_t, int>>& exits);
-  // The limit (docs/fncall.md: "memory", "file_size") the call `pid` told its
-  // zygote stopped it (an uncaught MemoryError under memory_mb, an uncaught
-  // EFBIG under file_size_mb), once, with its exit report; empty if none.
-  std::string takeLimitHint(pid_t pid);
+  // The call `pid` said its own exit status: the zygote's later report of
+  // it is dropped.
+  void endedEarly(pid_t pid) { live_.erase(pid); }
+  // Spares held (for tests and metrics).
+  size_t spares() const { return spares_.size(); }
+  // The zygote closed its end of the control socket (it died).
+  bool hungUp() const;
 
  private:
+  struct Spare {
+    pid_t pid;
+    UniqueFd sock;
+  };
   Zygote() = default;
-  bool handleMessage(const std::string& msg, pid_t* spawned,
+  // One message of the control socket (with the fd it carried, if any).
+  // False for a message that is neither an exit report nor a spare.
+  bool handleMessage(const std::string& msg, UniqueFd fd,
                      std::vector<std::pair<pid_t, int>>& exits);
+  // recvmsg of one control message, its fd close-on-exec. <0: errno set
+  // (EAGAIN with dontwait); 0: hung up.
+  ssize_t recvControl(std::string& msg, UniqueFd& fd, bool dontwait);
 
   pid_t pid_ = -1;
   UniqueFd ctl_;
   UniqueFd stderr_;  // the zygote's own stderr, read for a start-up failure
-  std::map<pid_t, std::string> limitHints_;  // reported, not yet taken
+  std::deque<Spare> spares_;  // forked ahead, waiting for a request
+  bool spareAsked_ = true;    // the first spare comes unasked
+  std::set<pid_t> live_;      // calls handed out whose end is not known yet
   int64_t calls_ = 0;
 };
 
