@@ -295,26 +295,55 @@ void Platform::janitor() {
     // A call under way is activity right now (and is shared as such with the
     // other replicas by shareCalls below).
     for (auto& [id, n] : callsInFlight_) lastCall_[id] = now;
-    std::vector<std::string> expired, purge, idle, toPause;
-    for (auto& [id, r] : sandboxes_) {
-      // A lost sandbox (its node is down) keeps its TTL and idle timeout.
-      bool live = r.state == "running" || r.state == "paused" || r.state == "lost";
-      if (live && r.expiresAt > 0 && r.expiresAt <= now) expired.push_back(id);
-      auto lc = lastCall_.find(id);
-      double last = lc == lastCall_.end() ? r.createdAt : std::max(r.createdAt, lc->second);
-      if (live && r.idleTimeoutS > 0 && now - last >= double(r.idleTimeoutS)) {
-        idle.push_back(id);
-      } else if (r.state == "running" && r.autoPauseS > 0 && now - last >= double(r.autoPauseS)) {
-        toPause.push_back(id);
+    std::vector<std::string> expired, purge, idle, toPause, othersCreating;
+    // The walk goes in slices of kJanitorSlice records, letting go of mu_
+    // between them: at 380,000 live sandboxes one pass under the lock would
+    // stall every create and call for a good part of a second. A record with
+    // no timer (no TTL, idle timeout or auto-pause) that is not over is
+    // passed over without a lookup. Each decision is re-checked by the
+    // destroy or pause that acts on it.
+    std::string from;
+    bool first = true;
+    for (;;) {
+      auto it = first ? sandboxes_.begin() : sandboxes_.lower_bound(from);
+      first = false;
+      size_t k = 0;
+      for (; it != sandboxes_.end() && k < kJanitorSlice; ++k) {
+        const std::string& id = it->first;
+        SandboxRecord& r = it->second;
+        if (r.state == "creating" && !r.replica.empty() && r.replica != opts_.replicaId) {
+          othersCreating.push_back(id);  // for reapCreating (leader, replicas)
+        }
+        bool fin = r.state == "stopped" || r.state == "failed";
+        if (fin && r.stoppedAt + opts_.stoppedRetentionS <= now) {
+          purge.push_back(id);
+          lastCall_.erase(id);
+          it = sandboxes_.erase(it);
+          continue;
+        }
+        if (fin || (r.expiresAt <= 0 && r.idleTimeoutS <= 0 && r.autoPauseS <= 0)) {
+          ++it;
+          continue;
+        }
+        // A lost sandbox (its node is down) keeps its TTL and idle timeout.
+        bool live = r.state == "running" || r.state == "paused" || r.state == "lost";
+        if (live && r.expiresAt > 0 && r.expiresAt <= now) expired.push_back(id);
+        if (r.idleTimeoutS > 0 || r.autoPauseS > 0) {
+          auto lc = lastCall_.find(id);
+          double last = lc == lastCall_.end() ? r.createdAt : std::max(r.createdAt, lc->second);
+          if (live && r.idleTimeoutS > 0 && now - last >= double(r.idleTimeoutS)) {
+            idle.push_back(id);
+          } else if (r.state == "running" && r.autoPauseS > 0 &&
+                     now - last >= double(r.autoPauseS)) {
+            toPause.push_back(id);
+          }
+        }
+        ++it;
       }
-      if ((r.state == "stopped" || r.state == "failed") &&
-          r.stoppedAt + opts_.stoppedRetentionS <= now) {
-        purge.push_back(id);
-      }
-    }
-    for (auto& id : purge) {
-      sandboxes_.erase(id);
-      lastCall_.erase(id);
+      if (it == sandboxes_.end() || stopping_) break;
+      from = it->first;  // the next one to look at (or what follows it, if it goes)
+      lk.unlock();
+      lk.lock();
     }
     lk.unlock();
     if (store_->shared()) {
@@ -323,7 +352,8 @@ void Platform::janitor() {
     }
     // With replicas only the leader sweeps (the others' lists are cleared).
     bool leader = isLeader();
-    if (leader && store_->shared()) reapCreating();
+    if (leader && store_->shared()) reapCreating(othersCreating);
+    if (store_->shared()) renewBatchClaims();
     lk.lock();
     if (!leader) expired.clear(), idle.clear(), toPause.clear();
     bool gcDue = leader && now - lastGc >= opts_.gcIntervalS;

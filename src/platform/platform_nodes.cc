@@ -154,7 +154,8 @@ void Platform::syncSandboxes() {
   syncSince_ = now;
 }
 
-void Platform::reapCreating() {
+void Platform::reapCreating(const std::vector<std::string>& candidates) {
+  if (candidates.empty()) return;
   auto leases = store_->listLeases();
   if (!leases.isOk()) return;
   std::set<std::string> alive;
@@ -164,7 +165,10 @@ void Platform::reapCreating() {
   std::vector<std::string> orphans;
   {
     std::lock_guard lk(mu_);
-    for (auto& [id, r] : sandboxes_) {
+    for (auto& id : candidates) {
+      auto it = sandboxes_.find(id);
+      if (it == sandboxes_.end()) continue;
+      const SandboxRecord& r = it->second;
       if (r.state == "creating" && !r.replica.empty() && r.replica != opts_.replicaId &&
           !alive.count(r.replica)) {
         orphans.push_back(id);
