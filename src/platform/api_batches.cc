@@ -120,7 +120,10 @@ void Platform::createBatch(http::Request& req, http::Response& res) {
                                            " in use (max " + std::to_string(q.maxMemoryMb) + ")");
       }
     }
-    for (auto& r : recs) sandboxes_[r.id] = r;
+    for (auto& r : recs) {
+      sandboxes_[r.id] = r;
+      indexLocked(r);
+    }
   }
   auto undo = [&] {
     std::lock_guard lk(mu_);

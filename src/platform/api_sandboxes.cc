@@ -409,7 +409,10 @@ Result<SandboxRecord> Platform::launch(SandboxRecord r) {
     std::lock_guard lk(mu_);
     shuttingDown = stopping_;
     if (!shuttingDown) admitted = admitLocked(r, owner);
-    if (!shuttingDown && admitted.isOk()) sandboxes_[r.id] = r;
+    if (!shuttingDown && admitted.isOk()) {
+      sandboxes_[r.id] = r;
+      indexLocked(r);
+    }
   }
   if (shuttingDown) return Status(Code::kUnavailable, "platform is shutting down");
   RETURN_IF_ERROR(admitted);

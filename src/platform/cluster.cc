@@ -1124,6 +1124,16 @@ void Cluster::heartbeat(const std::string& name, http::Request& req, http::Respo
       auto p = placed_.find(id);
       if (p == placed_.end() || p->second.node != name) unknown.push_back(id);
     }
+    // Ids left undecided by an earlier heartbeat (being created by another
+    // replica, or the store did not answer): a delta will not name them
+    // again, so they are looked at until decided (a full list without them:
+    // the node no longer has them).
+    for (auto& id : n->recheck) {
+      if (full || running.count(id)) continue;
+      auto p = placed_.find(id);
+      if (p == placed_.end() || p->second.node != name) unknown.push_back(id);
+    }
+    n->recheck.clear();
     if (!n->reconciled && full) {
       why = "node " + name + " came back without it";
       for (auto& [id, p] : placed_) {
@@ -1146,18 +1156,22 @@ void Cluster::heartbeat(const std::string& name, http::Request& req, http::Respo
   }
   // What the node runs that no placement here wants: the store decides (another
   // replica may have created it a moment ago, or be creating it now).
-  std::vector<std::string> destroy;
+  std::vector<std::string> destroy, undecided;
   for (auto& id : unknown) {
     auto r = opts_.store->getSandbox(id);
     if (!r.isOk()) {
       if (r.status().code() != Code::kNotFound) {
         log::warn("heartbeat of " + name + ": looking up " + id + ": " + r.status().toString());
-        continue;  // unknown is not unwanted: ask again next heartbeat
+        undecided.push_back(id);  // unknown is not unwanted: ask again next heartbeat
+        continue;
       }
       destroy.push_back(id);
       continue;
     }
-    if (r->state == "creating") continue;  // its replica finishes it, or the leader fails it
+    if (r->state == "creating") {  // its replica finishes it, or the leader fails it
+      undecided.push_back(id);
+      continue;
+    }
     bool live = r->state == "running" || r->state == "paused" || r->state == "lost";
     if (!live || r->node != name) {
       destroy.push_back(id);
@@ -1169,6 +1183,11 @@ void Cluster::heartbeat(const std::string& name, http::Request& req, http::Respo
     spec.tenant = r->owner;
     bindSandbox(id, name, spec);
     if (r->state == "lost") changes.emplace_back(id, false);  // found
+  }
+  if (!undecided.empty()) {
+    std::lock_guard lk(mu_);
+    auto it = nodes_.find(name);
+    if (it != nodes_.end()) it->second->recheck.insert(undecided.begin(), undecided.end());
   }
   if (returned) log::info("node " + name + " is back");
   roomCv_.notify_all();

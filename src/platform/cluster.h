@@ -193,6 +193,7 @@ class Cluster : public edge::EdgeLink {
     // and when the last full list came.
     std::string hbToken;
     double lastFull = 0;
+    std::set<std::string> recheck;  // ids it runs that no heartbeat could decide on yet
     uint64_t creates = 0, createErrors = 0;
     // What the placements on it hold, kept as they change so a placement
     // costs O(nodes), not O(sandboxes): cpu, memory, tenants (placed and
@@ -261,7 +262,7 @@ class Cluster : public edge::EdgeLink {
   // Heartbeat tokens: this process's random prefix and a serial (mu_).
   std::string hbPrefix_ = randomHex(4) + "-";
   uint64_t hbSerial_ = 0;
-  static constexpr double kFullListEveryS = 30;
+  static constexpr double kFullListEveryS = 15;
   std::unordered_set<std::string> creating_;
   std::string localName_;
   bool stopping_ = false;

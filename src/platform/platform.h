@@ -322,6 +322,14 @@ class Platform {
   std::string sandboxStateMetrics();
   void janitor();
   static constexpr size_t kJanitorSlice = 4096;  // records per hold of mu_
+  static constexpr double kFullWalkS = 5;        // the janitor's walk over every record
+  // Records with a timer (TTL, idle timeout or auto-pause): the janitor looks
+  // at these every second and at all records only every kFullWalkS (purges,
+  // other replicas' creates, and any timed record missed here). mu_ held.
+  void indexLocked(const SandboxRecord& r) {
+    if (r.expiresAt > 0 || r.idleTimeoutS > 0 || r.autoPauseS > 0) timed_.insert(r.id);
+  }
+  std::set<std::string> timed_;  // guarded by mu_
 
   PlatformOptions opts_;
   Store* store_ = nullptr;     // not owned

@@ -73,6 +73,7 @@ void Platform::applyStoredLocked(const SandboxRecord& r) {
     // Not one purged here already (the leader deletes it from the store soon).
     if (isFinal(r.state) && r.stoppedAt + opts_.stoppedRetentionS <= nowSeconds()) return;
     sandboxes_[r.id] = r;
+    indexLocked(r);
     // A node's heartbeat may have bound it here already: that ends with it.
     if (isFinal(r.state)) {
       edge_->unbindSandbox(r.id);
