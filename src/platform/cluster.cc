@@ -1168,7 +1168,9 @@ void Cluster::heartbeat(const std::string& name, http::Request& req, http::Respo
       destroy.push_back(id);
       continue;
     }
-    if (r->state == "creating") {  // its replica finishes it, or the leader fails it
+    // Being created: by its replica (which finishes it, or the leader fails
+    // it), or a batch's, stored `pending` until its creation is (docs/batches.md).
+    if (r->state == "creating" || r->state == "pending") {
       undecided.push_back(id);
       continue;
     }
