@@ -529,6 +529,101 @@ def test_platform_sigkill_loses_nothing_acknowledged(sim_root):
     assert not problems, problems
 
 
+def test_heartbeat_deltas_keep_the_orphan_check(sim_root):
+    """Heartbeats carry what was added since the list the platform last
+    acknowledged (docs/cluster.md): a delta against a token the platform
+    does not hold, or of a node to reconcile, is answered with a request for
+    the full list; an added id the platform never placed is destroyed."""
+    cl = Cluster(sim_root, 1, simulate=True)
+    try:
+        cl.start()
+        cl.api("POST", "/v1/images", {"name": "sim", "tag": "latest",
+                                      "layers": [sim_layer(cl)], "kind": "base"})
+        ids = []
+        for _ in range(2):
+            st, _, doc = cl.api("POST", "/v1/sandboxes", {"image": "sim:latest", "cpu": 0.1,
+                                                          "memory_mb": 64})
+            assert st == 201, doc
+            ids.append(doc["id"])
+        key = json.loads((sim_root / "edge0" / "node.json").read_text())["edge_key"]
+        hb_path = "/internal/v1/nodes/n0/heartbeat"
+        base = {"capacity": {"cpus": 8, "memory_mb": 8192, "slots": 1000}}
+        # The real edge pauses, so only these heartbeats speak for n0.
+        cl.edges[0].proc.send_signal(signal.SIGSTOP)
+        try:
+            time.sleep(0.5)  # a heartbeat of the edge already on the wire lands first
+            # A new boot id: the node must be reconciled, which needs a full list.
+            st, _, doc = raw(cl.platform.url, "POST", hb_path,
+                             {**base, "boot_id": "t1", "since": "nope", "added": [], "count": 2},
+                             token=key)
+            assert st == 200 and doc.get("full") is True and "token" not in doc, doc
+            st, _, doc = raw(cl.platform.url, "POST", hb_path,
+                             {**base, "boot_id": "t1", "sandboxes": ids}, token=key)
+            assert st == 200 and doc["destroy"] == [] and doc.get("token"), doc
+            token = doc["token"]
+            # A delta: the added id no record places there is to be destroyed.
+            orphan = "sb-00000000deadbeef"
+            st, _, doc = raw(cl.platform.url, "POST", hb_path,
+                             {**base, "boot_id": "t1", "since": token, "added": [orphan],
+                              "count": 3}, token=key)
+            assert st == 200 and doc["destroy"] == [orphan] and doc.get("token"), doc
+            assert doc["token"] != token
+            node = [n for n in cl.nodes() if n["name"] == "n0"][0]
+            assert node["reported_sandboxes"] == 3, node
+            # The same token twice: not the list acknowledged last, so a full list.
+            st, _, doc = raw(cl.platform.url, "POST", hb_path,
+                             {**base, "boot_id": "t1", "since": token, "added": [], "count": 2},
+                             token=key)
+            assert st == 200 and doc.get("full") is True, doc
+            # Bad bodies: clear errors, nothing changed.
+            for bad in ({**base, "boot_id": "t1"},
+                        {**base, "boot_id": "t1", "since": "x", "added": "sb-1", "count": 1},
+                        {**base, "boot_id": "t1", "since": "x", "added": [], "count": "two"},
+                        {**base, "boot_id": "t1", "sandboxes": [1, 2]}):
+                st, _, doc = raw(cl.platform.url, "POST", hb_path, bad, token=key)
+                assert st == 400 and doc["error"]["field"] == "sandboxes", (bad, doc)
+        finally:
+            cl.edges[0].proc.send_signal(signal.SIGCONT)
+        # The edge's next heartbeats (its token is stale: a full list) keep both.
+        time.sleep(1.5)
+        for sid in ids:
+            assert sandbox(cl, sid)["state"] == "running"
+        assert "n0" in cl.nodes_up()
+    finally:
+        problems = cl.shutdown()
+    assert not problems, problems
+
+
+def test_bulk_create_call_on_an_edge(sim_root):
+    """POST /edge/v1/bulk/sandboxes (a batch's creations on one node in one
+    call): one result per spec, in order; a bad spec refuses the whole call."""
+    cl = Cluster(sim_root, 1, simulate=True, sim_args=["--sim-capacity", "3"])
+    try:
+        cl.start()
+        pk = json.loads((sim_root / "edge0" / "node.json").read_text())["platform_key"]
+        e = cl.edges[0].url
+        specs = [{"id": "sb-00000000000000a%d" % i, "layers": []} for i in range(4)]
+        for bad, field in (({"specs": []}, "specs"), ({"specs": "x"}, "specs"),
+                           ({"specs": [specs[0], {"layers": []}]}, None)):
+            st, _, doc = raw(e, "POST", "/edge/v1/bulk/sandboxes", bad, token=pk)
+            assert st == 400, (bad, doc)
+            if field:
+                assert doc["error"]["field"] == field, doc
+        st, _, doc = raw(e, "GET", "/edge/v1/sandboxes", token=pk)
+        assert doc["sandboxes"] == []
+        st, _, doc = raw(e, "POST", "/edge/v1/bulk/sandboxes", {"specs": specs}, token=pk)
+        assert st == 200, doc
+        res = doc["results"]
+        assert [r["id"] for r in res] == [s["id"] for s in specs]
+        assert all("error" not in r for r in res[:3]), res
+        assert res[3]["error"]["code"] == "resource_exhausted", res  # capacity 3
+        st, _, doc = raw(e, "POST", "/edge/v1/bulk/sandboxes", {"specs": specs}, token="wrong")
+        assert st == 401
+    finally:
+        problems = cl.shutdown()
+    assert not problems, problems
+
+
 def test_lost_sandbox_keeps_its_ttl(sim_root):
     cl = Cluster(sim_root, 2, simulate=True)
     try:

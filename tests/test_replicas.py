@@ -430,3 +430,65 @@ def test_real_edges_create_through_one_replica_use_through_the_other(pg, root):
         if mounts_containing(str(root)):
             problems.append(f"mounts left: {mounts_containing(str(root))[:5]}")
     assert not problems, problems
+
+
+def test_batch_resumed_by_one_replica_only(pg, root):
+    """A batch's pending records are resumed only by the replica that wins its
+    claim in the store (docs/batches.md): a replica restarting while another
+    creates the batch leaves it alone, and of two replicas starting together
+    after its creator died, exactly one resumes it. The batch ends with
+    exactly `count` sandboxes, each on one node once."""
+    n = 160
+    rep = Replicas(root, fresh_db(pg), 2, sim_args=["--sim-latency-ms", "100"],
+                   platform_args=["--max-inflight", "2", "--batch-workers", "8"])
+    logs = {p: rep.platforms[p].log_path for p in "AB"}
+
+    def log_from(p, off):
+        with open(logs[p], "rb") as f:
+            f.seek(off)
+            return f.read().decode(errors="replace")
+    try:
+        rep.start()
+        sim_image(rep)
+        st, _, b = rep.api("A", "POST", "/v1/batches",
+                           {"count": n, "spec": {"image": "sim:latest", "cpu": 0.1,
+                                                 "memory_mb": 64}})
+        assert st == 202, b
+        bid = b["id"]
+        time.sleep(0.5)
+        # B restarts while A creates the batch: it must not resume it.
+        off_b = logs["B"].stat().st_size
+        assert rep.b.stop() == 0
+        rep.b.start()
+        text = log_from("B", off_b)
+        assert f"batch {bid}: claimed by another live replica" in text, text[-2000:]
+        assert "resuming batches" not in text
+        st, _, doc = rep.api("A", "GET", f"/v1/batches/{bid}")
+        assert doc["pending"] > 0, "the batch ended before the restarts; slow it down"
+        # A dies mid-batch; A and B start together: one of them resumes it.
+        rep.a.kill(signal.SIGKILL)
+        off = {p: logs[p].stat().st_size for p in "AB"}
+        rep.b.stop()
+        with cf.ThreadPoolExecutor(2) as ex:
+            list(ex.map(lambda p: rep.platforms[p].start(timeout=60), "AB"))
+        # B's claim attempt may come after A's old claim lapsed (10 s) or not;
+        # either way exactly one resumes, and a loser says why.
+        winners = [p for p in "AB" if "resuming batches" in log_from(p, off[p])]
+        assert len(winners) == 1, {p: log_from(p, off[p])[-1500:] for p in "AB"}
+        w = winners[0]
+
+        def batch_sandboxes():
+            st, _, doc = rep.api(w, "GET", f"/v1/sandboxes?batch={bid}")
+            assert st == 200, doc
+            return doc["sandboxes"]
+        assert wait_until(lambda: sum(s["state"] == "running" for s in batch_sandboxes()) == n,
+                          120), len(batch_sandboxes())
+        live = {s["id"] for s in batch_sandboxes() if s["state"] == "running"}
+        # Once reconciled the nodes run exactly those, each once.
+        assert wait_until(lambda: sorted(rep.on_edges()) == sorted(live), 40), \
+            (len(rep.on_edges()), len(live))
+        st, _, doc = rep.api(w, "GET", f"/v1/batches/{bid}")
+        assert doc["state"] == "done" and doc["running"] == n and doc["failed"] == 0, doc
+    finally:
+        problems = rep.shutdown()
+    assert not problems, problems

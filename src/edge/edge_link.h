@@ -13,6 +13,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "common/frame.h"
@@ -76,6 +77,11 @@ class EdgeLink {
       std::function<void(const std::string& id, const std::string& why)> h) = 0;
 
   virtual Status create(const std::string& backend, const SandboxSpec& spec) = 0;
+  // Creates several sandboxes (a batch's bulk call to one node): one status
+  // per spec, in order. By default create() for each, concurrently (as that
+  // many separate calls would run).
+  virtual std::vector<Status> createMany(const std::string& backend,
+                                         const std::vector<SandboxSpec>& specs);
   virtual Status destroy(const std::string& id) = 0;
   virtual Result<ExecResult> exec(const std::string& id, const ExecSpec& spec,
                                   const OutputSink& sink) = 0;
@@ -128,5 +134,17 @@ class EdgeLink {
   // Prometheus text appended to the platform's /metrics.
   virtual std::string extraMetrics() { return ""; }
 };
+
+inline std::vector<Status> EdgeLink::createMany(const std::string& backend,
+                                                const std::vector<SandboxSpec>& specs) {
+  std::vector<Status> out(specs.size());
+  std::vector<std::thread> threads;
+  for (size_t i = 1; i < specs.size(); ++i) {
+    threads.emplace_back([&, i] { out[i] = create(backend, specs[i]); });
+  }
+  if (!specs.empty()) out[0] = create(backend, specs[0]);
+  for (auto& t : threads) t.join();
+  return out;
+}
 
 }  // namespace dsec::edge

@@ -228,9 +228,21 @@ Status EdgeAgent::heartbeatOnce() {
       {"url", opts_.url},
       {"pool", opts_.pool},
       {"capacity", {{"cpus", opts_.cpus}, {"memory_mb", opts_.memoryMb}, {"slots", opts_.slots}}},
-      {"sandboxes", ids},
       {"layers", layersFn ? layersFn() : std::vector<std::string>{}},
       {"load", {{"sandboxes", ids.size()}, {"loadavg_1m", load1}}}};
+  // What changed since the list the platform acknowledged, or all of it when
+  // it holds none (it says so by answering without a token).
+  if (hbToken_.empty()) {
+    body["sandboxes"] = ids;
+  } else {
+    json added = json::array();
+    for (auto& id : ids) {
+      if (!hbBase_.count(id)) added.push_back(id);
+    }
+    body["since"] = hbToken_;
+    body["added"] = std::move(added);
+    body["count"] = ids.size();
+  }
   auto r = platformCall("POST", "/internal/v1/nodes/" + http::percentEncode(node) + "/heartbeat",
                         body.dump());
   if (!r.isOk()) {
@@ -241,7 +253,19 @@ Status EdgeAgent::heartbeatOnce() {
     return r.status();
   }
   json j = json::parse(*r, nullptr, false);
-  if (j.is_discarded() || !j.is_object()) return Status::ok();
+  if (j.is_discarded() || !j.is_object()) {
+    hbToken_.clear();
+    return Status::ok();
+  }
+  // A token acknowledges the list this heartbeat described: the next one
+  // sends what was added since (an older platform sends none: full lists).
+  if (j.contains("token") && j["token"].is_string() && !j.value("full", false)) {
+    hbToken_ = j["token"].get<std::string>();
+    hbBase_ = std::unordered_set<std::string>(ids.begin(), ids.end());
+  } else {
+    hbToken_.clear();
+    hbBase_.clear();
+  }
   std::vector<std::string> stage;
   for (auto& d : j.value("prestage", json::array())) {
     if (d.is_string()) stage.push_back(d.get<std::string>());
@@ -406,6 +430,40 @@ void EdgeAgent::route(http::Request& req, http::Response& res, EdgeLink* link) {
   if (parts[3] == "layers" && n == 6 && parts[5] == "evict" && m == "POST") {
     Status st = link->evictLayer(parts[4]);
     return st.isOk() ? sendJ(res, 200, json::object()) : fail(st);
+  }
+  if (parts[3] == "bulk" && n == 5 && parts[4] == "sandboxes" && m == "POST") {
+    // A batch's creations on this node in one call: {backend, specs: [...]}
+    // -> {results: [{id} or {id, error}]}, one per spec, in order. A bad spec
+    // refuses the whole call before anything is made.
+    auto j = body();
+    if (!j.isOk()) return fail(j.status());
+    auto specsJ = (*j).find("specs");
+    if (specsJ == (*j).end() || !specsJ->is_array() || specsJ->empty() || specsJ->size() > 4096) {
+      return fail(invalidArg("specs", "specs must be a list of 1 to 4096 sandbox specs"));
+    }
+    std::vector<SandboxSpec> specs;
+    specs.reserve(specsJ->size());
+    for (auto& sj : *specsJ) {
+      auto spec = wire::specFromJson(sj);
+      if (!spec.isOk()) return fail(spec.status());
+      specs.push_back(std::move(*spec));
+    }
+    creates_ += specs.size();
+    auto sts = link->createMany((*j).value("backend", "container"), specs);
+    json results = json::array();
+    for (size_t i = 0; i < specs.size(); ++i) {
+      json one = {{"id", specs[i].id}};
+      if (i >= sts.size() || !sts[i].isOk()) {
+        Status st = i < sts.size() ? sts[i] : internalError("no result");
+        {
+          std::lock_guard lk(errMu_);
+          errors_[codeName(st.code())]++;
+        }
+        one["error"] = wire::errorJson(st)["error"];
+      }
+      results.push_back(std::move(one));
+    }
+    return sendJ(res, 200, {{"results", results}});
   }
   if (parts[3] != "sandboxes") return fail(notFound("no such endpoint: " + req.path));
   if (n == 4) {

@@ -22,6 +22,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <unordered_set>
 #include <vector>
 
 #include "common/http_client.h"
@@ -102,6 +103,11 @@ class EdgeAgent {
 
   EdgeAgentOptions opts_;
   std::string bootId_;
+  // Heartbeat deltas (docs/cluster.md): the token of the platform's last
+  // answer (empty: send the full list) and the ids that heartbeat carried,
+  // against which the next one sends only what was added. Heartbeat thread only.
+  std::string hbToken_;
+  std::unordered_set<std::string> hbBase_;
   std::vector<std::string> urls_;  // the platform's replicas
   std::atomic<size_t> current_{0};  // index into urls_ of the one that last answered
   mutable std::mutex mu_;  // guards node_, edgeKey_, platformKey_, link_, layers_, stopping_

@@ -26,6 +26,19 @@ Status SimEdge::check(const std::string& id) const {
 Status SimEdge::create(const std::string&, const SandboxSpec& spec) {
   delay();
   std::lock_guard lk(mu_);
+  return addLocked(spec);
+}
+
+std::vector<Status> SimEdge::createMany(const std::string&, const std::vector<SandboxSpec>& specs) {
+  delay();
+  std::vector<Status> out;
+  out.reserve(specs.size());
+  std::lock_guard lk(mu_);
+  for (auto& s : specs) out.push_back(addLocked(s));
+  return out;
+}
+
+Status SimEdge::addLocked(const SandboxSpec& spec) {
   if (sandboxes_.count(spec.id))
     return Status(Code::kAlreadyExists, "sandbox " + spec.id + " exists");
   if (int64_t(sandboxes_.size()) >= opts_.capacity) {

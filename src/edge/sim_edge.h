@@ -27,6 +27,9 @@ class SimEdge : public EdgeLink {
   explicit SimEdge(SimOptions opts);
   void setDeathHandler(std::function<void(const std::string&, const std::string&)>) override {}
   Status create(const std::string& backend, const SandboxSpec& spec) override;
+  // One latency for the whole call, as concurrent creates would take.
+  std::vector<Status> createMany(const std::string& backend,
+                                 const std::vector<SandboxSpec>& specs) override;
   Status destroy(const std::string& id) override;
   Result<ExecResult> exec(const std::string& id, const ExecSpec& spec,
                           const OutputSink& sink) override;
@@ -65,6 +68,7 @@ class SimEdge : public EdgeLink {
 
  private:
   void delay() const;
+  Status addLocked(const SandboxSpec& spec);  // mu_ held
   Status check(const std::string& id) const;
 
   SimOptions opts_;

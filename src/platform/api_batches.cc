@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <atomic>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <thread>
 
 #include "common/log.h"
@@ -119,7 +120,10 @@ void Platform::createBatch(http::Request& req, http::Response& res) {
                                            " in use (max " + std::to_string(q.maxMemoryMb) + ")");
       }
     }
-    for (auto& r : recs) sandboxes_[r.id] = r;
+    for (auto& r : recs) {
+      sandboxes_[r.id] = r;
+      indexLocked(r);
+    }
   }
   auto undo = [&] {
     std::lock_guard lk(mu_);
@@ -144,6 +148,19 @@ void Platform::createBatch(http::Request& req, http::Response& res) {
       return sendError(res, st);
     }
   }
+  // With replicas, this one claims the batch before any record of it is
+  // visible: a replica starting meanwhile leaves its pending records alone.
+  bool claimed = false;
+  if (store_->shared()) {
+    auto won = claimBatch(b.id);
+    if (!won.isOk() || !*won) {
+      undo();
+      if (cluster) cluster->release(ids);
+      return sendError(res, won.isOk() ? internalError("batch id " + b.id + " is claimed")
+                                       : won.status());
+    }
+    claimed = true;
+  }
   // Persisted, batch and records in one transaction, before the answer.
   if (Status st = store_->putBatch(b, recs); !st.isOk()) {
     undo();
@@ -156,6 +173,7 @@ void Platform::createBatch(http::Request& req, http::Response& res) {
     bt.rec = b;
     bt.ids = ids;
     bt.outstanding = b.count;
+    bt.claimed = claimed;
     for (auto& id : ids) batchQueue_.push_back(id);
   }
   batchCv_.notify_all();
@@ -383,45 +401,78 @@ Result<int64_t> Platform::destroyMany(const std::vector<std::string>& ids, const
 
 void Platform::batchWorker() {
   for (;;) {
-    std::string id;
-    std::string owner;
+    // Up to kBulkCreate at once: the cluster places them together and makes
+    // one call per node (Cluster::createGroup) instead of one per sandbox.
+    std::vector<std::string> ids;
     {
       std::unique_lock lk(batchMu_);
       batchCv_.wait(lk, [&] { return batchStop_ || !batchQueue_.empty(); });
       if (batchStop_) return;
-      id = std::move(batchQueue_.front());
-      batchQueue_.pop_front();
+      while (!batchQueue_.empty() && ids.size() < kBulkCreate) {
+        ids.push_back(std::move(batchQueue_.front()));
+        batchQueue_.pop_front();
+      }
     }
-    SandboxRecord r;
+    std::vector<SandboxRecord> rs;
     {
       std::lock_guard lk(mu_);
-      auto it = sandboxes_.find(id);
-      if (it == sandboxes_.end() || it->second.state != "pending" || stopping_) continue;
-      it->second.state = "creating";
-      r = it->second;
+      for (auto& id : ids) {
+        auto it = sandboxes_.find(id);
+        if (it == sandboxes_.end() || it->second.state != "pending" || stopping_) continue;
+        it->second.state = "creating";
+        rs.push_back(it->second);
+      }
     }
+    if (rs.empty()) continue;
     // The tenant's creations-per-second quota paces its batches.
-    for (;;) {
-      auto t = tenants_->tenant(r.owner);
-      if (!t.isOk() || tenants_->takeCreate(*t, nowSeconds()).isOk()) break;
-      std::unique_lock lk(batchMu_);
-      if (batchCv_.wait_for(lk, std::chrono::milliseconds(20), [&] { return batchStop_; })) break;
+    for (auto& r : rs) {
+      for (;;) {
+        auto t = tenants_->tenant(r.owner);
+        if (!t.isOk() || tenants_->takeCreate(*t, nowSeconds()).isOk()) break;
+        std::unique_lock lk(batchMu_);
+        if (batchCv_.wait_for(lk, std::chrono::milliseconds(20), [&] { return batchStop_; })) break;
+      }
     }
-    Status st = createOnEdge(r);
-    r.updatedAt = nowSeconds();
-    if (st.isOk()) {
-      r.state = "running";
-      r.node = edge_->nodeOf(r.id);
-    } else {
-      r.state = "failed";
-      r.error = std::string(codeName(st.code())) + ": " + st.message();
-      r.stoppedAt = r.updatedAt;
+    auto outcomes = createManyOnEdge(rs);
+    std::vector<SandboxRecord> done;
+    std::vector<std::string> again;  // not attempted: back to the queue's front
+    for (size_t i = 0; i < rs.size(); ++i) {
+      SandboxRecord& r = rs[i];
+      if (!outcomes[i]) {
+        again.push_back(r.id);
+        continue;
+      }
+      const Status& st = *outcomes[i];
+      r.updatedAt = nowSeconds();
+      if (st.isOk()) {
+        r.state = "running";
+        r.node = edge_->nodeOf(r.id);
+      } else {
+        r.state = "failed";
+        r.error = std::string(codeName(st.code())) + ": " + st.message();
+        r.stoppedAt = r.updatedAt;
+      }
+      done.push_back(std::move(r));
     }
-    {
+    if (!again.empty()) {
+      {
+        std::lock_guard lk(mu_);
+        for (auto& id : again) {
+          auto it = sandboxes_.find(id);
+          if (it != sandboxes_.end() && it->second.state == "creating") it->second.state = "pending";
+        }
+      }
       std::lock_guard lk(batchMu_);
-      batchDone_.push_back(std::move(r));
+      for (auto it = again.rbegin(); it != again.rend(); ++it) batchQueue_.push_front(*it);
     }
-    commitCv_.notify_one();
+    if (!again.empty()) batchCv_.notify_all();
+    if (!done.empty()) {
+      {
+        std::lock_guard lk(batchMu_);
+        for (auto& r : done) batchDone_.push_back(std::move(r));
+      }
+      commitCv_.notify_one();
+    }
   }
 }
 
@@ -516,9 +567,39 @@ void Platform::batchCommitter() {
   }
 }
 
+Result<bool> Platform::claimBatch(const std::string& id) {
+  return store_->acquireLease("batch:" + id, opts_.replicaId, kBatchClaimTtlS);
+}
+
+void Platform::renewBatchClaims() {
+  std::vector<std::string> renew, drop;
+  {
+    std::lock_guard lk(batchMu_);
+    for (auto& [id, b] : batches_) {
+      if (!b.claimed) continue;
+      if (b.rec.state == "running" && b.outstanding > 0) {
+        renew.push_back(id);
+      } else {
+        b.claimed = false;
+        drop.push_back(id);
+      }
+    }
+  }
+  for (auto& id : renew) {
+    auto won = claimBatch(id);
+    if (!won.isOk()) {
+      log::warn("batch " + id + ": renewing its claim: " + won.status().toString());
+    } else if (!*won) {
+      log::error("batch " + id + ": its claim was taken by another replica");
+    }
+  }
+  for (auto& id : drop) (void)store_->releaseLease("batch:" + id, opts_.replicaId);
+}
+
 void Platform::settleBatchLocked(const std::string& id) {
   auto it = batches_.find(id);
   if (it == batches_.end() || it->second.outstanding > 0) return;
+  if (!it->second.mine) return;  // another replica's: it settles it
   BatchRecord& rec = it->second.rec;
   if (rec.state != "running") return;
   rec.state = "done";
@@ -537,10 +618,31 @@ void Platform::settleBatchLocked(const std::string& id) {
 
 Status Platform::resumeBatches(std::vector<SandboxRecord>& records) {
   ASSIGN_OR_RETURN(auto batches, store_->loadBatches());
+  // With replicas, only the batches this replica wins the claim of: another
+  // live replica may be creating the rest right now.
+  std::set<std::string> unfinished, foreign;
+  for (auto& r : records) {
+    if (!r.batch.empty() && (r.state == "pending" || r.state == "creating")) {
+      unfinished.insert(r.batch);
+    }
+  }
+  std::set<std::string> claimed;
+  if (store_->shared()) {
+    for (auto& id : unfinished) {
+      ASSIGN_OR_RETURN(bool won, claimBatch(id));
+      if (won) {
+        claimed.insert(id);
+      } else {
+        foreign.insert(id);
+        log::info("batch " + id + ": claimed by another live replica; left to it");
+      }
+    }
+  }
   std::vector<SandboxRecord> renamed;
   std::vector<std::string> dropped;
   for (auto& r : records) {
     if (r.batch.empty() || (r.state != "pending" && r.state != "creating")) continue;
+    if (foreign.count(r.batch)) continue;
     dropped.push_back(r.id);
     r.id = "sb-" + randomHex(8);
     r.state = "pending";
@@ -549,10 +651,19 @@ Status Platform::resumeBatches(std::vector<SandboxRecord>& records) {
   // The new ids replace the old in one transaction: never both, never neither.
   RETURN_IF_ERROR(store_->putSandboxes(renamed, dropped));
   std::lock_guard lk(batchMu_);
-  for (auto& b : batches) batches_[b.id].rec = b;
+  for (auto& b : batches) {
+    Batch& bt = batches_[b.id];
+    bt.rec = b;
+    bt.mine = !foreign.count(b.id);
+    bt.claimed = claimed.count(b.id) > 0;
+  }
   for (auto& r : records) {
     auto it = batches_.find(r.batch);
     if (r.batch.empty() || it == batches_.end()) continue;
+    if (!it->second.mine) {
+      it->second.ids.push_back(r.id);  // listed; its counters are its creator's
+      continue;
+    }
     it->second.ids.push_back(r.id);
     if (r.state == "failed") it->second.errors[errorCode(r.error)]++;
     if (r.state == "failed") {

@@ -9,6 +9,7 @@
 #include "common/sha256.h"
 #include "common/util.h"
 #include "platform/api_util.h"
+#include "platform/cluster.h"
 #include "platform/platform.h"
 #include "platform/policy.h"
 
@@ -313,28 +314,73 @@ Result<SandboxRecord> Platform::checkCreate(const json& j) {
 // The first phase's policy goes with the create: its limits are the
 // cgroups' first, its file rules the agent's init (no round trip), and a new
 // sandbox has no egress until rules are set. On error the edge keeps nothing.
+edge::SandboxSpec Platform::edgeSpec(const SandboxRecord& r, const PolicyPlan& plan) {
+  edge::SandboxSpec spec;
+  spec.id = r.id;
+  spec.layers = r.layers;
+  spec.cpu = plan.limits.cpu;
+  spec.memoryBytes = plan.limits.memoryBytes;
+  spec.diskBytes = r.diskMb << 20;
+  spec.pids = plan.limits.pids;
+  spec.initPolicy = plan.agentBody;
+  spec.pool = r.pool;
+  spec.spread = r.spread;
+  spec.burstable = r.burstable;
+  spec.tenant = r.owner;
+  // As Docker does: a WorkingDir the image lacks is made (root's, 0755), or
+  // every exec would fail to chdir into it.
+  spec.workingDir = r.workingDir;
+  return spec;
+}
+
+std::vector<std::optional<Status>> Platform::createManyOnEdge(std::vector<SandboxRecord>& rs) {
+  std::vector<std::optional<Status>> out(rs.size());
+  auto* cluster = dynamic_cast<Cluster*>(edge_);
+  if (!cluster || rs.size() == 1) {
+    for (size_t i = 0; i < rs.size(); ++i) out[i] = createOnEdge(rs[i]);
+    return out;
+  }
+  std::vector<edge::SandboxSpec> specs;
+  std::vector<size_t> at;  // specs[k] is rs[at[k]]
+  std::vector<std::vector<edge::net::EgressRule>> egress;
+  const std::string& backend = rs[0].backend;
+  for (size_t i = 0; i < rs.size(); ++i) {
+    if (rs[i].backend != backend) continue;  // not attempted: queued again
+    rs[i].phases.push_back({rs[i].policy, nowSeconds()});
+    auto plan = planPolicy(rs[i]);
+    if (!plan.isOk()) {
+      out[i] = Status(plan.status()).withContext("apply policy " + rs[i].policy);
+      continue;
+    }
+    specs.push_back(edgeSpec(rs[i], *plan));
+    egress.push_back(std::move(plan->egress));
+    at.push_back(i);
+  }
+  auto res = cluster->createGroup(backend, specs);
+  for (size_t k = 0; k < at.size(); ++k) {
+    SandboxRecord& r = rs[at[k]];
+    if (!res[k]) {
+      r.phases.pop_back();  // not attempted: queued again
+      continue;
+    }
+    Status st = *res[k];
+    if (st.isOk() && !egress[k].empty()) {
+      st = edge_->setEgress(r.id, egress[k]);
+      if (!st.isOk()) {
+        st.withContext("apply policy " + r.policy);
+        (void)edge_->destroy(r.id);
+      }
+    }
+    out[at[k]] = st;
+  }
+  return out;
+}
+
 Status Platform::createOnEdge(SandboxRecord& r) {
   r.phases.push_back({r.policy, nowSeconds()});
   auto plan = planPolicy(r);
   Status st = plan.isOk() ? Status::ok() : Status(plan.status()).withContext("apply policy " + r.policy);
-  if (st.isOk()) {
-    edge::SandboxSpec spec;
-    spec.id = r.id;
-    spec.layers = r.layers;
-    spec.cpu = plan->limits.cpu;
-    spec.memoryBytes = plan->limits.memoryBytes;
-    spec.diskBytes = r.diskMb << 20;
-    spec.pids = plan->limits.pids;
-    spec.initPolicy = plan->agentBody;
-    spec.pool = r.pool;
-    spec.spread = r.spread;
-    spec.burstable = r.burstable;
-    spec.tenant = r.owner;
-    // As Docker does: a WorkingDir the image lacks is made (root's, 0755), or
-    // every exec would fail to chdir into it.
-    spec.workingDir = r.workingDir;
-    st = edge_->create(r.backend, spec);
-  }
+  if (st.isOk()) st = edge_->create(r.backend, edgeSpec(r, *plan));
   if (st.isOk() && !plan->egress.empty()) {
     st = edge_->setEgress(r.id, plan->egress);
     if (!st.isOk()) {
@@ -363,7 +409,10 @@ Result<SandboxRecord> Platform::launch(SandboxRecord r) {
     std::lock_guard lk(mu_);
     shuttingDown = stopping_;
     if (!shuttingDown) admitted = admitLocked(r, owner);
-    if (!shuttingDown && admitted.isOk()) sandboxes_[r.id] = r;
+    if (!shuttingDown && admitted.isOk()) {
+      sandboxes_[r.id] = r;
+      indexLocked(r);
+    }
   }
   if (shuttingDown) return Status(Code::kUnavailable, "platform is shutting down");
   RETURN_IF_ERROR(admitted);

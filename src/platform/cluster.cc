@@ -429,28 +429,45 @@ void Cluster::unbindSandbox(const std::string& id) {
   roomCv_.notify_all();
 }
 
+void Cluster::fillView(NodeView& x, const Node& n, bool shallow) const {
+  x.name = n.name;
+  x.pool = n.pool;
+  x.up = n.up && (n.local || n.reconciled);
+  x.cpus = n.cap.cpus;
+  x.memoryMb = n.cap.memoryMb;
+  x.slots = n.cap.slots;
+  x.inflight = n.inflight;
+  x.cpuUsed = n.cpuUsed;
+  x.memoryUsedMb = n.memoryUsedMb;
+  x.sandboxes = n.sandboxes;
+  if (shallow) {
+    x.layersRef = &n.layers;
+    x.tenantsRef = &n.tenants;
+  } else {
+    x.layers = n.layers;
+    x.tenants = n.tenants;
+    x.layersRef = nullptr;
+    x.tenantsRef = nullptr;
+  }
+}
+
 std::vector<NodeView> Cluster::viewsLocked() const {
   std::vector<NodeView> out;
   out.reserve(nodes_.size());
-  for (auto& [name, n] : nodes_) {
-    NodeView& x = out.emplace_back();
-    x.name = name;
-    x.pool = n->pool;
-    x.up = n->up && (n->local || n->reconciled);
-    x.cpus = n->cap.cpus;
-    x.memoryMb = n->cap.memoryMb;
-    x.slots = n->cap.slots;
-    x.inflight = n->inflight;
-    x.layers = n->layers;
-    x.cpuUsed = n->cpuUsed;
-    x.memoryUsedMb = n->memoryUsedMb;
-    x.sandboxes = n->sandboxes;
-    x.tenants = n->tenants;
-  }
+  for (auto& [name, n] : nodes_) fillView(out.emplace_back(), *n, false);
   return out;
 }
 
-Status Cluster::create(const std::string& backend, const edge::SandboxSpec& spec) {
+const std::vector<NodeView>& Cluster::placementViewsLocked() {
+  // Refilled in place: no allocation per placement (names fit the strings'
+  // own buffers), the nodes' layer and tenant sets by reference.
+  viewBuf_.resize(nodes_.size());
+  size_t i = 0;
+  for (auto& [name, n] : nodes_) fillView(viewBuf_[i++], *n, true);
+  return viewBuf_;
+}
+
+PlacementRequest Cluster::requestFor(const edge::SandboxSpec& spec) {
   PlacementRequest pr;
   pr.cpu = spec.cpu;
   pr.memoryMb = spec.memoryBytes >> 20;
@@ -459,100 +476,184 @@ Status Cluster::create(const std::string& backend, const edge::SandboxSpec& spec
   pr.tenant = spec.tenant;
   pr.spread = spec.spread;
   pr.burstable = spec.burstable;
-  double t0 = nowSeconds();
+  return pr;
+}
+
+Result<Cluster::Node*> Cluster::admitLocked(std::unique_lock<std::mutex>& lk,
+                                            const edge::SandboxSpec& spec,
+                                            const PlacementRequest& pr, double t0) {
   auto deadline = std::chrono::steady_clock::now() +
                   std::chrono::milliseconds(int64_t(opts_.admissionWaitS * 1000));
   Node* node = nullptr;
   bool burst = false;
+  ++queued_;
+  Status why;
+  // A reservation (reserve()) fixes the node: wait for an in-flight slot there.
+  std::string reservedOn;
+  if (auto r = placed_.find(spec.id); r != placed_.end() && r->second.reserved) {
+    reservedOn = r->second.node;
+  }
+  for (;;) {
+    if (stopping_) {
+      why = Status(Code::kUnavailable, "platform is shutting down");
+      break;
+    }
+    if (!reservedOn.empty()) {
+      Node* n = nodes_.at(reservedOn).get();
+      if (n->up && n->inflight < sched_.maxInflightPerNode()) {
+        node = n;
+        break;
+      }
+      why = Status(Code::kUnavailable, "reserved node " + reservedOn +
+                                           (n->up ? " has its creations in flight" : " is down"));
+      if (roomCv_.wait_until(lk, deadline) == std::cv_status::timeout) break;
+      continue;
+    }
+    auto p = sched_.pick(placementViewsLocked(), pr);
+    if (p.isOk()) {
+      node = nodes_.at(p->node).get();
+      burst = p->burst;
+      break;
+    }
+    why = p.status();
+    if (roomCv_.wait_until(lk, deadline) == std::cv_status::timeout) {
+      // One last look: the wake-up may have raced the deadline.
+      auto last = sched_.pick(placementViewsLocked(), pr);
+      if (last.isOk()) {
+        node = nodes_.at(last->node).get();
+        burst = last->burst;
+      } else {
+        why = last.status();
+      }
+      break;
+    }
+  }
+  --queued_;
+  if (!node) {
+    Status st(Code::kUnavailable, "no node could take the sandbox within " +
+                                      std::to_string(int(opts_.admissionWaitS)) +
+                                      " s: " + why.message());
+    if (why.code() == Code::kFailedPrecondition && why.field() == "pool") {
+      st = Status(Code::kUnavailable, st.message(), 0, "pool");
+    }
+    createErrors_[codeName(st.code())]++;
+    return st;
+  }
+  if (burst) bursts_[pr.pool]++;
+  startLocked(*node, spec, t0, !reservedOn.empty());
+  return node;
+}
+
+void Cluster::startLocked(Node& node, const edge::SandboxSpec& spec, double t0, bool reserved) {
+  double lat = nowSeconds() - t0;
+  for (size_t i = 0; i < schedBuckets_.size(); ++i) {
+    if (lat <= schedBuckets_[i]) {
+      schedCounts_[i]++;
+      break;
+    }
+  }
+  schedSum_ += lat;
+  schedN_++;
+  node.inflight++;
+  if (reserved) {
+    beginCreateLocked(spec.id);
+  } else {
+    placeLocked(spec.id, Placed{node.name, spec.cpu, spec.memoryBytes >> 20, spec.tenant}, true);
+  }
+}
+
+void Cluster::finishLocked(Node& node, const std::string& id, const Status& st) {
+  node.inflight--;
+  node.creates++;
+  if (st.isOk()) {
+    settleLocked(id);
+    creations_++;
+  } else {
+    node.createErrors++;
+    createErrors_[codeName(st.code())]++;
+    unplaceLocked(id);
+  }
+}
+
+Status Cluster::create(const std::string& backend, const edge::SandboxSpec& spec) {
+  PlacementRequest pr = requestFor(spec);
+  double t0 = nowSeconds();
+  Node* node;
   {
     std::unique_lock lk(mu_);
-    ++queued_;
-    Status why;
-    // A reservation (reserve()) fixes the node: wait for an in-flight slot there.
-    std::string reservedOn;
-    if (auto r = placed_.find(spec.id); r != placed_.end() && r->second.reserved) {
-      reservedOn = r->second.node;
-    }
-    for (;;) {
-      if (stopping_) {
-        why = Status(Code::kUnavailable, "platform is shutting down");
-        break;
-      }
-      if (!reservedOn.empty()) {
-        Node* n = nodes_.at(reservedOn).get();
-        if (n->up && n->inflight < sched_.maxInflightPerNode()) {
-          node = n;
-          break;
-        }
-        why = Status(Code::kUnavailable, "reserved node " + reservedOn +
-                                             (n->up ? " has its creations in flight" : " is down"));
-        if (roomCv_.wait_until(lk, deadline) == std::cv_status::timeout) break;
-        continue;
-      }
-      auto p = sched_.pick(viewsLocked(), pr);
-      if (p.isOk()) {
-        node = nodes_.at(p->node).get();
-        burst = p->burst;
-        break;
-      }
-      why = p.status();
-      if (roomCv_.wait_until(lk, deadline) == std::cv_status::timeout) {
-        // One last look: the wake-up may have raced the deadline.
-        auto last = sched_.pick(viewsLocked(), pr);
-        if (last.isOk()) {
-          node = nodes_.at(last->node).get();
-          burst = last->burst;
-        } else {
-          why = last.status();
-        }
-        break;
-      }
-    }
-    --queued_;
-    if (!node) {
-      Status st(Code::kUnavailable, "no node could take the sandbox within " +
-                                        std::to_string(int(opts_.admissionWaitS)) +
-                                        " s: " + why.message());
-      if (why.code() == Code::kFailedPrecondition && why.field() == "pool") {
-        st = Status(Code::kUnavailable, st.message(), 0, "pool");
-      }
-      createErrors_[codeName(st.code())]++;
-      return st;
-    }
-    double lat = nowSeconds() - t0;
-    for (size_t i = 0; i < schedBuckets_.size(); ++i) {
-      if (lat <= schedBuckets_[i]) {
-        schedCounts_[i]++;
-        break;
-      }
-    }
-    schedSum_ += lat;
-    schedN_++;
-    if (burst) bursts_[pr.pool]++;
-    node->inflight++;
-    if (!reservedOn.empty()) {
-      beginCreateLocked(spec.id);
-    } else {
-      placeLocked(spec.id, Placed{node->name, spec.cpu, spec.memoryBytes >> 20, spec.tenant},
-                  true);
-    }
+    auto n = admitLocked(lk, spec, pr, t0);
+    if (!n.isOk()) return n.status();
+    node = *n;
   }
   Status st = node->link->create(backend, spec);
   {
     std::lock_guard lk(mu_);
-    node->inflight--;
-    node->creates++;
-    if (st.isOk()) {
-      settleLocked(spec.id);
-      creations_++;
-    } else {
-      node->createErrors++;
-      createErrors_[codeName(st.code())]++;
-      unplaceLocked(spec.id);
-    }
+    finishLocked(*node, spec.id, st);
   }
   roomCv_.notify_all();
   return st;
+}
+
+std::vector<std::optional<Status>> Cluster::createGroup(const std::string& backend,
+                                                       const std::vector<edge::SandboxSpec>& specs) {
+  std::vector<std::optional<Status>> out(specs.size());
+  if (specs.empty()) return out;
+  double t0 = nowSeconds();
+  PlacementRequest pr = requestFor(specs[0]);
+  Node* node;
+  std::vector<edge::SandboxSpec> group;  // the specs going to `node`, in one call
+  std::vector<size_t> at;
+  {
+    std::unique_lock lk(mu_);
+    // A reservation (all or nothing) fixes each one's node: one by one.
+    bool reserved = false;
+    for (auto& sp : specs) {
+      auto r = placed_.find(sp.id);
+      reserved = reserved || (r != placed_.end() && r->second.reserved);
+    }
+    if (reserved || specs.size() == 1) {
+      lk.unlock();
+      out[0] = create(backend, specs[0]);
+      return out;  // the others: not attempted
+    }
+    // The first waits for room like any create; the scheduler picks its node.
+    auto n = admitLocked(lk, specs[0], pr, t0);
+    if (!n.isOk()) {
+      out[0] = n.status();
+      return out;
+    }
+    node = *n;
+    group.push_back(specs[0]);
+    at.push_back(0);
+    // The others of the same request join it while the node has room and
+    // in-flight slots: one call to one node instead of one per sandbox. The
+    // tenant-spread score still spreads a batch over the pool, in groups.
+    for (size_t i = 1; i < specs.size(); ++i) {
+      PlacementRequest ri = requestFor(specs[i]);
+      if (ri.pool != pr.pool || ri.burstable != pr.burstable || ri.tenant != pr.tenant ||
+          ri.layers != pr.layers || ri.spread != pr.spread) {
+        continue;
+      }
+      if (!node->up || node->inflight >= sched_.maxInflightPerNode()) break;
+      NodeView v;
+      fillView(v, *node, true);
+      if (!Scheduler::fits(v, ri)) break;
+      startLocked(*node, specs[i], t0, false);
+      group.push_back(specs[i]);
+      at.push_back(i);
+    }
+  }
+  auto sts = node->link->createMany(backend, group);
+  sts.resize(group.size(), Status(Code::kInternal, "node answered no result"));
+  {
+    std::lock_guard lk(mu_);
+    for (size_t k = 0; k < group.size(); ++k) {
+      finishLocked(*node, group[k].id, sts[k]);
+      out[at[k]] = sts[k];
+    }
+  }
+  roomCv_.notify_all();
+  return out;
 }
 
 Status Cluster::destroy(const std::string& id) {
@@ -939,13 +1040,41 @@ void Cluster::heartbeat(const std::string& name, http::Request& req, http::Respo
   }
   NodeCapacity cap;
   if (Status st = parseCapacity(j, cap); !st.isOk()) return sendErr(res, st);
-  std::set<std::string> running;
+  // The node's sandboxes: the full list ("sandboxes"), or what changed since
+  // the heartbeat this replica answered with token "since": the ids "added"
+  // since then and the "count" now (removals need no word: a sandbox that
+  // died is reported by an event, and a reconcile takes a full list): at 380,000 sandboxes on 160 nodes full lists
+  // every second or two were most of the platform's work. The answer asks
+  // for a full list ("full": true) when it cannot use a delta (no such token
+  // here: another replica, a restart, a lost answer), when the node must be
+  // reconciled, and every kFullListEveryS, so the orphan check below still
+  // sees everything the node runs.
+  std::unordered_set<std::string> running;  // full: all; delta: added
   std::set<std::string> layers;
+  bool full = j.contains("sandboxes");
+  std::string since = j.value("since", "");
+  int64_t count = 0;
+  auto isList = [&](const char* k) { return !j.contains(k) || j[k].is_array(); };
+  if (!isList("sandboxes") || !isList("added") || !isList("layers")) {
+    return sendErr(res, invalidArg("sandboxes", "sandboxes, added and layers must be lists of "
+                                                "strings, count a number"));
+  }
   try {
-    for (auto& s : j.at("sandboxes")) running.insert(s.get<std::string>());
+    if (full) {
+      running.reserve(j["sandboxes"].size());
+      for (auto& s : j.at("sandboxes")) running.insert(s.get<std::string>());
+      count = int64_t(running.size());
+    } else if (j.contains("added") && !since.empty()) {
+      for (auto& s : j.at("added")) running.insert(s.get<std::string>());
+      count = j.at("count").get<int64_t>();
+    } else {
+      return sendErr(res, invalidArg("sandboxes", "sandboxes (a list) or since, added and count "
+                                                  "are required"));
+    }
     for (auto& l : j.value("layers", json::array())) layers.insert(l.get<std::string>());
   } catch (const std::exception&) {
-    return sendErr(res, invalidArg("sandboxes", "sandboxes and layers must be lists of strings"));
+    return sendErr(res, invalidArg("sandboxes", "sandboxes, added and layers must be lists of "
+                                                "strings, count a number"));
   }
   std::string bootId = j.value("boot_id", "");
   std::set<std::string> cached = layers;  // for the prestage answer
@@ -956,11 +1085,16 @@ void Cluster::heartbeat(const std::string& name, http::Request& req, http::Respo
   bool returned = false;
   std::optional<NodeRecord> store;  // the heartbeat, to write through
   double now = nowSeconds();
+  bool wantFull = false;
+  std::string token;
   {
     std::lock_guard lk(mu_);
     Node* n = authNodeLocked(name, req, res);
     if (!n) return;
     if (!n->up || n->bootId != bootId) n->reconciled = false;
+    // A delta counts only against the list this replica last acknowledged.
+    bool deltaOk = !full && !n->hbToken.empty() && since == n->hbToken;
+    if (full) n->lastFull = now;
     returned = !n->up;
     bool rebooted = n->bootId != bootId;
     n->up = true;
@@ -969,7 +1103,7 @@ void Cluster::heartbeat(const std::string& name, http::Request& req, http::Respo
     pool = n->pool;
     n->cap = cap;
     n->layers = std::move(layers);
-    n->reported = int64_t(running.size());
+    n->reported = count;
     if (j.contains("load") && j["load"].is_object()) {
       n->loadavg = j["load"].value("loadavg_1m", 0.0);
     }
@@ -990,7 +1124,17 @@ void Cluster::heartbeat(const std::string& name, http::Request& req, http::Respo
       auto p = placed_.find(id);
       if (p == placed_.end() || p->second.node != name) unknown.push_back(id);
     }
-    if (!n->reconciled) {
+    // Ids left undecided by an earlier heartbeat (being created by another
+    // replica, or the store did not answer): a delta will not name them
+    // again, so they are looked at until decided (a full list without them:
+    // the node no longer has them).
+    for (auto& id : n->recheck) {
+      if (full || running.count(id)) continue;
+      auto p = placed_.find(id);
+      if (p == placed_.end() || p->second.node != name) unknown.push_back(id);
+    }
+    n->recheck.clear();
+    if (!n->reconciled && full) {
       why = "node " + name + " came back without it";
       for (auto& [id, p] : placed_) {
         if (p.node != name || creating_.count(id)) continue;
@@ -998,6 +1142,11 @@ void Cluster::heartbeat(const std::string& name, http::Request& req, http::Respo
       }
       n->reconciled = true;
     }
+    // Reconciling needs the whole list; so does a delta against a list this
+    // replica does not hold; and now and then the orphan check.
+    wantFull = !n->reconciled || (!full && !deltaOk) || now - n->lastFull >= kFullListEveryS;
+    n->hbToken = wantFull ? "" : hbPrefix_ + std::to_string(++hbSerial_);
+    token = n->hbToken;
   }
   if (store) {
     if (Status st = opts_.store->touchNode(*store); !st.isOk()) {
@@ -1007,18 +1156,24 @@ void Cluster::heartbeat(const std::string& name, http::Request& req, http::Respo
   }
   // What the node runs that no placement here wants: the store decides (another
   // replica may have created it a moment ago, or be creating it now).
-  std::vector<std::string> destroy;
+  std::vector<std::string> destroy, undecided;
   for (auto& id : unknown) {
     auto r = opts_.store->getSandbox(id);
     if (!r.isOk()) {
       if (r.status().code() != Code::kNotFound) {
         log::warn("heartbeat of " + name + ": looking up " + id + ": " + r.status().toString());
-        continue;  // unknown is not unwanted: ask again next heartbeat
+        undecided.push_back(id);  // unknown is not unwanted: ask again next heartbeat
+        continue;
       }
       destroy.push_back(id);
       continue;
     }
-    if (r->state == "creating") continue;  // its replica finishes it, or the leader fails it
+    // Being created: by its replica (which finishes it, or the leader fails
+    // it), or a batch's, stored `pending` until its creation is (docs/batches.md).
+    if (r->state == "creating" || r->state == "pending") {
+      undecided.push_back(id);
+      continue;
+    }
     bool live = r->state == "running" || r->state == "paused" || r->state == "lost";
     if (!live || r->node != name) {
       destroy.push_back(id);
@@ -1030,6 +1185,11 @@ void Cluster::heartbeat(const std::string& name, http::Request& req, http::Respo
     spec.tenant = r->owner;
     bindSandbox(id, name, spec);
     if (r->state == "lost") changes.emplace_back(id, false);  // found
+  }
+  if (!undecided.empty()) {
+    std::lock_guard lk(mu_);
+    auto it = nodes_.find(name);
+    if (it != nodes_.end()) it->second->recheck.insert(undecided.begin(), undecided.end());
   }
   if (returned) log::info("node " + name + " is back");
   roomCv_.notify_all();
@@ -1045,7 +1205,13 @@ void Cluster::heartbeat(const std::string& name, http::Request& req, http::Respo
   for (auto& d : prestageFor(pool)) {
     if (!cached.count(d)) prestage.push_back(d);
   }
-  sendJsonBody(res, 200, {{"destroy", destroy}, {"prestage", prestage}});
+  json answer = {{"destroy", destroy}, {"prestage", prestage}};
+  if (wantFull) {
+    answer["full"] = true;
+  } else {
+    answer["token"] = token;
+  }
+  sendJsonBody(res, 200, answer);
 }
 
 std::vector<std::string> Cluster::prestageFor(const std::string& pool) {

@@ -46,9 +46,12 @@
 #include <set>
 #include <string>
 #include <thread>
+#include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "common/http_server.h"
+#include "common/util.h"
 #include "edge/edge_link.h"
 #include "edge/image/loader.h"
 #include "platform/remote_edge.h"
@@ -110,6 +113,14 @@ class Cluster : public edge::EdgeLink {
   void setLostHandler(std::function<void(const std::string&, bool, const std::string&)> h) override;
   // Places the sandbox (waiting for room, see above), then creates it there.
   Status create(const std::string& backend, const edge::SandboxSpec& spec) override;
+  // A batch worker's group: the first spec is placed as by create() (waiting
+  // for room); the following ones of the same placement request go to the
+  // same node while it has room and in-flight slots left, and all of those
+  // are created with one call to that node (EdgeLink::createMany). An entry
+  // left empty was not attempted (the caller queues it again). Reserved
+  // specs (all or nothing) go one at a time: only the first is attempted.
+  std::vector<std::optional<Status>> createGroup(const std::string& backend,
+                                                 const std::vector<edge::SandboxSpec>& specs);
   // Forgets the placement whatever the node says; a down node's copy is
   // destroyed when it returns. OK for a sandbox on a down node.
   Status destroy(const std::string& id) override;
@@ -177,6 +188,12 @@ class Cluster : public edge::EdgeLink {
     int inflight = 0;
     double loadavg = 0;    // its host's 1-minute load average (last heartbeat)
     int64_t reported = 0;  // sandboxes it said it runs
+    // Heartbeat deltas (heartbeat()): the token of the list this replica
+    // last acknowledged (empty: the next heartbeat must carry a full list),
+    // and when the last full list came.
+    std::string hbToken;
+    double lastFull = 0;
+    std::set<std::string> recheck;  // ids it runs that no heartbeat could decide on yet
     uint64_t creates = 0, createErrors = 0;
     // What the placements on it hold, kept as they change so a placement
     // costs O(nodes), not O(sandboxes): cpu, memory, tenants (placed and
@@ -200,10 +217,23 @@ class Cluster : public edge::EdgeLink {
   void unplaceLocked(const std::string& id);
 
   explicit Cluster(ClusterOptions opts);
+  static PlacementRequest requestFor(const edge::SandboxSpec& spec);
+  // Waits (up to admissionWaitS) for a node with room for `spec` and starts
+  // its creation there (startLocked); kUnavailable saying why when none.
+  Result<Node*> admitLocked(std::unique_lock<std::mutex>& lk, const edge::SandboxSpec& spec,
+                            const PlacementRequest& pr, double t0);
+  // A creation placed on `node` begins (in flight, latency counted) / ended.
+  void startLocked(Node& node, const edge::SandboxSpec& spec, double t0, bool reserved);
+  void finishLocked(Node& node, const std::string& id, const Status& st);
   // The node of sandbox `id`, or kNotFound / kUnavailable (down) for calls.
   Result<edge::EdgeLink*> route(const std::string& id) const;
   edge::EdgeLink* localLink() const;
+  // The scheduler's views of the nodes: copies (for reserve(), which changes
+  // them, and the API), or placementViewsLocked(): viewBuf_ refilled in place
+  // with the sets by reference, for one pick under mu_.
   std::vector<NodeView> viewsLocked() const;
+  const std::vector<NodeView>& placementViewsLocked();
+  void fillView(NodeView& x, const Node& n, bool shallow) const;
   NodeRecord recordLocked(const Node& n) const;
   Status migrateNodesJson();
   // Follows the store's node registry (nodes that joined, re-joined, went
@@ -227,8 +257,13 @@ class Cluster : public edge::EdgeLink {
   mutable std::mutex mu_;           // guards nodes_, placed_, creating_, stopping_, counters below
   std::condition_variable roomCv_;  // a creation ended or a node changed: room may be free
   std::map<std::string, std::unique_ptr<Node>> nodes_;  // never erased: pointers stay valid
-  std::map<std::string, Placed> placed_;
-  std::set<std::string> creating_;
+  std::unordered_map<std::string, Placed> placed_;  // hashed: looked up per heartbeat id
+  std::vector<NodeView> viewBuf_;  // placementViewsLocked()
+  // Heartbeat tokens: this process's random prefix and a serial (mu_).
+  std::string hbPrefix_ = randomHex(4) + "-";
+  uint64_t hbSerial_ = 0;
+  static constexpr double kFullListEveryS = 15;
+  std::unordered_set<std::string> creating_;
   std::string localName_;
   bool stopping_ = false;
   int queued_ = 0;

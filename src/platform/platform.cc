@@ -127,6 +127,7 @@ Result<std::unique_ptr<Platform>> Platform::start(PlatformOptions opts, Store* s
     }
     p->sandboxes_[r.id] = r;
   }
+  for (auto& [_, r] : p->sandboxes_) p->indexLocked(r);  // no other thread yet
   // Sandboxes the edge still ran that no record owns as live.
   for (auto& id : adopted) {
     log::warn("sandbox " + id + " has no record here; destroying it");
@@ -287,6 +288,7 @@ void Platform::onSandboxDeath(const std::string& id, const std::string& why) {
 
 void Platform::janitor() {
   double lastGc = nowSeconds();
+  double lastFullWalk = 0;
   std::unique_lock lk(mu_);
   while (!stopping_) {
     janitorCv_.wait_for(lk, std::chrono::seconds(1));
@@ -295,26 +297,71 @@ void Platform::janitor() {
     // A call under way is activity right now (and is shared as such with the
     // other replicas by shareCalls below).
     for (auto& [id, n] : callsInFlight_) lastCall_[id] = now;
-    std::vector<std::string> expired, purge, idle, toPause;
-    for (auto& [id, r] : sandboxes_) {
+    std::vector<std::string> expired, purge, idle, toPause, othersCreating;
+    // Each second, the records with a timer (timed_); every kFullWalkS, all
+    // of them, in slices of kJanitorSlice letting go of mu_ between them (at
+    // 380,000 live sandboxes one pass under the lock would stall every create
+    // and call for a good part of a second): retention purges, other
+    // replicas' creates for reapCreating, and any timed record not indexed.
+    // Each decision is re-checked by the destroy or pause that acts on it.
+    auto timers = [&](const std::string& id, const SandboxRecord& r) {
       // A lost sandbox (its node is down) keeps its TTL and idle timeout.
       bool live = r.state == "running" || r.state == "paused" || r.state == "lost";
       if (live && r.expiresAt > 0 && r.expiresAt <= now) expired.push_back(id);
-      auto lc = lastCall_.find(id);
-      double last = lc == lastCall_.end() ? r.createdAt : std::max(r.createdAt, lc->second);
-      if (live && r.idleTimeoutS > 0 && now - last >= double(r.idleTimeoutS)) {
-        idle.push_back(id);
-      } else if (r.state == "running" && r.autoPauseS > 0 && now - last >= double(r.autoPauseS)) {
-        toPause.push_back(id);
+      if (r.idleTimeoutS > 0 || r.autoPauseS > 0) {
+        auto lc = lastCall_.find(id);
+        double last = lc == lastCall_.end() ? r.createdAt : std::max(r.createdAt, lc->second);
+        if (live && r.idleTimeoutS > 0 && now - last >= double(r.idleTimeoutS)) {
+          idle.push_back(id);
+        } else if (r.state == "running" && r.autoPauseS > 0 &&
+                   now - last >= double(r.autoPauseS)) {
+          toPause.push_back(id);
+        }
       }
-      if ((r.state == "stopped" || r.state == "failed") &&
-          r.stoppedAt + opts_.stoppedRetentionS <= now) {
-        purge.push_back(id);
+    };
+    for (auto t = timed_.begin(); t != timed_.end();) {
+      auto it = sandboxes_.find(*t);
+      if (it == sandboxes_.end() || isFinal(it->second.state)) {
+        t = timed_.erase(t);  // over: no timer applies any more
+        continue;
       }
+      timers(*t, it->second);
+      ++t;
     }
-    for (auto& id : purge) {
-      sandboxes_.erase(id);
-      lastCall_.erase(id);
+    if (now - lastFullWalk >= kFullWalkS) {
+      lastFullWalk = now;
+      std::string from;
+      bool first = true;
+      for (;;) {
+        auto it = first ? sandboxes_.begin() : sandboxes_.lower_bound(from);
+        first = false;
+        size_t k = 0;
+        for (; it != sandboxes_.end() && k < kJanitorSlice; ++k) {
+          const std::string& id = it->first;
+          SandboxRecord& r = it->second;
+          if (r.state == "creating" && !r.replica.empty() && r.replica != opts_.replicaId) {
+            othersCreating.push_back(id);  // for reapCreating (leader, replicas)
+          }
+          bool fin = r.state == "stopped" || r.state == "failed";
+          if (fin && r.stoppedAt + opts_.stoppedRetentionS <= now) {
+            purge.push_back(id);
+            lastCall_.erase(id);
+            timed_.erase(id);
+            it = sandboxes_.erase(it);
+            continue;
+          }
+          if (!fin && !timed_.count(id) &&
+              (r.expiresAt > 0 || r.idleTimeoutS > 0 || r.autoPauseS > 0)) {
+            timed_.insert(id);
+            timers(id, r);
+          }
+          ++it;
+        }
+        if (it == sandboxes_.end() || stopping_) break;
+        from = it->first;  // the next one to look at (or what follows it, if it goes)
+        lk.unlock();
+        lk.lock();
+      }
     }
     lk.unlock();
     if (store_->shared()) {
@@ -323,7 +370,8 @@ void Platform::janitor() {
     }
     // With replicas only the leader sweeps (the others' lists are cleared).
     bool leader = isLeader();
-    if (leader && store_->shared()) reapCreating();
+    if (leader && store_->shared()) reapCreating(othersCreating);
+    if (store_->shared()) renewBatchClaims();
     lk.lock();
     if (!leader) expired.clear(), idle.clear(), toPause.clear();
     bool gcDue = leader && now - lastGc >= opts_.gcIntervalS;

@@ -7,6 +7,7 @@
 // edge calls are made without it. A janitor thread enforces TTLs.
 #pragma once
 
+#include <optional>
 #include <atomic>
 #include <condition_variable>
 #include <deque>
@@ -106,6 +107,11 @@ class Platform {
   // Creates r (id set) on its node with its first policy phase; on error the
   // node keeps nothing.
   Status createOnEdge(SandboxRecord& r);
+  // A batch worker's group (docs/batches.md): created with one call per node
+  // through Cluster::createGroup; an entry without a status was not attempted
+  // (no room on the group's node right now) and goes back to the queue.
+  std::vector<std::optional<Status>> createManyOnEdge(std::vector<SandboxRecord>& rs);
+  static constexpr size_t kBulkCreate = 16;  // sandboxes a batch worker takes at once
   // Batches (api_batches.cc): POST/GET /v1/batches, GET/DELETE
   // /v1/batches/{id}, DELETE /v1/sandboxes?label=k=v|batch=ID.
   void batchesApi(const std::vector<std::string>& parts, http::Request& req, http::Response& res);
@@ -208,6 +214,7 @@ class Platform {
     std::vector<edge::net::EgressRule> egress;
   };
   Result<PolicyPlan> planPolicy(const SandboxRecord& r);
+  edge::SandboxSpec edgeSpec(const SandboxRecord& r, const PolicyPlan& plan);
   // Applies r's policy to its running sandbox (a phase switch).
   Status applyPolicy(const SandboxRecord& r);
   void files(const std::string& id, const std::string& op, http::Request& req,
@@ -292,7 +299,18 @@ class Platform {
   void refreshSandbox(const std::string& id, bool missingOnly = false);
   void syncSandboxes();
   void applyStoredLocked(const SandboxRecord& r);
-  void reapCreating();
+  // `candidates`: the records the janitor's walk found `creating` by another replica.
+  void reapCreating(const std::vector<std::string>& candidates);
+  // Batch claims (replicas, docs/batches.md): the store's lease "batch:<id>",
+  // held by the replica creating the batch's sandboxes (its replica id, so
+  // the same replica restarted takes it back at once). Taken before a batch
+  // is stored, renewed by the janitor while the batch runs here, released
+  // when it ends; a replica that starts resumes a batch's pending records
+  // only if it wins the claim (a compare-and-set in the store), so two
+  // replicas never both create one batch's sandboxes.
+  static constexpr double kBatchClaimTtlS = 10;
+  Result<bool> claimBatch(const std::string& id);
+  void renewBatchClaims();
   // Idle timers across replicas: shareCalls writes the calls seen here (of
   // sandboxes with idle_timeout_s or auto_pause_s) to the store, at most one
   // a second per sandbox; dropCalledElsewhere (leader) takes from the
@@ -303,6 +321,15 @@ class Platform {
   // Prometheus text: sandboxes by state.
   std::string sandboxStateMetrics();
   void janitor();
+  static constexpr size_t kJanitorSlice = 4096;  // records per hold of mu_
+  static constexpr double kFullWalkS = 5;        // the janitor's walk over every record
+  // Records with a timer (TTL, idle timeout or auto-pause): the janitor looks
+  // at these every second and at all records only every kFullWalkS (purges,
+  // other replicas' creates, and any timed record missed here). mu_ held.
+  void indexLocked(const SandboxRecord& r) {
+    if (r.expiresAt > 0 || r.idleTimeoutS > 0 || r.autoPauseS > 0) timed_.insert(r.id);
+  }
+  std::set<std::string> timed_;  // guarded by mu_
 
   PlatformOptions opts_;
   Store* store_ = nullptr;     // not owned
@@ -345,6 +372,8 @@ class Platform {
     int64_t outstanding = 0;       // not yet created or failed
     int64_t created = 0, failed = 0;  // outcomes stored so far
     std::map<std::string, int64_t> errors;  // failures by code
+    bool mine = true;      // this replica creates its sandboxes (else another's claim)
+    bool claimed = false;  // this replica holds its claim in the store (shared stores)
   };
   std::mutex batchMu_;
   std::map<std::string, Batch> batches_;

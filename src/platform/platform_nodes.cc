@@ -73,6 +73,7 @@ void Platform::applyStoredLocked(const SandboxRecord& r) {
     // Not one purged here already (the leader deletes it from the store soon).
     if (isFinal(r.state) && r.stoppedAt + opts_.stoppedRetentionS <= nowSeconds()) return;
     sandboxes_[r.id] = r;
+    indexLocked(r);
     // A node's heartbeat may have bound it here already: that ends with it.
     if (isFinal(r.state)) {
       edge_->unbindSandbox(r.id);
@@ -154,7 +155,8 @@ void Platform::syncSandboxes() {
   syncSince_ = now;
 }
 
-void Platform::reapCreating() {
+void Platform::reapCreating(const std::vector<std::string>& candidates) {
+  if (candidates.empty()) return;
   auto leases = store_->listLeases();
   if (!leases.isOk()) return;
   std::set<std::string> alive;
@@ -164,7 +166,10 @@ void Platform::reapCreating() {
   std::vector<std::string> orphans;
   {
     std::lock_guard lk(mu_);
-    for (auto& [id, r] : sandboxes_) {
+    for (auto& id : candidates) {
+      auto it = sandboxes_.find(id);
+      if (it == sandboxes_.end()) continue;
+      const SandboxRecord& r = it->second;
       if (r.state == "creating" && !r.replica.empty() && r.replica != opts_.replicaId &&
           !alive.count(r.replica)) {
         orphans.push_back(id);

@@ -45,6 +45,7 @@ void RemoteEdge::reset(std::string url, std::string key) {
   key_ = std::move(key);
   ++epoch_;
   idle_.clear();
+  noBulk_ = false;  // maybe another edge now
 }
 
 Result<http::ClientResponse> RemoteEdge::call(std::string_view method, const std::string& target,
@@ -113,6 +114,41 @@ Result<http::ClientResponse> RemoteEdge::call(std::string_view method, const std
 Status RemoteEdge::create(const std::string& backend, const edge::SandboxSpec& spec) {
   json body = {{"backend", backend}, {"spec", wire::toJson(spec)}};
   return call("POST", "/edge/v1/sandboxes", body.dump()).status();
+}
+
+std::vector<Status> RemoteEdge::createMany(const std::string& backend,
+                                           const std::vector<edge::SandboxSpec>& specs) {
+  if (specs.size() <= 1 || noBulk_.load()) return EdgeLink::createMany(backend, specs);
+  json arr = json::array();
+  for (auto& sp : specs) arr.push_back(wire::toJson(sp));
+  json body = {{"backend", backend}, {"specs", std::move(arr)}};
+  auto r = call("POST", "/edge/v1/bulk/sandboxes", body.dump());
+  if (!r.isOk()) {
+    if (r.status().code() == Code::kNotFound &&
+        r.status().message().find("no such endpoint") != std::string::npos) {
+      noBulk_ = true;  // an edge of an older release: one call per sandbox
+      return EdgeLink::createMany(backend, specs);
+    }
+    // Nothing is known of any of them: each failed (anything the node made
+    // anyway is wanted by no record, and its reconcile destroys it).
+    return std::vector<Status>(specs.size(), r.status());
+  }
+  std::vector<Status> out(specs.size(),
+                          Status(Code::kInternal, "node answered no result for the sandbox"));
+  json j = json::parse(r->body, nullptr, false);
+  if (j.is_discarded() || !j.is_object() || !j.contains("results") || !j["results"].is_array()) {
+    return out;
+  }
+  auto& res = j["results"];
+  for (size_t i = 0; i < specs.size() && i < res.size(); ++i) {
+    if (!res[i].is_object() || res[i].value("id", "") != specs[i].id) continue;
+    if (res[i].contains("error") && res[i]["error"].is_object()) {
+      out[i] = wire::statusFromBody(500, json{{"error", res[i]["error"]}}.dump());
+    } else {
+      out[i] = Status::ok();
+    }
+  }
+  return out;
 }
 
 Status RemoteEdge::destroy(const std::string& id) { return call("DELETE", sbPath(id)).status(); }

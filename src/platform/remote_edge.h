@@ -8,6 +8,7 @@
 // are buffered in memory on this hop (bounded by the API's own limits).
 #pragma once
 
+#include <atomic>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -30,6 +31,10 @@ class RemoteEdge : public edge::EdgeLink {
 
   void setDeathHandler(std::function<void(const std::string&, const std::string&)>) override {}
   Status create(const std::string& backend, const edge::SandboxSpec& spec) override;
+  // One POST /edge/v1/bulk/sandboxes (docs/cluster.md); an edge without it
+  // (older release, 404) gets one call per sandbox from then on.
+  std::vector<Status> createMany(const std::string& backend,
+                                 const std::vector<edge::SandboxSpec>& specs) override;
   Status destroy(const std::string& id) override;
   Result<edge::ExecResult> exec(const std::string& id, const edge::ExecSpec& spec,
                                 const edge::OutputSink& sink) override;
@@ -77,6 +82,7 @@ class RemoteEdge : public edge::EdgeLink {
                        const std::string& digest, int64_t size);
 
   mutable std::mutex mu_;  // guards url_, key_, idle_, epoch_
+  std::atomic<bool> noBulk_{false};
   std::string url_, key_;
   uint64_t epoch_ = 0;  // bumped by reset(): older connections are not reused
   std::vector<std::pair<uint64_t, std::unique_ptr<http::Client>>> idle_;

@@ -25,7 +25,7 @@ class LayerLocality : public Scorer {
   double score(const NodeView& n, const PlacementRequest& r) const override {
     if (r.layers.empty()) return 0;
     size_t have = 0;
-    for (auto& l : r.layers) have += n.layers.count(l);
+    for (auto& l : r.layers) have += n.layerSet().count(l);
     return double(have) / double(r.layers.size());
   }
 };
@@ -35,8 +35,9 @@ class TenantSpread : public Scorer {
   const char* name() const override { return "tenant_spread"; }
   double score(const NodeView& n, const PlacementRequest& r) const override {
     if (!r.spread) return 1;
-    auto it = n.tenants.find(r.tenant);
-    return 1.0 / (1.0 + double(it == n.tenants.end() ? 0 : it->second));
+    auto& t = n.tenantMap();
+    auto it = t.find(r.tenant);
+    return 1.0 / (1.0 + double(it == t.end() ? 0 : it->second));
   }
 };
 

@@ -43,6 +43,14 @@ struct NodeView {
   int inflight = 0;                        // creations under way
   std::set<std::string> layers;            // layer digests the node holds
   std::map<std::string, int64_t> tenants;  // sandboxes per tenant
+  // When set, these stand for `layers` and `tenants` (the cluster's own
+  // sets, read under its lock): a view per placement then copies no sets.
+  const std::set<std::string>* layersRef = nullptr;
+  const std::map<std::string, int64_t>* tenantsRef = nullptr;
+  const std::set<std::string>& layerSet() const { return layersRef ? *layersRef : layers; }
+  const std::map<std::string, int64_t>& tenantMap() const {
+    return tenantsRef ? *tenantsRef : tenants;
+  }
 };
 
 struct PlacementRequest {

@@ -195,6 +195,10 @@ Result<std::unique_ptr<SqliteStore>> SqliteStore::open(const std::string& path) 
   // and a power loss also ends every sandbox those records describe.
   // Shared deployments use PostgreSQL with full durability.
   RETURN_IF_ERROR(s->exec("PRAGMA synchronous=NORMAL"));
+  // Up to 64 MiB of pages in memory (SQLite's default is 2 MiB): with
+  // hundreds of thousands of records, inserts at random ids otherwise read
+  // most B-tree pages back from the OS (a batch of 32,768 took seconds).
+  RETURN_IF_ERROR(s->exec("PRAGMA cache_size=-65536"));
   RETURN_IF_ERROR(s->exec(
       "CREATE TABLE IF NOT EXISTS sandboxes(id TEXT PRIMARY KEY, state TEXT NOT NULL, "
       "doc TEXT NOT NULL);"
