@@ -93,6 +93,9 @@ class Instance {
   // The host pid of the sandbox's PID 1 (recorded so a restarted edge can
   // find it again), -1 when there is none.
   virtual pid_t initPid() const { return -1; }
+  // Whether the sandbox is hibernated (Backend::hibernate): its whole state
+  // is a file, nothing of it runs, calls on its agent fail until restore().
+  virtual bool hibernated() const { return false; }
   // Computer use, where the sandbox has a display (backend vm): the screen
   // as PNG bytes, and keyboard/mouse input. kFailedPrecondition elsewhere.
   virtual Result<std::string> screenshot() {
@@ -128,6 +131,30 @@ class Backend {
   // was, for the caller to remove as an orphan.
   virtual Result<std::unique_ptr<Instance>> adopt(const SandboxState& state,
                                                   std::function<void()> onDeath) = 0;
+  // Memory snapshots (docs/microvm.md, "Hibernate"): backends whose sandbox
+  // is a VM save its whole state (RAM and devices) to a file in the
+  // sandbox's node-local directory, and its process exits: no memory held.
+  virtual bool hibernates() const { return false; }
+  // `paused`: whether the VM is stopped now. `persist` runs once the state
+  // file is in place, before the VM's process goes; its error undoes the
+  // save. On error the sandbox runs as before (stopped again if it was).
+  // Serialized with restore() per sandbox; a hibernated sandbox is fine.
+  virtual Status hibernate(Instance& inst, bool paused, const std::function<Status()>& persist) {
+    (void)inst, (void)paused, (void)persist;
+    return Status(Code::kFailedPrecondition,
+                  "pausing to disk is not supported for backend " + name() +
+                      " (backend microvm only)",
+                  0, "memory");
+  }
+  // Starts a hibernated sandbox's VM again from its saved state: running,
+  // its agent answering, the state file removed; onDeath as for create. A
+  // running sandbox is fine. On error nothing of the new VM runs and the
+  // sandbox cannot be resumed: its console log is kept (the path is in the
+  // error) and the caller destroys it.
+  virtual Status restore(Instance& inst, std::function<void()> onDeath) {
+    (void)inst, (void)onDeath;
+    return Status::ok();
+  }
   // Removes what is left of a sandbox that could not be adopted: kills its
   // processes, removes its cgroups and directory.
   virtual void removeOrphan(const std::string& id) = 0;

@@ -69,10 +69,10 @@ Result<std::unique_ptr<Edge>> Edge::start(EdgeOptions opts) {
   for (auto& s : e->stateDir_->loadAll()) {
     auto started = processStartTime(s.pid);
     // fncall sandboxes are container sandboxes underneath (backends/fncall).
-    if ((s.backend == "container" || s.backend == "fncall" || s.backend == "microvm" ||
-         s.backend == "vm") &&
-        started.isOk() &&
-        *started == s.startTime) {
+    bool vm = s.backend == "microvm" || s.backend == "vm";
+    // A hibernated VM has no process: its saved state file is checked on adopt.
+    if ((s.backend == "container" || s.backend == "fncall" || vm) &&
+        ((vm && s.hibernated) || (started.isOk() && *started == s.startTime))) {
       keep.insert(s.spec.id);
       live.push_back(std::move(s));
     } else {
@@ -515,9 +515,83 @@ Status Edge::setEgress(const std::string& id, const std::vector<net::EgressRule>
   return Status::ok();
 }
 
+Status Edge::hibernate(const std::string& id) {
+  std::shared_ptr<Instance> inst;
+  Backend* backend = nullptr;
+  bool wasPaused = false;
+  {
+    std::lock_guard lk(mu_);
+    auto it = sandboxes_.find(id);
+    if (it == sandboxes_.end() || !it->second) return notFound("sandbox " + id + " not found");
+    inst = it->second;
+    backend = backendOf_[id];
+    wasPaused = paused_.count(id) > 0;
+  }
+  RETURN_IF_ERROR(backend->hibernate(*inst, wasPaused, [&]() -> Status {
+    // Recorded before the VM's process goes: a restarted edge then restores
+    // the sandbox from its state file rather than finding its QEMU gone.
+    SandboxState before, copy;
+    {
+      std::lock_guard lk(mu_);
+      auto it = states_.find(id);
+      if (it == states_.end()) return notRunning(id);
+      before = it->second;
+      it->second.paused = true;
+      it->second.hibernated = true;
+      it->second.pid = -1;
+      it->second.startTime = 0;
+      copy = it->second;
+    }
+    Status st = stateDir_->put(copy);
+    if (!st.isOk()) {
+      std::lock_guard lk(mu_);
+      if (auto it = states_.find(id); it != states_.end()) it->second = before;
+    }
+    return st;
+  }));
+  std::lock_guard lk(mu_);
+  if (sandboxes_.count(id)) paused_.insert(id);
+  return Status::ok();
+}
+
 Status Edge::pause(const std::string& id, bool paused) {
   auto inst = find(id);
   if (!inst) return notFound("sandbox " + id + " not found");
+  if (inst->hibernated()) {
+    if (paused) return Status::ok();  // paused already, to disk
+    Backend* backend = nullptr;
+    {
+      std::lock_guard lk(mu_);
+      backend = backendOf_[id];
+    }
+    Status st = backend->restore(*inst, deathHandlerFor(id));
+    if (!st.isOk()) {
+      // Its saved state would not run again: the sandbox is gone (console
+      // log kept, its path in the error), and its owner is told so.
+      log::error(st.toString());
+      std::function<void(const std::string&, const std::string&)> h;
+      {
+        std::lock_guard lk(mu_);
+        h = onDeath_;
+      }
+      (void)destroy(id);
+      if (h) h(id, st.message());
+      return st;
+    }
+    pid_t pid = inst->initPid();
+    auto started = processStartTime(pid);
+    {
+      std::lock_guard lk(mu_);
+      paused_.erase(id);
+    }
+    updateState(id, [&](SandboxState& s) {
+      s.paused = false;
+      s.hibernated = false;
+      s.pid = pid;
+      s.startTime = started.isOk() ? *started : 0;
+    });
+    return Status::ok();
+  }
   RETURN_IF_ERROR(inst->freeze(paused));
   {
     std::lock_guard lk(mu_);

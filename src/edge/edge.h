@@ -104,6 +104,12 @@ class Edge : public EdgeLink {
   // Freezes (no CPU used, memory kept) or thaws every process of a sandbox.
   // A paused sandbox is thawed before it is destroyed or snapshotted.
   Status pause(const std::string& id, bool paused);
+  // Pauses a VM sandbox (microvm, vm) to disk: its whole state saved to a
+  // file in its directory, its QEMU gone (docs/microvm.md, "Hibernate").
+  // pause(id, false) restores it; a restore that fails destroys the sandbox
+  // and reports its death. kFailedPrecondition (field "memory") for other
+  // backends; on any error the sandbox runs (or stays paused) as before.
+  Status hibernate(const std::string& id) override;
   // Changes a running sandbox's CPU, memory and pids limits.
   Status setLimits(const std::string& id, const CgroupLimits& limits);
 

@@ -94,6 +94,12 @@ class EdgeLink {
                                        const std::string& json) = 0;
   virtual Result<CgroupStats> stats(const std::string& id) = 0;
   virtual Status pause(const std::string& id, bool paused) = 0;
+  // Pause to disk (VM backends; edge::Edge::hibernate); pause(id, false)
+  // resumes. Nodes that cannot: kFailedPrecondition.
+  virtual Status hibernate(const std::string& id) {
+    return Status(Code::kFailedPrecondition, "this node cannot pause sandbox " + id + " to disk",
+                  0, "memory");
+  }
   virtual Status setLimits(const std::string& id, const CgroupLimits& limits) = 0;
   virtual Status setEgress(const std::string& id, const std::vector<net::EgressRule>& rules) = 0;
   virtual Result<net::EgressDenials> egressDenials(const std::string& id) = 0;

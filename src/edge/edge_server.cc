@@ -555,7 +555,10 @@ void EdgeAgent::route(http::Request& req, http::Response& res, EdgeLink* link) {
   if (op == "pause" && m == "POST") {
     auto j = body();
     if (!j.isOk()) return fail(j.status());
-    Status st = link->pause(id, (*j).value("paused", true));
+    // {"paused": true, "memory": "disk"}: to disk (VM backends).
+    bool toDisk = (*j).value("memory", std::string()) == "disk";
+    bool paused = (*j).value("paused", true);
+    Status st = paused && toDisk ? link->hibernate(id) : link->pause(id, paused);
     return st.isOk() ? sendJ(res, 200, json::object()) : fail(st);
   }
   if (op == "limits" && m == "POST") {

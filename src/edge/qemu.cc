@@ -11,6 +11,8 @@
 #include <sys/ioctl.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/sendfile.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/un.h>
 #include <sys/wait.h>
@@ -319,6 +321,208 @@ Result<UniqueFd> adoptQemu(const SandboxState& state, const std::string& dir,
   RETURN_IF_ERROR(reconnect(pidfd.get()));
   if (state.paused) RETURN_IF_ERROR(qmp(dir, "stop").status());
   return pidfd;
+}
+
+namespace {
+
+// A listening unix socket `name` in the directory of dirFd (bound through
+// /proc/self/fd, as connectUnix connects).
+Result<UniqueFd> listenUnix(int dirFd, const std::string& name) {
+  ::unlinkat(dirFd, name.c_str(), 0);
+  UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (!fd) return sysError("socket");
+  struct sockaddr_un addr = {};
+  addr.sun_family = AF_UNIX;
+  std::string path = "/proc/self/fd/" + std::to_string(dirFd) + "/" + name;
+  std::snprintf(addr.sun_path, sizeof addr.sun_path, "%s", path.c_str());
+  if (::bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+    return sysError("bind " + name);
+  }
+  if (::listen(fd.get(), 1) != 0) return sysError("listen " + name);
+  return fd;
+}
+
+// query-migrate's status ("active", "completed", "failed", ...), with
+// QEMU's error description after a ": " when it failed.
+Result<std::string> migrationStatus(const std::string& dir) {
+  ASSIGN_OR_RETURN(json r, qmp(dir, "query-migrate"));
+  std::string st = r.value("status", "none");
+  if (r.contains("error-desc")) st += ": " + r["error-desc"].get<std::string>();
+  return st;
+}
+
+// Polls query-migrate until the migration completed; kInternal when QEMU
+// says it failed, kDeadlineExceeded past the deadline.
+Status awaitMigration(const std::string& dir, double deadline, const std::string& what) {
+  for (;;) {
+    ASSIGN_OR_RETURN(std::string st, migrationStatus(dir));
+    if (st == "completed") return Status::ok();
+    if (startsWith(st, "failed") || startsWith(st, "cancelled")) {
+      return internalError(what + ": QEMU's migration " + st);
+    }
+    if (monoSeconds() > deadline) {
+      return Status(Code::kDeadlineExceeded, what + ": not done in time (migration " + st + ")");
+    }
+    ::usleep(20000);
+  }
+}
+
+}  // namespace
+
+Result<uint64_t> saveState(const std::string& dir, const std::string& statePath,
+                           double timeoutS) {
+  const double deadline = monoSeconds() + timeoutS;
+  UniqueFd d(::open(dir.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
+  if (!d) return sysError("open " + dir);
+  ASSIGN_OR_RETURN(UniqueFd lfd, listenUnix(d.get(), "mig.sock"));
+  bool started = false;
+  auto saved = [&]() -> Result<uint64_t> {
+    UniqueFd out(::open(statePath.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
+    if (!out) return sysError("create " + statePath);
+    // Stopped first: one pass over RAM, one consistent moment.
+    RETURN_IF_ERROR(qmp(dir, "stop").status());
+    // QEMU caps migration at 32 MiB/s by default; the peer is a local file.
+    RETURN_IF_ERROR(
+        qmp(dir, "migrate-set-parameters", json{{"max-bandwidth", int64_t(1) << 40}}).status());
+    RETURN_IF_ERROR(qmp(dir, "migrate", json{{"uri", "unix:mig.sock"}}).status());
+    started = true;
+    UniqueFd c;
+    while (!c) {
+      struct pollfd p = {lfd.get(), POLLIN, 0};
+      int rc = ::poll(&p, 1, 200);
+      if (rc < 0 && errno != EINTR) return sysError("poll mig.sock");
+      if (rc == 1) {
+        c.reset(::accept4(lfd.get(), nullptr, nullptr, SOCK_CLOEXEC));
+        if (!c && errno != EINTR && errno != EAGAIN) return sysError("accept mig.sock");
+        continue;
+      }
+      ASSIGN_OR_RETURN(std::string st, migrationStatus(dir));
+      if (startsWith(st, "failed") || startsWith(st, "cancelled")) {
+        return internalError("save: QEMU's migration " + st);
+      }
+      if (monoSeconds() > deadline) {
+        return Status(Code::kDeadlineExceeded, "save: QEMU did not connect to mig.sock");
+      }
+    }
+    std::vector<char> buf(1 << 20);
+    uint64_t total = 0;
+    for (;;) {
+      struct pollfd p = {c.get(), POLLIN, 0};
+      int rc = ::poll(&p, 1, 500);
+      if (rc < 0 && errno != EINTR) return sysError("poll mig.sock");
+      if (monoSeconds() > deadline) {
+        return Status(Code::kDeadlineExceeded, "save: the state was not written in time (" +
+                                                   std::to_string(total) + " bytes so far)");
+      }
+      if (rc <= 0) continue;
+      ssize_t n = ::read(c.get(), buf.data(), buf.size());
+      if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
+      if (n < 0) return sysError("read mig.sock");
+      if (n == 0) break;
+      for (ssize_t off = 0; off < n;) {
+        ssize_t w = ::write(out.get(), buf.data() + off, size_t(n - off));
+        if (w < 0 && errno == EINTR) continue;
+        if (w < 0) return sysError("write " + statePath);
+        off += w;
+      }
+      total += uint64_t(n);
+    }
+    RETURN_IF_ERROR(awaitMigration(dir, deadline, "save"));
+    if (::fsync(out.get()) != 0) return sysError("fsync " + statePath);
+    if (total == 0) return internalError("save: QEMU sent no state");
+    return total;
+  }();
+  ::unlinkat(d.get(), "mig.sock", 0);
+  if (!saved.isOk()) {
+    if (started) (void)qmp(dir, "migrate_cancel");
+    ::unlink(statePath.c_str());
+  }
+  return saved;
+}
+
+Status loadState(const std::string& dir, const std::string& statePath, double timeoutS) {
+  const double deadline = monoSeconds() + timeoutS;
+  UniqueFd in(::open(statePath.c_str(), O_RDONLY | O_CLOEXEC));
+  if (!in) return sysError("open " + statePath);
+  struct stat sb;
+  if (::fstat(in.get(), &sb) != 0) return sysError("stat " + statePath);
+  UniqueFd d(::open(dir.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
+  if (!d) return sysError("open " + dir);
+  ::unlinkat(d.get(), "in.sock", 0);
+  RETURN_IF_ERROR(qmp(dir, "migrate-incoming", json{{"uri", "unix:in.sock"}}).status());
+  UniqueFd c;
+  for (;;) {
+    auto s = connectUnix(d.get(), "in.sock");
+    if (s.isOk()) {
+      c = std::move(*s);
+      break;
+    }
+    if (monoSeconds() > deadline) return Status(s.status()).withContext("restore");
+    ::usleep(10000);
+  }
+  ::unlinkat(d.get(), "in.sock", 0);  // QEMU has it open; nobody else needs the name
+  // A send that blocks (QEMU not reading) is bounded so the deadline holds.
+  struct timeval tv = {1, 0};
+  ::setsockopt(c.get(), SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+  off_t off = 0;
+  while (off < sb.st_size) {
+    ssize_t n = ::sendfile(c.get(), in.get(), &off, size_t(sb.st_size - off));
+    if (n < 0 && (errno == EINTR || errno == EAGAIN)) {
+      if (monoSeconds() > deadline) {
+        return Status(Code::kDeadlineExceeded, "restore: QEMU did not take the state in time");
+      }
+      continue;
+    }
+    if (n < 0) {
+      // QEMU closes the socket when it refuses the stream: say why.
+      auto st = migrationStatus(dir);
+      return Status(Code::kInternal, "restore: sending the state: " +
+                                         std::string(std::strerror(errno)) +
+                                         (st.isOk() ? " (migration " + *st + ")" : ""));
+    }
+    if (n == 0) break;
+  }
+  ::shutdown(c.get(), SHUT_WR);
+  return awaitMigration(dir, deadline, "restore");
+}
+
+Status awaitQmp(const std::string& dir, int pidfd, double deadline) {
+  UniqueFd d(::open(dir.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
+  if (!d) return sysError("open " + dir);
+  for (;;) {
+    if (connectUnix(d.get(), "qmp.sock").isOk()) return Status::ok();
+    if (exited(pidfd)) return Status(Code::kInternal, "QEMU exited");
+    if (monoSeconds() > deadline) return Status(Code::kDeadlineExceeded, "QEMU did not open QMP");
+    ::usleep(10000);
+  }
+}
+
+size_t countInFile(const std::string& path, const std::string& needle) {
+  auto text = readFile(path);
+  if (!text.isOk() || needle.empty()) return 0;
+  size_t n = 0;
+  for (size_t at = text->find(needle); at != std::string::npos; at = text->find(needle, at + 1)) {
+    ++n;
+  }
+  return n;
+}
+
+void appendAndRemove(const std::string& from, const std::string& to) {
+  auto text = readFile(from);
+  if (!text.isOk()) return;
+  UniqueFd out(::open(to.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600));
+  if (out) {
+    const char* p = text->data();
+    size_t n = text->size();
+    while (n > 0) {
+      ssize_t w = ::write(out.get(), p, n);
+      if (w < 0 && errno == EINTR) continue;
+      if (w <= 0) break;
+      p += w;
+      n -= size_t(w);
+    }
+  }
+  ::unlink(from.c_str());
 }
 
 void removeLeftovers(Cgroups* cgroups, const std::string& id, const std::string& dir) {

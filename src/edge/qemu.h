@@ -91,6 +91,36 @@ Status recordAndWatch(const std::string& dir, pid_t pid, int pidfd, Reactor* rea
 Result<UniqueFd> adoptQemu(const SandboxState& state, const std::string& dir,
                            const std::function<Status(int pidfd)>& reconnect);
 
+// Memory snapshots (docs/microvm.md, "Hibernate"). QEMU 7.2 has no `file:`
+// migration and `-sandbox on,spawn=deny` refuses `exec:`, so the edge is the
+// other end of a `unix:` migration socket in the VM's directory.
+//
+// saveState: stops the guest (QMP `stop`), lifts the migration bandwidth cap
+// and migrates to `mig.sock` in dir, which this call listens on, writing the
+// stream to `statePath` (created, fsynced; the caller renames it into place).
+// On success the guest is stopped for good (QEMU in `postmigrate`, its disks
+// flushed and released) and the bytes written are returned; the caller quits
+// QEMU. On error the migration is cancelled, statePath removed and the guest
+// left stopped (the caller `cont`s it). Bounded by timeoutS in all.
+Result<uint64_t> saveState(const std::string& dir, const std::string& statePath, double timeoutS);
+
+// loadState: for a QEMU started with the same devices and `-incoming defer`:
+// `migrate-incoming` on `in.sock` in dir, sends statePath into it and waits
+// until QEMU says the migration completed. The guest is then loaded and
+// stopped; the caller `cont`s it. Bounded by timeoutS.
+Status loadState(const std::string& dir, const std::string& statePath, double timeoutS);
+
+// Waits until QEMU's qmp.sock in dir accepts (QEMU opens it early at start),
+// or fails when the process of pidfd exited or the deadline passed.
+Status awaitQmp(const std::string& dir, int pidfd, double deadline);
+
+// How many times `needle` occurs in the file (0 when unreadable).
+size_t countInFile(const std::string& path, const std::string& needle);
+
+// Appends the file `from` to `to` (created 0600 if missing) and removes
+// `from`; a missing `from` is fine.
+void appendAndRemove(const std::string& from, const std::string& to);
+
 // Kills what is left of the VM whose directory is `dir` and sandbox id `id`:
 // its cgroup (which holds its QEMU), a QEMU outside it by dir/qemu.pid if
 // that process's cwd is still `dir`, then the directory.

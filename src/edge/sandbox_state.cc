@@ -69,6 +69,7 @@ std::string encodeSandboxState(const SandboxState& s) {
             {"start_time", s.startTime},
             {"egress", egress},
             {"paused", s.paused}};
+  if (s.hibernated) j["hibernated"] = true;
   return j.dump();
 }
 
@@ -92,7 +93,10 @@ Result<SandboxState> decodeSandboxState(const std::string& text) {
       s.egress.push_back(std::move(rule));
     }
     s.paused = j.at("paused").get<bool>();
-    if (!startsWith(s.spec.id, "sb-") || s.pid <= 1) return invalidArg("state", "bad id or pid");
+    s.hibernated = j.value("hibernated", false);
+    if (!startsWith(s.spec.id, "sb-")) return invalidArg("state", "bad id");
+    // A hibernated sandbox has no process; any other has a PID 1.
+    if (s.hibernated ? s.pid != -1 : s.pid <= 1) return invalidArg("state", "bad pid");
     return s;
   } catch (const std::exception& e) {
     return invalidArg("state", e.what());

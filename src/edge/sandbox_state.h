@@ -30,6 +30,8 @@ struct SandboxState {
   uint64_t startTime = 0;  // /proc/<pid>/stat field 22: clock ticks after boot
   std::vector<net::EgressRule> egress;
   bool paused = false;
+  // Memory saved to disk, no process (Backend::hibernate); pid is -1 then.
+  bool hibernated = false;
 };
 
 std::string encodeSandboxState(const SandboxState& s);

@@ -53,6 +53,28 @@ TEST(SandboxStateTest, RoundTrips) {
   EXPECT_TRUE(back->paused);
 }
 
+TEST(SandboxStateTest, HibernatedRoundTripsWithoutAProcess) {
+  SandboxState s = sample();
+  EXPECT_EQ(encodeSandboxState(s).find("hibernated"), std::string::npos);
+  s.hibernated = true;
+  s.pid = -1;
+  s.startTime = 0;
+  auto back = decodeSandboxState(encodeSandboxState(s));
+  ASSERT_TRUE(back.isOk()) << back.status().toString();
+  EXPECT_TRUE(back->hibernated);
+  EXPECT_EQ(back->pid, -1);
+  // A hibernated record with a pid, or a live one without, is malformed.
+  s.pid = 4242;
+  EXPECT_FALSE(decodeSandboxState(encodeSandboxState(s)).isOk());
+  s.hibernated = false;
+  s.pid = -1;
+  EXPECT_FALSE(decodeSandboxState(encodeSandboxState(s)).isOk());
+  // Records written before the field existed read as not hibernated.
+  auto old = decodeSandboxState(encodeSandboxState(sample()));
+  ASSERT_TRUE(old.isOk());
+  EXPECT_FALSE(old->hibernated);
+}
+
 TEST(SandboxStateTest, RefusesMalformed) {
   EXPECT_FALSE(decodeSandboxState("").isOk());
   EXPECT_FALSE(decodeSandboxState("[]").isOk());

@@ -54,6 +54,9 @@ json toApi(const SandboxRecord& r) {
   j["phases"] = phases;
   j["owner"] = r.owner;
   j["batch"] = r.batch.empty() ? json(nullptr) : json(r.batch);
+  // Where a paused sandbox's memory is ("ram", or "disk" when paused to disk).
+  j["pause_memory"] = r.state != "paused" ? json(nullptr)
+                                          : json(r.pausedTo.empty() ? "ram" : r.pausedTo);
   return j;
 }
 
@@ -1122,26 +1125,55 @@ void Platform::files(const std::string& id, const std::string& op, http::Request
   sendError(res, invalidArg("method", "method " + m + " not allowed on files"));
 }
 
-void Platform::pauseSandbox(const std::string& id, bool pause, http::Response& res) {
+void Platform::pauseSandbox(const std::string& id, bool pause, http::Request& req,
+                            http::Response& res) {
+  // pause: {"memory": "ram"} (the default: frozen, memory kept) or "disk"
+  // (VM backends: saved to a file, the VM's process gone). resume: no body.
+  bool toDisk = false;
+  if (pause) {
+    auto body = parseObject(req, {"memory"}, true);
+    if (!body.isOk()) return sendError(res, body.status());
+    auto memory = getString(*body, "memory", "ram", 16);
+    if (!memory.isOk()) return sendError(res, memory.status());
+    if (*memory != "ram" && *memory != "disk") {
+      return sendError(res, invalidArg("memory", "memory must be \"ram\" or \"disk\""));
+    }
+    toDisk = *memory == "disk";
+  }
   SandboxRecord r;
   {
     std::lock_guard lk(mu_);
     auto it = sandboxes_.find(id);
     if (it == sandboxes_.end()) return sendError(res, notFound("sandbox " + id + " not found"));
     const std::string& st = it->second.state;
-    if (st == (pause ? "paused" : "running")) return sendJson(res, 200, dumpJson(toApi(it->second)));
+    // The VM backends whose whole state can go to a file (vm: not yet).
+    if (toDisk && it->second.backend != "microvm") {
+      return sendError(res, Status(Code::kFailedPrecondition,
+                                   "memory \"disk\" needs a VM sandbox (backend microvm); "
+                                   "sandbox " + id + " is backend " + it->second.backend,
+                                   0, "memory"));
+    }
+    // Paused to disk already, or paused and asked for RAM: nothing to do. A
+    // sandbox paused in RAM may still go to disk.
+    bool done = pause ? st == "paused" && (!toDisk || it->second.pausedTo == "disk")
+                      : st == "running";
+    if (done) return sendJson(res, 200, dumpJson(toApi(it->second)));
     if (st != "running" && st != "paused") {
       return sendError(res, Status(Code::kFailedPrecondition,
                                    "sandbox " + id + " is " + st + ", not running"));
     }
   }
-  if (Status st = edge_->pause(id, pause); !st.isOk()) return sendError(res, st);
+  // A resume of a sandbox paused to disk restores its VM; if that fails the
+  // edge reports the sandbox dead (recorded failed, onSandboxDeath).
+  Status edgeSt = toDisk ? edge_->hibernate(id) : edge_->pause(id, pause);
+  if (!edgeSt.isOk()) return sendError(res, edgeSt);
   {
     std::lock_guard lk(mu_);
     auto it = sandboxes_.find(id);
     if (it == sandboxes_.end()) return sendError(res, notFound("sandbox " + id + " not found"));
     if (it->second.state == "running" || it->second.state == "paused") {
       it->second.state = pause ? "paused" : "running";
+      it->second.pausedTo = toDisk ? "disk" : "";
     }
     it->second.updatedAt = nowSeconds();
     lastCall_[id] = nowSeconds();
@@ -1149,7 +1181,7 @@ void Platform::pauseSandbox(const std::string& id, bool pause, http::Response& r
   }
   // Recorded before it is acknowledged.
   if (Status st = store_->putSandbox(r); !st.isOk()) return sendError(res, st);
-  log::info("sandbox " + id + (pause ? " paused" : " resumed"));
+  log::info("sandbox " + id + (pause ? (toDisk ? " paused to disk" : " paused") : " resumed"));
   sendJson(res, 200, dumpJson(toApi(r)));
 }
 

@@ -711,6 +711,10 @@ Status Cluster::pause(const std::string& id, bool paused) {
   ROUTE(id);
   return link->pause(id, paused);
 }
+Status Cluster::hibernate(const std::string& id) {
+  ROUTE(id);
+  return link->hibernate(id);
+}
 Status Cluster::setLimits(const std::string& id, const edge::CgroupLimits& limits) {
   ROUTE(id);
   return link->setLimits(id, limits);

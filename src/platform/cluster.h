@@ -135,6 +135,7 @@ class Cluster : public edge::EdgeLink {
                                const std::string& json) override;
   Result<edge::CgroupStats> stats(const std::string& id) override;
   Status pause(const std::string& id, bool paused) override;
+  Status hibernate(const std::string& id) override;
   Status setLimits(const std::string& id, const edge::CgroupLimits& limits) override;
   Status setEgress(const std::string& id, const std::vector<edge::net::EgressRule>& rules) override;
   Result<edge::net::EgressDenials> egressDenials(const std::string& id) override;

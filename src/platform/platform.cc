@@ -426,7 +426,10 @@ Result<SandboxRecord> Platform::runningSandbox(const std::string& id) {
     std::lock_guard lk(mu_);
     auto it = sandboxes_.find(id);
     if (it == sandboxes_.end()) return notFound("sandbox " + id + " not found");
-    if (it->second.state == "paused") it->second.state = "running";
+    if (it->second.state == "paused") {
+      it->second.state = "running";
+      it->second.pausedTo.clear();
+    }
     if (it->second.state != "running") {
       return Status(Code::kFailedPrecondition,
                     "sandbox " + id + " is " + it->second.state + ", not running");
@@ -516,7 +519,7 @@ void Platform::handle(http::Request& req, http::Response& res) {
       return methodNotAllowed();
     }
     if (n == 5 && (parts[4] == "pause" || parts[4] == "resume")) {
-      if (m == "POST") return pauseSandbox(id, parts[4] == "pause", res);
+      if (m == "POST") return pauseSandbox(id, parts[4] == "pause", req, res);
       return methodNotAllowed();
     }
     if (n == 5 && parts[4] == "phase") {

@@ -166,7 +166,8 @@ class Platform {
   void screenshot(const std::string& id, http::Response& res);
   void sendInput(const std::string& id, http::Request& req, http::Response& res);
   void setPhase(const std::string& id, http::Request& req, http::Response& res);
-  void pauseSandbox(const std::string& id, bool pause, http::Response& res);
+  void pauseSandbox(const std::string& id, bool pause, http::Request& req,
+                    http::Response& res);
   // The janitor's: pauses a running sandbox that has been idle (auto_pause_s).
   void autoPause(const std::string& id);
   // Trajectories (api_trajectories.cc).

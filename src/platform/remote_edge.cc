@@ -244,6 +244,11 @@ Status RemoteEdge::pause(const std::string& id, bool paused) {
   return call("POST", sbPath(id, "/pause"), json{{"paused", paused}}.dump()).status();
 }
 
+Status RemoteEdge::hibernate(const std::string& id) {
+  return call("POST", sbPath(id, "/pause"), json{{"paused", true}, {"memory", "disk"}}.dump())
+      .status();
+}
+
 Status RemoteEdge::setLimits(const std::string& id, const edge::CgroupLimits& l) {
   json j = {{"cpu", l.cpu}, {"memory_bytes", l.memoryBytes}, {"pids", l.pids}};
   return call("POST", sbPath(id, "/limits"), j.dump()).status();

@@ -100,6 +100,7 @@ std::string sandboxToJson(const SandboxRecord& r) {
             {"owner", r.owner}};
   if (!r.batch.empty()) j["batch"] = r.batch;
   if (!r.replica.empty()) j["replica"] = r.replica;
+  if (!r.pausedTo.empty()) j["paused_to"] = r.pausedTo;
   json phases = json::array();
   for (auto& p : r.phases) phases.push_back({{"policy", p.policy}, {"at", p.at}});
   j["phases"] = phases;
@@ -159,6 +160,7 @@ Result<SandboxRecord> sandboxFromJson(const std::string& s) {
     r.ttlS = j.at("ttl_s");
     r.idleTimeoutS = j.value("idle_timeout_s", int64_t(0));
     r.autoPauseS = j.value("auto_pause_s", int64_t(0));
+    r.pausedTo = j.value("paused_to", "");
     r.env = j.at("env").get<std::map<std::string, std::string>>();
     r.user = j.value("user", "");  // absent in records written before image configs
     r.workingDir = j.value("working_dir", "");

@@ -27,6 +27,9 @@ struct SandboxRecord {
   std::vector<std::string> workspaces, toolkits, diffs;
   std::vector<std::string> layers;  // resolved, bottom first
   std::string state;                // creating | running | paused | lost | stopping | stopped | failed
+  // Where a paused sandbox's memory is: "disk" when it was paused to disk
+  // (VM backends: saved to a file, no process), else empty (kept in RAM).
+  std::string pausedTo;
   std::string node = "local";
   // Placement (platform/scheduler.h): the node pool, and whether to spread
   // the tenant's sandboxes over nodes.

@@ -1186,14 +1186,28 @@ class Sandbox:
                           query=[("path", path), ("recursive", "true" if recursive else "false")]
                           + _step_query(trajectory_id, step))
 
-    def pause(self) -> "Sandbox":
-        """Freezes every process of the sandbox (no CPU used, memory kept);
-        state ``paused``. The next exec or file call resumes it."""
-        self.info = self.client._call("POST", self._p("/pause"))
+    def pause(self, memory: str = "ram") -> "Sandbox":
+        """Pauses the sandbox; state ``paused``. The next exec or file call
+        (or :meth:`resume`) resumes it.
+
+        ``memory="ram"`` (default): every process frozen, no CPU used, memory
+        kept. ``memory="disk"`` (backends ``microvm`` and ``vm``): the VM's
+        whole state (RAM, devices) is saved to a file on its node and its
+        QEMU exits, so no memory is held while paused; resuming restores it
+        exactly (processes, /tmp, everything). ``info["pause_memory"]`` says
+        which. Other backends → ``Conflict`` (409, field ``memory``)."""
+        if memory not in ("ram", "disk"):
+            raise ValueError('memory must be "ram" or "disk"')
+        body = None if memory == "ram" else {"memory": memory}
+        # Saving a VM's memory takes seconds (minutes under load on TCG).
+        timeout = None if memory == "ram" else max(self.client.timeout, 900.0)
+        self.info = self.client._call("POST", self._p("/pause"), json_body=body, timeout=timeout)
         return self
 
     def resume(self) -> "Sandbox":
-        self.info = self.client._call("POST", self._p("/resume"))
+        """Runs a paused sandbox again (one paused to disk is restored)."""
+        self.info = self.client._call("POST", self._p("/resume"),
+                                      timeout=max(self.client.timeout, 900.0))
         return self
 
     def trajectory(self, trajectory_id: str, start: int = 0) -> "Trajectory":

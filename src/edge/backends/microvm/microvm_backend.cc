@@ -15,7 +15,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cmath>
+#include <mutex>
 #include <cstring>
 #include <nlohmann/json.hpp>
 #include <utility>
@@ -53,11 +55,16 @@ std::string tail(const std::string& path, size_t max) { return qemu::tailFile(pa
 class MicroVmInstance : public Instance {
  public:
   const std::string& id() const override { return id_; }
-  std::shared_ptr<AgentConn> agent() const override { return conn_; }
+  std::shared_ptr<AgentConn> agent() const override {
+    std::lock_guard lk(connMu_);
+    return conn_;
+  }
   Result<CgroupStats> stats() const override { return cgroups_->stats(id_); }
   Result<int64_t> oomKills() const override { return cgroups_->oomKills(id_); }
-  // The guest's vCPUs stop in QEMU (its clock too): QMP stop/cont.
+  // The guest's vCPUs stop in QEMU (its clock too): QMP stop/cont. A
+  // hibernated VM has no QEMU to stop (MicroVmBackend::restore runs it).
   Status freeze(bool frozen) override {
+    if (hibernated_) return Status::ok();
     Status st = qmp(dir_, frozen ? "stop" : "cont").status();
     if (!st.isOk()) st.withContext("pause " + id_);
     return st;
@@ -76,6 +83,11 @@ class MicroVmInstance : public Instance {
     return Status(Code::kFailedPrecondition, "a microvm has no network to plumb egress into");
   }
   pid_t initPid() const override { return pid_; }
+  bool hibernated() const override { return hibernated_; }
+  void setConn(std::shared_ptr<AgentConn> c) {
+    std::lock_guard lk(connMu_);
+    conn_ = std::move(c);
+  }
 
   std::string id_;
   int64_t diskBytes_ = 0;
@@ -83,9 +95,23 @@ class MicroVmInstance : public Instance {
   std::vector<std::string> layers_;
   pid_t pid_ = -1;
   UniqueFd pidfd_;
-  std::shared_ptr<AgentConn> conn_;
+  std::shared_ptr<AgentConn> conn_;  // replaced (under connMu_) by a restore
+  mutable std::mutex connMu_;
   Cgroups* cgroups_ = nullptr;
+  std::vector<std::string> args_;  // QEMU's command line (qemuArgs)
+  std::mutex lifeMu_;              // serializes hibernate and restore
+  std::atomic<bool> hibernated_{false};
 };
+
+// Files of a VM's directory for hibernation: the saved state, and the
+// console log of the runs before the current one.
+constexpr const char* kStateFile = "memory.state";
+constexpr const char* kPrevConsole = "console.prev.log";
+// What the guest's relay writes to the console once its agent let go of a
+// host connection and waits for a reattach (src/aether/guest_init.cc).
+constexpr const char* kRelayWaits = "the agent waits for a reattach; waiting for a host";
+constexpr double kSaveTimeoutS = 600;
+constexpr double kRelayTimeoutS = 60;
 
 // Waits this long for each piece of a pack_upper stream (TCG is slow).
 constexpr double kPackFrameTimeoutS = 120;
@@ -192,6 +218,39 @@ Status MicroVmInstance::exportUpper(const std::string& dest) {
   return st;
 }
 
+// Connects to the VM's agent socket again and sends reattach: the guest's
+// relay saw the previous host go and waits for it. Until its hello.
+Status reattach(MicroVmInstance& inst, Reactor* reactor, double deadline) {
+  UniqueFd dirFd(::open(inst.dir_.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
+  if (!dirFd) return sysError("open " + inst.dir_);
+  ASSIGN_OR_RETURN(UniqueFd sock, connectUnix(dirFd.get(), "agent.sock"));
+  auto conn = std::make_shared<AgentConn>(std::move(sock), "vm-" + inst.id_);
+  RETURN_IF_ERROR(reactor->add(conn));
+  inst.setConn(conn);
+  // The guest's relay saw the previous host go and waits for this.
+  RETURN_IF_ERROR(conn->send(0, proto::FrameType::kReattach, "{}"));
+  return awaitHello(*conn, deadline, Code::kUnavailable, "its guest agent did not answer");
+}
+
+// A failed save or restore is the node's failure, not the caller's: codes
+// that would blame the request (a file's EISDIR is kInvalidArgument) are
+// kInternal; running out of something or of time stays what it is.
+Code nodeFailure(Code c) {
+  switch (c) {
+    case Code::kResourceExhausted:
+    case Code::kDeadlineExceeded:
+    case Code::kUnavailable: return c;
+    default: return Code::kInternal;
+  }
+}
+
+// The connection of a hibernated VM's agent: none, every call on it fails.
+std::shared_ptr<AgentConn> deadConn(const std::string& id) {
+  auto c = std::make_shared<AgentConn>(UniqueFd(), "vm-" + id);
+  c->fail(Status(Code::kUnavailable, "sandbox " + id + " is hibernated"));
+  return c;
+}
+
 Status runMkfs(const std::string& image) {
   pid_t pid = ::fork();
   if (pid < 0) return sysError("fork");
@@ -269,22 +328,19 @@ Result<std::unique_ptr<MicroVmBackend>> MicroVmBackend::make(MicroVmOptions opts
   return b;
 }
 
-Status MicroVmBackend::bootOnce(const SandboxSpec& spec, Boot& b, bool* hung) {
-  *hung = false;
-  MicroVmInstance& inst = *b.inst;
-  const std::string& dir = inst.dir_;
-  // argv, all of it made before fork.
+std::vector<std::string> MicroVmBackend::qemuArgs(
+    const SandboxSpec& spec, const std::vector<std::pair<std::string, LayerFiles>>& files) const {
   int vcpus = std::max(1, int(std::ceil(spec.cpu - 1e-9)));
   std::string accel = probe_.accelerator == "kvm"
                           ? "kvm"
                           : "tcg,tb-size=" + std::to_string(kTbSizeMb);
   std::string dataIdx;
-  for (size_t i = 0; i < b.files.size(); ++i) {
-    if (b.files[i].second.data.empty()) continue;
+  for (size_t i = 0; i < files.size(); ++i) {
+    if (files[i].second.data.empty()) continue;
     dataIdx += (dataIdx.empty() ? "" : ",") + std::to_string(i);
   }
   std::string append = "console=ttyS0 reboot=t panic=-1 quiet loglevel=4 dsec.hostname=" + spec.id +
-                       " dsec.layers=" + std::to_string(b.files.size());
+                       " dsec.layers=" + std::to_string(files.size());
   if (!dataIdx.empty()) append += " dsec.data=" + dataIdx;
   // Under TCG there is no PIT/HPET to calibrate the TSC against (microvm has
   // neither) and the boot stalls: give the kernel a frequency instead.
@@ -309,12 +365,22 @@ Status MicroVmBackend::bootOnce(const SandboxSpec& spec, Boot& b, bool* hung) {
     args.push_back("-device");
     args.push_back("virtio-blk-device,drive=" + id + ",serial=" + id);
   };
-  for (size_t i = 0; i < b.files.size(); ++i) {
+  for (size_t i = 0; i < files.size(); ++i) {
     std::string l = "l" + std::to_string(i);
-    disk(l + "m", b.files[i].second.meta, true);
-    if (!b.files[i].second.data.empty()) disk(l + "d", b.files[i].second.data, true);
+    disk(l + "m", files[i].second.meta, true);
+    if (!files[i].second.data.empty()) disk(l + "d", files[i].second.data, true);
   }
   disk("rw", "disk.img", false);
+  return args;
+}
+
+Status MicroVmBackend::bootOnce(const SandboxSpec& spec, Boot& b, bool* hung) {
+  *hung = false;
+  MicroVmInstance& inst = *b.inst;
+  const std::string& dir = inst.dir_;
+  // argv, all of it made before fork; kept for a restore from hibernation.
+  inst.args_ = qemuArgs(spec, b.files);
+  const std::vector<std::string>& args = inst.args_;
   for (const char* f : {"/agent.sock", "/qmp.sock", "/console.log"}) ::unlink((dir + f).c_str());
   ASSIGN_OR_RETURN(qemu::Process proc, qemu::spawnConfined(args, dir, cgroups_, spec.id));
   inst.pid_ = proc.pid;
@@ -459,6 +525,24 @@ Result<std::unique_ptr<Instance>> MicroVmBackend::adopt(const SandboxState& stat
     for (auto& d : inst->layers_) layers_->release(d);
     return st.withContext("adopt " + state.spec.id);
   };
+  if (state.hibernated) {
+    // Nothing runs: the saved state and the disk are the sandbox. Its layer
+    // files are needed again for the restore's QEMU.
+    std::string saved = inst->dir_ + "/" + kStateFile;
+    if (::access(saved.c_str(), R_OK) != 0) return fail(sysError("its saved state " + saved));
+    std::vector<std::pair<std::string, LayerFiles>> files;
+    for (auto& d : state.spec.layers) {
+      auto m = layers_->acquireMount(d);
+      if (!m.isOk()) return fail(std::move(m).takeStatus());
+      inst->layers_.push_back(d);
+      files.push_back({d, m->files});
+    }
+    inst->args_ = qemuArgs(state.spec, files);
+    inst->pid_ = -1;
+    inst->hibernated_ = true;
+    inst->conn_ = deadConn(state.spec.id);
+    return std::unique_ptr<Instance>(std::move(inst));
+  }
   auto pidfd = qemu::adoptQemu(state, inst->dir_, [&](int) -> Status {
     UniqueFd dirFd(::open(inst->dir_.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
     if (!dirFd) return sysError("open " + inst->dir_);
@@ -489,8 +573,143 @@ Result<std::unique_ptr<Instance>> MicroVmBackend::adopt(const SandboxState& stat
   return std::unique_ptr<Instance>(std::move(inst));
 }
 
+Status MicroVmBackend::hibernate(Instance& base, bool paused,
+                                 const std::function<Status()>& persist) {
+  auto& inst = static_cast<MicroVmInstance&>(base);
+  std::lock_guard life(inst.lifeMu_);
+  if (inst.hibernated_) return Status::ok();
+  const std::string& dir = inst.dir_;
+  const std::string console = dir + "/console.log";
+  const std::string saved = dir + "/" + kStateFile;
+  const std::string tmp = saved + ".tmp";
+  double t0 = monoSeconds();
+  // The guest's agent lets go of this connection first (as when an edge
+  // dies), so that the restored guest takes the next edge's reattach: the
+  // relay says so on the console.
+  size_t waits = qemu::countInFile(console, kRelayWaits);
+  if (paused) {
+    if (Status st = qemu::qmp(dir, "cont").status(); !st.isOk()) {
+      return st.withContext("hibernate " + inst.id_);
+    }
+  }
+  std::shared_ptr<AgentConn> old = inst.agent();
+  reactor_->remove(old);
+  ::shutdown(old->fd(), SHUT_RDWR);
+  old->fail(Status(Code::kUnavailable, "sandbox " + inst.id_ + " is being hibernated"));
+  // Back as it was: the guest running (stopped again if it was), the agent
+  // reattached.
+  auto undo = [&](Status st) -> Status {
+    ::unlink(tmp.c_str());
+    (void)qemu::qmp(dir, "cont");
+    if (Status r = reattach(inst, reactor_, monoSeconds() + opts_.bootTimeoutS); !r.isOk()) {
+      log::error("hibernate " + inst.id_ + ": reattaching after a failed save: " + r.toString());
+    }
+    if (paused) (void)qemu::qmp(dir, "stop");
+    return Status(nodeFailure(st.code()), "hibernate " + inst.id_ + " (it keeps running): " +
+                                              st.message());
+  };
+  for (double deadline = monoSeconds() + kRelayTimeoutS;
+       qemu::countInFile(console, kRelayWaits) <= waits;) {
+    if (exited(inst.pidfd_.get())) return Status(Code::kUnavailable, "its QEMU exited");
+    if (monoSeconds() > deadline) {
+      return undo(Status(Code::kDeadlineExceeded,
+                         "the guest's agent did not let go of its connection in time"));
+    }
+    ::usleep(20000);
+  }
+  double t1 = monoSeconds();
+  auto bytes = qemu::saveState(dir, tmp, kSaveTimeoutS);
+  if (!bytes.isOk()) return undo(bytes.status());
+  if (::rename(tmp.c_str(), saved.c_str()) != 0) return undo(sysError("rename " + tmp));
+  if (UniqueFd d(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC)); d) ::fsync(d.get());
+  if (Status st = persist(); !st.isOk()) {
+    ::unlink(saved.c_str());
+    return undo(st);
+  }
+  // The state file is the sandbox from here on: QEMU goes (its disks were
+  // flushed when the migration completed).
+  double t2 = monoSeconds();
+  reactor_->unwatchExit(inst.pidfd_.get());
+  (void)qemu::qmp(dir, "quit");
+  struct pollfd p = {inst.pidfd_.get(), POLLIN, 0};
+  ::poll(&p, 1, 5000);
+  killAndWait(inst.pidfd_.get());  // reaps it
+  inst.pidfd_.reset();
+  inst.pid_ = -1;
+  for (const char* f : {"/agent.sock", "/qmp.sock", "/qemu.pid"}) ::unlink((dir + f).c_str());
+  qemu::appendAndRemove(console, dir + "/" + kPrevConsole);
+  inst.hibernated_ = true;
+  char msg[256];
+  std::snprintf(msg, sizeof msg,
+                "microvm %s hibernated: %.1f MB of state in %.2f s (agent let go in %.2f s, "
+                "QEMU gone in %.2f s)",
+                inst.id_.c_str(), double(*bytes) / 1e6, t2 - t1, t1 - t0, monoSeconds() - t2);
+  log::info(msg);
+  return Status::ok();
+}
+
+Status MicroVmBackend::restore(Instance& base, std::function<void()> onDeath) {
+  auto& inst = static_cast<MicroVmInstance&>(base);
+  std::lock_guard life(inst.lifeMu_);
+  if (!inst.hibernated_) return Status::ok();
+  const std::string& dir = inst.dir_;
+  const std::string saved = dir + "/" + kStateFile;
+  const std::string keptLog = opts_.logDir + "/" + inst.id_ + ".console.log";
+  double t0 = monoSeconds();
+  auto fail = [&](Status st) -> Status {
+    if (auto c = inst.agent(); c && !c->dead()) {
+      reactor_->remove(c);
+      c->fail(Status(Code::kUnavailable, "the restore failed"));
+    }
+    killAndWait(inst.pidfd_.get());
+    inst.pidfd_.reset();
+    inst.pid_ = -1;
+    std::string why = qemu::tailFile(dir + "/qemu.log", 400);
+    // Every run's console, in order, is kept for diagnosis.
+    ::unlink(keptLog.c_str());
+    qemu::appendAndRemove(dir + "/" + kPrevConsole, keptLog);
+    qemu::appendAndRemove(dir + "/console.log", keptLog);
+    return Status(nodeFailure(st.code()),
+                  "restore " + inst.id_ + " from its saved memory failed: " + st.message() +
+                      (why.empty() ? "" : " (QEMU: " + why + ")") + " (console log: " + keptLog +
+                      ")");
+  };
+  if (::access(saved.c_str(), R_OK) != 0) return fail(sysError("its saved state " + saved));
+  std::vector<std::string> args = inst.args_;
+  args.push_back("-incoming");
+  args.push_back("defer");
+  for (const char* f : {"/agent.sock", "/qmp.sock", "/in.sock"}) ::unlink((dir + f).c_str());
+  auto proc = qemu::spawnConfined(args, dir, cgroups_, inst.id_);
+  if (!proc.isOk()) return fail(proc.status());
+  inst.pid_ = proc->pid;
+  inst.pidfd_ = std::move(proc->pidfd);
+  if (Status st = qemu::awaitQmp(dir, inst.pidfd_.get(), monoSeconds() + 60); !st.isOk()) {
+    return fail(st);
+  }
+  if (Status st = qemu::loadState(dir, saved, kSaveTimeoutS); !st.isOk()) return fail(st);
+  double t1 = monoSeconds();
+  if (Status st = qemu::qmp(dir, "cont").status(); !st.isOk()) return fail(st);
+  if (Status st = reattach(inst, reactor_, monoSeconds() + opts_.bootTimeoutS); !st.isOk()) {
+    return fail(st);
+  }
+  if (Status st = qemu::recordAndWatch(dir, inst.pid_, inst.pidfd_.get(), reactor_,
+                                       std::move(onDeath));
+      !st.isOk()) {
+    return fail(st);
+  }
+  ::unlink(saved.c_str());
+  inst.hibernated_ = false;
+  char msg[200];
+  std::snprintf(msg, sizeof msg,
+                "microvm %s restored: state loaded in %.2f s, agent back %.2f s later",
+                inst.id_.c_str(), t1 - t0, monoSeconds() - t1);
+  log::info(msg);
+  return Status::ok();
+}
+
 Status MicroVmBackend::destroy(Instance& base) {
   auto& inst = static_cast<MicroVmInstance&>(base);
+  std::lock_guard life(inst.lifeMu_);  // a hibernate or restore under way ends first
   reactor_->unwatchExit(inst.pidfd_.get());
   if (inst.conn_) {
     reactor_->remove(inst.conn_);

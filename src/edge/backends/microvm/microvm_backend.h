@@ -19,6 +19,8 @@
 #include <set>
 #include <string>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include "common/fd.h"
 #include "edge/backend.h"
@@ -72,6 +74,9 @@ class MicroVmBackend : public Backend {
   void removeOrphan(const std::string& id) override;
   int cleanupOrphans() override;
   void shutdown(bool keepSandboxes = false) override;
+  bool hibernates() const override { return true; }
+  Status hibernate(Instance& inst, bool paused, const std::function<Status()>& persist) override;
+  Status restore(Instance& inst, std::function<void()> onDeath) override;
   const MicroVmProbe& probe() const { return probe_; }
 
  private:
@@ -86,6 +91,9 @@ class MicroVmBackend : public Backend {
   // One boot attempt; on error everything it started is gone again, and
   // `hung` says whether the guest simply never answered (worth a retry).
   Status bootOnce(const SandboxSpec& spec, Boot& b, bool* hung);
+  // QEMU's command line for a VM of `spec` with these layer files.
+  std::vector<std::string> qemuArgs(
+      const SandboxSpec& spec, const std::vector<std::pair<std::string, LayerFiles>>& files) const;
 
   const MicroVmOptions opts_;
   const MicroVmProbe probe_;
