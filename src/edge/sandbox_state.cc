@@ -68,7 +68,8 @@ std::string encodeSandboxState(const SandboxState& s) {
             {"pid", s.pid},
             {"start_time", s.startTime},
             {"egress", egress},
-            {"paused", s.paused}};
+            {"paused", s.paused},
+            {"network", s.spec.network}};
   return j.dump();
 }
 
@@ -92,6 +93,7 @@ Result<SandboxState> decodeSandboxState(const std::string& text) {
       s.egress.push_back(std::move(rule));
     }
     s.paused = j.at("paused").get<bool>();
+    s.spec.network = j.value("network", false);  // absent in files of older edges
     if (!startsWith(s.spec.id, "sb-") || s.pid <= 1) return invalidArg("state", "bad id or pid");
     return s;
   } catch (const std::exception& e) {

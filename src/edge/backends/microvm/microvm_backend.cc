@@ -73,11 +73,13 @@ class MicroVmInstance : public Instance {
   bool exportsUpper() const override { return true; }
   Status exportUpper(const std::string& dest) override;
   Result<UniqueFd> openNetns() const override {
-    return Status(Code::kFailedPrecondition, "a microvm has no network to plumb egress into");
+    return qemu::openNetns(pid_, pidfd_.get(), network_, "microvm");
   }
+  bool hasNetwork() const override { return network_; }
   pid_t initPid() const override { return pid_; }
 
   std::string id_;
+  bool network_ = false;  // booted with a NIC (SandboxSpec::network)
   int64_t diskBytes_ = 0;
   std::string dir_;
   std::vector<std::string> layers_;
@@ -286,6 +288,11 @@ Status MicroVmBackend::bootOnce(const SandboxSpec& spec, Boot& b, bool* hung) {
   std::string append = "console=ttyS0 reboot=t panic=-1 quiet loglevel=4 dsec.hostname=" + spec.id +
                        " dsec.layers=" + std::to_string(b.files.size());
   if (!dataIdx.empty()) append += " dsec.data=" + dataIdx;
+  // The guest's init configures the NIC it finds from these (guest_init.cc).
+  if (spec.network) {
+    append += std::string(" dsec.ip=") + qemu::kGuestAddr + "/" +
+              std::to_string(qemu::kGuestPrefix) + " dsec.gw=" + qemu::kGuestGateway;
+  }
   // Under TCG there is no PIT/HPET to calibrate the TSC against (microvm has
   // neither) and the boot stalls: give the kernel a frequency instead.
   if (probe_.accelerator != "kvm") append += " tsc_early_khz=2000000";
@@ -315,6 +322,9 @@ Status MicroVmBackend::bootOnce(const SandboxSpec& spec, Boot& b, bool* hung) {
     if (!b.files[i].second.data.empty()) disk(l + "d", b.files[i].second.data, true);
   }
   disk("rw", "disk.img", false);
+  if (spec.network) {
+    for (auto& a : qemu::nicArgs("virtio-net-device")) args.push_back(a);
+  }
   for (const char* f : {"/agent.sock", "/qmp.sock", "/console.log"}) ::unlink((dir + f).c_str());
   ASSIGN_OR_RETURN(qemu::Process proc, qemu::spawnConfined(args, dir, cgroups_, spec.id));
   inst.pid_ = proc.pid;
@@ -392,6 +402,7 @@ Result<std::unique_ptr<Instance>> MicroVmBackend::create(const SandboxSpec& spec
   Laps laps;
   auto inst = std::make_unique<MicroVmInstance>();
   inst->id_ = spec.id;
+  inst->network_ = spec.network;
   inst->diskBytes_ = spec.diskBytes;
   inst->cgroups_ = cgroups_;
   inst->dir_ = opts_.vmRoot + "/" + spec.id;
@@ -450,6 +461,7 @@ Result<std::unique_ptr<Instance>> MicroVmBackend::adopt(const SandboxState& stat
                                                         std::function<void()> onDeath) {
   auto inst = std::make_unique<MicroVmInstance>();
   inst->id_ = state.spec.id;
+  inst->network_ = state.spec.network;
   inst->diskBytes_ = state.spec.diskBytes;
   inst->cgroups_ = cgroups_;
   inst->dir_ = opts_.vmRoot + "/" + state.spec.id;
