@@ -362,6 +362,7 @@ def test_egress_by_policy_reaches_only_the_allow_list(vmserver, http_outside):
 def test_without_an_egress_policy_the_guest_has_no_network(vmserver, vm, http_outside):
     """No NIC at all, and none can be granted later (microvm has no hotplug):
     the phase switch is refused and changes nothing."""
+    vm = vmserver.client.get(vm.id)  # the server may have been restarted meanwhile
     links = vm.exec("ls /sys/class/net").stdout.split()
     assert links in ([], ["lo"]), links
     code, out = _fetch(vm, ADDR, HTTP_PORT)

@@ -210,20 +210,23 @@ def test_images_and_backends_must_match(vmserver):
     assert status == 400 and doc["error"]["field"] == "toolkits", doc
 
 
-def test_exec_stream_delivers_output_while_the_command_runs(vm):
+def test_exec_stream_delivers_output_while_the_command_runs(vmserver, vm):
     """The first line arrives while the command still runs: it waits for a
     file the test writes only after seeing that line (no timing involved;
     without streaming the command would give up waiting and say so)."""
+    vm = vmserver.client.get(vm.id)  # the server may have been restarted meanwhile
     vm.exec("rm -f /tmp/go")
     script = ("echo first; i=0; while [ ! -e /tmp/go ]; do i=$((i+1)); "
               "[ $i -gt 600 ] && { echo gave up; exit 9; }; sleep 0.2; done; "
               "echo second >&2; echo third")
     seen = []
+    # a second client: the first one's connection carries the stream
+    other = dsec.Client.from_data_dir(str(vmserver.data_dir), timeout=120).get(vm.id)
     for ev in vm.exec_stream(["bash", "-c", script], timeout=300):
         if ev.type in ("stdout", "stderr"):
             seen.append((ev.type, ev.data))
             if ev.type == "stdout" and "first" in ev.data and len(seen) == 1:
-                vm.write_file("/tmp/go", b"")
+                other.write_file("/tmp/go", b"")
         elif ev.type == "exit":
             assert ev.exit_code == 0, (ev.raw, seen)
         else:
@@ -256,13 +259,15 @@ def test_egress_by_policy_in_a_vm(vmserver, vm):
     s = vmserver
     if s.egress_unavailable:
         pytest.skip(f"this node gives no sandbox egress: {s.egress_unavailable}")
+    vm = s.client.get(vm.id)  # the server may have been restarted meanwhile
     assert vm.exec("ls /sys/class/net").stdout.split() == ["lo"]
     h = OutsideHost()
     h.start()
     sb = None
     try:
         s.client.create_policy("vm-net-test", egress=[f"{ADDR}:8080"], dns=[ADDR])
-        sb = s.client.create("vmdeb:latest", backend="vm", memory_mb=512, policy="vm-net-test")
+        sb = s.client.create("vmdeb:latest", backend="vm", memory_mb=512, disk_mb=3072,
+                             policy="vm-net-test")
         assert sb.exec("ls /sys/class/net").stdout.split() == ["eth0", "lo"]
         assert sb.read_file("/etc/resolv.conf").decode().splitlines()[1] == f"nameserver {ADDR}"
         greeting = "got " + GREETING.decode().strip()
