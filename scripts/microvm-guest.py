@@ -21,7 +21,8 @@ import sys
 import tempfile
 
 # What the guest needs beyond the built-in drivers, in the kernel's names.
-MODULES = ["virtio_mmio", "virtio_pci", "virtio_blk", "virtio_console", "erofs", "overlay"]
+MODULES = ["virtio_mmio", "virtio_pci", "virtio_blk", "virtio_console", "virtio_net", "erofs",
+           "overlay"]
 
 MAGICS = [  # (magic, decompressor argv) as in the kernel's extract-vmlinux
     (b"\x02\x21\x4c\x18", ["lz4", "-dc"]),

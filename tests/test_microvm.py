@@ -13,11 +13,13 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from conftest import Server, _check_prerequisites, unavailable
+from outside_host import ADDR, HOST_ADDR, NETNS, OTHER_ADDR, OutsideHost
 from helpers import (edge_cgroup, qemu_pids, require_backend, require_qemu, sandbox_cgroup_dirs,
                      start_vm_server, vm_dirs, wait_until)
 
@@ -277,16 +279,103 @@ def test_missing_qemu_makes_microvm_a_clear_409(tmp_path_factory):
         s.stop()
 
 
-def test_a_policy_with_egress_is_refused_before_boot(vmserver):
+HTTP_PORT = 8082  # served from the outside host's netns by the test
+
+
+@pytest.fixture(scope="module")
+def http_outside(vmserver):
+    """The egress tests' outside host (tests/outside_host.py: its own netns,
+    reached only through the edge's egress path) plus an HTTP server on
+    ADDR:HTTP_PORT that serves one file."""
+    if vmserver.egress_unavailable:
+        pytest.skip(f"this node gives no sandbox egress: {vmserver.egress_unavailable}")
+    h = OutsideHost()
+    h.start()
+    root = vmserver.data_dir.parent / "http-root"
+    root.mkdir(exist_ok=True)
+    (root / "hello.txt").write_text("hello over http\n")
+    srv = subprocess.Popen(["ip", "netns", "exec", NETNS, "python3", "-m", "http.server",
+                            str(HTTP_PORT), "--bind", "0.0.0.0", "--directory", str(root)],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: subprocess.run(["ip", "netns", "exec", NETNS, "python3", "-c",
+                                           f"import socket; socket.create_connection(('{ADDR}', "
+                                           f"{HTTP_PORT}), 1)"],
+                                          capture_output=True).returncode == 0, timeout=20)
+        yield h
+    finally:
+        srv.kill()
+        srv.wait()
+        h.stop()
+
+
+def _fetch(sb, host, port, path="hello.txt"):
+    """An HTTP/1.0 GET from the guest with busybox nc (the image's static
+    busybox wget crashes): (exit code, body or error text)."""
+    r = sb.exec(f"printf 'GET /{path} HTTP/1.0\\r\\n\\r\\n' | nc -w 10 {host} {port} 2>&1",
+                timeout=60)
+    head, sep, body = r.stdout.partition("\r\n\r\n")
+    if r.exit_code == 0 and sep and head.startswith("HTTP/1.0 200"):
+        return 0, body
+    return r.exit_code or 1, r.stdout
+
+
+def test_egress_by_policy_reaches_only_the_allow_list(vmserver, http_outside):
+    """A microvm created under a policy with an allow-list gets a NIC (QEMU
+    user-mode networking inside QEMU's own netns): what the list names is
+    reachable, by address and by a name the policy's resolver answers;
+    another port or address of the same host, the node itself and slirp's
+    own services are not, and the refusals are the eBPF filter's (counted
+    in the audit). A phase switch closes and reopens it on the running VM."""
     s = vmserver
-    s.client.create_policy("vm-egress-test", egress=["192.0.2.1:80"])
-    before = _vm_dirs(s.data_dir)
-    status, _, _, doc = s.raw("POST", "/v1/sandboxes",
-                              {"image": "busybox:latest", "backend": "microvm",
-                               "policy": "vm-egress-test"})
-    assert status == 409, doc
-    assert doc["error"]["field"] == "policy" and "microvm" in doc["error"]["message"], doc
-    assert _vm_dirs(s.data_dir) == before
+    s.client.create_policy("vm-net-test", egress=[f"{ADDR}:{HTTP_PORT}"], dns=[ADDR])
+    sb = s.client.create("busybox:latest", backend="microvm", memory_mb=256, disk_mb=64,
+                         policy="vm-net-test")
+    try:
+        links = sb.exec("ls /sys/class/net").stdout.split()
+        assert links == ["eth0", "lo"], links
+        assert _fetch(sb, ADDR, HTTP_PORT) == (0, "hello over http\n")
+        # the policy's resolver (the outside host answers every name with ADDR)
+        assert sb.read_file("/etc/resolv.conf").decode().split("\n")[1] == f"nameserver {ADDR}"
+        assert _fetch(sb, "mirror.example", HTTP_PORT) == (0, "hello over http\n")
+        denied0 = sb.audit()["egress_denied"]
+        for host, port in ((ADDR, 8080), (OTHER_ADDR, HTTP_PORT), (HOST_ADDR, HTTP_PORT),
+                           (HOST_ADDR, s.port), ("10.0.2.2", s.port)):
+            code, out = _fetch(sb, host, port)
+            assert code != 0 and "hello" not in out, (host, port, out)
+        audit = sb.audit()
+        # four went to the filter (10.0.2.2 is QEMU's own netns loopback: nothing there)
+        assert audit["egress_denied"] >= denied0 + 4, audit
+        # a phase without egress cuts it on the running VM; granting again reopens it
+        sb.set_phase("rollout")
+        code, out = _fetch(sb, ADDR, HTTP_PORT)
+        assert code != 0 and "hello" not in out, out
+        sb.set_phase("vm-net-test")
+        assert _fetch(sb, ADDR, HTTP_PORT) == (0, "hello over http\n")
+    finally:
+        sb.destroy()
+    # its veth went with it
+    assert not [l for l in subprocess.run(["ip", "-o", "link"], capture_output=True, text=True)
+                .stdout.splitlines() if sb.id in l and f"dsec {s.egress_tag} " in l]
+
+
+def test_without_an_egress_policy_the_guest_has_no_network(vmserver, vm, http_outside):
+    """No NIC at all, and none can be granted later (microvm has no hotplug):
+    the phase switch is refused and changes nothing."""
+    vm = vmserver.client.get(vm.id)  # the server may have been restarted meanwhile
+    links = vm.exec("ls /sys/class/net").stdout.split()
+    assert links in ([], ["lo"]), links
+    code, out = _fetch(vm, ADDR, HTTP_PORT)
+    assert code != 0 and "hello" not in out, out
+    vmserver.client.create_policy("vm-net-late", egress=[f"{ADDR}:{HTTP_PORT}"])
+    phases = len(vm.info["phases"])
+    status, _, _, doc = vmserver.raw("POST", f"/v1/sandboxes/{vm.id}/phase",
+                                     {"policy": "vm-net-late"})
+    assert status == 409 and doc["error"]["field"] == "egress", doc
+    assert "without a network device" in doc["error"]["message"], doc
+    info = vmserver.client.get(vm.id).info
+    assert info["policy"] != "vm-net-late" and len(info["phases"]) == phases, info
+    assert vm.exec("ls /sys/class/net").stdout.split() in ([], ["lo"])
 
 
 def test_a_guest_that_does_not_answer_is_retried_once_then_reported(tmp_path_factory):

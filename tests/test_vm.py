@@ -22,6 +22,7 @@ import pytest
 
 import dsec
 from conftest import Server, unavailable
+from outside_host import ADDR, GREETING, OTHER_ADDR, OutsideHost
 from helpers import (edge_cgroup, qemu_pids, require_backend, require_qemu, sandbox_cgroup_dirs,
                      start_vm_server, vm_dirs, wait_until)
 
@@ -207,10 +208,85 @@ def test_images_and_backends_must_match(vmserver):
                               {"image": "vmdeb:latest", "backend": "vm",
                                "toolkits": ["busybox:latest"]})
     assert status == 400 and doc["error"]["field"] == "toolkits", doc
-    s.client.create_policy("vm-egress-test", egress=["192.0.2.1:80"])
-    status, _, _, doc = s.raw("POST", "/v1/sandboxes", {"image": "vmdeb:latest", "backend": "vm",
-                                                        "policy": "vm-egress-test"})
-    assert status == 409 and doc["error"]["field"] == "policy", doc
+
+
+def test_exec_stream_delivers_output_while_the_command_runs(vmserver, vm):
+    """The first line arrives while the command still runs: it waits for a
+    file the test writes only after seeing that line (no timing involved;
+    without streaming the command would give up waiting and say so)."""
+    vm = vmserver.client.get(vm.id)  # the server may have been restarted meanwhile
+    vm.exec("rm -f /tmp/go")
+    script = ("echo first; i=0; while [ ! -e /tmp/go ]; do i=$((i+1)); "
+              "[ $i -gt 600 ] && { echo gave up; exit 9; }; sleep 0.2; done; "
+              "echo second >&2; echo third")
+    seen = []
+    # a second client: the first one's connection carries the stream
+    other = dsec.Client.from_data_dir(str(vmserver.data_dir), timeout=120).get(vm.id)
+    for ev in vm.exec_stream(["bash", "-c", script], timeout=300):
+        if ev.type in ("stdout", "stderr"):
+            seen.append((ev.type, ev.data))
+            if ev.type == "stdout" and "first" in ev.data and len(seen) == 1:
+                other.write_file("/tmp/go", b"")
+        elif ev.type == "exit":
+            assert ev.exit_code == 0, (ev.raw, seen)
+        else:
+            raise AssertionError(ev.raw)
+    out = "".join(d for t, d in seen if t == "stdout")
+    assert out == "first\nthird\n", seen
+    assert "".join(d for t, d in seen if t == "stderr") == "second\n", seen
+    # the output files of finished execs are gone from the guest (this ls's own two remain)
+    r = vm.exec("ls -A /run/dsec-exec")
+    assert len(r.stdout.split()) == 2, r.stdout
+
+
+# One TCP connect from the guest (bash's /dev/tcp: the test image has no
+# curl or python): the outside host's greeting, or the error.
+TCP_PROBE = ('exec 3<>"/dev/tcp/$1/$2" || exit 7; IFS= read -r -t 20 line <&3; '
+             'echo "got $line"')
+
+
+def _tcp(sb, host, port):
+    r = sb.exec(["timeout", "40", "bash", "-c", TCP_PROBE, "probe", host, str(port)], timeout=90)
+    return r.exit_code, r.stdout + r.stderr
+
+
+def test_egress_by_policy_in_a_vm(vmserver, vm):
+    """As for containers and microvms: a vm created under a policy with an
+    allow-list gets a NIC (QEMU user-mode networking in QEMU's netns, the
+    edge's veth and eBPF filter); the guest (whose image has no network
+    configuration) gets its address; only the list is reachable; a phase
+    switch cuts it. The vm created without such a policy has no NIC."""
+    s = vmserver
+    if s.egress_unavailable:
+        pytest.skip(f"this node gives no sandbox egress: {s.egress_unavailable}")
+    vm = s.client.get(vm.id)  # the server may have been restarted meanwhile
+    assert vm.exec("ls /sys/class/net").stdout.split() == ["lo"]
+    h = OutsideHost()
+    h.start()
+    sb = None
+    try:
+        s.client.create_policy("vm-net-test", egress=[f"{ADDR}:8080"], dns=[ADDR])
+        sb = s.client.create("vmdeb:latest", backend="vm", memory_mb=512, disk_mb=3072,
+                             policy="vm-net-test")
+        assert sb.exec("ls /sys/class/net").stdout.split() == ["eth0", "lo"]
+        assert sb.read_file("/etc/resolv.conf").decode().splitlines()[1] == f"nameserver {ADDR}"
+        greeting = "got " + GREETING.decode().strip()
+        code, out = _tcp(sb, ADDR, 8080)
+        assert (code, out.strip()) == (0, greeting), out
+        for host, port in ((ADDR, 8081), (OTHER_ADDR, 8080)):
+            code, out = _tcp(sb, host, port)
+            assert code != 0 and "hello" not in out, (host, port, out)
+        assert sb.audit()["egress_denied"] >= 2
+        sb.set_phase("rollout")
+        code, out = _tcp(sb, ADDR, 8080)
+        assert code != 0 and "hello" not in out, out
+        sb.set_phase("vm-net-test")
+        code, out = _tcp(sb, ADDR, 8080)
+        assert (code, out.strip()) == (0, greeting), out
+    finally:
+        if sb is not None:
+            sb.destroy()
+        h.stop()
 
 
 def test_a_disk_with_a_backing_file_is_refused_at_import(vmserver, tmp_path):

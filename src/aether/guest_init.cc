@@ -1,10 +1,15 @@
 #include "aether/guest_init.h"
 
+#include <arpa/inet.h>
 #include <dirent.h>
+#include <net/if.h>
+#include <net/route.h>
+#include <netinet/in.h>
 #include <fcntl.h>
 #include <poll.h>
 #include <pthread.h>
 #include <signal.h>
+#include <sys/ioctl.h>
 #include <sys/mount.h>
 #include <sys/reboot.h>
 #include <sys/socket.h>
@@ -12,6 +17,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -135,6 +141,67 @@ Result<std::string> findPort() {
 // Everything up to the switch into the sandbox's root.
 // *upper: the overlay's upper dir, kept open for pack_upper (the chroot
 // hides it from everything else).
+// Brings lo up and, when the host gave the guest a NIC (dsec.ip=ADDR/PREFIX
+// dsec.gw=GW on the command line: QEMU's user-mode network, qemu.h), sets
+// that address on the first other interface with a default route via GW.
+// Plain ioctls: the guest's init has no netlink library and needs none.
+Status setupNet(const std::map<std::string, std::string>& params) {
+  UniqueFd s(::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0));
+  if (!s) return sysError("socket");
+  auto up = [&](const std::string& name) -> Status {
+    struct ifreq ifr = {};
+    std::strncpy(ifr.ifr_name, name.c_str(), IFNAMSIZ - 1);
+    if (::ioctl(s.get(), SIOCGIFFLAGS, &ifr) != 0) return sysError("SIOCGIFFLAGS " + name);
+    ifr.ifr_flags |= IFF_UP;
+    if (::ioctl(s.get(), SIOCSIFFLAGS, &ifr) != 0) return sysError("SIOCSIFFLAGS " + name);
+    return Status::ok();
+  };
+  RETURN_IF_ERROR(up("lo"));
+  auto ip = params.find("ip");
+  auto gw = params.find("gw");
+  if (ip == params.end()) return Status::ok();
+  size_t slash = ip->second.find('/');
+  std::string addr = ip->second.substr(0, slash);
+  int prefix = slash == std::string::npos ? 24 : std::atoi(ip->second.c_str() + slash + 1);
+  if (prefix < 1 || prefix > 32) return invalidArg("dsec.ip", "bad prefix in " + ip->second);
+  std::string nic;
+  if (DIR* d = ::opendir("/sys/class/net")) {
+    std::vector<std::string> names;
+    while (struct dirent* e = ::readdir(d)) {
+      std::string n = e->d_name;
+      if (n != "." && n != ".." && n != "lo") names.push_back(n);
+    }
+    ::closedir(d);
+    std::sort(names.begin(), names.end());
+    if (!names.empty()) nic = names.front();
+  }
+  if (nic.empty()) return notFound("the host gave a NIC but the guest sees no network device");
+  auto sin = [](const std::string& text, struct sockaddr* out) -> bool {
+    auto* a = reinterpret_cast<struct sockaddr_in*>(out);
+    a->sin_family = AF_INET;
+    return ::inet_pton(AF_INET, text.c_str(), &a->sin_addr) == 1;
+  };
+  struct ifreq ifr = {};
+  std::strncpy(ifr.ifr_name, nic.c_str(), IFNAMSIZ - 1);
+  if (!sin(addr, &ifr.ifr_addr)) return invalidArg("dsec.ip", "bad address " + addr);
+  if (::ioctl(s.get(), SIOCSIFADDR, &ifr) != 0) return sysError("SIOCSIFADDR " + nic);
+  uint32_t mask = prefix == 32 ? 0xffffffffu : ~(0xffffffffu >> prefix);
+  auto* m = reinterpret_cast<struct sockaddr_in*>(&ifr.ifr_netmask);
+  m->sin_family = AF_INET;
+  m->sin_addr.s_addr = htonl(mask);
+  if (::ioctl(s.get(), SIOCSIFNETMASK, &ifr) != 0) return sysError("SIOCSIFNETMASK " + nic);
+  RETURN_IF_ERROR(up(nic));
+  if (gw != params.end()) {
+    struct rtentry rt = {};
+    if (!sin(gw->second, &rt.rt_gateway)) return invalidArg("dsec.gw", "bad gateway " + gw->second);
+    sin("0.0.0.0", &rt.rt_dst);
+    sin("0.0.0.0", &rt.rt_genmask);
+    rt.rt_flags = RTF_UP | RTF_GATEWAY;
+    if (::ioctl(s.get(), SIOCADDRT, &rt) != 0) return sysError("default route via " + gw->second);
+  }
+  return Status::ok();
+}
+
 Status setupGuest(const std::map<std::string, std::string>& params, UniqueFd* upper) {
   RETURN_IF_ERROR(loadModules());
   int layers = 0;
@@ -210,7 +277,7 @@ Status setupGuest(const std::map<std::string, std::string>& params, UniqueFd* up
   if (auto it = params.find("hostname"); it != params.end()) {
     ::sethostname(it->second.data(), it->second.size());
   }
-  return Status::ok();
+  return setupNet(params);
 }
 
 // Waits for the host to open the port and send its first frame (init on

@@ -34,6 +34,12 @@ struct SandboxSpec {
   // Made (mkdir -p, root's, 0755) before the policy applies, as Docker makes
   // an image's WorkingDir that the image lacks; empty for none.
   std::string workingDir;
+  // Backends microvm and vm: give the guest a NIC (QEMU user-mode networking
+  // inside QEMU's own netns, so that the edge's veth, nftables and eBPF filter
+  // govern its traffic as a container's). Set when the first phase's policy
+  // grants egress; without it the guest has no network device at all, and a
+  // later grant is refused. Containers always have a netns to plumb into.
+  bool network = false;
   // Placement hints for the platform's scheduler (platform/scheduler.h); the
   // backends ignore them.
   std::string pool = "default";
@@ -90,6 +96,9 @@ class Instance {
   }
   // An fd of the sandbox's network namespace (to plumb egress into it).
   virtual Result<UniqueFd> openNetns() const = 0;
+  // Whether openNetns() leads anywhere: false for a VM booted without a NIC
+  // (SandboxSpec::network), whose openNetns() then says why.
+  virtual bool hasNetwork() const { return true; }
   // The host pid of the sandbox's PID 1 (recorded so a restarted edge can
   // find it again), -1 when there is none.
   virtual pid_t initPid() const { return -1; }

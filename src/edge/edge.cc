@@ -338,6 +338,11 @@ Status Edge::create(const std::string& backend, const SandboxSpec& spec) {
     }
     return invalidArg("backend", "backend '" + backend + "' is not available on this node");
   }
+  // A VM's NIC is for egress only: refused before a boot that would be undone.
+  if (spec.network && !filter_ && (backend == "microvm" || backend == "vm")) {
+    return Status(Code::kFailedPrecondition, "this node cannot give sandboxes egress: " + egressWhy_,
+                  0, "policy");
+  }
   {
     // A placeholder from here on, so a death during the backend's create is
     // not mistaken for a deliberate destroy.
@@ -472,14 +477,14 @@ Status Edge::setEgress(const std::string& id, const std::vector<net::EgressRule>
     if (it == sandboxes_.end() || !it->second) return notFound("sandbox " + id + " not found");
     inst = it->second;
     if (auto c = egressCg_.find(id); c != egressCg_.end()) cg = c->second;
-    if (auto b = backendOf_.find(id); !rules.empty() && b != backendOf_.end() &&
-                                      (b->second->name() == "microvm" ||
-                                       b->second->name() == "vm")) {
-      return Status(Code::kFailedPrecondition,
-                    "egress is not supported for backend " + b->second->name() +
-                        " (its VM has no network device)",
-                    0, "egress");
-    }
+  }
+  // A VM booted without a NIC cannot be given one (microvm has no hotplug):
+  // refused before anything changes. Its openNetns() says why.
+  if (!rules.empty() && !inst->hasNetwork()) {
+    auto ns = inst->openNetns();
+    return ns.isOk() ? Status(Code::kFailedPrecondition, "sandbox " + id + " has no network", 0,
+                              "egress")
+                     : ns.status();
   }
   if (!filter_ || cg == 0) {
     if (rules.empty()) return Status::ok();  // closed already: nothing to cut

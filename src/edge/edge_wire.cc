@@ -15,7 +15,8 @@ json toJson(const SandboxSpec& s) {
           {"pids", s.pids},
           {"fncall_init", s.fncallInit},
           {"init_policy", s.initPolicy},
-          {"working_dir", s.workingDir}};
+          {"working_dir", s.workingDir},
+          {"network", s.network}};
 }
 
 Result<SandboxSpec> specFromJson(const json& j) {
@@ -30,6 +31,7 @@ Result<SandboxSpec> specFromJson(const json& j) {
     s.fncallInit = j.value("fncall_init", "");
     s.initPolicy = j.value("init_policy", "");
     s.workingDir = j.value("working_dir", "");
+    s.network = j.value("network", false);
     return s;
   } catch (const std::exception& e) {
     return invalidArg("spec", std::string("bad sandbox spec: ") + e.what());

@@ -18,6 +18,7 @@ TEST(EdgeWire, SandboxSpecRoundTrips) {
   s.fncallInit = R"({"scratch_mb":8})";
   s.initPolicy = R"({"readonly":["/etc"],"syscalls":"strict"})";
   s.workingDir = "/work/dir";
+  s.network = true;
   auto back = specFromJson(toJson(s));
   ASSERT_TRUE(back.isOk()) << back.status().toString();
   EXPECT_EQ(back->id, s.id);
@@ -29,6 +30,7 @@ TEST(EdgeWire, SandboxSpecRoundTrips) {
   EXPECT_EQ(back->fncallInit, s.fncallInit);
   EXPECT_EQ(back->initPolicy, s.initPolicy);
   EXPECT_EQ(back->workingDir, s.workingDir);
+  EXPECT_TRUE(back->network);
 }
 
 TEST(EdgeWire, SpecWithoutIdIsRefused) {

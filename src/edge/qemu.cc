@@ -201,6 +201,28 @@ bool exited(int pidfd) {
   return ::poll(&p, 1, 0) == 1;
 }
 
+std::vector<std::string> nicArgs(const std::string& device) {
+  return {"-netdev", std::string("user,id=net0,ipv6=off,net=10.0.2.0/24,host=") + kGuestGateway,
+          "-device", device + ",netdev=net0,mac=" + kGuestMac};
+}
+
+Result<UniqueFd> openNetns(pid_t pid, int pidfd, bool network, const std::string& kind) {
+  if (!network) {
+    return Status(Code::kFailedPrecondition,
+                  "this " + kind +
+                      " was booted without a network device (its first policy granted no "
+                      "egress); create it under a policy that grants egress",
+                  0, "egress");
+  }
+  if (pid <= 0 || pidfd < 0) return Status(Code::kFailedPrecondition, "the " + kind + " is gone");
+  std::string path = "/proc/" + std::to_string(pid) + "/ns/net";
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return sysError("open " + path);
+  UniqueFd ns(fd);
+  if (exited(pidfd)) return Status(Code::kFailedPrecondition, "the " + kind + " is gone");
+  return ns;
+}
+
 std::string tailFile(const std::string& path, size_t max) {
   auto text = readFile(path);
   if (!text.isOk()) return "";

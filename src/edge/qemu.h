@@ -55,6 +55,28 @@ std::string tailFile(const std::string& path, size_t max);
 // The names of the "sb-*" entries of dir.
 std::vector<std::string> sandboxDirs(const std::string& root);
 
+// A guest's NIC (SandboxSpec::network): QEMU user-mode networking (libslirp),
+// so that every packet the guest sends becomes a socket call of QEMU itself,
+// made in QEMU's own netns and cgroup, where the edge's veth, nftables and
+// eBPF egress filter govern it exactly as a container's (docs/microvm.md,
+// "Network"). The guest sees 10.0.2.15/24, gateway 10.0.2.2; slirp's own
+// DNS forwarder (10.0.2.3) is not used: the guest's resolv.conf names the
+// policy's resolvers. IPv4 only, as the veth.
+inline constexpr const char* kGuestAddr = "10.0.2.15";
+inline constexpr int kGuestPrefix = 24;
+inline constexpr const char* kGuestGateway = "10.0.2.2";
+inline constexpr const char* kGuestMac = "52:54:00:12:34:56";
+
+// The QEMU arguments of that NIC; `device` is "virtio-net-device" (microvm's
+// virtio-mmio) or "virtio-net-pci" (q35).
+std::vector<std::string> nicArgs(const std::string& device);
+
+// An fd of the netns of QEMU process `pid` (pidfd: the same process, checked
+// alive after the open, so a reused pid is never mistaken for it). When
+// `network` is false, kFailedPrecondition (field "egress") saying that the
+// `kind` was booted without a network device.
+Result<UniqueFd> openNetns(pid_t pid, int pidfd, bool network, const std::string& kind);
+
 // A started QEMU.
 struct Process {
   pid_t pid = -1;

@@ -68,7 +68,8 @@ std::string encodeSandboxState(const SandboxState& s) {
             {"pid", s.pid},
             {"start_time", s.startTime},
             {"egress", egress},
-            {"paused", s.paused}};
+            {"paused", s.paused},
+            {"network", s.spec.network}};
   if (s.hibernated) j["hibernated"] = true;
   return j.dump();
 }
@@ -94,6 +95,7 @@ Result<SandboxState> decodeSandboxState(const std::string& text) {
     }
     s.paused = j.at("paused").get<bool>();
     s.hibernated = j.value("hibernated", false);
+    s.spec.network = j.value("network", false);  // absent in files of older edges
     if (!startsWith(s.spec.id, "sb-")) return invalidArg("state", "bad id");
     // A hibernated sandbox has no process; any other has a PID 1.
     if (s.hibernated ? s.pid != -1 : s.pid <= 1) return invalidArg("state", "bad pid");

@@ -33,6 +33,7 @@ SandboxState sample() {
   r6.ports = {{0, 65535}};
   s.egress = {r4, r6};
   s.paused = true;
+  s.spec.network = true;
   return s;
 }
 
@@ -51,6 +52,7 @@ TEST(SandboxStateTest, RoundTrips) {
   EXPECT_EQ(back->startTime, s.startTime);
   EXPECT_EQ(back->egress, s.egress);
   EXPECT_TRUE(back->paused);
+  EXPECT_TRUE(back->spec.network);
 }
 
 TEST(SandboxStateTest, HibernatedRoundTripsWithoutAProcess) {

@@ -180,14 +180,6 @@ Result<SandboxRecord> Platform::checkCreate(const json& j) {
     if (!policy.isOk()) return (policy.status());
     auto found = policies_->find(*policy, "policy");
     if (!found.isOk()) return (found.status());
-    // A microvm has no network device (docs/microvm.md): refused before it boots.
-    if ((r.backend == "microvm" || r.backend == "vm") &&
-        (!found->egress.empty() || !found->dns.empty())) {
-      return (Status(Code::kFailedPrecondition,
-                         "policy '" + *policy + "' grants egress, which backend " + r.backend +
-                             " does not support",
-                         0, "policy"));
-    }
     r.policy = *policy;
     for (auto [field, out] : {std::pair{"readonly_paths", &r.readonlyPaths},
                               std::pair{"hidden_paths", &r.hiddenPaths}}) {
@@ -333,6 +325,8 @@ edge::SandboxSpec Platform::edgeSpec(const SandboxRecord& r, const PolicyPlan& p
   // As Docker does: a WorkingDir the image lacks is made (root's, 0755), or
   // every exec would fail to chdir into it.
   spec.workingDir = r.workingDir;
+  // A VM's NIC exists from boot or never (docs/microvm.md, "Network").
+  spec.network = !plan.egress.empty();
   return spec;
 }
 
@@ -594,7 +588,15 @@ void Platform::setPhase(const std::string& id, http::Request& req, http::Respons
   r.hiddenPaths = extra[1];
   r.phases.push_back({r.policy, nowSeconds()});
   r.updatedAt = nowSeconds();
-  if (Status st = applyPolicy(r); !st.isOk()) return sendError(res, st);
+  if (Status st = applyPolicy(r); !st.isOk()) {
+    // A grant refused after the files part applied (a VM booted without a
+    // NIC, a node without egress) must not leave the new policy's file rules
+    // under the old record (eval's hidden paths unhidden): back to the old.
+    if (Status back = applyPolicy(*rec); !back.isOk()) {
+      log::error("sandbox " + id + ": restoring policy " + rec->policy + ": " + back.toString());
+    }
+    return sendError(res, st);
+  }
   {
     std::lock_guard lk(mu_);
     auto it = sandboxes_.find(id);

@@ -80,8 +80,9 @@ class MicroVmInstance : public Instance {
   bool exportsUpper() const override { return true; }
   Status exportUpper(const std::string& dest) override;
   Result<UniqueFd> openNetns() const override {
-    return Status(Code::kFailedPrecondition, "a microvm has no network to plumb egress into");
+    return qemu::openNetns(pid_, pidfd_.get(), network_, "microvm");
   }
+  bool hasNetwork() const override { return network_; }
   pid_t initPid() const override { return pid_; }
   bool hibernated() const override { return hibernated_; }
   void setConn(std::shared_ptr<AgentConn> c) {
@@ -90,6 +91,7 @@ class MicroVmInstance : public Instance {
   }
 
   std::string id_;
+  bool network_ = false;  // booted with a NIC (SandboxSpec::network)
   int64_t diskBytes_ = 0;
   std::string dir_;
   std::vector<std::string> layers_;
@@ -342,6 +344,11 @@ std::vector<std::string> MicroVmBackend::qemuArgs(
   std::string append = "console=ttyS0 reboot=t panic=-1 quiet loglevel=4 dsec.hostname=" + spec.id +
                        " dsec.layers=" + std::to_string(files.size());
   if (!dataIdx.empty()) append += " dsec.data=" + dataIdx;
+  // The guest's init configures the NIC it finds from these (guest_init.cc).
+  if (spec.network) {
+    append += std::string(" dsec.ip=") + qemu::kGuestAddr + "/" +
+              std::to_string(qemu::kGuestPrefix) + " dsec.gw=" + qemu::kGuestGateway;
+  }
   // Under TCG there is no PIT/HPET to calibrate the TSC against (microvm has
   // neither) and the boot stalls: give the kernel a frequency instead.
   if (probe_.accelerator != "kvm") append += " tsc_early_khz=2000000";
@@ -371,6 +378,9 @@ std::vector<std::string> MicroVmBackend::qemuArgs(
     if (!files[i].second.data.empty()) disk(l + "d", files[i].second.data, true);
   }
   disk("rw", "disk.img", false);
+  if (spec.network) {
+    for (auto& a : qemu::nicArgs("virtio-net-device")) args.push_back(a);
+  }
   return args;
 }
 
@@ -458,6 +468,7 @@ Result<std::unique_ptr<Instance>> MicroVmBackend::create(const SandboxSpec& spec
   Laps laps;
   auto inst = std::make_unique<MicroVmInstance>();
   inst->id_ = spec.id;
+  inst->network_ = spec.network;
   inst->diskBytes_ = spec.diskBytes;
   inst->cgroups_ = cgroups_;
   inst->dir_ = opts_.vmRoot + "/" + spec.id;
@@ -516,6 +527,7 @@ Result<std::unique_ptr<Instance>> MicroVmBackend::adopt(const SandboxState& stat
                                                         std::function<void()> onDeath) {
   auto inst = std::make_unique<MicroVmInstance>();
   inst->id_ = state.spec.id;
+  inst->network_ = state.spec.network;
   inst->diskBytes_ = state.spec.diskBytes;
   inst->cgroups_ = cgroups_;
   inst->dir_ = opts_.vmRoot + "/" + state.spec.id;
@@ -578,6 +590,12 @@ Status MicroVmBackend::hibernate(Instance& base, bool paused,
   auto& inst = static_cast<MicroVmInstance&>(base);
   std::lock_guard life(inst.lifeMu_);
   if (inst.hibernated_) return Status::ok();
+  if (inst.network_) {
+    // A restored QEMU would start in a new network namespace, without the
+    // veth and filter the node gave the first one (docs/microvm.md).
+    return Status(Code::kFailedPrecondition,
+                  "a microvm with a network device cannot be paused to disk yet");
+  }
   const std::string& dir = inst.dir_;
   const std::string console = dir + "/console.log";
   const std::string saved = dir + "/" + kStateFile;

@@ -1,5 +1,6 @@
 #include "edge/backends/vm/qga.h"
 
+#include <arpa/inet.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -24,6 +25,17 @@ namespace {
 constexpr size_t kFileChunk = 1u << 20;           // bytes per guest-file-read/write
 constexpr size_t kMaxWriteBytes = 256u << 20;     // a file_write is held in memory whole
 constexpr const char* kDefaultPath = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+// Where an exec's output files live in the guest while it runs (runExec).
+constexpr const char* kExecDir = "/run/dsec-exec";
+constexpr int64_t kTailChunk = 65536;  // bytes per guest-file-read
+
+// One of an exec's output files, read as it grows.
+struct Tail {
+  std::string path;
+  proto::FrameType type;
+  int64_t handle = -1;  // qga's file handle once opened
+  uint64_t sent = 0;    // bytes sent to the edge
+};
 
 Status writeAll(int fd, std::string_view data) {
   while (!data.empty()) {
@@ -372,7 +384,35 @@ void QgaBridge::dispatch(proto::Frame f) {
                                       0, "policy"));
         }
       }
-      return sendResult(s, Status::ok());
+      // A policy's resolvers go to the guest's /etc/resolv.conf, as the
+      // agent writes them (aether/fs_policy.cc): beside it, then renamed
+      // over it, so a symlink is replaced, never followed.
+      std::string conf;
+      if (auto it = j->find("dns"); it != j->end()) {
+        if (!it->is_array()) return sendResult(s, invalidArg("dns", "must be a list of addresses"));
+        for (auto& a : *it) {
+          std::string addr = a.is_string() ? a.get<std::string>() : "";
+          unsigned char buf[16];
+          if (::inet_pton(AF_INET, addr.c_str(), buf) != 1 &&
+              ::inet_pton(AF_INET6, addr.c_str(), buf) != 1) {
+            return sendResult(s, invalidArg("dns", "resolvers must be IP addresses"));
+          }
+          conf += "nameserver " + addr + "\n";
+        }
+      }
+      if (conf.empty()) return sendResult(s, Status::ok());
+      conf = "# written by dsec for the sandbox's policy\n" + conf;
+      return spawn([this, s, conf] {
+        auto r = runGuest({"/bin/sh", "-c",
+                           "printf '%s' \"$1\" >/etc/.resolv.conf.dsec && chmod 644 "
+                           "/etc/.resolv.conf.dsec && mv -f /etc/.resolv.conf.dsec /etc/resolv.conf",
+                           "sh", conf});
+        if (!r.isOk()) return sendResult(s, Status(r.status()).withContext("write /etc/resolv.conf"));
+        if (r->exitCode != 0) {
+          return sendResult(s, Status(Code::kInternal, "write /etc/resolv.conf: " + r->err));
+        }
+        sendResult(s, Status::ok());
+      });
     }
     case T::kAudit:
       return sendResult(s, Status::ok(),
@@ -465,11 +505,68 @@ void QgaBridge::runExec(uint32_t stream, json req, std::string stdinData) {
     std::snprintf(secs, sizeof secs, "%.3f", double(timeoutMs) / 1000);
     wrap({"timeout", "-s", "KILL", secs});
   }
+  // Streamed output: qga's capture-output hands a command's output over only
+  // at its exit, so the command's stdout and stderr go to files in the
+  // guest's /run (a tmpfs under systemd) instead, read as they grow with
+  // guest-file-read while guest-exec-status polls; what qga captures is only
+  // the wrapper shell's own complaints (appended to stderr at the end).
+  // The wrapper execs the command: the pid (and process group) stay its.
+  const std::string tag = randomHex(8);
+  Tail tails[2] = {{std::string(kExecDir) + "/" + tag + ".out", T::kStdout},
+                   {std::string(kExecDir) + "/" + tag + ".err", T::kStderr}};
+  wrap({"/bin/sh", "-c",
+        std::string("mkdir -p ") + kExecDir + " && exec \"$@\" >" + kExecDir + "/\"$0\".out 2>" +
+            kExecDir + "/\"$0\".err",
+        tag});
   json args = {{"path", cmd[0]},
                {"arg", std::vector<std::string>(cmd.begin() + 1, cmd.end())},
                {"env", env},
                {"capture-output", true}};
   if (!stdinData.empty()) args["input-data"] = base64Encode(stdinData);
+  bool truncated = false;
+  // Sends what the file has beyond what was sent (up to maxOutput per
+  // stream). A file the wrapper has not made yet is simply not read yet.
+  auto pump = [&](Tail& t) -> Status {
+    if (t.handle < 0) {
+      auto h = qga_->call("guest-file-open", {{"path", t.path}, {"mode", "r"}});
+      if (!h.isOk() || !h->is_number_integer()) return Status::ok();
+      t.handle = h->get<int64_t>();
+    }
+    for (;;) {
+      // glibc's end-of-file is sticky: a seek clears it, so that the
+      // stream's stdio sees what was written since the last read.
+      RETURN_IF_ERROR(qga_->call("guest-file-seek",
+                                 {{"handle", t.handle}, {"offset", 0}, {"whence", "cur"}})
+                          .status());
+      ASSIGN_OR_RETURN(json r, qga_->call("guest-file-read",
+                                          {{"handle", t.handle}, {"count", kTailChunk}}));
+      int64_t n = r.value("count", int64_t(0));
+      if (n <= 0) return Status::ok();
+      auto data = base64Decode(r.value("buf-b64", ""));
+      if (!data.isOk()) return data.status();
+      std::string_view v = *data;
+      if (t.sent >= maxOutput) {
+        truncated = true;
+      } else {
+        if (v.size() > maxOutput - t.sent) {
+          v = v.substr(0, size_t(maxOutput - t.sent));
+          truncated = true;
+        }
+        for (size_t off = 0; off < v.size(); off += proto::kDataChunk) {
+          send(stream, t.type, v.substr(off, proto::kDataChunk));
+        }
+        t.sent += v.size();
+      }
+      if (n < kTailChunk) return Status::ok();
+    }
+  };
+  auto closeTails = [&] {
+    for (auto& t : tails) {
+      if (t.handle >= 0) (void)qga_->call("guest-file-close", {{"handle", t.handle}});
+      t.handle = -1;
+    }
+    (void)runGuest({"rm", "-f", tails[0].path, tails[1].path});
+  };
   double t0 = monoSeconds();
   json exitReport;
   auto started = qga_->call("guest-exec", args);
@@ -497,11 +594,18 @@ void QgaBridge::runExec(uint32_t stream, json req, std::string stdinData) {
   bool hostTimeout = false;
   for (;;) {
     auto r = qga_->call("guest-exec-status", {{"pid", pid}});
-    if (!r.isOk()) {
-      std::lock_guard lk(mu_);
-      guestPids_.erase(stream);
-      cancelled_.erase(stream);
-      return sendResult(stream, r.status());
+    Status pumped = Status::ok();
+    for (auto& t : tails) {
+      if (pumped.isOk() && r.isOk()) pumped = pump(t);
+    }
+    if (!r.isOk() || !pumped.isOk()) {
+      {
+        std::lock_guard lk(mu_);
+        guestPids_.erase(stream);
+        cancelled_.erase(stream);
+      }
+      closeTails();
+      return sendResult(stream, r.isOk() ? pumped : r.status());
     }
     if (r->value("exited", false)) {
       st = std::move(*r);
@@ -522,20 +626,27 @@ void QgaBridge::runExec(uint32_t stream, json req, std::string stdinData) {
     guestPids_.erase(stream);
     cancelled_.erase(stream);
   }
-  bool truncated = st.value("out-truncated", false) || st.value("err-truncated", false);
+  // The rest of the files (written between the last read and the exit),
+  // then the wrapper's own output, if any.
+  for (auto& t : tails) {
+    if (Status p = pump(t); !p.isOk()) log::warn("exec output: " + p.toString());
+  }
+  closeTails();
   for (auto [key, type] : {std::pair{"out-data", T::kStdout}, std::pair{"err-data", T::kStderr}}) {
     auto it = st.find(key);
     if (it == st.end() || !it->is_string()) continue;
     auto data = base64Decode(it->get<std::string>());
-    if (!data.isOk()) continue;
+    if (!data.isOk() || data->empty()) continue;
     std::string_view v = *data;
-    if (v.size() > maxOutput) {
-      v = v.substr(0, maxOutput);
+    Tail& t = tails[type == T::kStdout ? 0 : 1];
+    if (t.sent + v.size() > maxOutput) {
+      v = v.substr(0, t.sent >= maxOutput ? 0 : size_t(maxOutput - t.sent));
       truncated = true;
     }
     for (size_t off = 0; off < v.size(); off += proto::kDataChunk) {
       send(stream, type, v.substr(off, proto::kDataChunk));
     }
+    t.sent += v.size();
   }
   int exitCode = st.contains("exitcode") ? st.value("exitcode", -1) : -1;
   int signal = st.value("signal", 0);

@@ -6,6 +6,8 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <map>
 #include <mutex>
 #include <thread>
 
@@ -33,6 +35,7 @@ class FakeQga {
     return asked_;
   }
   int exitSignal = 0;  // guest-exec-status reports this signal when set
+  std::atomic<bool> holdExit{false};  // guest-exec-status says "running" while set
 
  private:
   void reply(const std::string& line) { (void)::send(fd_, line.data(), line.size(), MSG_NOSIGNAL); }
@@ -62,9 +65,13 @@ class FakeQga {
           reply(json{{"return", {{"pid", 42}}}}.dump() + "\n");
         } else if (cmd == "guest-exec-status") {
           if (exitSignal) ::usleep(5000);  // a command that ran a while
-          json st = {{"exited", true},
-                     {"out-data", base64Encode("hi\n")},
-                     {"err-data", base64Encode("err\n")}};
+          if (holdExit) {
+            reply(json{{"return", {{"exited", false}}}}.dump() + "\n");
+            continue;
+          }
+          // The command's output is in its files (below); qga captured only
+          // the wrapper's, here nothing.
+          json st = {{"exited", true}};
           if (exitSignal) {
             st["signal"] = exitSignal;
           } else {
@@ -72,13 +79,31 @@ class FakeQga {
           }
           reply(json{{"return", st}}.dump() + "\n");
         } else if (cmd == "guest-file-open") {
-          reply(R"({"return": 7})"
-                "\n");
+          // An exec's output files (qga.cc, runExec) and any other file.
+          std::string path = args.value("path", "");
+          auto ends = [&](const std::string& x) {
+            return path.size() >= x.size() && path.compare(path.size() - x.size(), x.size(), x) == 0;
+          };
+          std::string content = ends(".out") ? "hi\n" : ends(".err") ? "err\n" : "hello";
+          int64_t h = nextHandle_++;
+          files_[h] = {content, 0};
+          reply(json{{"return", h}}.dump() + "\n");
         } else if (cmd == "guest-file-seek") {
-          int64_t pos = args.value("whence", "") == "end" ? 5 : args.value("offset", int64_t(0));
-          reply(json{{"return", {{"position", pos}, {"eof", false}}}}.dump() + "\n");
+          auto& f = files_[args.value("handle", int64_t(0))];
+          std::string whence = args.value("whence", "");
+          int64_t off = args.value("offset", int64_t(0));
+          f.second = whence == "end" ? int64_t(f.first.size()) + off
+                     : whence == "cur" ? f.second + off
+                                       : off;
+          reply(json{{"return", {{"position", f.second}, {"eof", false}}}}.dump() + "\n");
         } else if (cmd == "guest-file-read") {
-          reply(json{{"return", {{"count", 5}, {"buf-b64", base64Encode("hello")}, {"eof", true}}}}
+          auto& f = files_[args.value("handle", int64_t(0))];
+          int64_t count = args.value("count", int64_t(4096));
+          std::string part = f.first.substr(std::min<size_t>(size_t(f.second), f.first.size()),
+                                            size_t(count));
+          f.second += int64_t(part.size());
+          reply(json{{"return", {{"count", part.size()}, {"buf-b64", base64Encode(part)},
+                                 {"eof", size_t(f.second) >= f.first.size()}}}}
                     .dump() +
                 "\n");
         } else {
@@ -90,6 +115,8 @@ class FakeQga {
   }
 
   int fd_;
+  std::map<int64_t, std::pair<std::string, int64_t>> files_;  // handle: content, position
+  int64_t nextHandle_ = 7;
   std::mutex mu_;  // guards asked_
   std::vector<json> asked_;
   std::thread thread_;
@@ -159,14 +186,49 @@ TEST_F(QgaBridgeTest, ExecWrapsTimeoutAndCwdAndReportsOutputThenExit) {
   EXPECT_FALSE(e["timed_out"].get<bool>());
   json args = lastExec();
   ASSERT_TRUE(args.is_object());
-  EXPECT_EQ(args["path"], "timeout");
+  // Outermost, the wrapper that sends the output to files read as they grow.
+  EXPECT_EQ(args["path"], "/bin/sh");
   auto a = args["arg"].get<std::vector<std::string>>();
-  std::vector<std::string> want = {"-s", "KILL", "2.500", "/bin/sh", "-c",
+  ASSERT_GE(a.size(), 3u);
+  EXPECT_EQ(a[0], "-c");
+  EXPECT_EQ(a[1],
+            "mkdir -p /run/dsec-exec && exec \"$@\" >/run/dsec-exec/\"$0\".out "
+            "2>/run/dsec-exec/\"$0\".err");
+  EXPECT_EQ(a[2].size(), 16u);  // the exec's tag: its files' names
+  a.erase(a.begin(), a.begin() + 3);
+  std::vector<std::string> want = {"timeout", "-s", "KILL", "2.500", "/bin/sh", "-c",
                                    "cd \"$0\" || exit 126; exec \"$@\"", "/tmp", "ls", "-l"};
   EXPECT_EQ(a, want);
   bool hasPath = false;
   for (auto& v : args["env"]) hasPath = hasPath || startsWith(v.get<std::string>(), "PATH=");
   EXPECT_TRUE(hasPath);
+}
+
+TEST_F(QgaBridgeTest, ExecOutputArrivesWhileTheCommandRuns) {
+  // Not waiting for the exit: without streaming no frame would come before
+  // holdExit is cleared, and next() would give up after the receive timeout.
+  struct timeval tv = {10, 0};
+  ASSERT_EQ(::setsockopt(edge_.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv), 0);
+  fake_->holdExit = true;
+  send(1, proto::FrameType::kExec, json{{"argv", {"sh", "-c", "echo hi; sleep 60"}}}.dump());
+  auto out = next();
+  ASSERT_EQ(out.type, proto::FrameType::kStdout);
+  EXPECT_EQ(out.payload, "hi\n");
+  auto err = next();
+  ASSERT_EQ(err.type, proto::FrameType::kStderr);
+  EXPECT_EQ(err.payload, "err\n");
+  fake_->holdExit = false;
+  auto exit = next();
+  ASSERT_EQ(exit.type, proto::FrameType::kExit);
+  EXPECT_EQ(json::parse(exit.payload)["exit_code"], 3);
+  // The files were read, closed and removed in the guest.
+  bool closed = false, removed = false;
+  for (auto& j : fake_->asked()) {
+    closed = closed || j.value("execute", "") == "guest-file-close";
+    if (j.value("execute", "") == "guest-exec" && j["arguments"]["path"] == "rm") removed = true;
+  }
+  EXPECT_TRUE(closed);
+  EXPECT_TRUE(removed);
 }
 
 TEST_F(QgaBridgeTest, AKilledTimeoutWrapperIsATimeout) {

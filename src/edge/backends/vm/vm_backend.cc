@@ -16,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/base64.h"
 #include "common/log.h"
 #include "common/util.h"
 #include "edge/backends/vm/qga.h"
@@ -145,8 +146,9 @@ class VmInstance : public Instance {
   bool snapshotsDisk() const override { return true; }
   Status snapshotDisk(const std::string& dest) override;
   Result<UniqueFd> openNetns() const override {
-    return Status(Code::kFailedPrecondition, "a vm has no network to plumb egress into");
+    return qemu::openNetns(pid_, pidfd_.get(), network_, "vm");
   }
+  bool hasNetwork() const override { return network_; }
   pid_t initPid() const override { return pid_; }
 
   // QMP screendump into the VM's directory (QEMU's cwd), read back, removed.
@@ -211,6 +213,7 @@ class VmInstance : public Instance {
   }
 
   std::string id_;
+  bool network_ = false;  // booted with a NIC (SandboxSpec::network)
   std::string dir_;
   pid_t pid_ = -1;
   UniqueFd pidfd_;
@@ -250,6 +253,81 @@ Result<std::shared_ptr<QgaClient>> awaitQga(const std::string& dir, double deadl
       qga.reset();  // connection dropped: connect again
       ::usleep(100000);
     }
+  }
+}
+
+// Whether the guest's interface with the NIC's MAC has an IPv4 address.
+Result<bool> nicHasAddress(QgaClient& qga) {
+  ASSIGN_OR_RETURN(json ifs, qga.call("guest-network-get-interfaces", json::object(), 10));
+  if (!ifs.is_array()) return false;
+  for (auto& i : ifs) {
+    if (i.value("hardware-address", "") != qemu::kGuestMac) continue;
+    auto a = i.find("ip-addresses");
+    if (a == i.end() || !a->is_array()) continue;
+    for (auto& x : *a) {
+      if (x.value("ip-address-type", "") == "ipv4") return true;
+    }
+  }
+  return false;
+}
+
+// One guest command through qga, to its end (or deadline): its exit code and
+// output. For the edge's own set-up; a sandbox's execs go through QgaBridge.
+Result<std::pair<int, std::string>> qgaRun(QgaClient& qga, const std::vector<std::string>& argv,
+                                           double deadline) {
+  json args = {{"path", argv[0]},
+               {"arg", std::vector<std::string>(argv.begin() + 1, argv.end())},
+               {"capture-output", true}};
+  ASSIGN_OR_RETURN(json started, qga.call("guest-exec", args));
+  json pid = started.value("pid", json(-1));
+  for (;;) {
+    ASSIGN_OR_RETURN(json st, qga.call("guest-exec-status", {{"pid", pid}}));
+    if (st.value("exited", false)) {
+      std::string out;
+      for (const char* k : {"out-data", "err-data"}) {
+        if (auto d = base64Decode(st.value(k, "")); d.isOk()) out += *d;
+      }
+      return std::make_pair(st.value("exitcode", -1), out);
+    }
+    if (monoSeconds() > deadline) return Status(Code::kDeadlineExceeded, argv[0] + " did not end");
+    ::usleep(50000);
+  }
+}
+
+// The guest's NIC up with QEMU user-mode networking's address (qemu.h). An
+// ordinary cloud image configures it itself (DHCP: slirp answers with the
+// same address); one that has not when qga answers, like the test image
+// (systemd, no network configuration), gets a runtime systemd-networkd file
+// for that MAC, which changes nothing on its disk. kUnavailable, with the
+// reason, when the guest has no address on it by `deadline`.
+Status guestNetUp(QgaClient& qga, double deadline) {
+  ASSIGN_OR_RETURN(bool has, nicHasAddress(qga));
+  if (has) return Status::ok();
+  std::string unit = std::string("[Match]\nMACAddress=") + qemu::kGuestMac +
+                     "\n[Network]\nAddress=" + qemu::kGuestAddr + "/" +
+                     std::to_string(qemu::kGuestPrefix) + "\nGateway=" + qemu::kGuestGateway +
+                     "\nLinkLocalAddressing=no\nIPv6AcceptRA=no\n";
+  auto r = qgaRun(qga,
+                  {"/bin/sh", "-c",
+                   "mkdir -p /run/systemd/network && printf \"$1\" "
+                   ">/run/systemd/network/10-dsec-nic.network && "
+                   "systemctl restart systemd-networkd.service",
+                   "sh", unit},
+                  deadline);
+  if (!r.isOk()) return Status(r.status()).withContext("configure the guest's NIC");
+  if (r->first != 0) {
+    return Status(Code::kUnavailable,
+                  "the guest configured no address on its NIC and systemd-networkd could not "
+                  "(exit " + std::to_string(r->first) + "): " + r->second);
+  }
+  for (;;) {
+    ASSIGN_OR_RETURN(has, nicHasAddress(qga));
+    if (has) return Status::ok();
+    if (monoSeconds() > deadline) {
+      return Status(Code::kUnavailable, std::string("the guest's NIC (") + qemu::kGuestMac +
+                                            ") got no IPv4 address");
+    }
+    ::usleep(200000);
   }
 }
 
@@ -457,6 +535,9 @@ Status VmBackend::bootOnce(const SandboxSpec& spec, Boot& b, bool* hung) {
       "-chardev", "socket,id=qga,path=qga.sock,server=on,wait=off",
       "-device", "virtio-serial-pci",
       "-device", "virtserialport,chardev=qga,name=org.qemu.guest_agent.0"};
+  if (spec.network) {
+    for (auto& a : qemu::nicArgs("virtio-net-pci")) args.push_back(a);
+  }
   for (const char* f : {"/qga.sock", "/qmp.sock", "/console.log"}) ::unlink((dir + f).c_str());
   ASSIGN_OR_RETURN(qemu::Process proc, qemu::spawnConfined(args, dir, cgroups_, spec.id));
   inst.pid_ = proc.pid;
@@ -487,6 +568,9 @@ Status VmBackend::bootOnce(const SandboxSpec& spec, Boot& b, bool* hung) {
     *hung = true;
     return abandon(qga.status());
   }
+  if (spec.network) {
+    if (Status st = guestNetUp(**qga, deadline + 60); !st.isOk()) return abandon(st);
+  }
   if (Status st = attachBridge(inst, std::move(*qga), reactor_); !st.isOk()) return abandon(st);
   return Status::ok();
 }
@@ -504,6 +588,7 @@ Result<std::unique_ptr<Instance>> VmBackend::create(const SandboxSpec& spec,
   Laps laps;
   auto inst = std::make_unique<VmInstance>();
   inst->id_ = spec.id;
+  inst->network_ = spec.network;
   inst->qemuImg_ = probe_.qemuImg;
   inst->cgroups_ = cgroups_;
   inst->dir_ = opts_.vmRoot + "/" + spec.id;
@@ -548,6 +633,7 @@ Result<std::unique_ptr<Instance>> VmBackend::adopt(const SandboxState& state,
                                                    std::function<void()> onDeath) {
   auto inst = std::make_unique<VmInstance>();
   inst->id_ = state.spec.id;
+  inst->network_ = state.spec.network;
   inst->qemuImg_ = probe_.qemuImg;
   inst->cgroups_ = cgroups_;
   inst->dir_ = opts_.vmRoot + "/" + state.spec.id;
