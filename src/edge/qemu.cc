@@ -135,13 +135,20 @@ std::string chooseAccel(const std::string& want, std::string* why) {
   return "tcg";
 }
 
-Result<UniqueFd> connectUnix(int dirFd, const std::string& name) {
-  UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
-  if (!fd) return sysError("socket");
+// The address of unix socket `name` in the directory of dirFd, through
+// /proc/self/fd (a VM directory's path may be longer than sun_path).
+static sockaddr_un unixAddrIn(int dirFd, const std::string& name) {
   struct sockaddr_un addr = {};
   addr.sun_family = AF_UNIX;
   std::string path = "/proc/self/fd/" + std::to_string(dirFd) + "/" + name;
   std::snprintf(addr.sun_path, sizeof addr.sun_path, "%s", path.c_str());
+  return addr;
+}
+
+Result<UniqueFd> connectUnix(int dirFd, const std::string& name) {
+  UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (!fd) return sysError("socket");
+  struct sockaddr_un addr = unixAddrIn(dirFd, name);
   if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
     return sysError("connect " + name);
   }
@@ -353,10 +360,7 @@ Result<UniqueFd> listenUnix(int dirFd, const std::string& name) {
   ::unlinkat(dirFd, name.c_str(), 0);
   UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
   if (!fd) return sysError("socket");
-  struct sockaddr_un addr = {};
-  addr.sun_family = AF_UNIX;
-  std::string path = "/proc/self/fd/" + std::to_string(dirFd) + "/" + name;
-  std::snprintf(addr.sun_path, sizeof addr.sun_path, "%s", path.c_str());
+  struct sockaddr_un addr = unixAddrIn(dirFd, name);
   if (::bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
     return sysError("bind " + name);
   }
