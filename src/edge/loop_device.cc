@@ -28,15 +28,15 @@ Result<std::string> attachLoop(const std::string& file, uint32_t loFlags, Unique
   UniqueFd f(::open(file.c_str(), (ro ? O_RDONLY : O_RDWR) | O_CLOEXEC));
   if (!f) return sysError("open " + file);
   std::lock_guard lk(attachMu);
-  int lastBusy = -1;
+  bool refused = false;  // a device refused us: take new ones from here on
   for (int attempt = 0; attempt < kAttempts; ++attempt) {
     // A device that was just auto-cleared is "free" while its last holder
     // (an unmounting filesystem) still has it claimed, and the kernel hands
     // out the lowest free number: asking again would give that same device.
     // After a refusal, take a brand-new device instead.
-    int n = lastBusy < 0 ? ::ioctl(ctl.get(), LOOP_CTL_GET_FREE)
-                         : ::ioctl(ctl.get(), LOOP_CTL_ADD, -1);
-    if (n < 0 && lastBusy >= 0 && errno != EBUSY && errno != EEXIST) {
+    int n = refused ? ::ioctl(ctl.get(), LOOP_CTL_ADD, -1)
+                    : ::ioctl(ctl.get(), LOOP_CTL_GET_FREE);
+    if (n < 0 && refused && errno != EBUSY && errno != EEXIST) {
       n = ::ioctl(ctl.get(), LOOP_CTL_GET_FREE);  // no more minors: back to reuse
     }
     if (n < 0) {
@@ -56,7 +56,7 @@ Result<std::string> attachLoop(const std::string& file, uint32_t loFlags, Unique
     if (::ioctl(loop.get(), LOOP_CONFIGURE, &cfg) != 0) {
       if (errno != EBUSY) return sysError("LOOP_CONFIGURE " + dev);
       // Raced with another process, or the device is still being let go.
-      lastBusy = n;
+      refused = true;
       if (attempt >= 8) std::this_thread::sleep_for(std::chrono::milliseconds(1));
       continue;
     }

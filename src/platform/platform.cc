@@ -342,7 +342,7 @@ void Platform::janitor() {
           if (r.state == "creating" && !r.replica.empty() && r.replica != opts_.replicaId) {
             othersCreating.push_back(id);  // for reapCreating (leader, replicas)
           }
-          bool fin = r.state == "stopped" || r.state == "failed";
+          bool fin = isFinal(r.state);
           if (fin && r.stoppedAt + opts_.stoppedRetentionS <= now) {
             purge.push_back(id);
             lastCall_.erase(id);
@@ -500,7 +500,7 @@ void Platform::handle(http::Request& req, http::Response& res) {
       ~Activity() {
         std::lock_guard lk(p->mu_);
         if (--p->callsInFlight_[id] <= 0) p->callsInFlight_.erase(id);
-        if (p->lastCall_.count(id) || p->sandboxes_.count(id)) p->lastCall_[id] = nowSeconds();
+        if (p->sandboxes_.count(id)) p->lastCall_[id] = nowSeconds();  // not for a purged one
       }
     };
     std::optional<Activity> activity;
