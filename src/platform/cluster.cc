@@ -619,7 +619,19 @@ std::vector<std::optional<Status>> Cluster::createGroup(const std::string& backe
     // The first waits for room like any create; the scheduler picks its node.
     auto n = admitLocked(lk, specs[0], pr, t0);
     if (!n.isOk()) {
+      // No node took it within the admission wait: the others of the same
+      // request needing at least as much fail with it now, as they would
+      // have had each waited beside it, instead of queueing again to wait
+      // one after another.
       out[0] = n.status();
+      for (size_t i = 1; i < specs.size(); ++i) {
+        PlacementRequest ri = requestFor(specs[i]);
+        if (ri.pool == pr.pool && ri.burstable == pr.burstable && ri.tenant == pr.tenant &&
+            ri.layers == pr.layers && ri.spread == pr.spread && ri.cpu >= pr.cpu &&
+            ri.memoryMb >= pr.memoryMb) {
+          out[i] = n.status();
+        }
+      }
       return out;
     }
     node = *n;
