@@ -368,11 +368,47 @@ def test_ext4_survives_a_burst_of_concurrent_creates_and_destroys(ext4_server):
     for t in threads:
         t.join()
     assert not errors, errors[:3]
-    # What is left is the spares (two per size at most, a few sizes).
-    assert wait_until(lambda: len(loop_devices_backed_by(str(disks))) <= 6, 20), \
+    # What is left is the spares: two per size, a few sizes, once the
+    # destroyed sandboxes' filesystems kept as spares (recycled) have been
+    # idle for 10 s.
+    assert wait_until(lambda: len(loop_devices_backed_by(str(disks))) <= 6, 40), \
         loop_devices_backed_by(str(disks))
     assert wait_until(lambda: len([p for p in disks.iterdir() if p.name.startswith("sb-")]) == 0,
                       20), list(disks.iterdir())
+
+
+def test_ext4_recycled_filesystem_keeps_nothing_of_its_sandbox(ext4_server):
+    """A destroyed sandbox that wrote little gives its filesystem back as a
+    spare (emptied); the sandboxes that get it see none of its files and the
+    whole disk_mb free."""
+    s = ext4_server
+    disks = s.data_dir / "edge" / "sandbox-disks"
+    sb = s.client.create("busybox:latest", disk_mb=40)
+    assert sb.exec("mkdir -p /root/d && echo secret > /root/d/s && "
+                   "dd if=/dev/urandom of=/root/blob bs=1M count=4 && chmod 000 /root/d").ok
+    loop = [line.split(":")[0] for line in loop_devices_backed_by(str(disks))
+            if f"{sb.id}.img" in line]
+    assert len(loop) == 1, loop_devices_backed_by(str(disks))
+    sb.destroy()
+    # Kept as a spare of its size: same loop device, now behind a spare's image.
+    assert wait_until(lambda: any(line.startswith(loop[0] + ":") and "/spare-" in line
+                                  for line in loop_devices_backed_by(str(disks))), 20), \
+        loop_devices_backed_by(str(disks))
+    reused = False
+    sbs = [s.client.create("busybox:latest", disk_mb=40) for _ in range(3)]
+    try:
+        for n in sbs:
+            r = n.exec("ls -a /root; df -k / | tail -1")
+            assert r.ok and "secret" not in r.stdout and "blob" not in r.stdout and \
+                "d\n" not in r.stdout, r.stdout
+            used_kb = int(r.stdout.strip().splitlines()[-1].split()[2])
+            assert used_kb < 1024, r.stdout  # not A's 4 MiB
+            reused |= any(line.startswith(loop[0] + ":") and f"{n.id}.img" in line
+                          for line in loop_devices_backed_by(str(disks)))
+        assert reused, "the destroyed sandbox's filesystem was not reused"
+    finally:
+        for n in sbs:
+            n.destroy()
 
 
 def test_ext4_sizes_without_a_spare_are_formatted_on_demand(ext4_server):

@@ -24,7 +24,9 @@ def assert_gone_from_host(sandbox_id: str):
     """After destroy: no cgroup directory and no mount mentions the sandbox."""
     assert wait_until(lambda: not cgroup_dirs_named(sandbox_id), 5), \
         f"cgroups left after destroy: {cgroup_dirs_named(sandbox_id)}"
-    assert not mounts_containing(sandbox_id), mounts_containing(sandbox_id)
+    # Teardown runs after the reply (the cleaner: cgroups, then the disk).
+    assert wait_until(lambda: not mounts_containing(sandbox_id), 5), \
+        mounts_containing(sandbox_id)
 
 
 def test_busybox_create_exec_files_destroy(client, busybox, server):

@@ -1,17 +1,22 @@
 #include "edge/disk_quota.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <glob.h>
 #include <gtest/gtest.h>
+#include <linux/fs.h>
+#include <sys/ioctl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <iostream>
 #include <string>
 #include <thread>
 
+#include "common/fd.h"
 #include "common/util.h"
 #include "edge/btrfs_quota.h"
 #include "edge/ext4_quota.h"
@@ -25,7 +30,7 @@ TEST(DiskQuotaCandidates, AutoPrefersDiskOverRam) {
   auto c = diskQuotaCandidates("auto");
   ASSERT_TRUE(c.isOk());
   EXPECT_EQ(*c, (std::vector{DiskQuotaKind::kXfs, DiskQuotaKind::kExt4, DiskQuotaKind::kBtrfs,
-                              DiskQuotaKind::kTmpfs}));
+                             DiskQuotaKind::kTmpfs}));
   EXPECT_EQ(*diskQuotaCandidates("xfs"), std::vector{DiskQuotaKind::kXfs});
   EXPECT_EQ(*diskQuotaCandidates("ext4"), std::vector{DiskQuotaKind::kExt4});
   EXPECT_EQ(*diskQuotaCandidates("btrfs"), std::vector{DiskQuotaKind::kBtrfs});
@@ -435,6 +440,133 @@ TEST(Ext4Quota, GivesEnospcPerSandboxAndCleansUp) {
   dq.close();
   EXPECT_TRUE(mountsUnder(tmp.path).empty());
   EXPECT_NE(::access(disks.c_str(), F_OK), 0) << "images left";
+  EXPECT_TRUE(eventually([&] { return loopsBackedBy(disks).empty(); }));
+}
+
+// The loop device behind a sandbox's image, or "" (the sysfs entry's path).
+std::string loopOf(const std::string& image) {
+  auto l = loopsBackedBy(image);
+  return l.size() == 1 ? l.front() : "";
+}
+
+// A removed sandbox that wrote little becomes an emptied spare of its size
+// (same filesystem, same loop device, nothing of it left); one that wrote
+// much, or left what cannot be removed, is thrown away as before.
+TEST(Ext4Quota, RecyclesALightlyUsedFilesystemEmptied) {
+  if (auto why = ext4SkipReason(); !why.empty()) GTEST_SKIP() << why;
+  TempDir tmp;
+  ASSERT_FALSE(tmp.path.empty());
+  DiskQuotaOptions o;
+  o.root = tmp.path + "/sandboxes";
+  ASSERT_TRUE(makeDirs(o.root, 0700).isOk());
+  std::string disks = tmp.path + "/disks";
+  constexpr int64_t kLimit = 32ll << 20;
+  Ext4QuotaOptions eo;
+  eo.sparesPerSize = 1;
+  eo.initialSize = kLimit;
+  eo.recycledPerSize = 8;
+  eo.recycleMaxBytes = 8 << 20;
+  eo.recycleMaxInodes = 100;
+  eo.recycledIdleS = 2;
+  auto q = openExt4Quota(o, disks, eo);
+  ASSERT_TRUE(q.isOk()) << q.status().toString();
+  DiskQuota& dq = **q;
+
+  ASSERT_TRUE(dq.create("sb-a", kLimit).isOk());
+  std::string a = o.root + "/sb-a";
+  std::string loopA = loopOf(disks + "/sb-a.img");
+  ASSERT_FALSE(loopA.empty());
+  // What a sandbox leaves: a tree, a symlink out, odd modes, an owner.
+  ASSERT_TRUE(makeDirs(a + "/upper/etc/deep/er", 0755).isOk());
+  int64_t written = 0;
+  ASSERT_EQ(writeZeros(a + "/upper/etc/deep/er/f", 3 << 20, &written), 0);
+  ASSERT_EQ(::symlink("/etc/passwd", (a + "/upper/link").c_str()), 0);
+  ASSERT_EQ(::chmod((a + "/upper/etc").c_str(), 0), 0);
+  ASSERT_EQ(::chown(a.c_str(), 100000, 100000), 0);
+
+  ASSERT_TRUE(dq.remove("sb-a").isOk());
+  EXPECT_NE(::access(a.c_str(), F_OK), 0);
+  EXPECT_NE(::access((disks + "/sb-a.img").c_str(), F_OK), 0);
+  // Still attached: it is a spare now, behind a spare's image.
+  auto spares = loopsBackedBy(disks + "/spare-");
+  EXPECT_NE(std::find(spares.begin(), spares.end(), loopA), spares.end()) << loopA;
+
+  // Taking every spare of the size reaches it: it comes back empty, 0700, root's.
+  bool seen = false;
+  for (int i = 0; i < 3 && !seen; ++i) {
+    std::string n = "sb-n" + std::to_string(i);
+    ASSERT_TRUE(dq.create(n, kLimit).isOk());
+    if (loopOf(disks + "/" + n + ".img") != loopA) continue;
+    seen = true;
+    std::string d = o.root + "/" + n;
+    struct stat st;
+    ASSERT_EQ(::stat(d.c_str(), &st), 0);
+    EXPECT_EQ(st.st_mode & 07777, 0700u);
+    EXPECT_EQ(st.st_uid, 0u);
+    DIR* dir = ::opendir(d.c_str());
+    ASSERT_NE(dir, nullptr);
+    int entries = 0;
+    while (auto* e = ::readdir(dir)) entries += e->d_name[0] != '.';
+    ::closedir(dir);
+    EXPECT_EQ(entries, 0) << "left in the recycled filesystem";
+    // The whole limit is there again.
+    EXPECT_EQ(writeZeros(d + "/big", 2 * kLimit, &written), ENOSPC);
+    EXPECT_GT(written, kLimit * 3 / 4);
+  }
+  EXPECT_TRUE(seen) << "the removed sandbox's filesystem was not reused";
+
+  // Too many files, or too many bytes, to be worth emptying: thrown away
+  // with its device.
+  ASSERT_TRUE(dq.create("sb-many", kLimit).isOk());
+  for (int i = 0; i < 200; ++i) {
+    ASSERT_TRUE(writeFileAtomic(o.root + "/sb-many/f" + std::to_string(i), "").isOk());
+  }
+  ASSERT_TRUE(dq.create("sb-big", kLimit).isOk());
+  ASSERT_EQ(writeZeros(o.root + "/sb-big/f", 10 << 20, &written), 0);
+  // The filler tops up to one spare, then rests; removals that were recycled
+  // would add spares beyond it.
+  auto spareImages = [&] {
+    int n = 0;
+    if (DIR* d = ::opendir(disks.c_str())) {
+      while (auto* e = ::readdir(d)) n += startsWith(e->d_name, "spare-");
+      ::closedir(d);
+    }
+    return n;
+  };
+  ASSERT_TRUE(eventually([&] { return spareImages() >= 1; }));
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  int before = spareImages();
+  ASSERT_TRUE(dq.remove("sb-many").isOk());
+  ASSERT_TRUE(dq.remove("sb-big").isOk());
+  EXPECT_EQ(spareImages(), before) << "an over-used filesystem was kept";
+  EXPECT_TRUE(eventually([&] {
+    return loopOf(disks + "/sb-many.img").empty() && loopOf(disks + "/sb-big.img").empty();
+  }));
+
+  // A file that cannot be removed (immutable): thrown away, nothing left.
+  ASSERT_TRUE(dq.create("sb-imm", kLimit).isOk());
+  std::string imm = o.root + "/sb-imm/f";
+  ASSERT_TRUE(writeFileAtomic(imm, "x").isOk());
+  {
+    UniqueFd fd(::open(imm.c_str(), O_RDONLY | O_CLOEXEC));
+    int flags = FS_IMMUTABLE_FL;
+    ASSERT_EQ(::ioctl(fd.get(), FS_IOC_SETFLAGS, &flags), 0);
+  }
+  ASSERT_TRUE(dq.remove("sb-imm").isOk());
+  EXPECT_NE(::access((o.root + "/sb-imm").c_str(), F_OK), 0);
+  EXPECT_TRUE(eventually([&] { return loopOf(disks + "/sb-imm.img").empty(); }));
+
+  for (int i = 0; i < 3; ++i) (void)dq.remove("sb-n" + std::to_string(i));
+  // Spares past sparesPerSize go once the size has been idle a while.
+  for (const char* n : {"sb-x1", "sb-x2", "sb-x3"}) ASSERT_TRUE(dq.create(n, kLimit).isOk());
+  for (const char* n : {"sb-x1", "sb-x2", "sb-x3"}) ASSERT_TRUE(dq.remove(n).isOk());
+  EXPECT_GT(spareImages(), 1);
+  for (int i = 0; i < 300 && spareImages() > 1; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_EQ(spareImages(), 1) << "recycled spares outlived their size's use";
+  dq.close();
+  EXPECT_TRUE(mountsUnder(tmp.path).empty());
   EXPECT_TRUE(eventually([&] { return loopsBackedBy(disks).empty(); }));
 }
 

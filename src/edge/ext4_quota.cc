@@ -3,8 +3,8 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <linux/loop.h>
-#include <sys/mount.h>
 #include <sys/ioctl.h>
+#include <sys/mount.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/statfs.h>
@@ -49,6 +49,19 @@ constexpr unsigned long kExt4IocShutdown = _IOR('X', 125, uint32_t);
 constexpr uint32_t kExt4GoingFlagsNoLogFlush = 2;
 constexpr long kExt4SuperMagic = 0xEF53;
 constexpr int64_t kProbeBytes = 16ll << 20;
+// open_tree(2) and mount_setattr(2) (Debian 12's headers lack the wrappers).
+constexpr unsigned kOpenTreeClone = 1;            // OPEN_TREE_CLONE
+constexpr unsigned kOpenTreeCloexec = O_CLOEXEC;  // OPEN_TREE_CLOEXEC
+constexpr unsigned kAtRecursive = 0x8000;         // AT_RECURSIVE
+#ifndef SYS_open_tree
+#define SYS_open_tree 428
+#endif
+#ifndef SYS_mount_setattr
+#define SYS_mount_setattr 442
+#endif
+struct MountAttr {  // struct mount_attr
+  uint64_t attrSet = 0, attrClr = 0, propagation = 0, usernsFd = 0;
+};
 
 Status unavailable(std::string why) { return Status(Code::kFailedPrecondition, std::move(why)); }
 
@@ -58,6 +71,15 @@ Status checkName(const std::string& name) {
     return invalidArg("id", "bad sandbox directory name '" + name + "'");
   }
   return Status::ok();
+}
+
+// `fd` (open on `dir`) is the root of a filesystem of its own (a device other
+// than `parent`'s) and that filesystem is ext4: only then is it a sandbox's.
+bool isOwnExt4Root(int fd, const std::string& parent) {
+  struct stat own, up;
+  struct statfs fs;
+  return ::fstat(fd, &own) == 0 && ::stat(parent.c_str(), &up) == 0 && own.st_dev != up.st_dev &&
+         ::fstatfs(fd, &fs) == 0 && fs.f_type == kExt4SuperMagic;
 }
 
 // A removed sandbox's filesystem is thrown away with its image, so nothing
@@ -70,17 +92,22 @@ Status checkName(const std::string& name) {
 // parent's (so never the host filesystem beneath an unmounted `dir`).
 void shutDownSandboxFs(const std::string& dir, const std::string& parent) {
   UniqueFd fd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
-  if (!fd) return;
-  struct stat own, up;
-  struct statfs fs;
-  if (::fstat(fd.get(), &own) != 0 || ::stat(parent.c_str(), &up) != 0 ||
-      own.st_dev == up.st_dev || ::fstatfs(fd.get(), &fs) != 0 || fs.f_type != kExt4SuperMagic) {
-    return;
-  }
+  if (!fd || !isOwnExt4Root(fd.get(), parent)) return;
   uint32_t flags = kExt4GoingFlagsNoLogFlush;
   if (::ioctl(fd.get(), kExt4IocShutdown, &flags) != 0) {
     log::debug("disk quota: shut down " + dir + ": " + std::strerror(errno));
   }
+}
+
+// Inodes and blocks in use on the filesystem of `fd`.
+struct Usage {
+  uint64_t inodes = 0;
+  uint64_t bytes = 0;
+};
+std::optional<Usage> usageOf(int fd) {
+  struct statfs fs;
+  if (::fstatfs(fd, &fs) != 0) return std::nullopt;
+  return Usage{uint64_t(fs.f_files - fs.f_ffree), uint64_t(fs.f_blocks - fs.f_bfree) * fs.f_bsize};
 }
 
 // Unmounts (lazily) whatever is mounted on `dir`; fine when nothing is.
@@ -104,7 +131,8 @@ class Ext4Quota : public DiskQuota {
   DiskQuotaKind kind() const override { return DiskQuotaKind::kExt4; }
   std::string describe() const override {
     return "ext4, one sparse loop-mounted image per sandbox in " + disks_ + " (" +
-           std::to_string(eo_.sparesPerSize) + " spares kept per size)";
+           std::to_string(eo_.sparesPerSize) + " spares kept per size, up to " +
+           std::to_string(eo_.recycledPerSize) + " from removed sandboxes)";
   }
   int overLimitErrno() const override { return ENOSPC; }
 
@@ -132,6 +160,7 @@ class Ext4Quota : public DiskQuota {
     cv_.notify_all();
     if (!spare) {
       // No spare of this size (yet): format one now, on the create path.
+      log::debug("disk quota: no spare of " + humanBytes(bytes) + " for " + name);
       auto made = makeSpare(bytes, imageOf(name));
       if (!made.isOk()) return std::move(made).takeStatus();
       spare = std::move(made).value();
@@ -163,6 +192,13 @@ class Ext4Quota : public DiskQuota {
   Status remove(const std::string& name) override {
     RETURN_IF_ERROR(checkName(name));
     std::string dir = root_ + "/" + name;
+    if (auto spare = recycle(name, dir)) {
+      log::debug("disk quota: " + name + "'s filesystem emptied, a spare again");
+      std::lock_guard lk(mu_);
+      spares_.emplace(spare->bytes, std::move(*spare));
+      cv_.notify_all();  // the filler drops it if its size stays idle
+      return Status::ok();
+    }
     // The sandbox's processes are gone: this was the filesystem's last use
     // (copies in other mount namespaces go by propagation), so it is shut
     // down now and its loop device (autoclear) detaches.
@@ -231,6 +267,7 @@ class Ext4Quota : public DiskQuota {
   // Most recently used first; at most sizesKept. Under mu_.
   void noteSize(int64_t bytes) {
     if (eo_.sparesPerSize <= 0 || eo_.sizesKept <= 0) return;
+    lastUse_[bytes] = monoSeconds();
     auto it = std::find(wanted_.begin(), wanted_.end(), bytes);
     if (it != wanted_.end()) wanted_.erase(it);
     wanted_.insert(wanted_.begin(), bytes);
@@ -288,6 +325,84 @@ class Ext4Quota : public DiskQuota {
     if (::unlinkat(top.get(), "lost+found", AT_REMOVEDIR) != 0 && errno != ENOENT) {
       return undo(sysError("rmdir lost+found in " + s.image));
     }
+    if (auto u = usageOf(top.get())) {
+      std::lock_guard lk(mu_);
+      fresh_[bytes] = *u;
+    }
+    return s;
+  }
+
+  // The filesystem of the removed sandbox `name`, mounted on `dir`, emptied
+  // and detached as a spare of its size; nullopt (nothing changed that
+  // matters: the caller throws it away) when it is not worth keeping or
+  // anything fails. The sandbox's processes are gone; no one else writes
+  // there. What must not outlive the sandbox: its files (every entry
+  // removed, or it is not kept: removeTree fails on what it cannot remove,
+  // and on a mount it will not cross), the ownership and mode the create
+  // gave the root (reset), its mount's place and propagation (a private
+  // detached clone, like a new spare's). Inodes that the sandbox's dying
+  // mount namespace still holds (its overlay's upper and work dirs) are
+  // freed moments later, when that namespace is gone; at most
+  // recycleMaxBytes / recycleMaxInodes, checked before emptying.
+  std::optional<Spare> recycle(const std::string& name, const std::string& dir) {
+    if (eo_.recycledPerSize <= 0) return std::nullopt;
+    struct stat img;
+    if (::stat(imageOf(name).c_str(), &img) != 0) return std::nullopt;
+    int64_t bytes = img.st_size;
+    Usage fresh;
+    {
+      std::lock_guard lk(mu_);
+      auto f = fresh_.find(bytes);
+      if (stop_ || f == fresh_.end() ||
+          std::find(wanted_.begin(), wanted_.end(), bytes) == wanted_.end() ||
+          int(spares_.count(bytes)) >= eo_.recycledPerSize) {
+        return std::nullopt;
+      }
+      fresh = f->second;
+    }
+    UniqueFd top(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+    if (!top || !isOwnExt4Root(top.get(), root_)) return std::nullopt;
+    auto used = usageOf(top.get());
+    if (!used || used->inodes > fresh.inodes + uint64_t(eo_.recycleMaxInodes) ||
+        used->bytes > fresh.bytes + uint64_t(eo_.recycleMaxBytes)) {
+      return std::nullopt;
+    }
+    std::vector<std::string> entries;
+    if (DIR* d = ::opendir(dir.c_str())) {
+      while (auto* e = ::readdir(d)) {
+        std::string n = e->d_name;
+        if (n != "." && n != "..") entries.push_back(std::move(n));
+      }
+      ::closedir(d);
+    } else {
+      return std::nullopt;
+    }
+    for (auto& n : entries) {
+      // removeTree never follows a symlink nor crosses into another mount.
+      if (Status st = removeTree(dir + "/" + n); !st.isOk()) {
+        log::debug("disk quota: not recycling " + name + ": " + st.toString());
+        return std::nullopt;
+      }
+    }
+    if (::fchown(top.get(), 0, 0) != 0 || ::fchmod(top.get(), 0700) != 0) return std::nullopt;
+    Spare s;
+    s.bytes = bytes;
+    s.mount.reset(
+        int(::syscall(SYS_open_tree, AT_FDCWD, dir.c_str(), kOpenTreeClone | kOpenTreeCloexec)));
+    if (!s.mount) return std::nullopt;
+    MountAttr attr;
+    attr.propagation = MS_PRIVATE;
+    if (::syscall(SYS_mount_setattr, s.mount.get(), "", AT_EMPTY_PATH | kAtRecursive, &attr,
+                  sizeof attr) != 0) {
+      return std::nullopt;
+    }
+    top.reset();
+    // The sandbox's place goes (and its copies in other mount namespaces by
+    // propagation); the clone keeps the filesystem and its loop device.
+    if (::umount2(dir.c_str(), MNT_DETACH) != 0) return std::nullopt;
+    ::rmdir(dir.c_str());
+    s.image = disks_ + "/spare-" + std::to_string(nextSpare_.fetch_add(1)) + ".img";
+    if (::rename(imageOf(name).c_str(), s.image.c_str()) != 0) s.image = imageOf(name);
     return s;
   }
 
@@ -362,8 +477,18 @@ class Ext4Quota : public DiskQuota {
     std::unique_lock lk(mu_);
     while (!stop_) {
       std::optional<Spare> excess;
+      // Past sparesPerSize (recycled ones), a size's spares last only while
+      // it is in use: each holds a loop device, a kernel thread and ~135 KiB.
+      double now = monoSeconds(), wake = 0;
       for (auto it = spares_.begin(); it != spares_.end(); ++it) {
-        if (std::find(wanted_.begin(), wanted_.end(), it->first) == wanted_.end()) {
+        bool unwanted = std::find(wanted_.begin(), wanted_.end(), it->first) == wanted_.end();
+        bool surplus = false;
+        if (!unwanted && int(spares_.count(it->first)) > eo_.sparesPerSize) {
+          double idleUntil = lastUse_[it->first] + eo_.recycledIdleS;
+          surplus = now >= idleUntil;
+          if (!surplus && (wake == 0 || idleUntil < wake)) wake = idleUntil;
+        }
+        if (unwanted || surplus) {
           excess = std::move(it->second);
           spares_.erase(it);
           break;
@@ -383,7 +508,11 @@ class Ext4Quota : public DiskQuota {
         }
       }
       if (need == 0) {
-        cv_.wait(lk);
+        if (wake > 0) {
+          cv_.wait_for(lk, std::chrono::duration<double>(wake - now + 0.01));
+        } else {
+          cv_.wait(lk);
+        }
         continue;
       }
       lk.unlock();
@@ -461,10 +590,12 @@ class Ext4Quota : public DiskQuota {
   std::mutex templateMu_;        // guards templates_ (held while one is made)
   std::set<int64_t> templates_;  // sizes with a template image
   std::thread filler_;
-  std::mutex mu_;  // guards spares_, wanted_, stop_
+  std::mutex mu_;  // guards spares_, wanted_, fresh_, lastUse_, stop_
   std::condition_variable cv_;
   std::multimap<int64_t, Spare> spares_;  // by size in bytes
   std::vector<int64_t> wanted_;           // sizes to keep spares of, newest first
+  std::map<int64_t, Usage> fresh_;        // by size: a new spare's usage
+  std::map<int64_t, double> lastUse_;     // by size: monoSeconds() of its last create
   bool stop_ = false;
 };
 
@@ -476,9 +607,9 @@ std::vector<std::string> ext4MkfsArgs(const std::string& mkfs, const std::string
   // (where mke2fs would pick 1 KiB blocks). mke2fs discards (punches) the
   // fresh file, so it knows the inode tables read as zeros and marks them
   // so: no lazy zeroing of them after mount, and the image stays sparse.
-  return {mkfs,        "-q",      "-F",           "-T", "default", "-b",
-          "4096",      "-m",      "0",            "-O", "^has_journal",
-          "-L",        "dsec-sb", image,          std::to_string(bytes / 1024) + "k"};
+  return {mkfs,           "-q",   "-F",      "-T",  "default",
+          "-b",           "4096", "-m",      "0",   "-O",
+          "^has_journal", "-L",   "dsec-sb", image, std::to_string(bytes / 1024) + "k"};
 }
 
 Result<std::unique_ptr<DiskQuota>> openExt4Quota(const DiskQuotaOptions& opts,

@@ -13,6 +13,12 @@
 // with no spare is formatted inline once, and spares of it are kept from
 // then on. Spares die with the edge's fds: a crash leaves only image files,
 // which the next start removes.
+// A removed sandbox's filesystem that holds little (a few thousand inodes,
+// tens of MiB) is emptied and kept as a spare of its size instead of thrown
+// away: emptying it costs far less than making a new one (copy, a loop
+// device that syncs the image, a mount that reads it back), and a steady
+// create/destroy churn then needs no new filesystem at all. Only what mkfs
+// left may remain: the usage must fall back to a fresh spare's, or it goes.
 // Online growth (EXT4_IOC_RESIZE_FS) would serve every size from one kind of
 // spare but needs CAP_SYS_RESOURCE, which the edge may lack (this dev host
 // does), so spares are per size.
@@ -38,6 +44,16 @@ struct Ext4QuotaOptions {
   int sizesKept = 3;
   // A size that has spares from the start (the API's default disk_mb).
   int64_t initialSize = 1024ll << 20;
+  // Spares per size that removed sandboxes' filesystems may become (0: none,
+  // every removal throws its filesystem away). See Ext4Quota::recycle.
+  int recycledPerSize = 16;
+  // ... and only while it holds at most this much more than a fresh one:
+  // emptying more costs more than a new spare.
+  int64_t recycleMaxInodes = 4096;
+  int64_t recycleMaxBytes = 64ll << 20;
+  // Spares beyond sparesPerSize go once their size has had no create for
+  // this long.
+  double recycledIdleS = 10;
 };
 
 // Needs ext4 in the kernel, mkfs.ext4 (e2fsprogs) and /dev/loop-control;
