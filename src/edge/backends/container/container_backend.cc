@@ -388,6 +388,7 @@ Result<ContainerBackend::Agent> ContainerBackend::takeAgent() {
       if (spares_.empty()) break;
       a = std::move(spares_.front());
       spares_.pop_front();
+      lastTake_ = monoSeconds();
     }
     spareCv_.notify_one();
     if (!a.conn->dead()) return a;
@@ -408,6 +409,13 @@ void ContainerBackend::spareLoop() {
     if (spares_.size() >= opts_.spareAgents) {
       spareCv_.wait(lk);
       continue;
+    }
+    if (spares_.size() >= opts_.spareLowWater) {
+      double settled = lastTake_ + opts_.spareSettleS, now = monoSeconds();
+      if (now < settled) {
+        spareCv_.wait_for(lk, std::chrono::duration<double>(settled - now));
+        continue;
+      }
     }
     lk.unlock();
     auto a = spawnAgent();

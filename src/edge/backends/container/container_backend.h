@@ -38,6 +38,12 @@ struct ContainerOptions {
   // Agents cloned ahead of demand (fresh namespaces, waiting for their init
   // frame), so a create skips clone and exec. 0 disables the pool.
   size_t spareAgents = 4;
+  // While at least spareLowWater spares are left, the next one is cloned
+  // only once no spare has been taken for spareSettleS: a new sandbox's
+  // first calls usually follow its create at once, and on a small node the
+  // clone (namespaces, exec, ~30 mounts) would take the CPU from them.
+  size_t spareLowWater = 2;
+  double spareSettleS = 0.02;
   // Disk quota mechanism ("auto", "xfs", "ext4", "btrfs", "tmpfs", "none") and, for btrfs
   // on a non-btrfs host, the pool image and its size (0: the free space).
   std::string diskQuota = "auto";
@@ -99,9 +105,10 @@ class ContainerBackend : public Backend {
   Result<Agent> takeAgent();
   void spareLoop();
 
-  std::mutex spareMu_;  // guards spares_, stopSpares_
+  std::mutex spareMu_;  // guards spares_, lastTake_, stopSpares_
   std::condition_variable spareCv_;
   std::deque<Agent> spares_;
+  double lastTake_ = 0;  // monoSeconds() of the last take
   bool stopSpares_ = false;
   std::thread spareThread_;
 
