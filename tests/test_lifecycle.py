@@ -94,3 +94,31 @@ def test_restart_after_the_node_lost_its_sandboxes_marks_them_lost_and_removes_l
     assert not mounts_containing(str(s.data_dir))
     assert wait_until(lambda: not loop_devices_backed_by(str(s.data_dir)), 5), \
         loop_devices_backed_by(str(s.data_dir))
+
+
+@pytest.mark.parametrize("quota", ["none", "auto"])
+def test_sandboxes_without_user_namespaces_under_a_tmp_data_dir(tmp_path_factory, server, quota):
+    """`--userns off` (a node without idmapped mounts runs so): spare agents
+    stage /proc, /sys and /dev in a directory of the edge's own, so a data
+    dir under /tmp (pytest's is) stays visible to them. Staging on a tmpfs
+    over /tmp hid it, and every create failed with ENOENT."""
+    _check_prerequisites()
+    s = Server(tmp_path_factory.mktemp("nouserns") / "data",
+               extra_args=["--userns", "off", "--disk-quota", quota])
+    assert str(s.data_dir).startswith("/tmp/"), s.data_dir
+    s.data_dir.mkdir()
+    s.start()
+    try:
+        s.import_image("busybox:latest", Path(os.environ.get(
+            "DSEC_IMAGE_CACHE", "/var/cache/dsec/test-images")) / "busybox.tar")
+        status, _, _, node = s.raw("GET", "/v1/node")
+        assert status == 200 and not node["userns"]["enabled"], node
+        for _ in range(3):  # spares cloned at start and after
+            sb = s.client.create("busybox:latest")
+            r = sb.exec("id -u; cat /proc/1/comm; ls /dev/null /sys/kernel >/dev/null && echo ok")
+            assert r.exit_code == 0 and r.stdout.split() == ["0", "dsec-aether", "ok"], \
+                (r.stdout, r.stderr)
+            sb.destroy()
+    finally:
+        s.stop()
+    assert not mounts_containing(str(s.data_dir))

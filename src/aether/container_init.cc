@@ -76,6 +76,9 @@ Status mountOverlay(const RootfsConfig& r) {
   // mount(2) takes at most one page of options. Many layers exceed it, so
   // (like Docker) name the lower layers relative to their common directory
   // and mount from inside it.
+  // The working directory is given back afterwards: prestage's staged
+  // mounts may be named relative to it.
+  UniqueFd cwd(::open(".", O_PATH | O_DIRECTORY | O_CLOEXEC));
   if (opts.size() >= 4000) {
     std::string dir = commonDir(r.lower);
     if (dir.empty() || ::chdir(dir.c_str()) < 0) {
@@ -90,7 +93,7 @@ Status mountOverlay(const RootfsConfig& r) {
   // the usable ones live on the separate /dev tmpfs.
   Status st =
       mountOrError("overlay", r.target, "overlay", MS_NODEV, opts.c_str(), "mount overlay");
-  if (::chdir("/") < 0) return sysError("chdir /");
+  if (cwd ? ::fchdir(cwd.get()) < 0 : ::chdir("/") < 0) return sysError("chdir back");
   return st;
 }
 
@@ -367,22 +370,21 @@ Status setupContainer(const InitConfig& config, int rootfsFd, const std::string&
   return Status::ok();
 }
 
-Result<std::string> prestage() {
+Result<std::string> prestage(const std::string& stageDir) {
   if (::mount(nullptr, "/", nullptr, MS_REC | MS_SLAVE, nullptr) < 0) {
     return sysError("make / slave");
   }
   // Private (its parent is a slave): nothing mounted beneath it propagates.
-  RETURN_IF_ERROR(mountOrError("tmpfs", kStageDir, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
+  RETURN_IF_ERROR(mountOrError("tmpfs", stageDir, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
                                "mode=700,size=64k", "mount stage"));
-  std::string root = kStageDir;
-  Status st = mountKernelFs(root);
+  Status st = mountKernelFs(stageDir);
   if (st.isOk()) st = bringUpInterface("lo");  // the sandbox's own network namespace
   if (!st.isOk()) {
     // Half-staged mounts go with the stage; init mounts them afresh.
-    (void)::umount2(kStageDir, MNT_DETACH);
+    (void)::umount2(stageDir.c_str(), MNT_DETACH);
     return st;
   }
-  return root;
+  return stageDir;
 }
 
 }  // namespace dsec::aether

@@ -64,11 +64,14 @@ Status setupContainer(const InitConfig& config, int rootfsFd = -1,
 // --prestage`): makes every mount slave (host mounts, such as layers mounted
 // later, still arrive; none of ours leaves) and mounts the sandbox's /proc,
 // /sys and /dev, with their masked and read-only paths, on a private tmpfs
-// over kStageDir in the agent's own mount namespace; brings lo up. Returns the staging
-// directory for setupContainer. Needs its own mount, pid and net namespaces
-// (the edge's clone gives them), as the same mounts at init would.
+// over `stageDir` (relative: to the working directory) in the agent's own
+// mount namespace; brings lo up. Returns the staging directory for
+// setupContainer. Needs its own mount, pid and net namespaces (the edge's
+// clone gives them), as the same mounts at init would. The tmpfs hides
+// whatever lies under `stageDir` from the agent, so the edge names an empty
+// directory of its own (never one above its data directory, such as /tmp).
 constexpr const char* kStageDir = "/tmp";
-Result<std::string> prestage();
+Result<std::string> prestage(const std::string& stageDir = kStageDir);
 
 // Sets the IFF_UP flag of interface `name` through SIOCSIFFLAGS.
 Status bringUpInterface(const char* name);

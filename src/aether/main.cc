@@ -124,15 +124,20 @@ int realMain(int argc, char** argv) {
   if (::getpid() == 1 && argc >= 1 && std::string_view(argv[0]) == "/init") return guestMain();
   bool no_init = false;
   bool prestaged = false;
+  std::string stage_dir = kStageDir;
   for (int i = 1; i < argc; ++i) {
     std::string_view a = argv[i];
     if (a == "--no-init") {
       no_init = true;
     } else if (a == "--prestage") {
       prestaged = true;
+    } else if (a.substr(0, 11) == "--prestage=" && a.size() > 11) {
+      prestaged = true;
+      stage_dir = std::string(a.substr(11));
     } else {
       std::fprintf(stderr,
-                   "usage: dsec-aether [--no-init | --prestage]\n  (the connection is fd 3)\n");
+                   "usage: dsec-aether [--no-init | --prestage[=DIR]]\n  (the connection is fd "
+                   "3)\n");
       return 2;
     }
   }
@@ -184,10 +189,10 @@ int realMain(int argc, char** argv) {
   if (!no_init) {
     // A spare (container backend): what does not depend on the sandbox is
     // done before the edge hands it one. If that fails (a host without
-    // kStageDir, say), init does it all as without --prestage.
+    // its stage directory, say), init does it all as without --prestage.
     std::string staged;
     if (prestaged) {
-      Result<std::string> r = prestage();
+      Result<std::string> r = prestage(stage_dir);
       if (r.isOk()) {
         staged = *r;
       } else {

@@ -47,6 +47,7 @@ constexpr int kExitExecFd = 122;
 constexpr int kExitCloseRange = 123;
 constexpr int kExitExec = 124;
 constexpr int kExitUserns = 125;
+constexpr int kExitChdir = 126;
 // In user namespace mode: the close-on-exec status pipe's write end in the
 // child; EOF on it tells the edge the child exec'd.
 constexpr int kStatusFd = 5;
@@ -60,6 +61,8 @@ const char* childFailure(int code) {
     case kExitExec: return "execveat of the sealed agent binary failed (vm.memfd_noexec?)";
     case kExitUserns:
       return "could not become root of its user namespace";
+    case kExitChdir:
+      return "could not enter the sandbox root";
   }
   return "exited early";
 }
@@ -102,12 +105,14 @@ struct ChildArgs {
   // User namespace mode only (else -1/null). goFd: read end of a pipe the
   // edge writes a byte to once the child's uid/gid maps are in place.
   // statusFd (high, close-on-exec): write end the child reports a failure's
-  // exit code on; EOF without a byte means it exec'd. workDir: the sandbox
-  // root, entered while the child still has host root's file access (the
-  // path is 0700 root), so aether reaches its sandbox's dir relative to it.
+  // exit code on; EOF without a byte means it exec'd.
   int goFd = -1;
   int goWriteFd = -1;  // the edge's end, closed first so the edge's death is EOF
   int statusFd = -1;
+  // The sandbox root, the child's working directory: its stage directory
+  // lies in it, and in user namespace mode it is entered while the child
+  // still has host root's file access (the path is 0700 root), so aether
+  // reaches its sandbox's dir relative to it.
   const char* workDir = nullptr;
 };
 
@@ -144,6 +149,8 @@ int childMain(void* p) {
         syscall(SYS_setresuid, 0, 0, 0) != 0) {
       childFail(status, kExitUserns);
     }
+  } else if (chdir(a->workDir) != 0) {
+    childFail(status, kExitChdir);
   }
   if (dup2(a->devNull, 0) < 0 || dup2(a->devNull, 1) < 0) childFail(status, kExitStdio);
   // dup2 onto itself would keep CLOEXEC; the agent must inherit fd 3.
@@ -208,6 +215,10 @@ std::vector<std::string> sandboxDirs(const std::string& root) {
   }
   return names;
 }
+
+// Where spare agents stage /proc, /sys and /dev: a directory in the sandbox
+// root that no sandbox is named after (ids start with "sb-").
+#define DSEC_STAGE_DIR ".stage"
 
 // The sandbox agent's reattach descriptor (aether/main.cc).
 constexpr int kAgentReattachFd = 9;
@@ -276,6 +287,9 @@ Result<std::unique_ptr<ContainerBackend>> ContainerBackend::make(ContainerOption
   mode_t rootMode = b->userns_ ? 0711 : 0700;
   if (::chmod(opts.sandboxRoot.c_str(), rootMode) != 0)
     return sysError("chmod " + opts.sandboxRoot);
+  // The spares' stage (prestage), in the quota's root when it mounts one.
+  std::string stage = opts.sandboxRoot + "/" DSEC_STAGE_DIR;
+  if (::mkdir(stage.c_str(), 0700) != 0 && errno != EEXIST) return sysError("mkdir " + stage);
   // One spawn up front, so a broken aether fails start-up, not the first create.
   ASSIGN_OR_RETURN(Agent probe, b->spawnAgent());
   b->spares_.push_back(std::move(probe));
@@ -299,12 +313,16 @@ Result<ContainerBackend::Agent> ContainerBackend::spawnAgent() {
   if (!devNull) return sysError("open /dev/null");
   static char arg0[] = "dsec-aether";
   // The agent mounts its sandbox's /proc, /sys and /dev while it waits to be
-  // taken (aether/container_init.h: prestage).
-  static char arg1[] = "--prestage";
+  // taken (aether/container_init.h: prestage), on a tmpfs over the empty
+  // kStageDir in its working directory, the sandbox root: a directory of
+  // ours, so the tmpfs hides nothing the agent needs (over /tmp it hid a
+  // data directory under /tmp).
+  static char arg1[] = "--prestage=" DSEC_STAGE_DIR;
   char* argv[] = {arg0, arg1, nullptr};
   static char env0[] = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
   char* envp[] = {env0, nullptr};
   ChildArgs args{theirs.get(), aetherMemfd_.get(), devNull.get(), argv, envp};
+  args.workDir = opts_.sandboxRoot.c_str();
   // User namespace mode: the go pipe (edge -> child) and the status pipe
   // (child -> edge), see ChildArgs.
   UniqueFd goRd, goWr, statusRd, statusWr;
@@ -321,7 +339,6 @@ Result<ContainerBackend::Agent> ContainerBackend::spawnAgent() {
     args.goFd = goRd.get();
     args.goWriteFd = goWr.get();
     args.statusFd = statusWr.get();
-    args.workDir = opts_.sandboxRoot.c_str();
   }
   alignas(16) static thread_local char stack[kChildStackSize];
   int pidfd = -1;
