@@ -201,7 +201,10 @@ std::vector<std::string> Edge::adoptedIds() const {
 }
 
 void Edge::adoptAll(std::vector<SandboxState> live) {
-  if (live.empty()) return;
+  if (live.empty()) {
+    removeEgressLeftovers({});
+    return;
+  }
   double t0 = monoSeconds();
   bool anyEgress = false;
   for (auto& s : live) {
@@ -252,12 +255,15 @@ void Edge::adoptAll(std::vector<SandboxState> live) {
   // The adopted sandboxes that had a path out keep it (their veths outlived
   // the edge, and so did the nftables table, replaced here); every other
   // veth of this edge is an orphan.
+  // Without those, what an earlier edge of ours set up for egress goes, as
+  // no later stop would remove it (this edge starts the path on demand).
+  if (!anyEgress || !filter_) {
+    auto ids = adoptedIds();
+    anyEgress = !removeEgressLeftovers({ids.begin(), ids.end()});
+  }
   if (anyEgress && filter_) {
     std::lock_guard lk(egressMu_);
-    EgressNetConfig c;
-    c.subnet = opts_.egressSubnet;
-    c.enableNat = opts_.egressNat;
-    c.tag = egressTag();
+    EgressNetConfig c = egressConfig();
     auto net = EgressNet::start(c);
     if (!net.isOk()) {
       log::error("adopt: egress path: " + net.status().toString());
@@ -495,11 +501,7 @@ Status Edge::setEgress(const std::string& id, const std::vector<net::EgressRule>
   if (!rules.empty()) {
     std::lock_guard lk(egressMu_);
     if (!egressNet_) {
-      EgressNetConfig c;
-      c.subnet = opts_.egressSubnet;
-      c.enableNat = opts_.egressNat;
-      c.tag = egressTag();
-      ASSIGN_OR_RETURN(egressNet_, EgressNet::start(c));
+      ASSIGN_OR_RETURN(egressNet_, EgressNet::start(egressConfig()));
       auto live = sandboxIds();
       if (int n = egressNet_->cleanupOrphans({live.begin(), live.end()}); n > 0) {
         log::warn("egress: removed " + std::to_string(n) + " orphan veth links");
@@ -617,6 +619,18 @@ Status Edge::setLimits(const std::string& id, const CgroupLimits& limits) {
 }
 
 std::string Edge::egressTag() const { return "e" + sha256Hex(opts_.cgroupParent).substr(0, 12); }
+
+EgressNetConfig Edge::egressConfig() const {
+  EgressNetConfig c;
+  c.subnet = opts_.egressSubnet;
+  c.enableNat = opts_.egressNat;
+  c.tag = egressTag();
+  return c;
+}
+
+bool Edge::removeEgressLeftovers(const std::set<std::string>& live) {
+  return EgressNet::removeLeftovers(egressConfig(), live);
+}
 
 std::map<std::string, uint64_t> Edge::egressDenialCounts() {
   std::map<std::string, uint64_t> cgs;

@@ -127,6 +127,10 @@ class Edge : public EdgeLink {
   // Marks this edge's veth aliases ("dsec <tag> <id>") and names its
   // nftables table (dsec_<tag>).
   std::string egressTag() const;
+  EgressNetConfig egressConfig() const;
+  // EgressNet::removeLeftovers for this edge's tag: false when a sandbox in
+  // `live` still has its link (the path must be started for it).
+  bool removeEgressLeftovers(const std::set<std::string>& live);
   // Egress denials of every sandbox that has any (for metrics).
   std::map<std::string, uint64_t> egressDenialCounts();
   // Refused syscalls of every sandbox that has any, as its agent last said.

@@ -294,3 +294,50 @@ def test_egress_is_kept_across_an_edge_crash(tmp_path_factory, outside, server):
     finally:
         if srv.proc.poll() is None:
             srv.stop()
+
+def test_egress_leftovers_go_when_no_restarted_sandbox_needs_them(tmp_path_factory, server):
+    """An edge killed with egress set up (nftables table, a veth), whose
+    sandboxes do not survive it: the next start removes the table and the
+    links at once. It used to keep them (it starts the path only for a
+    sandbox that needs it), and no later stop removed them: one table was
+    left on the host per such run."""
+    import os
+    import signal
+    from pathlib import Path
+
+    from conftest import Server
+    from helpers import aether_pids, edge_cgroup
+    srv = Server(tmp_path_factory.mktemp("egress-left") / "data",
+                 ["--setup-egress", f"{ADDR}:8080"])
+    srv.data_dir.mkdir()
+    srv.start()
+    tables = lambda: subprocess.run(["nft", "list", "tables"], capture_output=True,
+                                    text=True).stdout
+    links = lambda: [line for line in subprocess.run(
+        ["ip", "-o", "link", "show"], capture_output=True, text=True).stdout.splitlines()
+        if f"dsec {srv.egress_tag} " in line]
+    try:
+        srv.import_image("busybox:latest", Path(os.environ.get(
+            "DSEC_IMAGE_CACHE", "/var/cache/dsec/test-images")) / "busybox.tar")
+        sb = srv.client.create("busybox:latest", policy="setup")
+        assert f"dsec_{srv.egress_tag}" in tables() and len(links()) == 1, (tables(), links())
+        agents = aether_pids(edge_cgroup(srv.data_dir))
+        os.kill(srv.proc.pid, signal.SIGKILL)
+        srv.proc.wait(10)
+        for pid in agents:  # the sandbox dies with the node
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        srv._log.close()
+        (srv.data_dir / "up.json").unlink()
+        srv.start()
+        assert srv.client.get(sb.id).state in ("lost", "failed", "stopped")
+        assert f"dsec_{srv.egress_tag}" not in tables(), tables()
+        assert wait_until(lambda: not links(), 10), links()
+        assert srv.stop() == 0
+        assert f"dsec_{srv.egress_tag}" not in tables(), tables()
+    finally:
+        if srv.proc.poll() is None:
+            srv.stop()
+

@@ -119,6 +119,31 @@ Result<std::unique_ptr<EgressNet>> EgressNet::start(const EgressNetConfig& confi
   return net;
 }
 
+bool EgressNet::removeLeftovers(const EgressNetConfig& config,
+                                const std::set<std::string>& liveSandboxIds) {
+  if (!checkTag(config.tag).isOk() || ::access(config.nftPath.c_str(), X_OK) != 0) return true;
+  auto host = Rtnl::open();
+  if (!host.isOk()) return true;
+  std::unique_ptr<EgressNet> net(new EgressNet(config, std::move(*host)));
+  net->table_ = "dsec_" + config.tag;
+  const std::string prefix = "dsec " + config.tag + " ";
+  if (auto links = net->host_.listLinks(); links.isOk()) {
+    for (const Link& link : *links) {
+      if (startsWith(link.alias, prefix) &&
+          liveSandboxIds.count(link.alias.substr(prefix.size()))) {
+        net->stopped_ = true;  // the table stays for start()
+        return false;
+      }
+    }
+  }
+  if (int n = net->cleanupOrphans(liveSandboxIds); n > 0) {
+    log::info("egress: removed " + std::to_string(n) + " links an earlier run left");
+  }
+  // Declare-then-delete in stop(): nothing to do when there is no table.
+  if (Status st = net->stop(); !st.isOk()) log::warn("egress: leftover table: " + st.toString());
+  return true;
+}
+
 EgressNet::~EgressNet() {
   Status st = stop();
   if (!st.isOk()) log::warn("egress: " + st.toString());

@@ -66,6 +66,15 @@ class EgressNet {
   // previous run of the same tag left, in the same transaction). Errors of the
   // sysctl write and of nft (its stderr in the message) as they come.
   static Result<std::unique_ptr<EgressNet>> start(const EgressNetConfig& config);
+  // What a run of the same tag that died with egress set up left, when the
+  // edge starting now has no use for it: its host links (aliases "dsec <tag>
+  // <id>") and its nftables table. Does nothing (returns false) if one of
+  // those links belongs to a sandbox in `liveSandboxIds`: the caller then
+  // start()s, which replaces the table and keeps that link. True when
+  // nothing of the tag is left (or there was nothing to remove); errors are
+  // logged, and a host without nft or netlink has nothing to remove.
+  static bool removeLeftovers(const EgressNetConfig& config,
+                              const std::set<std::string>& liveSandboxIds);
   // stop(), errors ignored.
   ~EgressNet();
   EgressNet(const EgressNet&) = delete;
