@@ -121,6 +121,48 @@ def test_exec_timeout_kills_the_guest_process(vm):
 def test_output_is_capped(vm):
     r = vm.exec("head -c 3000000 /dev/zero | tr '\\0' x", max_output_bytes=100000)
     assert r.truncated and len(r.stdout) == 100000, (r.truncated, len(r.stdout))
+    # exactly the cap is not truncated; a last line after a pause is not lost
+    r = vm.exec("head -c 4096 /dev/zero | tr '\\0' y; sleep 0.5; echo; echo end >&2",
+                max_output_bytes=4097)
+    assert not r.truncated and r.stdout == "y" * 4096 + "\n" and r.stderr == "end\n", r.raw
+
+
+def test_an_output_flood_stays_bounded_in_the_guest(vm):
+    """`yes` writes as fast as it can for 20 s: the guest keeps at most the
+    cap (plus one byte) of it per stream, and the rest is drained, not
+    stored; the command is neither blocked nor failed by the cap (it runs
+    until its timeout), as in a container."""
+    import threading
+    cap = 65536
+    done = {}
+    t = threading.Thread(target=lambda: done.setdefault(
+        "r", vm.exec("yes flood", timeout=20, max_output_bytes=cap)))
+    t.start()
+    sizes = []
+    try:
+        # while it floods, the files it writes to hold no more than the cap
+        assert wait_until(lambda: vm.exec("grep -lx yes /proc/[0-9]*/comm").exit_code == 0 or
+                          not t.is_alive(), 120)
+        for _ in range(5):
+            if not t.is_alive():
+                break
+            out = vm.exec("stat -c %s /run/dsec-exec/*.out 2>/dev/null; "
+                          "df -k --output=used /run | tail -1").stdout.split()
+            sizes.append(out)
+            for n in out[:-1]:
+                assert int(n) <= cap + 1, out
+            time.sleep(1)
+    finally:
+        t.join(120)
+    r = done["r"]
+    assert r.timed_out and r.truncated and r.stdout == "flood\n" * (cap // 6) + "flood\n"[:cap % 6], \
+        (r.raw, len(r.stdout))
+    assert sizes, "the flood ended before it could be measured"
+    print(f"guest files during the flood (bytes..., /run used KiB): {sizes}")
+    # and nothing of it is left in the guest (but the listing exec's own files)
+    assert wait_until(lambda: vm.exec("ls /run/dsec-exec | sed 's/[.].*//' | sort -u | wc -l")
+                      .stdout.strip() == "1", 30)
+    assert vm.exec("grep -lx yes /proc/[0-9]*/comm").exit_code != 0
 
 
 def test_files_through_the_guest_agent(vm):
