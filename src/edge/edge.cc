@@ -111,6 +111,7 @@ Result<std::unique_ptr<Edge>> Edge::start(EdgeOptions opts) {
     mo.logDir = e->opts_.dataDir + "/microvm-logs";
     mo.bootTimeoutS = e->opts_.microvmBootTimeoutS;
     mo.accel = e->opts_.microvmAccel;
+    mo.agentChannel = e->opts_.microvmAgentChannel;
     e->microvm_ = probeMicroVm(mo);
     if (e->microvm_.available) {
       ASSIGN_OR_RETURN(auto vm, MicroVmBackend::make(mo, e->microvm_, e->cgroups_.get(),

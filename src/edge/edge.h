@@ -67,6 +67,9 @@ struct EdgeOptions {
   std::string qemuPath = "qemu-system-x86_64";
   double microvmBootTimeoutS = 120;
   std::string microvmAccel = "auto";
+  // The microvm agent channel: "auto" (vsock where /dev/vhost-vsock opens,
+  // else virtio-serial), "vsock" or "virtio-serial".
+  std::string microvmAgentChannel = "auto";
   // The vm backend (docs/vm.md): QEMU as above, qemu-img, the deadline for
   // qemu-guest-agent to answer after QEMU starts; the accelerator is
   // microvmAccel's choice.
