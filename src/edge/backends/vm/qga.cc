@@ -35,14 +35,18 @@ constexpr int64_t kTailChunk = 65536;  // bytes per guest-file-read
 // (not the command's child: started from a subshell that exits) keeps the
 // first $1 bytes in TAG.out / TAG.err and drains the rest to /dev/null, so
 // that a flood costs the guest no more than that and the command neither
-// blocks nor sees an error past the cap (as in a container). Each reader
-// marks its end (TAG.od, TAG.ed) once every writer has closed. The shell
-// execs the command: its pid and process group stay the command's.
+// blocks nor sees an error past the cap (as in a container). GNU head writes
+// through stdio, which holds a file's output until 4 KiB or the end: stdbuf
+// -o0 makes each read a write at once (busybox head writes unbuffered, and
+// has no stdbuf). Each reader marks its end (TAG.od, TAG.ed) once every
+// writer has closed. The shell execs the command: its pid and process group
+// stay the command's.
 constexpr const char* kExecWrapper = R"(d=/run/dsec-exec t=$0 n=$1
 shift
 mkdir -p "$d" && mkfifo -m 600 "$d/$t.o" "$d/$t.e" || exit 126
-( { head -c "$n"; cat >/dev/null; : >"$d/$t.od"; } <"$d/$t.o" >"$d/$t.out" 2>/dev/null &
-  { head -c "$n"; cat >/dev/null; : >"$d/$t.ed"; } <"$d/$t.e" >"$d/$t.err" 2>/dev/null & )
+keep() { stdbuf -o0 head -c "$n" 2>/dev/null || head -c "$n"; cat >/dev/null; : >"$1"; }
+( keep "$d/$t.od" <"$d/$t.o" >"$d/$t.out" 2>/dev/null &
+  keep "$d/$t.ed" <"$d/$t.e" >"$d/$t.err" 2>/dev/null & )
 exec "$@" >"$d/$t.o" 2>"$d/$t.e")";
 // After the command's exit ($0 the tag): until both readers are done, for
 // at most ~2 s. A background process the command left holding its output

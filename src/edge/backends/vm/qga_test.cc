@@ -195,9 +195,12 @@ TEST_F(QgaBridgeTest, ExecWrapsTimeoutAndCwdAndReportsOutputThenExit) {
   ASSERT_GE(a.size(), 4u);
   EXPECT_EQ(a[0], "-c");
   EXPECT_NE(a[1].find("mkfifo -m 600 \"$d/$t.o\" \"$d/$t.e\""), std::string::npos) << a[1];
-  EXPECT_NE(
-      a[1].find("{ head -c \"$n\"; cat >/dev/null; : >\"$d/$t.od\"; } <\"$d/$t.o\" >\"$d/$t.out\""),
-      std::string::npos)
+  EXPECT_NE(a[1].find("keep() { stdbuf -o0 head -c \"$n\" 2>/dev/null || head -c \"$n\"; "
+                      "cat >/dev/null; : >\"$1\"; }"),
+            std::string::npos)
+      << a[1];
+  EXPECT_NE(a[1].find("keep \"$d/$t.od\" <\"$d/$t.o\" >\"$d/$t.out\" 2>/dev/null &"),
+            std::string::npos)
       << a[1];
   EXPECT_TRUE(a[1].ends_with("\nexec \"$@\" >\"$d/$t.o\" 2>\"$d/$t.e\"")) << a[1];
   EXPECT_EQ(a[2].size(), 16u);  // the exec's tag: its files' names
