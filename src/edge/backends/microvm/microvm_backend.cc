@@ -249,9 +249,17 @@ Result<UniqueFd> connectAgent(const MicroVmInstance& inst) {
 }
 
 // Connects to the VM's agent again and sends reattach: the guest's relay
-// saw the previous host go and waits for it. Until its hello.
+// saw the previous host go and waits for it. Until its hello. A vsock
+// connect is retried until the deadline: a guest just continued (a restore)
+// answers it only once it runs again.
 Status reattach(MicroVmInstance& inst, Reactor* reactor, double deadline) {
-  ASSIGN_OR_RETURN(UniqueFd sock, connectAgent(inst));
+  auto s = connectAgent(inst);
+  while (!s.isOk() && inst.cid_ != 0 && monoSeconds() < deadline) {
+    ::usleep(50000);
+    s = connectAgent(inst);
+  }
+  if (!s.isOk()) return s.status();
+  UniqueFd sock = std::move(*s);
   auto conn = std::make_shared<AgentConn>(std::move(sock), "vm-" + inst.id_);
   RETURN_IF_ERROR(reactor->add(conn));
   inst.setConn(conn);
