@@ -256,6 +256,7 @@ def test_zz_a_failed_restore_marks_the_vm_failed_and_keeps_its_console_log(srv, 
     fails, the sandbox is failed with the reason, its console log (every
     run's) kept, and nothing else of it is left."""
     s = srv
+    vm = s.client.get(vm.id)  # the server was restarted meanwhile (new port, new client)
     vm.pause(memory="disk")
     state = _vm_dir(s, vm.id) / "memory.state"
     data = state.read_bytes()
