@@ -15,15 +15,15 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
 import dsec
 from conftest import Server
-from helpers import (edge_cgroup, expect_error, proc_rss_kb, qemu_pids, require_backend,
-                     require_qemu, sandbox_cgroup_dirs, start_vm_server, vm_dirs, wait_until)
+from helpers import (edge_cgroup, expect_error, pause_to_disk, proc_rss_kb, qemu_pids,
+                     require_backend, require_qemu, resume_from_disk, sandbox_cgroup_dirs,
+                     start_vm_server, vm_dirs, wait_until)
 from outside_host import ADDR, GREETING, OTHER_ADDR, OutsideHost
 
 BUSYBOX_TAR = Path(os.environ.get("DSEC_IMAGE_CACHE", "/var/cache/dsec/test-images")) / "busybox.tar"
@@ -133,28 +133,14 @@ def test_microvm_pause_to_disk_frees_qemu_and_resumes_exactly(srv):
         (pid,) = qemu
         rss_kb = proc_rss_kb(pid)
 
-        t0 = time.monotonic()
-        sb.pause(memory="disk")
-        save_s = time.monotonic() - t0
-        assert sb.info["state"] == "paused" and sb.info["pause_memory"] == "disk", sb.info
-        again = s.client.get(sb.id)
-        assert again.state == "paused" and again.info["pause_memory"] == "disk", again.info
+        save_s = pause_to_disk(s.client, sb)
         # its QEMU is gone, memory and all; the state is a file
         assert not os.path.exists(f"/proc/{pid}")
         assert not _vm_qemu(s, sb.id)
         state = _vm_dir(s, sb.id) / "memory.state"
         size = state.stat().st_size
         assert size > 1 << 20, size
-        # pausing to disk again is a no-op, and so is a RAM pause
-        sb.pause(memory="disk")
-        sb.pause()
-        assert sb.info["pause_memory"] == "disk"
-
-        t0 = time.monotonic()
-        sb.resume()
-        restore_s = time.monotonic() - t0
-        assert sb.info["state"] == "running" and sb.info["pause_memory"] is None, sb.info
-        assert not state.exists()
+        restore_s = resume_from_disk(sb, state)
         print(f"microvm 128 MiB: QEMU RSS before {rss_kb // 1024} MiB; state {size / 1e6:.1f} MB, "
               f"pause to disk {save_s:.2f} s, resume {restore_s:.2f} s")
         r = sb.exec(f"kill -0 {bg} && echo alive; cat /dev/shm/ram.txt /root/disk.txt")

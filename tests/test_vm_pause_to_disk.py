@@ -24,8 +24,9 @@ import pytest
 
 import dsec
 from conftest import Server, unavailable
-from helpers import (edge_cgroup, expect_error, proc_rss_kb, qemu_pids, require_backend,
-                     require_qemu, sandbox_cgroup_dirs, start_vm_server, vm_dirs, wait_until)
+from helpers import (edge_cgroup, pause_to_disk, proc_rss_kb, qemu_pids,
+                     require_backend, require_qemu, resume_from_disk, sandbox_cgroup_dirs,
+                     start_vm_server, vm_dirs, wait_until)
 from outside_host import ADDR, GREETING, OTHER_ADDR, OutsideHost
 
 CACHE = Path(os.environ.get("DSEC_IMAGE_CACHE", "/var/cache/dsec/test-images"))
@@ -138,12 +139,7 @@ def test_pause_to_disk_frees_qemu_and_resumes_exactly(srv, vm, outside):
     (pid,) = _vm_qemu(s, vm.id)
     rss_kb = proc_rss_kb(pid)
 
-    t0 = time.monotonic()
-    vm.pause(memory="disk")
-    save_s = time.monotonic() - t0
-    assert vm.info["state"] == "paused" and vm.info["pause_memory"] == "disk", vm.info
-    again = s.client.get(vm.id)
-    assert again.state == "paused" and again.info["pause_memory"] == "disk", again.info
+    save_s = pause_to_disk(s.client, vm)
     # its QEMU is gone, memory and all (and its netns with its veth); the
     # state is a file beside the overlay
     assert not os.path.exists(f"/proc/{pid}")
@@ -154,16 +150,7 @@ def test_pause_to_disk_frees_qemu_and_resumes_exactly(srv, vm, outside):
     assert (_vm_dir(s, vm.id) / "disk.qcow2").exists()
     if outside is not None:
         assert not _veths(s, vm.id)
-    # pausing to disk again is a no-op, and so is a RAM pause
-    vm.pause(memory="disk")
-    vm.pause()
-    assert vm.info["pause_memory"] == "disk"
-
-    t0 = time.monotonic()
-    vm.resume()
-    restore_s = time.monotonic() - t0
-    assert vm.info["state"] == "running" and vm.info["pause_memory"] is None, vm.info
-    assert not state.exists()
+    restore_s = resume_from_disk(vm, state)
     print(f"vm 384 MiB: QEMU RSS before {rss_kb // 1024} MiB; state {size / 1e6:.1f} MB, "
           f"pause to disk {save_s:.2f} s, resume {restore_s:.2f} s")
     r = vm.exec(f"kill -0 {bg} && echo alive; cat /dev/shm/ram.txt /root/disk.txt")
