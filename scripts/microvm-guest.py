@@ -21,8 +21,10 @@ import sys
 import tempfile
 
 # What the guest needs beyond the built-in drivers, in the kernel's names.
+# vmw_vsock_virtio_transport (with vsock) is loaded only when the host gives
+# the guest a vhost-vsock device for the agent (dsec.vsock=PORT).
 MODULES = ["virtio_mmio", "virtio_pci", "virtio_blk", "virtio_console", "virtio_net", "erofs",
-           "overlay"]
+           "overlay", "vmw_vsock_virtio_transport"]
 
 MAGICS = [  # (magic, decompressor argv) as in the kernel's extract-vmlinux
     (b"\x02\x21\x4c\x18", ["lz4", "-dc"]),

@@ -220,3 +220,32 @@ def require_backend(s, backend: str):
     if not info["available"]:
         s.stop()
         unavailable(f"{backend} backend unavailable here: {info['reason']}")
+
+
+def pause_to_disk(client, sb) -> float:
+    """Pauses VM sandbox `sb` to disk and checks that the answer and the
+    platform's record say so; the seconds the call took."""
+    import time
+    t0 = time.monotonic()
+    sb.pause(memory="disk")
+    took = time.monotonic() - t0
+    assert sb.info["state"] == "paused" and sb.info["pause_memory"] == "disk", sb.info
+    again = client.get(sb.id)
+    assert again.state == "paused" and again.info["pause_memory"] == "disk", again.info
+    return took
+
+
+def resume_from_disk(sb, state) -> float:
+    """For VM sandbox `sb`, paused to disk with its saved state at `state`:
+    pausing to disk again and a RAM pause are no-ops; then resumes it and
+    checks that it runs and the state file is gone. The resume's seconds."""
+    import time
+    sb.pause(memory="disk")
+    sb.pause()
+    assert sb.info["pause_memory"] == "disk"
+    t0 = time.monotonic()
+    sb.resume()
+    took = time.monotonic() - t0
+    assert sb.info["state"] == "running" and sb.info["pause_memory"] is None, sb.info
+    assert not state.exists()
+    return took

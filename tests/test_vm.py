@@ -121,6 +121,48 @@ def test_exec_timeout_kills_the_guest_process(vm):
 def test_output_is_capped(vm):
     r = vm.exec("head -c 3000000 /dev/zero | tr '\\0' x", max_output_bytes=100000)
     assert r.truncated and len(r.stdout) == 100000, (r.truncated, len(r.stdout))
+    # exactly the cap is not truncated; a last line after a pause is not lost
+    r = vm.exec("head -c 4096 /dev/zero | tr '\\0' y; sleep 0.5; echo; echo end >&2",
+                max_output_bytes=4097)
+    assert not r.truncated and r.stdout == "y" * 4096 + "\n" and r.stderr == "end\n", r.raw
+
+
+def test_an_output_flood_stays_bounded_in_the_guest(vm):
+    """`yes` writes as fast as it can for 20 s: the guest keeps at most the
+    cap (plus one byte) of it per stream, and the rest is drained, not
+    stored; the command is neither blocked nor failed by the cap (it runs
+    until its timeout), as in a container."""
+    import threading
+    cap = 65536
+    done = {}
+    t = threading.Thread(target=lambda: done.setdefault(
+        "r", vm.exec("yes flood", timeout=20, max_output_bytes=cap)))
+    t.start()
+    sizes = []
+    try:
+        # while it floods, the files it writes to hold no more than the cap
+        assert wait_until(lambda: vm.exec("grep -lx yes /proc/[0-9]*/comm").exit_code == 0 or
+                          not t.is_alive(), 120)
+        for _ in range(5):
+            if not t.is_alive():
+                break
+            out = vm.exec("stat -c %s /run/dsec-exec/*.out 2>/dev/null; "
+                          "df -k --output=used /run | tail -1").stdout.split()
+            sizes.append(out)
+            for n in out[:-1]:
+                assert int(n) <= cap + 1, out
+            time.sleep(1)
+    finally:
+        t.join(120)
+    r = done["r"]
+    assert r.timed_out and r.truncated and r.stdout == "flood\n" * (cap // 6) + "flood\n"[:cap % 6], \
+        (r.raw, len(r.stdout))
+    assert sizes, "the flood ended before it could be measured"
+    print(f"guest files during the flood (bytes..., /run used KiB): {sizes}")
+    # and nothing of it is left in the guest (but the listing exec's own files)
+    assert wait_until(lambda: vm.exec("ls /run/dsec-exec | sed 's/[.].*//' | sort -u | wc -l")
+                      .stdout.strip() == "1", 30)
+    assert vm.exec("grep -lx yes /proc/[0-9]*/comm").exit_code != 0
 
 
 def test_files_through_the_guest_agent(vm):
@@ -150,9 +192,12 @@ def test_resources_and_no_network(vm):
     assert 350 * 1024 < kb <= 512 * 1024, kb
     links = vm.exec("ls /sys/class/net").stdout.split()
     assert links in ([], ["lo"]), links
-    # the disk is disk_mb (its file system stays the image's size: no growpart here)
+    # the disk is disk_mb, and the root file system was grown to it at boot
+    # (resize2fs through qemu-guest-agent: the image has one ext4 on /dev/vda)
     sectors = int(vm.exec("cat /sys/block/vda/size").stdout)
     assert sectors * 512 == 3072 << 20, sectors
+    size_kb = int(vm.exec("df -k --output=size / | tail -1").stdout)
+    assert size_kb > 2900 << 10, size_kb
 
 
 def test_qemu_runs_confined(vmserver, vm):
@@ -208,6 +253,14 @@ def test_images_and_backends_must_match(vmserver):
                               {"image": "vmdeb:latest", "backend": "vm",
                                "toolkits": ["busybox:latest"]})
     assert status == 400 and doc["error"]["field"] == "toolkits", doc
+    # a disk smaller than the image's (2 GiB) cannot hold it: refused before
+    # anything boots, nothing left
+    before = _vm_dirs(s.data_dir)
+    status, _, _, doc = s.raw("POST", "/v1/sandboxes",
+                              {"image": "vmdeb:latest", "backend": "vm", "disk_mb": 1024})
+    assert status == 400 and doc["error"]["field"] == "disk_mb", doc
+    assert "2048" in doc["error"]["message"], doc
+    assert _vm_dirs(s.data_dir) == before
 
 
 def test_exec_stream_delivers_output_while_the_command_runs(vmserver, vm):
@@ -234,9 +287,10 @@ def test_exec_stream_delivers_output_while_the_command_runs(vmserver, vm):
     out = "".join(d for t, d in seen if t == "stdout")
     assert out == "first\nthird\n", seen
     assert "".join(d for t, d in seen if t == "stderr") == "second\n", seen
-    # the output files of finished execs are gone from the guest (this ls's own two remain)
+    # the output files of finished execs are gone from the guest (this ls's
+    # own remain: its FIFOs and files)
     r = vm.exec("ls -A /run/dsec-exec")
-    assert len(r.stdout.split()) == 2, r.stdout
+    assert len({n.split(".")[0] for n in r.stdout.split()}) == 1, r.stdout
 
 
 # One TCP connect from the guest (bash's /dev/tcp: the test image has no
@@ -266,8 +320,10 @@ def test_egress_by_policy_in_a_vm(vmserver, vm):
     sb = None
     try:
         s.client.create_policy("vm-net-test", egress=[f"{ADDR}:8080"], dns=[ADDR])
-        sb = s.client.create("vmdeb:latest", backend="vm", memory_mb=512, disk_mb=3072,
-                             policy="vm-net-test")
+        # no disk_mb: the image's own size (a second boot of this base: its
+        # size comes from the node's record of it)
+        sb = s.client.create("vmdeb:latest", backend="vm", memory_mb=512, policy="vm-net-test")
+        assert int(sb.exec("cat /sys/block/vda/size").stdout) * 512 == 2048 << 20
         assert sb.exec("ls /sys/class/net").stdout.split() == ["eth0", "lo"]
         assert sb.read_file("/etc/resolv.conf").decode().splitlines()[1] == f"nameserver {ADDR}"
         greeting = "got " + GREETING.decode().strip()

@@ -1,9 +1,10 @@
 """Pause to disk (issue 8 item 6, docs/microvm.md "Pause to disk"): a VM
 sandbox's whole state (RAM and devices) saved to a file on its node, its QEMU
 gone while paused, and restored exactly on resume: background processes,
-RAM-only (tmpfs) files and the agent connection survive. Also across an edge
-crash, on destroy, and when a save or a restore fails; containers get a clear
-refusal.
+RAM-only (tmpfs) files and the agent connection survive, and so does the
+egress of a microvm with a NIC (its restored QEMU's new netns is plumbed
+again). Also across an edge crash, on destroy, and when a save or a restore
+fails; containers get a clear refusal. The vm backend's: test_vm_pause_to_disk.py.
 
 Real QEMU (TCG where the host has no usable KVM): generous timeouts, no
 timing assertions (the times are printed). Skips with the reason printed when
@@ -13,15 +14,17 @@ from __future__ import annotations
 
 import os
 import signal
-import time
+import subprocess
 from pathlib import Path
 
 import pytest
 
 import dsec
 from conftest import Server
-from helpers import (edge_cgroup, expect_error, proc_rss_kb, qemu_pids, require_backend,
-                     require_qemu, sandbox_cgroup_dirs, start_vm_server, vm_dirs, wait_until)
+from helpers import (edge_cgroup, expect_error, pause_to_disk, proc_rss_kb, qemu_pids,
+                     require_backend, require_qemu, resume_from_disk, sandbox_cgroup_dirs,
+                     start_vm_server, vm_dirs, wait_until)
+from outside_host import ADDR, GREETING, OTHER_ADDR, OutsideHost
 
 BUSYBOX_TAR = Path(os.environ.get("DSEC_IMAGE_CACHE", "/var/cache/dsec/test-images")) / "busybox.tar"
 CALL_S = 900  # per call: a TCG boot, save or restore on a loaded host is slow
@@ -130,28 +133,14 @@ def test_microvm_pause_to_disk_frees_qemu_and_resumes_exactly(srv):
         (pid,) = qemu
         rss_kb = proc_rss_kb(pid)
 
-        t0 = time.monotonic()
-        sb.pause(memory="disk")
-        save_s = time.monotonic() - t0
-        assert sb.info["state"] == "paused" and sb.info["pause_memory"] == "disk", sb.info
-        again = s.client.get(sb.id)
-        assert again.state == "paused" and again.info["pause_memory"] == "disk", again.info
+        save_s = pause_to_disk(s.client, sb)
         # its QEMU is gone, memory and all; the state is a file
         assert not os.path.exists(f"/proc/{pid}")
         assert not _vm_qemu(s, sb.id)
         state = _vm_dir(s, sb.id) / "memory.state"
         size = state.stat().st_size
         assert size > 1 << 20, size
-        # pausing to disk again is a no-op, and so is a RAM pause
-        sb.pause(memory="disk")
-        sb.pause()
-        assert sb.info["pause_memory"] == "disk"
-
-        t0 = time.monotonic()
-        sb.resume()
-        restore_s = time.monotonic() - t0
-        assert sb.info["state"] == "running" and sb.info["pause_memory"] is None, sb.info
-        assert not state.exists()
+        restore_s = resume_from_disk(sb, state)
         print(f"microvm 128 MiB: QEMU RSS before {rss_kb // 1024} MiB; state {size / 1e6:.1f} MB, "
               f"pause to disk {save_s:.2f} s, resume {restore_s:.2f} s")
         r = sb.exec(f"kill -0 {bg} && echo alive; cat /dev/shm/ram.txt /root/disk.txt")
@@ -252,3 +241,71 @@ def test_edge_crash_while_paused_to_disk_then_resume(srv):
     assert again.exec("cat /dev/shm/kept").stdout == "kept\n"
     again.destroy()
     _leaves_nothing(s, sb.id)
+
+
+def _greeting(sb, host, port) -> str:
+    """What the outside host's TCP server says to the guest (busybox nc), or
+    nc's error."""
+    r = sb.exec(f"nc -w 3 {host} {port} </dev/null 2>&1", timeout=60)
+    return r.stdout
+
+
+def _veths(s: Server, sid: str) -> list:
+    out = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    return [l for l in out.splitlines() if sid in l and f"dsec {s.egress_tag} " in l]
+
+
+def test_microvm_with_a_nic_keeps_its_egress_across_pause_to_disk(srv):
+    """A microvm created under a policy with egress has a NIC whose traffic
+    is QEMU's, in QEMU's netns, behind the edge's veth and filter. Paused to
+    disk, that QEMU and netns are gone (the veth with them); the restored
+    QEMU's new netns gets a veth again before the guest runs, and the filter
+    (on the sandbox's cgroup) still applies: what was allowed is reachable,
+    what was refused still is. Also after an edge crash while paused."""
+    s = srv
+    if s.egress_unavailable:
+        pytest.skip(f"this node gives no sandbox egress: {s.egress_unavailable}")
+    h = OutsideHost()
+    h.start()
+    sb = None
+    try:
+        s.client.create_policy("hib-net", egress=[f"{ADDR}:8080"])
+        sb = s.client.create("busybox:latest", backend="microvm", cpu=1, memory_mb=128,
+                             disk_mb=64, policy="hib-net")
+        hello = GREETING.decode()
+        assert hello in _greeting(sb, ADDR, 8080)
+        assert len(_veths(s, sb.id)) == 1
+
+        def denied():
+            for host, port in ((ADDR, 8081), (OTHER_ADDR, 8080)):
+                out = _greeting(sb, host, port)
+                assert hello not in out, (host, port, out)
+
+        denied()
+        refused = sb.audit()["egress_denied"]
+        sb.exec("echo kept > /dev/shm/kept")
+        sb.pause(memory="disk")
+        assert not _vm_qemu(s, sb.id) and not _veths(s, sb.id)
+        sb.resume()
+        assert len(_veths(s, sb.id)) == 1
+        assert hello in _greeting(sb, ADDR, 8080)
+        denied()
+        assert sb.audit()["egress_denied"] >= refused + 2
+        assert sb.exec("cat /dev/shm/kept").stdout == "kept\n"
+
+        # across an edge crash while paused to disk
+        sb.pause(memory="disk")
+        _crash(s)
+        start_vm_server(s, CALL_S)
+        sb = s.client.get(sb.id)
+        assert sb.state == "paused" and sb.info["pause_memory"] == "disk", sb.info
+        sb.resume()
+        assert hello in _greeting(sb, ADDR, 8080)
+        denied()
+        assert sb.exec("cat /dev/shm/kept").stdout == "kept\n"
+    finally:
+        if sb is not None:
+            s.client.get(sb.id).destroy()
+        h.stop()
+    _leaves_nothing(s, sb.id)
+    assert not _veths(s, sb.id)

@@ -2,10 +2,11 @@
 
 #include <arpa/inet.h>
 #include <dirent.h>
+#include <fcntl.h>
+#include <linux/vm_sockets.h>
 #include <net/if.h>
 #include <net/route.h>
 #include <netinet/in.h>
-#include <fcntl.h>
 #include <poll.h>
 #include <pthread.h>
 #include <signal.h>
@@ -20,6 +21,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <string>
@@ -62,8 +64,9 @@ Status mountOrFail(const char* src, const std::string& target, const char* type,
 }
 
 // Loads /modules/<name> in /modules/order (dependencies first). Modules the
-// kernel has built in are not in the initramfs at all.
-Status loadModules() {
+// kernel has built in are not in the initramfs at all. The vsock transport
+// only when the host gave the guest a vsock device for the agent.
+Status loadModules(bool vsock) {
   std::string order = readSmall("/modules/order");
   size_t pos = 0;
   while (pos < order.size()) {
@@ -71,6 +74,7 @@ Status loadModules() {
     std::string name = order.substr(pos, nl == std::string::npos ? std::string::npos : nl - pos);
     pos = nl == std::string::npos ? order.size() : nl + 1;
     if (name.empty()) continue;
+    if (!vsock && name.find("vsock") != std::string::npos) continue;
     std::string path = "/modules/" + name;
     UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
     if (!fd) return sysError("open " + path);
@@ -203,7 +207,7 @@ Status setupNet(const std::map<std::string, std::string>& params) {
 }
 
 Status setupGuest(const std::map<std::string, std::string>& params, UniqueFd* upper) {
-  RETURN_IF_ERROR(loadModules());
+  RETURN_IF_ERROR(loadModules(params.count("vsock") > 0));
   int layers = 0;
   if (auto it = params.find("layers"); it != params.end()) layers = std::atoi(it->second.c_str());
   size_t want = 1;
@@ -280,34 +284,99 @@ Status setupGuest(const std::map<std::string, std::string>& params, UniqueFd* up
   return setupNet(params);
 }
 
-// Waits for the host to open the port and send its first frame (init on
-// stream 0): the guest speaks only once the host listens, since what the guest
-// writes while no host is connected is lost.
-Result<proto::Frame> awaitHostFrame(int port) {
+// The guest's end of the agent channel (docs/microvm.md): the virtio-serial
+// port named kPortName, or, where the host gave the guest a vhost-vsock
+// device (dsec.vsock=PORT), a vsock socket listening on PORT. A port is
+// always open and sees a host come and go (POLLHUP while none); a vsock
+// listener accepts one host connection at a time, which closes when that
+// host goes.
+struct HostLink {
+  int fd = -1;        // the port, or the accepted connection (-1: none yet)
+  int listenFd = -1;  // vsock only
+};
+
+// Until a host is there: the port without POLLHUP, or an accepted vsock
+// connection.
+void awaitHost(HostLink& link) {
+  if (link.listenFd < 0) {
+    // Without a host the port polls POLLIN|POLLHUP (a read would return
+    // 0): a host is there once POLLHUP is gone.
+    struct pollfd p = {link.fd, POLLIN, 0};
+    for (;;) {
+      p.revents = 0;
+      int rc = ::poll(&p, 1, 100);
+      if (rc > 0 && (p.revents & POLLIN) && !(p.revents & POLLHUP)) return;
+      if (rc > 0) ::usleep(20000);
+    }
+  }
+  while (link.fd < 0) {
+    int c = ::accept4(link.listenFd, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+    if (c >= 0) {
+      link.fd = c;
+    } else if (errno != EINTR) {
+      ::usleep(20000);
+    }
+  }
+}
+
+// The host went: a vsock connection is closed (the next host is accepted);
+// a port stays, reading 0 until a host is back.
+void letHostGo(HostLink& link) {
+  if (link.listenFd >= 0 && link.fd >= 0) {
+    ::close(link.fd);
+    link.fd = -1;
+  }
+}
+
+// Waits for a host to connect and send its first frame (init on stream 0):
+// the guest speaks only once the host listens, since what the guest writes
+// while no host is connected is lost.
+Result<proto::Frame> awaitHostFrame(HostLink& link) {
   proto::FrameDecoder decoder;
   proto::Frame f;
   char buf[4096];
   while (!decoder.next(f)) {
-    struct pollfd p = {port, POLLIN, 0};
+    if (link.fd < 0) awaitHost(link);
+    struct pollfd p = {link.fd, POLLIN, 0};
     int rc = ::poll(&p, 1, 100);
     if (rc < 0 && errno != EINTR) return sysError("poll port");
     if (rc <= 0 || !(p.revents & POLLIN)) {
-      if (p.revents & POLLHUP) ::usleep(20000);  // no host connected yet
+      if (p.revents & POLLHUP) {
+        letHostGo(link);
+        ::usleep(20000);  // no host connected yet
+      }
       continue;
     }
-    ssize_t n = ::read(port, buf, sizeof buf);
+    ssize_t n = ::read(link.fd, buf, sizeof buf);
     if (n < 0) {
       if (errno == EINTR || errno == EAGAIN) continue;
-      return sysError("read port");
+      if (link.listenFd < 0) return sysError("read port");
     }
-    if (n == 0) {
+    if (n <= 0) {
       decoder = proto::FrameDecoder{};  // the host went away mid-frame
+      letHostGo(link);
       ::usleep(20000);
       continue;
     }
     RETURN_IF_ERROR(decoder.feed(buf, size_t(n)));
   }
   return f;
+}
+
+// A vsock socket listening on `port` for the host (VMADDR_CID_HOST).
+Result<int> listenVsock(unsigned port) {
+  int fd = ::socket(AF_VSOCK, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (fd < 0) return sysError("vsock socket");
+  struct sockaddr_vm addr = {};
+  addr.svm_family = AF_VSOCK;
+  addr.svm_cid = VMADDR_CID_ANY;
+  addr.svm_port = port;
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 || ::listen(fd, 1) != 0) {
+    Status st = sysError("vsock bind/listen port " + std::to_string(port));
+    ::close(fd);
+    return st;
+  }
+  return fd;
 }
 
 bool writeAll(int fd, const char* p, size_t n) {
@@ -328,13 +397,13 @@ bool writeAll(int fd, const char* p, size_t n) {
   return true;
 }
 
-// Copies bytes between the virtio-serial port and the agent's socket. The
-// port sees the host disconnect (POLLHUP, read 0): the relay then closes its
-// end of the socket, which the agent takes for the edge's death (edgeGone:
-// in-flight execs killed, a fresh socket pair, one end on kReattachFd). The
-// relay takes that end once the host is back, and the new edge's reattach
-// frame reaches the agent through it.
-[[noreturn]] void relayLoop(int port, UniqueFd sock) {
+// Copies bytes between the host link (HostLink) and the agent's socket.
+// The link sees the host disconnect (POLLHUP, read 0): the relay then closes
+// its end of the socket, which the agent takes for the edge's death
+// (edgeGone: in-flight execs killed, a fresh socket pair, one end on
+// kReattachFd). The relay takes that end once a host is back, and the new
+// edge's reattach frame reaches the agent through it.
+[[noreturn]] void relayLoop(HostLink link, UniqueFd sock) {
   char buf[65536];
   for (;;) {
     if (!sock) {
@@ -354,17 +423,10 @@ bool writeAll(int fd, const char* p, size_t n) {
       }
       sock.reset(fd);
       say("the agent waits for a reattach; waiting for a host");
-      // Without a host the port polls POLLIN|POLLHUP (a read would return
-      // 0): a host is there once POLLHUP is gone.
-      struct pollfd p = {port, POLLIN, 0};
-      for (;;) {
-        p.revents = 0;
-        int rc = ::poll(&p, 1, 100);
-        if (rc > 0 && (p.revents & POLLIN) && !(p.revents & POLLHUP)) break;
-        if (rc > 0) ::usleep(20000);
-      }
+      awaitHost(link);
       say("a host connected");
     }
+    const int port = link.fd;
     struct pollfd p[2] = {{port, POLLIN, 0}, {sock.get(), POLLIN, 0}};
     if (::poll(p, 2, -1) < 0) continue;
     bool hostGone = false;
@@ -388,6 +450,7 @@ bool writeAll(int fd, const char* p, size_t n) {
       say("the host went away");
       sock.reset();
       // Drain nothing: a disconnected port reads 0 until a host is back.
+      letHostGo(link);
     }
   }
 }
@@ -416,25 +479,35 @@ int guestMain() {
   ::mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, nullptr);
   ::mount("sysfs", "/sys", "sysfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, nullptr);
   auto params = kernelParams();
-  // The port first: a failed set-up is reported over it.
+  // The host link first: a failed set-up is reported over it.
   Status setup = Status::ok();
-  int port = -1;
-  if (Status st = loadModules(); !st.isOk()) setup = st;
-  Result<std::string> portPath = findPort();
-  if (!portPath.isOk()) {
-    say(portPath.status().toString());
-    powerOff();
-  }
-  port = ::open(portPath->c_str(), O_RDWR | O_CLOEXEC | O_NONBLOCK);
-  if (port < 0) {
-    say("open " + *portPath + ": " + std::strerror(errno));
-    powerOff();
+  HostLink link;
+  auto vsockPort = params.find("vsock");
+  if (Status st = loadModules(vsockPort != params.end()); !st.isOk()) setup = st;
+  if (vsockPort != params.end()) {
+    auto fd = listenVsock(unsigned(std::strtoul(vsockPort->second.c_str(), nullptr, 10)));
+    if (!fd.isOk()) {
+      say(fd.status().toString());
+      powerOff();
+    }
+    link.listenFd = *fd;
+  } else {
+    Result<std::string> portPath = findPort();
+    if (!portPath.isOk()) {
+      say(portPath.status().toString());
+      powerOff();
+    }
+    link.fd = ::open(portPath->c_str(), O_RDWR | O_CLOEXEC | O_NONBLOCK);
+    if (link.fd < 0) {
+      say("open " + *portPath + ": " + std::strerror(errno));
+      powerOff();
+    }
   }
   UniqueFd upper;
   if (setup.isOk()) setup = setupGuest(params, &upper);
   if (!setup.isOk()) say(setup.toString());
   else say("root switched; waiting for the host");
-  Result<proto::Frame> first = awaitHostFrame(port);
+  Result<proto::Frame> first = awaitHostFrame(link);
   if (!first.isOk()) {
     say(first.status().toString());
     powerOff();
@@ -445,7 +518,7 @@ int guestMain() {
   if (!setup.isOk()) {
     std::string wire;
     proto::appendFrame(wire, 0, proto::FrameType::kResult, errorJson(setup));
-    writeAll(port, wire.data(), wire.size());
+    writeAll(link.fd, wire.data(), wire.size());
     ::sleep(1);
     powerOff();
   }
@@ -460,7 +533,7 @@ int guestMain() {
     sigset_t all, old;
     sigfillset(&all);
     pthread_sigmask(SIG_BLOCK, &all, &old);
-    std::thread([port, fd = sv[1]] { relayLoop(port, UniqueFd(fd)); }).detach();
+    std::thread([link, fd = sv[1]] { relayLoop(link, UniqueFd(fd)); }).detach();
     pthread_sigmask(SIG_SETMASK, &old, nullptr);
   }
   AgentOptions options;

@@ -392,6 +392,7 @@ int cmdEdge(const ArgGet& get) {
     eo.userns = get("userns", "auto");
     eo.liveRestore = get("live-restore", "no") == "yes";
     eo.microvmAccel = get("microvm-accel", "auto");
+    eo.microvmAgentChannel = get("microvm-agent-channel", "auto");
     eo.lookup = [&agent](const std::string& digest) { return agent.lookupLayer(digest); };
     eo.cache.storeUri = get("blob-store", "");
     if (eo.cache.storeUri.empty()) {

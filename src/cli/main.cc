@@ -91,7 +91,8 @@ const char* kUsage = R"(usage: dsec COMMAND [OPTIONS]
      --microvm-accel auto|kvm|tcg: the microvm backend's accelerator (default auto: KVM
         if a probe guest runs on /dev/kvm, else TCG); --microvm-boot-timeout-s S (default
         120); --microvm-guest-dir DIR (default microvm-guest/ beside dsec-aether);
-        --qemu PATH (default qemu-system-x86_64). See docs/microvm.md
+        --microvm-agent-channel auto|vsock|virtio-serial (default auto: vsock where
+        /dev/vhost-vsock opens); --qemu PATH (default qemu-system-x86_64). See docs/microvm.md
      --vm-boot-timeout-s S: how long a vm sandbox's qemu-guest-agent may take to answer
         after QEMU starts (default 300; one retry); --qemu-img PATH (default qemu-img).
         The vm backend uses --microvm-accel's choice too. See docs/vm.md
@@ -370,6 +371,11 @@ int cmdUp(const Args& a) {
   eo.microvmAccel = a.get("microvm-accel", "auto");
   if (eo.microvmAccel != "auto" && eo.microvmAccel != "kvm" && eo.microvmAccel != "tcg") {
     return die("--microvm-accel must be auto, kvm or tcg");
+  }
+  eo.microvmAgentChannel = a.get("microvm-agent-channel", "auto");
+  if (eo.microvmAgentChannel != "auto" && eo.microvmAgentChannel != "vsock" &&
+      eo.microvmAgentChannel != "virtio-serial") {
+    return die("--microvm-agent-channel must be auto, vsock or virtio-serial");
   }
   if (!a.get("microvm-boot-timeout-s").empty()) {
     eo.microvmBootTimeoutS = std::atof(a.get("microvm-boot-timeout-s").c_str());

@@ -23,6 +23,11 @@ struct SandboxSpec {
   double cpu = 1.0;                 // cores
   int64_t memoryBytes = 512ll << 20;
   int64_t diskBytes = 1ll << 30;
+  // Whether the create asked for diskBytes (disk_mb) rather than taking the
+  // default. Backend vm: a disk image larger than the default gets its own
+  // size, while one larger than what was asked for is refused (field
+  // disk_mb).
+  bool diskExplicit = false;
   int64_t pids = 1024;
   // fncall sandboxes (backends/fncall): the init frame's "fncall" object
   // (docs/agent-protocol.md); empty for a container sandbox.
@@ -152,16 +157,20 @@ class Backend {
     (void)inst, (void)paused, (void)persist;
     return Status(Code::kFailedPrecondition,
                   "pausing to disk is not supported for backend " + name() +
-                      " (backend microvm only)",
+                      " (backends microvm and vm only)",
                   0, "memory");
   }
   // Starts a hibernated sandbox's VM again from its saved state: running,
   // its agent answering, the state file removed; onDeath as for create. A
-  // running sandbox is fine. On error nothing of the new VM runs and the
-  // sandbox cannot be resumed: its console log is kept (the path is in the
-  // error) and the caller destroys it.
-  virtual Status restore(Instance& inst, std::function<void()> onDeath) {
-    (void)inst, (void)onDeath;
+  // running sandbox is fine. `beforeRun` runs once the new VM process exists
+  // (inst.openNetns() reaches its network namespace) and before its guest
+  // runs again: the caller plumbs the sandbox's egress there; its error fails
+  // the restore. On error nothing of the new VM runs and the sandbox cannot
+  // be resumed: its console log is kept (the path is in the error) and the
+  // caller destroys it.
+  virtual Status restore(Instance& inst, std::function<void()> onDeath,
+                         const std::function<Status()>& beforeRun) {
+    (void)inst, (void)onDeath, (void)beforeRun;
     return Status::ok();
   }
   // Removes what is left of a sandbox that could not be adopted: kills its

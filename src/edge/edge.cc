@@ -111,6 +111,7 @@ Result<std::unique_ptr<Edge>> Edge::start(EdgeOptions opts) {
     mo.logDir = e->opts_.dataDir + "/microvm-logs";
     mo.bootTimeoutS = e->opts_.microvmBootTimeoutS;
     mo.accel = e->opts_.microvmAccel;
+    mo.agentChannel = e->opts_.microvmAgentChannel;
     e->microvm_ = probeMicroVm(mo);
     if (e->microvm_.available) {
       ASSIGN_OR_RETURN(auto vm, MicroVmBackend::make(mo, e->microvm_, e->cgroups_.get(),
@@ -498,15 +499,11 @@ Status Edge::setEgress(const std::string& id, const std::vector<net::EgressRule>
                   "this node cannot give sandboxes egress: " + egressWhy_, 0, "egress");
   }
   // Cutting needs only the filter; granting first gives the sandbox a path out.
-  if (!rules.empty()) {
+  // A VM paused to disk has no netns now: its restore plumbs one
+  // (plumbEgress) with the rules recorded below.
+  if (!rules.empty() && !inst->hibernated()) {
     std::lock_guard lk(egressMu_);
-    if (!egressNet_) {
-      ASSIGN_OR_RETURN(egressNet_, EgressNet::start(egressConfig()));
-      auto live = sandboxIds();
-      if (int n = egressNet_->cleanupOrphans({live.begin(), live.end()}); n > 0) {
-        log::warn("egress: removed " + std::to_string(n) + " orphan veth links");
-      }
-    }
+    RETURN_IF_ERROR(startEgressNetLocked());
     // A sandbox re-adopted with no egress at that moment may still have the
     // veth an earlier edge gave it.
     if (!veths_.count(id) && egressNet_->hasLink(id)) veths_.insert(id);
@@ -519,6 +516,37 @@ Status Edge::setEgress(const std::string& id, const std::vector<net::EgressRule>
   }
   RETURN_IF_ERROR(filter_->setRules(cg, rules));
   updateState(id, [&](SandboxState& s) { s.egress = rules; });
+  return Status::ok();
+}
+
+Status Edge::startEgressNetLocked() {
+  if (egressNet_) return Status::ok();
+  ASSIGN_OR_RETURN(egressNet_, EgressNet::start(egressConfig()));
+  auto live = sandboxIds();
+  if (int n = egressNet_->cleanupOrphans({live.begin(), live.end()}); n > 0) {
+    log::warn("egress: removed " + std::to_string(n) + " orphan veth links");
+  }
+  return Status::ok();
+}
+
+Status Edge::plumbEgress(const std::string& id, Instance& inst) {
+  bool granted = false;
+  {
+    std::lock_guard lk(mu_);
+    if (auto it = states_.find(id); it != states_.end()) granted = !it->second.egress.empty();
+  }
+  if (!granted || !inst.hasNetwork() || !filter_) return Status::ok();
+  std::lock_guard lk(egressMu_);
+  RETURN_IF_ERROR(startEgressNetLocked());
+  // The veth of the netns before (one that outlived its QEMU, or that an
+  // earlier edge saw) would hold the name and the /30.
+  if (veths_.erase(id) > 0 || egressNet_->hasLink(id)) {
+    if (Status d = egressNet_->detach(id); !d.isOk()) return d.withContext("egress for " + id);
+  }
+  ASSIGN_OR_RETURN(UniqueFd ns, inst.openNetns());
+  auto att = egressNet_->attach(id, ns.get());
+  if (!att.isOk()) return Status(att.status()).withContext("egress for " + id);
+  veths_.insert(id);
   return Status::ok();
 }
 
@@ -556,8 +584,17 @@ Status Edge::hibernate(const std::string& id) {
     }
     return st;
   }));
-  std::lock_guard lk(mu_);
-  if (sandboxes_.count(id)) paused_.insert(id);
+  {
+    std::lock_guard lk(mu_);
+    if (sandboxes_.count(id)) paused_.insert(id);
+  }
+  // Its netns went with its QEMU; so goes its veth, now rather than with
+  // the netns (a lingering socket can keep that alive). A restore plumbs a
+  // new one.
+  std::lock_guard lk(egressMu_);
+  if (veths_.erase(id) && egressNet_) {
+    if (Status d = egressNet_->detach(id); !d.isOk()) log::warn("egress: " + d.toString());
+  }
   return Status::ok();
 }
 
@@ -571,7 +608,8 @@ Status Edge::pause(const std::string& id, bool paused) {
       std::lock_guard lk(mu_);
       backend = backendOf_[id];
     }
-    Status st = backend->restore(*inst, deathHandlerFor(id));
+    Status st =
+        backend->restore(*inst, deathHandlerFor(id), [&] { return plumbEgress(id, *inst); });
     if (!st.isOk()) {
       // Its saved state would not run again: the sandbox is gone (console
       // log kept, its path in the error), and its owner is told so.

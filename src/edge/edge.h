@@ -67,6 +67,9 @@ struct EdgeOptions {
   std::string qemuPath = "qemu-system-x86_64";
   double microvmBootTimeoutS = 120;
   std::string microvmAccel = "auto";
+  // The microvm agent channel: "auto" (vsock where /dev/vhost-vsock opens,
+  // else virtio-serial), "vsock" or "virtio-serial".
+  std::string microvmAgentChannel = "auto";
   // The vm backend (docs/vm.md): QEMU as above, qemu-img, the deadline for
   // qemu-guest-agent to answer after QEMU starts; the accelerator is
   // microvmAccel's choice.
@@ -181,6 +184,13 @@ class Edge : public EdgeLink {
   // Rewrites a sandbox's state file after `change` (mu_ not held).
   void updateState(const std::string& id, const std::function<void(SandboxState&)>& change);
   void countOrphans(const std::string& kind, int n);
+  // Starts egressNet_ if it is not yet (egressMu_ held).
+  Status startEgressNetLocked();
+  // Gives the sandbox `inst` its veth in its (VM process's) netns now, if
+  // its recorded egress grants any, replacing one a previous netns had: a
+  // VM restored from disk runs in a new netns (docs/microvm.md, "Pause to
+  // disk").
+  Status plumbEgress(const std::string& id, Instance& inst);
 
   EdgeOptions opts_;
   std::unique_ptr<Cgroups> cgroups_;

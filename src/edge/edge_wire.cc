@@ -12,6 +12,7 @@ json toJson(const SandboxSpec& s) {
           {"cpu", s.cpu},
           {"memory_bytes", s.memoryBytes},
           {"disk_bytes", s.diskBytes},
+          {"disk_explicit", s.diskExplicit},
           {"pids", s.pids},
           {"fncall_init", s.fncallInit},
           {"init_policy", s.initPolicy},
@@ -27,6 +28,7 @@ Result<SandboxSpec> specFromJson(const json& j) {
     s.cpu = j.value("cpu", 1.0);
     s.memoryBytes = j.value("memory_bytes", int64_t(512) << 20);
     s.diskBytes = j.value("disk_bytes", int64_t(1) << 30);
+    s.diskExplicit = j.value("disk_explicit", false);
     s.pids = j.value("pids", int64_t(1024));
     s.fncallInit = j.value("fncall_init", "");
     s.initPolicy = j.value("init_policy", "");

@@ -523,6 +523,99 @@ Status awaitQmp(const std::string& dir, int pidfd, double deadline) {
   }
 }
 
+namespace {
+constexpr double kSaveTimeoutS = 600;  // a save or a load of guest RAM (TCG, loaded host)
+}  // namespace
+
+Result<uint64_t> saveToStateFile(const std::string& dir, const std::function<Status()>& persist) {
+  const std::string saved = dir + "/" + kStateFile;
+  const std::string tmp = saved + ".tmp";
+  auto bytes = saveState(dir, tmp, kSaveTimeoutS);
+  if (!bytes.isOk()) return bytes;
+  Status st = Status::ok();
+  if (::rename(tmp.c_str(), saved.c_str()) != 0) st = sysError("rename " + tmp);
+  if (st.isOk()) {
+    if (UniqueFd d(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC)); d) ::fsync(d.get());
+    st = persist();
+  }
+  if (!st.isOk()) {
+    ::unlink(tmp.c_str());
+    ::unlink(saved.c_str());
+    return st;
+  }
+  return bytes;
+}
+
+void endSavedQemu(const std::string& dir, UniqueFd* pidfd, Reactor* reactor,
+                  const std::vector<std::string>& gone) {
+  reactor->unwatchExit(pidfd->get());
+  (void)qmp(dir, "quit");
+  struct pollfd p = {pidfd->get(), POLLIN, 0};
+  ::poll(&p, 1, 5000);
+  killAndWait(pidfd->get());  // reaps it
+  pidfd->reset();
+  for (auto& f : gone) ::unlink((dir + "/" + f).c_str());
+  ::unlink((dir + "/qemu.pid").c_str());
+  appendAndRemove(dir + "/console.log", dir + "/" + kPrevConsole);
+}
+
+Status startFromStateFile(const std::vector<std::string>& args, const std::string& dir,
+                          Cgroups* cgroups, const std::string& id,
+                          const std::vector<std::string>& gone, pid_t* pid, UniqueFd* pidfd,
+                          const std::function<Status()>& beforeRun) {
+  std::vector<std::string> argv = args;
+  argv.push_back("-incoming");
+  argv.push_back("defer");
+  for (auto& f : gone) ::unlink((dir + "/" + f).c_str());
+  ::unlink((dir + "/in.sock").c_str());
+  ASSIGN_OR_RETURN(Process proc, spawnConfined(argv, dir, cgroups, id));
+  *pid = proc.pid;
+  *pidfd = std::move(proc.pidfd);
+  Status st = awaitQmp(dir, pidfd->get(), monoSeconds() + 60);
+  if (st.isOk()) st = loadState(dir, dir + "/" + kStateFile, kSaveTimeoutS);
+  // The guest is loaded and stopped: what it reaches once it runs is set up now.
+  if (st.isOk()) st = beforeRun();
+  if (st.isOk()) st = qmp(dir, "cont").status();
+  if (!st.isOk()) {
+    killAndWait(pidfd->get());
+    pidfd->reset();
+    *pid = -1;
+  }
+  return st;
+}
+
+Status failedRestore(const std::string& id, const std::string& dir, const std::string& kept,
+                     pid_t* pid, UniqueFd* pidfd, const Status& why) {
+  killAndWait(pidfd->get());
+  pidfd->reset();
+  *pid = -1;
+  std::string said = tailFile(dir + "/qemu.log", 400);
+  // Every run's console, in order, is kept for diagnosis.
+  ::unlink(kept.c_str());
+  appendAndRemove(dir + "/" + kPrevConsole, kept);
+  appendAndRemove(dir + "/console.log", kept);
+  return Status(nodeFailure(why.code()),
+                "restore " + id + " from its saved memory failed: " + why.message() +
+                    (said.empty() ? "" : " (QEMU: " + said + ")") + " (console log: " + kept + ")");
+}
+
+Code nodeFailure(Code c) {
+  switch (c) {
+    case Code::kResourceExhausted:
+    case Code::kDeadlineExceeded:
+    case Code::kUnavailable:
+      return c;
+    default:
+      return Code::kInternal;
+  }
+}
+
+std::shared_ptr<AgentConn> hibernatedConn(const std::string& id) {
+  auto c = std::make_shared<AgentConn>(UniqueFd(), "vm-" + id);
+  c->fail(Status(Code::kUnavailable, "sandbox " + id + " is hibernated"));
+  return c;
+}
+
 size_t countInFile(const std::string& path, const std::string& needle) {
   auto text = readFile(path);
   if (!text.isOk() || needle.empty()) return 0;

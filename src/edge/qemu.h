@@ -113,7 +113,7 @@ Status recordAndWatch(const std::string& dir, pid_t pid, int pidfd, Reactor* rea
 Result<UniqueFd> adoptQemu(const SandboxState& state, const std::string& dir,
                            const std::function<Status(int pidfd)>& reconnect);
 
-// Memory snapshots (docs/microvm.md, "Hibernate"). QEMU 7.2 has no `file:`
+// Memory snapshots (docs/microvm.md, "Pause to disk"). QEMU 7.2 has no `file:`
 // migration and `-sandbox on,spawn=deny` refuses `exec:`, so the edge is the
 // other end of a `unix:` migration socket in the VM's directory.
 //
@@ -135,6 +135,53 @@ Status loadState(const std::string& dir, const std::string& statePath, double ti
 // Waits until QEMU's qmp.sock in dir accepts (QEMU opens it early at start),
 // or fails when the process of pidfd exited or the deadline passed.
 Status awaitQmp(const std::string& dir, int pidfd, double deadline);
+
+// Pause to disk, the part both VM backends share (docs/microvm.md, "Pause
+// to disk"). Files of a VM's directory: the saved state, and the console
+// log of the runs before the current one.
+inline constexpr const char* kStateFile = "memory.state";
+inline constexpr const char* kPrevConsole = "console.prev.log";
+
+// Once the guest's agent channel let go: saves the guest (saveState) to
+// dir/memory.state.tmp, renames it to dir/memory.state, fsyncs the
+// directory, then runs `persist` (the node's record says hibernated). On
+// error no state file is left and the guest is stopped: the caller `cont`s
+// it. Returns the bytes saved.
+Result<uint64_t> saveToStateFile(const std::string& dir, const std::function<Status()>& persist);
+
+// After saveToStateFile: QEMU of *pidfd (no longer watched by `reactor`)
+// quits (QMP `quit`, SIGKILL after 5 s) and is reaped, *pidfd reset; the
+// files `gone` of dir (its sockets) and qemu.pid go, and console.log is
+// appended to console.prev.log (a restored QEMU starts a new one).
+void endSavedQemu(const std::string& dir, UniqueFd* pidfd, Reactor* reactor,
+                  const std::vector<std::string>& gone);
+
+// The start of a restore: QEMU of `args` plus `-incoming defer`, spawned as
+// spawnConfined does in the sandbox's cgroup (*pid, *pidfd set at once),
+// dir/memory.state loaded into it, then `beforeRun` (the caller plumbs the
+// new process's netns), then QMP `cont`. The files `gone` of dir (stale
+// sockets) are removed first. On error the new QEMU is killed and *pidfd
+// reset.
+Status startFromStateFile(const std::vector<std::string>& args, const std::string& dir,
+                          Cgroups* cgroups, const std::string& id,
+                          const std::vector<std::string>& gone, pid_t* pid, UniqueFd* pidfd,
+                          const std::function<Status()>& beforeRun);
+
+// After a failed restore of sandbox `id`: its new QEMU (*pidfd) killed
+// and *pidfd reset, *pid -1, the console logs of every run (console.prev.log,
+// then console.log) moved to `kept` (replacing what was there); the error
+// to return, saying why with QEMU's last words and where the log is.
+Status failedRestore(const std::string& id, const std::string& dir, const std::string& kept,
+                     pid_t* pid, UniqueFd* pidfd, const Status& why);
+
+// A failed save or restore is the node's failure, not the caller's: codes
+// that would blame the request (a file's EISDIR is kInvalidArgument) become
+// kInternal; running out of something or of time stays what it is.
+Code nodeFailure(Code c);
+
+// The agent connection of a hibernated VM: none, every call on it fails
+// kUnavailable saying so.
+std::shared_ptr<AgentConn> hibernatedConn(const std::string& id);
 
 // How many times `needle` occurs in the file (0 when unreadable).
 size_t countInFile(const std::string& path, const std::string& needle);

@@ -121,13 +121,14 @@ void Platform::getNode(http::Response& res) {
                                        ? json(nullptr)
                                        : json(edge_->microvm().accelerator)},
                    {"reason", edge_->microvm().reason},
-                   {"agent_channel", "virtio-serial"},
+                   {"agent_channel", edge_->microvm().agentChannel.empty()
+                                         ? json(nullptr)
+                                         : json(edge_->microvm().agentChannel)},
                    {"vhost_vsock", edge_->microvm().vhostVsock}}},
                  {"vm",
                   {{"available", edge_->vm().available},
-                   {"accelerator", edge_->vm().accelerator.empty()
-                                       ? json(nullptr)
-                                       : json(edge_->vm().accelerator)},
+                   {"accelerator", edge_->vm().accelerator.empty() ? json(nullptr)
+                                                                   : json(edge_->vm().accelerator)},
                    {"reason", edge_->vm().reason}}}}},
                {"egress",
                 {{"available", edge_->egressUnavailable().empty()},

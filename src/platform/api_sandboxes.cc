@@ -151,6 +151,7 @@ Result<SandboxRecord> Platform::checkCreate(const json& j) {
     auto disk = getInt(j, "disk_mb", 1024, 16, 1048576);
     if (!disk.isOk()) return (disk.status());
     r.diskMb = *disk;
+    r.diskExplicit = j.contains("disk_mb");
     auto pids = getInt(j, "pids", 1024, 16, 65536);
     if (!pids.isOk()) return (pids.status());
     r.pids = *pids;
@@ -316,6 +317,7 @@ edge::SandboxSpec Platform::edgeSpec(const SandboxRecord& r, const PolicyPlan& p
   spec.cpu = plan.limits.cpu;
   spec.memoryBytes = plan.limits.memoryBytes;
   spec.diskBytes = r.diskMb << 20;
+  spec.diskExplicit = r.diskExplicit;
   spec.pids = plan.limits.pids;
   spec.initPolicy = plan.agentBody;
   spec.pool = r.pool;
@@ -1148,11 +1150,12 @@ void Platform::pauseSandbox(const std::string& id, bool pause, http::Request& re
     auto it = sandboxes_.find(id);
     if (it == sandboxes_.end()) return sendError(res, notFound("sandbox " + id + " not found"));
     const std::string& st = it->second.state;
-    // The VM backends whose whole state can go to a file (vm: not yet).
-    if (toDisk && it->second.backend != "microvm") {
+    // The VM backends, whose whole state can go to a file.
+    if (toDisk && it->second.backend != "microvm" && it->second.backend != "vm") {
       return sendError(res, Status(Code::kFailedPrecondition,
-                                   "memory \"disk\" needs a VM sandbox (backend microvm); "
-                                   "sandbox " + id + " is backend " + it->second.backend,
+                                   "memory \"disk\" needs a VM sandbox (backend microvm or vm); "
+                                   "sandbox " +
+                                       id + " is backend " + it->second.backend,
                                    0, "memory"));
     }
     // Paused to disk already, or paused and asked for RAM: nothing to do. A

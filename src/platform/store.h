@@ -40,6 +40,9 @@ struct SandboxRecord {
   double cpu = 1.0;
   int64_t memoryMb = 512;
   int64_t diskMb = 1024;
+  // Whether the create request named disk_mb (passed to the edge with the
+  // create, SandboxSpec::diskExplicit; not stored).
+  bool diskExplicit = false;
   int64_t pids = 1024;
   int64_t ttlS = 3600;
   // Destroyed after this long without a call (0: never); paused after this

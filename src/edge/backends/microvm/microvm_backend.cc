@@ -3,6 +3,7 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <linux/kvm.h>
+#include <linux/vm_sockets.h>
 #include <poll.h>
 #include <sched.h>
 #include <signal.h>
@@ -17,8 +18,8 @@
 
 #include <atomic>
 #include <cmath>
-#include <mutex>
 #include <cstring>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <utility>
 #include <vector>
@@ -92,6 +93,7 @@ class MicroVmInstance : public Instance {
 
   std::string id_;
   bool network_ = false;  // booted with a NIC (SandboxSpec::network)
+  uint32_t cid_ = 0;      // the guest's vsock CID when the agent channel is vsock, else 0
   int64_t diskBytes_ = 0;
   std::string dir_;
   std::vector<std::string> layers_;
@@ -100,19 +102,15 @@ class MicroVmInstance : public Instance {
   std::shared_ptr<AgentConn> conn_;  // replaced (under connMu_) by a restore
   mutable std::mutex connMu_;
   Cgroups* cgroups_ = nullptr;
-  std::vector<std::string> args_;  // QEMU's command line (qemuArgs)
+  std::vector<std::string> args_;  // QEMU's command line (microvmArgs)
   std::mutex lifeMu_;              // serializes hibernate and restore
   std::atomic<bool> hibernated_{false};
 };
 
-// Files of a VM's directory for hibernation: the saved state, and the
-// console log of the runs before the current one.
-constexpr const char* kStateFile = "memory.state";
-constexpr const char* kPrevConsole = "console.prev.log";
+using qemu::kStateFile;
 // What the guest's relay writes to the console once its agent let go of a
 // host connection and waits for a reattach (src/aether/guest_init.cc).
 constexpr const char* kRelayWaits = "the agent waits for a reattach; waiting for a host";
-constexpr double kSaveTimeoutS = 600;
 constexpr double kRelayTimeoutS = 60;
 
 // Waits this long for each piece of a pack_upper stream (TCG is slow).
@@ -220,37 +218,54 @@ Status MicroVmInstance::exportUpper(const std::string& dest) {
   return st;
 }
 
-// Connects to the VM's agent socket again and sends reattach: the guest's
-// relay saw the previous host go and waits for it. Until its hello.
-Status reattach(MicroVmInstance& inst, Reactor* reactor, double deadline) {
+// The guest's vsock CID is kept in the VM's directory: a restarted edge
+// reconnects (and a restore from disk boots) with the same one.
+constexpr const char* kCidFile = "vsock.cid";
+
+// A vsock connection to `port` of guest `cid`, bounded by timeoutS.
+Result<UniqueFd> connectVsock(uint32_t cid, uint32_t port, double timeoutS) {
+  UniqueFd fd(::socket(AF_VSOCK, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (!fd) return sysError("vsock socket");
+  struct timeval tv = {long(timeoutS), long((timeoutS - double(long(timeoutS))) * 1e6)};
+  ::setsockopt(fd.get(), AF_VSOCK, SO_VM_SOCKETS_CONNECT_TIMEOUT, &tv, sizeof tv);
+  struct sockaddr_vm addr = {};
+  addr.svm_family = AF_VSOCK;
+  addr.svm_cid = cid;
+  addr.svm_port = port;
+  if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+    return sysError("connect vsock " + std::to_string(cid) + ":" + std::to_string(port));
+  }
+  return fd;
+}
+
+// The host's end of the agent channel: the unix socket QEMU serves for the
+// virtio-serial port, or (a vsock CID set) a connection to the guest's vsock
+// listener.
+Result<UniqueFd> connectAgent(const MicroVmInstance& inst) {
+  if (inst.cid_ != 0) return connectVsock(inst.cid_, kAgentVsockPort, 1);
   UniqueFd dirFd(::open(inst.dir_.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
   if (!dirFd) return sysError("open " + inst.dir_);
-  ASSIGN_OR_RETURN(UniqueFd sock, connectUnix(dirFd.get(), "agent.sock"));
+  return connectUnix(dirFd.get(), "agent.sock");
+}
+
+// Connects to the VM's agent again and sends reattach: the guest's relay
+// saw the previous host go and waits for it. Until its hello. A vsock
+// connect is retried until the deadline: a guest just continued (a restore)
+// answers it only once it runs again.
+Status reattach(MicroVmInstance& inst, Reactor* reactor, double deadline) {
+  auto s = connectAgent(inst);
+  while (!s.isOk() && inst.cid_ != 0 && monoSeconds() < deadline) {
+    ::usleep(50000);
+    s = connectAgent(inst);
+  }
+  if (!s.isOk()) return s.status();
+  UniqueFd sock = std::move(*s);
   auto conn = std::make_shared<AgentConn>(std::move(sock), "vm-" + inst.id_);
   RETURN_IF_ERROR(reactor->add(conn));
   inst.setConn(conn);
   // The guest's relay saw the previous host go and waits for this.
   RETURN_IF_ERROR(conn->send(0, proto::FrameType::kReattach, "{}"));
   return awaitHello(*conn, deadline, Code::kUnavailable, "its guest agent did not answer");
-}
-
-// A failed save or restore is the node's failure, not the caller's: codes
-// that would blame the request (a file's EISDIR is kInvalidArgument) are
-// kInternal; running out of something or of time stays what it is.
-Code nodeFailure(Code c) {
-  switch (c) {
-    case Code::kResourceExhausted:
-    case Code::kDeadlineExceeded:
-    case Code::kUnavailable: return c;
-    default: return Code::kInternal;
-  }
-}
-
-// The connection of a hibernated VM's agent: none, every call on it fails.
-std::shared_ptr<AgentConn> deadConn(const std::string& id) {
-  auto c = std::make_shared<AgentConn>(UniqueFd(), "vm-" + id);
-  c->fail(Status(Code::kUnavailable, "sandbox " + id + " is hibernated"));
-  return c;
 }
 
 Status runMkfs(const std::string& image) {
@@ -291,10 +306,38 @@ MicroVmProbe probeMicroVm(const MicroVmOptions& opts) {
   }
   p.accelerator = qemu::chooseAccel(opts.accel, &p.reason);
   if (p.accelerator.empty()) return p;
-  p.available = true;
   UniqueFd vsock(::open("/dev/vhost-vsock", O_RDWR | O_CLOEXEC));
   p.vhostVsock = bool(vsock);
+  std::string why;
+  p.agentChannel = chooseAgentChannel(opts.agentChannel, p.vhostVsock, &why);
+  if (p.agentChannel.empty()) {
+    p.reason = why;
+    return p;
+  }
+  p.reason += "; agent channel " + why;
+  p.available = true;
   return p;
+}
+
+std::string chooseAgentChannel(const std::string& want, bool vhostVsock, std::string* why) {
+  if (want == "virtio-serial") {
+    *why = "virtio-serial as configured";
+    return want;
+  }
+  if (want != "vsock" && want != "auto") {
+    *why = "unknown agent channel '" + want + "' (auto, vsock or virtio-serial)";
+    return "";
+  }
+  if (vhostVsock) {
+    *why = "vsock (/dev/vhost-vsock opened)";
+    return "vsock";
+  }
+  if (want == "vsock") {
+    *why = "vsock required but /dev/vhost-vsock could not be opened";
+    return "";
+  }
+  *why = "virtio-serial (no usable /dev/vhost-vsock)";
+  return "virtio-serial";
 }
 
 struct MicroVmBackend::Boot {
@@ -330,12 +373,13 @@ Result<std::unique_ptr<MicroVmBackend>> MicroVmBackend::make(MicroVmOptions opts
   return b;
 }
 
-std::vector<std::string> MicroVmBackend::qemuArgs(
-    const SandboxSpec& spec, const std::vector<std::pair<std::string, LayerFiles>>& files) const {
+std::vector<std::string> microvmArgs(const MicroVmOptions& opts, const MicroVmProbe& probe,
+                                     const SandboxSpec& spec,
+                                     const std::vector<std::pair<std::string, LayerFiles>>& files,
+                                     uint32_t cid) {
   int vcpus = std::max(1, int(std::ceil(spec.cpu - 1e-9)));
-  std::string accel = probe_.accelerator == "kvm"
-                          ? "kvm"
-                          : "tcg,tb-size=" + std::to_string(kTbSizeMb);
+  std::string accel =
+      probe.accelerator == "kvm" ? "kvm" : "tcg,tb-size=" + std::to_string(kTbSizeMb);
   std::string dataIdx;
   for (size_t i = 0; i < files.size(); ++i) {
     if (files[i].second.data.empty()) continue;
@@ -351,20 +395,33 @@ std::vector<std::string> MicroVmBackend::qemuArgs(
   }
   // Under TCG there is no PIT/HPET to calibrate the TSC against (microvm has
   // neither) and the boot stalls: give the kernel a frequency instead.
-  if (probe_.accelerator != "kvm") append += " tsc_early_khz=2000000";
+  if (probe.accelerator != "kvm") append += " tsc_early_khz=2000000";
+  const bool vsock = cid != 0;  // chosen at create by the probe's agent channel
+  if (vsock) append += " dsec.vsock=" + std::to_string(kAgentVsockPort);
+  // One option and its value per pair.
+  // clang-format off
   std::vector<std::string> args = {
-      probe_.qemu, "-name", spec.id, "-M",
+      probe.qemu, "-name", spec.id, "-M",
       "microvm,x-option-roms=off,isa-serial=on,rtc=on",
-      "-accel", accel, "-cpu", probe_.accelerator == "kvm" ? "host" : "max",
+      "-accel", accel, "-cpu", probe.accelerator == "kvm" ? "host" : "max",
       "-smp", std::to_string(vcpus), "-m", std::to_string(spec.memoryBytes >> 20),
       "-nodefaults", "-no-user-config", "-nographic", "-no-reboot",
       "-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
-      "-kernel", opts_.guestDir + "/vmlinux", "-initrd", opts_.guestDir + "/initramfs.cpio",
+      "-kernel", opts.guestDir + "/vmlinux", "-initrd", opts.guestDir + "/initramfs.cpio",
       "-append", append, "-serial", "file:console.log",
-      "-qmp", "unix:qmp.sock,server=on,wait=off",
-      "-chardev", "socket,id=agent,path=agent.sock,server=on,wait=off",
-      "-device", "virtio-serial-device",
-      "-device", "virtserialport,chardev=agent,name=dsec.agent"};
+      "-qmp", "unix:qmp.sock,server=on,wait=off"};
+  // clang-format on
+  // The agent channel: the guest's vsock listener, reached by its CID
+  // through the host's vhost-vsock, or a virtio-serial port that QEMU serves
+  // as a unix socket.
+  std::vector<std::string> channel =
+      vsock ? std::vector<std::string>{"-device",
+                                       "vhost-vsock-device,guest-cid=" + std::to_string(cid)}
+            : std::vector<std::string>{
+                  "-chardev", "socket,id=agent,path=agent.sock,server=on,wait=off",
+                  "-device",  "virtio-serial-device",
+                  "-device",  "virtserialport,chardev=agent,name=dsec.agent"};
+  args.insert(args.end(), channel.begin(), channel.end());
   auto disk = [&](const std::string& id, const std::string& file, bool ro) {
     args.push_back("-drive");
     args.push_back("id=" + id + ",file=" + file + ",format=raw,if=none,cache=" +
@@ -389,7 +446,7 @@ Status MicroVmBackend::bootOnce(const SandboxSpec& spec, Boot& b, bool* hung) {
   MicroVmInstance& inst = *b.inst;
   const std::string& dir = inst.dir_;
   // argv, all of it made before fork; kept for a restore from hibernation.
-  inst.args_ = qemuArgs(spec, b.files);
+  inst.args_ = microvmArgs(opts_, probe_, spec, b.files, inst.cid_);
   const std::vector<std::string>& args = inst.args_;
   for (const char* f : {"/agent.sock", "/qmp.sock", "/console.log"}) ::unlink((dir + f).c_str());
   ASSIGN_OR_RETURN(qemu::Process proc, qemu::spawnConfined(args, dir, cgroups_, spec.id));
@@ -411,12 +468,11 @@ Status MicroVmBackend::bootOnce(const SandboxSpec& spec, Boot& b, bool* hung) {
     return Status(Code::kInternal, "QEMU exited: " + (why.empty() ? "(no output)" : why) +
                                        " (console log: " + b.consoleLog + ")");
   };
-  // QEMU makes the agent socket as it starts.
-  UniqueFd dirFd(::open(dir.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
-  if (!dirFd) return abandon(sysError("open " + dir));
+  // QEMU makes the agent socket as it starts; a vsock listener is there
+  // once the guest's init made it.
   UniqueFd sock;
   for (;;) {
-    auto s = connectUnix(dirFd.get(), "agent.sock");
+    auto s = connectAgent(inst);
     if (s.isOk()) {
       sock = std::move(*s);
       break;
@@ -424,9 +480,11 @@ Status MicroVmBackend::bootOnce(const SandboxSpec& spec, Boot& b, bool* hung) {
     if (exited(inst.pidfd_.get())) return abandon(qemuFailed());
     if (monoSeconds() > deadline) {
       *hung = true;
-      return abandon(Status(Code::kUnavailable, "QEMU did not open the agent socket"));
+      return abandon(Status(Code::kUnavailable, inst.cid_ != 0
+                                                    ? "the guest's agent never listened on vsock"
+                                                    : "QEMU did not open the agent socket"));
     }
-    ::usleep(5000);
+    ::usleep(inst.cid_ != 0 ? 50000 : 5000);
   }
   inst.conn_ = std::make_shared<AgentConn>(std::move(sock), "vm-" + spec.id);
   if (Status st = reactor_->add(inst.conn_); !st.isOk()) {
@@ -485,6 +543,17 @@ Result<std::unique_ptr<Instance>> MicroVmBackend::create(const SandboxSpec& spec
     return st.withContext("create " + spec.id);
   };
   if (::mkdir(inst->dir_.c_str(), 0700) != 0) return fail(sysError("mkdir " + inst->dir_));
+  if (probe_.agentChannel == "vsock") {
+    // A CID of its own on this host (3 and up; 2^31 of them, so a clash
+    // with another VM is unlikely, and QEMU refuses one in use).
+    uint32_t cid = 0;
+    while (cid < 3) cid = uint32_t(std::strtoul(randomHex(4).c_str(), nullptr, 16) & 0x7fffffff);
+    inst->cid_ = cid;
+    if (Status st = writeFileAtomic(inst->dir_ + "/" + kCidFile, std::to_string(cid) + "\n");
+        !st.isOk()) {
+      return fail(st);
+    }
+  }
   // The writable disk: sparse, disk_mb, ext4 (the guest's upper layer).
   {
     std::string img = inst->dir_ + "/disk.img";
@@ -532,6 +601,9 @@ Result<std::unique_ptr<Instance>> MicroVmBackend::adopt(const SandboxState& stat
   inst->cgroups_ = cgroups_;
   inst->dir_ = opts_.vmRoot + "/" + state.spec.id;
   inst->pid_ = state.pid;
+  if (auto cid = readFile(inst->dir_ + "/" + kCidFile); cid.isOk()) {
+    inst->cid_ = uint32_t(std::strtoul(cid->c_str(), nullptr, 10));
+  }
   auto fail = [&](Status st) -> Status {
     if (inst->conn_) reactor_->remove(inst->conn_);
     for (auto& d : inst->layers_) layers_->release(d);
@@ -549,27 +621,16 @@ Result<std::unique_ptr<Instance>> MicroVmBackend::adopt(const SandboxState& stat
       inst->layers_.push_back(d);
       files.push_back({d, m->files});
     }
-    inst->args_ = qemuArgs(state.spec, files);
+    inst->args_ = microvmArgs(opts_, probe_, state.spec, files, inst->cid_);
     inst->pid_ = -1;
     inst->hibernated_ = true;
-    inst->conn_ = deadConn(state.spec.id);
+    inst->conn_ = qemu::hibernatedConn(state.spec.id);
     return std::unique_ptr<Instance>(std::move(inst));
   }
-  auto pidfd = qemu::adoptQemu(state, inst->dir_, [&](int) -> Status {
-    UniqueFd dirFd(::open(inst->dir_.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
-    if (!dirFd) return sysError("open " + inst->dir_);
-    ASSIGN_OR_RETURN(UniqueFd sock, connectUnix(dirFd.get(), "agent.sock"));
-    inst->conn_ = std::make_shared<AgentConn>(std::move(sock), "vm-" + state.spec.id);
-    if (Status st = reactor_->add(inst->conn_); !st.isOk()) {
-      inst->conn_.reset();
-      return st;
-    }
-    // The guest's relay noticed the old edge go (the port's host side
-    // closed) and passes this on to its agent, which answers with a hello.
-    RETURN_IF_ERROR(inst->conn_->send(0, proto::FrameType::kReattach, "{}"));
-    return awaitHello(*inst->conn_, monoSeconds() + 30, Code::kUnavailable,
-                      "its guest agent did not answer");
-  });
+  // The guest's relay noticed the old edge go (its connection closed) and
+  // passes the reattach on to its agent, which answers with a hello.
+  auto pidfd = qemu::adoptQemu(state, inst->dir_,
+                               [&](int) { return reattach(*inst, reactor_, monoSeconds() + 30); });
   if (!pidfd.isOk()) return fail(pidfd.status());
   inst->pidfd_ = std::move(*pidfd);
   for (auto& d : state.spec.layers) {
@@ -590,16 +651,8 @@ Status MicroVmBackend::hibernate(Instance& base, bool paused,
   auto& inst = static_cast<MicroVmInstance&>(base);
   std::lock_guard life(inst.lifeMu_);
   if (inst.hibernated_) return Status::ok();
-  if (inst.network_) {
-    // A restored QEMU would start in a new network namespace, without the
-    // veth and filter the node gave the first one (docs/microvm.md).
-    return Status(Code::kFailedPrecondition,
-                  "a microvm with a network device cannot be paused to disk yet");
-  }
   const std::string& dir = inst.dir_;
   const std::string console = dir + "/console.log";
-  const std::string saved = dir + "/" + kStateFile;
-  const std::string tmp = saved + ".tmp";
   double t0 = monoSeconds();
   // The guest's agent lets go of this connection first (as when an edge
   // dies), so that the restored guest takes the next edge's reattach: the
@@ -617,14 +670,13 @@ Status MicroVmBackend::hibernate(Instance& base, bool paused,
   // Back as it was: the guest running (stopped again if it was), the agent
   // reattached.
   auto undo = [&](Status st) -> Status {
-    ::unlink(tmp.c_str());
     (void)qemu::qmp(dir, "cont");
     if (Status r = reattach(inst, reactor_, monoSeconds() + opts_.bootTimeoutS); !r.isOk()) {
       log::error("hibernate " + inst.id_ + ": reattaching after a failed save: " + r.toString());
     }
     if (paused) (void)qemu::qmp(dir, "stop");
-    return Status(nodeFailure(st.code()), "hibernate " + inst.id_ + " (it keeps running): " +
-                                              st.message());
+    return Status(qemu::nodeFailure(st.code()),
+                  "hibernate " + inst.id_ + " (it keeps running): " + st.message());
   };
   for (double deadline = monoSeconds() + kRelayTimeoutS;
        qemu::countInFile(console, kRelayWaits) <= waits;) {
@@ -636,26 +688,13 @@ Status MicroVmBackend::hibernate(Instance& base, bool paused,
     ::usleep(20000);
   }
   double t1 = monoSeconds();
-  auto bytes = qemu::saveState(dir, tmp, kSaveTimeoutS);
+  auto bytes = qemu::saveToStateFile(dir, persist);
   if (!bytes.isOk()) return undo(bytes.status());
-  if (::rename(tmp.c_str(), saved.c_str()) != 0) return undo(sysError("rename " + tmp));
-  if (UniqueFd d(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC)); d) ::fsync(d.get());
-  if (Status st = persist(); !st.isOk()) {
-    ::unlink(saved.c_str());
-    return undo(st);
-  }
   // The state file is the sandbox from here on: QEMU goes (its disks were
   // flushed when the migration completed).
   double t2 = monoSeconds();
-  reactor_->unwatchExit(inst.pidfd_.get());
-  (void)qemu::qmp(dir, "quit");
-  struct pollfd p = {inst.pidfd_.get(), POLLIN, 0};
-  ::poll(&p, 1, 5000);
-  killAndWait(inst.pidfd_.get());  // reaps it
-  inst.pidfd_.reset();
+  qemu::endSavedQemu(dir, &inst.pidfd_, reactor_, {"agent.sock", "qmp.sock"});
   inst.pid_ = -1;
-  for (const char* f : {"/agent.sock", "/qmp.sock", "/qemu.pid"}) ::unlink((dir + f).c_str());
-  qemu::appendAndRemove(console, dir + "/" + kPrevConsole);
   inst.hibernated_ = true;
   char msg[256];
   std::snprintf(msg, sizeof msg,
@@ -666,7 +705,8 @@ Status MicroVmBackend::hibernate(Instance& base, bool paused,
   return Status::ok();
 }
 
-Status MicroVmBackend::restore(Instance& base, std::function<void()> onDeath) {
+Status MicroVmBackend::restore(Instance& base, std::function<void()> onDeath,
+                               const std::function<Status()>& beforeRun) {
   auto& inst = static_cast<MicroVmInstance&>(base);
   std::lock_guard life(inst.lifeMu_);
   if (!inst.hibernated_) return Status::ok();
@@ -679,34 +719,16 @@ Status MicroVmBackend::restore(Instance& base, std::function<void()> onDeath) {
       reactor_->remove(c);
       c->fail(Status(Code::kUnavailable, "the restore failed"));
     }
-    killAndWait(inst.pidfd_.get());
-    inst.pidfd_.reset();
-    inst.pid_ = -1;
-    std::string why = qemu::tailFile(dir + "/qemu.log", 400);
-    // Every run's console, in order, is kept for diagnosis.
-    ::unlink(keptLog.c_str());
-    qemu::appendAndRemove(dir + "/" + kPrevConsole, keptLog);
-    qemu::appendAndRemove(dir + "/console.log", keptLog);
-    return Status(nodeFailure(st.code()),
-                  "restore " + inst.id_ + " from its saved memory failed: " + st.message() +
-                      (why.empty() ? "" : " (QEMU: " + why + ")") + " (console log: " + keptLog +
-                      ")");
+    return qemu::failedRestore(inst.id_, dir, keptLog, &inst.pid_, &inst.pidfd_, st);
   };
   if (::access(saved.c_str(), R_OK) != 0) return fail(sysError("its saved state " + saved));
-  std::vector<std::string> args = inst.args_;
-  args.push_back("-incoming");
-  args.push_back("defer");
-  for (const char* f : {"/agent.sock", "/qmp.sock", "/in.sock"}) ::unlink((dir + f).c_str());
-  auto proc = qemu::spawnConfined(args, dir, cgroups_, inst.id_);
-  if (!proc.isOk()) return fail(proc.status());
-  inst.pid_ = proc->pid;
-  inst.pidfd_ = std::move(proc->pidfd);
-  if (Status st = qemu::awaitQmp(dir, inst.pidfd_.get(), monoSeconds() + 60); !st.isOk()) {
+  if (Status st =
+          qemu::startFromStateFile(inst.args_, dir, cgroups_, inst.id_, {"agent.sock", "qmp.sock"},
+                                   &inst.pid_, &inst.pidfd_, beforeRun);
+      !st.isOk()) {
     return fail(st);
   }
-  if (Status st = qemu::loadState(dir, saved, kSaveTimeoutS); !st.isOk()) return fail(st);
   double t1 = monoSeconds();
-  if (Status st = qemu::qmp(dir, "cont").status(); !st.isOk()) return fail(st);
   if (Status st = reattach(inst, reactor_, monoSeconds() + opts_.bootTimeoutS); !st.isOk()) {
     return fail(st);
   }

@@ -36,7 +36,14 @@ struct MicroVmOptions {
   std::string logDir;     // console logs of VMs that failed to boot, kept
   double bootTimeoutS = 120;  // kernel start to the agent's hello (TCG is slow)
   std::string accel = "auto";  // "auto" (probe KVM, else TCG), "kvm" or "tcg"
+  // The agent channel: "auto" (vsock where /dev/vhost-vsock opens, else
+  // virtio-serial), "vsock" or "virtio-serial".
+  std::string agentChannel = "auto";
 };
+
+// The guest port of the agent's vsock listener (dsec.vsock= on the kernel
+// command line).
+inline constexpr uint32_t kAgentVsockPort = 1024;
 
 // What start-up found: whether microvms can run here, on which accelerator,
 // and why not (or how the accelerator was chosen).
@@ -45,15 +52,32 @@ struct MicroVmProbe {
   std::string accelerator;  // "kvm" or "tcg"
   std::string reason;
   std::string qemu;         // resolved binary
-  // Whether /dev/vhost-vsock opened: a vsock agent channel would be possible.
-  // The channel is virtio-serial either way (vsock is not built yet).
+  // Whether /dev/vhost-vsock opened (a vsock agent channel is possible), and
+  // the channel chosen: "vsock" or "virtio-serial".
   bool vhostVsock = false;
+  std::string agentChannel;
 };
+
+// The agent channel for `want` ("auto", "vsock", "virtio-serial") on a node
+// where /dev/vhost-vsock did (not) open: "vsock" for vsock, or auto with
+// vhost-vsock; "virtio-serial" for virtio-serial, or auto without. "" when
+// vsock is wanted but there is no vhost-vsock, or `want` is none of those;
+// *why says how the choice was made (or why none).
+std::string chooseAgentChannel(const std::string& want, bool vhostVsock, std::string* why);
 
 // Looks for QEMU and the guest files and probes KVM for real: a tiny guest
 // run through /dev/kvm (in a child process, bounded in time) must execute and
 // report back, else the backend uses TCG.
 MicroVmProbe probeMicroVm(const MicroVmOptions& opts);
+
+// QEMU's command line for a microvm of `spec` with these layer files
+// (bottom first), on the accelerator of `probe`; the agent channel is vsock
+// to guest CID `cid`, or virtio-serial when `cid` is 0. The backend's, and
+// its tests'.
+std::vector<std::string> microvmArgs(const MicroVmOptions& opts, const MicroVmProbe& probe,
+                                     const SandboxSpec& spec,
+                                     const std::vector<std::pair<std::string, LayerFiles>>& files,
+                                     uint32_t cid);
 
 class MicroVmBackend : public Backend {
  public:
@@ -76,7 +100,8 @@ class MicroVmBackend : public Backend {
   void shutdown(bool keepSandboxes = false) override;
   bool hibernates() const override { return true; }
   Status hibernate(Instance& inst, bool paused, const std::function<Status()>& persist) override;
-  Status restore(Instance& inst, std::function<void()> onDeath) override;
+  Status restore(Instance& inst, std::function<void()> onDeath,
+                 const std::function<Status()>& beforeRun) override;
   const MicroVmProbe& probe() const { return probe_; }
 
  private:
@@ -91,9 +116,6 @@ class MicroVmBackend : public Backend {
   // One boot attempt; on error everything it started is gone again, and
   // `hung` says whether the guest simply never answered (worth a retry).
   Status bootOnce(const SandboxSpec& spec, Boot& b, bool* hung);
-  // QEMU's command line for a VM of `spec` with these layer files.
-  std::vector<std::string> qemuArgs(
-      const SandboxSpec& spec, const std::vector<std::pair<std::string, LayerFiles>>& files) const;
 
   const MicroVmOptions opts_;
   const MicroVmProbe probe_;

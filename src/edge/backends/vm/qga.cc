@@ -30,6 +30,32 @@ constexpr const char* kExecDir = "/run/dsec-exec";
 constexpr int64_t kTailChunk = 65536;  // bytes per guest-file-read
 
 // One of an exec's output files, read as it grows.
+// The exec wrapper: $0 the tag, $1 the bytes to keep of each stream, then
+// the command. The command's stdout and stderr are FIFOs; a reader for each
+// (not the command's child: started from a subshell that exits) keeps the
+// first $1 bytes in TAG.out / TAG.err and drains the rest to /dev/null, so
+// that a flood costs the guest no more than that and the command neither
+// blocks nor sees an error past the cap (as in a container). GNU head writes
+// through stdio, which holds a file's output until 4 KiB or the end: stdbuf
+// -o0 makes each read a write at once (busybox head writes unbuffered, and
+// has no stdbuf). Each reader marks its end (TAG.od, TAG.ed) once every
+// writer has closed. The shell execs the command: its pid and process group
+// stay the command's.
+constexpr const char* kExecWrapper = R"(d=/run/dsec-exec t=$0 n=$1
+shift
+mkdir -p "$d" && mkfifo -m 600 "$d/$t.o" "$d/$t.e" || exit 126
+keep() { stdbuf -o0 head -c "$n" 2>/dev/null || head -c "$n"; cat >/dev/null; : >"$1"; }
+( keep "$d/$t.od" <"$d/$t.o" >"$d/$t.out" 2>/dev/null &
+  keep "$d/$t.ed" <"$d/$t.e" >"$d/$t.err" 2>/dev/null & )
+exec "$@" >"$d/$t.o" 2>"$d/$t.e")";
+// After the command's exit ($0 the tag): until both readers are done, for
+// at most ~2 s. A background process the command left holding its output
+// keeps a reader going; what it writes later is not the command's.
+constexpr const char* kAwaitReaders = R"(d=/run/dsec-exec t=$0 i=0
+while [ ! -e "$d/$t.od" ] || [ ! -e "$d/$t.ed" ]; do
+  i=$((i+1)); [ $i -gt 100 ] && exit 1; sleep 0.02
+done)";
+
 struct Tail {
   std::string path;
   proto::FrameType type;
@@ -507,17 +533,15 @@ void QgaBridge::runExec(uint32_t stream, json req, std::string stdinData) {
   }
   // Streamed output: qga's capture-output hands a command's output over only
   // at its exit, so the command's stdout and stderr go to files in the
-  // guest's /run (a tmpfs under systemd) instead, read as they grow with
-  // guest-file-read while guest-exec-status polls; what qga captures is only
-  // the wrapper shell's own complaints (appended to stderr at the end).
-  // The wrapper execs the command: the pid (and process group) stay its.
+  // guest's /run (a tmpfs under systemd) instead, at most maxOutput + 1
+  // bytes each (the one more says the cap was passed; kExecWrapper), read
+  // as they grow with guest-file-read while guest-exec-status polls; what
+  // qga captures is only the wrapper shell's own complaints (appended to
+  // stderr at the end).
   const std::string tag = randomHex(8);
-  Tail tails[2] = {{std::string(kExecDir) + "/" + tag + ".out", T::kStdout},
-                   {std::string(kExecDir) + "/" + tag + ".err", T::kStderr}};
-  wrap({"/bin/sh", "-c",
-        std::string("mkdir -p ") + kExecDir + " && exec \"$@\" >" + kExecDir + "/\"$0\".out 2>" +
-            kExecDir + "/\"$0\".err",
-        tag});
+  const std::string base = std::string(kExecDir) + "/" + tag;
+  Tail tails[2] = {{base + ".out", T::kStdout}, {base + ".err", T::kStderr}};
+  wrap({"/bin/sh", "-c", kExecWrapper, tag, std::to_string(maxOutput + 1)});
   json args = {{"path", cmd[0]},
                {"arg", std::vector<std::string>(cmd.begin() + 1, cmd.end())},
                {"env", env},
@@ -565,7 +589,8 @@ void QgaBridge::runExec(uint32_t stream, json req, std::string stdinData) {
       if (t.handle >= 0) (void)qga_->call("guest-file-close", {{"handle", t.handle}});
       t.handle = -1;
     }
-    (void)runGuest({"rm", "-f", tails[0].path, tails[1].path});
+    (void)runGuest({"rm", "-f", base + ".out", base + ".err", base + ".o", base + ".e",
+                    base + ".od", base + ".ed"});
   };
   double t0 = monoSeconds();
   json exitReport;
@@ -626,8 +651,9 @@ void QgaBridge::runExec(uint32_t stream, json req, std::string stdinData) {
     guestPids_.erase(stream);
     cancelled_.erase(stream);
   }
-  // The rest of the files (written between the last read and the exit),
-  // then the wrapper's own output, if any.
+  // The rest of the files (written between the last read and the exit, once
+  // the readers have it), then the wrapper's own output, if any.
+  if (!hostTimeout) (void)runGuest({"/bin/sh", "-c", kAwaitReaders, tag}, 10);
   for (auto& t : tails) {
     if (Status p = pump(t); !p.isOk()) log::warn("exec output: " + p.toString());
   }

@@ -6,6 +6,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <map>
 #include <mutex>
@@ -186,16 +187,25 @@ TEST_F(QgaBridgeTest, ExecWrapsTimeoutAndCwdAndReportsOutputThenExit) {
   EXPECT_FALSE(e["timed_out"].get<bool>());
   json args = lastExec();
   ASSERT_TRUE(args.is_object());
-  // Outermost, the wrapper that sends the output to files read as they grow.
+  // Outermost, the wrapper that sends the output through FIFOs to readers
+  // that keep at most the cap (plus one byte) in files read as they grow,
+  // and execs the command.
   EXPECT_EQ(args["path"], "/bin/sh");
   auto a = args["arg"].get<std::vector<std::string>>();
-  ASSERT_GE(a.size(), 3u);
+  ASSERT_GE(a.size(), 4u);
   EXPECT_EQ(a[0], "-c");
-  EXPECT_EQ(a[1],
-            "mkdir -p /run/dsec-exec && exec \"$@\" >/run/dsec-exec/\"$0\".out "
-            "2>/run/dsec-exec/\"$0\".err");
+  EXPECT_NE(a[1].find("mkfifo -m 600 \"$d/$t.o\" \"$d/$t.e\""), std::string::npos) << a[1];
+  EXPECT_NE(a[1].find("keep() { stdbuf -o0 head -c \"$n\" 2>/dev/null || head -c \"$n\"; "
+                      "cat >/dev/null; : >\"$1\"; }"),
+            std::string::npos)
+      << a[1];
+  EXPECT_NE(a[1].find("keep \"$d/$t.od\" <\"$d/$t.o\" >\"$d/$t.out\" 2>/dev/null &"),
+            std::string::npos)
+      << a[1];
+  EXPECT_TRUE(a[1].ends_with("\nexec \"$@\" >\"$d/$t.o\" 2>\"$d/$t.e\"")) << a[1];
   EXPECT_EQ(a[2].size(), 16u);  // the exec's tag: its files' names
-  a.erase(a.begin(), a.begin() + 3);
+  EXPECT_EQ(a[3], "1048577");   // the default cap (1 MiB) and one byte more
+  a.erase(a.begin(), a.begin() + 4);
   std::vector<std::string> want = {"timeout", "-s", "KILL", "2.500", "/bin/sh", "-c",
                                    "cd \"$0\" || exit 126; exec \"$@\"", "/tmp", "ls", "-l"};
   EXPECT_EQ(a, want);
@@ -221,14 +231,53 @@ TEST_F(QgaBridgeTest, ExecOutputArrivesWhileTheCommandRuns) {
   auto exit = next();
   ASSERT_EQ(exit.type, proto::FrameType::kExit);
   EXPECT_EQ(json::parse(exit.payload)["exit_code"], 3);
-  // The files were read, closed and removed in the guest.
-  bool closed = false, removed = false;
+  // After the exit the bridge waited for the readers, then read the rest;
+  // the files were closed and removed in the guest, FIFOs and marks too.
+  bool closed = false, removed = false, awaited = false, readAfter = false;
+  std::string tag;
   for (auto& j : fake_->asked()) {
-    closed = closed || j.value("execute", "") == "guest-file-close";
-    if (j.value("execute", "") == "guest-exec" && j["arguments"]["path"] == "rm") removed = true;
+    std::string cmd = j.value("execute", "");
+    json args = j.value("arguments", json::object());
+    closed = closed || cmd == "guest-file-close";
+    if (cmd != "guest-exec") {
+      readAfter = readAfter || (awaited && cmd == "guest-file-read");
+      continue;
+    }
+    auto a = args.value("arg", std::vector<std::string>{});
+    if (tag.empty() && a.size() > 2) tag = a[2];
+    if (args["path"] == "/bin/sh" && a.size() == 3 && a[2] == tag &&
+        a[1].find("$t.od") != std::string::npos) {
+      awaited = true;
+    }
+    if (args["path"] == "rm") {
+      removed = true;
+      for (const char* ext : {".out", ".err", ".o", ".e", ".od", ".ed"}) {
+        EXPECT_NE(std::find(a.begin(), a.end(), "/run/dsec-exec/" + tag + ext), a.end()) << ext;
+      }
+    }
   }
+  EXPECT_TRUE(awaited);
+  EXPECT_TRUE(readAfter);
   EXPECT_TRUE(closed);
   EXPECT_TRUE(removed);
+}
+
+TEST_F(QgaBridgeTest, TheGuestKeepsAtMostTheCapAndOneByteMore) {
+  send(1, proto::FrameType::kExec, json{{"argv", {"yes"}}, {"max_output", 2}}.dump());
+  // "hi\n" (3 bytes) past a cap of 2: what was sent is cut, and flagged
+  auto out = next();
+  ASSERT_EQ(out.type, proto::FrameType::kStdout);
+  EXPECT_EQ(out.payload, "hi");
+  auto err = next();
+  ASSERT_EQ(err.type, proto::FrameType::kStderr);
+  EXPECT_EQ(err.payload, "er");
+  auto exit = next();
+  ASSERT_EQ(exit.type, proto::FrameType::kExit);
+  EXPECT_TRUE(json::parse(exit.payload)["truncated"].get<bool>());
+  auto a = lastExec()["arg"].get<std::vector<std::string>>();
+  ASSERT_GE(a.size(), 5u);
+  EXPECT_EQ(a[3], "3");
+  EXPECT_EQ(a[4], "yes");
 }
 
 TEST_F(QgaBridgeTest, AKilledTimeoutWrapperIsATimeout) {

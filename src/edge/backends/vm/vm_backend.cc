@@ -10,8 +10,10 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstring>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <utility>
 #include <vector>
@@ -126,13 +128,15 @@ bool pngSize(const std::string& png, int* w, int* h) {
 class VmInstance : public Instance {
  public:
   ~VmInstance() override {
-    if (bridge_) bridge_->stop();
+    if (auto b = link().bridge) b->stop();
   }
   const std::string& id() const override { return id_; }
-  std::shared_ptr<AgentConn> agent() const override { return conn_; }
+  std::shared_ptr<AgentConn> agent() const override { return link().conn; }
   Result<CgroupStats> stats() const override { return cgroups_->stats(id_); }
   Result<int64_t> oomKills() const override { return cgroups_->oomKills(id_); }
+  // A hibernated VM has no QEMU to stop (VmBackend::restore runs it).
   Status freeze(bool frozen) override {
+    if (hibernated_) return Status::ok();
     Status st = qemu::qmp(dir_, frozen ? "stop" : "cont").status();
     if (!st.isOk()) st.withContext("pause " + id_);
     return st;
@@ -150,6 +154,32 @@ class VmInstance : public Instance {
   }
   bool hasNetwork() const override { return network_; }
   pid_t initPid() const override { return pid_; }
+  bool hibernated() const override { return hibernated_; }
+
+  // The guest link: the edge's connection, the bridge that serves it, and
+  // the bridge's qga client (for fsfreeze). Replaced as one (attachBridge,
+  // dropLink) while other threads use it.
+  struct Link {
+    std::shared_ptr<AgentConn> conn;
+    std::shared_ptr<QgaBridge> bridge;
+    std::shared_ptr<QgaClient> qga;
+  };
+  Link link() const {
+    std::lock_guard lk(linkMu_);
+    return link_;
+  }
+  void setLink(Link l) {
+    std::lock_guard lk(linkMu_);
+    link_ = std::move(l);
+  }
+  // The link, replaced by `next` alone (none: the old connection stays, for
+  // the caller to fail).
+  Link takeLink(std::shared_ptr<AgentConn> next) {
+    std::lock_guard lk(linkMu_);
+    Link old = link_;
+    link_ = {next ? std::move(next) : old.conn, nullptr, nullptr};
+    return old;
+  }
 
   // QMP screendump into the VM's directory (QEMU's cwd), read back, removed.
   Result<std::string> screenshot() override {
@@ -217,10 +247,12 @@ class VmInstance : public Instance {
   std::string dir_;
   pid_t pid_ = -1;
   UniqueFd pidfd_;
-  std::shared_ptr<AgentConn> conn_;
-  std::shared_ptr<QgaBridge> bridge_;
-  std::shared_ptr<QgaClient> qga_;  // the bridge's, for fsfreeze
+  mutable std::mutex linkMu_;  // guards link_
+  Link link_;
   std::string qemuImg_;
+  std::vector<std::string> args_;  // QEMU's command line (VmBackend::qemuArgs)
+  std::mutex lifeMu_;              // serializes hibernate, restore and destroy
+  std::atomic<bool> hibernated_{false};
   Cgroups* cgroups_ = nullptr;
   std::mutex screenMu_;  // guards width_, height_; one screendump at a time
   int width_ = 0;
@@ -331,17 +363,74 @@ Status guestNetUp(QgaClient& qga, double deadline) {
   }
 }
 
+// Grows the guest's root partition (growpart, where the guest has it) and
+// file system (resize2fs, xfs_growfs or btrfs) to the disk, as cloud-init's
+// growpart and resizefs modules do; a grown one is left as it is. Exit 3 with
+// the reason when the guest's layout or tools do not allow it.
+constexpr const char* kGrowRootScript = R"(src= fs=
+while read -r d m t rest; do [ "$m" = / ] && src=$d && fs=$t; done </proc/self/mounts
+dev=$(readlink -f "$src")
+[ -b "$dev" ] || { echo "the root file system is on $src, not a block device"; exit 3; }
+name=${dev##*/}
+if [ -e "/sys/class/block/$name/partition" ]; then
+  part=$(cat "/sys/class/block/$name/partition")
+  disk=$(readlink -f "/sys/class/block/$name/..")
+  disk=${disk##*/}
+  command -v growpart >/dev/null ||
+    { echo "the root file system is on partition $part of $disk and the guest has no growpart"; exit 3; }
+  growpart "/dev/$disk" "$part" || [ $? -eq 1 ] || exit 3
+fi
+case $fs in
+  ext2|ext3|ext4) resize2fs "$dev" ;;
+  xfs) xfs_growfs / ;;
+  btrfs) btrfs filesystem resize max / ;;
+  *) echo "the guest's root file system is $fs, which this cannot grow"; exit 3 ;;
+esac
+)";
+
+// Grows the guest's root file system to its disk (kGrowRootScript). Not
+// fatal: a guest that cannot is logged and keeps the image's size.
+void growGuestRoot(QgaClient& qga, const std::string& id, double deadline) {
+  double t0 = monoSeconds();
+  auto r = qgaRun(qga, {"/bin/sh", "-c", kGrowRootScript}, deadline);
+  if (!r.isOk() || r->first != 0) {
+    std::string why =
+        r.isOk() ? "exit " + std::to_string(r->first) + ": " + r->second : r.status().toString();
+    while (!why.empty() && why.back() == '\n') why.pop_back();
+    log::warn("vm " + id + ": the root file system keeps the image's size (" + why + ")");
+    return;
+  }
+  char took[32];
+  std::snprintf(took, sizeof took, "%.1f", monoSeconds() - t0);
+  log::info("vm " + id + ": root file system grown to the disk in " + took + " s");
+}
+
 // The bridge between the edge's AgentConn and qga, running.
 Status attachBridge(VmInstance& inst, std::shared_ptr<QgaClient> qga, Reactor* reactor) {
   int sv[2];
   if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) return sysError("socketpair");
   UniqueFd edgeEnd(sv[0]), guestEnd(sv[1]);
-  inst.qga_ = qga;
-  inst.bridge_ = std::make_shared<QgaBridge>(std::move(guestEnd), std::move(qga));
-  inst.conn_ = std::make_shared<AgentConn>(std::move(edgeEnd), "vm-" + inst.id_);
-  RETURN_IF_ERROR(reactor->add(inst.conn_));
-  RETURN_IF_ERROR(inst.bridge_->start());
-  return awaitHello(*inst.conn_, monoSeconds() + 10, Code::kUnavailable, "qga bridge");
+  VmInstance::Link l;
+  l.qga = qga;
+  l.bridge = std::make_shared<QgaBridge>(std::move(guestEnd), std::move(qga));
+  l.conn = std::make_shared<AgentConn>(std::move(edgeEnd), "vm-" + inst.id_);
+  inst.setLink(l);
+  RETURN_IF_ERROR(reactor->add(l.conn));
+  RETURN_IF_ERROR(l.bridge->start());
+  return awaitHello(*l.conn, monoSeconds() + 10, Code::kUnavailable, "qga bridge");
+}
+
+// Takes the guest link down: the bridge stops (qga closed), the edge's
+// connection leaves the reactor and fails every call with `why`. What is
+// left is that failed connection, or `next`.
+void dropLink(VmInstance& inst, Reactor* reactor, const Status& why,
+              std::shared_ptr<AgentConn> next = nullptr) {
+  VmInstance::Link old = inst.takeLink(std::move(next));
+  if (old.bridge) old.bridge->stop();
+  if (old.conn) {
+    reactor->remove(old.conn);
+    old.conn->fail(why);
+  }
 }
 
 Status VmInstance::snapshotDisk(const std::string& dest) {
@@ -353,6 +442,7 @@ Status VmInstance::snapshotDisk(const std::string& dest) {
   ASSIGN_OR_RETURN(json status, qemu::qmp(dir_, "query-status"));
   bool running = status.value("running", false);
   bool frozen = false;
+  std::shared_ptr<QgaClient> qga = link().qga;
   auto thaw = [&]() {
     if (running) {
       if (auto r = qemu::qmp(dir_, "cont"); !r.isOk()) {
@@ -360,14 +450,14 @@ Status VmInstance::snapshotDisk(const std::string& dest) {
       }
     }
     if (frozen) {
-      if (auto r = qga_->call("guest-fsfreeze-thaw", json::object(), 60); !r.isOk()) {
+      if (auto r = qga->call("guest-fsfreeze-thaw", json::object(), 60); !r.isOk()) {
         log::error("pack_diff " + id_ + ": thaw: " + r.status().toString());
       }
     }
   };
   if (running) {
-    if (!qga_) return Status(Code::kUnavailable, "no qemu-guest-agent connection");
-    auto r = qga_->call("guest-fsfreeze-freeze", json::object(), 120);
+    if (!qga) return Status(Code::kUnavailable, "no qemu-guest-agent connection");
+    auto r = qga->call("guest-fsfreeze-freeze", json::object(), 120);
     if (!r.isOk()) {
       return Status(r.status()).withContext("freeze the guest's file systems (guest-fsfreeze-freeze)");
     }
@@ -488,17 +578,53 @@ Result<std::pair<std::string, DiskInfo>> VmBackend::baseImage(const std::string&
       ::unlink(tmp.c_str());
       return info.status();
     }
-    RETURN_IF_ERROR(writeFileAtomic(base + ".format", info->format + "\n", 0600));
+    // "FORMAT VIRTUAL-SIZE": what the next create needs without qemu-img.
+    RETURN_IF_ERROR(writeFileAtomic(
+        base + ".format", info->format + " " + std::to_string(info->virtualSize) + "\n", 0600));
     if (::rename(tmp.c_str(), base.c_str()) != 0) return sysError("rename " + tmp);
     return std::pair{base, *info};
   }
   DiskInfo d;
-  auto fmt = readFile(base + ".format");
-  if (fmt.isOk()) d.format = fmt->substr(0, fmt->find('\n'));
-  if (d.format != "qcow2" && d.format != "raw") {
+  if (auto fmt = readFile(base + ".format"); fmt.isOk()) {
+    auto words = splitString(fmt->substr(0, fmt->find('\n')), ' ');
+    if (words.size() == 2) {
+      d.format = words[0];
+      d.virtualSize = std::atoll(words[1].c_str());
+    }
+  }
+  // Missing, or written by an edge that recorded no size.
+  if ((d.format != "qcow2" && d.format != "raw") || d.virtualSize <= 0) {
     ASSIGN_OR_RETURN(d, inspectDisk(probe_.qemuImg, base));
   }
   return std::pair{base, d};
+}
+
+std::vector<std::string> VmBackend::qemuArgs(const SandboxSpec& spec) const {
+  int vcpus = std::max(1, int(std::ceil(spec.cpu - 1e-9)));
+  std::string accel =
+      probe_.accelerator == "kvm" ? "kvm" : "tcg,tb-size=" + std::to_string(kTbSizeMb);
+  // One option and its value per pair.
+  // clang-format off
+  std::vector<std::string> args = {
+      probe_.qemu, "-name", spec.id, "-machine", "q35", "-accel", accel,
+      "-cpu", probe_.accelerator == "kvm" ? "host" : "max",
+      "-smp", std::to_string(vcpus), "-m", std::to_string(spec.memoryBytes >> 20),
+      "-nodefaults", "-no-user-config", "-no-reboot", "-display", "none",
+      "-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
+      "-device", "VGA",
+      "-device", "virtio-tablet-pci",
+      "-drive", "id=disk0,file=disk.qcow2,format=qcow2,if=none,cache=writeback",
+      "-device", "virtio-blk-pci,drive=disk0,bootindex=0",
+      "-serial", "file:console.log",
+      "-qmp", "unix:qmp.sock,server=on,wait=off",
+      "-chardev", "socket,id=qga,path=qga.sock,server=on,wait=off",
+      "-device", "virtio-serial-pci",
+      "-device", "virtserialport,chardev=qga,name=org.qemu.guest_agent.0"};
+  // clang-format on
+  if (spec.network) {
+    for (auto& a : qemu::nicArgs("virtio-net-pci")) args.push_back(a);
+  }
+  return args;
 }
 
 Status VmBackend::bootOnce(const SandboxSpec& spec, Boot& b, bool* hung) {
@@ -517,40 +643,13 @@ Status VmBackend::bootOnce(const SandboxSpec& spec, Boot& b, bool* hung) {
       !made.isOk()) {
     return Status(made.status()).withContext("overlay");
   }
-  int vcpus = std::max(1, int(std::ceil(spec.cpu - 1e-9)));
-  std::string accel =
-      probe_.accelerator == "kvm" ? "kvm" : "tcg,tb-size=" + std::to_string(kTbSizeMb);
-  std::vector<std::string> args = {
-      probe_.qemu, "-name", spec.id, "-machine", "q35", "-accel", accel,
-      "-cpu", probe_.accelerator == "kvm" ? "host" : "max",
-      "-smp", std::to_string(vcpus), "-m", std::to_string(spec.memoryBytes >> 20),
-      "-nodefaults", "-no-user-config", "-no-reboot", "-display", "none",
-      "-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
-      "-device", "VGA",
-      "-device", "virtio-tablet-pci",
-      "-drive", "id=disk0,file=disk.qcow2,format=qcow2,if=none,cache=writeback",
-      "-device", "virtio-blk-pci,drive=disk0,bootindex=0",
-      "-serial", "file:console.log",
-      "-qmp", "unix:qmp.sock,server=on,wait=off",
-      "-chardev", "socket,id=qga,path=qga.sock,server=on,wait=off",
-      "-device", "virtio-serial-pci",
-      "-device", "virtserialport,chardev=qga,name=org.qemu.guest_agent.0"};
-  if (spec.network) {
-    for (auto& a : qemu::nicArgs("virtio-net-pci")) args.push_back(a);
-  }
+  inst.args_ = qemuArgs(spec);
   for (const char* f : {"/qga.sock", "/qmp.sock", "/console.log"}) ::unlink((dir + f).c_str());
-  ASSIGN_OR_RETURN(qemu::Process proc, qemu::spawnConfined(args, dir, cgroups_, spec.id));
+  ASSIGN_OR_RETURN(qemu::Process proc, qemu::spawnConfined(inst.args_, dir, cgroups_, spec.id));
   inst.pid_ = proc.pid;
   inst.pidfd_ = std::move(proc.pidfd);
   auto abandon = [&](Status st) -> Status {
-    if (inst.bridge_) {
-      inst.bridge_->stop();
-      inst.bridge_.reset();
-    }
-    if (inst.conn_) {
-      reactor_->remove(inst.conn_);
-      inst.conn_.reset();
-    }
+    dropLink(inst, reactor_, st);
     killAndWait(inst.pidfd_.get());
     inst.pidfd_.reset();
     inst.pid_ = -1;
@@ -571,6 +670,8 @@ Status VmBackend::bootOnce(const SandboxSpec& spec, Boot& b, bool* hung) {
   if (spec.network) {
     if (Status st = guestNetUp(**qga, deadline + 60); !st.isOk()) return abandon(st);
   }
+  // A disk larger than the image: its file system grows to it at first boot.
+  if (size > b.info.virtualSize) growGuestRoot(**qga, spec.id, monoSeconds() + 120);
   if (Status st = attachBridge(inst, std::move(*qga), reactor_); !st.isOk()) return abandon(st);
   return Status::ok();
 }
@@ -595,8 +696,7 @@ Result<std::unique_ptr<Instance>> VmBackend::create(const SandboxSpec& spec,
   bool cgroupMade = false;
   Boot b{inst.get(), "", {}, opts_.logDir + "/" + spec.id + ".console.log"};
   auto fail = [&](Status st) -> Status {
-    if (inst->bridge_) inst->bridge_->stop();
-    if (inst->conn_) reactor_->remove(inst->conn_);
+    dropLink(*inst, reactor_, st);
     killAndWait(inst->pidfd_.get());
     if (cgroupMade) (void)cgroups_->remove(spec.id);
     // The console log is kept for diagnosis; the rest (overlay, sockets) goes.
@@ -608,6 +708,15 @@ Result<std::unique_ptr<Instance>> VmBackend::create(const SandboxSpec& spec,
   if (!base.isOk()) return Status(base.status()).withContext("create " + spec.id);
   b.base = base->first;
   b.info = base->second;
+  // A disk cannot shrink under the image's file system: a smaller disk_mb
+  // asked for is refused; the default gives the image's size.
+  if (spec.diskExplicit && spec.diskBytes < b.info.virtualSize) {
+    int64_t needMb = (b.info.virtualSize + (1 << 20) - 1) >> 20;
+    return invalidArg("disk_mb", "disk_mb " + std::to_string(spec.diskBytes >> 20) +
+                                     " is smaller than the disk image (" + std::to_string(needMb) +
+                                     " MiB): ask for at least " + std::to_string(needMb) +
+                                     ", or leave disk_mb out for the image's size");
+  }
   laps.lap("base");
   if (::mkdir(inst->dir_.c_str(), 0700) != 0) return fail(sysError("mkdir " + inst->dir_));
   CgroupLimits limits{spec.cpu, spec.memoryBytes + kQemuOverheadBytes, spec.pids};
@@ -639,10 +748,19 @@ Result<std::unique_ptr<Instance>> VmBackend::adopt(const SandboxState& state,
   inst->dir_ = opts_.vmRoot + "/" + state.spec.id;
   inst->pid_ = state.pid;
   auto fail = [&](Status st) -> Status {
-    if (inst->bridge_) inst->bridge_->stop();
-    if (inst->conn_) reactor_->remove(inst->conn_);
+    dropLink(*inst, reactor_, st);
     return st.withContext("adopt " + state.spec.id);
   };
+  if (state.hibernated) {
+    // Nothing runs: the saved state and the overlay are the sandbox.
+    std::string saved = inst->dir_ + "/" + qemu::kStateFile;
+    if (::access(saved.c_str(), R_OK) != 0) return fail(sysError("its saved state " + saved));
+    inst->args_ = qemuArgs(state.spec);
+    inst->pid_ = -1;
+    inst->hibernated_ = true;
+    inst->setLink({qemu::hibernatedConn(state.spec.id), nullptr, nullptr});
+    return std::unique_ptr<Instance>(std::move(inst));
+  }
   auto pidfd = qemu::adoptQemu(state, inst->dir_, [&](int qemuFd) -> Status {
     // The earlier edge's qga connection closed with it; QEMU takes a new one.
     auto qga = awaitQga(inst->dir_, monoSeconds() + 30,
@@ -658,15 +776,104 @@ Result<std::unique_ptr<Instance>> VmBackend::adopt(const SandboxState& state,
   return std::unique_ptr<Instance>(std::move(inst));
 }
 
+Status VmBackend::hibernate(Instance& base, bool paused, const std::function<Status()>& persist) {
+  auto& inst = static_cast<VmInstance&>(base);
+  std::lock_guard life(inst.lifeMu_);
+  if (inst.hibernated_) return Status::ok();
+  const std::string& dir = inst.dir_;
+  double t0 = monoSeconds();
+  // No qga request may be in flight while the guest is saved: its reply
+  // would be lost with this connection. Commands the guest runs go on
+  // (their output stays in its /run/dsec-exec until they end).
+  dropLink(inst, reactor_,
+           Status(Code::kUnavailable, "sandbox " + inst.id_ + " is being hibernated"));
+  // Back as it was: qga answers only while the vCPUs run, so the guest is
+  // continued to reconnect and stopped again if it was paused.
+  auto undo = [&](Status st) -> Status {
+    (void)qemu::qmp(dir, "cont");
+    auto qga = awaitQga(dir, monoSeconds() + opts_.bootTimeoutS,
+                        [&] { return !qemu::exited(inst.pidfd_.get()); });
+    Status r = qga.isOk() ? attachBridge(inst, std::move(*qga), reactor_) : qga.status();
+    if (!r.isOk()) {
+      log::error("hibernate " + inst.id_ + ": reconnecting after a failed save: " + r.toString());
+    }
+    if (paused) (void)qemu::qmp(dir, "stop");
+    return Status(qemu::nodeFailure(st.code()),
+                  "hibernate " + inst.id_ + " (it keeps running): " + st.message());
+  };
+  double t1 = monoSeconds();
+  auto bytes = qemu::saveToStateFile(dir, persist);
+  if (!bytes.isOk()) return undo(bytes.status());
+  // The state file is the sandbox from here on: QEMU goes (it flushed the
+  // overlay when the migration completed).
+  double t2 = monoSeconds();
+  qemu::endSavedQemu(dir, &inst.pidfd_, reactor_, {"qga.sock", "qmp.sock"});
+  inst.pid_ = -1;
+  inst.setLink({qemu::hibernatedConn(inst.id_), nullptr, nullptr});
+  inst.hibernated_ = true;
+  char msg[256];
+  std::snprintf(msg, sizeof msg,
+                "vm %s hibernated: %.1f MB of state in %.2f s (qga let go in %.2f s, QEMU gone in "
+                "%.2f s)",
+                inst.id_.c_str(), double(*bytes) / 1e6, t2 - t1, t1 - t0, monoSeconds() - t2);
+  log::info(msg);
+  return Status::ok();
+}
+
+Status VmBackend::restore(Instance& base, std::function<void()> onDeath,
+                          const std::function<Status()>& beforeRun) {
+  auto& inst = static_cast<VmInstance&>(base);
+  std::lock_guard life(inst.lifeMu_);
+  if (!inst.hibernated_) return Status::ok();
+  const std::string& dir = inst.dir_;
+  const std::string saved = dir + "/" + qemu::kStateFile;
+  const std::string keptLog = opts_.logDir + "/" + inst.id_ + ".console.log";
+  double t0 = monoSeconds();
+  auto fail = [&](Status st) -> Status {
+    dropLink(inst, reactor_, Status(Code::kUnavailable, "the restore failed"));
+    return qemu::failedRestore(inst.id_, dir, keptLog, &inst.pid_, &inst.pidfd_, st);
+  };
+  if (::access(saved.c_str(), R_OK) != 0) return fail(sysError("its saved state " + saved));
+  if (Status st =
+          qemu::startFromStateFile(inst.args_, dir, cgroups_, inst.id_, {"qga.sock", "qmp.sock"},
+                                   &inst.pid_, &inst.pidfd_, beforeRun);
+      !st.isOk()) {
+    return fail(st);
+  }
+  double t1 = monoSeconds();
+  auto qga = awaitQga(dir, monoSeconds() + opts_.bootTimeoutS,
+                      [&] { return !qemu::exited(inst.pidfd_.get()); });
+  if (!qga.isOk()) return fail(qga.status());
+  // The guest's clock stood still while it was saved: set it to the host's,
+  // as libvirt does after a restore (a guest without the command runs late).
+  struct timespec now;
+  ::clock_gettime(CLOCK_REALTIME, &now);
+  if (auto r = (*qga)->call("guest-set-time",
+                            {{"time", int64_t(now.tv_sec) * 1000000000 + now.tv_nsec}}, 30);
+      !r.isOk()) {
+    log::warn("vm " + inst.id_ + ": guest clock not set after restore: " + r.status().toString());
+  }
+  if (Status st = attachBridge(inst, std::move(*qga), reactor_); !st.isOk()) return fail(st);
+  if (Status st =
+          qemu::recordAndWatch(dir, inst.pid_, inst.pidfd_.get(), reactor_, std::move(onDeath));
+      !st.isOk()) {
+    return fail(st);
+  }
+  ::unlink(saved.c_str());
+  inst.hibernated_ = false;
+  char msg[200];
+  std::snprintf(msg, sizeof msg, "vm %s restored: state loaded in %.2f s, qga back %.2f s later",
+                inst.id_.c_str(), t1 - t0, monoSeconds() - t1);
+  log::info(msg);
+  return Status::ok();
+}
+
 Status VmBackend::destroy(Instance& base) {
   auto& inst = static_cast<VmInstance&>(base);
+  std::lock_guard life(inst.lifeMu_);  // a hibernate or restore under way ends first
   reactor_->unwatchExit(inst.pidfd_.get());
-  if (inst.conn_) {
-    reactor_->remove(inst.conn_);
-    inst.conn_->fail(Status(Code::kUnavailable, "sandbox destroyed"));
-  }
+  dropLink(inst, reactor_, Status(Code::kUnavailable, "sandbox destroyed"));
   if (inst.pidfd_) syscall(SYS_pidfd_send_signal, inst.pidfd_.get(), SIGKILL, nullptr, 0);
-  if (inst.bridge_) inst.bridge_->stop();
   cleaner_->add(inst.id_, std::move(inst.pidfd_));
   return Status::ok();
 }

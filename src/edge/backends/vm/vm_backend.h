@@ -78,6 +78,10 @@ class VmBackend : public Backend {
   Result<std::unique_ptr<Instance>> adopt(const SandboxState& state,
                                           std::function<void()> onDeath) override;
   Status destroy(Instance& inst) override;
+  bool hibernates() const override { return true; }
+  Status hibernate(Instance& inst, bool paused, const std::function<Status()>& persist) override;
+  Status restore(Instance& inst, std::function<void()> onDeath,
+                 const std::function<Status()>& beforeRun) override;
   void removeOrphan(const std::string& id) override;
   int cleanupOrphans() override;
   void shutdown(bool keepSandboxes = false) override;
@@ -92,6 +96,8 @@ class VmBackend : public Backend {
         reactor_(reactor) {}
   // The node-local base image of a disk digest (fetched, checked, linked).
   Result<std::pair<std::string, DiskInfo>> baseImage(const std::string& digest);
+  // QEMU's command line for a VM of `spec` (its overlay is dir/disk.qcow2).
+  std::vector<std::string> qemuArgs(const SandboxSpec& spec) const;
   struct Boot;
   // One boot attempt; on error everything it started is gone again, and
   // `hung` says whether the guest simply never answered (worth a retry).
