@@ -63,6 +63,17 @@ class Stmt {
   int rc_;
 };
 
+// Wall clock in SQL: one process writes this store, so its clock is the store's.
+constexpr const char* kSqlNow = "((julianday('now') - 2440587.5) * 86400.0)";
+
+// Every write of a sandbox row stamps `changed` itself. (AFTER INSERT/UPDATE
+// triggers did until they were found to double the cost of each write: each
+// fired a second UPDATE of the same row and of its index entry.)
+const std::string kUpsertSandbox =
+    std::string("INSERT INTO sandboxes(id, state, doc, changed) VALUES(?1, ?2, ?3, ") + kSqlNow +
+    ") ON CONFLICT(id) DO UPDATE SET state=excluded.state, doc=excluded.doc, "
+    "changed=excluded.changed";
+
 }  // namespace
 
 std::string sandboxToJson(const SandboxRecord& r) {
@@ -253,8 +264,7 @@ Status SqliteStore::exec(const std::string& sql) {
 
 Status SqliteStore::putSandbox(const SandboxRecord& r) {
   std::lock_guard lk(mu_);
-  Stmt st(db_, "INSERT INTO sandboxes(id, state, doc) VALUES(?1, ?2, ?3) "
-               "ON CONFLICT(id) DO UPDATE SET state=excluded.state, doc=excluded.doc");
+  Stmt st(db_, kUpsertSandbox);
   if (!st.ok()) return sqlError(db_, "prepare putSandbox");
   st.bind(1, r.id).bind(2, r.state).bind(3, sandboxToJson(r));
   if (st.step() != SQLITE_DONE) return sqlError(db_, "putSandbox");
@@ -262,8 +272,7 @@ Status SqliteStore::putSandbox(const SandboxRecord& r) {
 }
 
 Status SqliteStore::putSandboxesLocked(const std::vector<SandboxRecord>& rs) {
-  Stmt st(db_, "INSERT INTO sandboxes(id, state, doc) VALUES(?1, ?2, ?3) "
-               "ON CONFLICT(id) DO UPDATE SET state=excluded.state, doc=excluded.doc");
+  Stmt st(db_, kUpsertSandbox);
   if (!st.ok()) return sqlError(db_, "prepare putSandboxes");
   for (auto& r : rs) {
     st.bind(1, r.id).bind(2, r.state).bind(3, sandboxToJson(r));
@@ -907,9 +916,6 @@ Result<std::vector<ApiKeyRecord>> SqliteStore::listApiKeys(const std::string& te
 // ---------------------------------------------------------------- replicas and nodes
 
 namespace {
-// Wall clock in SQL: one process writes this store, so its clock is the store's.
-constexpr const char* kSqlNow = "((julianday('now') - 2440587.5) * 86400.0)";
-
 NodeRecord nodeFromRow(Stmt& st) {
   NodeRecord r;
   r.name = st.text(0);
@@ -943,15 +949,12 @@ Status SqliteStore::openNodeTables() {
       "BEGIN DELETE FROM sandbox_calls WHERE id=OLD.id; END;"));
   Status st = exec("ALTER TABLE sandboxes ADD COLUMN changed REAL NOT NULL DEFAULT 0");
   if (!st.isOk() && st.message().find("duplicate column") == std::string::npos) return st;
-  // Stamped by triggers, so every writer of the table (whatever its path) is seen.
-  return exec(std::string("CREATE INDEX IF NOT EXISTS sandboxes_changed ON sandboxes(changed);"
-                          "CREATE TRIGGER IF NOT EXISTS sandboxes_changed_ins AFTER INSERT ON "
-                          "sandboxes BEGIN UPDATE sandboxes SET changed=") +
-              kSqlNow +
-              " WHERE id=NEW.id; END;"
-              "CREATE TRIGGER IF NOT EXISTS sandboxes_changed_upd AFTER UPDATE OF state, doc ON "
-              "sandboxes BEGIN UPDATE sandboxes SET changed=" +
-              kSqlNow + " WHERE id=NEW.id; END;");
+  // Stamped by every statement that writes a row (kUpsertSandbox, casSandbox);
+  // the triggers that did it before are dropped (see kUpsertSandbox).
+  return exec(
+      "CREATE INDEX IF NOT EXISTS sandboxes_changed ON sandboxes(changed);"
+      "DROP TRIGGER IF EXISTS sandboxes_changed_ins;"
+      "DROP TRIGGER IF EXISTS sandboxes_changed_upd;");
 }
 
 Result<SandboxRecord> SqliteStore::getSandbox(const std::string& id) {
@@ -985,7 +988,9 @@ Result<std::vector<SandboxRecord>> SqliteStore::sandboxesChangedSince(double sin
 
 Result<bool> SqliteStore::casSandbox(const SandboxRecord& r, const std::string& fromState) {
   std::lock_guard lk(mu_);
-  Stmt st(db_, "UPDATE sandboxes SET state=?2, doc=?3 WHERE id=?1 AND state=?4");
+  Stmt st(db_, std::string("UPDATE sandboxes SET state=?2, doc=?3, changed=") + kSqlNow +
+                   " WHERE id=?1 AND state=?4");
+
   st.bind(1, r.id).bind(2, r.state).bind(3, sandboxToJson(r)).bind(4, fromState);
   if (st.step() != SQLITE_DONE) return sqlError(db_, "casSandbox");
   return sqlite3_changes(db_) > 0;
