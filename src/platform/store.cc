@@ -4,6 +4,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/json_writer.h"
+
 namespace dsec::platform {
 
 using json = nlohmann::json;
@@ -76,46 +78,53 @@ const std::string kUpsertSandbox =
 
 }  // namespace
 
+// Written with JsonWriter, not a json tree: it runs twice per sandbox created
+// (pending, then running), and the tree cost more than the SQLite write.
 std::string sandboxToJson(const SandboxRecord& r) {
-  json j = {{"id", r.id},
-            {"backend", r.backend},
-            {"image", r.image},
-            {"layers", r.layers},
-            {"state", r.state},
-            {"node", r.node},
-            {"pool", r.pool},
-            {"spread", r.spread},
-            {"burstable", r.burstable},
-            {"workspaces", r.workspaces},
-            {"toolkits", r.toolkits},
-            {"diffs", r.diffs},
-            {"error", r.error},
-            {"cpu", r.cpu},
-            {"memory_mb", r.memoryMb},
-            {"disk_mb", r.diskMb},
-            {"pids", r.pids},
-            {"ttl_s", r.ttlS},
-            {"idle_timeout_s", r.idleTimeoutS},
-            {"auto_pause_s", r.autoPauseS},
-            {"env", r.env},
-            {"user", r.user},
-            {"working_dir", r.workingDir},
-            {"labels", r.labels},
-            {"created_at", r.createdAt},
-            {"updated_at", r.updatedAt},
-            {"expires_at", r.expiresAt},
-            {"stopped_at", r.stoppedAt},
-            {"policy", r.policy},
-            {"readonly_paths", r.readonlyPaths},
-            {"hidden_paths", r.hiddenPaths},
-            {"owner", r.owner}};
-  if (!r.batch.empty()) j["batch"] = r.batch;
-  if (!r.replica.empty()) j["replica"] = r.replica;
-  if (!r.pausedTo.empty()) j["paused_to"] = r.pausedTo;
-  json phases = json::array();
-  for (auto& p : r.phases) phases.push_back({{"policy", p.policy}, {"at", p.at}});
-  j["phases"] = phases;
-  return j.dump();
+  std::string out;
+  out.reserve(768);
+  JsonWriter w(out);
+  w.beginObject()
+      .member("id", r.id)
+      .member("backend", r.backend)
+      .member("image", r.image)
+      .member("layers", r.layers)
+      .member("state", r.state)
+      .member("node", r.node)
+      .member("pool", r.pool)
+      .member("spread", r.spread)
+      .member("burstable", r.burstable)
+      .member("workspaces", r.workspaces)
+      .member("toolkits", r.toolkits)
+      .member("diffs", r.diffs)
+      .member("error", r.error)
+      .member("cpu", r.cpu)
+      .member("memory_mb", r.memoryMb)
+      .member("disk_mb", r.diskMb)
+      .member("pids", r.pids)
+      .member("ttl_s", r.ttlS)
+      .member("idle_timeout_s", r.idleTimeoutS)
+      .member("auto_pause_s", r.autoPauseS)
+      .member("env", r.env)
+      .member("user", r.user)
+      .member("working_dir", r.workingDir)
+      .member("labels", r.labels)
+      .member("created_at", r.createdAt)
+      .member("updated_at", r.updatedAt)
+      .member("expires_at", r.expiresAt)
+      .member("stopped_at", r.stoppedAt)
+      .member("policy", r.policy)
+      .member("readonly_paths", r.readonlyPaths)
+      .member("hidden_paths", r.hiddenPaths)
+      .member("owner", r.owner);
+  if (!r.batch.empty()) w.member("batch", r.batch);
+  if (!r.replica.empty()) w.member("replica", r.replica);
+  if (!r.pausedTo.empty()) w.member("paused_to", r.pausedTo);
+  w.key("phases").beginArray();
+  for (auto& p : r.phases)
+    w.beginObject().member("policy", p.policy).member("at", p.at).endObject();
+  w.endArray().endObject();
+  return out;
 }
 
 std::string batchToJson(const BatchRecord& b) {
@@ -990,7 +999,6 @@ Result<bool> SqliteStore::casSandbox(const SandboxRecord& r, const std::string& 
   std::lock_guard lk(mu_);
   Stmt st(db_, std::string("UPDATE sandboxes SET state=?2, doc=?3, changed=") + kSqlNow +
                    " WHERE id=?1 AND state=?4");
-
   st.bind(1, r.id).bind(2, r.state).bind(3, sandboxToJson(r)).bind(4, fromState);
   if (st.step() != SQLITE_DONE) return sqlError(db_, "casSandbox");
   return sqlite3_changes(db_) > 0;
