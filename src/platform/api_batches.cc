@@ -74,20 +74,14 @@ void Platform::createBatch(http::Request& req, http::Response& res) {
   b.allOrNothing = *aon;
   b.spec = spec->dump();
   b.createdAt = b.updatedAt = now;
-  std::vector<SandboxRecord> recs;
+  // The batch's records are this one under `count` ids.
+  SandboxRecord pending = *base;
+  pending.state = "pending";
+  pending.batch = b.id;
+  pending.createdAt = pending.updatedAt = now;
+  pending.expiresAt = pending.ttlS > 0 ? now + double(pending.ttlS) : 0;
   std::vector<std::string> ids;
-  recs.reserve(size_t(b.count));
   ids.reserve(size_t(b.count));
-  for (int64_t i = 0; i < b.count; ++i) {
-    SandboxRecord r = *base;
-    r.id = "sb-" + randomHex(8);
-    r.state = "pending";
-    r.batch = b.id;
-    r.createdAt = r.updatedAt = now;
-    r.expiresAt = r.ttlS > 0 ? now + double(r.ttlS) : 0;
-    ids.push_back(r.id);
-    recs.push_back(std::move(r));
-  }
   // Quotas for the whole batch at once, under the lock that adds its records:
   // a batch that would pass a limit is refused whole.
   {
@@ -120,9 +114,15 @@ void Platform::createBatch(http::Request& req, http::Response& res) {
                                            " in use (max " + std::to_string(q.maxMemoryMb) + ")");
       }
     }
-    for (auto& r : recs) {
-      sandboxes_[r.id] = r;
-      indexLocked(r);
+    while (int64_t(ids.size()) < b.count) {
+      // 64 random bits: a clash is as good as impossible, but would take
+      // another sandbox's record.
+      std::string id = "sb-" + randomHex(8);
+      auto [it, fresh] = sandboxes_.try_emplace(id, pending);
+      if (!fresh) continue;
+      it->second.id = id;
+      indexLocked(it->second);
+      ids.push_back(std::move(id));
     }
   }
   auto undo = [&] {
@@ -162,7 +162,7 @@ void Platform::createBatch(http::Request& req, http::Response& res) {
     claimed = true;
   }
   // Persisted, batch and records in one transaction, before the answer.
-  if (Status st = store_->putBatch(b, recs); !st.isOk()) {
+  if (Status st = store_->putBatch(b, ids, pending); !st.isOk()) {
     undo();
     if (cluster) cluster->release(ids);
     return sendError(res, st);

@@ -444,12 +444,21 @@ Status PostgresStore::putSandboxes(const std::vector<SandboxRecord>& rs,
       .takeStatus();
 }
 
-Status PostgresStore::putBatch(const BatchRecord& b, const std::vector<SandboxRecord>& sandboxes) {
+Status PostgresStore::putBatch(const BatchRecord& b, const std::vector<std::string>& ids,
+                               const SandboxRecord& pending) {
+  std::string rows = "[]";
+  if (!ids.empty()) {
+    SandboxDocs docs(pending);
+    json arr = json::array();
+    for (auto& id : ids)
+      arr.push_back({{"id", id}, {"state", pending.state}, {"doc", docs.doc(id)}});
+    rows = arr.dump(-1, ' ', false, json::error_handler_t::replace);
+  }
   std::string sql = std::string("WITH b AS (INSERT INTO batches(id, doc) VALUES($2, $3) "
                                 "ON CONFLICT(id) DO UPDATE SET doc=excluded.doc) ") +
                     kUpsertRows;
-  return Query::run(this, "putBatch", sql.c_str(),
-                    Params().add(sandboxRows(sandboxes)).add(b.id).add(batchToJson(b)), kRetry)
+  return Query::run(this, "putBatch", sql.c_str(), Params().add(rows).add(b.id).add(batchToJson(b)),
+                    kRetry)
       .takeStatus();
 }
 

@@ -3,6 +3,7 @@
 #include <sqlite3.h>
 
 #include <nlohmann/json.hpp>
+#include <optional>
 
 #include "common/json_writer.h"
 
@@ -124,6 +125,21 @@ std::string sandboxToJson(const SandboxRecord& r) {
   for (auto& p : r.phases)
     w.beginObject().member("policy", p.policy).member("at", p.at).endObject();
   w.endArray().endObject();
+  return out;
+}
+
+// The id is the document's first member: {"id":"...",<rest_>.
+SandboxDocs::SandboxDocs(SandboxRecord r) {
+  r.id.clear();
+  rest_ = sandboxToJson(r);
+  rest_.erase(0, std::string_view(R"({"id":"")").size());
+}
+
+std::string SandboxDocs::doc(const std::string& id) const {
+  std::string out = R"({"id":)";
+  out.reserve(out.size() + id.size() + 2 + rest_.size());
+  appendJsonString(out, id);
+  out += rest_;
   return out;
 }
 
@@ -315,7 +331,10 @@ Status SqliteStore::putSandboxes(const std::vector<SandboxRecord>& rs,
   return exec("COMMIT");
 }
 
-Status SqliteStore::putBatch(const BatchRecord& b, const std::vector<SandboxRecord>& sandboxes) {
+Status SqliteStore::putBatch(const BatchRecord& b, const std::vector<std::string>& ids,
+                             const SandboxRecord& pending) {
+  std::optional<SandboxDocs> docs;
+  if (!ids.empty()) docs.emplace(pending);
   std::lock_guard lk(mu_);
   RETURN_IF_ERROR(exec("BEGIN IMMEDIATE"));
   Stmt st(db_, "INSERT INTO batches(id, doc) VALUES(?1, ?2) "
@@ -325,7 +344,15 @@ Status SqliteStore::putBatch(const BatchRecord& b, const std::vector<SandboxReco
     st.bind(1, b.id).bind(2, batchToJson(b));
     if (st.step() != SQLITE_DONE) s = sqlError(db_, "putBatch");
   }
-  if (s.isOk()) s = putSandboxesLocked(sandboxes);
+  if (s.isOk() && docs) {
+    Stmt row(db_, kUpsertSandbox);
+    if (!row.ok()) s = sqlError(db_, "prepare putBatch sandboxes");
+    for (size_t i = 0; s.isOk() && i < ids.size(); ++i) {
+      row.bind(1, ids[i]).bind(2, pending.state).bind(3, docs->doc(ids[i]));
+      if (row.step() != SQLITE_DONE) s = sqlError(db_, "putBatch sandboxes");
+      row.reset();
+    }
+  }
   if (!s.isOk()) {
     (void)exec("ROLLBACK");
     return s;

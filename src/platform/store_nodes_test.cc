@@ -194,7 +194,7 @@ TEST_P(StoreNodesTest, SandboxChangesAreFollowedAndCasRefusesStaleStates) {
   BatchRecord b;
   b.id = "bt-1";
   b.count = 1;
-  ASSERT_TRUE(s->putBatch(b, {r3}).isOk());
+  ASSERT_TRUE(s->putBatch(b, {r3.id}, r3).isOk());
   changed = s->sandboxesChangedSince(t2, nullptr);
   ASSERT_TRUE(changed.isOk());
   std::set<std::string> ids;
