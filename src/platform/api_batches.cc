@@ -273,7 +273,7 @@ void Platform::batchesApi(const std::vector<std::string>& parts, http::Request& 
     if (it == batches_.end() || !mayAccess(currentCaller(), it->second.rec.owner)) {
       return sendError(res, notFound("batch " + id + " not found"));
     }
-    ids = it->second.ids;
+    if (m == "DELETE") ids = it->second.ids;  // not for a poll: 32,768 of them
   }
   if (m == "GET") return sendJson(res, 200, dumpJson(batchToApi(id)));
   if (m != "DELETE") return methodNotAllowed();
