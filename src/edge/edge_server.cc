@@ -465,6 +465,34 @@ void EdgeAgent::route(http::Request& req, http::Response& res, EdgeLink* link) {
     }
     return sendJ(res, 200, {{"results", results}});
   }
+  if (parts[3] == "bulk" && n == 5 && parts[4] == "destroy" && m == "POST") {
+    // Destroys on this node in one call (a bulk destroy's share of it):
+    // {ids: [...]} -> {results: [{id} or {id, error}]}, one per id, in order.
+    auto j = body();
+    if (!j.isOk()) return fail(j.status());
+    auto idsJ = (*j).find("ids");
+    if (idsJ == (*j).end() || !idsJ->is_array() || idsJ->empty() || idsJ->size() > 4096) {
+      return fail(invalidArg("ids", "ids must be a list of 1 to 4096 sandbox ids"));
+    }
+    std::vector<std::string> ids;
+    ids.reserve(idsJ->size());
+    for (auto& i : *idsJ) {
+      if (!i.is_string()) return fail(invalidArg("ids", "ids must be strings"));
+      ids.push_back(i.get<std::string>());
+    }
+    destroys_ += ids.size();
+    auto sts = link->destroyMany(ids);
+    json results = json::array();
+    for (size_t i = 0; i < ids.size(); ++i) {
+      json one = {{"id", ids[i]}};
+      if (i >= sts.size() || !sts[i].isOk()) {
+        one["error"] =
+            wire::errorJson(i < sts.size() ? sts[i] : internalError("no result"))["error"];
+      }
+      results.push_back(std::move(one));
+    }
+    return sendJ(res, 200, {{"results", results}});
+  }
   if (parts[3] != "sandboxes") return fail(notFound("no such endpoint: " + req.path));
   if (n == 4) {
     if (m == "GET") return sendJ(res, 200, {{"sandboxes", link->sandboxIds()}});

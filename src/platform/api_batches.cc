@@ -366,17 +366,8 @@ Result<int64_t> Platform::destroyMany(const std::vector<std::string>& ids, const
     }
     for (auto& id : touched) settleBatchLocked(id);
   }
-  // Nodes are called concurrently (each call waits on one node).
-  std::vector<Status> results(toNode.size());
-  std::atomic<size_t> next{0};
-  auto work = [&] {
-    for (size_t i; (i = next++) < toNode.size();) results[i] = edge_->destroy(toNode[i]);
-  };
-  std::vector<std::thread> pool;
-  size_t threads = std::min<size_t>(32, toNode.size());
-  for (size_t t = 1; t < threads; ++t) pool.emplace_back(work);
-  if (threads > 0) work();
-  for (auto& t : pool) t.join();
+  // Each node's share in bulk calls, nodes concurrently (Cluster::destroyMany).
+  std::vector<Status> results = edge_->destroyMany(toNode);
   {
     std::lock_guard lk(mu_);
     for (size_t i = 0; i < toNode.size(); ++i) {
