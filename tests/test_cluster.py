@@ -624,6 +624,37 @@ def test_bulk_create_call_on_an_edge(sim_root):
     assert not problems, problems
 
 
+def test_bulk_destroy_call_on_an_edge(sim_root):
+    """POST /edge/v1/bulk/destroy (a bulk destroy's share of one node in one
+    call): one result per id, in order, unknown ids included (destroy is
+    idempotent); a bad list refuses the whole call and destroys nothing."""
+    cl = Cluster(sim_root, 1, simulate=True)
+    try:
+        cl.start()
+        pk = json.loads((sim_root / "edge0" / "node.json").read_text())["platform_key"]
+        e = cl.edges[0].url
+        specs = [{"id": "sb-00000000000000b%d" % i, "layers": []} for i in range(3)]
+        st, _, doc = raw(e, "POST", "/edge/v1/bulk/sandboxes", {"specs": specs}, token=pk)
+        assert st == 200, doc
+        ids = [s["id"] for s in specs]
+        for bad in ({"ids": []}, {"ids": "x"}, {"ids": [ids[0], 7]}, {},
+                    {"ids": ["sb-x"] * 4097}):
+            st, _, doc = raw(e, "POST", "/edge/v1/bulk/destroy", bad, token=pk)
+            assert st == 400 and doc["error"]["field"] == "ids", (str(bad)[:80], doc)
+        assert sorted(raw(e, "GET", "/edge/v1/sandboxes", token=pk)[2]["sandboxes"]) == ids
+        st, _, doc = raw(e, "POST", "/edge/v1/bulk/destroy", {"ids": ids[:2]}, token="wrong")
+        assert st == 401
+        st, _, doc = raw(e, "POST", "/edge/v1/bulk/destroy", {"ids": ids[:2] + ["sb-gone"]},
+                         token=pk)
+        assert st == 200, doc
+        assert [r["id"] for r in doc["results"]] == ids[:2] + ["sb-gone"], doc
+        assert all("error" not in r for r in doc["results"]), doc
+        assert raw(e, "GET", "/edge/v1/sandboxes", token=pk)[2]["sandboxes"] == ids[2:]
+    finally:
+        problems = cl.shutdown()
+    assert not problems, problems
+
+
 def test_lost_sandbox_keeps_its_ttl(sim_root):
     cl = Cluster(sim_root, 2, simulate=True)
     try:

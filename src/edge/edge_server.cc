@@ -431,6 +431,24 @@ void EdgeAgent::route(http::Request& req, http::Response& res, EdgeLink* link) {
     Status st = link->evictLayer(parts[4]);
     return st.isOk() ? sendJ(res, 200, json::object()) : fail(st);
   }
+  // A bulk call's answer: {results: [{id} or {id, error}]}, one per id in
+  // order; each error counted as a call's would be.
+  auto bulkAnswer = [&](const std::vector<std::string>& ids, const std::vector<Status>& sts) {
+    json results = json::array();
+    for (size_t i = 0; i < ids.size(); ++i) {
+      json one = {{"id", ids[i]}};
+      if (i >= sts.size() || !sts[i].isOk()) {
+        Status st = i < sts.size() ? sts[i] : internalError("no result");
+        {
+          std::lock_guard lk(errMu_);
+          errors_[codeName(st.code())]++;
+        }
+        one["error"] = wire::errorJson(st)["error"];
+      }
+      results.push_back(std::move(one));
+    }
+    sendJ(res, 200, {{"results", results}});
+  };
   if (parts[3] == "bulk" && n == 5 && parts[4] == "sandboxes" && m == "POST") {
     // A batch's creations on this node in one call: {backend, specs: [...]}
     // -> {results: [{id} or {id, error}]}, one per spec, in order. A bad spec
@@ -449,21 +467,27 @@ void EdgeAgent::route(http::Request& req, http::Response& res, EdgeLink* link) {
       specs.push_back(std::move(*spec));
     }
     creates_ += specs.size();
-    auto sts = link->createMany((*j).value("backend", "container"), specs);
-    json results = json::array();
-    for (size_t i = 0; i < specs.size(); ++i) {
-      json one = {{"id", specs[i].id}};
-      if (i >= sts.size() || !sts[i].isOk()) {
-        Status st = i < sts.size() ? sts[i] : internalError("no result");
-        {
-          std::lock_guard lk(errMu_);
-          errors_[codeName(st.code())]++;
-        }
-        one["error"] = wire::errorJson(st)["error"];
-      }
-      results.push_back(std::move(one));
+    std::vector<std::string> ids;
+    for (auto& sp : specs) ids.push_back(sp.id);
+    return bulkAnswer(ids, link->createMany((*j).value("backend", "container"), specs));
+  }
+  if (parts[3] == "bulk" && n == 5 && parts[4] == "destroy" && m == "POST") {
+    // Destroys on this node in one call (a bulk destroy's share of it):
+    // {ids: [...]} -> {results: [{id} or {id, error}]}, one per id, in order.
+    auto j = body();
+    if (!j.isOk()) return fail(j.status());
+    auto idsJ = (*j).find("ids");
+    if (idsJ == (*j).end() || !idsJ->is_array() || idsJ->empty() || idsJ->size() > 4096) {
+      return fail(invalidArg("ids", "ids must be a list of 1 to 4096 sandbox ids"));
     }
-    return sendJ(res, 200, {{"results", results}});
+    std::vector<std::string> ids;
+    ids.reserve(idsJ->size());
+    for (auto& i : *idsJ) {
+      if (!i.is_string()) return fail(invalidArg("ids", "ids must be strings"));
+      ids.push_back(i.get<std::string>());
+    }
+    destroys_ += ids.size();
+    return bulkAnswer(ids, link->destroyMany(ids));
   }
   if (parts[3] != "sandboxes") return fail(notFound("no such endpoint: " + req.path));
   if (n == 4) {

@@ -56,6 +56,13 @@ Status SimEdge::destroy(const std::string& id) {
   return Status::ok();
 }
 
+std::vector<Status> SimEdge::destroyMany(const std::vector<std::string>& ids) {
+  delay();
+  std::lock_guard lk(mu_);
+  for (auto& id : ids) sandboxes_.erase(id);
+  return std::vector<Status>(ids.size());
+}
+
 Result<ExecResult> SimEdge::exec(const std::string& id, const ExecSpec& spec,
                                  const OutputSink& sink) {
   RETURN_IF_ERROR(check(id));

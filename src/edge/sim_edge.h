@@ -31,6 +31,8 @@ class SimEdge : public EdgeLink {
   std::vector<Status> createMany(const std::string& backend,
                                  const std::vector<SandboxSpec>& specs) override;
   Status destroy(const std::string& id) override;
+  // One latency for the whole call, as for createMany.
+  std::vector<Status> destroyMany(const std::vector<std::string>& ids) override;
   Result<ExecResult> exec(const std::string& id, const ExecSpec& spec,
                           const OutputSink& sink) override;
   Result<uint64_t> writeFile(const std::string& id, const std::string& path, int mode,

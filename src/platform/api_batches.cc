@@ -74,20 +74,14 @@ void Platform::createBatch(http::Request& req, http::Response& res) {
   b.allOrNothing = *aon;
   b.spec = spec->dump();
   b.createdAt = b.updatedAt = now;
-  std::vector<SandboxRecord> recs;
+  // The batch's records are this one under `count` ids.
+  SandboxRecord pending = *base;
+  pending.state = "pending";
+  pending.batch = b.id;
+  pending.createdAt = pending.updatedAt = now;
+  pending.expiresAt = pending.ttlS > 0 ? now + double(pending.ttlS) : 0;
   std::vector<std::string> ids;
-  recs.reserve(size_t(b.count));
   ids.reserve(size_t(b.count));
-  for (int64_t i = 0; i < b.count; ++i) {
-    SandboxRecord r = *base;
-    r.id = "sb-" + randomHex(8);
-    r.state = "pending";
-    r.batch = b.id;
-    r.createdAt = r.updatedAt = now;
-    r.expiresAt = r.ttlS > 0 ? now + double(r.ttlS) : 0;
-    ids.push_back(r.id);
-    recs.push_back(std::move(r));
-  }
   // Quotas for the whole batch at once, under the lock that adds its records:
   // a batch that would pass a limit is refused whole.
   {
@@ -120,9 +114,15 @@ void Platform::createBatch(http::Request& req, http::Response& res) {
                                            " in use (max " + std::to_string(q.maxMemoryMb) + ")");
       }
     }
-    for (auto& r : recs) {
-      sandboxes_[r.id] = r;
-      indexLocked(r);
+    while (int64_t(ids.size()) < b.count) {
+      // 64 random bits: a clash is as good as impossible, but would take
+      // another sandbox's record.
+      std::string id = "sb-" + randomHex(8);
+      auto [it, fresh] = sandboxes_.try_emplace(id, pending);
+      if (!fresh) continue;
+      it->second.id = id;
+      indexLocked(it->second);
+      ids.push_back(std::move(id));
     }
   }
   auto undo = [&] {
@@ -162,7 +162,7 @@ void Platform::createBatch(http::Request& req, http::Response& res) {
     claimed = true;
   }
   // Persisted, batch and records in one transaction, before the answer.
-  if (Status st = store_->putBatch(b, recs); !st.isOk()) {
+  if (Status st = store_->putBatch(b, ids, pending); !st.isOk()) {
     undo();
     if (cluster) cluster->release(ids);
     return sendError(res, st);
@@ -273,7 +273,7 @@ void Platform::batchesApi(const std::vector<std::string>& parts, http::Request& 
     if (it == batches_.end() || !mayAccess(currentCaller(), it->second.rec.owner)) {
       return sendError(res, notFound("batch " + id + " not found"));
     }
-    ids = it->second.ids;
+    if (m == "DELETE") ids = it->second.ids;  // not for a poll: 32,768 of them
   }
   if (m == "GET") return sendJson(res, 200, dumpJson(batchToApi(id)));
   if (m != "DELETE") return methodNotAllowed();
@@ -366,17 +366,8 @@ Result<int64_t> Platform::destroyMany(const std::vector<std::string>& ids, const
     }
     for (auto& id : touched) settleBatchLocked(id);
   }
-  // Nodes are called concurrently (each call waits on one node).
-  std::vector<Status> results(toNode.size());
-  std::atomic<size_t> next{0};
-  auto work = [&] {
-    for (size_t i; (i = next++) < toNode.size();) results[i] = edge_->destroy(toNode[i]);
-  };
-  std::vector<std::thread> pool;
-  size_t threads = std::min<size_t>(32, toNode.size());
-  for (size_t t = 1; t < threads; ++t) pool.emplace_back(work);
-  if (threads > 0) work();
-  for (auto& t : pool) t.join();
+  // Each node's share in bulk calls, nodes concurrently (Cluster::destroyMany).
+  std::vector<Status> results = edge_->destroyMany(toNode);
   {
     std::lock_guard lk(mu_);
     for (size_t i = 0; i < toNode.size(); ++i) {

@@ -692,6 +692,55 @@ Status Cluster::destroy(const std::string& id) {
   return st;
 }
 
+std::vector<Status> Cluster::destroyMany(const std::vector<std::string>& ids) {
+  std::vector<Status> out(ids.size());
+  // Each node's ids (by the same rule as destroy()), in chunks.
+  std::map<edge::EdgeLink*, std::vector<size_t>> byLink;
+  {
+    std::lock_guard lk(mu_);
+    for (size_t i = 0; i < ids.size(); ++i) {
+      edge::EdgeLink* link = nullptr;
+      auto p = placed_.find(ids[i]);
+      if (p == placed_.end()) {
+        if (!localName_.empty()) link = nodes_.at(localName_)->link;
+      } else if (auto n = nodes_.find(p->second.node); n != nodes_.end() && n->second->up) {
+        link = n->second->link;
+      }
+      if (link) byLink[link].push_back(i);  // else: a down node destroys it when it returns
+    }
+  }
+  std::vector<std::pair<edge::EdgeLink*, std::vector<size_t>>> chunks;
+  for (auto& [link, at] : byLink) {
+    for (size_t from = 0; from < at.size(); from += kDestroyChunk) {
+      chunks.emplace_back(
+          link, std::vector<size_t>(at.begin() + from,
+                                    at.begin() + std::min(at.size(), from + kDestroyChunk)));
+    }
+  }
+  std::atomic<size_t> next{0};
+  auto work = [&] {
+    for (size_t c; (c = next++) < chunks.size();) {
+      auto& [link, at] = chunks[c];
+      std::vector<std::string> part;
+      for (size_t i : at) part.push_back(ids[i]);
+      auto sts = link->destroyMany(part);
+      for (size_t k = 0; k < at.size(); ++k) {
+        out[at[k]] = k < sts.size() ? sts[k] : internalError("node answered no result");
+      }
+    }
+  };
+  std::vector<std::thread> pool;
+  for (size_t t = 1; t < std::min<size_t>(32, chunks.size()); ++t) pool.emplace_back(work);
+  work();
+  for (auto& t : pool) t.join();
+  {
+    std::lock_guard lk(mu_);
+    for (auto& id : ids) unplaceLocked(id);
+  }
+  roomCv_.notify_all();
+  return out;
+}
+
 #define ROUTE(id) ASSIGN_OR_RETURN(edge::EdgeLink* link, route(id))
 
 Result<edge::ExecResult> Cluster::exec(const std::string& id, const edge::ExecSpec& spec,

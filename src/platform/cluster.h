@@ -124,6 +124,11 @@ class Cluster : public edge::EdgeLink {
   // Forgets the placement whatever the node says; a down node's copy is
   // destroyed when it returns. OK for a sandbox on a down node.
   Status destroy(const std::string& id) override;
+  // destroy() of many: each node's share goes in calls of up to
+  // kDestroyChunk ids (EdgeLink::destroyMany, one HTTP call to a remote
+  // node), several nodes and chunks at once.
+  std::vector<Status> destroyMany(const std::vector<std::string>& ids) override;
+  static constexpr size_t kDestroyChunk = 256;
   Result<edge::ExecResult> exec(const std::string& id, const edge::ExecSpec& spec,
                                 const edge::OutputSink& sink) override;
   Result<uint64_t> writeFile(const std::string& id, const std::string& path, int mode,

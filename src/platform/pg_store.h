@@ -57,7 +57,8 @@ class PostgresStore : public Store {
   Result<std::vector<SandboxRecord>> loadSandboxes() override;
   Status putSandboxes(const std::vector<SandboxRecord>& rs,
                       const std::vector<std::string>& drop = {}) override;
-  Status putBatch(const BatchRecord& b, const std::vector<SandboxRecord>& sandboxes) override;
+  Status putBatch(const BatchRecord& b, const std::vector<std::string>& ids = {},
+                  const SandboxRecord& pending = {}) override;
   Result<std::vector<BatchRecord>> loadBatches() override;
   Status deleteBatch(const std::string& id) override;
   Status putBlob(const std::string& digest, int64_t size) override;

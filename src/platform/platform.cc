@@ -1,8 +1,9 @@
 #include "platform/platform.h"
 
+#include <algorithm>
 #include <atomic>
-#include <optional>
 #include <nlohmann/json.hpp>
+#include <optional>
 
 #include "common/log.h"
 #include "common/util.h"
@@ -298,34 +299,59 @@ void Platform::janitor() {
     // other replicas by shareCalls below).
     for (auto& [id, n] : callsInFlight_) lastCall_[id] = now;
     std::vector<std::string> expired, purge, idle, toPause, othersCreating;
-    // Each second, the records with a timer (timed_); every kFullWalkS, all
-    // of them, in slices of kJanitorSlice letting go of mu_ between them (at
-    // 380,000 live sandboxes one pass under the lock would stall every create
-    // and call for a good part of a second): retention purges, other
-    // replicas' creates for reapCreating, and any timed record not indexed.
-    // Each decision is re-checked by the destroy or pause that acts on it.
-    auto timers = [&](const std::string& id, const SandboxRecord& r) {
-      // A lost sandbox (its node is down) keeps its TTL and idle timeout.
-      bool live = r.state == "running" || r.state == "paused" || r.state == "lost";
-      if (live && r.expiresAt > 0 && r.expiresAt <= now) expired.push_back(id);
-      if (r.idleTimeoutS > 0 || r.autoPauseS > 0) {
-        auto lc = lastCall_.find(id);
-        double last = lc == lastCall_.end() ? r.createdAt : std::max(r.createdAt, lc->second);
-        if (live && r.idleTimeoutS > 0 && now - last >= double(r.idleTimeoutS)) {
-          idle.push_back(id);
-        } else if (r.state == "running" && r.autoPauseS > 0 &&
-                   now - last >= double(r.autoPauseS)) {
-          toPause.push_back(id);
-        }
+    // Each second, the TTLs that ended (expiry_) and the records with an idle
+    // timeout or auto-pause (timed_); every kFullWalkS, all records, in
+    // slices of kJanitorSlice letting go of mu_ between them (at 380,000 live
+    // sandboxes one pass under the lock would stall every create and call for
+    // a good part of a second): retention purges, other replicas' creates for
+    // reapCreating, and any timer not indexed. Each decision is re-checked by
+    // the destroy or pause that acts on it.
+    // A lost sandbox (its node is down) keeps its TTL and idle timeout.
+    auto live = [](const SandboxRecord& r) {
+      return r.state == "running" || r.state == "paused" || r.state == "lost";
+    };
+    auto idleTimers = [&](const std::string& id, const SandboxRecord& r) {
+      auto lc = lastCall_.find(id);
+      double last = lc == lastCall_.end() ? r.createdAt : std::max(r.createdAt, lc->second);
+      if (live(r) && r.idleTimeoutS > 0 && now - last >= double(r.idleTimeoutS)) {
+        idle.push_back(id);
+      } else if (r.state == "running" && r.autoPauseS > 0 && now - last >= double(r.autoPauseS)) {
+        toPause.push_back(id);
       }
     };
+    std::vector<std::string> again;  // TTL over, not final yet: looked at again in a second
+    while (!expiry_.empty() && expiry_.top().first <= now) {
+      std::string id = expiry_.top().second;
+      expiry_.pop();
+      auto it = sandboxes_.find(id);
+      if (it == sandboxes_.end() || isFinal(it->second.state)) continue;
+      const SandboxRecord& r = it->second;
+      if (r.expiresAt > now) {
+        expiry_.emplace(r.expiresAt, id);
+        continue;
+      }
+      // Not yet created, or being destroyed: its turn comes; a destroy that
+      // failed is tried again.
+      if (live(r)) expired.push_back(id);
+      again.push_back(std::move(id));
+    }
+    for (auto& id : again) expiry_.emplace(now + 1, std::move(id));
+    // Entries of records destroyed before their TTL stay until it ends (up to
+    // a week); when they outnumber the records, the heap is built afresh.
+    if (expiry_.size() > 2 * sandboxes_.size() + 4096) {
+      std::vector<Deadline> keep;
+      for (auto& [id, r] : sandboxes_) {
+        if (r.expiresAt > 0 && !isFinal(r.state)) keep.emplace_back(r.expiresAt, id);
+      }
+      expiry_ = decltype(expiry_)(std::greater<Deadline>(), std::move(keep));
+    }
     for (auto t = timed_.begin(); t != timed_.end();) {
       auto it = sandboxes_.find(*t);
       if (it == sandboxes_.end() || isFinal(it->second.state)) {
         t = timed_.erase(t);  // over: no timer applies any more
         continue;
       }
-      timers(*t, it->second);
+      idleTimers(*t, it->second);
       ++t;
     }
     if (now - lastFullWalk >= kFullWalkS) {
@@ -350,10 +376,10 @@ void Platform::janitor() {
             it = sandboxes_.erase(it);
             continue;
           }
-          if (!fin && !timed_.count(id) &&
-              (r.expiresAt > 0 || r.idleTimeoutS > 0 || r.autoPauseS > 0)) {
+          if (live(r) && r.expiresAt > 0 && r.expiresAt <= now) expired.push_back(id);
+          if (!fin && !timed_.count(id) && (r.idleTimeoutS > 0 || r.autoPauseS > 0)) {
             timed_.insert(id);
-            timers(id, r);
+            idleTimers(id, r);
           }
           ++it;
         }
@@ -363,6 +389,9 @@ void Platform::janitor() {
         lk.lock();
       }
     }
+    // Found by expiry_ and by the walk alike: destroyed once.
+    std::sort(expired.begin(), expired.end());
+    expired.erase(std::unique(expired.begin(), expired.end()), expired.end());
     lk.unlock();
     if (store_->shared()) {
       syncSandboxes();

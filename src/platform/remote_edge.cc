@@ -46,6 +46,7 @@ void RemoteEdge::reset(std::string url, std::string key) {
   ++epoch_;
   idle_.clear();
   noBulk_ = false;  // maybe another edge now
+  noBulkDestroy_ = false;
 }
 
 Result<http::ClientResponse> RemoteEdge::call(std::string_view method, const std::string& target,
@@ -116,16 +117,48 @@ Status RemoteEdge::create(const std::string& backend, const edge::SandboxSpec& s
   return call("POST", "/edge/v1/sandboxes", body.dump()).status();
 }
 
+namespace {
+
+// The statuses a bulk call's answer ({results: [{id} or {id, error}]}, one
+// per id in order) gives for `ids`; an entry the answer lacks is an error.
+std::vector<Status> bulkResults(const std::string& body, const std::vector<std::string>& ids) {
+  std::vector<Status> out(ids.size(),
+                          Status(Code::kInternal, "node answered no result for the sandbox"));
+  json j = json::parse(body, nullptr, false);
+  if (j.is_discarded() || !j.is_object() || !j.contains("results") || !j["results"].is_array()) {
+    return out;
+  }
+  auto& res = j["results"];
+  for (size_t i = 0; i < ids.size() && i < res.size(); ++i) {
+    if (!res[i].is_object() || res[i].value("id", "") != ids[i]) continue;
+    if (res[i].contains("error") && res[i]["error"].is_object()) {
+      out[i] = wire::statusFromBody(500, json{{"error", res[i]["error"]}}.dump());
+    } else {
+      out[i] = Status::ok();
+    }
+  }
+  return out;
+}
+
+bool noSuchEndpoint(const Status& st) {
+  return st.code() == Code::kNotFound && st.message().find("no such endpoint") != std::string::npos;
+}
+
+}  // namespace
+
 std::vector<Status> RemoteEdge::createMany(const std::string& backend,
                                            const std::vector<edge::SandboxSpec>& specs) {
   if (specs.size() <= 1 || noBulk_.load()) return EdgeLink::createMany(backend, specs);
   json arr = json::array();
-  for (auto& sp : specs) arr.push_back(wire::toJson(sp));
+  std::vector<std::string> ids;
+  for (auto& sp : specs) {
+    arr.push_back(wire::toJson(sp));
+    ids.push_back(sp.id);
+  }
   json body = {{"backend", backend}, {"specs", std::move(arr)}};
   auto r = call("POST", "/edge/v1/bulk/sandboxes", body.dump());
   if (!r.isOk()) {
-    if (r.status().code() == Code::kNotFound &&
-        r.status().message().find("no such endpoint") != std::string::npos) {
+    if (noSuchEndpoint(r.status())) {
       noBulk_ = true;  // an edge of an older release: one call per sandbox
       return EdgeLink::createMany(backend, specs);
     }
@@ -133,20 +166,26 @@ std::vector<Status> RemoteEdge::createMany(const std::string& backend,
     // anyway is wanted by no record, and its reconcile destroys it).
     return std::vector<Status>(specs.size(), r.status());
   }
-  std::vector<Status> out(specs.size(),
-                          Status(Code::kInternal, "node answered no result for the sandbox"));
-  json j = json::parse(r->body, nullptr, false);
-  if (j.is_discarded() || !j.is_object() || !j.contains("results") || !j["results"].is_array()) {
-    return out;
-  }
-  auto& res = j["results"];
-  for (size_t i = 0; i < specs.size() && i < res.size(); ++i) {
-    if (!res[i].is_object() || res[i].value("id", "") != specs[i].id) continue;
-    if (res[i].contains("error") && res[i]["error"].is_object()) {
-      out[i] = wire::statusFromBody(500, json{{"error", res[i]["error"]}}.dump());
-    } else {
-      out[i] = Status::ok();
+  return bulkResults(r->body, ids);
+}
+
+std::vector<Status> RemoteEdge::destroyMany(const std::vector<std::string>& ids) {
+  constexpr size_t kMaxPerCall = 4096;  // the edge's bound
+  if (ids.size() <= 1 || noBulkDestroy_.load()) return EdgeLink::destroyMany(ids);
+  std::vector<Status> out;
+  out.reserve(ids.size());
+  for (size_t from = 0; from < ids.size(); from += kMaxPerCall) {
+    std::vector<std::string> part(ids.begin() + from,
+                                  ids.begin() + std::min(ids.size(), from + kMaxPerCall));
+    auto r = call("POST", "/edge/v1/bulk/destroy", json{{"ids", part}}.dump());
+    if (!r.isOk() && noSuchEndpoint(r.status())) {
+      noBulkDestroy_ = true;  // an edge of an older release: one call per sandbox
+      auto rest = EdgeLink::destroyMany(std::vector<std::string>(ids.begin() + from, ids.end()));
+      out.insert(out.end(), rest.begin(), rest.end());
+      return out;
     }
+    auto sts = r.isOk() ? bulkResults(r->body, part) : std::vector<Status>(part.size(), r.status());
+    out.insert(out.end(), sts.begin(), sts.end());
   }
   return out;
 }

@@ -36,6 +36,9 @@ class RemoteEdge : public edge::EdgeLink {
   std::vector<Status> createMany(const std::string& backend,
                                  const std::vector<edge::SandboxSpec>& specs) override;
   Status destroy(const std::string& id) override;
+  // One POST /edge/v1/bulk/destroy per 4,096 ids; an edge without it (older
+  // release, 404) gets one call per sandbox from then on.
+  std::vector<Status> destroyMany(const std::vector<std::string>& ids) override;
   Result<edge::ExecResult> exec(const std::string& id, const edge::ExecSpec& spec,
                                 const edge::OutputSink& sink) override;
   Result<uint64_t> writeFile(const std::string& id, const std::string& path, int mode,
@@ -84,6 +87,7 @@ class RemoteEdge : public edge::EdgeLink {
 
   mutable std::mutex mu_;  // guards url_, key_, idle_, epoch_
   std::atomic<bool> noBulk_{false};
+  std::atomic<bool> noBulkDestroy_{false};
   std::string url_, key_;
   uint64_t epoch_ = 0;  // bumped by reset(): older connections are not reused
   std::vector<std::pair<uint64_t, std::unique_ptr<http::Client>>> idle_;

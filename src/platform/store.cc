@@ -3,6 +3,9 @@
 #include <sqlite3.h>
 
 #include <nlohmann/json.hpp>
+#include <optional>
+
+#include "common/json_writer.h"
 
 namespace dsec::platform {
 
@@ -63,48 +66,81 @@ class Stmt {
   int rc_;
 };
 
+// Wall clock in SQL: one process writes this store, so its clock is the store's.
+constexpr const char* kSqlNow = "((julianday('now') - 2440587.5) * 86400.0)";
+
+// Every write of a sandbox row stamps `changed` itself. (AFTER INSERT/UPDATE
+// triggers did until they were found to double the cost of each write: each
+// fired a second UPDATE of the same row and of its index entry.)
+const std::string kUpsertSandbox =
+    std::string("INSERT INTO sandboxes(id, state, doc, changed) VALUES(?1, ?2, ?3, ") + kSqlNow +
+    ") ON CONFLICT(id) DO UPDATE SET state=excluded.state, doc=excluded.doc, "
+    "changed=excluded.changed";
+
 }  // namespace
 
+// Written with JsonWriter, not a json tree: it runs twice per sandbox created
+// (pending, then running), and the tree cost more than the SQLite write.
 std::string sandboxToJson(const SandboxRecord& r) {
-  json j = {{"id", r.id},
-            {"backend", r.backend},
-            {"image", r.image},
-            {"layers", r.layers},
-            {"state", r.state},
-            {"node", r.node},
-            {"pool", r.pool},
-            {"spread", r.spread},
-            {"burstable", r.burstable},
-            {"workspaces", r.workspaces},
-            {"toolkits", r.toolkits},
-            {"diffs", r.diffs},
-            {"error", r.error},
-            {"cpu", r.cpu},
-            {"memory_mb", r.memoryMb},
-            {"disk_mb", r.diskMb},
-            {"pids", r.pids},
-            {"ttl_s", r.ttlS},
-            {"idle_timeout_s", r.idleTimeoutS},
-            {"auto_pause_s", r.autoPauseS},
-            {"env", r.env},
-            {"user", r.user},
-            {"working_dir", r.workingDir},
-            {"labels", r.labels},
-            {"created_at", r.createdAt},
-            {"updated_at", r.updatedAt},
-            {"expires_at", r.expiresAt},
-            {"stopped_at", r.stoppedAt},
-            {"policy", r.policy},
-            {"readonly_paths", r.readonlyPaths},
-            {"hidden_paths", r.hiddenPaths},
-            {"owner", r.owner}};
-  if (!r.batch.empty()) j["batch"] = r.batch;
-  if (!r.replica.empty()) j["replica"] = r.replica;
-  if (!r.pausedTo.empty()) j["paused_to"] = r.pausedTo;
-  json phases = json::array();
-  for (auto& p : r.phases) phases.push_back({{"policy", p.policy}, {"at", p.at}});
-  j["phases"] = phases;
-  return j.dump();
+  std::string out;
+  out.reserve(768);
+  JsonWriter w(out);
+  w.beginObject()
+      .member("id", r.id)
+      .member("backend", r.backend)
+      .member("image", r.image)
+      .member("layers", r.layers)
+      .member("state", r.state)
+      .member("node", r.node)
+      .member("pool", r.pool)
+      .member("spread", r.spread)
+      .member("burstable", r.burstable)
+      .member("workspaces", r.workspaces)
+      .member("toolkits", r.toolkits)
+      .member("diffs", r.diffs)
+      .member("error", r.error)
+      .member("cpu", r.cpu)
+      .member("memory_mb", r.memoryMb)
+      .member("disk_mb", r.diskMb)
+      .member("pids", r.pids)
+      .member("ttl_s", r.ttlS)
+      .member("idle_timeout_s", r.idleTimeoutS)
+      .member("auto_pause_s", r.autoPauseS)
+      .member("env", r.env)
+      .member("user", r.user)
+      .member("working_dir", r.workingDir)
+      .member("labels", r.labels)
+      .member("created_at", r.createdAt)
+      .member("updated_at", r.updatedAt)
+      .member("expires_at", r.expiresAt)
+      .member("stopped_at", r.stoppedAt)
+      .member("policy", r.policy)
+      .member("readonly_paths", r.readonlyPaths)
+      .member("hidden_paths", r.hiddenPaths)
+      .member("owner", r.owner);
+  if (!r.batch.empty()) w.member("batch", r.batch);
+  if (!r.replica.empty()) w.member("replica", r.replica);
+  if (!r.pausedTo.empty()) w.member("paused_to", r.pausedTo);
+  w.key("phases").beginArray();
+  for (auto& p : r.phases)
+    w.beginObject().member("policy", p.policy).member("at", p.at).endObject();
+  w.endArray().endObject();
+  return out;
+}
+
+// The id is the document's first member: {"id":"...",<rest_>.
+SandboxDocs::SandboxDocs(SandboxRecord r) {
+  r.id.clear();
+  rest_ = sandboxToJson(r);
+  rest_.erase(0, std::string_view(R"({"id":"")").size());
+}
+
+std::string SandboxDocs::doc(const std::string& id) const {
+  std::string out = R"({"id":)";
+  out.reserve(out.size() + id.size() + 2 + rest_.size());
+  appendJsonString(out, id);
+  out += rest_;
+  return out;
 }
 
 std::string batchToJson(const BatchRecord& b) {
@@ -253,8 +289,7 @@ Status SqliteStore::exec(const std::string& sql) {
 
 Status SqliteStore::putSandbox(const SandboxRecord& r) {
   std::lock_guard lk(mu_);
-  Stmt st(db_, "INSERT INTO sandboxes(id, state, doc) VALUES(?1, ?2, ?3) "
-               "ON CONFLICT(id) DO UPDATE SET state=excluded.state, doc=excluded.doc");
+  Stmt st(db_, kUpsertSandbox);
   if (!st.ok()) return sqlError(db_, "prepare putSandbox");
   st.bind(1, r.id).bind(2, r.state).bind(3, sandboxToJson(r));
   if (st.step() != SQLITE_DONE) return sqlError(db_, "putSandbox");
@@ -262,8 +297,7 @@ Status SqliteStore::putSandbox(const SandboxRecord& r) {
 }
 
 Status SqliteStore::putSandboxesLocked(const std::vector<SandboxRecord>& rs) {
-  Stmt st(db_, "INSERT INTO sandboxes(id, state, doc) VALUES(?1, ?2, ?3) "
-               "ON CONFLICT(id) DO UPDATE SET state=excluded.state, doc=excluded.doc");
+  Stmt st(db_, kUpsertSandbox);
   if (!st.ok()) return sqlError(db_, "prepare putSandboxes");
   for (auto& r : rs) {
     st.bind(1, r.id).bind(2, r.state).bind(3, sandboxToJson(r));
@@ -297,7 +331,10 @@ Status SqliteStore::putSandboxes(const std::vector<SandboxRecord>& rs,
   return exec("COMMIT");
 }
 
-Status SqliteStore::putBatch(const BatchRecord& b, const std::vector<SandboxRecord>& sandboxes) {
+Status SqliteStore::putBatch(const BatchRecord& b, const std::vector<std::string>& ids,
+                             const SandboxRecord& pending) {
+  std::optional<SandboxDocs> docs;
+  if (!ids.empty()) docs.emplace(pending);
   std::lock_guard lk(mu_);
   RETURN_IF_ERROR(exec("BEGIN IMMEDIATE"));
   Stmt st(db_, "INSERT INTO batches(id, doc) VALUES(?1, ?2) "
@@ -307,7 +344,15 @@ Status SqliteStore::putBatch(const BatchRecord& b, const std::vector<SandboxReco
     st.bind(1, b.id).bind(2, batchToJson(b));
     if (st.step() != SQLITE_DONE) s = sqlError(db_, "putBatch");
   }
-  if (s.isOk()) s = putSandboxesLocked(sandboxes);
+  if (s.isOk() && docs) {
+    Stmt row(db_, kUpsertSandbox);
+    if (!row.ok()) s = sqlError(db_, "prepare putBatch sandboxes");
+    for (size_t i = 0; s.isOk() && i < ids.size(); ++i) {
+      row.bind(1, ids[i]).bind(2, pending.state).bind(3, docs->doc(ids[i]));
+      if (row.step() != SQLITE_DONE) s = sqlError(db_, "putBatch sandboxes");
+      row.reset();
+    }
+  }
   if (!s.isOk()) {
     (void)exec("ROLLBACK");
     return s;
@@ -907,9 +952,6 @@ Result<std::vector<ApiKeyRecord>> SqliteStore::listApiKeys(const std::string& te
 // ---------------------------------------------------------------- replicas and nodes
 
 namespace {
-// Wall clock in SQL: one process writes this store, so its clock is the store's.
-constexpr const char* kSqlNow = "((julianday('now') - 2440587.5) * 86400.0)";
-
 NodeRecord nodeFromRow(Stmt& st) {
   NodeRecord r;
   r.name = st.text(0);
@@ -943,15 +985,12 @@ Status SqliteStore::openNodeTables() {
       "BEGIN DELETE FROM sandbox_calls WHERE id=OLD.id; END;"));
   Status st = exec("ALTER TABLE sandboxes ADD COLUMN changed REAL NOT NULL DEFAULT 0");
   if (!st.isOk() && st.message().find("duplicate column") == std::string::npos) return st;
-  // Stamped by triggers, so every writer of the table (whatever its path) is seen.
-  return exec(std::string("CREATE INDEX IF NOT EXISTS sandboxes_changed ON sandboxes(changed);"
-                          "CREATE TRIGGER IF NOT EXISTS sandboxes_changed_ins AFTER INSERT ON "
-                          "sandboxes BEGIN UPDATE sandboxes SET changed=") +
-              kSqlNow +
-              " WHERE id=NEW.id; END;"
-              "CREATE TRIGGER IF NOT EXISTS sandboxes_changed_upd AFTER UPDATE OF state, doc ON "
-              "sandboxes BEGIN UPDATE sandboxes SET changed=" +
-              kSqlNow + " WHERE id=NEW.id; END;");
+  // Stamped by every statement that writes a row (kUpsertSandbox, casSandbox);
+  // the triggers that did it before are dropped (see kUpsertSandbox).
+  return exec(
+      "CREATE INDEX IF NOT EXISTS sandboxes_changed ON sandboxes(changed);"
+      "DROP TRIGGER IF EXISTS sandboxes_changed_ins;"
+      "DROP TRIGGER IF EXISTS sandboxes_changed_upd;");
 }
 
 Result<SandboxRecord> SqliteStore::getSandbox(const std::string& id) {
@@ -985,7 +1024,8 @@ Result<std::vector<SandboxRecord>> SqliteStore::sandboxesChangedSince(double sin
 
 Result<bool> SqliteStore::casSandbox(const SandboxRecord& r, const std::string& fromState) {
   std::lock_guard lk(mu_);
-  Stmt st(db_, "UPDATE sandboxes SET state=?2, doc=?3 WHERE id=?1 AND state=?4");
+  Stmt st(db_, std::string("UPDATE sandboxes SET state=?2, doc=?3, changed=") + kSqlNow +
+                   " WHERE id=?1 AND state=?4");
   st.bind(1, r.id).bind(2, r.state).bind(3, sandboxToJson(r)).bind(4, fromState);
   if (st.step() != SQLITE_DONE) return sqlError(db_, "casSandbox");
   return sqlite3_changes(db_) > 0;

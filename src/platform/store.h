@@ -234,10 +234,13 @@ class Store {
   // names, in one transaction (one commit).
   virtual Status putSandboxes(const std::vector<SandboxRecord>& rs,
                               const std::vector<std::string>& drop = {}) = 0;
-  // Batches: putBatch inserts or replaces the batch and `sandboxes` in one
-  // transaction; deleteBatch removes the batch row (kNotFound when absent),
-  // not its sandboxes' records.
-  virtual Status putBatch(const BatchRecord& b, const std::vector<SandboxRecord>& sandboxes) = 0;
+  // Batches: putBatch inserts or replaces the batch and, in the same
+  // transaction, one record per id of `ids`: `pending` with that id (a new
+  // batch's records differ only in their ids, so the record is written out
+  // once). deleteBatch removes the batch row (kNotFound when absent), not its
+  // sandboxes' records.
+  virtual Status putBatch(const BatchRecord& b, const std::vector<std::string>& ids = {},
+                          const SandboxRecord& pending = {}) = 0;
   virtual Result<std::vector<BatchRecord>> loadBatches() = 0;
   virtual Status deleteBatch(const std::string& id) = 0;
 
@@ -349,7 +352,8 @@ class SqliteStore : public Store {
   Result<std::vector<SandboxRecord>> loadSandboxes() override;
   Status putSandboxes(const std::vector<SandboxRecord>& rs,
                       const std::vector<std::string>& drop = {}) override;
-  Status putBatch(const BatchRecord& b, const std::vector<SandboxRecord>& sandboxes) override;
+  Status putBatch(const BatchRecord& b, const std::vector<std::string>& ids = {},
+                  const SandboxRecord& pending = {}) override;
   Result<std::vector<BatchRecord>> loadBatches() override;
   Status deleteBatch(const std::string& id) override;
   Status putBlob(const std::string& digest, int64_t size) override;
@@ -415,6 +419,16 @@ class SqliteStore : public Store {
 
 std::string sandboxToJson(const SandboxRecord& r);
 Result<SandboxRecord> sandboxFromJson(const std::string& s);
+// sandboxToJson of one record under many ids, written out once: doc(id) is
+// sandboxToJson(r) with r.id = id.
+class SandboxDocs {
+ public:
+  explicit SandboxDocs(SandboxRecord r);
+  std::string doc(const std::string& id) const;
+
+ private:
+  std::string rest_;  // the document after its id
+};
 std::string batchToJson(const BatchRecord& b);
 Result<BatchRecord> batchFromJson(const std::string& s);
 

@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <set>
 #include <thread>
 
 #include "common/util.h"
@@ -181,6 +182,25 @@ TEST_P(StoreNodesTest, SandboxChangesAreFollowedAndCasRefusesStaleStates) {
   ASSERT_TRUE(changed.isOk());
   ASSERT_EQ(changed->size(), 1u);
   EXPECT_EQ((*changed)[0].state, "failed");
+  // Every writer stamps the change: many at once, and a batch's records.
+  double t2 = 0;
+  ASSERT_TRUE(s->sandboxesChangedSince(1e300, &t2).isOk());
+  SandboxRecord r2 = r, r3 = r;
+  r2.id = "sb-2";
+  r3.id = "sb-3";
+  r3.state = "pending";
+  r3.batch = "bt-1";
+  ASSERT_TRUE(s->putSandboxes({r2}).isOk());
+  BatchRecord b;
+  b.id = "bt-1";
+  b.count = 1;
+  ASSERT_TRUE(s->putBatch(b, {r3.id}, r3).isOk());
+  changed = s->sandboxesChangedSince(t2, nullptr);
+  ASSERT_TRUE(changed.isOk());
+  std::set<std::string> ids;
+  for (auto& c : *changed) ids.insert(c.id);
+  // (sb-1, changed just before t2, may be there too: the clock is coarse.)
+  EXPECT_TRUE(ids.count("sb-2") && ids.count("sb-3")) << ids.size();
   SandboxRecord ghost = r;
   ghost.id = "sb-ghost";
   won = s->casSandbox(ghost, "creating");

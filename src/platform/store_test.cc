@@ -140,16 +140,19 @@ TEST_P(StoreTest, SandboxesSurviveReopen) {
 }
 
 TEST_P(StoreTest, BatchesAndGroupWritesSurviveReopen) {
+  SandboxRecord tmpl;
+  tmpl.backend = "container";
+  tmpl.image = "busybox:latest";
+  tmpl.state = "pending";
+  tmpl.batch = "bt-1";
+  tmpl.error = "quote \" and \\ and {json}";
+  tmpl.labels = {{"job", "rl-42"}};
+  std::vector<std::string> ids;
   std::vector<SandboxRecord> recs;
   for (int i = 0; i < 300; ++i) {
-    SandboxRecord r;
-    r.id = "sb-" + std::to_string(1000 + i);
-    r.backend = "container";
-    r.image = "busybox:latest";
-    r.state = "pending";
-    r.batch = "bt-1";
-    r.error = i == 7 ? "quote \" and \\ and {json}" : "";
-    recs.push_back(r);
+    ids.push_back("sb-" + std::to_string(1000 + i));
+    recs.push_back(tmpl);
+    recs.back().id = ids.back();
   }
   BatchRecord b;
   b.id = "bt-1";
@@ -161,7 +164,7 @@ TEST_P(StoreTest, BatchesAndGroupWritesSurviveReopen) {
   {
     auto s = env_->open();
     ASSERT_TRUE(s.isOk()) << s.status().toString();
-    ASSERT_TRUE((*s)->putBatch(b, recs).isOk());
+    ASSERT_TRUE((*s)->putBatch(b, ids, tmpl).isOk());
     // A group of outcomes, and a rename (drop one id, add another) in one write.
     std::vector<SandboxRecord> done(recs.begin(), recs.begin() + 100);
     for (auto& r : done) r.state = "running";
@@ -186,9 +189,10 @@ TEST_P(StoreTest, BatchesAndGroupWritesSurviveReopen) {
     pending += r.state == "pending";
     sawNew = sawNew || r.id == "sb-new";
     sawOld = sawOld || r.id == "sb-1299";
-    if (r.id == "sb-1007") {
-      EXPECT_EQ(r.error, "quote \" and \\ and {json}");
-    }
+    // Each record under its own id, the rest as written.
+    EXPECT_TRUE(r.id == "sb-new" || (r.id >= "sb-1000" && r.id <= "sb-1298")) << r.id;
+    EXPECT_EQ(r.error, "quote \" and \\ and {json}");
+    EXPECT_EQ(r.labels.at("job"), "rl-42");
   }
   EXPECT_EQ(running, 100);
   EXPECT_EQ(pending, 200);
