@@ -1,20 +1,15 @@
 #include "edge/corpse_cleaner.h"
 
-#include <sys/resource.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
 #include <algorithm>
 
 #include "edge/agent_conn.h"
 
 namespace dsec::edge {
 
-CorpseCleaner::CorpseCleaner(std::function<void(const std::string& id)> cleanup, bool background,
-                             int workers)
+CorpseCleaner::CorpseCleaner(std::function<void(const std::string& id)> cleanup, int workers)
     : cleanup_(std::move(cleanup)) {
   for (int i = 0; i < std::max(1, workers); ++i) {
-    threads_.emplace_back([this, background] { loop(background); });
+    threads_.emplace_back([this] { loop(); });
   }
 }
 
@@ -40,8 +35,7 @@ void CorpseCleaner::drain() {
   cv_.wait(lk, [&] { return queue_.empty() && busy_ == 0; });
 }
 
-void CorpseCleaner::loop(bool background) {
-  if (background) setpriority(PRIO_PROCESS, pid_t(syscall(SYS_gettid)), 10);
+void CorpseCleaner::loop() {
   std::unique_lock lk(mu_);
   for (;;) {
     cv_.wait(lk, [&] { return stop_ || !queue_.empty(); });

@@ -20,15 +20,16 @@ class CorpseCleaner {
  public:
   // `cleanup(id)` runs on one of `workers` threads once the sandbox's process
   // (its PID 1 or QEMU) is reaped, so must be safe to call for different ids
-  // at once. Several workers because most of a teardown is waiting (a PID 1
-  // reaped only after all its namespace, an unmount, a discard): one slow
-  // death must not hold up the rest, and a burst of destroys must be cleaned
-  // up as fast as a burst of creates makes sandboxes. With `background`, the
-  // threads run at a lower priority than the request path, but still run
-  // under load.
+  // at once. Many workers because most of a teardown is waiting (a PID 1
+  // reaped only after all its namespace, an unmount's RCU grace period, a
+  // cgroup's removal): one slow death must not hold up the rest, and a
+  // sustained stream of destroys must be cleaned up as fast as creates make
+  // sandboxes. The threads run at the request path's priority: a teardown
+  // left behind is not free, each one still mounted in the edge's namespace
+  // is copied by every later clone (CLONE_NEWNS) and holds a loop device.
   explicit CorpseCleaner(std::function<void(const std::string& id)> cleanup,
-                         bool background = false, int workers = kDefaultWorkers);
-  static constexpr int kDefaultWorkers = 4;
+                         int workers = kDefaultWorkers);
+  static constexpr int kDefaultWorkers = 16;
   // Drains the queue, then stops the thread.
   ~CorpseCleaner();
   CorpseCleaner(const CorpseCleaner&) = delete;
@@ -41,7 +42,7 @@ class CorpseCleaner {
   void drain();
 
  private:
-  void loop(bool background);
+  void loop();
 
   std::function<void(const std::string&)> cleanup_;
   std::mutex mu_;  // guards queue_, busy_, stop_

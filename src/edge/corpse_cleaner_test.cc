@@ -71,6 +71,27 @@ TEST(CorpseCleaner, ASlowCleanupDoesNotBlockTheRest) {
   EXPECT_TRUE(slowSawFast);
 }
 
+// Teardowns are mostly waiting: as many as there are workers wait at once
+// (each here waits until all of them have started), so a stream of destroys
+// is not cleaned up one wait at a time.
+TEST(CorpseCleaner, AsManyTeardownsWaitAtOnceAsThereAreWorkers) {
+  constexpr int kN = CorpseCleaner::kDefaultWorkers;
+  std::mutex mu;
+  std::condition_variable cv;
+  int started = 0, sawAll = 0;
+  {
+    CorpseCleaner cleaner([&](const std::string&) {
+      std::unique_lock lk(mu);
+      ++started;
+      cv.notify_all();
+      if (cv.wait_for(lk, std::chrono::seconds(10), [&] { return started == kN; })) ++sawAll;
+    });
+    for (int i = 0; i < kN; ++i) cleaner.add("sb-" + std::to_string(i), UniqueFd());
+    cleaner.drain();
+  }
+  EXPECT_EQ(sawAll, kN);
+}
+
 TEST(CorpseCleaner, DestructorDrainsWhatIsQueued) {
   int calls = 0;
   {

@@ -299,8 +299,7 @@ Result<std::unique_ptr<ContainerBackend>> ContainerBackend::make(ContainerOption
         Status rm = raw->quota_->remove(id);
         if (!st.isOk()) log::error("cleanup " + id + ": " + st.toString());
         if (!rm.isOk()) log::error("cleanup " + id + ": " + rm.toString());
-      },
-      /*background=*/true);
+      });
   b->spareThread_ = std::thread([raw = b.get()] { raw->spareLoop(); });
   return b;
 }
