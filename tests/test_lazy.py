@@ -204,14 +204,14 @@ def test_reads_exact_bytes_and_fetches_only_what_is_read(lazy):
 def _read_while(lazy, name: str, action) -> tuple:
     """Reads /opt/<name>/big in a sandbox while `action(loader_pid)` runs 1 s in,
     and waits for the edge to replace the loader process. The store is slowed
-    to 512 KB/s for the read (nginx sends the first second's worth of a
-    response at once, so at the suite's 2 MB/s a 1 MiB chunk is not
-    throttled): the action lands mid-read. Returns the exec
-    result of the read, the old pid, the new pids, the seconds from the action
-    to a new loader process, and the sandbox (still running; the caller
-    destroys it)."""
+    to 96 KB/s per request for the read (nginx sends the first second's worth
+    of a response at once, so at the suite's 2 MB/s, or even 512 KB/s, a
+    128 KiB chunk is not throttled; at 96 KB/s the 6 MiB read takes 5-30 s):
+    the action lands mid-read. Returns the exec result of the read, the old
+    pid, the new pids, the seconds from the action to a new loader process,
+    and the sandbox (still running; the caller destroys it)."""
     sb = lazy.client.create("busybox", toolkits=[name])
-    lazy.nginx.set_slow_rate("512k")
+    lazy.nginx.set_slow_rate("96k")
     try:
         pid = lazy.node()["loader_pids"][0]
         out = {}
@@ -440,7 +440,7 @@ def test_a_read_in_progress_through_an_edge_crash_gets_exact_bytes(lazy):
     want = lazy.files[name][f"/opt/{name}/big"]
     sb = lazy.client.create("busybox", toolkits=[name])
     old = lazy.node()["loader_pids"][0]
-    lazy.nginx.set_slow_rate("512k")
+    lazy.nginx.set_slow_rate("96k")
     try:
         # in the background: it is the sandbox's, not an exec the edge waits on
         sb.exec(f"(sha256sum /opt/{name}/big > /tmp/sum; echo done >> /tmp/sum) "
