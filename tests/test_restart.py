@@ -111,8 +111,11 @@ def test_sigkill_readopts_sandboxes_with_their_processes_files_and_cgroups(crash
     paused.pause()
     gone = s.client.create("busybox:latest")
     gone.destroy()
-    # (its teardown finishes in the background; cut short, it would be an orphan)
-    assert wait_until(lambda: gone.id not in _ids(sandbox_cgroup_dirs(edge)), 10)
+    # (its teardown finishes in the background; cut short, it would be an
+    # orphan: its cgroups go first, its directory and filesystem last)
+    gone_dir = s.data_dir / "edge" / "sandboxes" / gone.id
+    assert wait_until(lambda: gone.id not in _ids(sandbox_cgroup_dirs(edge))
+                      and not gone_dir.exists(), 10)
     agents = aether_pids(edge)
     assert len(agents) >= 2
 
