@@ -117,14 +117,77 @@ std::string probeKvm() {
          "; paravirtual or nested KVM?)";
 }
 
-std::string chooseAccel(const std::string& want, std::string* why) {
+std::string probeQemuKvm(const std::string& qemu, const std::string& machine) {
+  int in[2], err[2];
+  if (::pipe2(in, O_CLOEXEC) != 0) return std::string("pipe: ") + std::strerror(errno);
+  if (::pipe2(err, O_CLOEXEC) != 0) {
+    ::close(in[0]);
+    ::close(in[1]);
+    return std::string("pipe: ") + std::strerror(errno);
+  }
+  std::vector<std::string> args = {qemu,   "-M",         machine,       "-accel",  "kvm",
+                                   "-cpu", "host",       "-m",          "64",      "-nodefaults",
+                                   "-no-user-config",    "-display",    "none",    "-S",
+                                   "-monitor",           "stdio"};
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    int null = ::open("/dev/null", O_WRONLY);
+    if (null < 0 || ::dup2(in[0], 0) < 0 || ::dup2(null, 1) < 0 || ::dup2(err[1], 2) < 0) {
+      ::_exit(127);
+    }
+    ::execv(argv[0], argv.data());
+    ::_exit(127);
+  }
+  ::close(in[0]);
+  ::close(err[1]);
+  UniqueFd toQemu(in[1]), fromQemu(err[0]);
+  if (pid < 0) return std::string("fork: ") + std::strerror(errno);
+  // Stopped (-S), the guest never runs: QEMU's set-up is all that is tried.
+  // The pipe holds the line whatever QEMU does with it.
+  (void)!::write(toQemu.get(), "quit\n", 5);
+  toQemu.reset();
+  std::string out;
+  double deadline = monoSeconds() + 10;
+  int status = 0;
+  for (;;) {
+    struct pollfd p = {fromQemu.get(), POLLIN, 0};
+    if (fromQemu && ::poll(&p, 1, 20) > 0) {
+      char buf[512];
+      ssize_t n = ::read(fromQemu.get(), buf, sizeof buf);
+      if (n > 0 && out.size() < 4096) out.append(buf, size_t(n));
+      if (n == 0) fromQemu.reset();
+    } else if (!fromQemu) {
+      ::usleep(5000);
+    }
+    if (::waitpid(pid, &status, WNOHANG) == pid) break;
+    if (monoSeconds() > deadline) {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, &status, 0);
+      return "QEMU under KVM did not start and quit within 10 s";
+    }
+  }
+  if (WIFEXITED(status) && WEXITSTATUS(status) == 0) return "";
+  std::string first = out.substr(0, out.find('\n'));
+  if (first.empty()) {
+    first = WIFSIGNALED(status) ? std::string("killed by ") + ::strsignal(WTERMSIG(status))
+                                : "exit " + std::to_string(WEXITSTATUS(status));
+  }
+  return "QEMU under KVM failed to start: " + first;
+}
+
+std::string chooseAccel(const std::string& want, const std::string& qemu,
+                        const std::string& machine, std::string* why) {
   if (want == "tcg") {
     *why = "TCG as configured";
     return "tcg";
   }
   std::string bad = probeKvm();
+  if (bad.empty()) bad = probeQemuKvm(qemu, machine);
   if (bad.empty()) {
-    *why = "KVM ran a probe guest";
+    *why = "KVM ran a probe guest, and QEMU started under it";
     return "kvm";
   }
   if (want == "kvm") {

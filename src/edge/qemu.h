@@ -30,11 +30,20 @@ std::string which(const std::string& prog);
 // 0x10,al; hlt`) in a child process within 3 s, else why not.
 std::string probeKvm();
 
-// The accelerator to use: "kvm" when `want` is "kvm" or "auto" and the probe
-// passes, "tcg" when `want` is "tcg" or "auto" and it fails. Empty (with
-// *why saying so) when `want` is "kvm" and KVM does not work. *why also says
-// how the choice was made.
-std::string chooseAccel(const std::string& want, std::string* why);
+// "" when QEMU itself (`qemu`, machine type `machine`, -accel kvm -cpu host,
+// as the backends run it) starts under KVM and quits when told to (stopped
+// before the guest runs, -S; ~40 ms), else why not: a KVM that runs the
+// real-mode probe may still refuse what QEMU sets up (nested KVM on some
+// hosts fails the vCPU's MSRs: "failed to set MSR 0x10a", and QEMU aborts).
+std::string probeQemuKvm(const std::string& qemu, const std::string& machine);
+
+// The accelerator to use: "kvm" when `want` is "kvm" or "auto" and both
+// probes pass (probeKvm, then probeQemuKvm with `qemu` and `machine`), "tcg"
+// when `want` is "tcg" or "auto" and one fails. Empty (with *why saying so)
+// when `want` is "kvm" and KVM does not work. *why also says how the choice
+// was made.
+std::string chooseAccel(const std::string& want, const std::string& qemu,
+                        const std::string& machine, std::string* why);
 
 // Connects to the unix socket `name` in the directory of dirFd (through
 // /proc/self/fd, so a long directory path does not hit sun_path's limit).

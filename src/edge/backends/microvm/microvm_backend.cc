@@ -304,7 +304,7 @@ MicroVmProbe probeMicroVm(const MicroVmOptions& opts) {
       return p;
     }
   }
-  p.accelerator = qemu::chooseAccel(opts.accel, &p.reason);
+  p.accelerator = qemu::chooseAccel(opts.accel, p.qemu, "microvm", &p.reason);
   if (p.accelerator.empty()) return p;
   UniqueFd vsock(::open("/dev/vhost-vsock", O_RDWR | O_CLOEXEC));
   p.vhostVsock = bool(vsock);

@@ -491,7 +491,7 @@ VmProbe probeVm(const VmOptions& opts) {
     p.reason = opts.qemuImgPath + " not found (install qemu-utils: scripts/install-deps.sh)";
     return p;
   }
-  p.accelerator = qemu::chooseAccel(opts.accel, &p.reason);
+  p.accelerator = qemu::chooseAccel(opts.accel, p.qemu, "q35", &p.reason);
   if (p.accelerator.empty()) return p;
   p.available = true;
   return p;

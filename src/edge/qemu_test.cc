@@ -1,0 +1,65 @@
+#include "edge/qemu.h"
+
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <string>
+
+namespace dsec::edge::qemu {
+namespace {
+
+// A stand-in for qemu-system-x86_64: a script that behaves as QEMU does on
+// a host whose KVM runs a probe guest but not QEMU's vCPU set-up (or one
+// where it works), so the probe's reading of it is tested without KVM.
+class FakeQemu : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char tmpl[] = "/tmp/dsec-fakeqemu-XXXXXX";
+    ASSERT_NE(::mkdtemp(tmpl), nullptr);
+    dir_ = tmpl;
+  }
+  void TearDown() override { std::system(("rm -rf " + dir_).c_str()); }
+  std::string script(const std::string& body) {
+    std::string path = dir_ + "/qemu";
+    std::ofstream(path) << "#!/bin/sh\n" << body << "\n";
+    ::chmod(path.c_str(), 0755);
+    return path;
+  }
+  std::string dir_;
+};
+
+TEST_F(FakeQemu, AQemuThatQuitsWhenToldPasses) {
+  // Checks it was asked for KVM, stopped, with the machine given, and quits
+  // on the monitor's "quit".
+  std::string q = script(
+      "case \"$*\" in *'-M microvm -accel kvm -cpu host'*'-S -monitor stdio'*) ;; *) exit 3;; esac\n"
+      "read line; [ \"$line\" = quit ] && exit 0; exit 4");
+  EXPECT_EQ(probeQemuKvm(q, "microvm"), "");
+}
+
+TEST_F(FakeQemu, AQemuThatAbortsGivesItsFirstErrorLine) {
+  std::string q = script(
+      "echo 'qemu-system-x86_64: error: failed to set MSR 0x10a to 0x69' >&2\n"
+      "echo 'qemu-system-x86_64: kvm.c:3183: kvm_buf_set_msrs: Assertion failed.' >&2\n"
+      "kill -ABRT $$");
+  EXPECT_EQ(probeQemuKvm(q, "q35"),
+            "QEMU under KVM failed to start: qemu-system-x86_64: error: failed to set MSR 0x10a "
+            "to 0x69");
+}
+
+TEST_F(FakeQemu, ASilentFailureSaysHowItEnded) {
+  EXPECT_EQ(probeQemuKvm(script("exit 1"), "q35"), "QEMU under KVM failed to start: exit 1");
+  EXPECT_EQ(probeQemuKvm(dir_ + "/missing", "q35"), "QEMU under KVM failed to start: exit 127");
+}
+
+TEST(ChooseAccel, TcgAsConfiguredProbesNothing) {
+  std::string why;
+  EXPECT_EQ(chooseAccel("tcg", "/nonexistent/qemu", "microvm", &why), "tcg");
+  EXPECT_EQ(why, "TCG as configured");
+}
+
+}  // namespace
+}  // namespace dsec::edge::qemu
