@@ -117,63 +117,96 @@ std::string probeKvm() {
          "; paravirtual or nested KVM?)";
 }
 
-std::string probeQemuKvm(const std::string& qemu, const std::string& machine) {
-  int in[2], err[2];
-  if (::pipe2(in, O_CLOEXEC) != 0) return std::string("pipe: ") + std::strerror(errno);
-  if (::pipe2(err, O_CLOEXEC) != 0) {
-    ::close(in[0]);
-    ::close(in[1]);
-    return std::string("pipe: ") + std::strerror(errno);
-  }
-  std::vector<std::string> args = {qemu,   "-M",         machine,       "-accel",  "kvm",
-                                   "-cpu", "host",       "-m",          "64",      "-nodefaults",
-                                   "-no-user-config",    "-display",    "none",    "-S",
-                                   "-monitor",           "stdio"};
+Result<RunResult> run(const std::vector<std::string>& args, const std::string& input,
+                      double timeoutS) {
+  int in[2], out[2], err[2];
+  if (::pipe2(in, O_CLOEXEC) != 0) return sysError("pipe");
+  UniqueFd inRd(in[0]), inWr(in[1]);
+  if (::pipe2(out, O_CLOEXEC) != 0) return sysError("pipe");
+  UniqueFd outRd(out[0]), outWr(out[1]);
+  if (::pipe2(err, O_CLOEXEC) != 0) return sysError("pipe");
+  UniqueFd errRd(err[0]), errWr(err[1]);
+  std::vector<std::string> copy = args;
   std::vector<char*> argv;
-  for (auto& a : args) argv.push_back(a.data());
+  for (auto& a : copy) argv.push_back(a.data());
   argv.push_back(nullptr);
   pid_t pid = ::fork();
+  if (pid < 0) return sysError("fork");
   if (pid == 0) {
-    int null = ::open("/dev/null", O_WRONLY);
-    if (null < 0 || ::dup2(in[0], 0) < 0 || ::dup2(null, 1) < 0 || ::dup2(err[1], 2) < 0) {
+    if (::dup2(inRd.get(), 0) < 0 || ::dup2(outWr.get(), 1) < 0 || ::dup2(errWr.get(), 2) < 0) {
       ::_exit(127);
     }
     ::execv(argv[0], argv.data());
     ::_exit(127);
   }
-  ::close(in[0]);
-  ::close(err[1]);
-  UniqueFd toQemu(in[1]), fromQemu(err[0]);
-  if (pid < 0) return std::string("fork: ") + std::strerror(errno);
-  // Stopped (-S), the guest never runs: QEMU's set-up is all that is tried.
-  // The pipe holds the line whatever QEMU does with it.
-  (void)!::write(toQemu.get(), "quit\n", 5);
-  toQemu.reset();
-  std::string out;
-  double deadline = monoSeconds() + 10;
-  int status = 0;
-  for (;;) {
-    struct pollfd p = {fromQemu.get(), POLLIN, 0};
-    if (fromQemu && ::poll(&p, 1, 20) > 0) {
-      char buf[512];
-      ssize_t n = ::read(fromQemu.get(), buf, sizeof buf);
-      if (n > 0 && out.size() < 4096) out.append(buf, size_t(n));
-      if (n == 0) fromQemu.reset();
-    } else if (!fromQemu) {
-      ::usleep(5000);
-    }
-    if (::waitpid(pid, &status, WNOHANG) == pid) break;
-    if (monoSeconds() > deadline) {
-      ::kill(pid, SIGKILL);
-      ::waitpid(pid, &status, 0);
-      return "QEMU under KVM did not start and quit within 10 s";
+  inRd.reset();
+  outWr.reset();
+  errWr.reset();
+  // The pipe holds it whatever the program does with it.
+  if (!input.empty()) (void)!::write(inWr.get(), input.data(), input.size());
+  inWr.reset();
+  RunResult r;
+  double deadline = timeoutS > 0 ? monoSeconds() + timeoutS : 0;
+  auto left = [&] {
+    return deadline == 0 ? -1 : std::max(0, int((deadline - monoSeconds()) * 1000));
+  };
+  struct pollfd p[2] = {{outRd.get(), POLLIN, 0}, {errRd.get(), POLLIN, 0}};
+  int open = 2;
+  while (open > 0 && !r.timedOut) {
+    int n = ::poll(p, 2, left());
+    if (n < 0 && errno != EINTR) break;
+    if (n == 0) r.timedOut = true;
+    for (int i = 0; i < 2 && n > 0; ++i) {
+      if (p[i].fd < 0 || !p[i].revents) continue;
+      char buf[8192];
+      ssize_t got = ::read(p[i].fd, buf, sizeof buf);
+      if (got > 0) {
+        (i == 0 ? r.out : r.err).append(buf, size_t(got));
+      } else if (got == 0 || errno != EINTR) {
+        p[i].fd = -1;
+        --open;
+      }
     }
   }
-  if (WIFEXITED(status) && WEXITSTATUS(status) == 0) return "";
-  std::string first = out.substr(0, out.find('\n'));
+  // Its output ended (or the deadline passed): wait for it within the deadline.
+  for (;;) {
+    pid_t w = ::waitpid(pid, &r.status, deadline == 0 ? 0 : WNOHANG);
+    if (w == pid || (w < 0 && errno != EINTR)) break;
+    if (w == 0 && (r.timedOut || left() == 0)) {
+      r.timedOut = true;
+      ::kill(pid, SIGKILL);
+      while (::waitpid(pid, &r.status, 0) < 0 && errno == EINTR) {
+      }
+      break;
+    }
+    if (w == 0) ::usleep(5000);
+  }
+  return r;
+}
+
+Result<std::string> runCapture(const std::vector<std::string>& args) {
+  ASSIGN_OR_RETURN(RunResult r, run(args));
+  if (!WIFEXITED(r.status) || WEXITSTATUS(r.status) != 0) {
+    while (!r.err.empty() && r.err.back() == '\n') r.err.pop_back();
+    return internalError(
+        args[0] + " failed: " + (r.err.empty() ? "status " + std::to_string(r.status) : r.err));
+  }
+  return std::move(r.out);
+}
+
+std::string probeQemuKvm(const std::string& qemu, const std::string& machine) {
+  // Stopped (-S), the guest never runs: QEMU's set-up is all that is tried.
+  auto r = run({qemu, "-M", machine, "-accel", "kvm", "-cpu", "host", "-m", "64", "-nodefaults",
+                "-no-user-config", "-display", "none", "-S", "-monitor", "stdio"},
+               "quit\n", 10);
+  if (!r.isOk()) return r.status().toString();
+  if (r->timedOut) return "QEMU under KVM did not start and quit within 10 s";
+  int st = r->status;
+  if (WIFEXITED(st) && WEXITSTATUS(st) == 0) return "";
+  std::string first = r->err.substr(0, r->err.find('\n'));
   if (first.empty()) {
-    first = WIFSIGNALED(status) ? std::string("killed by ") + ::strsignal(WTERMSIG(status))
-                                : "exit " + std::to_string(WEXITSTATUS(status));
+    first = WIFSIGNALED(st) ? std::string("killed by ") + ::strsignal(WTERMSIG(st))
+                            : "exit " + std::to_string(WEXITSTATUS(st));
   }
   return "QEMU under KVM failed to start: " + first;
 }

@@ -30,6 +30,25 @@ std::string which(const std::string& prog);
 // 0x10,al; hlt`) in a child process within 3 s, else why not.
 std::string probeKvm();
 
+// What run() saw of a program run to its end.
+struct RunResult {
+  int status = 0;         // as waitpid(2) gives it
+  bool timedOut = false;  // killed (SIGKILL) at the deadline
+  std::string out, err;   // all of its stdout and stderr
+};
+
+// Runs args (args[0] a path, no PATH search) with `input` on its stdin (a
+// pipe's worth at most: it is written before any output is read; then the
+// pipe is closed) and its stdout and stderr captured, until it exits, or
+// until timeoutS (0: no deadline) when it is killed. Errors: the pipes or
+// the fork failing; the program's own failure is in the RunResult.
+Result<RunResult> run(const std::vector<std::string>& args, const std::string& input = "",
+                      double timeoutS = 0);
+
+// run() without input or deadline: the program's stdout, or an error
+// carrying its stderr (its status when that is empty) when it fails.
+Result<std::string> runCapture(const std::vector<std::string>& args);
+
 // "" when QEMU itself (`qemu`, machine type `machine`, -accel kvm -cpu host,
 // as the backends run it) starts under KVM and quits when told to (stopped
 // before the guest runs, -S; ~40 ms), else why not: a KVM that runs the

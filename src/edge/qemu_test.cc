@@ -1,7 +1,9 @@
 #include "edge/qemu.h"
 
 #include <gtest/gtest.h>
+#include <signal.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -35,7 +37,8 @@ TEST_F(FakeQemu, AQemuThatQuitsWhenToldPasses) {
   // Checks it was asked for KVM, stopped, with the machine given, and quits
   // on the monitor's "quit".
   std::string q = script(
-      "case \"$*\" in *'-M microvm -accel kvm -cpu host'*'-S -monitor stdio'*) ;; *) exit 3;; esac\n"
+      "case \"$*\" in *'-M microvm -accel kvm -cpu host'*'-S -monitor stdio'*) ;; *) exit 3;; "
+      "esac\n"
       "read line; [ \"$line\" = quit ] && exit 0; exit 4");
   EXPECT_EQ(probeQemuKvm(q, "microvm"), "");
 }
@@ -53,6 +56,25 @@ TEST_F(FakeQemu, AQemuThatAbortsGivesItsFirstErrorLine) {
 TEST_F(FakeQemu, ASilentFailureSaysHowItEnded) {
   EXPECT_EQ(probeQemuKvm(script("exit 1"), "q35"), "QEMU under KVM failed to start: exit 1");
   EXPECT_EQ(probeQemuKvm(dir_ + "/missing", "q35"), "QEMU under KVM failed to start: exit 127");
+}
+
+TEST_F(FakeQemu, RunGivesInputAndTakesOutputAndKillsAtTheDeadline) {
+  auto r = run({script("read a; echo \"out $a\"; echo err >&2; exit 3")}, "x\n");
+  ASSERT_TRUE(r.isOk()) << r.status().toString();
+  EXPECT_EQ(r->out, "out x\n");
+  EXPECT_EQ(r->err, "err\n");
+  EXPECT_FALSE(r->timedOut);
+  EXPECT_TRUE(WIFEXITED(r->status) && WEXITSTATUS(r->status) == 3);
+  // A program that holds its output open past the deadline, and one that
+  // closes it but goes on running: both killed.
+  for (const char* body : {"exec sleep 30", "exec >&- 2>&-; exec sleep 30"}) {
+    auto hung = run({script(body)}, "", 0.3);
+    ASSERT_TRUE(hung.isOk());
+    EXPECT_TRUE(hung->timedOut) << body;
+    EXPECT_TRUE(WIFSIGNALED(hung->status) && WTERMSIG(hung->status) == SIGKILL) << body;
+  }
+  EXPECT_EQ(runCapture({script("echo no >&2; exit 1")}).status().message(),
+            dir_ + "/qemu failed: no");
 }
 
 TEST(ChooseAccel, TcgAsConfiguredProbesNothing) {

@@ -42,59 +42,6 @@ constexpr int64_t kMinGuestMemory = 256ll << 20;
 // the guest drains it slowly.
 constexpr useconds_t kKeyGapUs = 15000;
 
-// Runs argv to its end; its stdout. stderr goes into the error.
-Result<std::string> runCapture(const std::vector<std::string>& args) {
-  int out[2], err[2];
-  if (::pipe2(out, O_CLOEXEC) != 0) return sysError("pipe");
-  if (::pipe2(err, O_CLOEXEC) != 0) {
-    ::close(out[0]);
-    ::close(out[1]);
-    return sysError("pipe");
-  }
-  std::vector<std::string> copy = args;
-  std::vector<char*> argv;
-  for (auto& a : copy) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  pid_t pid = ::fork();
-  if (pid < 0) return sysError("fork");
-  if (pid == 0) {
-    int null = ::open("/dev/null", O_RDONLY);
-    ::dup2(null, 0);
-    ::dup2(out[1], 1);
-    ::dup2(err[1], 2);
-    ::execv(argv[0], argv.data());
-    ::_exit(127);
-  }
-  ::close(out[1]);
-  ::close(err[1]);
-  std::string o, e;
-  struct pollfd p[2] = {{out[0], POLLIN, 0}, {err[0], POLLIN, 0}};
-  int open = 2;
-  while (open > 0) {
-    if (::poll(p, 2, -1) < 0 && errno != EINTR) break;
-    for (int i = 0; i < 2; ++i) {
-      if (p[i].fd < 0 || !p[i].revents) continue;
-      char buf[8192];
-      ssize_t n = ::read(p[i].fd, buf, sizeof buf);
-      if (n > 0) {
-        (i == 0 ? o : e).append(buf, size_t(n));
-      } else if (n == 0 || errno != EINTR) {
-        ::close(p[i].fd);
-        p[i].fd = -1;
-        --open;
-      }
-    }
-  }
-  int status = 0;
-  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
-  }
-  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
-    while (!e.empty() && e.back() == '\n') e.pop_back();
-    return internalError(args[0] + " failed: " + (e.empty() ? "status " + std::to_string(status) : e));
-  }
-  return o;
-}
-
 Status copyFile(const std::string& from, const std::string& to) {
   UniqueFd in(::open(from.c_str(), O_RDONLY | O_CLOEXEC));
   if (!in) return sysError("open " + from);
@@ -468,7 +415,8 @@ Status VmInstance::snapshotDisk(const std::string& dest) {
       return stop.status();
     }
   }
-  auto made = runCapture({qemuImg_, "convert", "-U", "-O", "qcow2", dir_ + "/disk.qcow2", dest});
+  auto made =
+      qemu::runCapture({qemuImg_, "convert", "-U", "-O", "qcow2", dir_ + "/disk.qcow2", dest});
   thaw();
   if (!made.isOk()) {
     ::unlink(dest.c_str());
@@ -498,7 +446,7 @@ VmProbe probeVm(const VmOptions& opts) {
 }
 
 Result<DiskInfo> inspectDisk(const std::string& qemuImg, const std::string& path) {
-  auto out = runCapture({qemuImg, "info", "--output=json", "-U", path});
+  auto out = qemu::runCapture({qemuImg, "info", "--output=json", "-U", path});
   if (!out.isOk()) return invalidArg("image", "not a disk image qemu-img can read: " +
                                                   out.status().message());
   json j = json::parse(*out, nullptr, false);
@@ -638,8 +586,9 @@ Status VmBackend::bootOnce(const SandboxSpec& spec, Boot& b, bool* hung) {
   // not (docs/vm.md).
   ::unlink((dir + "/disk.qcow2").c_str());
   int64_t size = std::max(b.info.virtualSize, spec.diskBytes);
-  if (auto made = runCapture({probe_.qemuImg, "create", "-q", "-f", "qcow2", "-b", b.base, "-F",
-                              b.info.format, dir + "/disk.qcow2", std::to_string(size)});
+  if (auto made =
+          qemu::runCapture({probe_.qemuImg, "create", "-q", "-f", "qcow2", "-b", b.base, "-F",
+                            b.info.format, dir + "/disk.qcow2", std::to_string(size)});
       !made.isOk()) {
     return Status(made.status()).withContext("overlay");
   }
