@@ -49,6 +49,28 @@ def edge_cgroup(data_dir) -> str:
     return "e-" + hashlib.sha256(real.encode()).hexdigest()[:12]
 
 
+def zygote_pids(data_dir) -> list:
+    """Host pids of the fncall zygotes (docs/fncall.md) of the edge on `data_dir`."""
+    edge = edge_cgroup(data_dir)
+    out = []
+    for p in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{p}/cmdline", "rb") as f:
+                if b"dsec fncall zygote" not in f.read(200):
+                    continue
+            with open(f"/proc/{p}/cgroup") as f:
+                if f"/{edge}/" not in f.read():
+                    continue
+            with open(f"/proc/{p}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{ppid}/cmdline", "rb") as f:
+                if b"dsec-aether" in f.read(200):  # not a zygote's fork (a spare, a call)
+                    out.append(int(p))
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
 def sandbox_cgroup_dirs(edge: str = "*") -> set:
     """Every cgroup directory named sb-* below a `dsec` cgroup (v1 and v2 layouts),
     only those of edge cgroup `edge` if given (so other dsec instances on the

@@ -8,13 +8,87 @@ to calls: isolation between calls, limits, fncall sandboxes, bad input.
 
 from __future__ import annotations
 
+import ctypes
+import os
 import shlex
+import signal
+import threading
 import time
 
 import pytest
 
 import dsec
-from helpers import expect_error
+from helpers import cgroup_dirs_named, expect_error, zygote_pids
+
+
+def _landlock_abi() -> int:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    return max(0, libc.syscall(ctypes.c_long(444), None, ctypes.c_size_t(0), ctypes.c_uint32(1)))
+
+
+# Landlock ABI 6 scopes signals: a call cannot signal its zygote or a spare.
+SCOPED = _landlock_abi() >= 6
+
+
+def _host_pid(sandbox_id: str, pid: int) -> int:
+    """The host pid of process `pid` of the sandbox's pid namespace."""
+    for d in cgroup_dirs_named(sandbox_id):
+        try:
+            procs = open(os.path.join(d, "cgroup.procs")).read().split()
+        except OSError:
+            continue
+        for hp in procs:
+            try:
+                with open(f"/proc/{hp}/status") as f:
+                    for line in f:
+                        if line.startswith("NSpid:") and int(line.split()[-1]) == pid:
+                            return int(hp)
+            except OSError:
+                continue
+    raise AssertionError(f"no process {pid} in sandbox {sandbox_id}")
+
+
+# Python that lists the zygote's other children (spares) of a sandbox's
+# zygote ZYGOTE, waiting up to 30 s for one.
+_FIND_SPARES = (
+    "import os, time\n"
+    "def spares():\n"
+    "    out = []\n"
+    "    for p in filter(str.isdigit, os.listdir('/proc')):\n"
+    "        try:\n"
+    "            st = open(f'/proc/{p}/stat').read().rsplit(')', 1)[1].split()\n"
+    "        except (OSError, ValueError):\n"
+    "            continue\n"
+    "        if int(st[1]) == ZYGOTE and int(p) != os.getpid():\n"
+    "            out.append(int(p))\n"
+    "    return out\n"
+    "for _ in range(600):\n"  # the spare is forked after the last call: slow under load
+    "    found = spares()\n"
+    "    if found:\n"
+    "        break\n"
+    "    time.sleep(0.05)\n")
+
+# tamper(pid, signals): tries to change process pid's limits, priority,
+# CPUs, scheduling class and (with signals) to stop it; one word per try.
+_TAMPER = (
+    "import os, resource, signal\n"
+    "def tamper(t, signals):\n"
+    "    tries = [lambda: resource.prlimit(t, resource.RLIMIT_NOFILE, (16, 16)),\n"
+    "             lambda: os.setpriority(os.PRIO_PROCESS, t, 19),\n"
+    "             lambda: os.setpriority(os.PRIO_USER, 0, 19),\n"
+    "             lambda: os.sched_setaffinity(t, {0}),\n"
+    "             lambda: os.sched_setscheduler(t, os.SCHED_IDLE, os.sched_param(0))]\n"
+    "    if signals:\n"
+    "        tries.append(lambda: os.kill(t, signal.SIGSTOP))\n"
+    "    out = []\n"
+    "    for f in tries:\n"
+    "        try:\n"
+    "            f()\n"
+    "            out.append('done')\n"
+    "        except PermissionError:\n"
+    "            out.append('EPERM')\n"
+    "    return ' '.join(out)\n")
 
 # (name, language, code, run kwargs). Compared on exit code, signal, stdout,
 # stderr, truncation and timeout.
@@ -172,35 +246,60 @@ def test_a_call_runs_in_a_child_forked_after_the_previous_call_ended(make_sandbo
     assert (leak_json, leak_env) == ("False", "False"), second
 
 
-def test_a_killed_spare_is_replaced(make_sandbox, debian):
-    # A call may kill any process of its uid, the zygote's spare included
-    # (other languages' calls run while one is held): the next python call
-    # takes a new spare of the same zygote.
+def test_calls_cannot_tamper_with_their_zygote_or_spare(make_sandbox, debian):
+    # A call shares its uid with the zygote (whose later forks serve the next
+    # calls, other callers' in the one-shot pool) and with the spare a bash
+    # call may run beside: it must not lower their rlimits, raise their nice
+    # value, pin or demote them (seccomp, seccomp.h selfOnlyFilter), nor stop
+    # them (Landlock signal scoping, ABI 6).
+    if not SCOPED:
+        print("signals not checked: Landlock ABI %d has no signal scoping (needs 6)"
+              % _landlock_abi())
+    sb = make_sandbox(debian, backend="fncall", disk_mb=16)
+    before = sb.run("import os, resource\n"
+                    "print(os.getppid(), os.nice(0), resource.getrlimit(resource.RLIMIT_NOFILE),"
+                    " sorted(os.sched_getaffinity(0)), os.sched_getscheduler(0))")
+    assert before.exit_code == 0, before
+    zygote = before.stdout.split()[0]
+    # (kill(-1) succeeds if it may try anyone; `after` shows it stopped no one.)
+    everyone = "os.kill(-1, signal.SIGSTOP)\n" if SCOPED else ""
+    r = sb.run(_TAMPER + everyone + "print(tamper(os.getppid(), %s))" % SCOPED)
+    assert r.exit_code == 0 and r.stdout.split() == ["EPERM"] * (6 if SCOPED else 5), r
+    # A bash call runs while the python zygote holds its spare.
+    spare_code = (_FIND_SPARES + _TAMPER + "print(len(found), tamper(found[0], %s))" % SCOPED
+                  ).replace("ZYGOTE", zygote)
+    r = sb.run("python3 -c " + shlex.quote(spare_code), language="bash", timeout=45)
+    assert r.exit_code == 0 and r.stdout.split() == ["1"] + ["EPERM"] * (6 if SCOPED else 5), r
+    after = sb.run("import os, resource\n"
+                   "print(os.getppid(), os.nice(0), resource.getrlimit(resource.RLIMIT_NOFILE),"
+                   " sorted(os.sched_getaffinity(0)), os.sched_getscheduler(0))", timeout=20)
+    assert after.exit_code == 0 and after.stdout == before.stdout, (before, after)
+    # Its own limits and priority a call may change.
+    r = sb.run("import os, resource\nos.nice(5)\n"
+               "resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))\n"
+               "os.sched_setaffinity(0, {0})\nprint(os.nice(0))")
+    assert r.exit_code == 0 and r.stdout == "5\n", r
+
+
+def test_a_dead_spare_is_replaced(make_sandbox, debian):
+    # A spare that died unused (here killed from the host; a call cannot,
+    # test above) fails the send: the next python call takes a new spare of
+    # the same zygote.
     sb = make_sandbox(debian, backend="fncall", disk_mb=16)
     r = sb.run("import os; print(os.getppid())")
     assert r.exit_code == 0, r
     zygote = r.stdout.strip()
-    killer = (
-        "import os, signal, time\n"
-        "def procs():\n"
-        "    out = {}\n"
-        "    for p in filter(str.isdigit, os.listdir('/proc')):\n"
-        "        try:\n"
-        "            st = open(f'/proc/{p}/stat').read().rsplit(')', 1)[1].split()\n"
-        "        except (OSError, ValueError):\n"
-        "            continue\n"
-        "        out[int(p)] = int(st[1])\n"
-        "    return out\n"
-        "for _ in range(600):\n"  # the spare is forked after the last call: slow under load
-        "    spares = [p for p, pp in procs().items() if pp == ZYGOTE]\n"
-        "    if spares:\n"
-        "        break\n"
-        "    time.sleep(0.05)\n"
-        "for p in spares:\n"
-        "    os.kill(p, signal.SIGKILL)\n"
-        "print(len(spares))\n").replace("ZYGOTE", zygote)
-    r = sb.run("python3 -c " + shlex.quote(killer), language="bash", timeout=45)
-    assert r.exit_code == 0 and r.stdout.strip() == "1", r
+    r = sb.run("python3 -c " + shlex.quote((_FIND_SPARES + "print(*found)").replace("ZYGOTE", zygote)),
+               language="bash", timeout=45)
+    assert r.exit_code == 0 and len(r.stdout.split()) == 1, r
+    spare = _host_pid(sb.id, int(r.stdout))
+    os.kill(spare, signal.SIGKILL)
+    # Gone (reaped by the zygote) before the next call: its socket is closed
+    # then, and the send fails. (A spare killed while the request is under
+    # way would report that call killed by SIGKILL.)
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{spare}") and time.monotonic() < deadline:
+        time.sleep(0.01)
     for i in range(3):
         r = sb.run("import os; print(os.getppid(), %d)" % i, timeout=20)
         assert r.exit_code == 0 and r.stdout == "%s %d\n" % (zygote, i), r
@@ -312,22 +411,39 @@ def test_cpu_and_file_size_limits(client, debian):
     assert r.exit_code == 1 and "Too many open files" in r.stderr, r
 
 
-def test_killed_zygote_is_replaced(client, debian):
-    r = client.run("import os; os.kill(os.getppid(), 9); print('ok')", image=debian)
-    assert r.stdout == "ok\n", r
+def test_a_call_cannot_kill_its_zygote(client, debian):
+    if not SCOPED:
+        pytest.skip("Landlock ABI %d has no signal scoping (needs 6): a call may "
+                    "kill its zygote (the next call starts a new one)" % _landlock_abi())
+    r = client.run("import os; os.kill(os.getppid(), 9)", image=debian)
+    assert r.exit_code == 1 and "PermissionError" in r.stderr, r
     r = client.run("print(2)", image=debian)
     assert r.exit_code == 0 and r.stdout == "2\n", r
 
 
-def test_a_call_right_after_one_that_killed_its_zygote_runs(make_sandbox, debian):
-    # The killer's result comes from its own socket, possibly before aether
-    # has seen its zygote die: the next call must start a new zygote, not fail.
+def test_a_call_right_after_its_zygote_died_runs(make_sandbox, debian):
+    # The zygote dies while a call runs (killed from the host here; without
+    # signal scoping the call itself could kill it). That call's result comes
+    # from its own socket, possibly before aether has seen the zygote go:
+    # it must be reported whole, and the next call must start a new zygote,
+    # not fail.
     sb = make_sandbox(debian, backend="fncall", disk_mb=16)
     for i in range(3):
-        r = sb.run("import os, signal; os.kill(os.getppid(), signal.SIGKILL); print('k')")
-        assert r.exit_code == 0 and r.stdout == "k\n", r
-        r = sb.run("print(%d)" % i)
-        assert r.exit_code == 0 and r.stdout == "%d\n" % i, r
+        r = sb.run("import os; print(os.getppid())")
+        assert r.exit_code == 0, r
+        inner = int(r.stdout)
+        zygote = _host_pid(sb.id, inner)
+        results = []
+        t = threading.Thread(target=lambda: results.append(
+            sb.run("import sys, time; print('up', flush=True); time.sleep(0.5); print('k')",
+                   timeout=20)))
+        t.start()
+        time.sleep(0.25)
+        os.kill(zygote, signal.SIGKILL)
+        t.join()
+        assert results and results[0].exit_code == 0 and results[0].stdout == "up\nk\n", results
+        r = sb.run("import os; print(os.getppid() != %d, %d)" % (inner, i))
+        assert r.exit_code == 0 and r.stdout == "True %d\n" % i, r
 
 
 def test_bad_input(client, server, debian):
@@ -477,7 +593,9 @@ def test_pool_bounds_languages_and_metrics(tmp_path_factory, server):
                          field="language")
         assert "perl" in e.message, e
         assert c.run("print(1)").stdout == "1\n"  # another pool: the perl sandbox is recycled
-        r = c.run("import os; os.kill(os.getppid(), 9)")  # kills its zygote
+        zygotes = zygote_pids(s.data_dir)
+        assert len(zygotes) == 1, zygotes
+        os.kill(zygotes[0], 9)  # (a call cannot: test_a_call_cannot_kill_its_zygote)
         r = c.run("print(2)")
         assert r.stdout == "2\n", r
         r = c.run("while True: pass", timeout=1)
@@ -491,8 +609,8 @@ def test_pool_bounds_languages_and_metrics(tmp_path_factory, server):
         assert m['dsec_fncall_node_sandboxes{state="busy"}'] == 0, m
         assert m["dsec_fncall_pool_sandboxes_created_total"] == 2, m
         assert m["dsec_fncall_zygote_restarts_total"] >= 1, m
-        # perl, print(1), the call that killed its zygote (it exits 0), print(2)
-        assert m['dsec_fncall_calls_total{result="ok",limit="none"}'] == 4, m
+        # perl, print(1), print(2)
+        assert m['dsec_fncall_calls_total{result="ok",limit="none"}'] == 3, m
         assert m['dsec_fncall_calls_total{result="signal",limit="timeout"}'] == 1, m
         _stop_and_check_clean(s)
     finally:

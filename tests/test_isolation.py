@@ -30,6 +30,16 @@ def test_pid1_is_dsec_aether(bb):
     assert b"dsec-aether" in argv0, r.stdout_bytes
 
 
+def test_sandboxes_run_at_normal_priority(make_sandbox, busybox):
+    # The edge prepares spare sandboxes on a thread at nice 10 (background
+    # work yields to requests); the sandbox's processes must not inherit it.
+    # Several sandboxes, so that some come from the spares.
+    for _ in range(4):
+        sb = make_sandbox(busybox)
+        r = sb.exec("cut -d' ' -f19 /proc/1/stat /proc/self/stat")
+        assert r.exit_code == 0 and r.stdout.split() == ["0", "0"], r
+
+
 def test_host_processes_are_invisible(bb, server):
     host_pids = [p for p in os.listdir("/proc") if p.isdigit()]
     assert len(host_pids) > 20  # positive control: the host has many

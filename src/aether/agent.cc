@@ -123,9 +123,14 @@ Status Agent::start() {
   scratch_.resize(proto::kDataChunk);
   in_buf_.reset(new char[kReadSize]);
   if (options_.fncall) {
+    // Calls share a uid with their zygote and the next spare: none may
+    // change another's rlimits, priority or scheduling (seccomp.h).
+    options_.exec.self_only = true;
     // Every exec of a fncall sandbox writes only beneath /scratch: Landlock
     // under the read-only root (a second layer, and the one that also covers
-    // /dev/shm and /proc's writable files).
+    // /dev/shm and /proc's writable files); where the kernel scopes signals
+    // (Landlock ABI 6), each exec is its own domain for signals and abstract
+    // unix sockets too (fncall.h).
     Result<UniqueFd> rs = buildScratchRuleset();
     if (rs.isOk()) {
       scratch_landlock_ = std::move(*rs);
@@ -1412,7 +1417,8 @@ void Agent::finishedCalls() {
   finished_calls_.clear();
   for (auto& c : done) {
     cleanUpCall(c.pid, c.exclusive, c.run_dir);
-    // The next spare is forked now, not while a call runs.
+    // The next spare is forked now, not while a call runs (docs/fncall.md:
+    // forked as a call starts, it slows that call down more than it saves).
     if (auto it = zygotes_.find(c.zygote_lang); it != zygotes_.end()) it->second->requestSpare();
   }
 }

@@ -96,6 +96,8 @@ struct ChildPlan {
   struct rlimit nofile;
   bool seccomp = false;
   bool seccomp_notify = false;
+  bool self_only = false;
+  struct sock_fprog self_filter;
   int landlock_fd = -1;
   int base_landlock_fd = -1;
   std::vector<std::pair<int, struct rlimit>> rlimits;
@@ -230,6 +232,9 @@ void setDefaultDisposition(int sig) {
       std::memcpy(CMSG_DATA(c), &lfd, sizeof lfd);
       if (::sendmsg(p.status_fd, &m, MSG_NOSIGNAL) < 0) childFail(p, kStageSeccomp, errno);
       ::close(lfd);
+    }
+    if (p.self_only && ::syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER, 0, &p.self_filter) < 0) {
+      childFail(p, kStageSeccomp, errno);
     }
   }
 
@@ -417,6 +422,10 @@ Result<SpawnedExec> spawnExec(const ExecRequest& req, const ExecSettings& settin
       syscallFilter(SyscallProfile::kStrict, true);
   plan.seccomp = settings.seccomp;
   plan.seccomp_notify = settings.seccomp && settings.seccomp_notify;
+  static const std::vector<sock_filter> kSelfOnlyFilter = selfOnlyFilter();
+  plan.self_only = settings.seccomp && settings.self_only;
+  plan.self_filter = sock_fprog{static_cast<unsigned short>(kSelfOnlyFilter.size()),
+                                const_cast<sock_filter*>(kSelfOnlyFilter.data())};
   plan.landlock_fd = settings.landlock_ruleset;
   plan.base_landlock_fd = settings.base_landlock_ruleset;
   plan.rlimits = req.rlimits;

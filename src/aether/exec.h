@@ -59,6 +59,9 @@ struct ExecSettings {
   // fncall sandboxes (fncall.h): a second ruleset every child also enters
   // (writes only beneath the scratch dir); -1: none.
   int base_landlock_ruleset = -1;
+  // fncall sandboxes: also seccomp.h's selfOnlyFilter (prlimit, priorities
+  // and scheduling only on the caller itself). Needs `seccomp`.
+  bool self_only = false;
   // The seccomp profile of execs from now on (a policy's "syscalls").
   SyscallProfile syscall_profile = SyscallProfile::kDefault;
   // aether raises its own open-file limit to serve many execs; children get

@@ -46,6 +46,8 @@ constexpr int kZygoteAnswerMs = 10000;
 // Requests up to this size go inline; larger ones in a memfd (a seqpacket
 // message must fit the socket buffer).
 constexpr size_t kInlineRequest = 60000;
+// LANDLOCK_SCOPE_ABSTRACT_UNIX_SOCKET | LANDLOCK_SCOPE_SIGNAL (ABI 6).
+constexpr uint64_t kLandlockScopes = (1u << 0) | (1u << 1);
 
 bool validLanguage(const std::string& s) {
   if (s.empty() || s.size() > 32) return false;
@@ -211,9 +213,18 @@ Result<UniqueFd> buildScratchRuleset() {
   if (abi >= 3) rights |= LANDLOCK_ACCESS_FS_TRUNCATE;
   uint64_t fileRights =
       LANDLOCK_ACCESS_FS_WRITE_FILE | (abi >= 3 ? LANDLOCK_ACCESS_FS_TRUNCATE : 0);
-  landlock_ruleset_attr attr{};
-  attr.handled_access_fs = rights;
-  UniqueFd rs(int(::syscall(SYS_landlock_create_ruleset, &attr, sizeof attr, 0)));
+  // Landlock ABI 6 (Linux 6.12) adds `scoped`: each exec entering this
+  // ruleset is then a domain of its own for signals and abstract unix
+  // sockets, so a call cannot signal (stop, kill) its zygote, the spare
+  // forked for the next call or another exec (docs/fncall.md). The struct
+  // of the kernel's header here may predate the field.
+  struct {
+    uint64_t handled_access_fs;
+    uint64_t handled_access_net;
+    uint64_t scoped;
+  } attr{rights, 0, abi >= 6 ? kLandlockScopes : 0};
+  size_t attrSize = abi >= 6 ? sizeof attr : sizeof attr.handled_access_fs;
+  UniqueFd rs(int(::syscall(SYS_landlock_create_ruleset, &attr, attrSize, 0)));
   if (!rs) return sysError("landlock_create_ruleset");
   ::fcntl(rs.get(), F_SETFD, FD_CLOEXEC);
   auto allow = [&](const char* path, uint64_t access) -> Status {

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <pthread.h>
+#include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
@@ -107,6 +108,42 @@ TEST(CallRlimits, SetOnlyWhatIsGiven) {
 
 // A process whose main thread called exit(2) alone shows as a zombie while
 // its other thread runs on: it is killed with what a call left, not skipped.
+TEST(ScratchRuleset, EachExecIsItsOwnDomainForSignals) {
+  long abi = syscall(SYS_landlock_create_ruleset, nullptr, 0, 1 /*VERSION*/);
+  if (abi < 6) GTEST_SKIP() << "Landlock ABI " << abi << " has no signal scoping (needs 6)";
+  auto rs = buildScratchRuleset();
+  ASSERT_TRUE(rs.isOk()) << rs.status().toString();
+  // A process outside the domain (a zygote, a spare) and one inside it.
+  pid_t outside = fork();
+  if (outside == 0) {
+    pause();
+    _exit(0);
+  }
+  pid_t child = fork();
+  if (child == 0) {
+    if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 ||
+        syscall(SYS_landlock_restrict_self, rs->get(), 0) != 0) {
+      _exit(100);
+    }
+    if (kill(outside, SIGSTOP) == 0 || errno != EPERM) _exit(101);
+    if (kill(getppid(), 0) == 0 || errno != EPERM) _exit(102);
+    pid_t mine = fork();  // its own children are in its domain
+    if (mine == 0) {
+      pause();
+      _exit(0);
+    }
+    if (kill(mine, SIGKILL) != 0) _exit(103);
+    waitpid(mine, nullptr, 0);
+    _exit(0);
+  }
+  int ws = 0;
+  ASSERT_EQ(waitpid(child, &ws, 0), child);
+  kill(outside, SIGKILL);
+  waitpid(outside, nullptr, 0);
+  ASSERT_TRUE(WIFEXITED(ws));
+  EXPECT_EQ(WEXITSTATUS(ws), 0) << "100: no domain, 101/102: signalled outside, 103: not inside";
+}
+
 TEST(KillCallProcesses, KillsAZombieLeaderWithLiveThreads) {
   int ready[2];
   ASSERT_EQ(::pipe(ready), 0);

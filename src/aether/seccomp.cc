@@ -224,4 +224,39 @@ std::vector<sock_filter> syscallFilter(SyscallProfile profile, bool notify) {
   return f;
 }
 
+std::vector<sock_filter> selfOnlyFilter() {
+  // x86-64 (the main filter kills other architectures); pids and `which`
+  // are ints, so the low word of each argument is what the kernel reads.
+  constexpr uint32_t kPrioProcess = 0;     // PRIO_PROCESS
+  constexpr uint32_t kIoprioWhoProcess = 1;  // IOPRIO_WHO_PROCESS
+  const uint32_t eperm = SECCOMP_RET_ERRNO | (EPERM & SECCOMP_RET_DATA);
+  std::vector<sock_filter> f;
+  f.push_back(stmt(BPF_LD | BPF_W | BPF_ABS, offsetof(seccomp_data, arch)));
+  f.push_back(jump(BPF_JMP | BPF_JEQ | BPF_K, AUDIT_ARCH_X86_64, 1, 0));
+  f.push_back(stmt(BPF_RET | BPF_K, SECCOMP_RET_ALLOW));
+  f.push_back(stmt(BPF_LD | BPF_W | BPF_ABS, offsetof(seccomp_data, nr)));
+  // The first argument is a pid that must be 0 (the caller).
+  for (int nr : {SYS_prlimit64, SYS_sched_setaffinity, SYS_sched_setscheduler,
+                 SYS_sched_setparam, SYS_sched_setattr}) {
+    f.push_back(jump(BPF_JMP | BPF_JEQ | BPF_K, uint32_t(nr), 0, 4));
+    f.push_back(stmt(BPF_LD | BPF_W | BPF_ABS, offsetof(seccomp_data, args[0])));
+    f.push_back(jump(BPF_JMP | BPF_JEQ | BPF_K, 0, 0, 1));
+    f.push_back(stmt(BPF_RET | BPF_K, SECCOMP_RET_ALLOW));
+    f.push_back(stmt(BPF_RET | BPF_K, eperm));
+  }
+  // (which, who): the calling process only.
+  for (auto [nr, which] : {std::pair<int, uint32_t>{SYS_setpriority, kPrioProcess},
+                           std::pair<int, uint32_t>{SYS_ioprio_set, kIoprioWhoProcess}}) {
+    f.push_back(jump(BPF_JMP | BPF_JEQ | BPF_K, uint32_t(nr), 0, 6));
+    f.push_back(stmt(BPF_LD | BPF_W | BPF_ABS, offsetof(seccomp_data, args[0])));
+    f.push_back(jump(BPF_JMP | BPF_JEQ | BPF_K, which, 0, 3));
+    f.push_back(stmt(BPF_LD | BPF_W | BPF_ABS, offsetof(seccomp_data, args[1])));
+    f.push_back(jump(BPF_JMP | BPF_JEQ | BPF_K, 0, 0, 1));
+    f.push_back(stmt(BPF_RET | BPF_K, SECCOMP_RET_ALLOW));
+    f.push_back(stmt(BPF_RET | BPF_K, eperm));
+  }
+  f.push_back(stmt(BPF_RET | BPF_K, SECCOMP_RET_ALLOW));
+  return f;
+}
+
 }  // namespace dsec::aether

@@ -35,6 +35,17 @@ std::vector<sock_filter> syscallFilter(SyscallProfile profile, bool notify = fal
 inline std::vector<sock_filter> defaultSyscallFilter(bool notify = false) {
   return syscallFilter(SyscallProfile::kDefault, notify);
 }
+// fncall sandboxes (fncall.h) add this filter: the calls of one sandbox, its
+// zygote and the spare forked for the next call share a uid, and the kernel
+// lets a process change those of its uid (a lower hard rlimit, a higher nice
+// value, SCHED_IDLE, one CPU, idle I/O priority), which every later spare of
+// a poisoned zygote would inherit. Here prlimit64, setpriority,
+// sched_setaffinity, sched_setscheduler, sched_setparam, sched_setattr and
+// ioprio_set work only on the caller itself (pid / who 0, PRIO_PROCESS,
+// IOPRIO_WHO_PROCESS) and refuse anything else with EPERM. (Signals between
+// calls are Landlock's: fncall.h, buildScratchRuleset.)
+std::vector<sock_filter> selfOnlyFilter();
+
 // "default" or "strict"; false for anything else.
 bool parseSyscallProfile(const std::string& name, SyscallProfile* out);
 

@@ -9,16 +9,18 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <sched.h>
+#include <sys/resource.h>
+
 #include <cerrno>
 #include <functional>
 
 namespace dsec::aether {
 namespace {
 
-// Installs `profile` in a forked child, runs `probe` there and returns its
+// Installs `filter` in a forked child, runs `probe` there and returns its
 // errno (0: the call worked), or -1 if the child died otherwise.
-int underProfile(SyscallProfile profile, const std::function<int()>& probe) {
-  auto filter = syscallFilter(profile, false);
+int underFilter(std::vector<sock_filter> filter, const std::function<int()>& probe) {
   pid_t pid = fork();
   if (pid == 0) {
     sock_fprog prog{static_cast<unsigned short>(filter.size()), filter.data()};
@@ -31,6 +33,10 @@ int underProfile(SyscallProfile profile, const std::function<int()>& probe) {
   int ws = 0;
   waitpid(pid, &ws, 0);
   return WIFEXITED(ws) ? WEXITSTATUS(ws) : -1;
+}
+
+int underProfile(SyscallProfile profile, const std::function<int()>& probe) {
+  return underFilter(syscallFilter(profile, false), probe);
 }
 
 int socketErrno(int family, int type) {
@@ -74,6 +80,56 @@ TEST(SeccompTest, StrictAddsPtraceAndSocketFamilies) {
   EXPECT_EQ(underProfile(SyscallProfile::kStrict, [] { return unshare(CLONE_NEWNS) ? errno : 0; }),
             EPERM);
   EXPECT_EQ(underProfile(SyscallProfile::kStrict, [] { return getpid() > 0 ? 0 : 1; }), 0);
+}
+
+int underSelfOnly(const std::function<int()>& probe) {
+  return underFilter(selfOnlyFilter(), probe);
+}
+
+int err(long rc) { return rc == 0 ? 0 : errno; }
+
+TEST(SeccompTest, SelfOnlyLimitsPrioritiesAndSchedulingOfTheCallerOnly) {
+  // Another process of the same uid (this test's own process, the child's
+  // parent) is what a call must not reach: its zygote or the next spare.
+  const pid_t other = getpid();
+  rlimit lim{};
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &lim), 0);
+  EXPECT_EQ(underSelfOnly([&] { return err(prlimit(0, RLIMIT_NOFILE, &lim, nullptr)); }), 0);
+  EXPECT_EQ(underSelfOnly([&] { return err(setrlimit(RLIMIT_NOFILE, &lim)); }), 0);
+  EXPECT_EQ(underSelfOnly([&] { return err(prlimit(other, RLIMIT_NOFILE, nullptr, &lim)); }),
+            EPERM);
+  EXPECT_EQ(underSelfOnly([&] { return err(prlimit(other, RLIMIT_NOFILE, &lim, nullptr)); }),
+            EPERM);
+  EXPECT_EQ(underSelfOnly([] { return err(setpriority(PRIO_PROCESS, 0, 1)); }), 0);
+  EXPECT_EQ(underSelfOnly([&] { return err(setpriority(PRIO_PROCESS, other, 1)); }), EPERM);
+  EXPECT_EQ(underSelfOnly([] { return err(setpriority(PRIO_PGRP, 0, 1)); }), EPERM);
+  EXPECT_EQ(underSelfOnly([] { return err(setpriority(PRIO_USER, 0, 1)); }), EPERM);
+  cpu_set_t cpus;
+  ASSERT_EQ(sched_getaffinity(0, sizeof cpus, &cpus), 0);
+  EXPECT_EQ(underSelfOnly([&] { return err(sched_setaffinity(0, sizeof cpus, &cpus)); }), 0);
+  EXPECT_EQ(underSelfOnly([&] { return err(sched_setaffinity(other, sizeof cpus, &cpus)); }),
+            EPERM);
+  sched_param param{};
+  EXPECT_EQ(underSelfOnly([&] { return err(sched_setscheduler(0, SCHED_BATCH, &param)); }), 0);
+  EXPECT_EQ(underSelfOnly([&] { return err(sched_setscheduler(other, SCHED_IDLE, &param)); }),
+            EPERM);
+  EXPECT_EQ(underSelfOnly([&] { return err(sched_setparam(other, &param)); }), EPERM);
+  EXPECT_EQ(underSelfOnly([&] { return err(syscall(SYS_sched_setattr, other, nullptr, 0)); }),
+            EPERM);
+  // <linux/ioprio.h> is not C++: IOPRIO_CLASS_IDLE << IOPRIO_CLASS_SHIFT,
+  // IOPRIO_WHO_PROCESS, IOPRIO_WHO_USER.
+  const int idle = 3 << 13;
+  constexpr int IOPRIO_WHO_PROCESS = 1, IOPRIO_WHO_USER = 3;
+  EXPECT_EQ(underSelfOnly([&] { return err(syscall(SYS_ioprio_set, IOPRIO_WHO_PROCESS, 0, idle)); }),
+            0);
+  EXPECT_EQ(
+      underSelfOnly([&] { return err(syscall(SYS_ioprio_set, IOPRIO_WHO_PROCESS, other, idle)); }),
+      EPERM);
+  EXPECT_EQ(underSelfOnly([&] { return err(syscall(SYS_ioprio_set, IOPRIO_WHO_USER, 0, idle)); }),
+            EPERM);
+  // Everything else passes.
+  EXPECT_EQ(underSelfOnly([] { return getpid() > 0 ? 0 : 1; }), 0);
+  EXPECT_EQ(underSelfOnly([&] { return err(kill(other, 0)); }), 0);
 }
 
 }  // namespace

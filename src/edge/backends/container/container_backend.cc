@@ -133,7 +133,8 @@ int childMain(void* p) {
   sigset_t none;
   sigemptyset(&none);
   sigprocmask(SIG_SETMASK, &none, nullptr);
-  // Spares are spawned by a low-priority thread; the sandbox must not inherit that.
+  // Spares are spawned by a low-priority thread; the sandbox must not inherit
+  // that. (In a new user namespace this fails: the edge has done it for us.)
   setpriority(PRIO_PROCESS, 0, 0);
   if (a->goFd >= 0) {
     // Until the edge has written our maps we are an unmapped id; afterwards
@@ -356,6 +357,14 @@ Result<ContainerBackend::Agent> ContainerBackend::spawnAgent() {
   if (userns_) {
     statusWr.reset();
     goRd.reset();
+    // A child in a new user namespace cannot undo the nice value of a spare
+    // thread itself (childMain's setpriority needs CAP_SYS_NICE of the host's
+    // namespace): we can, before it runs anything.
+    if (::setpriority(PRIO_PROCESS, pid, 0) < 0) {
+      Status st = sysError("setpriority of the sandbox agent");
+      killAndWait(pidfd);
+      return st;
+    }
     Status st = writeIdMaps(pid, opts_.userns->mapLine());
     if (!st.isOk()) {
       killAndWait(pidfd);  // the child is blocked on the go pipe: safe to kill
