@@ -328,6 +328,32 @@ def test_hash_seed(client, debian):
     assert a.exit_code == 0 and a.stdout == b.stdout, (a, b)
 
 
+def test_a_retired_zygote_is_replaced_by_one_started_ahead(make_sandbox, debian):
+    # A zygote forks at most 64 calls (its hash secret's quota); its successor
+    # is started once 48 are done, so the 65th call finds it ready instead of
+    # waiting for an interpreter to start (docs/fncall.md).
+    sb = make_sandbox(debian, backend="fncall", disk_mb=16)
+    code = "import os; print(os.getppid(), hash('x'))"
+    first = [sb.run(code).stdout.split() for _ in range(48)]
+    assert len({z for z, _ in first}) == 1, first
+    old = first[0][0]
+    listing = ("import os\n"
+               "print(*sorted(p for p in filter(str.isdigit, os.listdir('/proc'))\n"
+               "      if b'dsec fncall zygote' in open(f'/proc/{p}/cmdline', 'rb').read(100)\n"
+               "      and open(f'/proc/{p}/stat').read().rsplit(')', 1)[1].split()[1] == '1'))")
+    r = sb.run("python3 -c " + shlex.quote(listing), language="bash")
+    zygotes = r.stdout.split()
+    assert r.exit_code == 0 and len(zygotes) == 2 and old in zygotes, r
+    successor = [z for z in zygotes if z != old][0]
+    rest = [sb.run(code).stdout.split() for _ in range(16)]
+    assert all(z == old for z, _ in rest), rest
+    new = sb.run(code).stdout.split()
+    assert new[0] == successor, (new, zygotes)
+    assert new[1] != first[0][1], "the successor shares its predecessor's hash secret"
+    r = sb.run("python3 -c " + shlex.quote(listing), language="bash")
+    assert r.exit_code == 0 and r.stdout.split() == [successor], r
+
+
 def test_files_are_given_and_removed(client, debian):
     r = client.run("import os\nprint(open('data/in.txt').read(), open('bin', 'rb').read())\n"
                    "print(os.getcwd().startswith('/scratch/.run/'), os.environ['TMPDIR'] == os.getcwd())",

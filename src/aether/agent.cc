@@ -959,6 +959,12 @@ void Agent::onReaped(pid_t pid, int status) {
       return;
     }
   }
+  for (auto& [lang, z] : successors_) {
+    if (z->pid() == pid) {
+      dropSuccessor(std::string(lang), true);
+      return;
+    }
+  }
   {
     auto pit = pid_streams_.find(pid);
     if (pit == pid_streams_.end()) return;
@@ -1331,10 +1337,9 @@ void Agent::onCallSocket(uint32_t stream) {
   }
 }
 
-Result<Zygote*> Agent::zygoteFor(const std::string& language) {
-  if (auto it = zygotes_.find(language); it != zygotes_.end()) return it->second.get();
+Result<std::unique_ptr<Zygote>> Agent::beginZygote(const std::string& language) {
   UniqueFd listener;
-  Result<std::unique_ptr<Zygote>> z = Zygote::start(language, options_.exec, listener);
+  Result<std::unique_ptr<Zygote>> z = Zygote::begin(language, options_.exec, listener);
   if (listener) {
     int fd = listener.get();
     (void)nonblocking(fd);
@@ -1342,13 +1347,73 @@ Result<Zygote*> Agent::zygoteFor(const std::string& language) {
     listeners_[fd] = std::move(listener);
   }
   if (!z.isOk()) return z.status();
-  Zygote* raw = z->get();
-  watch(raw->ctlFd(), tag(kZygoteKind, static_cast<uint32_t>(raw->ctlFd())), EPOLLIN);
-  zygotes_[language] = std::move(*z);
+  watch((*z)->ctlFd(), tag(kZygoteKind, static_cast<uint32_t>((*z)->ctlFd())), EPOLLIN);
+  return z;
+}
+
+Result<Zygote*> Agent::zygoteFor(const std::string& language) {
+  if (auto it = zygotes_.find(language); it != zygotes_.end()) return it->second.get();
+  std::unique_ptr<Zygote> z;
+  if (auto s = successors_.find(language); s != successors_.end()) {
+    // Started ahead (beginSuccessor): most or all of its start-up is done.
+    z = std::move(s->second);
+    successors_.erase(s);
+    if (Status st = z->awaitReady(kZygoteStartMs); !st.isOk()) {
+      unwatch(z->ctlFd());
+      logError("zygote started ahead", st);
+      z.reset();
+    }
+  }
+  if (!z) {
+    ASSIGN_OR_RETURN(z, beginZygote(language));
+    if (Status st = z->awaitReady(kZygoteStartMs); !st.isOk()) {
+      unwatch(z->ctlFd());
+      return st;
+    }
+  }
+  Zygote* raw = z.get();
+  zygotes_[language] = std::move(z);
   return raw;
 }
 
+void Agent::beginSuccessor(const std::string& language) {
+  // A zygote is retired after zygote_max_calls calls; its successor starts
+  // once three quarters of them are done, so the call that finds the quota
+  // full does not wait for an interpreter to start and import (~0.1-0.5 s).
+  auto it = zygotes_.find(language);
+  if (it == zygotes_.end() || successors_.count(language)) return;
+  const int64_t max = options_.fncall->zygote_max_calls;
+  if (it->second->calls() < max - max / 4) return;
+  auto z = beginZygote(language);
+  if (!z.isOk()) {
+    logError("zygote successor", z.status());
+    return;
+  }
+  successors_[language] = std::move(*z);
+}
+
+void Agent::dropSuccessor(const std::string& language, bool reaped) {
+  auto it = successors_.find(language);
+  if (it == successors_.end()) return;
+  unwatch(it->second->ctlFd());
+  if (reaped) it->second->forgetPid();
+  successors_.erase(it);  // the destructor kills it unless reaped
+}
+
 void Agent::onZygoteReadable(int fd) {
+  for (auto& [lang, z] : successors_) {
+    if (z->ctlFd() != fd) continue;
+    std::string name = lang;  // dropSuccessor erases the entry
+    if (!z->ready()) {
+      if (z->pollReady() == Zygote::kFailed) dropSuccessor(name, false);
+      return;
+    }
+    // Its first spare (and, were one to die, its exit report) until it is
+    // promoted: no call of its own has run.
+    std::vector<std::pair<pid_t, int>> exits;
+    if (!z->readExits(exits)) dropSuccessor(name, false);
+    return;
+  }
   for (auto& [lang, z] : zygotes_) {
     if (z->ctlFd() != fd) continue;
     std::vector<std::pair<pid_t, int>> exits;
@@ -1391,6 +1456,7 @@ Status Agent::fncallWritable(const std::string& path) const {
 std::set<pid_t> Agent::zygotePids() const {
   std::set<pid_t> out;
   for (auto& [lang, z] : zygotes_) out.insert(z->pid());
+  for (auto& [lang, z] : successors_) out.insert(z->pid());
   return out;
 }
 
@@ -1420,6 +1486,7 @@ void Agent::finishedCalls() {
     // The next spare is forked now, not while a call runs (docs/fncall.md:
     // forked as a call starts, it slows that call down more than it saves).
     if (auto it = zygotes_.find(c.zygote_lang); it != zygotes_.end()) it->second->requestSpare();
+    beginSuccessor(c.zygote_lang);
   }
 }
 

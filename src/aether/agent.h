@@ -176,7 +176,14 @@ class Agent {
   // zygote sent meanwhile land in `exits`.
   Result<SpawnedExec> spawnCall(ExecRequest& req, const CallRequest& call, Exec& e,
                                 std::vector<std::pair<pid_t, int>>& exits);
+  // The language's zygote: the one running, else its successor once ready,
+  // else a new one (waiting for it to start).
   Result<Zygote*> zygoteFor(const std::string& language);
+  // Zygote::begin with its control socket and seccomp listener watched.
+  Result<std::unique_ptr<Zygote>> beginZygote(const std::string& language);
+  // After a call: starts the successor of a zygote near its quota.
+  void beginSuccessor(const std::string& language);
+  void dropSuccessor(const std::string& language, bool reaped);
   void onZygoteReadable(int fd);
   void dropZygote(const std::string& language, bool reaped);
   std::set<pid_t> zygotePids() const;
@@ -237,6 +244,9 @@ class Agent {
   std::unordered_map<pid_t, uint32_t> pid_streams_;
   // fncall: zygotes by language; the Landlock ruleset keeping writes in /scratch.
   std::map<std::string, std::unique_ptr<Zygote>> zygotes_;
+  // Zygotes started ahead to replace a zygote near its zygote_max_calls
+  // (beginSuccessor); promoted by zygoteFor once the old one is retired.
+  std::map<std::string, std::unique_ptr<Zygote>> successors_;
   UniqueFd scratch_landlock_;
   uint64_t call_seq_ = 0;
   std::map<uint32_t, FileWriter> writes_;

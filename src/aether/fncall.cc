@@ -40,8 +40,7 @@ const char* const kPythonZygote =
 
 namespace {
 
-// How long a zygote may take to start (imports included) and to answer a call.
-constexpr int kZygoteStartMs = 20000;
+// How long a zygote may take to answer a call.
 constexpr int kZygoteAnswerMs = 10000;
 // Requests up to this size go inline; larger ones in a memfd (a seqpacket
 // message must fit the socket buffer).
@@ -371,7 +370,7 @@ void wipeSandboxState() {
 
 // ---- Zygote ----
 
-Result<std::unique_ptr<Zygote>> Zygote::start(const std::string& language,
+Result<std::unique_ptr<Zygote>> Zygote::begin(const std::string& language,
                                               const ExecSettings& settings, UniqueFd& listener) {
   if (language != "python") {
     return invalidArg("language", "no zygote for language '" + language + "'");
@@ -409,25 +408,38 @@ Result<std::unique_ptr<Zygote>> Zygote::start(const std::string& language,
     return Status(Code::kFailedPrecondition,
                   "python zygote did not start: " + (why.empty() ? "exec failed" : why));
   }
-  pollfd p{z->ctl_.get(), POLLIN, 0};
+  return z;
+}
+
+Status Zygote::awaitReady(int timeoutMs) {
+  if (ready_) return Status::ok();
+  pollfd p{ctl_.get(), POLLIN, 0};
   int n;
   do {
-    n = ::poll(&p, 1, kZygoteStartMs);
+    n = ::poll(&p, 1, timeoutMs);
   } while (n < 0 && errno == EINTR);
+  if (n > 0 && pollReady() == kReady) return Status::ok();
+  std::string err;
+  char eb[4096];
+  ssize_t m = ::read(stderr_.get(), eb, sizeof eb);
+  if (m > 0) err.assign(eb, size_t(m));
+  if (pid_ > 0) ::kill(pid_, SIGKILL);
+  pid_ = -1;  // the agent reaps it
+  if (n == 0) return Status(Code::kUnavailable, "python zygote did not start in time");
+  return Status(Code::kFailedPrecondition,
+                "python zygote did not start" + (err.empty() ? std::string() : ": " + err));
+}
+
+Zygote::ReadyState Zygote::pollReady() {
+  if (ready_) return kReady;
   char buf[256];
-  ssize_t got = n > 0 ? ::recv(z->ctl_.get(), buf, sizeof buf, MSG_DONTWAIT) : -1;
+  ssize_t got = ::recv(ctl_.get(), buf, sizeof buf, MSG_DONTWAIT);
+  if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return kStarting;
   if (got <= 0 || std::string_view(buf, size_t(got)).find("ready") == std::string_view::npos) {
-    std::string err;
-    char eb[4096];
-    ssize_t m = ::read(z->stderr_.get(), eb, sizeof eb);
-    if (m > 0) err.assign(eb, size_t(m));
-    ::kill(z->pid_, SIGKILL);
-    z->pid_ = -1;
-    if (n == 0) return Status(Code::kUnavailable, "python zygote did not start in time");
-    return Status(Code::kFailedPrecondition,
-                  "python zygote did not start" + (err.empty() ? std::string() : ": " + err));
+    return kFailed;
   }
-  return z;
+  ready_ = true;
+  return kReady;
 }
 
 Zygote::~Zygote() {

@@ -33,6 +33,8 @@
 namespace dsec::aether {
 
 constexpr const char* kScratchDir = "/scratch";
+// How long a zygote may take to start (imports included).
+inline constexpr int kZygoteStartMs = 20000;
 // Per-call working directories of one-shot calls (fresh_dir) live here.
 constexpr const char* kRunDir = "/scratch/.run";
 
@@ -103,11 +105,18 @@ void wipeSandboxState();
 class Zygote {
  public:
   // Starts the interpreter through spawnExec (so it runs under the sandbox's
-  // seccomp profile, Landlock and capabilities) and waits for it to say it
-  // is ready. `listener` receives its seccomp listener (to be watched).
-  static Result<std::unique_ptr<Zygote>> start(const std::string& language,
+  // seccomp profile, Landlock and capabilities) and returns at once;
+  // `listener` receives its seccomp listener (to be watched). The control
+  // socket says "ready" when it is: pollReady() reads that without
+  // blocking, awaitReady() waits up to timeoutMs (and kills it on failure).
+  // Nothing else may be asked of it before.
+  static Result<std::unique_ptr<Zygote>> begin(const std::string& language,
                                                const ExecSettings& settings,
                                                UniqueFd& listener);
+  enum ReadyState { kStarting, kReady, kFailed };
+  ReadyState pollReady();
+  Status awaitReady(int timeoutMs);
+  bool ready() const { return ready_; }
   ~Zygote();
 
   pid_t pid() const { return pid_; }
@@ -163,6 +172,7 @@ class Zygote {
   UniqueFd stderr_;  // the zygote's own stderr, read for a start-up failure
   std::deque<Spare> spares_;  // forked ahead, waiting for a request
   bool spareAsked_ = true;    // the first spare comes unasked
+  bool ready_ = false;        // it said "ready"
   std::set<pid_t> live_;      // calls handed out whose end is not known yet
   int64_t calls_ = 0;
 };
