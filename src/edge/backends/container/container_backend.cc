@@ -134,7 +134,7 @@ int childMain(void* p) {
   sigemptyset(&none);
   sigprocmask(SIG_SETMASK, &none, nullptr);
   // Spares are spawned by a low-priority thread; the sandbox must not inherit
-  // that. (In a new user namespace this fails: the edge has done it for us.)
+  // that. (In a new user namespace this fails: takeAgent does it.)
   setpriority(PRIO_PROCESS, 0, 0);
   if (a->goFd >= 0) {
     // Until the edge has written our maps we are an unmapped id; afterwards
@@ -357,14 +357,6 @@ Result<ContainerBackend::Agent> ContainerBackend::spawnAgent() {
   if (userns_) {
     statusWr.reset();
     goRd.reset();
-    // A child in a new user namespace cannot undo the nice value of a spare
-    // thread itself (childMain's setpriority needs CAP_SYS_NICE of the host's
-    // namespace): we can, before it runs anything.
-    if (::setpriority(PRIO_PROCESS, pid, 0) < 0) {
-      Status st = sysError("setpriority of the sandbox agent");
-      killAndWait(pidfd);
-      return st;
-    }
     Status st = writeIdMaps(pid, opts_.userns->mapLine());
     if (!st.isOk()) {
       killAndWait(pidfd);  // the child is blocked on the go pipe: safe to kill
@@ -416,7 +408,17 @@ Result<ContainerBackend::Agent> ContainerBackend::takeAgent() {
       lastTake_ = monoSeconds();
     }
     spareCv_.notify_one();
-    if (!a.conn->dead()) return a;
+    if (!a.conn->dead()) {
+      // A spare starts and waits at its thread's nice 10 (its start-up
+      // yields to requests); the sandbox it now becomes runs at 0. In a new
+      // user namespace the agent cannot raise its own priority (childMain's
+      // setpriority needs CAP_SYS_NICE of the host's): we do. It is our
+      // unreaped child, so the pid is still its own.
+      if (::setpriority(PRIO_PROCESS, a.pid, 0) < 0) {
+        log::warn("spare agent " + std::to_string(a.pid) + ": setpriority: " + std::strerror(errno));
+      }
+      return a;
+    }
     reactor_->remove(a.conn);
     killAndWait(a.pidfd.get());
   }
