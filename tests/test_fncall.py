@@ -33,19 +33,21 @@ SCOPED = _landlock_abi() >= 6
 
 def _host_pid(sandbox_id: str, pid: int) -> int:
     """The host pid of process `pid` of the sandbox's pid namespace."""
-    for d in cgroup_dirs_named(sandbox_id):
-        try:
-            procs = open(os.path.join(d, "cgroup.procs")).read().split()
-        except OSError:
-            continue
-        for hp in procs:
+    procs = []
+    for top in cgroup_dirs_named(sandbox_id):
+        for d, _, _ in os.walk(top):  # processes may sit in a child cgroup (v2)
             try:
-                with open(f"/proc/{hp}/status") as f:
-                    for line in f:
-                        if line.startswith("NSpid:") and int(line.split()[-1]) == pid:
-                            return int(hp)
+                procs += open(os.path.join(d, "cgroup.procs")).read().split()
             except OSError:
                 continue
+    for hp in procs:
+        try:
+            with open(f"/proc/{hp}/status") as f:
+                for line in f:
+                    if line.startswith("NSpid:") and int(line.split()[-1]) == pid:
+                        return int(hp)
+        except OSError:
+            continue
     raise AssertionError(f"no process {pid} in sandbox {sandbox_id}")
 
 
