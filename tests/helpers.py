@@ -50,21 +50,19 @@ def edge_cgroup(data_dir) -> str:
 
 
 def zygote_pids(data_dir) -> list:
-    """Host pids of the fncall zygotes (docs/fncall.md) of the edge on `data_dir`."""
+    """Host pids of the fncall zygotes (docs/fncall.md) of the edge on `data_dir`:
+    python processes of its cgroups started by an aether (a zygote's forks, the
+    spares and calls, have the zygote's command line too)."""
     edge = edge_cgroup(data_dir)
+    aethers = aether_pids(edge)
     out = []
     for p in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{p}/cmdline", "rb") as f:
                 if b"dsec fncall zygote" not in f.read(200):
                     continue
-            with open(f"/proc/{p}/cgroup") as f:
-                if f"/{edge}/" not in f.read():
-                    continue
             with open(f"/proc/{p}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{ppid}/cmdline", "rb") as f:
-                if b"dsec-aether" in f.read(200):  # not a zygote's fork (a spare, a call)
+                if int(f.read().rsplit(")", 1)[1].split()[1]) in aethers:
                     out.append(int(p))
         except (OSError, ValueError, IndexError):
             continue

@@ -23,14 +23,8 @@
 #include <map>
 
 #include "aether/files.h"
+#include "aether/landlock.h"
 #include "common/base64.h"
-
-#ifndef LANDLOCK_ACCESS_FS_REFER
-#define LANDLOCK_ACCESS_FS_REFER (1ULL << 13)
-#endif
-#ifndef LANDLOCK_ACCESS_FS_TRUNCATE
-#define LANDLOCK_ACCESS_FS_TRUNCATE (1ULL << 14)
-#endif
 
 namespace dsec::aether {
 
@@ -45,8 +39,6 @@ constexpr int kZygoteAnswerMs = 10000;
 // Requests up to this size go inline; larger ones in a memfd (a seqpacket
 // message must fit the socket buffer).
 constexpr size_t kInlineRequest = 60000;
-// LANDLOCK_SCOPE_ABSTRACT_UNIX_SOCKET | LANDLOCK_SCOPE_SIGNAL (ABI 6).
-constexpr uint64_t kLandlockScopes = (1u << 0) | (1u << 1);
 
 bool validLanguage(const std::string& s) {
   if (s.empty() || s.size() > 32) return false;
@@ -201,47 +193,17 @@ Status setupFncallRoot(const FncallConfig& config) {
 }
 
 Result<UniqueFd> buildScratchRuleset() {
-  long abi = ::syscall(SYS_landlock_create_ruleset, nullptr, 0, LANDLOCK_CREATE_RULESET_VERSION);
+  int abi = landlockAbi();
   if (abi <= 0) return Status(Code::kFailedPrecondition, "Landlock is not available");
-  uint64_t rights = LANDLOCK_ACCESS_FS_WRITE_FILE | LANDLOCK_ACCESS_FS_REMOVE_DIR |
-                    LANDLOCK_ACCESS_FS_REMOVE_FILE | LANDLOCK_ACCESS_FS_MAKE_CHAR |
-                    LANDLOCK_ACCESS_FS_MAKE_DIR | LANDLOCK_ACCESS_FS_MAKE_REG |
-                    LANDLOCK_ACCESS_FS_MAKE_SOCK | LANDLOCK_ACCESS_FS_MAKE_FIFO |
-                    LANDLOCK_ACCESS_FS_MAKE_BLOCK | LANDLOCK_ACCESS_FS_MAKE_SYM;
-  if (abi >= 2) rights |= LANDLOCK_ACCESS_FS_REFER;
-  if (abi >= 3) rights |= LANDLOCK_ACCESS_FS_TRUNCATE;
-  uint64_t fileRights =
-      LANDLOCK_ACCESS_FS_WRITE_FILE | (abi >= 3 ? LANDLOCK_ACCESS_FS_TRUNCATE : 0);
-  // Landlock ABI 6 (Linux 6.12) adds `scoped`: each exec entering this
-  // ruleset is then a domain of its own for signals and abstract unix
-  // sockets, so a call cannot signal (stop, kill) its zygote, the spare
-  // forked for the next call or another exec (docs/fncall.md). The struct
-  // of the kernel's header here may predate the field.
-  struct {
-    uint64_t handled_access_fs;
-    uint64_t handled_access_net;
-    uint64_t scoped;
-  } attr{rights, 0, abi >= 6 ? kLandlockScopes : 0};
-  size_t attrSize = abi >= 6 ? sizeof attr : sizeof attr.handled_access_fs;
-  UniqueFd rs(int(::syscall(SYS_landlock_create_ruleset, &attr, attrSize, 0)));
-  if (!rs) return sysError("landlock_create_ruleset");
-  ::fcntl(rs.get(), F_SETFD, FD_CLOEXEC);
-  auto allow = [&](const char* path, uint64_t access) -> Status {
-    UniqueFd fd(::open(path, O_PATH | O_CLOEXEC));
-    if (!fd) return errno == ENOENT ? Status::ok() : sysError(std::string("open ") + path);
-    landlock_path_beneath_attr pb{};
-    pb.allowed_access = access;
-    pb.parent_fd = fd.get();
-    if (::syscall(SYS_landlock_add_rule, rs.get(), LANDLOCK_RULE_PATH_BENEATH, &pb, 0) != 0) {
-      return sysError(std::string("landlock_add_rule ") + path);
-    }
-    return Status::ok();
-  };
-  RETURN_IF_ERROR(allow(kScratchDir, rights));
-  for (const char* dev : {"/dev/null", "/dev/zero", "/dev/full", "/dev/tty"}) {
-    RETURN_IF_ERROR(allow(dev, fileRights));
+  const uint64_t rights = writeRights(abi);
+  // Scoped (Landlock ABI 6): each exec entering this ruleset is a domain of
+  // its own for signals and abstract unix sockets, so a call cannot signal
+  // (stop, kill) its zygote, a held spare or another exec (docs/fncall.md).
+  ASSIGN_OR_RETURN(UniqueFd rs, createRuleset(abi, rights, true));
+  RETURN_IF_ERROR(allowBeneath(rs.get(), kScratchDir, rights, false));
+  for (const char* dev : {"/dev/null", "/dev/zero", "/dev/full", "/dev/tty", "/dev/pts"}) {
+    RETURN_IF_ERROR(allowBeneath(rs.get(), dev, fileRights(abi), false));
   }
-  RETURN_IF_ERROR(allow("/dev/pts", fileRights));
   return rs;
 }
 

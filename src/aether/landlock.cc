@@ -21,21 +21,9 @@ namespace dsec::aether {
 
 namespace {
 
-uint64_t writeRights(int abi) {
-  uint64_t r = LANDLOCK_ACCESS_FS_WRITE_FILE | LANDLOCK_ACCESS_FS_REMOVE_DIR |
-               LANDLOCK_ACCESS_FS_REMOVE_FILE | LANDLOCK_ACCESS_FS_MAKE_CHAR |
-               LANDLOCK_ACCESS_FS_MAKE_DIR | LANDLOCK_ACCESS_FS_MAKE_REG |
-               LANDLOCK_ACCESS_FS_MAKE_SOCK | LANDLOCK_ACCESS_FS_MAKE_FIFO |
-               LANDLOCK_ACCESS_FS_MAKE_BLOCK | LANDLOCK_ACCESS_FS_MAKE_SYM;
-  if (abi >= 2) r |= LANDLOCK_ACCESS_FS_REFER;
-  if (abi >= 3) r |= LANDLOCK_ACCESS_FS_TRUNCATE;
-  return r;
-}
-
-// Rights a rule on a non-directory may carry.
-uint64_t fileRights(int abi) {
-  return LANDLOCK_ACCESS_FS_WRITE_FILE | (abi >= 3 ? LANDLOCK_ACCESS_FS_TRUNCATE : 0);
-}
+// LANDLOCK_SCOPE_* (ABI 6).
+constexpr uint64_t kScopeAbstractUnixSocket = 1u << 0;
+constexpr uint64_t kScopeSignal = 1u << 1;
 
 bool isOrUnder(const std::string& path, const std::string& dir) {
   return path == dir || (path.size() > dir.size() && path.compare(0, dir.size(), dir) == 0 &&
@@ -48,15 +36,7 @@ struct Walker {
   const std::vector<std::string>& readonly;
 
   Status allow(const std::string& path, bool dir) {
-    UniqueFd fd(::open(path.c_str(), O_PATH | O_CLOEXEC | O_NOFOLLOW));
-    if (!fd) return errno == ENOENT ? Status::ok() : sysError("open " + path);
-    landlock_path_beneath_attr attr{};
-    attr.allowed_access = dir ? writeRights(abi) : fileRights(abi);
-    attr.parent_fd = fd.get();
-    if (::syscall(SYS_landlock_add_rule, ruleset, LANDLOCK_RULE_PATH_BENEATH, &attr, 0) != 0) {
-      return sysError("landlock_add_rule " + path);
-    }
-    return Status::ok();
+    return allowBeneath(ruleset, path, dir ? writeRights(abi) : fileRights(abi), true);
   }
 
   // Grants the rights beneath every entry of `dir` outside the read-only set.
@@ -91,15 +71,58 @@ int landlockAbi() {
   return v < 0 ? 0 : int(v);
 }
 
+uint64_t writeRights(int abi) {
+  uint64_t r = LANDLOCK_ACCESS_FS_WRITE_FILE | LANDLOCK_ACCESS_FS_REMOVE_DIR |
+               LANDLOCK_ACCESS_FS_REMOVE_FILE | LANDLOCK_ACCESS_FS_MAKE_CHAR |
+               LANDLOCK_ACCESS_FS_MAKE_DIR | LANDLOCK_ACCESS_FS_MAKE_REG |
+               LANDLOCK_ACCESS_FS_MAKE_SOCK | LANDLOCK_ACCESS_FS_MAKE_FIFO |
+               LANDLOCK_ACCESS_FS_MAKE_BLOCK | LANDLOCK_ACCESS_FS_MAKE_SYM;
+  if (abi >= 2) r |= LANDLOCK_ACCESS_FS_REFER;
+  if (abi >= 3) r |= LANDLOCK_ACCESS_FS_TRUNCATE;
+  return r;
+}
+
+uint64_t fileRights(int abi) {
+  return LANDLOCK_ACCESS_FS_WRITE_FILE | (abi >= 3 ? LANDLOCK_ACCESS_FS_TRUNCATE : 0);
+}
+
+Result<UniqueFd> createRuleset(int abi, uint64_t handledFs, bool scope) {
+  // ABI 6 added handled_access_net (ABI 4) and scoped to the struct; the
+  // kernel's header here may predate both, and an older kernel refuses a
+  // larger struct with fields it does not know set.
+  struct {
+    uint64_t handled_access_fs;
+    uint64_t handled_access_net;
+    uint64_t scoped;
+  } attr{handledFs, 0, 0};
+  size_t size = sizeof attr.handled_access_fs;
+  if (scope && abi >= 6) {
+    attr.scoped = kScopeAbstractUnixSocket | kScopeSignal;
+    size = sizeof attr;
+  }
+  UniqueFd rs(int(::syscall(SYS_landlock_create_ruleset, &attr, size, 0)));
+  if (!rs) return sysError("landlock_create_ruleset");
+  ::fcntl(rs.get(), F_SETFD, FD_CLOEXEC);
+  return rs;
+}
+
+Status allowBeneath(int ruleset, const std::string& path, uint64_t access, bool noFollow) {
+  UniqueFd fd(::open(path.c_str(), O_PATH | O_CLOEXEC | (noFollow ? O_NOFOLLOW : 0)));
+  if (!fd) return errno == ENOENT ? Status::ok() : sysError("open " + path);
+  landlock_path_beneath_attr attr{};
+  attr.allowed_access = access;
+  attr.parent_fd = fd.get();
+  if (::syscall(SYS_landlock_add_rule, ruleset, LANDLOCK_RULE_PATH_BENEATH, &attr, 0) != 0) {
+    return sysError("landlock_add_rule " + path);
+  }
+  return Status::ok();
+}
+
 Result<UniqueFd> buildWriteRuleset(const std::vector<std::string>& readonly,
                                    const std::string& root) {
   int abi = landlockAbi();
   if (abi <= 0) return Status(Code::kFailedPrecondition, "Landlock is not available");
-  landlock_ruleset_attr attr{};
-  attr.handled_access_fs = writeRights(abi);
-  UniqueFd rs(int(::syscall(SYS_landlock_create_ruleset, &attr, sizeof attr, 0)));
-  if (!rs) return sysError("landlock_create_ruleset");
-  ::fcntl(rs.get(), F_SETFD, FD_CLOEXEC);
+  ASSIGN_OR_RETURN(UniqueFd rs, createRuleset(abi, writeRights(abi), false));
   Walker w{rs.get(), abi, readonly};
   RETURN_IF_ERROR(w.walk(root));
   return rs;
