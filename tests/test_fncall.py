@@ -258,9 +258,11 @@ def test_calls_cannot_tamper_with_their_zygote_or_spare(make_sandbox, debian):
         print("signals not checked: Landlock ABI %d has no signal scoping (needs 6)"
               % _landlock_abi())
     sb = make_sandbox(debian, backend="fncall", disk_mb=16)
-    before = sb.run("import os, resource\n"
-                    "print(os.getppid(), os.nice(0), resource.getrlimit(resource.RLIMIT_NOFILE),"
-                    " sorted(os.sched_getaffinity(0)), os.sched_getscheduler(0))")
+    # What a call inherits from its zygote.
+    state = ("import os, resource\n"
+             "print(os.getppid(), os.nice(0), resource.getrlimit(resource.RLIMIT_NOFILE),"
+             " sorted(os.sched_getaffinity(0)), os.sched_getscheduler(0))")
+    before = sb.run(state)
     assert before.exit_code == 0, before
     zygote = before.stdout.split()[0]
     # (kill(-1) succeeds if it may try anyone; `after` shows it stopped no one.)
@@ -272,9 +274,7 @@ def test_calls_cannot_tamper_with_their_zygote_or_spare(make_sandbox, debian):
                   ).replace("ZYGOTE", zygote)
     r = sb.run("python3 -c " + shlex.quote(spare_code), language="bash", timeout=45)
     assert r.exit_code == 0 and r.stdout.split() == ["1"] + ["EPERM"] * (6 if SCOPED else 5), r
-    after = sb.run("import os, resource\n"
-                   "print(os.getppid(), os.nice(0), resource.getrlimit(resource.RLIMIT_NOFILE),"
-                   " sorted(os.sched_getaffinity(0)), os.sched_getscheduler(0))", timeout=20)
+    after = sb.run(state, timeout=20)
     assert after.exit_code == 0 and after.stdout == before.stdout, (before, after)
     # Its own limits and priority a call may change.
     r = sb.run("import os, resource\nos.nice(5)\n"
