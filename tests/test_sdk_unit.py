@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import http.client
 import http.server
 import io
 import json
@@ -294,6 +295,30 @@ def test_exec_body_and_result(fake, cl):
     assert r.duration_ms == 12.5 and abs(r.duration - 0.0125) < 1e-9
     sb.exec("echo $HOME", stdin="text")
     assert json.loads(fake.requests[-1]["body"]) == {"cmd": "echo $HOME", "stdin": "text"}
+
+
+def test_a_small_body_goes_out_with_its_headers(fake, cl, monkeypatch):
+    # One write per small request (one segment: the server wakes once), the
+    # body intact; a body over 64 KiB still goes separately.
+    fake.routes[("POST", "/v1/sandboxes/sb-1/exec")] = lambda h, r: h.send_json(200, {
+        "exit_code": 0, "stdout": "", "stderr": ""})
+    writes = []
+    real = http.client.HTTPConnection.send
+
+    def send(self, data):
+        writes.append(len(data) if isinstance(data, (bytes, bytearray)) else -1)
+        return real(self, data)
+
+    monkeypatch.setattr(http.client.HTTPConnection, "send", send)
+    sb = cl.sandbox("sb-1")
+    sb.exec(["echo", "ü"])
+    assert len(writes) == 1, writes
+    assert json.loads(fake.requests[-1]["body"]) == {"cmd": ["echo", "ü"]}
+    writes.clear()
+    big = "x" * (70 * 1024)
+    sb.exec(["echo"], stdin=big)
+    assert len(writes) == 2, writes
+    assert json.loads(fake.requests[-1]["body"])["stdin"] == big
 
 
 def test_exec_base64_output(fake, cl):

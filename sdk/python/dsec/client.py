@@ -37,6 +37,36 @@ _USER_AGENT = "dsec-python/0.1"
 _STALE_ERRORS = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError,
                  ConnectionAbortedError)
 
+# A request body up to this size goes out in the same write as its headers.
+_COALESCE_MAX = 64 * 1024
+
+
+class _OneWrite:
+    """http.client writes a request's headers and its body separately: with
+    TCP_NODELAY (which it sets) those are two segments, and the server wakes
+    for each. A small bytes body is appended to the headers instead (one
+    write, one segment). Larger, file or chunked bodies go as before."""
+
+    def _send_output(self, message_body: Any = None, encode_chunked: bool = False) -> None:
+        buf = getattr(self, "_buffer", None)
+        if (isinstance(buf, list) and not encode_chunked
+                and isinstance(message_body, (bytes, bytearray))
+                and len(message_body) <= _COALESCE_MAX):
+            buf.extend((b"", b""))
+            msg = b"\r\n".join(buf) + bytes(message_body)
+            del buf[:]
+            self.send(msg)  # type: ignore[attr-defined]
+            return
+        super()._send_output(message_body, encode_chunked)  # type: ignore[misc]
+
+
+class _HTTPConnection(_OneWrite, http.client.HTTPConnection):
+    pass
+
+
+class _HTTPSConnection(_OneWrite, http.client.HTTPSConnection):
+    pass
+
 
 def _read_text(path: str) -> Optional[str]:
     try:
@@ -110,10 +140,10 @@ class Client:
 
     def _new_conn(self, timeout: float) -> http.client.HTTPConnection:
         if self._scheme == "https":
-            conn: http.client.HTTPConnection = http.client.HTTPSConnection(
+            conn: http.client.HTTPConnection = _HTTPSConnection(
                 self._host, self._port, timeout=timeout)
         else:
-            conn = http.client.HTTPConnection(self._host, self._port, timeout=timeout)
+            conn = _HTTPConnection(self._host, self._port, timeout=timeout)
         conn.blocksize = 256 * 1024  # how much of a file body is sent per write
         with self._conns_lock:
             self._all_conns.add(conn)
