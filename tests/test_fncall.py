@@ -439,6 +439,44 @@ def test_cpu_and_file_size_limits(client, debian):
     assert r.exit_code == 1 and "Too many open files" in r.stderr, r
 
 
+def _cpu_quota(sandbox_id: str) -> float:
+    """The CPU quota of the sandbox's cgroup, in cores (v1 or v2)."""
+    for top in cgroup_dirs_named(sandbox_id):
+        if os.path.exists(os.path.join(top, "cpu.cfs_quota_us")):
+            with open(os.path.join(top, "cpu.cfs_quota_us")) as q, \
+                    open(os.path.join(top, "cpu.cfs_period_us")) as p:
+                return int(q.read()) / int(p.read())
+        if os.path.exists(os.path.join(top, "cpu.max")):
+            with open(os.path.join(top, "cpu.max")) as f:
+                q, p = f.read().split()
+            return int(q) / int(p)
+    raise AssertionError(f"no cpu cgroup for {sandbox_id}")
+
+
+def test_a_fncall_sandbox_has_cpu_for_its_zygote_beside_its_calls(client, make_sandbox, debian):
+    # The zygote's spares, their exits, the clean-up and a successor's start
+    # run in the sandbox's cgroup too: a fncall sandbox's quota is its cpu
+    # plus 0.5 core (kFncallCpuOverhead), at create and under a policy's
+    # ceiling; a container's is its cpu (docs/fncall.md).
+    fn = make_sandbox(debian, backend="fncall", cpu=1, disk_mb=16)
+    ct = make_sandbox(debian, backend="container", cpu=1)
+    assert _cpu_quota(fn.id) == 1.5 and _cpu_quota(ct.id) == 1.0
+    name = "half-cpu-" + str(int(time.time() * 1000) % 100000)
+    client.create_policy(name, limits={"cpu": 0.5})
+    try:
+        fn.set_phase(name)
+        ct.set_phase(name)
+        assert _cpu_quota(fn.id) == 1.0 and _cpu_quota(ct.id) == 0.5
+        assert fn.run("print(1)").stdout == "1\n"
+        fn.set_phase("default")
+        ct.set_phase("default")
+        assert _cpu_quota(fn.id) == 1.5 and _cpu_quota(ct.id) == 1.0
+    finally:
+        fn.set_phase("default")
+        ct.set_phase("default")
+        client.delete_policy(name)
+
+
 def test_a_call_cannot_kill_its_zygote(client, debian):
     if not SCOPED:
         pytest.skip("Landlock ABI %d has no signal scoping (needs 6): a call may "
@@ -578,6 +616,10 @@ def test_fncall_sandboxes_outlive_an_edge_crash(tmp_path_factory, server):
         r = again.run("print(open('keep').read().strip())")
         assert r.exit_code == 0 and r.stdout == "kept\n", r
         assert again.exec("touch /etc/x").exit_code != 0
+        # Re-adopted, it keeps its CPU headroom through a limit change.
+        again.set_phase("eval")
+        again.set_phase("default")
+        assert _cpu_quota(sb.id) == 1.0 + 0.5
         assert s.client.run("print(2)").stdout == "2\n"
         again.destroy()
         _stop_and_check_clean(s)

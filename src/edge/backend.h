@@ -21,6 +21,12 @@ struct SandboxSpec {
   std::string id;                   // "sb-<16 hex>", also the hostname
   std::vector<std::string> layers;  // "sha256:<hex>", bottom layer first
   double cpu = 1.0;                 // cores
+  // Cores the backend's own processes in the sandbox need on top of `cpu`,
+  // added to the cgroup's CPU quota (at create and at every later limit
+  // change) as kQemuOverheadBytes is to a VM's memory; not part of `cpu`
+  // for admission or placement. fncall: its zygote, spares and clean-up
+  // (backends/fncall).
+  double cpuOverhead = 0;
   int64_t memoryBytes = 512ll << 20;
   int64_t diskBytes = 1ll << 30;
   // Whether the create asked for diskBytes (disk_mb) rather than taking the

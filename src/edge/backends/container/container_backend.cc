@@ -74,7 +74,11 @@ class ContainerInstance : public Instance {
   Result<CgroupStats> stats() const override { return cgroups_->stats(id_); }
   Result<int64_t> oomKills() const override { return cgroups_->oomKills(id_); }
   Status freeze(bool frozen) override { return cgroups_->freeze(id_, frozen); }
-  Status setLimits(const CgroupLimits& limits) override { return cgroups_->setLimits(id_, limits); }
+  Status setLimits(const CgroupLimits& limits) override {
+    CgroupLimits l = limits;
+    l.cpu += cpuOverhead_;
+    return cgroups_->setLimits(id_, l);
+  }
   std::string upperDir() const override { return dir_ + "/upper"; }
   pid_t initPid() const override { return pid_; }
   Result<UniqueFd> openNetns() const override {
@@ -92,6 +96,7 @@ class ContainerInstance : public Instance {
   UniqueFd pidfd_;
   std::shared_ptr<AgentConn> conn_;
   Cgroups* cgroups_ = nullptr;
+  double cpuOverhead_ = 0;  // SandboxSpec::cpuOverhead
 };
 
 // Everything the child needs, prepared before clone: between clone and exec
@@ -520,7 +525,8 @@ Result<std::unique_ptr<Instance>> ContainerBackend::create(const SandboxSpec& sp
     idmapped.clear();
     laps.lap("overlay");
   }
-  CgroupLimits limits{spec.cpu, spec.memoryBytes, spec.pids};
+  inst->cpuOverhead_ = spec.cpuOverhead;
+  CgroupLimits limits{spec.cpu + spec.cpuOverhead, spec.memoryBytes, spec.pids};
   if (Status st = cgroups_->create(spec.id, limits); !st.isOk()) return fail(st);
   cgroupMade = true;
   laps.lap("cgroup");
@@ -581,6 +587,7 @@ Result<std::unique_ptr<Instance>> ContainerBackend::adopt(const SandboxState& st
   auto inst = std::make_unique<ContainerInstance>();
   inst->id_ = state.spec.id;
   inst->cgroups_ = cgroups_;
+  inst->cpuOverhead_ = state.spec.cpuOverhead;
   inst->dir_ = opts_.sandboxRoot + "/" + state.spec.id;
   inst->pid_ = state.pid;
   auto fail = [&](Status st) -> Status {

@@ -3,7 +3,8 @@
 // runs every exec as a call and keeps warm zygotes (src/aether/fncall.h).
 // Built on the container backend, so namespaces, cgroups, user namespaces,
 // the agent channel, policies and restart re-adoption all carry over: this
-// backend only adds the init frame's "fncall" object.
+// backend only adds the init frame's "fncall" object and the CPU its own
+// machinery needs (kFncallCpuOverhead).
 #pragma once
 
 #include <map>
@@ -14,6 +15,15 @@
 #include "edge/backend.h"
 
 namespace dsec::edge {
+
+// Cores added to a fncall sandbox's CPU quota beyond its `cpu`
+// (SandboxSpec::cpuOverhead): the zygote's spare forks, their page copies
+// and exits, the clean-up after each call and a successor zygote's start
+// (~85 ms of CPU every zygote_max_calls calls) run in the sandbox's cgroup
+// beside the calls. Back to back, `print(1)` calls kept a 1-CPU sandbox
+// at ~1.3-1.5 CPUs: throttled ~20 times in 600 calls (27% of the wall
+// time, each stall ~30 ms; docs/fncall.md). With 0.5 more: none.
+inline constexpr double kFncallCpuOverhead = 0.5;
 
 class FncallBackend : public Backend {
  public:
@@ -29,9 +39,7 @@ class FncallBackend : public Backend {
                                            std::function<void()> onDeath) override;
   Status destroy(Instance& inst) override { return container_->destroy(inst); }
   Result<std::unique_ptr<Instance>> adopt(const SandboxState& state,
-                                          std::function<void()> onDeath) override {
-    return container_->adopt(state, std::move(onDeath));
-  }
+                                          std::function<void()> onDeath) override;
   void removeOrphan(const std::string& id) override { container_->removeOrphan(id); }
   // The container backend cleans up the leftovers of both.
   int cleanupOrphans() override { return 0; }
