@@ -89,7 +89,8 @@ const char* kUsage = R"(usage: dsec COMMAND [OPTIONS]
      --live-restore yes|no: a graceful stop leaves running sandboxes for the next
         start to re-adopt, e.g. across an upgrade (default no: it destroys them)
      --microvm-accel auto|kvm|tcg: the microvm backend's accelerator (default auto: KVM
-        if a probe guest runs on /dev/kvm, else TCG); --microvm-boot-timeout-s S (default
+        if a probe guest runs on /dev/kvm and QEMU boots the guest kernel under it, else
+        TCG); --microvm-boot-timeout-s S (default
         120); --microvm-guest-dir DIR (default microvm-guest/ beside dsec-aether);
         --microvm-agent-channel auto|vsock|virtio-serial (default auto: vsock where
         /dev/vhost-vsock opens); --qemu PATH (default qemu-system-x86_64). See docs/microvm.md

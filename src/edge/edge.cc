@@ -97,15 +97,16 @@ Result<std::unique_ptr<Edge>> Edge::start(EdgeOptions opts) {
   e->backends_["fncall"] =
       std::make_unique<FncallBackend>(container.get(), e->opts_.fncallLanguages);
   e->backends_["container"] = std::move(container);
+  std::string microvmGuestDir = e->opts_.microvmGuestDir;
+  if (microvmGuestDir.empty()) {
+    auto slash = e->opts_.aetherPath.rfind('/');
+    microvmGuestDir =
+        (slash == std::string::npos ? std::string(".") : e->opts_.aetherPath.substr(0, slash)) +
+        "/microvm-guest";
+  }
   {
     MicroVmOptions mo;
-    mo.guestDir = e->opts_.microvmGuestDir;
-    if (mo.guestDir.empty()) {
-      auto slash = e->opts_.aetherPath.rfind('/');
-      mo.guestDir = (slash == std::string::npos ? std::string(".")
-                                                : e->opts_.aetherPath.substr(0, slash)) +
-                    "/microvm-guest";
-    }
+    mo.guestDir = microvmGuestDir;
     mo.qemuPath = e->opts_.qemuPath;
     mo.vmRoot = e->opts_.dataDir + "/microvm";
     mo.logDir = e->opts_.dataDir + "/microvm-logs";
@@ -136,6 +137,7 @@ Result<std::unique_ptr<Edge>> Edge::start(EdgeOptions opts) {
     vo.logDir = e->opts_.dataDir + "/vm-logs";
     vo.bootTimeoutS = e->opts_.vmBootTimeoutS;
     vo.accel = e->opts_.microvmAccel;
+    vo.probeKernel = microvmGuestDir + "/vmlinux";
     e->vm_ = probeVm(vo);
     if (e->vm_.available) {
       ASSIGN_OR_RETURN(auto vm, VmBackend::make(vo, e->vm_, e->cgroups_.get(), e->cache_.get(),

@@ -18,9 +18,11 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstring>
 
 #include "common/log.h"
+#include "common/sha256.h"
 #include "common/util.h"
 #include "edge/sandbox_state.h"
 
@@ -118,7 +120,7 @@ std::string probeKvm() {
 }
 
 Result<RunResult> run(const std::vector<std::string>& args, const std::string& input,
-                      double timeoutS) {
+                      double timeoutS, const std::function<bool(const RunResult&)>& stopWhen) {
   int in[2], out[2], err[2];
   if (::pipe2(in, O_CLOEXEC) != 0) return sysError("pipe");
   UniqueFd inRd(in[0]), inWr(in[1]);
@@ -152,7 +154,7 @@ Result<RunResult> run(const std::vector<std::string>& args, const std::string& i
   };
   struct pollfd p[2] = {{outRd.get(), POLLIN, 0}, {errRd.get(), POLLIN, 0}};
   int open = 2;
-  while (open > 0 && !r.timedOut) {
+  while (open > 0 && !r.timedOut && !r.stopped) {
     int n = ::poll(p, 2, left());
     if (n < 0 && errno != EINTR) break;
     if (n == 0) r.timedOut = true;
@@ -162,11 +164,18 @@ Result<RunResult> run(const std::vector<std::string>& args, const std::string& i
       ssize_t got = ::read(p[i].fd, buf, sizeof buf);
       if (got > 0) {
         (i == 0 ? r.out : r.err).append(buf, size_t(got));
+        if (stopWhen && stopWhen(r)) r.stopped = true;
       } else if (got == 0 || errno != EINTR) {
         p[i].fd = -1;
         --open;
       }
     }
+  }
+  if (r.stopped) {
+    ::kill(pid, SIGKILL);
+    while (::waitpid(pid, &r.status, 0) < 0 && errno == EINTR) {
+    }
+    return r;
   }
   // Its output ended (or the deadline passed): wait for it within the deadline.
   for (;;) {
@@ -211,16 +220,103 @@ std::string probeQemuKvm(const std::string& qemu, const std::string& machine) {
   return "QEMU under KVM failed to start: " + first;
 }
 
+std::string probeQemuKvmBoot(const std::string& qemu, const std::string& machine,
+                             const std::string& kernel, double timeoutS) {
+  auto r = run({qemu, "-M", machine, "-accel", "kvm", "-cpu", "host", "-smp", "1", "-m", "128",
+                "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot", "-kernel",
+                kernel, "-append", "console=ttyS0 panic=-1 reboot=t quiet", "-serial", "stdio"},
+               "", timeoutS, [](const RunResult& so) {
+                 return so.err.find("KVM internal error") != std::string::npos ||
+                        so.err.find("emulation failure") != std::string::npos;
+               });
+  if (!r.isOk()) return r.status().toString();
+  auto firstLine = [](const std::string& t) { return t.substr(0, t.find('\n')); };
+  if (r->stopped) return "the guest kernel failed under KVM: " + firstLine(r->err);
+  if (r->timedOut) {
+    char secs[32];
+    std::snprintf(secs, sizeof secs, "%g", timeoutS);
+    return std::string("the guest kernel did not boot to its end under KVM within ") + secs +
+           " s";
+  }
+  int st = r->status;
+  if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) {
+    std::string first = firstLine(r->err);
+    if (first.empty()) {
+      first = WIFSIGNALED(st) ? std::string("killed by ") + ::strsignal(WTERMSIG(st))
+                              : "exit " + std::to_string(WEXITSTATUS(st));
+    }
+    return "QEMU booting the guest kernel under KVM failed: " + first;
+  }
+  if (r->out.find("Kernel panic") == std::string::npos) {
+    return "the guest kernel under KVM ended without reaching its root-filesystem panic";
+  }
+  return "";
+}
+
+namespace {
+
+// probeQemuKvmBoot's verdict, cached in /run/dsec (a tmpfs: gone at reboot)
+// for this boot, QEMU binary, machine and kernel: a node's edges start
+// often (every `dsec up`, every test server) and a broken KVM can take the
+// whole timeout to show it. Without a writable /run, no cache.
+std::string cachedBootProbe(const std::string& qemu, const std::string& machine,
+                            const std::string& kernel) {
+  auto identity = [](const std::string& path) {
+    struct stat st {};
+    if (::stat(path.c_str(), &st) != 0) return path;
+    return path + ":" + std::to_string(st.st_size) + ":" + std::to_string(st.st_mtim.tv_sec) +
+           "." + std::to_string(st.st_mtim.tv_nsec);
+  };
+  std::string bootId;
+  if (FILE* f = std::fopen("/proc/sys/kernel/random/boot_id", "re")) {
+    char buf[64] = {};
+    if (std::fgets(buf, sizeof buf, f)) bootId = buf;
+    std::fclose(f);
+  }
+  const std::string dir = "/run/dsec";
+  const std::string path =
+      dir + "/kvm-boot-probe-" +
+      sha256Hex(bootId + "\n" + identity(qemu) + "\n" + machine + "\n" + identity(kernel))
+          .substr(0, 16);
+  if (FILE* f = std::fopen(path.c_str(), "re")) {
+    char buf[512] = {};
+    size_t n = std::fread(buf, 1, sizeof buf - 1, f);
+    std::fclose(f);
+    std::string v(buf, n);
+    if (v.starts_with("ok")) return "";
+    if (v.starts_with("bad:")) return v.substr(4);
+  }
+  std::string bad = probeQemuKvmBoot(qemu, machine, kernel, 5);
+  if (::mkdir(dir.c_str(), 0700) == 0 || errno == EEXIST) {
+    std::string tmp = path + ".tmp" + std::to_string(::getpid());
+    if (FILE* f = std::fopen(tmp.c_str(), "we")) {
+      std::string v = bad.empty() ? "ok" : "bad:" + bad;
+      bool ok = std::fwrite(v.data(), 1, v.size(), f) == v.size();
+      ok = std::fclose(f) == 0 && ok;
+      if (!ok || ::rename(tmp.c_str(), path.c_str()) != 0) ::unlink(tmp.c_str());
+    }
+  }
+  return bad;
+}
+
+}  // namespace
+
 std::string chooseAccel(const std::string& want, const std::string& qemu,
-                        const std::string& machine, std::string* why) {
+                        const std::string& machine, std::string* why, const std::string& kernel) {
   if (want == "tcg") {
     *why = "TCG as configured";
     return "tcg";
   }
   std::string bad = probeKvm();
   if (bad.empty()) bad = probeQemuKvm(qemu, machine);
+  bool booted = false;
+  if (bad.empty() && !kernel.empty() && ::access(kernel.c_str(), R_OK) == 0) {
+    bad = cachedBootProbe(qemu, machine, kernel);
+    booted = bad.empty();
+  }
   if (bad.empty()) {
-    *why = "KVM ran a probe guest, and QEMU started under it";
+    *why = booted ? "KVM ran a probe guest, and QEMU booted a Linux kernel under it"
+                  : "KVM ran a probe guest, and QEMU started under it";
     return "kvm";
   }
   if (want == "kvm") {

@@ -34,16 +34,20 @@ std::string probeKvm();
 struct RunResult {
   int status = 0;         // as waitpid(2) gives it
   bool timedOut = false;  // killed (SIGKILL) at the deadline
-  std::string out, err;   // all of its stdout and stderr
+  bool stopped = false;   // killed (SIGKILL) when `stopWhen` said so
+  std::string out, err;   // all of its stdout and stderr (to then)
 };
 
 // Runs args (args[0] a path, no PATH search) with `input` on its stdin (a
 // pipe's worth at most: it is written before any output is read; then the
 // pipe is closed) and its stdout and stderr captured, until it exits, or
-// until timeoutS (0: no deadline) when it is killed. Errors: the pipes or
-// the fork failing; the program's own failure is in the RunResult.
+// until timeoutS (0: no deadline) when it is killed, or until `stopWhen`
+// (asked after each read with what was read so far) says to kill it.
+// Errors: the pipes or the fork failing; the program's own failure is in the
+// RunResult.
 Result<RunResult> run(const std::vector<std::string>& args, const std::string& input = "",
-                      double timeoutS = 0);
+                      double timeoutS = 0,
+                      const std::function<bool(const RunResult&)>& stopWhen = nullptr);
 
 // run() without input or deadline: the program's stdout, or an error
 // carrying its stderr (its status when that is empty) when it fails.
@@ -56,13 +60,29 @@ Result<std::string> runCapture(const std::vector<std::string>& args);
 // hosts fails the vCPU's MSRs: "failed to set MSR 0x10a", and QEMU aborts).
 std::string probeQemuKvm(const std::string& qemu, const std::string& machine);
 
-// The accelerator to use: "kvm" when `want` is "kvm" or "auto" and both
-// probes pass (probeKvm, then probeQemuKvm with `qemu` and `machine`), "tcg"
-// when `want` is "tcg" or "auto" and one fails. Empty (with *why saying so)
-// when `want` is "kvm" and KVM does not work. *why also says how the choice
-// was made.
+// "" when QEMU (`qemu`, machine type `machine`, -accel kvm -cpu host)
+// boots `kernel` (an x86-64 Linux, PVH ELF or bzImage) to its end under
+// KVM within timeoutS: without a root filesystem it panics, panic=-1
+// reboots and -no-reboot makes QEMU exit (~0.2-1 s where KVM works), its
+// console saying "Kernel panic"; else why not. QEMU starting is not enough:
+// nested KVM on some hosts fails instructions the guest kernel runs early
+// (a `lock cmpxchg16b`: "KVM internal error. Suberror: 1 ... emulation
+// failure"), after which QEMU stops the vCPU and waits, and every VM would
+// hang before its agent answers. Such an error on QEMU's stderr ends the
+// probe at once.
+std::string probeQemuKvmBoot(const std::string& qemu, const std::string& machine,
+                             const std::string& kernel, double timeoutS = 30);
+
+// The accelerator to use: "kvm" when `want` is "kvm" or "auto" and the
+// probes pass (probeKvm, then probeQemuKvm with `qemu` and `machine`, then,
+// when `kernel` is given, probeQemuKvmBoot with it and 5 s: its verdict is
+// kept in /run/dsec for this boot, QEMU, machine and kernel, so later starts
+// of the edge do not wait for it again), "tcg" when `want` is
+// "tcg" or "auto" and one fails. Empty (with *why saying so) when `want` is
+// "kvm" and KVM does not work. *why also says how the choice was made.
 std::string chooseAccel(const std::string& want, const std::string& qemu,
-                        const std::string& machine, std::string* why);
+                        const std::string& machine, std::string* why,
+                        const std::string& kernel = "");
 
 // Connects to the unix socket `name` in the directory of dirFd (through
 // /proc/self/fd, so a long directory path does not hit sun_path's limit).

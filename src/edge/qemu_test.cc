@@ -6,6 +6,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdlib>
 #include <fstream>
 #include <string>
@@ -75,6 +76,49 @@ TEST_F(FakeQemu, RunGivesInputAndTakesOutputAndKillsAtTheDeadline) {
   }
   EXPECT_EQ(runCapture({script("echo no >&2; exit 1")}).status().message(),
             dir_ + "/qemu failed: no");
+}
+
+TEST_F(FakeQemu, RunStopsAProgramWhenToldTo) {
+  auto r = run({script("echo ready >&2; exec sleep 30")}, "", 10,
+               [](const RunResult& so) { return so.err.find("ready") != std::string::npos; });
+  ASSERT_TRUE(r.isOk()) << r.status().toString();
+  EXPECT_TRUE(r->stopped);
+  EXPECT_FALSE(r->timedOut);
+  EXPECT_EQ(r->err, "ready\n");
+  EXPECT_TRUE(WIFSIGNALED(r->status) && WTERMSIG(r->status) == SIGKILL);
+}
+
+TEST_F(FakeQemu, AKernelThatBootsToItsPanicPasses) {
+  // Asked for KVM with the machine, kernel and a console on stdout; the
+  // guest's panic (no root filesystem) reboots it and -no-reboot ends QEMU.
+  std::string q = script(
+      "case \"$*\" in *'-M microvm -accel kvm -cpu host'*'-no-reboot -kernel /k/vmlinux'*"
+      "'panic=-1'*'-serial stdio'*) ;; *) exit 3;; esac\n"
+      "echo '[    0.72] Kernel panic - not syncing: VFS: Unable to mount root fs'; exit 0");
+  EXPECT_EQ(probeQemuKvmBoot(q, "microvm", "/k/vmlinux"), "");
+}
+
+TEST_F(FakeQemu, AKvmInternalErrorFailsTheBootProbeAtOnce) {
+  // What nested KVM on some hosts does: an emulation failure early in the
+  // guest's boot, after which QEMU stops the vCPU and waits for ever.
+  std::string q = script(
+      "echo 'KVM internal error. Suberror: 1' >&2\n"
+      "echo 'extra data[0]: 0x0000000000000001' >&2\n"
+      "echo 'emulation failure' >&2\n"
+      "exec sleep 30");
+  auto start = std::chrono::steady_clock::now();
+  EXPECT_EQ(probeQemuKvmBoot(q, "q35", "/k/vmlinux", 20),
+            "the guest kernel failed under KVM: KVM internal error. Suberror: 1");
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
+}
+
+TEST_F(FakeQemu, ABootThatHangsOrEndsEarlyFailsTheProbe) {
+  EXPECT_EQ(probeQemuKvmBoot(script("exec sleep 30"), "q35", "/k/vmlinux", 0.3),
+            "the guest kernel did not boot to its end under KVM within 0.3 s");
+  EXPECT_EQ(probeQemuKvmBoot(script("echo booting; exit 0"), "q35", "/k/vmlinux"),
+            "the guest kernel under KVM ended without reaching its root-filesystem panic");
+  EXPECT_EQ(probeQemuKvmBoot(script("echo 'qemu: no kernel' >&2; exit 1"), "q35", "/k/vmlinux"),
+            "QEMU booting the guest kernel under KVM failed: qemu: no kernel");
 }
 
 TEST(ChooseAccel, TcgAsConfiguredProbesNothing) {

@@ -304,7 +304,8 @@ MicroVmProbe probeMicroVm(const MicroVmOptions& opts) {
       return p;
     }
   }
-  p.accelerator = qemu::chooseAccel(opts.accel, p.qemu, "microvm", &p.reason);
+  p.accelerator =
+      qemu::chooseAccel(opts.accel, p.qemu, "microvm", &p.reason, opts.guestDir + "/vmlinux");
   if (p.accelerator.empty()) return p;
   UniqueFd vsock(::open("/dev/vhost-vsock", O_RDWR | O_CLOEXEC));
   p.vhostVsock = bool(vsock);

@@ -439,7 +439,7 @@ VmProbe probeVm(const VmOptions& opts) {
     p.reason = opts.qemuImgPath + " not found (install qemu-utils: scripts/install-deps.sh)";
     return p;
   }
-  p.accelerator = qemu::chooseAccel(opts.accel, p.qemu, "q35", &p.reason);
+  p.accelerator = qemu::chooseAccel(opts.accel, p.qemu, "q35", &p.reason, opts.probeKernel);
   if (p.accelerator.empty()) return p;
   p.available = true;
   return p;

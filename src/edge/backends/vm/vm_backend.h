@@ -37,6 +37,9 @@ struct VmOptions {
   std::string logDir;   // console logs of VMs that failed to boot, kept
   double bootTimeoutS = 300;   // QEMU start to qemu-guest-agent answering (TCG is slow)
   std::string accel = "auto";  // "auto" (probe KVM, else TCG), "kvm" or "tcg"
+  // A Linux kernel the KVM probe boots (qemu::probeQemuKvmBoot): the microvm
+  // guest's; empty or missing: the probe only starts QEMU.
+  std::string probeKernel;
 };
 
 // What start-up found: whether full VMs can run here, on which accelerator,
