@@ -6,6 +6,7 @@
 #include <linux/kvm.h>
 #include <linux/sched.h>
 #include <poll.h>
+#include <pthread.h>
 #include <sched.h>
 #include <signal.h>
 #include <sys/ioctl.h>
@@ -144,8 +145,27 @@ Result<RunResult> run(const std::vector<std::string>& args, const std::string& i
   inRd.reset();
   outWr.reset();
   errWr.reset();
-  // The pipe holds it whatever the program does with it.
-  if (!input.empty()) (void)!::write(inWr.get(), input.data(), input.size());
+  // The pipe holds it whatever the program does with it; a program that has
+  // already exited makes the write fail with EPIPE, and the SIGPIPE that
+  // comes with it is taken here (blocked, then consumed) rather than left
+  // to kill a caller that does not ignore it (a test binary).
+  if (!input.empty()) {
+    sigset_t pipeSet, old;
+    sigemptyset(&pipeSet);
+    sigaddset(&pipeSet, SIGPIPE);
+    ::pthread_sigmask(SIG_BLOCK, &pipeSet, &old);
+    sigset_t pending;
+    sigpending(&pending);
+    bool wasPending = sigismember(&pending, SIGPIPE) == 1;
+    (void)!::write(inWr.get(), input.data(), input.size());
+    sigpending(&pending);
+    if (!wasPending && sigismember(&pending, SIGPIPE) == 1) {
+      struct timespec zero {};
+      while (::sigtimedwait(&pipeSet, nullptr, &zero) < 0 && errno == EINTR) {
+      }
+    }
+    ::pthread_sigmask(SIG_SETMASK, &old, nullptr);
+  }
   inWr.reset();
   RunResult r;
   double deadline = timeoutS > 0 ? monoSeconds() + timeoutS : 0;

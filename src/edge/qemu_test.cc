@@ -78,6 +78,15 @@ TEST_F(FakeQemu, RunGivesInputAndTakesOutputAndKillsAtTheDeadline) {
             dir_ + "/qemu failed: no");
 }
 
+TEST_F(FakeQemu, InputToAProgramThatIsGoneDoesNotKillTheCaller) {
+  // The write meets a pipe whose reader is gone: its SIGPIPE, default-fatal
+  // in a test binary, must not reach us. More input than a pipe holds, so
+  // the write is still blocked when the program closes its stdin.
+  auto r = run({script("exec 0<&-; exit 5")}, std::string(1 << 20, 'x'), 10);
+  ASSERT_TRUE(r.isOk()) << r.status().toString();
+  EXPECT_TRUE(WIFEXITED(r->status) && WEXITSTATUS(r->status) == 5);
+}
+
 TEST_F(FakeQemu, RunStopsAProgramWhenToldTo) {
   auto r = run({script("echo ready >&2; exec sleep 30")}, "", 10,
                [](const RunResult& so) { return so.err.find("ready") != std::string::npos; });
