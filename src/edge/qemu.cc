@@ -223,6 +223,19 @@ Result<std::string> runCapture(const std::vector<std::string>& args) {
   return std::move(r.out);
 }
 
+namespace {
+
+// Why a program run() ran failed: the first line of its stderr, else how it
+// ended ("killed by ...", "exit N").
+std::string failureOf(const RunResult& r) {
+  std::string first = r.err.substr(0, r.err.find('\n'));
+  if (!first.empty()) return first;
+  return WIFSIGNALED(r.status) ? std::string("killed by ") + ::strsignal(WTERMSIG(r.status))
+                               : "exit " + std::to_string(WEXITSTATUS(r.status));
+}
+
+}  // namespace
+
 std::string probeQemuKvm(const std::string& qemu, const std::string& machine) {
   // Stopped (-S), the guest never runs: QEMU's set-up is all that is tried.
   auto r = run({qemu, "-M", machine, "-accel", "kvm", "-cpu", "host", "-m", "64", "-nodefaults",
@@ -232,12 +245,7 @@ std::string probeQemuKvm(const std::string& qemu, const std::string& machine) {
   if (r->timedOut) return "QEMU under KVM did not start and quit within 10 s";
   int st = r->status;
   if (WIFEXITED(st) && WEXITSTATUS(st) == 0) return "";
-  std::string first = r->err.substr(0, r->err.find('\n'));
-  if (first.empty()) {
-    first = WIFSIGNALED(st) ? std::string("killed by ") + ::strsignal(WTERMSIG(st))
-                            : "exit " + std::to_string(WEXITSTATUS(st));
-  }
-  return "QEMU under KVM failed to start: " + first;
+  return "QEMU under KVM failed to start: " + failureOf(*r);
 }
 
 std::string probeQemuKvmBoot(const std::string& qemu, const std::string& machine,
@@ -250,8 +258,7 @@ std::string probeQemuKvmBoot(const std::string& qemu, const std::string& machine
                         so.err.find("emulation failure") != std::string::npos;
                });
   if (!r.isOk()) return r.status().toString();
-  auto firstLine = [](const std::string& t) { return t.substr(0, t.find('\n')); };
-  if (r->stopped) return "the guest kernel failed under KVM: " + firstLine(r->err);
+  if (r->stopped) return "the guest kernel failed under KVM: " + failureOf(*r);
   if (r->timedOut) {
     char secs[32];
     std::snprintf(secs, sizeof secs, "%g", timeoutS);
@@ -260,12 +267,7 @@ std::string probeQemuKvmBoot(const std::string& qemu, const std::string& machine
   }
   int st = r->status;
   if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) {
-    std::string first = firstLine(r->err);
-    if (first.empty()) {
-      first = WIFSIGNALED(st) ? std::string("killed by ") + ::strsignal(WTERMSIG(st))
-                              : "exit " + std::to_string(WEXITSTATUS(st));
-    }
-    return "QEMU booting the guest kernel under KVM failed: " + first;
+    return "QEMU booting the guest kernel under KVM failed: " + failureOf(*r);
   }
   if (r->out.find("Kernel panic") == std::string::npos) {
     return "the guest kernel under KVM ended without reaching its root-filesystem panic";
@@ -287,35 +289,19 @@ std::string cachedBootProbe(const std::string& qemu, const std::string& machine,
     return path + ":" + std::to_string(st.st_size) + ":" + std::to_string(st.st_mtim.tv_sec) +
            "." + std::to_string(st.st_mtim.tv_nsec);
   };
-  std::string bootId;
-  if (FILE* f = std::fopen("/proc/sys/kernel/random/boot_id", "re")) {
-    char buf[64] = {};
-    if (std::fgets(buf, sizeof buf, f)) bootId = buf;
-    std::fclose(f);
-  }
+  auto bootId = readFile("/proc/sys/kernel/random/boot_id");
   const std::string dir = "/run/dsec";
   const std::string path =
       dir + "/kvm-boot-probe-" +
-      sha256Hex(bootId + "\n" + identity(qemu) + "\n" + machine + "\n" + identity(kernel))
+      sha256Hex((bootId.isOk() ? *bootId : "") + "\n" + identity(qemu) + "\n" + machine + "\n" +
+                identity(kernel))
           .substr(0, 16);
-  if (FILE* f = std::fopen(path.c_str(), "re")) {
-    char buf[512] = {};
-    size_t n = std::fread(buf, 1, sizeof buf - 1, f);
-    std::fclose(f);
-    std::string v(buf, n);
-    if (v.starts_with("ok")) return "";
-    if (v.starts_with("bad:")) return v.substr(4);
+  if (auto v = readFile(path); v.isOk()) {
+    if (*v == "ok") return "";
+    if (v->starts_with("bad:")) return v->substr(4);
   }
   std::string bad = probeQemuKvmBoot(qemu, machine, kernel, 5);
-  if (::mkdir(dir.c_str(), 0700) == 0 || errno == EEXIST) {
-    std::string tmp = path + ".tmp" + std::to_string(::getpid());
-    if (FILE* f = std::fopen(tmp.c_str(), "we")) {
-      std::string v = bad.empty() ? "ok" : "bad:" + bad;
-      bool ok = std::fwrite(v.data(), 1, v.size(), f) == v.size();
-      ok = std::fclose(f) == 0 && ok;
-      if (!ok || ::rename(tmp.c_str(), path.c_str()) != 0) ::unlink(tmp.c_str());
-    }
-  }
+  if (makeDirs(dir, 0700).isOk()) (void)writeFileAtomic(path, bad.empty() ? "ok" : "bad:" + bad);
   return bad;
 }
 
