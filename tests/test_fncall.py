@@ -191,6 +191,9 @@ def test_nothing_leaks_between_calls(client, debian):
     assert first.exit_code == 0, first
     shm_id, host = first.stdout.split()
     assert int(shm_id) >= 0
+    # Long enough for its sandbox to settle: the pool then gives the next
+    # call the same one (back to back, it would take another if it has one).
+    time.sleep(0.1)
     second = client.run(
         "import os, socket, builtins, json, glob\n"
         "procs = [open(f'/proc/{p}/cmdline').read() for p in os.listdir('/proc') if p.isdigit()]\n"
@@ -582,6 +585,7 @@ def test_image_update_replaces_its_pool(client, debian, busybox):
     try:
         code = "cat /proc/sys/kernel/hostname; test -e /bin/busybox && echo bb || echo no-bb"
         first = client.run(code, language="bash", image=ref)
+        time.sleep(0.1)  # settled: the same sandbox serves the next call
         again = client.run(code, language="bash", image=ref)
         assert first.stdout == again.stdout and first.stdout.endswith("no-bb\n"), (first, again)
         # The tag moves to other layers: the next call runs on them, in a new sandbox.
@@ -589,6 +593,32 @@ def test_image_update_replaces_its_pool(client, debian, busybox):
         moved = client.run(code, language="bash", image=ref)
         assert moved.exit_code == 0 and moved.stdout.split()[1] == "bb", moved
         assert moved.stdout.split()[0] != first.stdout.split()[0], (first, moved)
+    finally:
+        client.delete_image(ref)
+
+
+def test_back_to_back_calls_alternate_between_two_sandboxes(client, server, debian):
+    """A call that finds its pool's only sandbox still getting ready (its last
+    call just ended) makes the pool grow to two in the background; back-to-back
+    calls then alternate between them, and calls with time between them stay
+    on the most recently used one."""
+    name = "fnalt-%d" % id(client)
+    client.create_image(name, "v", client.image(debian).layers)
+    ref = name + ":v"
+    code = "import socket; print(socket.gethostname())"
+    try:
+        hosts = [client.run(code, image=ref).stdout for _ in range(30)]
+        # (Which of the two serves each call depends on how long the last one
+        # has been idle, timing the unit tests in run_pool_test.cc control.)
+        assert len(set(hosts)) == 2, hosts
+        time.sleep(0.1)
+        spaced = []
+        for _ in range(4):
+            spaced.append(client.run(code, image=ref).stdout)
+            time.sleep(0.1)
+        assert len(set(spaced)) == 1, spaced
+        m = _metrics(server)
+        assert m["dsec_fncall_pool_sandboxes_grown_total"] >= 1, m
     finally:
         client.delete_image(ref)
 

@@ -67,6 +67,10 @@ void appendRunPoolMetrics(const edge::RunPoolStats& s, std::string& out) {
   out += "dsec_fncall_node_sandboxes{state=\"busy\"} " + std::to_string(s.busy) + "\n";
   family("dsec_fncall_pool_sandboxes_created_total", "counter", "fncall pool sandboxes created.");
   out += "dsec_fncall_pool_sandboxes_created_total " + std::to_string(s.created) + "\n";
+  family("dsec_fncall_pool_sandboxes_grown_total", "counter",
+         "fncall pool sandboxes created ahead of demand: a pool whose calls came back to back "
+         "grew to two, so that each call finds a sandbox ready.");
+  out += "dsec_fncall_pool_sandboxes_grown_total " + std::to_string(s.grown) + "\n";
   family("dsec_fncall_pool_sandboxes_destroyed_total", "counter",
          "fncall pool sandboxes destroyed (idle, recycled, retired, failed).");
   out += "dsec_fncall_pool_sandboxes_destroyed_total " + std::to_string(s.destroyed) + "\n";

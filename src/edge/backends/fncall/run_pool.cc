@@ -39,6 +39,7 @@ void RunPool::shutdown() {
     pools_.clear();
   }
   cv_.notify_all();
+  workCv_.notify_all();
   if (janitor_.joinable()) janitor_.join();
   for (auto& id : doomed) destroy(id);
   // Busy ones are destroyed by their callers' release().
@@ -73,6 +74,45 @@ Result<RunPool::Slot> RunPool::make(const std::vector<std::string>& layers) {
   return Slot{spec.id, now()};
 }
 
+int RunPool::sizeOf(const std::string& key) const {
+  int n = 0;
+  if (auto it = pools_.find(key); it != pools_.end()) n += int(it->second.idle.size());
+  for (auto& [id, k] : busyKeys_) n += k == key;
+  if (auto it = making_.find(key); it != making_.end()) n += it->second;
+  return n;
+}
+
+void RunPool::grow(std::unique_lock<std::mutex>& lk, const std::string& key) {
+  auto it = pools_.find(key);
+  if (stopping_ || it == pools_.end() || sizeOf(key) >= opts_.alternate ||
+      total_ >= opts_.maxSandboxes) {
+    return;
+  }
+  std::vector<std::string> layers = it->second.layers;
+  ++total_;
+  ++making_[key];
+  lk.unlock();
+  auto slot = make(layers);
+  lk.lock();
+  if (--making_[key] == 0) making_.erase(key);
+  if (!slot.isOk()) {
+    --total_;
+    log::warn("fncall pool: a second sandbox for back-to-back calls: " + slot.status().toString());
+    return;
+  }
+  it = pools_.find(key);
+  if (stopping_ || it == pools_.end() || it->second.layers != layers) {
+    --total_;  // the node stops, or the image's tag moved meanwhile
+    lk.unlock();
+    destroy(slot->id);
+    lk.lock();
+    return;
+  }
+  ++counters_.grown;
+  it->second.idle.push_back(*slot);  // made now: the most recently used
+  cv_.notify_all();
+}
+
 void RunPool::destroy(const std::string& id) {
   Status st = edge_->destroy(id);
   if (!st.isOk()) log::warn("fncall pool: destroy " + id + ": " + st.toString());
@@ -99,8 +139,26 @@ Result<RunPool::Slot> RunPool::acquire(const std::string& key,
         pool.layers = layers;
       }
       if (!pool.idle.empty()) {
-        Slot s = pool.idle.back();
-        pool.idle.pop_back();
+        // The most recently used sandbox that has settled (its clean-up
+        // and next spare done), else the one idle longest, which is the
+        // nearest to it; with none settled, the pool grows to `alternate`.
+        double t = now();
+        size_t pick = 0;
+        bool settled = false;
+        for (size_t i = pool.idle.size(); i-- > 0;) {
+          if (t - pool.idle[i].lastUsed >= opts_.settleSeconds) {
+            pick = i;
+            settled = true;
+            break;
+          }
+        }
+        if (!settled && sizeOf(key) < opts_.alternate && total_ < opts_.maxSandboxes &&
+            std::find(growQueue_.begin(), growQueue_.end(), key) == growQueue_.end()) {
+          growQueue_.push_back(key);
+          workCv_.notify_all();
+        }
+        Slot s = pool.idle[pick];
+        pool.idle.erase(pool.idle.begin() + ptrdiff_t(pick));
         busyLayers_[s.id] = layers;
         busyKeys_[s.id] = key;
         lk.unlock();
@@ -109,6 +167,7 @@ Result<RunPool::Slot> RunPool::acquire(const std::string& key,
       }
       if (total_ < opts_.maxSandboxes) {
         ++total_;
+        ++making_[key];
         break;
       }
       // At the bound: recycle the least recently used idle sandbox of
@@ -123,6 +182,7 @@ Result<RunPool::Slot> RunPool::acquire(const std::string& key,
       if (victimPool) {
         recycled = victimPool->idle.front().id;
         victimPool->idle.erase(victimPool->idle.begin());
+        ++making_[key];
         break;  // total_ unchanged: one goes, one comes
       }
       if (cv_.wait_until(lk, deadline) == std::cv_status::timeout) {
@@ -138,9 +198,10 @@ Result<RunPool::Slot> RunPool::acquire(const std::string& key,
   if (!recycled.empty()) destroy(recycled);
   auto slot = make(layers);
   std::lock_guard lk(mu_);
+  if (--making_[key] == 0) making_.erase(key);
   if (!slot.isOk()) {
     --total_;
-    cv_.notify_one();
+    cv_.notify_all();
     return slot.status();
   }
   busyLayers_[slot->id] = layers;
@@ -165,7 +226,7 @@ void RunPool::release(const std::string& key, Slot slot, bool healthy) {
       if (!healthy) ++counters_.replaced;
     }
   }
-  cv_.notify_one();
+  cv_.notify_all();  // (waiters are few: callers at the bound)
   if (!keep) destroy(slot.id);
 }
 
@@ -209,7 +270,14 @@ Result<ExecResult> RunPool::run(const std::string& key, const std::vector<std::s
 void RunPool::janitor() {
   std::unique_lock lk(mu_);
   while (!stopping_) {
-    cv_.wait_for(lk, std::chrono::seconds(1));
+    workCv_.wait_for(lk, std::chrono::seconds(1),
+                     [this] { return stopping_ || !growQueue_.empty(); });
+    if (stopping_) break;
+    while (!growQueue_.empty() && !stopping_) {
+      std::string key = growQueue_.front();
+      growQueue_.erase(growQueue_.begin());
+      grow(lk, key);
+    }
     if (stopping_) break;
     std::vector<std::string> doomed;
     double cutoff = now() - opts_.idleSeconds;

@@ -10,6 +10,15 @@
 // nothing of one call is visible to the next. A sandbox that died, or whose
 // agent failed a call, is destroyed and replaced.
 //
+// A sandbox is not ready for its next call the moment its result is back:
+// aether still removes what the call left and its zygote forks the next spare
+// (and the spare copies its learnt pages), ~1 ms of CPU. So a call takes the
+// most recently used idle sandbox that has settled (idle settleSeconds or
+// more), else the one idle longest; and a pool whose calls come back to back
+// (a call found no settled sandbox) grows, in the background, to `alternate`
+// sandboxes, so that consecutive calls of one client alternate between them
+// and each finds its spare made (docs/fncall.md).
+//
 // Thread-safe: any number of callers run at once; mu_ guards the slots.
 #pragma once
 
@@ -30,6 +39,12 @@ struct RunPoolOptions {
   int maxSandboxes = 16;       // per node, all pools together
   double idleSeconds = 60;     // an idle sandbox older than this is destroyed
   double waitSeconds = 30;     // how long a call waits for a sandbox at the bound
+  // A sandbox idle for less than this is still getting ready (its clean-up,
+  // its next spare): a call prefers one that has settled.
+  double settleSeconds = 0.005;
+  // The sandboxes a pool grows to in the background when a call finds none
+  // settled (back-to-back calls); more only on demand (concurrent calls).
+  int alternate = 2;
   double cpu = 1.0;
   int64_t memoryBytes = 512ll << 20;
   int64_t scratchBytes = 64ll << 20;
@@ -38,9 +53,10 @@ struct RunPoolOptions {
 
 struct RunPoolStats {
   int idle = 0;
-  int busy = 0;  // serving a call or being created
+  int busy = 0;  // serving a call or being created (also in the background)
   int maxSandboxes = 0;
   uint64_t created = 0;
+  uint64_t grown = 0;  // of created: made in the background for back-to-back calls
   uint64_t destroyed = 0;
   uint64_t replaced = 0;  // destroyed because they failed
   uint64_t calls = 0;
@@ -89,15 +105,23 @@ class RunPool {
   void release(const std::string& key, Slot slot, bool healthy);
   Result<Slot> make(const std::vector<std::string>& layers);
   void destroy(const std::string& id);
+  // Sandboxes of `key` idle, busy or being made (mu_ held).
+  int sizeOf(const std::string& key) const;
+  // Makes one more sandbox for `key` (mu_ held, unlocks around the create).
+  void grow(std::unique_lock<std::mutex>& lk, const std::string& key);
+  // Destroys idle sandboxes past idleSeconds; grows the pools asked to.
   void janitor();
 
   EdgeLink* edge_;
   const RunPoolOptions opts_;
   mutable std::mutex mu_;  // guards everything below
-  std::condition_variable cv_;
+  std::condition_variable cv_;      // a sandbox came free (callers wait)
+  std::condition_variable workCv_;  // work for the janitor: growth, stop
   std::map<std::string, Pool> pools_;
   std::map<std::string, std::vector<std::string>> busyLayers_;  // by sandbox id
   std::map<std::string, std::string> busyKeys_;                 // by sandbox id
+  std::map<std::string, int> making_;  // by key: sandboxes being created
+  std::vector<std::string> growQueue_;  // keys the janitor should grow
   int total_ = 0;  // idle + busy + being created
   bool stopping_ = false;
   RunPoolStats counters_;
