@@ -55,6 +55,13 @@ bool waitForSandboxes(RunPool& pool, int n) {
   return false;
 }
 
+// Two calls of pool "k" back to back (the second finds the first's sandbox
+// unsettled), then the wait for the second sandbox made in the background.
+bool twoCallsGrowToTwo(RunPool& pool) {
+  return pool.run("k", kLayers, call()).isOk() && pool.run("k", kLayers, call()).isOk() &&
+         waitForSandboxes(pool, 2);
+}
+
 TEST(RunPool, BackToBackCallsGrowThePoolToTwoAndAlternate) {
   RecordingEdge edge;
   RunPoolOptions opts;
@@ -83,9 +90,7 @@ TEST(RunPool, ACallTakesTheMostRecentlyUsedSettledSandbox) {
   RunPoolOptions opts;
   opts.settleSeconds = 0.05;
   RunPool pool(&edge, opts);
-  ASSERT_TRUE(pool.run("k", kLayers, call()).isOk());
-  ASSERT_TRUE(pool.run("k", kLayers, call()).isOk());  // unsettled: grows
-  ASSERT_TRUE(waitForSandboxes(pool, 2));
+  ASSERT_TRUE(twoCallsGrowToTwo(pool));
   // With time to settle between calls, the same sandbox serves them all
   // (the other stays idle and can expire).
   std::this_thread::sleep_for(std::chrono::milliseconds(100));
@@ -120,9 +125,7 @@ TEST(RunPool, AGrownSandboxOfAMovedTagIsDestroyed) {
   RunPoolOptions opts;
   opts.settleSeconds = 10;
   RunPool pool(&edge, opts);
-  ASSERT_TRUE(pool.run("k", kLayers, call()).isOk());
-  ASSERT_TRUE(pool.run("k", kLayers, call()).isOk());  // asks for growth
-  ASSERT_TRUE(waitForSandboxes(pool, 2));
+  ASSERT_TRUE(twoCallsGrowToTwo(pool));
   // The tag moves: both old sandboxes go, the call runs in a new one.
   ASSERT_TRUE(pool.run("k", {"sha256:bb"}, call()).isOk());
   ASSERT_TRUE(waitForSandboxes(pool, 1));
