@@ -96,6 +96,8 @@ struct ProcInfo {
   // In exit(2), its only thread: it runs no more user code, the kernel is
   // freeing its memory.
   bool exiting = false;
+  // Clock ticks after boot: with the pid, names one process (pids are reused).
+  unsigned long long start = 0;
 };
 
 constexpr unsigned kPfExiting = 0x4;  // PF_EXITING, include/linux/sched.h
@@ -120,19 +122,22 @@ std::map<pid_t, ProcInfo> scanProc() {
     // parse from its last ')'.
     char* rp = std::strrchr(buf, ')');
     if (!rp) continue;
-    // Fields 3-6, 9 (flags) and 20 (num_threads) of proc_pid_stat(5).
+    // Fields 3-6, 9 (flags), 20 (num_threads) and 22 (starttime) of
+    // proc_pid_stat(5).
     char state;
     int ppid, pgid, sid;
     unsigned flags = 0;
     long threads = 1;
-    if (std::sscanf(rp + 1, " %c %d %d %d %*d %*d %u %*u %*u %*u %*u %*u %*u %*d %*d %*d %*d %ld",
-                    &state, &ppid, &pgid, &sid, &flags, &threads) < 4) {
+    unsigned long long start = 0;
+    if (std::sscanf(rp + 1,
+                    " %c %d %d %d %*d %*d %u %*u %*u %*u %*u %*u %*u %*d %*d %*d %*d %ld %*d %llu",
+                    &state, &ppid, &pgid, &sid, &flags, &threads, &start) < 4) {
       continue;
     }
     // Dead, waiting to be reaped. Not so a zombie leader whose other threads
     // still run (its main thread called exit(2) alone): it is killed too.
     if (state == 'Z' && threads <= 1) continue;
-    out[pid_t(pid)] = ProcInfo{ppid, pgid, sid, (flags & kPfExiting) != 0 && threads <= 1};
+    out[pid_t(pid)] = ProcInfo{ppid, pgid, sid, (flags & kPfExiting) != 0 && threads <= 1, start};
   }
   ::closedir(d);
   return out;
@@ -262,6 +267,13 @@ std::vector<std::pair<int, struct rlimit>> callRlimits(const CallLimits& l) {
 
 void killCallProcesses(pid_t pid, bool everything, const std::set<pid_t>& keep) {
   const pid_t self = ::getpid();
+  // Those killed in an earlier round (pid -> start time) are not waited for:
+  // SIGKILL cannot be caught, and a process with one pending can no longer
+  // fork (copy_process fails), so each round only looks for processes that
+  // were forked before their parent's kill. Waiting for the killed to leave
+  // /proc instead spun here while each freed its copy of the zygote's
+  // memory, often on the CPU this loop held.
+  std::map<pid_t, unsigned long long> killed;
   for (int round = 0; round < 200; ++round) {
     auto procs = scanProc();
     std::set<pid_t> doomed;
@@ -289,8 +301,15 @@ void killCallProcesses(pid_t pid, bool everything, const std::set<pid_t>& keep) 
         }
       }
     }
-    if (doomed.empty()) return;
-    for (pid_t p : doomed) ::kill(p, SIGKILL);
+    bool fresh = false;
+    for (pid_t p : doomed) {
+      const unsigned long long start = procs[p].start;
+      if (auto k = killed.find(p); k != killed.end() && k->second == start) continue;
+      ::kill(p, SIGKILL);
+      killed[p] = start;
+      fresh = true;
+    }
+    if (!fresh) return;
   }
 }
 

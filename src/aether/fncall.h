@@ -91,8 +91,9 @@ std::vector<std::pair<int, struct rlimit>> callRlimits(const CallLimits& limits)
 // Kills (SIGKILL) the processes a call left: those of its session or process
 // group `pid` and their descendants; with `everything`, every process of the
 // sandbox except aether, `keep` (the zygotes) and the zygotes' spare children
-// (still in a zygote's session). Repeats until none is found (a fork bomb
-// races the scan).
+// (still in a zygote's session). Repeats until a scan finds none it has not
+// killed already (a fork bomb races the scan); returns without waiting for
+// the killed to be freed.
 void killCallProcesses(pid_t pid, bool everything, const std::set<pid_t>& keep);
 
 // After an exclusive (one-shot) call: empties /scratch but for the run dir

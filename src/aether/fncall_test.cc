@@ -1,5 +1,6 @@
 #include "aether/fncall.h"
 
+#include <dirent.h>
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <pthread.h>
@@ -10,7 +11,9 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <ctime>
 
 #include "aether/landlock.h"
 
@@ -192,6 +195,80 @@ TEST(KillCallProcesses, KillsAZombieLeaderWithLiveThreads) {
   }
   ASSERT_EQ(got, child);
   EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) << status;
+}
+
+// Live (not zombie) processes of session `sid`, from /proc.
+int liveInSession(pid_t sid) {
+  int n = 0;
+  DIR* d = ::opendir("/proc");
+  if (!d) return -1;
+  while (dirent* e = ::readdir(d)) {
+    char* end = nullptr;
+    long pid = std::strtol(e->d_name, &end, 10);
+    if (pid <= 0 || *end != '\0') continue;
+    char path[64];
+    std::snprintf(path, sizeof path, "/proc/%ld/stat", pid);
+    FILE* f = std::fopen(path, "r");
+    if (!f) continue;
+    char buf[512] = {};
+    size_t got = std::fread(buf, 1, sizeof buf - 1, f);
+    std::fclose(f);
+    const char* rp = std::strrchr(buf, ')');
+    char state = 0;
+    int ppid = 0, pgid = 0, s = 0;
+    if (got == 0 || !rp || std::sscanf(rp + 1, " %c %d %d %d", &state, &ppid, &pgid, &s) != 4) {
+      continue;
+    }
+    if (s == sid && state != 'Z') ++n;
+  }
+  ::closedir(d);
+  return n;
+}
+
+TEST(KillCallProcesses, EndsAForkingChainWithoutWaitingForEachToBeFreed) {
+  // A session whose newest process keeps forking the next (a chain growing
+  // every ~0.2 ms, bounded): a process forked between a scan and its
+  // parent's kill is caught by the next scan, though the function does not
+  // wait for each killed process to leave /proc.
+  int ready[2];
+  ASSERT_EQ(::pipe(ready), 0);
+  pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    ::setsid();
+    ::close(ready[0]);
+    // Growing for 2 s at most, whatever happens to the test.
+    timespec now{};
+    ::clock_gettime(CLOCK_MONOTONIC, &now);
+    const time_t until = now.tv_sec + 2;
+    for (int depth = 0;; ++depth) {
+      if (depth == 20 && ::write(ready[1], "r", 1) != 1) ::_exit(1);  // it is growing
+      ::usleep(200);
+      ::clock_gettime(CLOCK_MONOTONIC, &now);
+      if (now.tv_sec >= until || ::fork() != 0) break;  // a parent stays
+    }
+    for (;;) ::pause();
+  }
+  // Whatever the outcome, nothing of the chain outlives the test (its
+  // process group is the leader's pid; a group kill races no fork).
+  struct GroupKill {
+    pid_t pgid;
+    ~GroupKill() { ::kill(-pgid, SIGKILL); }
+  } group_kill{child};
+  ::close(ready[1]);
+  char c;
+  ASSERT_EQ(::read(ready[0], &c, 1), 1);
+  ::close(ready[0]);
+  killCallProcesses(child, false, {});
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) << status;
+  int left = -1;
+  for (int i = 0; i < 300 && left != 0; ++i) {
+    left = liveInSession(child);
+    if (left != 0) ::usleep(10000);
+  }
+  EXPECT_EQ(left, 0) << "processes of the call's session outlived killCallProcesses";
 }
 
 }  // namespace
