@@ -644,3 +644,117 @@ def test_does_not_resend_a_streamed_body():
     with pytest.raises(dsec.Unavailable):
         sb.write_file("/x", (b for b in [b"one", b"shot"]))
     assert srv.accepted == 1
+
+
+# ----- the SDK's own response framing (small JSON exchanges) ----------------------
+
+RUN_RESULT = {"exit_code": 0, "signal": 0, "stdout": "1\n", "stderr": "", "duration_ms": 1.5,
+              "timed_out": False, "truncated": False, "limit": None}
+
+
+def test_run_reads_a_chunked_answer_and_keeps_the_connection(fake, cl):
+    def chunked(h, r):
+        data = json.dumps(RUN_RESULT).encode()
+        h.start_chunked(200, "application/json")
+        h.chunk(data[:7])
+        h.chunk(data[7:])
+        h.end_chunks()
+    fake.routes[("POST", "/v1/run")] = chunked
+    for _ in range(3):
+        r = cl.run("print(1)")
+        assert (r.exit_code, r.stdout) == (0, "1\n")
+    assert fake.accepted == 1
+    assert json.loads(fake.requests[-1]["body"])["code"] == "print(1)"
+    assert fake.requests[-1]["headers"]["Authorization"] == "Bearer tok123"
+    assert fake.requests[-1]["headers"]["Content-Type"] == "application/json"
+
+
+def test_run_reads_an_answer_framed_by_the_connections_end(fake, cl):
+    def to_eof(h, r):
+        h.send_response(200)
+        h.send_header("Content-Type", "application/json")
+        h.send_header("Connection", "close")
+        h.end_headers()
+        h.wfile.write(json.dumps(RUN_RESULT).encode())
+        h.close_connection = True
+    fake.routes[("POST", "/v1/run")] = to_eof
+    assert cl.run("print(1)").stdout == "1\n"
+    assert cl.run("print(1)").stdout == "1\n"  # on a new connection
+    assert fake.accepted == 2
+
+
+class _RawAnswer:
+    """Answers every request on a connection with the given raw bytes (and
+    then closes it, with ``close``)."""
+
+    def __init__(self, answer: bytes, close: bool = False):
+        self.close = close
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.answer = answer
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            buf = b""
+            while True:
+                c = conn.recv(65536)
+                if not c:
+                    break
+                buf += c
+                i = buf.find(b"\r\n\r\n")
+                if i < 0:
+                    continue
+                n = 0
+                for line in buf[:i].split(b"\r\n")[1:]:
+                    k, _, v = line.partition(b":")
+                    if k.strip().lower() == b"content-length":
+                        n = int(v)
+                while len(buf) < i + 4 + n:
+                    buf += conn.recv(65536)
+                buf = buf[i + 4 + n:]
+                conn.sendall(self.answer)
+                if self.close:
+                    break
+            conn.close()
+
+
+def test_run_skips_an_interim_answer():
+    data = json.dumps(RUN_RESULT).encode()
+    srv = _RawAnswer(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                     % (len(data), data))
+    c = dsec.Client(srv.url, token="t", timeout=5)
+    assert c.run("print(1)").stdout == "1\n"
+    assert c.run("print(1)").stdout == "1\n"
+
+
+@pytest.mark.parametrize("answer", [
+    b"SPDY/3 200 OK\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\nContent-Length: many\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{\"short\":",
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\n{\"a\"",
+])
+def test_a_malformed_or_cut_answer_is_unavailable(answer):
+    srv = _RawAnswer(answer, close=True)
+    c = dsec.Client(srv.url, token="t", timeout=2)
+    with pytest.raises(dsec.Unavailable):
+        c.run("print(1)")
+
+
+def test_an_error_status_from_the_lean_path_keeps_code_and_field(fake, cl):
+    fake.routes[("POST", "/v1/run")] = lambda h, r: h.send_json(
+        400, {"error": {"code": "invalid_argument", "message": "unknown language 'cobol'",
+                        "field": "language"}})
+    with pytest.raises(dsec.InvalidArgument) as e:
+        cl.run("x", language="cobol")
+    assert (e.value.status, e.value.field) == (400, "language")
+    fake.routes[("POST", "/v1/run")] = lambda h, r: h.send_json(200, RUN_RESULT)
+    assert cl.run("print(1)").exit_code == 0
+    assert fake.accepted == 1  # an error answer leaves the connection usable
