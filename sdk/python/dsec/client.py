@@ -450,22 +450,14 @@ class Client:
             status, data = self._exchange(method, p, None if body is None else bytes(body),
                                           self._headers(hdrs),
                                           self.timeout if timeout is None else timeout)
-            if raw:
+        else:
+            resp = self._send(method, p, body=body, headers=hdrs, timeout=timeout)
+            status, data = resp.status, self._read_all(resp, f"{method} {p}")
+            if method == "HEAD":
+                # A server that wrongly sends a body with a HEAD answer would leave
+                # stray bytes on the kept-alive connection; HEAD is rare, so start afresh.
+                self._drop_conn()
                 return data
-            if not data.strip():
-                return {}
-            try:
-                return json.loads(data.decode("utf-8"))
-            except (ValueError, UnicodeDecodeError) as e:
-                raise DsecError("internal", f"{method} {p}: response is not JSON: {data[:200]!r}",
-                                status, None, data) from e
-        resp = self._send(method, p, body=body, headers=hdrs, timeout=timeout)
-        data = self._read_all(resp, f"{method} {p}")
-        if method == "HEAD":
-            # A server that wrongly sends a body with a HEAD answer would leave
-            # stray bytes on the kept-alive connection; HEAD is rare, so start afresh.
-            self._drop_conn()
-            return data
         if raw:
             return data
         if not data.strip():
@@ -474,7 +466,7 @@ class Client:
             return json.loads(data.decode("utf-8"))
         except (ValueError, UnicodeDecodeError) as e:
             raise DsecError("internal", f"{method} {p}: response is not JSON: {data[:200]!r}",
-                            resp.status, None, data) from e
+                            status, None, data) from e
 
     # ----- health ---------------------------------------------------------------
 
