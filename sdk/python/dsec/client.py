@@ -136,7 +136,7 @@ def _read_response(sock: socket.socket, method: str) -> Tuple[int, str, bytes, b
             parts.append(chunk)
     parts, have = [rest], len(rest)
     while have < length:
-        chunk = sock.recv(max(65536, length - have))
+        chunk = sock.recv(min(length - have, 1 << 20))
         if not chunk:
             raise _BadResponse("connection closed inside the response body")
         parts.append(chunk)
