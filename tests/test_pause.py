@@ -8,7 +8,11 @@ import time
 import dsec
 from helpers import expect_error, wait_until
 
-COUNTER = "(n=0; while :; do n=$((n+1)); echo $n > /tmp/n; sleep 0.05; done) >/dev/null 2>&1 & echo bg"
+# Each value is written aside and renamed over /tmp/n: a read never sees the
+# file truncated and not yet rewritten (a pause can freeze the loop right
+# there, and an empty file would read as 0).
+COUNTER = ("(n=0; while :; do n=$((n+1)); echo $n > /tmp/n.t; mv /tmp/n.t /tmp/n; sleep 0.05;"
+           " done) >/dev/null 2>&1 & echo bg")
 
 
 def count(sb) -> int:
