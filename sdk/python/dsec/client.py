@@ -146,27 +146,28 @@ def _read_response(sock: socket.socket, method: str) -> Tuple[int, str, bytes, b
     return status, reason, body[:length], close or have > length
 
 
+def _read_line(sock: socket.socket, buf: bytes, where: str) -> Tuple[bytes, bytes]:
+    """The next CRLF-ended line of a chunked body, and what follows it."""
+    while b"\r\n" not in buf:
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise _BadResponse(f"connection closed inside {where}")
+        buf += chunk
+    line, rest = buf.split(b"\r\n", 1)
+    return line, rest
+
+
 def _read_chunked(sock: socket.socket, buf: bytes) -> Tuple[bytes, bytes]:
     out = []
     while True:
-        while b"\r\n" not in buf:
-            chunk = sock.recv(65536)
-            if not chunk:
-                raise _BadResponse("connection closed inside a chunked body")
-            buf += chunk
-        line, buf = buf.split(b"\r\n", 1)
+        line, buf = _read_line(sock, buf, "a chunked body")
         try:
             size = int(line.split(b";")[0].strip(), 16)
         except ValueError:
             raise _BadResponse(f"bad chunk size {line[:40]!r}") from None
         if size == 0:  # trailers, then the empty line
             while True:
-                while b"\r\n" not in buf:
-                    chunk = sock.recv(65536)
-                    if not chunk:
-                        raise _BadResponse("connection closed inside the trailers")
-                    buf += chunk
-                line, buf = buf.split(b"\r\n", 1)
+                line, buf = _read_line(sock, buf, "the trailers")
                 if not line:
                     return b"".join(out), buf
         while len(buf) < size + 2:
