@@ -149,6 +149,24 @@ TEST(ScratchRuleset, EachExecIsItsOwnDomainForSignals) {
   EXPECT_EQ(WEXITSTATUS(ws), 0) << "100: no domain, 101/102: signalled outside, 103: not inside";
 }
 
+// State and session of `pid` from /proc/PID/stat; false if it is gone.
+bool readStat(pid_t pid, char& state, pid_t& sid) {
+  char path[64];
+  std::snprintf(path, sizeof path, "/proc/%d/stat", pid);
+  FILE* f = std::fopen(path, "r");
+  if (!f) return false;
+  char buf[512] = {};
+  size_t got = std::fread(buf, 1, sizeof buf - 1, f);
+  std::fclose(f);
+  const char* rp = std::strrchr(buf, ')');  // comm may hold anything
+  int ppid = 0, pgid = 0, s = 0;
+  if (got == 0 || !rp || std::sscanf(rp + 1, " %c %d %d %d", &state, &ppid, &pgid, &s) != 4) {
+    return false;
+  }
+  sid = s;
+  return true;
+}
+
 TEST(KillCallProcesses, KillsAZombieLeaderWithLiveThreads) {
   int ready[2];
   ASSERT_EQ(::pipe(ready), 0);
@@ -169,16 +187,11 @@ TEST(KillCallProcesses, KillsAZombieLeaderWithLiveThreads) {
   ASSERT_EQ(::read(ready[0], &c, 1), 0);  // the leader has closed its end
   ::close(ready[0]);
   // Wait until the leader is a zombie with its thread alive.
-  char path[64];
-  std::snprintf(path, sizeof path, "/proc/%d/stat", child);
   for (int i = 0; i < 500; ++i) {
-    FILE* f = std::fopen(path, "r");
-    ASSERT_NE(f, nullptr);
-    char buf[512] = {};
-    size_t n = std::fread(buf, 1, sizeof buf - 1, f);
-    std::fclose(f);
-    const char* rp = std::strrchr(buf, ')');
-    if (n > 0 && rp && rp[2] == 'Z') break;
+    char state = 0;
+    pid_t sid = 0;
+    ASSERT_TRUE(readStat(child, state, sid));
+    if (state == 'Z') break;
     ::usleep(10000);
   }
   killCallProcesses(child, false, {});
@@ -206,20 +219,9 @@ int liveInSession(pid_t sid) {
     char* end = nullptr;
     long pid = std::strtol(e->d_name, &end, 10);
     if (pid <= 0 || *end != '\0') continue;
-    char path[64];
-    std::snprintf(path, sizeof path, "/proc/%ld/stat", pid);
-    FILE* f = std::fopen(path, "r");
-    if (!f) continue;
-    char buf[512] = {};
-    size_t got = std::fread(buf, 1, sizeof buf - 1, f);
-    std::fclose(f);
-    const char* rp = std::strrchr(buf, ')');
     char state = 0;
-    int ppid = 0, pgid = 0, s = 0;
-    if (got == 0 || !rp || std::sscanf(rp + 1, " %c %d %d %d", &state, &ppid, &pgid, &s) != 4) {
-      continue;
-    }
-    if (s == sid && state != 'Z') ++n;
+    pid_t s = 0;
+    if (readStat(pid_t(pid), state, s) && s == sid && state != 'Z') ++n;
   }
   ::closedir(d);
   return n;
