@@ -36,9 +36,13 @@ DEFAULT_TIMEOUT = 30.0
 _CHUNK = 1 << 20
 _USER_AGENT = "dsec-python/0.1"
 
+class _Stale(Exception):
+    """The kept-alive connection was closed before any byte of the answer."""
+
+
 # Errors that mean "the kept-alive connection was already dead when we used it".
 _STALE_ERRORS = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError,
-                 ConnectionAbortedError)
+                 ConnectionAbortedError, _Stale)
 
 # A request body up to this size goes out in the same write as its headers.
 _COALESCE_MAX = 64 * 1024
@@ -73,10 +77,6 @@ class _HTTPSConnection(_OneWrite, http.client.HTTPSConnection):
 
 class _BadResponse(Exception):
     """The server's bytes are not an HTTP/1.1 response we can frame."""
-
-
-class _Stale(Exception):
-    """The kept-alive connection was closed before any byte of the answer."""
 
 
 def _read_response(sock: socket.socket, method: str) -> Tuple[int, str, bytes, bool]:
@@ -120,8 +120,9 @@ def _read_response(sock: socket.socket, method: str) -> Tuple[int, str, bytes, b
         elif name == "transfer-encoding":
             chunked = "chunked" in value.lower()
         elif name == "connection":
-            close = value.strip().lower() == "close" or (
-                close and value.strip().lower() != "keep-alive")
+            token = value.strip().lower()
+            if token in ("close", "keep-alive"):
+                close = token == "close"
     if method == "HEAD" or status in (204, 304):
         return status, reason, b"", close or bool(rest)
     if chunked:
@@ -324,6 +325,19 @@ class Client:
             h.update(extra)
         return h
 
+    def _transport_error(self, e: BaseException, what: str,
+                         timeout: float) -> Optional[DsecError]:
+        """The error a request that failed on its connection raises (``e``
+        from _send or _exchange), or None when ``e`` is no transport failure
+        and goes up as it is."""
+        if isinstance(e, _STALE_ERRORS):
+            return Unavailable("unavailable", f"{what}: connection lost: {e}")
+        if isinstance(e, socket.timeout):
+            return DeadlineExceeded("deadline_exceeded", f"{what}: no answer within {timeout:g}s")
+        if isinstance(e, (OSError, http.client.HTTPException, _BadResponse)):
+            return Unavailable("unavailable", f"{what}: cannot reach {self.url}: {e}")
+        return None
+
     def _send(self, method: str, path: str, body: Any = None,
               headers: Optional[Dict[str, str]] = None,
               timeout: Optional[float] = None) -> http.client.HTTPResponse:
@@ -348,22 +362,14 @@ class Client:
                     body.seek(rewind)
                 conn.request(method, path, body=body, headers=hdrs)
                 resp = conn.getresponse()
-            except _STALE_ERRORS as e:
+            except BaseException as e:
                 conn.close()
-                if attempt == 0 and reused and resendable:
+                if attempt == 0 and reused and resendable and isinstance(e, _STALE_ERRORS):
                     continue
-                raise Unavailable("unavailable", f"{method} {path}: connection lost: {e}") from e
-            except socket.timeout as e:
-                conn.close()
-                raise DeadlineExceeded("deadline_exceeded",
-                                       f"{method} {path}: no answer within {timeout:g}s") from e
-            except (OSError, http.client.HTTPException) as e:
-                conn.close()
-                raise Unavailable("unavailable",
-                                  f"{method} {path}: cannot reach {self.url}: {e}") from e
-            except BaseException:
-                conn.close()
-                raise
+                err = self._transport_error(e, f"{method} {path}", timeout)
+                if err is None:
+                    raise
+                raise err from e
             if resp.status >= 400:
                 try:
                     data = resp.read()
@@ -396,7 +402,6 @@ class Client:
             head.append(f"Content-Length: {len(body or b'')}\r\n")
         head.append("\r\n")
         msg = "".join(head).encode("latin-1") + (body or b"")
-        what = f"{method} {path}"
         for attempt in (0, 1):
             conn, reused = self._conn(timeout)
             try:
@@ -404,21 +409,14 @@ class Client:
                     conn.connect()
                 conn.send(msg)
                 status, reason, data, close = _read_response(conn.sock, method)
-            except (_Stale,) + _STALE_ERRORS as e:
+            except BaseException as e:
                 conn.close()
-                if attempt == 0 and reused:
+                if attempt == 0 and reused and isinstance(e, _STALE_ERRORS):
                     continue
-                raise Unavailable("unavailable", f"{what}: connection lost: {e}") from e
-            except socket.timeout as e:
-                conn.close()
-                raise DeadlineExceeded("deadline_exceeded",
-                                       f"{what}: no answer within {timeout:g}s") from e
-            except (OSError, _BadResponse) as e:
-                conn.close()
-                raise Unavailable("unavailable", f"{what}: cannot reach {self.url}: {e}") from e
-            except BaseException:
-                conn.close()
-                raise
+                err = self._transport_error(e, f"{method} {path}", timeout)
+                if err is None:
+                    raise
+                raise err from e
             if close:
                 conn.close()
             if status >= 400:
