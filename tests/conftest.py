@@ -210,8 +210,10 @@ def server():
     cg_before = sandbox_cgroup_dirs(edge)
     aether_before = aether_pids(edge)
     # The built-in `setup` policy may reach the test's outside host (tests/outside_host.py).
+    # Zygotes retire after 64 calls (default 1024), so that tests see a retirement.
     srv = Server(data_dir, extra_args=["--setup-egress", f"{OUTSIDE_ADDR}:8080",
-                                       "--setup-dns", OUTSIDE_ADDR])
+                                       "--setup-dns", OUTSIDE_ADDR,
+                                       "--fncall-zygote-max-calls", "64"])
     try:
         srv.start()
     except Exception as e:

@@ -319,8 +319,8 @@ def test_each_call_sees_fresh_random_state(client, debian):
 
 def test_hash_seed(client, debian):
     code = "print(hash('x'))"
-    # A zygote's forks share its hash secret; it is retired after 64 calls,
-    # and the next one has a new secret.
+    # A zygote's forks share its hash secret; it is retired after 64 calls
+    # (this server's --fncall-zygote-max-calls), and the next one has a new secret.
     seen = [client.run(code, image=debian).stdout for _ in range(70)]
     assert len(set(seen)) >= 2, "one hash secret for 70 calls"
     assert max(seen.count(v) for v in set(seen)) <= 64, seen
@@ -334,7 +334,8 @@ def test_hash_seed(client, debian):
 
 
 def test_a_retired_zygote_is_replaced_by_one_started_ahead(make_sandbox, debian):
-    # A zygote forks at most 64 calls (its hash secret's quota); its successor
+    # A zygote forks at most 64 calls (its hash secret's quota,
+    # --fncall-zygote-max-calls on this server; 1024 by default); its successor
     # is started once 48 are done, so the 65th call finds it ready instead of
     # waiting for an interpreter to start (docs/fncall.md).
     sb = make_sandbox(debian, backend="fncall", disk_mb=16)
@@ -726,6 +727,8 @@ def test_pool_bounds_languages_and_metrics(tmp_path_factory, server):
 
 @pytest.mark.parametrize("args,message", [
     (["--fncall-pool-max", "0"], "--fncall-pool-max"),
+    (["--fncall-zygote-max-calls", "0"], "--fncall-zygote-max-calls"),
+    (["--fncall-zygote-max-calls", "x"], "--fncall-zygote-max-calls"),
     (["--fncall-language", "python=python3 -c"], "built in"),
     (["--fncall-language", "node"], "NAME=ARGV"),
     (["--fncall-language", "a b=x"], "bad language name"),

@@ -57,8 +57,10 @@ struct FncallConfig {
   std::vector<std::string> prestart;  // zygotes to start at init
   // A zygote is retired after forking this many calls and the next call
   // starts a new one, with a new hash secret (PYTHONHASHSEED): so at most
-  // this many calls share one (docs/fncall.md).
-  int64_t zygote_max_calls = 64;
+  // this many calls share one (docs/fncall.md). A zygote's start (~50 ms of
+  // CPU) is spread over its calls: at 64, a fifth of all the CPU of
+  // `print(1)` calls back to back.
+  int64_t zygote_max_calls = 1024;
   CallLimits defaults;                // limits of calls that give none
 };
 

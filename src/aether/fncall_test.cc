@@ -49,7 +49,7 @@ TEST(FncallConfig, RejectsBadInput) {
 }
 
 TEST(FncallConfig, ZygoteMaxCalls) {
-  EXPECT_EQ(parseFncallConfig(parse("{}"))->zygote_max_calls, 64);
+  EXPECT_EQ(parseFncallConfig(parse("{}"))->zygote_max_calls, 1024);
   EXPECT_EQ(parseFncallConfig(parse(R"({"zygote_max_calls": 3})"))->zygote_max_calls, 3);
 }
 

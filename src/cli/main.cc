@@ -72,6 +72,8 @@ const char* kUsage = R"(usage: dsec COMMAND [OPTIONS]
      --fncall-pool-max N: warm fncall sandboxes for one-shot calls (POST /v1/run) this
         node keeps at most, all pools together (default 16); --fncall-pool-idle-s S: an
         idle one is destroyed after S seconds (default 60)
+     --fncall-zygote-max-calls N: calls a python zygote forks before a new one (with
+        a new hash secret) replaces it (default 1024; see docs/fncall.md)
      --fncall-language NAME=ARGV (repeatable): a language calls may name, run as ARGV
         split on spaces with the code appended as one more argument, from the
         sandbox's image (e.g. --fncall-language 'node=node -e' --fncall-language
@@ -339,6 +341,12 @@ int cmdUp(const Args& a) {
     eo.fncallLanguages = std::move(*langs);
   } else {
     return die(langs.status().message());
+  }
+  if (!a.get("fncall-zygote-max-calls").empty()) {
+    long long n = std::atoll(a.get("fncall-zygote-max-calls").c_str());
+    if (n < 1 || n > 1000000)
+      return die("--fncall-zygote-max-calls must be a number from 1 to 1000000");
+    eo.fncallZygoteMaxCalls = n;
   }
   edge::RunPoolOptions runPool;
   if (!a.get("fncall-pool-max").empty()) {

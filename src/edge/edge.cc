@@ -95,7 +95,8 @@ Result<std::unique_ptr<Edge>> Edge::start(EdgeOptions opts) {
   }
   // fncall: a thin layer over the container backend (backends/fncall).
   e->backends_["fncall"] =
-      std::make_unique<FncallBackend>(container.get(), e->opts_.fncallLanguages);
+      std::make_unique<FncallBackend>(container.get(), e->opts_.fncallLanguages,
+                                      e->opts_.fncallZygoteMaxCalls);
   e->backends_["container"] = std::move(container);
   std::string microvmGuestDir = e->opts_.microvmGuestDir;
   if (microvmGuestDir.empty()) {

@@ -60,6 +60,9 @@ struct EdgeOptions {
   // fncall: languages exec'd per call besides python and bash, name -> argv
   // the code is appended to (say "node" -> {"node", "-e"}).
   std::map<std::string, std::vector<std::string>> fncallLanguages;
+  // fncall: calls a python zygote forks before it is retired (the init
+  // frame's fncall.zygote_max_calls); 0: aether's default (1024).
+  int64_t fncallZygoteMaxCalls = 0;
   // The microvm backend (docs/microvm.md): guest kernel and initramfs
   // (empty: microvm-guest/ beside aetherPath), QEMU binary, boot deadline,
   // accelerator ("auto" probes KVM and falls back to TCG, "kvm", "tcg").

@@ -10,6 +10,7 @@ std::string FncallBackend::initJson(int64_t scratchBytes) const {
   nlohmann::json j = {{"scratch_mb", std::max<int64_t>(1, scratchBytes >> 20)},
                       {"prestart", {"python"}}};
   if (!languages_.empty()) j["languages"] = languages_;
+  if (zygoteMaxCalls_ > 0) j["zygote_max_calls"] = zygoteMaxCalls_;
   return j.dump();
 }
 

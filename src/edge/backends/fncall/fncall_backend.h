@@ -28,8 +28,10 @@ inline constexpr double kFncallCpuOverhead = 0.5;
 class FncallBackend : public Backend {
  public:
   // `container` must outlive this backend (the Edge owns both).
-  FncallBackend(Backend* container, std::map<std::string, std::vector<std::string>> languages)
-      : container_(container), languages_(std::move(languages)) {}
+  // zygoteMaxCalls: the init frame's fncall.zygote_max_calls (0: aether's).
+  FncallBackend(Backend* container, std::map<std::string, std::vector<std::string>> languages,
+                int64_t zygoteMaxCalls = 0)
+      : container_(container), languages_(std::move(languages)), zygoteMaxCalls_(zygoteMaxCalls) {}
 
   std::string name() const override { return "fncall"; }
   bool takesInitPolicy() const override { return true; }
@@ -50,6 +52,7 @@ class FncallBackend : public Backend {
  private:
   Backend* container_;
   std::map<std::string, std::vector<std::string>> languages_;
+  int64_t zygoteMaxCalls_;
 };
 
 }  // namespace dsec::edge
