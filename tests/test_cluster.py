@@ -184,7 +184,10 @@ def real_cluster():
     if not tar.is_file():
         unavailable(f"test image {tar} missing")
     root = Path(tempfile.mkdtemp(prefix="dsec-cl-", dir="/tmp"))
-    cl = Cluster(root, 3)
+    # How fncall sandboxes run is the platform's to say, on every node
+    # (test_fncall_on_joined_edges_runs_as_the_platform_says).
+    cl = Cluster(root, 3, platform_args=["--fncall-language", "perl=perl -e",
+                                         "--fncall-zygote-max-calls", "4"])
     cg = {i: edge_cgroup_of(root / f"edge{i}") for i in range(3)}
     try:
         cl.start()
@@ -274,6 +277,43 @@ def test_placement_spreads_and_calls_cross_the_hop(real_cluster):
             assert sb.read_file("/tmp/x.bin") == b"\x00\x01hello" * 1000
         nodes = {n["name"]: n for n in cl.nodes()}
         assert all(nodes[f"n{i}"]["allocated"]["sandboxes"] >= 2 for i in range(3))
+    finally:
+        for d in made:
+            cl.api("DELETE", f"/v1/sandboxes/{d['id']}")
+
+
+def test_fncall_on_joined_edges_runs_as_the_platform_says(real_cluster):
+    """`dsec platform --fncall-language ... --fncall-zygote-max-calls 4`: a
+    fncall sandbox on any joined edge runs the platform's languages and
+    retires its python zygote after 4 calls (the spec carries the init
+    frame's fncall object to the node), and one-shot calls of the configured
+    language pass the platform's check."""
+    cl = real_cluster
+    tar = IMAGE_CACHE / "debian.tar"
+    if not tar.is_file():
+        unavailable(f"test image {tar} missing")
+    r = subprocess.run([str(dsec_bin()), "image", "import", "--data-dir", cl.pdir,
+                        "--name", "debian:latest", tar], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr
+    made = [create(cl, image="debian:latest", backend="fncall", memory_mb=256)
+            for _ in range(3)]
+    try:
+        assert sorted(d["node"] for d in made) == ["n0", "n1", "n2"], made
+        for d in made:
+            sb = cl.client.get(d["id"])
+            r = sb.run("print 6*7, qq(\n)", language="perl")
+            assert (r.exit_code, r.stdout) == (0, "42\n"), (d["node"], r)
+            zygotes = [sb.run("import os; print(os.getppid())").stdout for _ in range(6)]
+            assert zygotes[:4] == [zygotes[0]] * 4 and zygotes[4] != zygotes[0], zygotes
+        r = cl.client.run("print 6*7, qq(\n)", language="perl", image="debian:latest")
+        assert (r.exit_code, r.stdout) == (0, "42\n"), r
+        e = None
+        try:
+            cl.client.run("x", language="cobol", image="debian:latest")
+        except dsec.InvalidArgument as ex:
+            e = ex
+        assert e is not None and e.field == "language" and "perl" in e.message, e
     finally:
         for d in made:
             cl.api("DELETE", f"/v1/sandboxes/{d['id']}")

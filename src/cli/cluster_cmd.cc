@@ -114,10 +114,13 @@ Status burstFlags(const ArgGet& get, platform::ClusterOptions& co) {
 
 Result<std::unique_ptr<platform::Cluster>> startCluster(const ArgGet& get,
                                                         const std::string& dataDir,
-                                                        platform::Store* store, edge::Edge* local) {
+                                                        platform::Store* store, edge::Edge* local,
+                                                        const edge::EdgeOptions& fncall) {
   platform::ClusterOptions co;
   co.dataDir = dataDir;
   co.store = store;
+  co.fncallLanguages = fncall.fncallLanguages;
+  co.fncallZygoteMaxCalls = fncall.fncallZygoteMaxCalls;
   // The replica's id: kept in its data dir, so a restart is the same replica
   // (and fails its own half-made creates at once).
   co.replicaId = get("replica-id", "");

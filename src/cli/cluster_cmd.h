@@ -25,9 +25,12 @@ using ArgGet = std::function<std::string(const std::string& flag, const std::str
 // <dataDir>/join_token unless --join-token-file names one), --heartbeat-timeout-s,
 // --max-inflight, --admission-wait-s; `local` (may be null) is the
 // in-process node of `dsec up`, offered with --cpus/--memory-mb/--slots.
+// `fncall` (its fncallLanguages and fncallZygoteMaxCalls) is how every node
+// runs fncall sandboxes (ClusterOptions).
 Result<std::unique_ptr<platform::Cluster>> startCluster(const ArgGet& get,
                                                         const std::string& dataDir,
-                                                        platform::Store* store, edge::Edge* local);
+                                                        platform::Store* store, edge::Edge* local,
+                                                        const edge::EdgeOptions& fncall);
 
 // The platform process's HTTP handler: /internal/ to the cluster (edges'
 // credentials), /v1/nodes to the cluster (API token), /metrics as

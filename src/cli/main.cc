@@ -422,7 +422,7 @@ int cmdUp(const Args& a) {
     localEdge = std::move(*edge);
   }
   auto cluster = cli::startCluster([&a](const std::string& k, const std::string& d) { return a.get(k, d); },
-                                   dataDir, store->get(), localEdge.get());
+                                   dataDir, store->get(), localEdge.get(), eo);
   if (!cluster.isOk()) return die("cluster: " + cluster.status().toString());
 
   platform::PlatformOptions po;

@@ -36,7 +36,8 @@ struct SandboxSpec {
   bool diskExplicit = false;
   int64_t pids = 1024;
   // fncall sandboxes (backends/fncall): the init frame's "fncall" object
-  // (docs/agent-protocol.md); empty for a container sandbox.
+  // (docs/agent-protocol.md, fncallInitJson), set by the platform's Cluster;
+  // empty for a container sandbox (and a fncall one: the node's own).
   std::string fncallInit;
   // The first phase's policy: a policy frame's body (docs/agent-protocol.md),
   // or empty for none. Backends that takesInitPolicy() hand it to the agent

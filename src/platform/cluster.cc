@@ -10,6 +10,7 @@
 #include "common/log.h"
 #include "common/sha256.h"
 #include "common/util.h"
+#include "edge/backends/fncall/fncall_backend.h"
 #include "edge/backends/microvm/microvm_backend.h"
 #include "edge/backends/vm/vm_backend.h"
 #include "edge/edge_wire.h"
@@ -575,6 +576,16 @@ void Cluster::finishLocked(Node& node, const std::string& id, const Status& st) 
   }
 }
 
+edge::SandboxSpec Cluster::withFncallInit(const std::string& backend,
+                                          const edge::SandboxSpec& spec) const {
+  edge::SandboxSpec s = spec;
+  if (backend == "fncall" && s.fncallInit.empty()) {
+    s.fncallInit =
+        edge::fncallInitJson(s.diskBytes, opts_.fncallLanguages, opts_.fncallZygoteMaxCalls);
+  }
+  return s;
+}
+
 Status Cluster::create(const std::string& backend, const edge::SandboxSpec& spec) {
   PlacementRequest pr = requestFor(spec);
   double t0 = nowSeconds();
@@ -585,7 +596,7 @@ Status Cluster::create(const std::string& backend, const edge::SandboxSpec& spec
     if (!n.isOk()) return n.status();
     node = *n;
   }
-  Status st = node->link->create(backend, spec);
+  Status st = node->link->create(backend, withFncallInit(backend, spec));
   {
     std::lock_guard lk(mu_);
     finishLocked(*node, spec.id, st);
@@ -635,7 +646,7 @@ std::vector<std::optional<Status>> Cluster::createGroup(const std::string& backe
       return out;
     }
     node = *n;
-    group.push_back(specs[0]);
+    group.push_back(withFncallInit(backend, specs[0]));
     at.push_back(0);
     // The others of the same request join it while the node has room and
     // in-flight slots: one call to one node instead of one per sandbox. The
@@ -651,7 +662,7 @@ std::vector<std::optional<Status>> Cluster::createGroup(const std::string& backe
       fillView(v, *node, true);
       if (!Scheduler::fits(v, ri)) break;
       startLocked(*node, specs[i], t0, false);
-      group.push_back(specs[i]);
+      group.push_back(withFncallInit(backend, specs[i]));
       at.push_back(i);
     }
   }
@@ -851,9 +862,7 @@ std::map<std::string, int> Cluster::orphansRemoved() const {
   return l ? l->orphansRemoved() : std::map<std::string, int>{};
 }
 const std::map<std::string, std::vector<std::string>>& Cluster::fncallLanguages() const {
-  static const std::map<std::string, std::vector<std::string>> none;
-  auto* l = localLink();
-  return l ? l->fncallLanguages() : none;
+  return opts_.fncallLanguages;
 }
 const edge::Userns& Cluster::userns() const {
   auto* l = localLink();

@@ -77,6 +77,12 @@ struct ClusterOptions {
   // node's heartbeat answer lists those it does not report cached yet.
   std::map<std::string, std::vector<std::string>> prestage;
   std::function<Result<std::vector<std::string>>(const std::string& ref)> resolveLayers;
+  // fncall sandboxes (docs/fncall.md): the languages calls may name besides
+  // python and bash, and the calls a python zygote forks (0: aether's
+  // default). Sent to whichever node a sandbox goes to, in its spec's
+  // fncallInit, so that joined edges run calls as the platform's own node does.
+  std::map<std::string, std::vector<std::string>> fncallLanguages;
+  int64_t fncallZygoteMaxCalls = 0;
 };
 
 struct NodeCapacity {
@@ -246,6 +252,9 @@ class Cluster : public edge::EdgeLink {
   // down or came back through other replicas). Called without mu_.
   Status syncNodes();
   // syncNodes() unless one ran within the last 200 ms (an unknown node or key).
+  // `spec` with, for a fncall sandbox, the init frame's "fncall" object of
+  // this platform's configuration (ClusterOptions::fncallLanguages...).
+  edge::SandboxSpec withFncallInit(const std::string& backend, const edge::SandboxSpec& spec) const;
   void syncNodesSoon();
   void renewLeases();
   void monitor();

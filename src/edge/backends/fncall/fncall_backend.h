@@ -25,6 +25,14 @@ namespace dsec::edge {
 // time, each stall ~30 ms; docs/fncall.md). With 0.5 more: none.
 inline constexpr double kFncallCpuOverhead = 0.5;
 
+// The init frame's "fncall" object (docs/agent-protocol.md) for a sandbox of
+// `scratchBytes`: the node's languages besides python and bash, and the calls
+// a python zygote forks (0: aether's default). Built by whoever places the
+// sandbox, so every node of a cluster runs it the same way.
+std::string fncallInitJson(int64_t scratchBytes,
+                           const std::map<std::string, std::vector<std::string>>& languages,
+                           int64_t zygoteMaxCalls);
+
 class FncallBackend : public Backend {
  public:
   // `container` must outlive this backend (the Edge owns both).
@@ -36,7 +44,8 @@ class FncallBackend : public Backend {
   std::string name() const override { return "fncall"; }
   bool takesInitPolicy() const override { return true; }
   // The spec's diskBytes sizes /scratch (a tmpfs: charged to the sandbox's
-  // memory); its fncallInit, when set, is sent as is (run pools set it).
+  // memory); its fncallInit, when set, is sent as is (the platform's
+  // Cluster sets it: ClusterOptions::fncallLanguages), else initJson's.
   Result<std::unique_ptr<Instance>> create(const SandboxSpec& spec,
                                            std::function<void()> onDeath) override;
   Status destroy(Instance& inst) override { return container_->destroy(inst); }
