@@ -566,20 +566,21 @@ def test_reconnects_after_server_closed_idle_connection(fake, cl):
     assert fake.accepted == 3
 
 
-class _DropOnce:
-    """Serves the first request, then reads the next one and closes without an
-    answer (the race where the server's idle close crosses our request)."""
+class _RawServer:
+    """A loopback HTTP server on a bare socket, for answers http.server will
+    not give: each connection goes to ``_serve(conn, f)`` (``f`` reads it)."""
 
     def __init__(self):
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen(8)
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.bodies = []
         self.accepted = 0
         threading.Thread(target=self._run, daemon=True).start()
 
-    def _read_request(self, f):
+    @staticmethod
+    def _read_request(f):
+        """The next request's body, or None at the connection's end."""
         head = b""
         while not head.endswith(b"\r\n\r\n"):
             c = f.read(1)
@@ -599,11 +600,6 @@ class _DropOnce:
                     break
         return body
 
-    def _answer(self, conn, body):
-        data = json.dumps({"path": "/x", "size": len(body)}).encode()
-        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
-
     def _run(self):
         while True:
             try:
@@ -612,18 +608,35 @@ class _DropOnce:
                 return
             self.accepted += 1
             f = conn.makefile("rb")
-            first = self.accepted == 1
-            while True:
-                body = self._read_request(f)
-                if body is None:
-                    break
-                self.bodies.append(body)
-                if first and len(self.bodies) == 2:
-                    break  # drop it unanswered
-                self._answer(conn, body)
+            self._serve(conn, f)
             f.close()
-            conn.shutdown(socket.SHUT_RDWR)
             conn.close()
+
+
+class _DropOnce(_RawServer):
+    """Serves the first request, then reads the next one and closes without an
+    answer (the race where the server's idle close crosses our request)."""
+
+    def __init__(self):
+        self.bodies = []
+        super().__init__()
+
+    def _answer(self, conn, body):
+        data = json.dumps({"path": "/x", "size": len(body)}).encode()
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+
+    def _serve(self, conn, f):
+        first = self.accepted == 1
+        while True:
+            body = self._read_request(f)
+            if body is None:
+                break
+            self.bodies.append(body)
+            if first and len(self.bodies) == 2:
+                break  # drop it unanswered
+            self._answer(conn, body)
+        conn.shutdown(socket.SHUT_RDWR)
 
 
 def test_retries_once_a_resendable_request_on_a_dead_connection():
@@ -683,46 +696,20 @@ def test_run_reads_an_answer_framed_by_the_connections_end(fake, cl):
     assert fake.accepted == 2
 
 
-class _RawAnswer:
+class _RawAnswer(_RawServer):
     """Answers every request on a connection with the given raw bytes (and
     then closes it, with ``close``)."""
 
     def __init__(self, answer: bytes, close: bool = False):
-        self.close = close
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(8)
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         self.answer = answer
-        threading.Thread(target=self._run, daemon=True).start()
+        self.close = close
+        super().__init__()
 
-    def _run(self):
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            buf = b""
-            while True:
-                c = conn.recv(65536)
-                if not c:
-                    break
-                buf += c
-                i = buf.find(b"\r\n\r\n")
-                if i < 0:
-                    continue
-                n = 0
-                for line in buf[:i].split(b"\r\n")[1:]:
-                    k, _, v = line.partition(b":")
-                    if k.strip().lower() == b"content-length":
-                        n = int(v)
-                while len(buf) < i + 4 + n:
-                    buf += conn.recv(65536)
-                buf = buf[i + 4 + n:]
-                conn.sendall(self.answer)
-                if self.close:
-                    break
-            conn.close()
+    def _serve(self, conn, f):
+        while self._read_request(f) is not None:
+            conn.sendall(self.answer)
+            if self.close:
+                break
 
 
 def test_run_skips_an_interim_answer():
