@@ -63,8 +63,11 @@ class RemoteEdge : public edge::EdgeLink {
   std::vector<std::string> sandboxIds() const override { return {}; }
   std::vector<std::string> adoptedIds() const override { return {}; }
   std::map<std::string, int> orphansRemoved() const override { return {}; }
+  // Nobody asks a node: the platform's Cluster answers with its own
+  // configuration, which it sends with each fncall spec (fncall_init).
   const std::map<std::string, std::vector<std::string>>& fncallLanguages() const override {
-    return languages_;
+    static const std::map<std::string, std::vector<std::string>> kNone;
+    return kNone;
   }
   const edge::Userns& userns() const override { return userns_; }
   const edge::MicroVmProbe& microvm() const override { return microvm_; }
@@ -91,7 +94,6 @@ class RemoteEdge : public edge::EdgeLink {
   std::string url_, key_;
   uint64_t epoch_ = 0;  // bumped by reset(): older connections are not reused
   std::vector<std::pair<uint64_t, std::unique_ptr<http::Client>>> idle_;
-  std::map<std::string, std::vector<std::string>> languages_;
   edge::Userns userns_;
   edge::MicroVmProbe microvm_;
   edge::VmProbe vm_;
