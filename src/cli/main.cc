@@ -238,6 +238,18 @@ Result<std::string> loadOrCreateToken(const std::string& dataDir) {
   return t;
 }
 
+// A whole-number flag in [lo, hi], `def` when not given.
+Result<long long> rangeFlag(const Args& a, const std::string& flag, long long lo, long long hi,
+                            long long def) {
+  if (a.get(flag).empty()) return def;
+  long long n = std::atoll(a.get(flag).c_str());
+  if (n < lo || n > hi) {
+    return invalidArg(flag, "--" + flag + " must be a number from " + std::to_string(lo) +
+                                " to " + std::to_string(hi));
+  }
+  return n;
+}
+
 // --fncall-language NAME=ARGV (repeatable) and --fncall-languages FILE.
 Result<std::map<std::string, std::vector<std::string>>> fncallLanguagesFromArgs(const Args& a) {
   std::map<std::string, std::vector<std::string>> out;
@@ -342,17 +354,16 @@ int cmdUp(const Args& a) {
   } else {
     return die(langs.status().message());
   }
-  if (!a.get("fncall-zygote-max-calls").empty()) {
-    long long n = std::atoll(a.get("fncall-zygote-max-calls").c_str());
-    if (n < 1 || n > 1000000)
-      return die("--fncall-zygote-max-calls must be a number from 1 to 1000000");
-    eo.fncallZygoteMaxCalls = n;
+  if (auto n = rangeFlag(a, "fncall-zygote-max-calls", 1, 1000000, 0); n.isOk()) {
+    eo.fncallZygoteMaxCalls = *n;
+  } else {
+    return die(n.status().message());
   }
   edge::RunPoolOptions runPool;
-  if (!a.get("fncall-pool-max").empty()) {
-    long long n = std::atoll(a.get("fncall-pool-max").c_str());
-    if (n < 1 || n > 100000) return die("--fncall-pool-max must be a number from 1 to 100000");
-    runPool.maxSandboxes = int(n);
+  if (auto n = rangeFlag(a, "fncall-pool-max", 1, 100000, runPool.maxSandboxes); n.isOk()) {
+    runPool.maxSandboxes = int(*n);
+  } else {
+    return die(n.status().message());
   }
   if (!a.get("fncall-pool-idle-s").empty()) {
     runPool.idleSeconds = std::atof(a.get("fncall-pool-idle-s").c_str());

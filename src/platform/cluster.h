@@ -252,10 +252,10 @@ class Cluster : public edge::EdgeLink {
   // down or came back through other replicas). Called without mu_.
   Status syncNodes();
   // syncNodes() unless one ran within the last 200 ms (an unknown node or key).
+  void syncNodesSoon();
   // `spec` with, for a fncall sandbox, the init frame's "fncall" object of
   // this platform's configuration (ClusterOptions::fncallLanguages...).
   edge::SandboxSpec withFncallInit(const std::string& backend, const edge::SandboxSpec& spec) const;
-  void syncNodesSoon();
   void renewLeases();
   void monitor();
   void join(http::Request& req, http::Response& res);
