@@ -16,9 +16,9 @@
 #include "common/sha256.h"
 #include "common/util.h"
 #include "edge/edge_server.h"
-#include "edge/edge_wire.h"
 #include "edge/image/node_cache.h"
-#include "edge/sim_edge.h"
+#include "proto/sim_edge.h"
+#include "proto/codec.h"
 
 namespace dsec::cli {
 
@@ -178,7 +178,7 @@ Result<std::unique_ptr<platform::Cluster>> startCluster(const ArgGet& get,
     ASSIGN_OR_RETURN(double slots, numberFlag(get, "slots", 1e9));
     cap.memoryMb = int64_t(mem);
     cap.slots = int64_t(slots);
-    cluster->addLocal(local, get("node-name", "local"), cap);
+    cluster->addLocal(local, local, get("node-name", "local"), cap);
   }
   return cluster;
 }
@@ -192,7 +192,7 @@ http::Handler platformHandler(platform::Platform* p, platform::Cluster* c, std::
       if (Status st = p->checkAdmin(req.header("authorization")); !st.isOk()) {
         if (st.code() == Code::kUnauthenticated) res.setHeader("WWW-Authenticate", "Bearer");
         platform::countApiError(st.code());
-        (void)res.send(httpStatusFor(st.code()), "application/json", edge::wire::errorJson(st).dump());
+        (void)res.send(httpStatusFor(st.code()), "application/json", proto::errorJson(st).dump());
         return;
       }
       return c->handleNodes(req, res);
@@ -207,11 +207,11 @@ http::Handler platformHandler(platform::Platform* p, platform::Cluster* c, std::
 // DIR/node-i, its own port, keys and heartbeats), so a cluster of hundreds of
 // nodes does not need hundreds of processes. Stops on SIGTERM/SIGINT.
 int runSimNodes(const edge::EdgeAgentOptions& base, const http::ServerOptions& so0, int k,
-                const edge::SimOptions& sopt, sigset_t sigs) {
+                const proto::SimOptions& sopt, sigset_t sigs) {
   struct SimNode {
     std::unique_ptr<http::Server> server;
     std::unique_ptr<edge::EdgeAgent> agent;
-    std::unique_ptr<edge::SimEdge> sim;
+    std::unique_ptr<proto::SimEdge> sim;
     std::thread serving;
   };
   std::vector<std::unique_ptr<SimNode>> nodes;
@@ -230,8 +230,9 @@ int runSimNodes(const edge::EdgeAgentOptions& base, const http::ServerOptions& s
     ao.url = host + ":" + std::to_string(n->server->port());
     n->agent = std::make_unique<edge::EdgeAgent>(ao);
     if (Status st = n->agent->start(); !st.isOk()) return fail("join " + ao.name + ": " + st.toString());
-    n->sim = std::make_unique<edge::SimEdge>(sopt);
-    n->agent->serveLink(n->sim.get(), nullptr);
+    n->sim = std::make_unique<proto::SimEdge>(sopt);
+    n->agent->serveLink(n->sim.get(), [sim = n->sim.get()] { return sim->sandboxIds(); },
+                        nullptr);
     auto* agent = n->agent.get();
     auto* server = n->server.get();
     n->serving = std::thread([server, agent] {
@@ -365,7 +366,7 @@ int cmdEdge(const ArgGet& get) {
   }
   if (*simNodes > 1) {
     if (!simulate) return fail("--sim-nodes needs --simulate");
-    edge::SimOptions sopt;
+    proto::SimOptions sopt;
     sopt.latencyMs = int(*simLat);
     sopt.capacity = int64_t(*simCap);
     return runSimNodes(ao, so, int(*simNodes), sopt, sigs);
@@ -376,15 +377,17 @@ int cmdEdge(const ArgGet& get) {
   if (Status st = agent.start(); !st.isOk()) return fail("join: " + st.toString());
 
   std::unique_ptr<edge::Edge> real;
-  std::unique_ptr<edge::SimEdge> sim;
-  edge::EdgeLink* link;
+  std::unique_ptr<proto::SimEdge> sim;
+  proto::EdgeLink* link;
+  std::function<std::vector<std::string>()> ids;
   std::function<std::vector<std::string>()> layers;
   if (simulate) {
-    edge::SimOptions sopt;
+    proto::SimOptions sopt;
     sopt.latencyMs = int(*simLat);
     sopt.capacity = int64_t(*simCap);
-    sim = std::make_unique<edge::SimEdge>(sopt);
+    sim = std::make_unique<proto::SimEdge>(sopt);
     link = sim.get();
+    ids = [s = sim.get()] { return s->sandboxIds(); };
   } else {
     edge::EdgeOptions eo;
     eo.dataDir = dataDir;
@@ -407,6 +410,7 @@ int cmdEdge(const ArgGet& get) {
     if (!e.isOk()) return fail("edge: " + e.status().toString());
     real = std::move(*e);
     link = real.get();
+    ids = [r = real.get()] { return r->sandboxIds(); };
     real->setDeathHandler([&agent](const std::string& id, const std::string& why) {
       // Off the backend's thread: the report calls the platform, which calls back.
       std::thread([&agent, id, why] { agent.reportDeath(id, why); }).detach();
@@ -420,7 +424,7 @@ int cmdEdge(const ArgGet& get) {
     agent.setPrestager(
         [e = real.get()](const std::string& digest) { return e->nodeCache().prestage(digest); });
   }
-  agent.serveLink(link, layers);
+  agent.serveLink(link, ids, layers);
   log::info("dsec edge: node " + ao.name + (simulate ? " (simulated)" : "") + " serving " + ao.url +
             " for " + platformUrl);
   json info = {{"url", ao.url}, {"pid", getpid()}, {"node", ao.name}};
@@ -434,7 +438,7 @@ int cmdEdge(const ArgGet& get) {
     // platform hears so now, while this node still answers its destroys, and
     // records them failed rather than lost.
     if (!liveRestore) {
-      for (auto& id : link->sandboxIds()) agent.reportDeath(id, "node " + ao.name + " stopped");
+      for (auto& id : ids()) agent.reportDeath(id, "node " + ao.name + " stopped");
     }
     server.stop();
     sigwait(&sigs, &sig);

@@ -359,7 +359,7 @@ int cmdUp(const Args& a) {
   } else {
     return die(n.status().message());
   }
-  edge::RunPoolOptions runPool;
+  platform::RunPoolOptions runPool;
   if (auto n = rangeFlag(a, "fncall-pool-max", 1, 100000, runPool.maxSandboxes); n.isOk()) {
     runPool.maxSandboxes = int(*n);
   } else {

@@ -36,15 +36,23 @@ Result<proto::Frame> AgentStream::next(double deadline) {
 }
 
 void AgentStream::push(proto::Frame f) {
+  if (handler_.onFrame) {
+    handler_.onFrame(f);  // the reactor thread delivers one frame at a time
+    return;
+  }
   std::lock_guard lk(mu_);
   q_.push_back(std::move(f));
   cv_.notify_one();
 }
 
 void AgentStream::fail(const Status& why) {
-  std::lock_guard lk(mu_);
-  if (failed_.isOk()) failed_ = why;
-  cv_.notify_all();
+  {
+    std::lock_guard lk(mu_);
+    if (!failed_.isOk()) return;
+    failed_ = why;
+    cv_.notify_all();
+  }
+  if (handler_.onFail) handler_.onFail(why);
 }
 
 AgentConn::AgentConn(UniqueFd sock, std::string name)
@@ -57,16 +65,21 @@ AgentConn::AgentConn(UniqueFd sock, std::string name)
 
 AgentConn::~AgentConn() { fail(Status(Code::kUnavailable, "agent connection closed")); }
 
-std::shared_ptr<AgentStream> AgentConn::openStream() {
-  std::lock_guard lk(mu_);
-  uint32_t id = nextId_++;
-  if (nextId_ == 0) nextId_ = 1;
-  auto s = std::make_shared<AgentStream>(id);
-  if (dead_) {
-    s->fail(deathReason_);
-  } else {
-    streams_[id] = s;
+std::shared_ptr<AgentStream> AgentConn::openStream(StreamHandler h) {
+  std::shared_ptr<AgentStream> s;
+  Status dead;
+  {
+    std::lock_guard lk(mu_);
+    uint32_t id = nextId_++;
+    if (nextId_ == 0) nextId_ = 1;
+    s = std::make_shared<AgentStream>(id, std::move(h));
+    if (dead_) {
+      dead = deathReason_;
+    } else {
+      streams_[id] = s;
+    }
   }
+  if (!dead.isOk()) s->fail(dead);  // outside mu_: a handler may call back in
   return s;
 }
 

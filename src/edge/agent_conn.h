@@ -22,13 +22,23 @@
 
 namespace dsec::edge {
 
-// Inbox of one request's frames. Thread-safe.
+// Where a stream's frames go when they are not queued for next(): called on
+// the reactor thread, in order; must not block. onFail runs once, when the
+// connection dies (after the last frame).
+struct StreamHandler {
+  std::function<void(proto::Frame& f)> onFrame;
+  std::function<void(const Status& why)> onFail;
+};
+
+// Inbox of one request's frames, or (opened with a StreamHandler) the route
+// of its frames to a callback. Thread-safe.
 class AgentStream {
  public:
-  explicit AgentStream(uint32_t id) : id_(id) {}
+  explicit AgentStream(uint32_t id, StreamHandler h = {}) : id_(id), handler_(std::move(h)) {}
   uint32_t id() const { return id_; }
   // Next frame, waiting until `deadline` (monoSeconds()). kDeadlineExceeded on
   // timeout; kUnavailable once the connection has died and the inbox is empty.
+  // Not for a stream with a handler.
   Result<proto::Frame> next(double deadline);
 
  private:
@@ -37,6 +47,7 @@ class AgentStream {
   void fail(const Status& why);
 
   const uint32_t id_;
+  const StreamHandler handler_;
   std::mutex mu_;  // guards q_, failed_
   std::condition_variable cv_;
   std::deque<proto::Frame> q_;
@@ -55,8 +66,10 @@ class AgentConn {
 
   // Stream 0: start-up frames (hello).
   std::shared_ptr<AgentStream> control() { return control_; }
-  // A new request stream; frames for it queue until closeStream().
-  std::shared_ptr<AgentStream> openStream();
+  // A new request stream; frames for it queue until closeStream(), or go to
+  // `h` (an exec in flight costs no waiting thread). A dead connection fails
+  // the stream at once (h.onFail runs before this returns).
+  std::shared_ptr<AgentStream> openStream(StreamHandler h = {});
   void closeStream(uint32_t id);
 
   // Sends one frame whole. Blocks while the socket is full (bounded by a send

@@ -14,64 +14,19 @@
 #include "common/status.h"
 #include "edge/agent_conn.h"
 #include "edge/cgroup.h"
+#include "proto/types.h"
 
 namespace dsec::edge {
 
-struct SandboxSpec {
-  std::string id;                   // "sb-<16 hex>", also the hostname
-  std::vector<std::string> layers;  // "sha256:<hex>", bottom layer first
-  double cpu = 1.0;                 // cores
-  // Cores the backend's own processes in the sandbox need on top of `cpu`,
-  // added to the cgroup's CPU quota (at create and at every later limit
-  // change) as kQemuOverheadBytes is to a VM's memory; not part of `cpu`
-  // for admission or placement. fncall: its zygote, spares and clean-up
-  // (backends/fncall).
-  double cpuOverhead = 0;
-  int64_t memoryBytes = 512ll << 20;
-  int64_t diskBytes = 1ll << 30;
-  // Whether the create asked for diskBytes (disk_mb) rather than taking the
-  // default. Backend vm: a disk image larger than the default gets its own
-  // size, while one larger than what was asked for is refused (field
-  // disk_mb).
-  bool diskExplicit = false;
-  int64_t pids = 1024;
-  // fncall sandboxes (backends/fncall): the init frame's "fncall" object
-  // (docs/agent-protocol.md, fncallInitJson), set by the platform's Cluster;
-  // empty for a container sandbox (and a fncall one: the node's own).
-  std::string fncallInit;
-  // The first phase's policy: a policy frame's body (docs/agent-protocol.md),
-  // or empty for none. Backends that takesInitPolicy() hand it to the agent
-  // with init; for the others the edge sends it as a policy frame.
-  std::string initPolicy;
-  // Made (mkdir -p, root's, 0755) before the policy applies, as Docker makes
-  // an image's WorkingDir that the image lacks; empty for none.
-  std::string workingDir;
-  // Backends microvm and vm: give the guest a NIC (QEMU user-mode networking
-  // inside QEMU's own netns, so that the edge's veth, nftables and eBPF filter
-  // govern its traffic as a container's). Set when the first phase's policy
-  // grants egress; without it the guest has no network device at all, and a
-  // later grant is refused. Containers always have a netns to plumb into.
-  bool network = false;
-  // Placement hints for the platform's scheduler (platform/scheduler.h); the
-  // backends ignore them.
-  std::string pool = "default";
-  std::string tenant;
-  bool spread = true;
-  bool burstable = false;  // may go to the burst pool when its pool is busy
-};
+using proto::BackendKind;
+using proto::ByteSink;
+using proto::ByteSource;
+using proto::ExecResult;
+using proto::ExecSpec;
+using proto::InputAction;
+using proto::OutputSink;
+using proto::SandboxSpec;
 
-// One computer-use action on a sandbox's screen (backend vm, docs/vm.md):
-// kind "type" (text), "key" (key: a combination like "ctrl+c"), or "mouse"
-// (x, y in screen pixels; button "left"/"right"/"middle"/"wheel-up"/
-// "wheel-down", or empty to only move).
-struct InputAction {
-  std::string kind;
-  std::string text;
-  std::string key;
-  int x = 0;
-  int y = 0;
-  std::string button;
-};
 
 // A running sandbox as its backend made it. Owned by the Edge.
 class Instance {

@@ -13,20 +13,13 @@
 #include <vector>
 
 #include "common/status.h"
+#include "proto/types.h"
 
 namespace dsec::edge {
 
-struct CgroupLimits {
-  double cpu = 1.0;         // cores; quota = cpu * period
-  int64_t memoryBytes = 0;  // 0 = unlimited
-  int64_t pids = 0;         // 0 = unlimited
-};
+using proto::CgroupLimits;
+using proto::CgroupStats;
 
-struct CgroupStats {
-  int64_t oomKills = 0;       // processes killed by the OOM killer in this cgroup
-  int64_t pidsLimitHits = 0;  // fork/clone refused by pids.max
-  int64_t memoryBytes = 0;    // current usage
-};
 
 // The filesystem and process calls Cgroups makes: a seam so that tests run the
 // cgroup v2 logic against a fake tree (hosts like the dev machines have no v2

@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/log.h"
+#include "common/runtime.h"
 #include "common/sha256.h"
 #include "common/util.h"
 #include "edge/backends/container/container_backend.h"
@@ -69,10 +70,9 @@ Result<std::unique_ptr<Edge>> Edge::start(EdgeOptions opts) {
   for (auto& s : e->stateDir_->loadAll()) {
     auto started = processStartTime(s.pid);
     // fncall sandboxes are container sandboxes underneath (backends/fncall).
-    bool vm = s.backend == "microvm" || s.backend == "vm";
+    bool vm = proto::isVm(s.backend);
     // A hibernated VM has no process: its saved state file is checked on adopt.
-    if ((s.backend == "container" || s.backend == "fncall" || vm) &&
-        ((vm && s.hibernated) || (started.isOk() && *started == s.startTime))) {
+    if ((vm && s.hibernated) || (started.isOk() && *started == s.startTime)) {
       keep.insert(s.spec.id);
       live.push_back(std::move(s));
     } else {
@@ -94,10 +94,10 @@ Result<std::unique_ptr<Edge>> Edge::start(EdgeOptions opts) {
     e->countOrphans("sandbox", orphans);
   }
   // fncall: a thin layer over the container backend (backends/fncall).
-  e->backends_["fncall"] =
+  e->backends_[BackendKind::kFncall] =
       std::make_unique<FncallBackend>(container.get(), e->opts_.fncallLanguages,
                                       e->opts_.fncallZygoteMaxCalls);
-  e->backends_["container"] = std::move(container);
+  e->backends_[BackendKind::kContainer] = std::move(container);
   std::string microvmGuestDir = e->opts_.microvmGuestDir;
   if (microvmGuestDir.empty()) {
     auto slash = e->opts_.aetherPath.rfind('/');
@@ -122,7 +122,7 @@ Result<std::unique_ptr<Edge>> Edge::start(EdgeOptions opts) {
         log::warn("removed leftovers of " + std::to_string(orphans) + " orphan microvms");
         e->countOrphans("sandbox", orphans);
       }
-      e->backends_["microvm"] = std::move(vm);
+      e->backends_[BackendKind::kMicrovm] = std::move(vm);
     }
     log::info(std::string("edge: microvm backend ") +
               (e->microvm_.available ? "on " + e->microvm_.accelerator + " (" +
@@ -147,7 +147,7 @@ Result<std::unique_ptr<Edge>> Edge::start(EdgeOptions opts) {
         log::warn("removed leftovers of " + std::to_string(orphans) + " orphan vms");
         e->countOrphans("sandbox", orphans);
       }
-      e->backends_["vm"] = std::move(vm);
+      e->backends_[BackendKind::kVm] = std::move(vm);
     }
     log::info(std::string("edge: vm backend ") +
               (e->vm_.available ? "on " + e->vm_.accelerator + " (" + e->vm_.reason + ")"
@@ -216,7 +216,8 @@ void Edge::adoptAll(std::vector<SandboxState> live) {
     auto bit = backends_.find(s.backend);
     if (bit == backends_.end()) {
       // A microvm left by an edge that had the backend, on one that has not.
-      log::warn("sandbox " + id + ": backend " + s.backend + " unavailable; its leftovers stay");
+      log::warn("sandbox " + id + ": backend " + proto::backendName(s.backend) +
+                " unavailable; its leftovers stay");
       stateDir_->remove(id);
       countOrphans("sandbox", 1);
       continue;
@@ -335,21 +336,22 @@ Status notRunning(const std::string& id) {
 }
 }  // namespace
 
-Status Edge::create(const std::string& backend, const SandboxSpec& spec) {
+Status Edge::create(BackendKind backend, const SandboxSpec& spec) {
   auto bit = backends_.find(backend);
   if (bit == backends_.end()) {
-    if (backend == "microvm") {
+    if (backend == BackendKind::kMicrovm) {
       return Status(Code::kFailedPrecondition,
                     "backend microvm is not available on this node: " + microvm_.reason);
     }
-    if (backend == "vm") {
+    if (backend == BackendKind::kVm) {
       return Status(Code::kFailedPrecondition,
                     "backend vm is not available on this node: " + vm_.reason);
     }
-    return invalidArg("backend", "backend '" + backend + "' is not available on this node");
+    return invalidArg("backend", std::string("backend '") + proto::backendName(backend) +
+                                     "' is not available on this node");
   }
   // A VM's NIC is for egress only: refused before a boot that would be undone.
-  if (spec.network && !filter_ && (backend == "microvm" || backend == "vm")) {
+  if (spec.network && !filter_ && proto::isVm(backend)) {
     return Status(Code::kFailedPrecondition, "this node cannot give sandboxes egress: " + egressWhy_,
                   0, "policy");
   }
@@ -478,7 +480,7 @@ Status Edge::destroy(const std::string& id) {
   return st;
 }
 
-Status Edge::setEgress(const std::string& id, const std::vector<net::EgressRule>& rules) {
+Status Edge::setEgress(const std::string& id, const std::vector<proto::EgressRule>& rules) {
   std::shared_ptr<Instance> inst;
   uint64_t cg = 0;
   {
@@ -708,86 +710,225 @@ Result<net::EgressDenials> Edge::egressDenials(const std::string& id) {
   return filter_->denials(cg);
 }
 
-Result<ExecResult> Edge::exec(const std::string& id, const ExecSpec& spec,
-                              const OutputSink& sink) {
-  auto inst = find(id);
-  if (!inst) return notRunning(id);
-  auto conn = inst->agent();
-  auto before = inst->oomKills();
-  json req = {{"argv", spec.argv},
-              {"env", spec.env},
-              {"timeout_ms", spec.timeoutMs},
-              {"max_output", spec.maxOutput},
-              {"stdin", spec.stdinData.has_value()}};
-  if (!spec.cwd.empty()) req["cwd"] = spec.cwd;
-  if (!spec.user.empty()) req["user"] = spec.user;
-  if (!spec.fncallJson.empty()) req["fncall"] = json::parse(spec.fncallJson, nullptr, false);
-  auto stream = conn->openStream();
-  StreamGuard guard{*conn, stream->id()};
-  RETURN_IF_ERROR(conn->send(stream->id(), proto::FrameType::kExec, req.dump()));
-  if (spec.stdinData) {
-    std::string_view in = *spec.stdinData;
-    for (size_t off = 0; off < in.size(); off += proto::kDataChunk) {
-      RETURN_IF_ERROR(conn->send(stream->id(), proto::FrameType::kStdin,
-                                 in.substr(off, proto::kDataChunk)));
+namespace {
+
+// An exec in flight: its agent stream's frames complete it on the reactor
+// thread. Callbacks run with deliverMu_ held, so they never overlap for one
+// call (frames, the guard timer and a cancel's fallback all end here);
+// cancel() takes only mu_, so a callback may call it.
+class AgentExec : public proto::ExecCall, public std::enable_shared_from_this<AgentExec> {
+ public:
+  AgentExec(std::shared_ptr<Instance> inst, proto::ExecCallbacks cb)
+      : inst_(std::move(inst)), conn_(inst_->agent()), cb_(std::move(cb)) {}
+
+  // Sends the exec (and its stdin) on a new stream. On error the call is done.
+  void start(const ExecSpec& spec) {
+    oomBefore_ = inst_->oomKills();
+    json req = {{"argv", spec.argv},
+                {"env", spec.env},
+                {"timeout_ms", spec.timeoutMs},
+                {"max_output", spec.maxOutput},
+                {"stdin", spec.stdinData.has_value()}};
+    if (!spec.cwd.empty()) req["cwd"] = spec.cwd;
+    if (!spec.user.empty()) req["user"] = spec.user;
+    if (!spec.fncallJson.empty()) req["fncall"] = json::parse(spec.fncallJson, nullptr, false);
+    std::weak_ptr<AgentExec> weak = shared_from_this();
+    StreamHandler h;
+    h.onFrame = [weak](proto::Frame& f) {
+      if (auto self = weak.lock()) self->onFrame(f);
+    };
+    h.onFail = [weak](const Status& why) {
+      if (auto self = weak.lock()) self->finish(why);
+    };
+    // Until the exit frame, the stream (through the connection) keeps this
+    // call alive; the caller's handle may go at any time.
+    {
+      std::lock_guard lk(mu_);
+      self_ = shared_from_this();
     }
-    RETURN_IF_ERROR(conn->send(stream->id(), proto::FrameType::kStdin, ""));
+    auto stream = conn_->openStream(std::move(h));
+    uint32_t sid = stream->id();
+    {
+      std::lock_guard lk(mu_);
+      stream_ = sid;
+    }
+    Status st = conn_->send(sid, proto::FrameType::kExec, req.dump());
+    if (st.isOk() && spec.stdinData) {
+      std::string_view in = *spec.stdinData;
+      for (size_t off = 0; off < in.size() && st.isOk(); off += proto::kDataChunk) {
+        st = conn_->send(sid, proto::FrameType::kStdin, in.substr(off, proto::kDataChunk));
+      }
+      if (st.isOk()) st = conn_->send(sid, proto::FrameType::kStdin, "");
+    }
+    if (!st.isOk()) return finish(st);
+    // The agent enforces the timeout; this only guards against a wedged agent.
+    if (spec.timeoutMs > 0) {
+      auto g = Runtime::global().after(double(spec.timeoutMs) / 1000 + 30, [weak] {
+        if (auto self = weak.lock()) {
+          self->finish(Status(Code::kDeadlineExceeded, "agent did not answer in time"));
+        }
+      });
+      std::lock_guard lk(mu_);
+      if (done_) {
+        g->cancel();
+      } else {
+        guard_ = std::move(g);
+      }
+    }
   }
-  // The agent enforces the timeout; ours only guards against a wedged agent.
-  double deadline = spec.timeoutMs > 0 ? monoSeconds() + double(spec.timeoutMs) / 1000 + 30 : 1e18;
-  ExecResult res;
-  bool cancelled = false;
-  for (;;) {
-    ASSIGN_OR_RETURN(proto::Frame f, stream->next(deadline));
+
+  void cancel() override {
+    uint32_t id;
+    {
+      std::lock_guard lk(mu_);
+      if (done_ || cancelled_) return;
+      cancelled_ = true;
+      id = stream_;
+    }
+    // The send may block on a full agent socket: not on the caller's thread.
+    auto conn = conn_;
+    Runtime::global().runBlocking([conn, id] {
+      if (id != 0) (void)conn->send(id, proto::FrameType::kCancel, "");
+    });
+    // The agent still reports the exit; if it does not within 5 s, give up.
+    std::weak_ptr<AgentExec> weak = shared_from_this();
+    auto t = Runtime::global().after(5, [weak] {
+      if (auto self = weak.lock()) self->finish(cancelledStatus());
+    });
+    std::lock_guard lk(mu_);
+    if (done_) {
+      t->cancel();
+    } else {
+      cancelGuard_ = std::move(t);
+    }
+  }
+
+ private:
+  static Status cancelledStatus() {
+    return Status(Code::kUnavailable, "exec cancelled: client went away");
+  }
+
+  void onFrame(proto::Frame& f) {
     switch (f.type) {
       case proto::FrameType::kStdout:
       case proto::FrameType::kStderr: {
         bool isErr = f.type == proto::FrameType::kStderr;
-        if (cancelled) break;
-        if (sink) {
-          if (Status st = sink(isErr, f.payload); !st.isOk()) {
-            // The caller is gone: kill the command rather than run it unseen.
-            (void)conn->send(stream->id(), proto::FrameType::kCancel, "");
-            cancelled = true;
-            deadline = monoSeconds() + 5;
-          }
+        std::lock_guard dl(deliverMu_);
+        if (isDone()) return;
+        if (cb_.onOutput) {
+          if (!isCancelled()) cb_.onOutput(isErr, f.payload);
         } else {
-          (isErr ? res.err : res.out).append(f.payload);
+          (isErr ? res_.err : res_.out).append(f.payload);
         }
-        break;
+        return;
       }
-      case proto::FrameType::kExit: {
-        json j = json::parse(f.payload, nullptr, false);
-        if (j.is_discarded()) return internalError("agent sent a malformed exit report");
-        // A compromised agent must not take the edge down: json's typed
-        // getters throw on a wrong type.
-        try {
-          res.exitCode = j.value("exit_code", -1);
-          res.signal = j.value("signal", 0);
-          res.timedOut = j.value("timed_out", false);
-          res.truncated = j.value("truncated", false);
-          res.durationMs = double(j.value("duration_us", int64_t(0))) / 1000.0;
-          if (auto l = j.find("limit"); l != j.end()) {
-            res.call = true;
-            if (l->is_string()) res.limit = l->get<std::string>();
-          }
-          res.zygoteStarted = j.value("zygote_start", false);
-        } catch (const json::exception&) {
-          return internalError("agent sent a malformed exit report");
-        }
-        auto after = inst->oomKills();
-        if (before.isOk() && after.isOk()) res.oomKilled = *after > *before;
-        if (res.call && res.oomKilled && res.limit.empty()) res.limit = "memory";
-        if (cancelled) return Status(Code::kUnavailable, "exec cancelled: client went away");
-        return res;
+      case proto::FrameType::kExit:
+        return onExit(f.payload);
+      case proto::FrameType::kResult: {
+        Status st = resultStatus(f.payload);
+        if (!st.isOk()) finish(st);
+        return;
       }
-      case proto::FrameType::kResult:
-        RETURN_IF_ERROR(resultStatus(f.payload));
-        break;
       default:
-        break;
+        return;
     }
   }
+
+  void onExit(const std::string& payload) {
+    json j = json::parse(payload, nullptr, false);
+    if (j.is_discarded()) return finish(internalError("agent sent a malformed exit report"));
+    ExecResult r;
+    // A compromised agent must not take the edge down: json's typed getters
+    // throw on a wrong type.
+    try {
+      r.exitCode = j.value("exit_code", -1);
+      r.signal = j.value("signal", 0);
+      r.timedOut = j.value("timed_out", false);
+      r.truncated = j.value("truncated", false);
+      r.durationMs = double(j.value("duration_us", int64_t(0))) / 1000.0;
+      if (auto l = j.find("limit"); l != j.end()) {
+        r.call = true;
+        if (l->is_string()) r.limit = l->get<std::string>();
+      }
+      r.zygoteStarted = j.value("zygote_start", false);
+    } catch (const json::exception&) {
+      return finish(internalError("agent sent a malformed exit report"));
+    }
+    auto after = inst_->oomKills();
+    if (oomBefore_.isOk() && after.isOk()) r.oomKilled = *after > *oomBefore_;
+    if (r.call && r.oomKilled && r.limit.empty()) r.limit = "memory";
+    if (isCancelled()) return finish(cancelledStatus());
+    {
+      std::lock_guard dl(deliverMu_);
+      r.out = std::move(res_.out);
+      r.err = std::move(res_.err);
+    }
+    finish(std::move(r));
+  }
+
+  void finish(Result<ExecResult> r) {
+    // self_ may hold the last reference: this one outlives the lock below.
+    std::shared_ptr<AgentExec> keep = shared_from_this();
+    std::lock_guard dl(deliverMu_);
+    std::shared_ptr<Runtime::Timer> guard, cancelGuard;
+    uint32_t sid;
+    {
+      std::lock_guard lk(mu_);
+      if (done_) return;
+      done_ = true;
+      guard = std::move(guard_);
+      cancelGuard = std::move(cancelGuard_);
+      self_.reset();
+      sid = stream_;
+    }
+    if (guard) guard->cancel();
+    if (cancelGuard) cancelGuard->cancel();
+    if (sid != 0) conn_->closeStream(sid);
+    if (cb_.onDone) cb_.onDone(std::move(r));
+    cb_ = {};
+  }
+
+  bool isDone() {
+    std::lock_guard lk(mu_);
+    return done_;
+  }
+  bool isCancelled() {
+    std::lock_guard lk(mu_);
+    return cancelled_;
+  }
+
+  const std::shared_ptr<Instance> inst_;
+  const std::shared_ptr<AgentConn> conn_;
+  Result<int64_t> oomBefore_ = int64_t(0);
+  std::mutex deliverMu_;  // held while a callback runs; guards cb_, res_
+  proto::ExecCallbacks cb_;
+  ExecResult res_;  // output collected when there is no onOutput
+  std::mutex mu_;   // guards stream_, done_, cancelled_, guard_, cancelGuard_, self_
+  uint32_t stream_ = 0;  // the agent stream, once opened
+  bool done_ = false;
+  bool cancelled_ = false;
+  std::shared_ptr<Runtime::Timer> guard_, cancelGuard_;
+  std::shared_ptr<AgentExec> self_;
+};
+
+// A call that ended before it started (no such sandbox).
+class EndedExec : public proto::ExecCall {
+ public:
+  void cancel() override {}
+};
+
+}  // namespace
+
+std::shared_ptr<proto::ExecCall> Edge::startExec(const std::string& id, const ExecSpec& spec,
+                                                 proto::ExecCallbacks cb) {
+  auto inst = find(id);
+  if (!inst) {
+    if (cb.onDone) cb.onDone(notRunning(id));
+    return std::make_shared<EndedExec>();
+  }
+  auto call = std::make_shared<AgentExec>(std::move(inst), std::move(cb));
+  call->start(spec);
+  return call;
 }
 
 Result<uint64_t> Edge::writeFile(const std::string& id, const std::string& path, int mode,
@@ -876,10 +1017,31 @@ Status Edge::readFile(const std::string& id, const std::string& path,
   return Status::ok();
 }
 
-Result<std::string> Edge::fileCall(const std::string& id, proto::FrameType type,
-                                   const std::string& body) {
+Result<std::string> Edge::agentOp(const std::string& id, proto::AgentOp op,
+                                  const std::string& body) {
   auto inst = find(id);
   if (!inst) return notRunning(id);
+  proto::FrameType type = proto::FrameType::kStat;
+  switch (op) {
+    case proto::AgentOp::kList:
+      type = proto::FrameType::kList;
+      break;
+    case proto::AgentOp::kStat:
+      type = proto::FrameType::kStat;
+      break;
+    case proto::AgentOp::kMkdir:
+      type = proto::FrameType::kMkdir;
+      break;
+    case proto::AgentOp::kRemove:
+      type = proto::FrameType::kRemove;
+      break;
+    case proto::AgentOp::kPolicy:
+      type = proto::FrameType::kPolicy;
+      break;
+    case proto::AgentOp::kAudit:
+      type = proto::FrameType::kAudit;
+      break;
+  }
   return agentCall(*inst->agent(), type, body, kAgentCallTimeoutS);
 }
 
@@ -974,6 +1136,37 @@ std::vector<std::string> Edge::sandboxIds() const {
     if (inst) out.push_back(id);
   }
   return out;
+}
+
+proto::NodeReport Edge::report() {
+  proto::NodeReport r;
+  r.loader = cache_->loaderName();
+  r.blobStore = cache_->storeUri();
+  r.loaderPids = cache_->loaderPids();
+  r.cacheUsedBytes = cache_->usedBytes();
+  r.cacheLimitBytes = cache_->limitBytes();
+  for (auto& l : cache_->layers()) {
+    proto::LayerReport lr;
+    lr.digest = l.digest;
+    lr.dataDigest = l.dataDigest;
+    lr.dataSize = l.dataSize;
+    lr.attached = l.attached;
+    lr.chunksPrefetched = l.chunksPrefetched;
+    lr.stats = {l.stats.chunks,       l.stats.chunksCached, l.stats.chunksFetched,
+                l.stats.bytesFetched, l.stats.cacheHits,    l.stats.readRequests,
+                l.stats.bytesRead};
+    r.layers.push_back(std::move(lr));
+  }
+  r.userns = {userns_.enabled, userns_.base, userns_.length, userns_.reason};
+  r.microvm = microvm_;
+  r.vm = vm_;
+  r.egressUnavailable = egressWhy_;
+  r.egressTag = egressTag();
+  r.egressDenials = egressDenialCounts();
+  r.syscallDenials = syscallDenialCounts();
+  r.orphansRemoved = orphansRemoved();
+  r.adopted = adoptedIds();
+  return r;
 }
 
 void Edge::shutdown() {

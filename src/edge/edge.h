@@ -17,7 +17,6 @@
 #include "common/status.h"
 #include "edge/backend.h"
 #include "edge/backends/microvm/microvm_backend.h"
-#include "edge/edge_link.h"
 #include "edge/backends/vm/vm_backend.h"
 #include "edge/cgroup.h"
 #include "edge/image/layer_cache.h"
@@ -26,6 +25,7 @@
 #include "edge/sandbox_state.h"
 #include "edge/userns.h"
 #include "image/layer_builder.h"
+#include "proto/edge_link.h"
 
 namespace dsec::edge {
 
@@ -80,36 +80,44 @@ struct EdgeOptions {
   double vmBootTimeoutS = 300;
 };
 
-// The in-process node: every EdgeLink method is the one below.
-class Edge : public EdgeLink {
+// The node: every EdgeLink method is the one below; as a LocalNode it reports
+// on itself to the platform of `dsec up`.
+class Edge : public proto::EdgeLink, public proto::LocalNode {
  public:
   static Result<std::unique_ptr<Edge>> start(EdgeOptions opts);
   ~Edge();
 
   // Called (once, on another thread) when a sandbox dies on its own.
-  void setDeathHandler(std::function<void(const std::string& id, const std::string& why)> h);
+  void setDeathHandler(
+      std::function<void(const std::string& id, const std::string& why)> h) override;
 
-  Status create(const std::string& backend, const SandboxSpec& spec);
+  Status create(BackendKind backend, const SandboxSpec& spec) override;
   // Idempotent: an unknown id is fine.
-  Status destroy(const std::string& id);
-  Result<ExecResult> exec(const std::string& id, const ExecSpec& spec, const OutputSink& sink);
+  Status destroy(const std::string& id) override;
+  // The exec frame goes to the sandbox's agent; its stdout, stderr and exit
+  // frames complete the call on the agent reactor's thread. The agent
+  // enforces the exec's timeout; the edge's own guard (timeout + 30 s) only
+  // catches a wedged agent (kDeadlineExceeded). cancel() sends the agent a
+  // cancel frame (it SIGKILLs the process group and still reports the exit).
+  std::shared_ptr<proto::ExecCall> startExec(const std::string& id, const ExecSpec& spec,
+                                             proto::ExecCallbacks cb) override;
 
   Result<uint64_t> writeFile(const std::string& id, const std::string& path, int mode,
-                             const ByteSource& src);
+                             const ByteSource& src) override;
   // Calls onSize before the first byte with the file's size, so an HTTP
   // response can be started with a Content-Length; nullopt when the size is
   // not known up front (pseudo-files of /proc and /sys report 0).
   Status readFile(const std::string& id, const std::string& path,
                   const std::function<Status(std::optional<uint64_t> size)>& onSize,
-                  const ByteSink& sink);
-  // list/stat/mkdir/remove: the agent's JSON result.
-  Result<std::string> fileCall(const std::string& id, proto::FrameType type,
-                               const std::string& json);
+                  const ByteSink& sink) override;
+  // list/stat/mkdir/remove/policy/audit: the agent's JSON result.
+  Result<std::string> agentOp(const std::string& id, proto::AgentOp op,
+                              const std::string& json) override;
 
-  Result<CgroupStats> stats(const std::string& id);
+  Result<CgroupStats> stats(const std::string& id) override;
   // Freezes (no CPU used, memory kept) or thaws every process of a sandbox.
   // A paused sandbox is thawed before it is destroyed or snapshotted.
-  Status pause(const std::string& id, bool paused);
+  Status pause(const std::string& id, bool paused) override;
   // Pauses a VM sandbox (microvm, vm) to disk: its whole state saved to a
   // file in its directory, its QEMU gone (docs/microvm.md, "Hibernate").
   // pause(id, false) restores it; a restore that fails destroys the sandbox
@@ -117,7 +125,7 @@ class Edge : public EdgeLink {
   // backends; on any error the sandbox runs (or stays paused) as before.
   Status hibernate(const std::string& id) override;
   // Changes a running sandbox's CPU, memory and pids limits.
-  Status setLimits(const std::string& id, const CgroupLimits& limits);
+  Status setLimits(const std::string& id, const CgroupLimits& limits) override;
 
   // Replaces the sandbox's egress allow-list; running processes' next
   // connect/sendmsg sees it. Empty: no egress (its own loopback only). The
@@ -125,9 +133,9 @@ class Edge : public EdgeLink {
   // keeps it, closed by the filter, when the list empties again.
   // kFailedPrecondition when this node cannot filter egress (no cgroup v2
   // hierarchy, eBPF refused): then no sandbox here gets any.
-  Status setEgress(const std::string& id, const std::vector<net::EgressRule>& rules);
+  Status setEgress(const std::string& id, const std::vector<proto::EgressRule>& rules) override;
   // Connects and sends the egress filter refused so far, and the last target.
-  Result<net::EgressDenials> egressDenials(const std::string& id);
+  Result<net::EgressDenials> egressDenials(const std::string& id) override;
   // Why egress is unavailable on this node, or empty when it is available.
   std::string egressUnavailable() const { return egressWhy_; }
   // Marks this edge's veth aliases ("dsec <tag> <id>") and names its
@@ -144,12 +152,13 @@ class Edge : public EdgeLink {
   // pack_diff: freezes the sandbox, builds an EROFS layer of its writes (its
   // overlay upper dir, whiteouts and opaque dirs included) under workDir,
   // thaws it. The sandbox keeps running.
-  Result<image::BuiltLayer> packDiff(const std::string& id, const std::string& workDir);
+  Result<image::BuiltLayer> packDiff(const std::string& id, const std::string& workDir) override;
   // Drops the node's mount of a layer no sandbox uses (before its blob goes).
-  Status evictLayer(const std::string& digest) { return layers_->evict(digest); }
+  Status evictLayer(const std::string& digest) override { return layers_->evict(digest); }
   NodeCache& nodeCache() { return *cache_; }
-  NodeCache* localNodeCache() override { return cache_.get(); }
-  std::vector<std::string> sandboxIds() const;
+  std::vector<std::string> sandboxIds() const override;
+  // LocalNode: the cache, the loader, what the kernel offers, the counters.
+  proto::NodeReport report() override;
   // Sandboxes this edge took over at start from an earlier one.
   std::vector<std::string> adoptedIds() const;
   // What start() found of earlier runs that no record owned, or whose
@@ -171,7 +180,7 @@ class Edge : public EdgeLink {
   // Whether microvms run here, on which accelerator, and why - fixed at start.
   const MicroVmProbe& microvm() const { return microvm_; }
   // Whether full VMs (backend vm) run here, on which accelerator, and why.
-  const VmProbe& vm() const override { return vm_; }
+  const VmProbe& vm() const { return vm_; }
   // Computer use on a sandbox with a display (backend vm): the screen as
   // PNG, and one input action. kFailedPrecondition for other backends.
   Result<std::string> screenshot(const std::string& id) override;
@@ -200,7 +209,7 @@ class Edge : public EdgeLink {
   std::unique_ptr<NodeCache> cache_;
   std::unique_ptr<LayerCache> layers_;
   std::unique_ptr<Reactor> reactor_;
-  std::map<std::string, std::unique_ptr<Backend>> backends_;
+  std::map<BackendKind, std::unique_ptr<Backend>> backends_;
   std::string diskQuotaInfo_;  // the container backend's, set at start
   Userns userns_;              // detected at start, then read-only
   MicroVmProbe microvm_;       // probed at start, then read-only

@@ -12,7 +12,7 @@
 #include "common/http_client.h"
 #include "common/log.h"
 #include "common/util.h"
-#include "edge/edge_wire.h"
+#include "proto/codec.h"
 
 namespace dsec::edge {
 
@@ -91,7 +91,7 @@ Status EdgeAgent::join() {
       {"capacity", {{"cpus", opts_.cpus}, {"memory_mb", opts_.memoryMb}, {"slots", opts_.slots}}}};
   auto r = send(opts_.joinToken, "POST", "/internal/v1/join", body.dump(), 10);
   if (!r.isOk()) return r.status();
-  if (r->status != 200) return wire::statusFromBody(r->status, r->body);
+  if (r->status != 200) return proto::statusFromBody(r->status, r->body);
   json j = json::parse(r->body, nullptr, false);
   if (j.is_discarded() || !j.contains("edge_key"))
     return internalError("platform: bad join answer");
@@ -133,16 +133,18 @@ Result<std::string> EdgeAgent::platformCall(const std::string& method, const std
   }
   auto r = send(key, method, target, body, 30);
   if (!r.isOk()) return r.status();
-  if (r->status != 200) return wire::statusFromBody(r->status, r->body);
+  if (r->status != 200) return proto::statusFromBody(r->status, r->body);
   return r->body;
 }
 
-void EdgeAgent::serveLink(EdgeLink* link, std::function<std::vector<std::string>()> layers) {
+void EdgeAgent::serveLink(proto::EdgeLink* link, std::function<std::vector<std::string>()> ids,
+                          std::function<std::vector<std::string>()> layers) {
   // Packs of an earlier process: the platform's fetch of them failed with it.
   (void)removeTree(opts_.dataDir + "/packs");
   {
     std::lock_guard lk(mu_);
     link_ = link;
+    ids_ = std::move(ids);
     layers_ = std::move(layers);
   }
   hbThread_ = std::thread([this] { heartbeatLoop(); });
@@ -211,7 +213,7 @@ void EdgeAgent::prestageLoop() {
 }
 
 Status EdgeAgent::heartbeatOnce() {
-  EdgeLink* link;
+  proto::EdgeLink* link;
   std::function<std::vector<std::string>()> layersFn;
   std::string node;
   {
@@ -220,7 +222,7 @@ Status EdgeAgent::heartbeatOnce() {
     layersFn = layers_;
     node = node_;
   }
-  auto ids = link->sandboxIds();
+  auto ids = ids_();
   double load1 = 0;
   if (auto la = readFile("/proc/loadavg"); la.isOk()) load1 = std::atof(la->c_str());
   json body = {
@@ -316,7 +318,7 @@ Result<LayerDesc> EdgeAgent::lookupLayer(const std::string& digest) {
                     "?node=" + http::percentEncode(node),
                 "", 30);
   if (!r.isOk()) return r.status();
-  if (r->status != 200) return wire::statusFromBody(r->status, r->body);
+  if (r->status != 200) return proto::statusFromBody(r->status, r->body);
   json j = json::parse(r->body, nullptr, false);
   if (j.is_discarded()) return internalError("platform: bad layer answer");
   LayerDesc d;
@@ -345,7 +347,7 @@ void EdgeAgent::reportDeath(const std::string& id, const std::string& why) {
 
 void EdgeAgent::handle(http::Request& req, http::Response& res) {
   if (req.path == "/metrics" && req.method == "GET") {
-    EdgeLink* link;
+    proto::EdgeLink* link;
     {
       std::lock_guard lk(mu_);
       link = link_;
@@ -355,7 +357,7 @@ void EdgeAgent::handle(http::Request& req, http::Response& res) {
       out += std::string("# HELP ") + n + " " + h + "\n# TYPE " + n + " " + t + "\n";
     };
     fam("dsec_edge_sandboxes", "gauge", "Sandboxes this node runs.");
-    out += "dsec_edge_sandboxes " + std::to_string(link ? link->sandboxIds().size() : 0) + "\n";
+    out += "dsec_edge_sandboxes " + std::to_string(link ? ids_().size() : 0) + "\n";
     fam("dsec_edge_capacity_slots", "gauge", "Sandboxes this node offers at most.");
     out += "dsec_edge_capacity_slots " + std::to_string(opts_.slots) + "\n";
     fam("dsec_edge_creates_total", "counter", "Creates the platform asked of this node.");
@@ -384,7 +386,7 @@ void EdgeAgent::handle(http::Request& req, http::Response& res) {
     return;
   }
   std::string key = bearerOf(req);
-  EdgeLink* link;
+  proto::EdgeLink* link;
   std::string want;
   {
     std::lock_guard lk(mu_);
@@ -395,25 +397,25 @@ void EdgeAgent::handle(http::Request& req, http::Response& res) {
     refused_++;
     res.setHeader("WWW-Authenticate", "Bearer");
     sendJ(res, 401,
-          wire::errorJson(Status(Code::kUnauthenticated, key.empty()
+          proto::errorJson(Status(Code::kUnauthenticated, key.empty()
                                                              ? "missing platform credential"
                                                              : "invalid platform credential")));
     return;
   }
   if (!link) {
-    sendJ(res, 503, wire::errorJson(Status(Code::kUnavailable, "node is starting")));
+    sendJ(res, 503, proto::errorJson(Status(Code::kUnavailable, "node is starting")));
     return;
   }
   route(req, res, link);
 }
 
-void EdgeAgent::route(http::Request& req, http::Response& res, EdgeLink* link) {
+void EdgeAgent::route(http::Request& req, http::Response& res, proto::EdgeLink* link) {
   auto fail = [&](const Status& st) {
     {
       std::lock_guard lk(errMu_);
       errors_[codeName(st.code())]++;
     }
-    if (!res.started()) sendJ(res, httpStatusFor(st.code()), wire::errorJson(st));
+    if (!res.started()) sendJ(res, httpStatusFor(st.code()), proto::errorJson(st));
   };
   auto parts = splitString(req.path, '/');  // "", "edge", "v1", coll, id, op
   size_t n = parts.size();
@@ -443,7 +445,7 @@ void EdgeAgent::route(http::Request& req, http::Response& res, EdgeLink* link) {
           std::lock_guard lk(errMu_);
           errors_[codeName(st.code())]++;
         }
-        one["error"] = wire::errorJson(st)["error"];
+        one["error"] = proto::errorJson(st)["error"];
       }
       results.push_back(std::move(one));
     }
@@ -459,17 +461,19 @@ void EdgeAgent::route(http::Request& req, http::Response& res, EdgeLink* link) {
     if (specsJ == (*j).end() || !specsJ->is_array() || specsJ->empty() || specsJ->size() > 4096) {
       return fail(invalidArg("specs", "specs must be a list of 1 to 4096 sandbox specs"));
     }
-    std::vector<SandboxSpec> specs;
+    std::vector<proto::SandboxSpec> specs;
     specs.reserve(specsJ->size());
     for (auto& sj : *specsJ) {
-      auto spec = wire::specFromJson(sj);
+      auto spec = proto::specFromJson(sj);
       if (!spec.isOk()) return fail(spec.status());
       specs.push_back(std::move(*spec));
     }
     creates_ += specs.size();
     std::vector<std::string> ids;
     for (auto& sp : specs) ids.push_back(sp.id);
-    return bulkAnswer(ids, link->createMany((*j).value("backend", "container"), specs));
+    auto backend = proto::parseBackend((*j).value("backend", "container"));
+    if (!backend) return fail(invalidArg("backend", "unknown backend"));
+    return bulkAnswer(ids, link->createMany(*backend, specs));
   }
   if (parts[3] == "bulk" && n == 5 && parts[4] == "destroy" && m == "POST") {
     // Destroys on this node in one call (a bulk destroy's share of it):
@@ -491,14 +495,16 @@ void EdgeAgent::route(http::Request& req, http::Response& res, EdgeLink* link) {
   }
   if (parts[3] != "sandboxes") return fail(notFound("no such endpoint: " + req.path));
   if (n == 4) {
-    if (m == "GET") return sendJ(res, 200, {{"sandboxes", link->sandboxIds()}});
+    if (m == "GET") return sendJ(res, 200, {{"sandboxes", ids_()}});
     if (m != "POST") return fail(invalidArg("method", "method " + m + " not allowed"));
     auto j = body();
     if (!j.isOk()) return fail(j.status());
-    auto spec = wire::specFromJson((*j).value("spec", json::object()));
+    auto spec = proto::specFromJson((*j).value("spec", json::object()));
     if (!spec.isOk()) return fail(spec.status());
+    auto backend = proto::parseBackend((*j).value("backend", "container"));
+    if (!backend) return fail(invalidArg("backend", "unknown backend"));
     creates_++;
-    Status st = link->create((*j).value("backend", "container"), *spec);
+    Status st = link->create(*backend, *spec);
     return st.isOk() ? sendJ(res, 200, {{"id", spec->id}}) : fail(st);
   }
   const std::string& id = parts[4];
@@ -512,13 +518,13 @@ void EdgeAgent::route(http::Request& req, http::Response& res, EdgeLink* link) {
   if (op == "exec" && m == "POST") {
     auto j = body();
     if (!j.isOk()) return fail(j.status());
-    auto spec = wire::execFromJson(*j);
+    auto spec = proto::execFromJson(*j);
     if (!spec.isOk()) return fail(spec.status());
     execs_++;
     bool stream = req.param("stream").value_or("") == "1";
     if (Status st = res.beginChunked(200, "application/x-ndjson"); !st.isOk()) return;
     std::mutex wmu;
-    OutputSink sink;
+    proto::OutputSink sink;
     if (stream) {
       sink = [&](bool isErr, std::string_view data) -> Status {
         json ev = {{isErr ? "e" : "o", base64Encode(data)}};
@@ -527,7 +533,7 @@ void EdgeAgent::route(http::Request& req, http::Response& res, EdgeLink* link) {
       };
     }
     auto r = link->exec(id, *spec, sink);
-    json last = r.isOk() ? json{{"result", wire::toJson(*r)}} : wire::errorJson(r.status());
+    json last = r.isOk() ? json{{"result", proto::toJson(*r)}} : proto::errorJson(r.status());
     if (!r.isOk()) {
       std::lock_guard lk(errMu_);
       errors_[codeName(r.status().code())]++;
@@ -541,7 +547,7 @@ void EdgeAgent::route(http::Request& req, http::Response& res, EdgeLink* link) {
     auto path = req.param("path");
     if (!path) return fail(invalidArg("path", "path is required"));
     int mode = std::atoi(req.param("mode").value_or("420").c_str());
-    ByteSource src = [&](char* buf, size_t len) { return req.readSome(buf, len); };
+    proto::ByteSource src = [&](char* buf, size_t len) { return req.readSome(buf, len); };
     auto w = link->writeFile(id, *path, mode, src);
     return w.isOk() ? sendJ(res, 200, {{"written", *w}}) : fail(w.status());
   }
@@ -564,17 +570,15 @@ void EdgeAgent::route(http::Request& req, http::Response& res, EdgeLink* link) {
   if (op == "filecall" && m == "POST") {
     auto j = body();
     if (!j.isOk()) return fail(j.status());
-    auto r = link->fileCall(id, static_cast<proto::FrameType>((*j).value("type", 0)),
-                            (*j).value("json", "{}"));
+    auto op = proto::parseAgentOp((*j).value("op", ""));
+    if (!op) return fail(invalidArg("op", "unknown agent op"));
+    auto r = link->agentOp(id, *op, (*j).value("json", "{}"));
     return r.isOk() ? (void)res.send(200, "application/json", *r) : fail(r.status());
   }
   if (op == "stats" && m == "GET") {
     auto s = link->stats(id);
     if (!s.isOk()) return fail(s.status());
-    return sendJ(res, 200,
-                 {{"oom_kills", s->oomKills},
-                  {"pids_limit_hits", s->pidsLimitHits},
-                  {"memory_bytes", s->memoryBytes}});
+    return sendJ(res, 200, proto::toJson(*s));
   }
   if (op == "pause" && m == "POST") {
     auto j = body();
@@ -588,19 +592,17 @@ void EdgeAgent::route(http::Request& req, http::Response& res, EdgeLink* link) {
   if (op == "limits" && m == "POST") {
     auto j = body();
     if (!j.isOk()) return fail(j.status());
-    CgroupLimits l;
-    l.cpu = (*j).value("cpu", 1.0);
-    l.memoryBytes = (*j).value("memory_bytes", int64_t(0));
-    l.pids = (*j).value("pids", int64_t(0));
-    Status st = link->setLimits(id, l);
+    auto l = proto::limitsFromJson(*j);
+    if (!l.isOk()) return fail(l.status());
+    Status st = link->setLimits(id, *l);
     return st.isOk() ? sendJ(res, 200, json::object()) : fail(st);
   }
   if (op == "egress" && m == "POST") {
     auto j = body();
     if (!j.isOk()) return fail(j.status());
-    std::vector<net::EgressRule> rules;
+    std::vector<proto::EgressRule> rules;
     for (auto& x : (*j).value("rules", json::array())) {
-      auto r = wire::ruleFromJson(x);
+      auto r = proto::ruleFromJson(x);
       if (!r.isOk()) return fail(r.status());
       rules.push_back(*r);
     }
@@ -617,7 +619,7 @@ void EdgeAgent::route(http::Request& req, http::Response& res, EdgeLink* link) {
   if (op == "input" && m == "POST") {
     auto j = body();
     if (!j.isOk()) return fail(j.status());
-    auto a = wire::inputFromJson(*j);
+    auto a = proto::inputFromJson(*j);
     if (!a.isOk()) return fail(a.status());
     Status st = link->input(id, *a);
     return st.isOk() ? sendJ(res, 200, json::object()) : fail(st);
@@ -625,7 +627,7 @@ void EdgeAgent::route(http::Request& req, http::Response& res, EdgeLink* link) {
   if (op == "egress_denials" && m == "GET") {
     auto d = link->egressDenials(id);
     if (!d.isOk()) return fail(d.status());
-    return sendJ(res, 200, {{"count", d->count}, {"last", d->last}});
+    return sendJ(res, 200, proto::toJson(*d));
   }
   fail(notFound("no such endpoint: " + m + " " + req.path));
 }
@@ -635,10 +637,10 @@ void EdgeAgent::countError(const Status& st) {
   errors_[codeName(st.code())]++;
 }
 
-void EdgeAgent::packDiff(const std::string& id, http::Response& res, EdgeLink* link) {
+void EdgeAgent::packDiff(const std::string& id, http::Response& res, proto::EdgeLink* link) {
   auto fail = [&](const Status& st) {
     countError(st);
-    if (!res.started()) sendJ(res, httpStatusFor(st.code()), wire::errorJson(st));
+    if (!res.started()) sendJ(res, httpStatusFor(st.code()), proto::errorJson(st));
   };
   std::string root = opts_.dataDir + "/packs";
   if (Status st = makeDirs(root, 0700); !st.isOk()) return fail(st);
@@ -680,7 +682,7 @@ void EdgeAgent::servePack(const std::vector<std::string>& parts, http::Request& 
                           http::Response& res) {
   auto fail = [&](const Status& st) {
     countError(st);
-    if (!res.started()) sendJ(res, httpStatusFor(st.code()), wire::errorJson(st));
+    if (!res.started()) sendJ(res, httpStatusFor(st.code()), proto::errorJson(st));
   };
   // "", "edge", "v1", "packs", pack, [meta|data]
   if (parts.size() < 5) return fail(notFound("no such endpoint: " + req.path));

@@ -27,8 +27,8 @@
 
 #include "common/http_client.h"
 #include "common/http_server.h"
-#include "edge/edge_link.h"
 #include "edge/image/loader.h"
+#include "proto/edge_link.h"
 
 namespace dsec::edge {
 
@@ -57,8 +57,10 @@ class EdgeAgent {
   // Loads saved credentials, or joins. kUnauthenticated for a refused join
   // token; kUnavailable when the platform stays unreachable for joinWaitS.
   Status start();
-  // The node the API serves; heartbeats begin. `layers` lists cached layers.
-  void serveLink(EdgeLink* link, std::function<std::vector<std::string>()> layers);
+  // The node the API serves; heartbeats begin. `ids` lists the sandboxes it
+  // runs, `layers` its cached layers (null: none).
+  void serveLink(proto::EdgeLink* link, std::function<std::vector<std::string>()> ids,
+                 std::function<std::vector<std::string>()> layers);
   // Pre-staging (docs/cluster.md, node pools): the layers a heartbeat's
   // answer lists under "prestage" are handed to `stage` one at a time on a
   // thread of their own (NodeCache::prestage), each once per process unless
@@ -90,14 +92,14 @@ class EdgeAgent {
                                     double readTimeoutS);
   void heartbeatLoop();
   Status heartbeatOnce();
-  void route(http::Request& req, http::Response& res, EdgeLink* link);
+  void route(http::Request& req, http::Response& res, proto::EdgeLink* link);
   // Queues what a heartbeat answer asks to pre-stage.
   void queuePrestage(const std::vector<std::string>& digests);
   void prestageLoop();
   // pack_diff over the hop: POST .../pack_diff builds the layer into
   // <dataDir>/packs/<pack>; GET /edge/v1/packs/<pack>/{meta,data} serve its
   // files; DELETE /edge/v1/packs/<pack> removes them.
-  void packDiff(const std::string& id, http::Response& res, EdgeLink* link);
+  void packDiff(const std::string& id, http::Response& res, proto::EdgeLink* link);
   void servePack(const std::vector<std::string>& parts, http::Request& req, http::Response& res);
   void countError(const Status& st);
 
@@ -112,7 +114,8 @@ class EdgeAgent {
   std::atomic<size_t> current_{0};  // index into urls_ of the one that last answered
   mutable std::mutex mu_;  // guards node_, edgeKey_, platformKey_, link_, layers_, stopping_
   std::string node_, edgeKey_, platformKey_;
-  EdgeLink* link_ = nullptr;
+  proto::EdgeLink* link_ = nullptr;
+  std::function<std::vector<std::string>()> ids_;  // set before the heartbeats start
   std::function<std::vector<std::string>()> layers_;
   bool stopping_ = false;
   std::condition_variable cv_;

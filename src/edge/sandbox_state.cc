@@ -19,7 +19,7 @@ using json = nlohmann::json;
 
 namespace {
 
-json ruleJson(const net::EgressRule& r) {
+json ruleJson(const proto::EgressRule& r) {
   size_t len = r.family == AF_INET6 ? 16 : 4;
   std::string addr;
   char b[3];
@@ -33,8 +33,8 @@ json ruleJson(const net::EgressRule& r) {
           {"ports", ports}};
 }
 
-Result<net::EgressRule> ruleFrom(const json& j) {
-  net::EgressRule r;
+Result<proto::EgressRule> ruleFrom(const json& j) {
+  proto::EgressRule r;
   int fam = j.at("family").get<int>();
   if (fam != 4 && fam != 6) return invalidArg("egress", "bad family");
   r.family = fam == 6 ? AF_INET6 : AF_INET;
@@ -59,7 +59,7 @@ std::string encodeSandboxState(const SandboxState& s) {
   for (auto& r : s.egress) egress.push_back(ruleJson(r));
   json j = {{"version", 1},
             {"id", s.spec.id},
-            {"backend", s.backend},
+            {"backend", proto::backendName(s.backend)},
             {"layers", s.spec.layers},
             {"cpu", s.spec.cpu},
             {"memory_bytes", s.spec.memoryBytes},
@@ -81,7 +81,9 @@ Result<SandboxState> decodeSandboxState(const std::string& text) {
     if (j.at("version").get<int>() != 1) return invalidArg("state", "unknown version");
     SandboxState s;
     s.spec.id = j.at("id").get<std::string>();
-    s.backend = j.at("backend").get<std::string>();
+    auto backend = proto::parseBackend(j.at("backend").get<std::string>());
+    if (!backend) return invalidArg("state", "unknown backend");
+    s.backend = *backend;
     s.spec.layers = j.at("layers").get<std::vector<std::string>>();
     s.spec.cpu = j.at("cpu").get<double>();
     s.spec.memoryBytes = j.at("memory_bytes").get<int64_t>();

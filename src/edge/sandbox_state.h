@@ -19,16 +19,16 @@
 
 #include "common/status.h"
 #include "edge/backend.h"
-#include "edge/net/egress_rules.h"
+#include "proto/egress.h"
 
 namespace dsec::edge {
 
 struct SandboxState {
-  std::string backend;
+  BackendKind backend = BackendKind::kContainer;
   SandboxSpec spec;
   pid_t pid = -1;
   uint64_t startTime = 0;  // /proc/<pid>/stat field 22: clock ticks after boot
-  std::vector<net::EgressRule> egress;
+  std::vector<proto::EgressRule> egress;
   bool paused = false;
   // Memory saved to disk, no process (Backend::hibernate); pid is -1 then.
   bool hibernated = false;

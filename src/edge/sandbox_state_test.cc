@@ -12,7 +12,7 @@ namespace {
 
 SandboxState sample() {
   SandboxState s;
-  s.backend = "container";
+  s.backend = BackendKind::kContainer;
   s.spec.id = "sb-0123456789abcdef";
   s.spec.layers = {"sha256:aa", "sha256:bb"};
   s.spec.cpu = 1.5;
@@ -21,12 +21,12 @@ SandboxState sample() {
   s.spec.pids = 99;
   s.pid = 4242;
   s.startTime = 123456789;
-  net::EgressRule r4;
+  proto::EgressRule r4;
   r4.family = AF_INET;
   r4.addr = {10, 1, 0, 0};
   r4.prefixLen = 16;
   r4.ports = {{80, 80}, {8000, 8100}};
-  net::EgressRule r6;
+  proto::EgressRule r6;
   r6.family = AF_INET6;
   r6.addr = {0x20, 0x01, 0x0d, 0xb8};
   r6.prefixLen = 32;

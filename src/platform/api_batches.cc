@@ -76,7 +76,7 @@ void Platform::createBatch(http::Request& req, http::Response& res) {
   b.createdAt = b.updatedAt = now;
   // The batch's records are this one under `count` ids.
   SandboxRecord pending = *base;
-  pending.state = "pending";
+  pending.state = SandboxState::kPending;
   pending.batch = b.id;
   pending.createdAt = pending.updatedAt = now;
   pending.expiresAt = pending.ttlS > 0 ? now + double(pending.ttlS) : 0;
@@ -129,7 +129,7 @@ void Platform::createBatch(http::Request& req, http::Response& res) {
     std::lock_guard lk(mu_);
     for (auto& id : ids) sandboxes_.erase(id);
   };
-  auto* cluster = dynamic_cast<Cluster*>(edge_);
+  auto* cluster = cluster_;
   if (b.allOrNothing && cluster) {
     PlacementRequest pr;
     auto plan = planPolicy(*base);
@@ -196,7 +196,7 @@ json Platform::batchToApi(const std::string& id) {
     errors = b.errors;
     // While it runs, its counters (a poll must not walk 32,768 records under
     // the lock every create takes); once it is over, its records' states.
-    if (rec.state == "running") {
+    if (rec.state == BatchState::kRunning) {
       pending = b.outstanding;
       running = b.created;
       failed = b.failed;
@@ -208,14 +208,14 @@ json Platform::batchToApi(const std::string& id) {
     std::lock_guard lk(mu_);
     for (auto& sid : ids) {
       auto it = sandboxes_.find(sid);
-      const std::string& s = it == sandboxes_.end() ? std::string("stopped") : it->second.state;
-      if (s == "pending" || s == "creating") {
+      SandboxState s = it == sandboxes_.end() ? SandboxState::kStopped : it->second.state;
+      if (s == SandboxState::kPending || s == SandboxState::kCreating) {
         ++pending;
-      } else if (s == "running" || s == "paused") {
+      } else if (proto::isUp(s)) {
         ++running;
-      } else if (s == "failed") {
+      } else if (s == SandboxState::kFailed) {
         ++failed;
-      } else if (s == "lost") {
+      } else if (s == SandboxState::kLost) {
         ++lost;
       } else {
         ++stopped;  // stopping, stopped, or purged after the retention
@@ -224,7 +224,7 @@ json Platform::batchToApi(const std::string& id) {
   }
   json j = {{"id", rec.id},
             {"owner", rec.owner},
-            {"state", rec.state},
+            {"state", batchStateName(rec.state)},
             {"requested", rec.count},
             {"all_or_nothing", rec.allOrNothing},
             {"pending", pending},
@@ -284,7 +284,7 @@ void Platform::batchesApi(const std::vector<std::string>& parts, http::Request& 
     std::lock_guard lk(batchMu_);
     auto it = batches_.find(id);
     if (it != batches_.end()) {
-      it->second.rec.state = "deleted";
+      it->second.rec.state = BatchState::kDeleted;
       it->second.rec.updatedAt = nowSeconds();
       rec = it->second.rec;
     }
@@ -336,24 +336,24 @@ Result<int64_t> Platform::destroyMany(const std::vector<std::string>& ids, const
       auto it = sandboxes_.find(id);
       if (it == sandboxes_.end()) continue;
       SandboxRecord& r = it->second;
-      if (r.state == "pending") {
-        r.state = "stopped";
+      if (r.state == SandboxState::kPending) {
+        r.state = SandboxState::kStopped;
         r.error = why.empty() ? "deleted before it was created" : why;
         r.updatedAt = r.stoppedAt = now;
         finals.push_back(r);
         neverCreated.push_back(id);
         ++n;
-      } else if (r.state == "creating") {
+      } else if (r.state == SandboxState::kCreating) {
         // Its worker or the committer finishes it, then destroys it.
         deleteRequested_.insert(id);
         ++n;
-      } else if (!isFinal(r.state) && r.state != "stopping") {
-        r.state = "stopping";
+      } else if (!isFinal(r.state) && r.state != SandboxState::kStopping) {
+        r.state = SandboxState::kStopping;
         toNode.push_back(id);
       }
     }
   }
-  if (auto* cluster = dynamic_cast<Cluster*>(edge_)) cluster->release(neverCreated);
+  if (auto* cluster = cluster_) cluster->release(neverCreated);
   if (!neverCreated.empty()) {
     // Never created: no worker will report them, so their batches count them here.
     std::lock_guard lk(batchMu_);
@@ -367,14 +367,14 @@ Result<int64_t> Platform::destroyMany(const std::vector<std::string>& ids, const
     for (auto& id : touched) settleBatchLocked(id);
   }
   // Each node's share in bulk calls, nodes concurrently (Cluster::destroyMany).
-  std::vector<Status> results = edge_->destroyMany(toNode);
+  std::vector<Status> results = cluster_->destroyMany(toNode);
   {
     std::lock_guard lk(mu_);
     for (size_t i = 0; i < toNode.size(); ++i) {
       auto it = sandboxes_.find(toNode[i]);
       if (it == sandboxes_.end()) continue;
       SandboxRecord& r = it->second;
-      r.state = "stopped";
+      r.state = SandboxState::kStopped;
       if (!why.empty()) r.error = why;
       if (!results[i].isOk()) {
         log::error("destroy " + r.id + ": " + results[i].toString());
@@ -409,8 +409,8 @@ void Platform::batchWorker() {
       std::lock_guard lk(mu_);
       for (auto& id : ids) {
         auto it = sandboxes_.find(id);
-        if (it == sandboxes_.end() || it->second.state != "pending" || stopping_) continue;
-        it->second.state = "creating";
+        if (it == sandboxes_.end() || it->second.state != SandboxState::kPending || stopping_) continue;
+        it->second.state = SandboxState::kCreating;
         rs.push_back(it->second);
       }
     }
@@ -436,10 +436,10 @@ void Platform::batchWorker() {
       const Status& st = *outcomes[i];
       r.updatedAt = nowSeconds();
       if (st.isOk()) {
-        r.state = "running";
-        r.node = edge_->nodeOf(r.id);
+        r.state = SandboxState::kRunning;
+        r.node = cluster_->nodeOf(r.id);
       } else {
-        r.state = "failed";
+        r.state = SandboxState::kFailed;
         r.error = std::string(codeName(st.code())) + ": " + st.message();
         r.stoppedAt = r.updatedAt;
       }
@@ -450,7 +450,7 @@ void Platform::batchWorker() {
         std::lock_guard lk(mu_);
         for (auto& id : again) {
           auto it = sandboxes_.find(id);
-          if (it != sandboxes_.end() && it->second.state == "creating") it->second.state = "pending";
+          if (it != sandboxes_.end() && it->second.state == SandboxState::kCreating) it->second.state = SandboxState::kPending;
         }
       }
       std::lock_guard lk(batchMu_);
@@ -495,7 +495,7 @@ void Platform::batchCommitter() {
       for (auto& r : done) {
         auto it = sandboxes_.find(r.id);
         if (it == sandboxes_.end()) continue;
-        if (deleteRequested_.count(r.id) && r.state == "running") {
+        if (deleteRequested_.count(r.id) && r.state == SandboxState::kRunning) {
           cancelled.push_back(r);
           continue;
         }
@@ -504,8 +504,8 @@ void Platform::batchCommitter() {
       }
     }
     for (auto& r : cancelled) {
-      (void)edge_->destroy(r.id);
-      r.state = "stopped";
+      (void)cluster_->destroy(r.id);
+      r.state = SandboxState::kStopped;
       r.error = "deleted while being created";
       r.updatedAt = r.stoppedAt = nowSeconds();
     }
@@ -528,11 +528,11 @@ void Platform::batchCommitter() {
         auto b = batches_.find(r.batch);
         if (b == batches_.end()) continue;
         b->second.outstanding--;
-        (r.state == "failed" ? b->second.failed : b->second.created)++;
-        if (r.state == "failed") {
+        (r.state == SandboxState::kFailed ? b->second.failed : b->second.created)++;
+        if (r.state == SandboxState::kFailed) {
           b->second.errors[errorCode(r.error)]++;
-          if (b->second.rec.allOrNothing && b->second.rec.state == "running") {
-            b->second.rec.state = "failed";
+          if (b->second.rec.allOrNothing && b->second.rec.state == BatchState::kRunning) {
+            b->second.rec.state = BatchState::kFailed;
             b->second.rec.error = "all_or_nothing: sandbox " + r.id + " failed (" + r.error +
                                   "); the batch's sandboxes are destroyed";
             aonFailed.emplace_back(r.batch, b->second.rec.error);
@@ -568,7 +568,7 @@ void Platform::renewBatchClaims() {
     std::lock_guard lk(batchMu_);
     for (auto& [id, b] : batches_) {
       if (!b.claimed) continue;
-      if (b.rec.state == "running" && b.outstanding > 0) {
+      if (b.rec.state == BatchState::kRunning && b.outstanding > 0) {
         renew.push_back(id);
       } else {
         b.claimed = false;
@@ -592,8 +592,8 @@ void Platform::settleBatchLocked(const std::string& id) {
   if (it == batches_.end() || it->second.outstanding > 0) return;
   if (!it->second.mine) return;  // another replica's: it settles it
   BatchRecord& rec = it->second.rec;
-  if (rec.state != "running") return;
-  rec.state = "done";
+  if (rec.state != BatchState::kRunning) return;
+  rec.state = BatchState::kDone;
   rec.updatedAt = nowSeconds();
   if (Status st = store_->putBatch(rec, {}); !st.isOk()) {
     log::error("batch " + id + ": " + st.toString());
@@ -613,7 +613,7 @@ Status Platform::resumeBatches(std::vector<SandboxRecord>& records) {
   // live replica may be creating the rest right now.
   std::set<std::string> unfinished, foreign;
   for (auto& r : records) {
-    if (!r.batch.empty() && (r.state == "pending" || r.state == "creating")) {
+    if (!r.batch.empty() && (r.state == SandboxState::kPending || r.state == SandboxState::kCreating)) {
       unfinished.insert(r.batch);
     }
   }
@@ -632,11 +632,11 @@ Status Platform::resumeBatches(std::vector<SandboxRecord>& records) {
   std::vector<SandboxRecord> renamed;
   std::vector<std::string> dropped;
   for (auto& r : records) {
-    if (r.batch.empty() || (r.state != "pending" && r.state != "creating")) continue;
+    if (r.batch.empty() || (r.state != SandboxState::kPending && r.state != SandboxState::kCreating)) continue;
     if (foreign.count(r.batch)) continue;
     dropped.push_back(r.id);
     r.id = "sb-" + randomHex(8);
-    r.state = "pending";
+    r.state = SandboxState::kPending;
     renamed.push_back(r);
   }
   // The new ids replace the old in one transaction: never both, never neither.
@@ -656,13 +656,13 @@ Status Platform::resumeBatches(std::vector<SandboxRecord>& records) {
       continue;
     }
     it->second.ids.push_back(r.id);
-    if (r.state == "failed") it->second.errors[errorCode(r.error)]++;
-    if (r.state == "failed") {
+    if (r.state == SandboxState::kFailed) it->second.errors[errorCode(r.error)]++;
+    if (r.state == SandboxState::kFailed) {
       it->second.failed++;
-    } else if (r.state != "pending") {
+    } else if (r.state != SandboxState::kPending) {
       it->second.created++;
     }
-    if (r.state == "pending") {
+    if (r.state == SandboxState::kPending) {
       it->second.outstanding++;
       batchQueue_.push_back(r.id);
     }

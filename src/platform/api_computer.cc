@@ -9,12 +9,12 @@ namespace dsec::platform {
 void Platform::screenshot(const std::string& id, http::Response& res) {
   auto rec = runningSandbox(id);
   if (!rec.isOk()) return sendError(res, rec.status());
-  if (rec->backend != "vm") {
+  if (rec->backend != BackendKind::kVm) {
     return sendError(res, Status(Code::kFailedPrecondition,
-                                 "sandbox " + id + " (backend " + rec->backend +
+                                 "sandbox " + id + " (backend " + proto::backendName(rec->backend) +
                                      ") has no display: screenshots need backend vm"));
   }
-  auto png = edge_->screenshot(id);
+  auto png = cluster_->screenshot(id);
   if (!png.isOk()) return sendError(res, png.status());
   (void)res.send(200, "image/png", *png);  // a client gone meanwhile is not ours to report
 }
@@ -24,12 +24,12 @@ void Platform::sendInput(const std::string& id, http::Request& req, http::Respon
   if (!j.isOk()) return sendError(res, j.status());
   auto rec = runningSandbox(id);
   if (!rec.isOk()) return sendError(res, rec.status());
-  if (rec->backend != "vm") {
+  if (rec->backend != BackendKind::kVm) {
     return sendError(res, Status(Code::kFailedPrecondition,
-                                 "sandbox " + id + " (backend " + rec->backend +
+                                 "sandbox " + id + " (backend " + proto::backendName(rec->backend) +
                                      ") has no display: input needs backend vm"));
   }
-  edge::InputAction a;
+  proto::InputAction a;
   auto type = getString(*j, "type", "", 16);
   if (!type.isOk()) return sendError(res, type.status());
   a.kind = *type;
@@ -56,7 +56,7 @@ void Platform::sendInput(const std::string& id, http::Request& req, http::Respon
   } else {
     return sendError(res, invalidArg("type", "type must be type, key or mouse"));
   }
-  if (Status st = edge_->input(id, a); !st.isOk()) return sendError(res, st);
+  if (Status st = cluster_->input(id, a); !st.isOk()) return sendError(res, st);
   sendJson(res, 200, json{{"ok", true}}.dump());
 }
 

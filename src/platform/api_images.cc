@@ -129,10 +129,10 @@ Result<std::string> Platform::ensureChunkIndex(Store* store, const std::string& 
   return digest;
 }
 
-Result<edge::LayerDesc> Platform::describeLayer(Store* store, const std::string& dataDir,
+Result<proto::LayerDesc> Platform::describeLayer(Store* store, const std::string& dataDir,
                                                 const std::string& digest) {
   ASSIGN_OR_RETURN(BlobRecord rec, store->getBlob(digest));
-  edge::LayerDesc d;
+  proto::LayerDesc d;
   d.digest = digest;
   d.size = rec.size;
   if (rec.data.empty()) return d;  // a single-file layer (stored before the split)
@@ -308,7 +308,7 @@ Result<ImageRecord> Platform::packDiffImage(const std::string& id, ImageRecord i
   ASSIGN_OR_RETURN(SandboxRecord sb, runningSandbox(id));
   // Built beside the blob store, so the result is renamed into it, not copied.
   std::string work = opts_.dataDir + "/blobs/pack-" + randomHex(6);
-  auto layer = edge_->packDiff(id, work);
+  auto layer = cluster_->packDiff(id, work);
   if (!layer.isOk()) {
     (void)removeTree(work);
     return layer.status();
@@ -425,7 +425,7 @@ Result<std::vector<std::string>> Platform::collectGarbage(double graceS) {
   for (auto& b : blobs) {
     if (keep.count(b.digest) || keepData.count(b.digest) || b.createdAt + graceS > now) continue;
     // Unmounted first: a layer still mounted for a sandbox is in use after all.
-    if (!edge_->evictLayer(b.digest).isOk()) continue;
+    if (!cluster_->evictLayer(b.digest).isOk()) continue;
     RETURN_IF_ERROR(store_->deleteBlob(b.digest));
     std::string path = blobPath(opts_.dataDir, b.digest);
     if (::unlink(path.c_str()) != 0 && errno != ENOENT) log::warn("gc: unlink " + path);
@@ -525,7 +525,7 @@ void Platform::deleteLayer(const std::string& digest, http::Response& res) {
                                                                 " is part of image " +
                                                                 refs[0].get<std::string>()));
   }
-  if (layersInUse().count(digest) || !edge_->evictLayer(digest).isOk()) {
+  if (layersInUse().count(digest) || !cluster_->evictLayer(digest).isOk()) {
     return sendError(res, Status(Code::kFailedPrecondition,
                                  "layer " + digest + " is in use by a sandbox"));
   }

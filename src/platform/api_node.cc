@@ -11,7 +11,7 @@ namespace dsec::platform {
 using json = nlohmann::json;
 
 namespace {
-json layerJson(const edge::NodeCache::LayerInfo& l) {
+json layerJson(const proto::LayerReport& l) {
   const auto& s = l.stats;
   return {{"digest", l.digest},
           {"data_digest", l.dataDigest.empty() ? json(nullptr) : json(l.dataDigest)},
@@ -43,7 +43,7 @@ std::string labelValue(std::string_view v) {
 }
 
 // The fncall one-shot pools (docs/fncall.md, POST /v1/run).
-void appendRunPoolMetrics(const edge::RunPoolStats& s, std::string& out) {
+void appendRunPoolMetrics(const RunPoolStats& s, std::string& out) {
   auto family = [&out](const char* name, const char* type, const char* help) {
     out += std::string("# HELP ") + name + " " + help + "\n# TYPE " + name + " " + type + "\n";
   };
@@ -94,80 +94,82 @@ void appendRunPoolMetrics(const edge::RunPoolStats& s, std::string& out) {
 }  // namespace
 
 void Platform::getNode(http::Response& res) {
-  if (!edge_->localNodeCache()) {  // a platform without an in-process node
+  auto* local = cluster_->localNode();
+  if (!local) {  // a platform without an in-process node
     return sendError(res, notFound("this platform runs no node of its own; see GET /v1/nodes"));
   }
-  auto& cache = *edge_->localNodeCache();
+  const proto::NodeReport node = local->report();
   json layers = json::array();
   json totals = {{"chunks_fetched", 0}, {"bytes_fetched", 0}, {"cache_hits", 0},
                  {"read_requests", 0}, {"bytes_read", 0}, {"chunks_prefetched", 0}};
-  for (auto& l : cache.layers()) {
+  for (auto& l : node.layers) {
     json j = layerJson(l);
     for (auto& [k, v] : totals.items()) v = v.get<int64_t>() + j[k].get<int64_t>();
     layers.push_back(std::move(j));
   }
-  json body = {{"loader", cache.loaderName()},
-               {"blob_store", cache.storeUri()},
-               {"loader_pids", cache.loaderPids()},
-               {"cache", {{"used_bytes", cache.usedBytes()}, {"limit_bytes", cache.limitBytes()}}},
+  json body = {{"loader", node.loader},
+               {"blob_store", node.blobStore},
+               {"loader_pids", node.loaderPids},
+               {"cache", {{"used_bytes", node.cacheUsedBytes}, {"limit_bytes", node.cacheLimitBytes}}},
                {"totals", totals},
                {"layers", layers},
                {"userns",
-                {{"enabled", edge_->userns().enabled},
-                 {"base", edge_->userns().base},
-                 {"length", edge_->userns().length},
-                 {"reason", edge_->userns().reason}}},
+                {{"enabled", node.userns.enabled},
+                 {"base", node.userns.base},
+                 {"length", node.userns.length},
+                 {"reason", node.userns.reason}}},
                {"backends",
                 {{"container", {{"available", true}, {"accelerator", nullptr}, {"reason", ""}}},
                  {"microvm",
-                  {{"available", edge_->microvm().available},
-                   {"accelerator", edge_->microvm().accelerator.empty()
+                  {{"available", node.microvm.available},
+                   {"accelerator", node.microvm.accelerator.empty()
                                        ? json(nullptr)
-                                       : json(edge_->microvm().accelerator)},
-                   {"reason", edge_->microvm().reason},
-                   {"agent_channel", edge_->microvm().agentChannel.empty()
+                                       : json(node.microvm.accelerator)},
+                   {"reason", node.microvm.reason},
+                   {"agent_channel", node.microvm.agentChannel.empty()
                                          ? json(nullptr)
-                                         : json(edge_->microvm().agentChannel)},
-                   {"vhost_vsock", edge_->microvm().vhostVsock}}},
+                                         : json(node.microvm.agentChannel)},
+                   {"vhost_vsock", node.microvm.vhostVsock}}},
                  {"vm",
-                  {{"available", edge_->vm().available},
-                   {"accelerator", edge_->vm().accelerator.empty() ? json(nullptr)
-                                                                   : json(edge_->vm().accelerator)},
-                   {"reason", edge_->vm().reason}}}}},
+                  {{"available", node.vm.available},
+                   {"accelerator", node.vm.accelerator.empty() ? json(nullptr)
+                                                                   : json(node.vm.accelerator)},
+                   {"reason", node.vm.reason}}}}},
                {"egress",
-                {{"available", edge_->egressUnavailable().empty()},
-                 {"unavailable_reason", edge_->egressUnavailable()},
-                 {"tag", edge_->egressTag()}}}};
+                {{"available", node.egressUnavailable.empty()},
+                 {"unavailable_reason", node.egressUnavailable},
+                 {"tag", node.egressTag}}}};
   sendJson(res, 200, body.dump());
 }
 
 void Platform::getMetrics(http::Response& res) {
   // The cluster's (platform/cluster.cc) and the records' (platform_nodes.cc).
-  std::string out = edge_->extraMetrics() + sandboxStateMetrics();
-  if (!edge_->localNodeCache()) return (void)res.send(200, "text/plain; version=0.0.4", out);
-  auto& cache = *edge_->localNodeCache();
+  std::string out = cluster_->extraMetrics() + sandboxStateMetrics();
+  auto* local = cluster_->localNode();
+  if (!local) return (void)res.send(200, "text/plain; version=0.0.4", out);
+  const proto::NodeReport node = local->report();
   auto family = [&out](const char* name, const char* type, const char* help) {
     out += std::string("# HELP ") + name + " " + help + "\n# TYPE " + name + " " + type + "\n";
   };
-  auto layers = cache.layers();
+  const auto& layers = node.layers;
   struct Metric {
     const char* name;
     const char* help;
-    int64_t (*get)(const edge::NodeCache::LayerInfo&);
+    int64_t (*get)(const proto::LayerReport&);
   };
   const Metric metrics[] = {
       {"dsec_layer_bytes_fetched_total", "Bytes of layer data fetched from the blob store.",
-       [](const edge::NodeCache::LayerInfo& l) { return l.stats.bytesFetched; }},
+       [](const proto::LayerReport& l) { return l.stats.bytesFetched; }},
       {"dsec_layer_chunks_fetched_total", "Chunks of layer data fetched from the blob store.",
-       [](const edge::NodeCache::LayerInfo& l) { return l.stats.chunksFetched; }},
+       [](const proto::LayerReport& l) { return l.stats.chunksFetched; }},
       {"dsec_layer_cache_hits_total", "Reads served from chunks already in the node cache.",
-       [](const edge::NodeCache::LayerInfo& l) { return l.stats.cacheHits; }},
+       [](const proto::LayerReport& l) { return l.stats.cacheHits; }},
       {"dsec_layer_read_requests_total", "Reads of layer data that reached the loader.",
-       [](const edge::NodeCache::LayerInfo& l) { return l.stats.readRequests; }},
+       [](const proto::LayerReport& l) { return l.stats.readRequests; }},
       {"dsec_layer_bytes_read", "Distinct bytes of layer data read (chunk granular).",
-       [](const edge::NodeCache::LayerInfo& l) { return l.stats.bytesRead; }},
+       [](const proto::LayerReport& l) { return l.stats.bytesRead; }},
       {"dsec_layer_chunks_prefetched_total", "Chunks fetched ahead by prefetch.",
-       [](const edge::NodeCache::LayerInfo& l) { return l.chunksPrefetched; }},
+       [](const proto::LayerReport& l) { return l.chunksPrefetched; }},
   };
   for (const Metric& m : metrics) {
     std::string_view name(m.name);
@@ -178,26 +180,26 @@ void Platform::getMetrics(http::Response& res) {
     }
   }
   family("dsec_node_cache_bytes", "gauge", "Bytes the node cache holds on disk.");
-  out += "dsec_node_cache_bytes " + std::to_string(cache.usedBytes()) + "\n";
+  out += "dsec_node_cache_bytes " + std::to_string(node.cacheUsedBytes) + "\n";
   family("dsec_node_cache_limit_bytes", "gauge", "Node cache size limit (0: none).");
-  out += "dsec_node_cache_limit_bytes " + std::to_string(cache.limitBytes()) + "\n";
+  out += "dsec_node_cache_limit_bytes " + std::to_string(node.cacheLimitBytes) + "\n";
   // Only sandboxes that tried something: a scrape stays small on a node of
   // thousands of well-behaved ones.
   family("dsec_sandbox_egress_denied_total", "counter",
          "Connects and sends of a sandbox that its policy's egress filter refused.");
-  for (auto& [id, n] : edge_->egressDenialCounts()) {
+  for (auto& [id, n] : node.egressDenials) {
     out += "dsec_sandbox_egress_denied_total{sandbox=\"" + id + "\"} " + std::to_string(n) + "\n";
   }
   family("dsec_sandbox_syscalls_denied_total", "counter",
          "Syscalls of a sandbox that its seccomp profile refused (as of the agent's last report, "
          "at most 100 ms old).");
-  for (auto& [id, n] : edge_->syscallDenialCounts()) {
+  for (auto& [id, n] : node.syscallDenials) {
     out += "dsec_sandbox_syscalls_denied_total{sandbox=\"" + id + "\"} " + std::to_string(n) + "\n";
   }
   family("dsec_orphans_removed_total", "counter",
          "Leftovers of earlier runs that no record owned, removed at start, by kind "
          "(sandbox: its processes, cgroups, mounts and directory; veth; loader process).");
-  auto orphans = edge_->orphansRemoved();
+  auto orphans = node.orphansRemoved;
   orphans["sandbox"] += orphanSandboxes_;
   for (const char* kind : {"sandbox", "veth"}) orphans[kind] += 0;  // always listed
   for (auto& [kind, n] : orphans) {
@@ -206,7 +208,7 @@ void Platform::getMetrics(http::Response& res) {
   family("dsec_sandboxes_readopted", "gauge",
          "Sandboxes of an earlier run (crashed or stopped with live restore) re-adopted at "
          "start and still running.");
-  out += "dsec_sandboxes_readopted " + std::to_string(edge_->adoptedIds().size()) + "\n";
+  out += "dsec_sandboxes_readopted " + std::to_string(node.adopted.size()) + "\n";
   family("dsec_api_errors_total", "counter",
          "API calls answered with an error, by error code (quota_exceeded, rate_limited, ...).");
   for (auto& [code, n] : apiErrorCounts()) {

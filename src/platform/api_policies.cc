@@ -5,14 +5,14 @@
 #include <cstring>
 
 #include "common/log.h"
-#include "edge/net/egress_rules.h"
+#include "proto/egress.h"
 #include "platform/api_util.h"
 #include "platform/platform.h"
 #include "platform/policy.h"
 
 namespace dsec::platform {
 
-using edge::net::EgressEntry;
+using proto::EgressEntry;
 
 void Platform::listPolicies(http::Response& res) {
   json arr = json::array();
@@ -42,7 +42,7 @@ void Platform::deletePolicy(const std::string& name, http::Response& res) {
     // A live sandbox's next phase switch or restart must find its policy.
     std::lock_guard lk(mu_);
     for (auto& [id, r] : sandboxes_) {
-      if (r.policy == name && r.state != "stopped" && r.state != "failed") {
+      if (r.policy == name && r.state != SandboxState::kStopped && r.state != SandboxState::kFailed) {
         return sendError(res, Status(Code::kConflict,
                                      "policy " + name + " is in use by sandbox " + id, 0, "name"));
       }
@@ -53,10 +53,10 @@ void Platform::deletePolicy(const std::string& name, http::Response& res) {
   sendJson(res, 200, "{}");
 }
 
-Result<std::vector<edge::net::EgressRule>> Platform::egressRules(const Policy& p) {
+Result<std::vector<proto::EgressRule>> Platform::egressRules(const Policy& p) {
   std::vector<EgressEntry> entries;
   for (auto& text : p.egress) {
-    ASSIGN_OR_RETURN(EgressEntry e, edge::net::parseEgressEntry(text, "egress"));
+    ASSIGN_OR_RETURN(EgressEntry e, proto::parseEgressEntry(text, "egress"));
     if (e.host.empty()) {
       entries.push_back(e);
       continue;
@@ -94,11 +94,11 @@ Result<std::vector<edge::net::EgressRule>> Platform::egressRules(const Policy& p
   for (auto& server : p.dns) {
     ASSIGN_OR_RETURN(
         EgressEntry e,
-        edge::net::parseEgressEntry(
+        proto::parseEgressEntry(
             server.find(':') != std::string::npos ? "[" + server + "]:53" : server + ":53", "dns"));
     entries.push_back(e);
   }
-  return edge::net::compileEgress(entries, "egress");
+  return proto::compileEgress(entries, "egress");
 }
 
 }  // namespace dsec::platform

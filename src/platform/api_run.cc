@@ -45,7 +45,7 @@ bool validRelPath(const std::string& p) {
 }
 
 struct RunPlan {
-  edge::ExecSpec spec;
+  proto::ExecSpec spec;
   bool b64 = false;
   std::string language;
 };
@@ -54,7 +54,7 @@ struct RunPlan {
 // allowed (written into the call's fresh dir).
 Result<RunPlan> planRun(const json& j, bool oneShot, const std::map<std::string, std::string>& baseEnv) {
   RunPlan plan;
-  edge::ExecSpec& spec = plan.spec;
+  proto::ExecSpec& spec = plan.spec;
   auto codeIt = j.find("code");
   if (codeIt == j.end() || codeIt->is_null()) return invalidArg("code", "code is required");
   if (!codeIt->is_string()) return invalidArg("code", "code must be a string");
@@ -187,7 +187,7 @@ Result<RunPlan> planRun(const json& j, bool oneShot, const std::map<std::string,
   return plan;
 }
 
-json runResultJson(const edge::ExecResult& r, const RunPlan& plan) {
+json runResultJson(const proto::ExecResult& r, const RunPlan& plan) {
   json out = {{"exit_code", r.exitCode},   {"signal", r.signal},
               {"truncated", r.truncated},  {"timed_out", r.timedOut},
               {"oom_killed", r.oomKilled}, {"duration_ms", r.durationMs},
@@ -250,9 +250,9 @@ void Platform::runCode(http::Request& req, http::Response& res) {
   // Checked here too (the agent checks again), so that a typo does not
   // build a pool.
   if (plan->language != "python" && plan->language != "bash" &&
-      !edge_->fncallLanguages().count(plan->language)) {
+      !cluster_->fncallLanguages().count(plan->language)) {
     std::string known = "python, bash";
-    for (auto& [name, argv] : edge_->fncallLanguages()) known += ", " + name;
+    for (auto& [name, argv] : cluster_->fncallLanguages()) known += ", " + name;
     return sendError(res, invalidArg("language", "unknown language '" + plan->language +
                                                      "' (known: " + known + ")"));
   }
@@ -294,14 +294,14 @@ void Platform::runInSandbox(const std::string& id, http::Request& req, http::Res
   if (!parsed.isOk()) return sendError(res, parsed.status());
   auto sb = runningSandbox(id);
   if (!sb.isOk()) return sendError(res, sb.status());
-  if (sb->backend != "fncall") {
+  if (sb->backend != BackendKind::kFncall) {
     return sendError(res, Status(Code::kFailedPrecondition,
-                                 "sandbox " + id + " is a " + sb->backend +
+                                 "sandbox " + id + " is a " + proto::backendName(sb->backend) +
                                      " sandbox; run needs backend fncall (use exec)"));
   }
   auto plan = planRun(*parsed, false, sb->env);
   if (!plan.isOk()) return sendError(res, plan.status());
-  auto r = edge_->exec(id, plan->spec, nullptr);
+  auto r = cluster_->exec(id, plan->spec, nullptr);
   if (!r.isOk()) return sendError(res, r.status());
   sendJson(res, 200, dumpJson(runResultJson(*r, *plan)));
 }

@@ -22,13 +22,13 @@ constexpr size_t kMaxStdin = 16u << 20;
 
 json toApi(const SandboxRecord& r) {
   json j = {{"id", r.id},
-            {"backend", r.backend},
+            {"backend", proto::backendName(r.backend)},
             {"image", r.image},
             {"workspaces", r.workspaces},
             {"toolkits", r.toolkits},
             {"diffs", r.diffs},
             {"layers", r.layers},
-            {"state", r.state},
+            {"state", proto::stateName(r.state)},
             {"cpu", r.cpu},
             {"memory_mb", r.memoryMb},
             {"disk_mb", r.diskMb},
@@ -55,7 +55,7 @@ json toApi(const SandboxRecord& r) {
   j["owner"] = r.owner;
   j["batch"] = r.batch.empty() ? json(nullptr) : json(r.batch);
   // Where a paused sandbox's memory is ("ram", or "disk" when paused to disk).
-  j["pause_memory"] = r.state != "paused" ? json(nullptr)
+  j["pause_memory"] = r.state != SandboxState::kPaused ? json(nullptr)
                                           : json(r.pausedTo.empty() ? "ram" : r.pausedTo);
   return j;
 }
@@ -136,12 +136,12 @@ Result<SandboxRecord> Platform::checkCreate(const json& j) {
     if (!backend.isOk()) return (backend.status());
     // microvm is known; whether this node can run it is the edge's to say
     // (409 with the reason when it cannot).
-    if (*backend != "container" && *backend != "fncall" && *backend != "microvm" &&
-        *backend != "vm") {
+    auto kind = proto::parseBackend(*backend);
+    if (!kind) {
       return (invalidArg("backend", "unknown backend '" + *backend +
                                             "' (known: container, fncall, microvm, vm)"));
     }
-    r.backend = *backend;
+    r.backend = *kind;
     auto cpu = getNumber(j, "cpu", 1.0, 0.05, 64);
     if (!cpu.isOk()) return (cpu.status());
     r.cpu = *cpu;
@@ -263,19 +263,19 @@ Result<SandboxRecord> Platform::checkCreate(const json& j) {
       r.image = name + ":" + tag;
       imageKind = img->kind;
     }
-    if (r.backend == "vm" && imageKind != "disk") {
+    if (r.backend == BackendKind::kVm && imageKind != "disk") {
       return (Status(Code::kConflict,
                          "backend vm boots a disk image (dsec image import --kind disk); " +
                              r.image + " is a " + (imageKind.empty() ? "layer" : imageKind) +
                              " image",
                          0, "image"));
     }
-    if (r.backend != "vm" && imageKind == "disk") {
+    if (r.backend != BackendKind::kVm && imageKind == "disk") {
       return (Status(Code::kConflict,
                          r.image + " is a disk image: it boots only with backend vm", 0,
                          "image"));
     }
-    if (r.backend == "vm") {
+    if (r.backend == BackendKind::kVm) {
       for (const char* f : {"workspaces", "toolkits", "diffs", "snapshot"}) {
         if (j.contains(f)) {
           return (invalidArg(f, std::string(f) + " do not apply to backend vm (one disk image)"));
@@ -310,8 +310,8 @@ Result<SandboxRecord> Platform::checkCreate(const json& j) {
 // The first phase's policy goes with the create: its limits are the
 // cgroups' first, its file rules the agent's init (no round trip), and a new
 // sandbox has no egress until rules are set. On error the edge keeps nothing.
-edge::SandboxSpec Platform::edgeSpec(const SandboxRecord& r, const PolicyPlan& plan) {
-  edge::SandboxSpec spec;
+proto::SandboxSpec Platform::edgeSpec(const SandboxRecord& r, const PolicyPlan& plan) {
+  proto::SandboxSpec spec;
   spec.id = r.id;
   spec.layers = r.layers;
   spec.cpu = plan.limits.cpu;
@@ -334,15 +334,15 @@ edge::SandboxSpec Platform::edgeSpec(const SandboxRecord& r, const PolicyPlan& p
 
 std::vector<std::optional<Status>> Platform::createManyOnEdge(std::vector<SandboxRecord>& rs) {
   std::vector<std::optional<Status>> out(rs.size());
-  auto* cluster = dynamic_cast<Cluster*>(edge_);
+  auto* cluster = cluster_;
   if (!cluster || rs.size() == 1) {
     for (size_t i = 0; i < rs.size(); ++i) out[i] = createOnEdge(rs[i]);
     return out;
   }
-  std::vector<edge::SandboxSpec> specs;
+  std::vector<proto::SandboxSpec> specs;
   std::vector<size_t> at;  // specs[k] is rs[at[k]]
-  std::vector<std::vector<edge::net::EgressRule>> egress;
-  const std::string& backend = rs[0].backend;
+  std::vector<std::vector<proto::EgressRule>> egress;
+  const BackendKind backend = rs[0].backend;
   for (size_t i = 0; i < rs.size(); ++i) {
     if (rs[i].backend != backend) continue;  // not attempted: queued again
     rs[i].phases.push_back({rs[i].policy, nowSeconds()});
@@ -364,10 +364,10 @@ std::vector<std::optional<Status>> Platform::createManyOnEdge(std::vector<Sandbo
     }
     Status st = *res[k];
     if (st.isOk() && !egress[k].empty()) {
-      st = edge_->setEgress(r.id, egress[k]);
+      st = cluster_->setEgress(r.id, egress[k]);
       if (!st.isOk()) {
         st.withContext("apply policy " + r.policy);
-        (void)edge_->destroy(r.id);
+        (void)cluster_->destroy(r.id);
       }
     }
     out[at[k]] = st;
@@ -379,12 +379,12 @@ Status Platform::createOnEdge(SandboxRecord& r) {
   r.phases.push_back({r.policy, nowSeconds()});
   auto plan = planPolicy(r);
   Status st = plan.isOk() ? Status::ok() : Status(plan.status()).withContext("apply policy " + r.policy);
-  if (st.isOk()) st = edge_->create(r.backend, edgeSpec(r, *plan));
+  if (st.isOk()) st = cluster_->create(r.backend, edgeSpec(r, *plan));
   if (st.isOk() && !plan->egress.empty()) {
-    st = edge_->setEgress(r.id, plan->egress);
+    st = cluster_->setEgress(r.id, plan->egress);
     if (!st.isOk()) {
       st.withContext("apply policy " + r.policy);
-      (void)edge_->destroy(r.id);
+      (void)cluster_->destroy(r.id);
     }
   }
   return st;
@@ -395,7 +395,7 @@ Status Platform::createOnEdge(SandboxRecord& r) {
 Result<SandboxRecord> Platform::launch(SandboxRecord r) {
   Laps laps;
   r.id = "sb-" + randomHex(8);
-  r.state = "creating";
+  r.state = SandboxState::kCreating;
   r.replica = opts_.replicaId;
   r.createdAt = r.updatedAt = nowSeconds();
   r.expiresAt = r.ttlS > 0 ? r.createdAt + double(r.ttlS) : 0;
@@ -445,8 +445,8 @@ Result<SandboxRecord> Platform::launch(SandboxRecord r) {
     cancelled = deleteRequested_.erase(r.id) > 0 || stopping_;
     auto& cur = sandboxes_[r.id];
     cur.phases = r.phases;
-    cur.node = edge_->nodeOf(r.id);
-    cur.state = cancelled ? "stopped" : "running";
+    cur.node = cluster_->nodeOf(r.id);
+    cur.state = cancelled ? SandboxState::kStopped : SandboxState::kRunning;
     cur.updatedAt = nowSeconds();
     // Idle time counts from when it could first be called, not from the request.
     if (!cancelled) lastCall_[r.id] = cur.updatedAt;
@@ -456,7 +456,7 @@ Result<SandboxRecord> Platform::launch(SandboxRecord r) {
     }
     r = cur;
   }
-  if (cancelled) (void)edge_->destroy(r.id);
+  if (cancelled) (void)cluster_->destroy(r.id);
   Status ps = store_->putSandbox(r);
   laps.lap("put2");
   log::debug("launch " + r.id + " ms: " + laps.str());
@@ -465,7 +465,7 @@ Result<SandboxRecord> Platform::launch(SandboxRecord r) {
     return Status(Code::kConflict, "sandbox " + r.id + " was deleted while being created");
   }
   if (!ps.isOk()) {
-    (void)edge_->destroy(r.id);
+    (void)cluster_->destroy(r.id);
     {
       std::lock_guard lk(mu_);
       sandboxes_.erase(r.id);
@@ -482,7 +482,15 @@ void Platform::listSandboxes(http::Request& req, http::Response& res) {
   auto filter = labelFilter(req);
   if (!filter.isOk()) return sendError(res, filter.status());
   const std::map<std::string, std::string>& want = *filter;
-  auto state = req.param("state");
+  std::optional<SandboxState> state;
+  if (auto s = req.param("state")) {
+    state = proto::parseState(*s);
+    if (!state) {
+      return sendError(res, invalidArg("state", "unknown state '" + *s +
+                                                    "' (pending, creating, running, paused, lost, "
+                                                    "stopping, stopped, failed)"));
+    }
+  }
   auto batch = req.param("batch");
   json arr = json::array();
   {
@@ -513,8 +521,8 @@ void Platform::getSandbox(const std::string& id, http::Response& res) {
   }
   if (!found) return sendError(res, notFound("sandbox " + id + " not found"));
   json j = toApi(r);
-  if (r.state == "running") {
-    if (auto s = edge_->stats(id); s.isOk()) {
+  if (r.state == SandboxState::kRunning) {
+    if (auto s = cluster_->stats(id); s.isOk()) {
       j["stats"] = {{"oom_kills", s->oomKills},
                     {"pids_limit_hits", s->pidsLimitHits},
                     {"memory_bytes", s->memoryBytes}};
@@ -529,7 +537,7 @@ Result<Platform::PolicyPlan> Platform::planPolicy(const SandboxRecord& r) {
   ASSIGN_OR_RETURN(plan.egress, egressRules(p));
   // The lower of the sandbox's own limits and the policy's ceilings, every
   // switch (so leaving a tighter policy lifts its ceilings again).
-  edge::CgroupLimits& lim = plan.limits;
+  proto::CgroupLimits& lim = plan.limits;
   lim.cpu = p.limits.cpu > 0 ? std::min(r.cpu, p.limits.cpu) : r.cpu;
   int64_t memMb = p.limits.memoryMb > 0 ? std::min(r.memoryMb, p.limits.memoryMb) : r.memoryMb;
   lim.memoryBytes = memMb << 20;
@@ -546,22 +554,22 @@ Result<Platform::PolicyPlan> Platform::planPolicy(const SandboxRecord& r) {
 Status Platform::applyPolicy(const SandboxRecord& r) {
   auto plan = planPolicy(r);
   if (!plan.isOk()) return Status(plan.status()).withContext("apply policy " + r.policy);
-  if (Status st = edge_->setLimits(r.id, plan->limits); !st.isOk()) {
+  if (Status st = cluster_->setLimits(r.id, plan->limits); !st.isOk()) {
     return st.withContext("apply policy " + r.policy);
   }
   auto applyFiles = [&]() -> Status {
-    auto res = edge_->fileCall(r.id, proto::FrameType::kPolicy, plan->agentBody);
+    auto res = cluster_->agentOp(r.id, proto::AgentOp::kPolicy, plan->agentBody);
     return res.isOk() ? Status::ok() : res.status();
   };
   // Closing goes first and opening last, so a switch is never more open
   // than either policy, even for a moment.
   Status st;
   if (plan->egress.empty()) {
-    st = edge_->setEgress(r.id, {});
+    st = cluster_->setEgress(r.id, {});
     if (st.isOk()) st = applyFiles();
   } else {
     st = applyFiles();
-    if (st.isOk()) st = edge_->setEgress(r.id, plan->egress);
+    if (st.isOk()) st = cluster_->setEgress(r.id, plan->egress);
   }
   if (!st.isOk()) return st.withContext("apply policy " + r.policy);
   return Status::ok();
@@ -602,7 +610,7 @@ void Platform::setPhase(const std::string& id, http::Request& req, http::Respons
   {
     std::lock_guard lk(mu_);
     auto it = sandboxes_.find(id);
-    if (it == sandboxes_.end() || it->second.state != "running") {
+    if (it == sandboxes_.end() || it->second.state != SandboxState::kRunning) {
       return sendError(res, Status(Code::kFailedPrecondition, "sandbox " + id + " stopped"));
     }
     it->second.policy = r.policy;
@@ -620,13 +628,13 @@ void Platform::setPhase(const std::string& id, http::Request& req, http::Respons
 void Platform::getAudit(const std::string& id, http::Response& res) {
   auto rec = runningSandbox(id);
   if (!rec.isOk()) return sendError(res, rec.status());
-  auto r = edge_->fileCall(id, proto::FrameType::kAudit, "{}");
+  auto r = cluster_->agentOp(id, proto::AgentOp::kAudit, "{}");
   if (!r.isOk()) return sendError(res, r.status());
   json j = json::parse(*r, nullptr, false);
   if (!j.is_object()) return sendError(res, Status(Code::kInternal, "agent sent a bad audit"));
   j.erase("ok");
   j["id"] = id;
-  auto eg = edge_->egressDenials(id);
+  auto eg = cluster_->egressDenials(id);
   if (!eg.isOk()) return sendError(res, eg.status());
   j["egress_denied"] = eg->count;
   j["egress_last_denied"] = eg->last;
@@ -634,7 +642,7 @@ void Platform::getAudit(const std::string& id, http::Response& res) {
 }
 
 void Platform::deleteSandbox(const std::string& id, http::Response& res) {
-  auto rec = destroy(id, "stopped", "");
+  auto rec = destroy(id, SandboxState::kStopped, "");
   if (!rec.isOk()) return sendError(res, rec.status());
   sendJson(res, 200, dumpJson(toApi(*rec)));
 }
@@ -645,7 +653,7 @@ Result<Platform::ExecPlan> Platform::planExec(const std::string& id, const json&
   if (!sb.isOk()) return sb.status();
 
   ExecPlan plan;
-  edge::ExecSpec& spec = plan.spec;
+  proto::ExecSpec& spec = plan.spec;
   auto cmd = j.find("cmd");
   if (cmd == j.end() || cmd->is_null()) return invalidArg("cmd", "cmd is required");
   if (cmd->is_string()) {
@@ -738,7 +746,7 @@ Result<Platform::ExecPlan> Platform::planExec(const std::string& id, const json&
 
 namespace {
 
-json execResultJson(const edge::ExecResult& r, bool b64) {
+json execResultJson(const proto::ExecResult& r, bool b64) {
   json out = {{"exit_code", r.exitCode},   {"signal", r.signal},
               {"truncated", r.truncated},  {"timed_out", r.timedOut},
               {"oom_killed", r.oomKilled}, {"duration_ms", r.durationMs}};
@@ -795,7 +803,7 @@ void Platform::execSandbox(const std::string& id, http::Request& req, http::Resp
     const std::string sid = routeStep(id, (*key)->trajectory);
     auto out = chronus_->once(**key, "exec", sid, j, [&]() -> Result<StepOutcome> {
       ASSIGN_OR_RETURN(ExecPlan plan, planExec(sid, j, req));
-      ASSIGN_OR_RETURN(edge::ExecResult r, edge_->exec(sid, plan.spec, nullptr));
+      ASSIGN_OR_RETURN(proto::ExecResult r, cluster_->exec(sid, plan.spec, nullptr));
       return StepOutcome{200, "application/json", dumpJson(execResultJson(r, plan.b64))};
     });
     if (!out.isOk()) return sendError(res, out.status());
@@ -804,12 +812,12 @@ void Platform::execSandbox(const std::string& id, http::Request& req, http::Resp
   }
   auto planned = planExec(id, j, req);
   if (!planned.isOk()) return sendError(res, planned.status());
-  edge::ExecSpec& spec = planned->spec;
+  proto::ExecSpec& spec = planned->spec;
   const bool b64 = planned->b64;
   const bool streaming = planned->streaming;
 
   if (!streaming) {
-    auto r = edge_->exec(id, spec, nullptr);
+    auto r = cluster_->exec(id, spec, nullptr);
     if (!r.isOk()) return sendError(res, r.status());
     return sendJson(res, 200, dumpJson(execResultJson(*r, b64)));
   }
@@ -823,7 +831,7 @@ void Platform::execSandbox(const std::string& id, http::Request& req, http::Resp
     }
     return res.write(dumpJson(ev) + "\n");
   };
-  auto r = edge_->exec(id, spec, sink);
+  auto r = cluster_->exec(id, spec, sink);
   json last;
   if (r.isOk()) {
     last = execResultJson(*r, false);
@@ -883,7 +891,7 @@ void Platform::fileStep(const std::string& asked, const std::string& op, const S
     run = [&, body = *j]() -> Result<StepOutcome> {
       RETURN_IF_ERROR(runningSandbox(id).status());
       ASSIGN_OR_RETURN(json args, mkdirArgs(body));
-      RETURN_IF_ERROR(edge_->fileCall(id, proto::FrameType::kMkdir, args.dump()).status());
+      RETURN_IF_ERROR(cluster_->agentOp(id, proto::AgentOp::kMkdir, args.dump()).status());
       return StepOutcome{200, "application/json", "{}"};
     };
   } else if (op.empty()) {
@@ -912,7 +920,7 @@ void Platform::fileStep(const std::string& asked, const std::string& op, const S
           off += k;
           return k;
         };
-        ASSIGN_OR_RETURN(uint64_t size, edge_->writeFile(id, p, md, src));
+        ASSIGN_OR_RETURN(uint64_t size, cluster_->writeFile(id, p, md, src));
         StepOutcome o{200, "application/json", dumpJson(json{{"path", p}, {"size", size}})};
         o.content = pinned;
         return o;
@@ -930,7 +938,7 @@ void Platform::fileStep(const std::string& asked, const std::string& op, const S
           data.append(d);
           return Status::ok();
         };
-        RETURN_IF_ERROR(edge_->readFile(id, p, onSize, sink));
+        RETURN_IF_ERROR(cluster_->readFile(id, p, onSize, sink));
         return StepOutcome{200, "application/octet-stream", std::move(data)};
       };
     } else if (m == "DELETE") {
@@ -941,7 +949,7 @@ void Platform::fileStep(const std::string& asked, const std::string& op, const S
       run = [&, p = *path, r = *recursive]() -> Result<StepOutcome> {
         RETURN_IF_ERROR(runningSandbox(id).status());
         json args = {{"path", p}, {"recursive", r}};
-        RETURN_IF_ERROR(edge_->fileCall(id, proto::FrameType::kRemove, args.dump()).status());
+        RETURN_IF_ERROR(cluster_->agentOp(id, proto::AgentOp::kRemove, args.dump()).status());
         return StepOutcome{200, "application/json", "{}"};
       };
     }
@@ -983,7 +991,7 @@ Result<json> Platform::reexecStep(const std::string& id, const TrajectoryStep& s
   if (s.kind == "exec") {
     auto plan = planExec(id, q, req);
     if (!plan.isOk()) return failed(plan.status());
-    auto r = edge_->exec(id, plan->spec, nullptr);
+    auto r = cluster_->exec(id, plan->spec, nullptr);
     if (!r.isOk()) return failed(r.status());
     json now = {{"exit_code", r->exitCode},
                 {"signal", r->signal},
@@ -1022,20 +1030,20 @@ Result<json> Platform::reexecStep(const std::string& id, const TrajectoryStep& s
       return k;
     };
     int mode = q.value("mode", 0644);
-    auto w = edge_->writeFile(id, q.value("path", ""), mode, src);
+    auto w = cluster_->writeFile(id, q.value("path", ""), mode, src);
     if (!w.isOk()) return failed(w.status());
     return json();
   }
   if (s.kind == "mkdir") {
     auto args = mkdirArgs(q);
     if (!args.isOk()) return failed(args.status());
-    auto r = edge_->fileCall(id, proto::FrameType::kMkdir, args->dump());
+    auto r = cluster_->agentOp(id, proto::AgentOp::kMkdir, args->dump());
     if (!r.isOk()) return failed(r.status());
     return json();
   }
   if (s.kind == "remove") {
     json args = {{"path", q.value("path", "")}, {"recursive", q.value("recursive", false)}};
-    auto r = edge_->fileCall(id, proto::FrameType::kRemove, args.dump());
+    auto r = cluster_->agentOp(id, proto::AgentOp::kRemove, args.dump());
     if (!r.isOk()) return failed(r.status());
     return json();
   }
@@ -1067,7 +1075,7 @@ void Platform::files(const std::string& id, const std::string& op, http::Request
     if (!j.isOk()) return sendError(res, j.status());
     auto args = mkdirArgs(*j);
     if (!args.isOk()) return sendError(res, args.status());
-    auto r = edge_->fileCall(id, proto::FrameType::kMkdir, args->dump());
+    auto r = cluster_->agentOp(id, proto::AgentOp::kMkdir, args->dump());
     if (!r.isOk()) return sendError(res, r.status());
     return sendJson(res, 200, "{}");
   }
@@ -1075,8 +1083,8 @@ void Platform::files(const std::string& id, const std::string& op, http::Request
   if (!path.isOk()) return sendError(res, path.status());
   if (op == "list" || op == "stat") {
     if (m != "GET") return sendError(res, invalidArg("method", "use GET for " + op));
-    auto r = edge_->fileCall(id, op == "list" ? proto::FrameType::kList : proto::FrameType::kStat,
-                             json{{"path", *path}}.dump());
+    auto r = cluster_->agentOp(id, op == "list" ? proto::AgentOp::kList : proto::AgentOp::kStat,
+                               json{{"path", *path}}.dump());
     if (!r.isOk()) return sendError(res, r.status());
     json j = json::parse(*r, nullptr, false);
     if (j.is_discarded()) return sendError(res, internalError("agent sent malformed JSON"));
@@ -1087,7 +1095,7 @@ void Platform::files(const std::string& id, const std::string& op, http::Request
   if (m == "DELETE") {
     auto recursive = recursiveParam(req);
     if (!recursive.isOk()) return sendError(res, recursive.status());
-    auto r = edge_->fileCall(id, proto::FrameType::kRemove,
+    auto r = cluster_->agentOp(id, proto::AgentOp::kRemove,
                              json{{"path", *path}, {"recursive", *recursive}}.dump());
     if (!r.isOk()) return sendError(res, r.status());
     return sendJson(res, 200, "{}");
@@ -1106,7 +1114,7 @@ void Platform::files(const std::string& id, const std::string& op, http::Request
       if (total > kMaxFile) return Status(Code::kPayloadTooLarge, "file larger than 4 GiB");
       return got;
     };
-    auto r = edge_->writeFile(id, *path, *mode, src);
+    auto r = cluster_->writeFile(id, *path, *mode, src);
     if (!r.isOk()) return sendError(res, r.status());
     return sendJson(res, 200, dumpJson(json{{"path", *path}, {"size", *r}}));
   }
@@ -1116,7 +1124,7 @@ void Platform::files(const std::string& id, const std::string& op, http::Request
                   : res.beginChunked(200, "application/octet-stream");
     };
     auto sink = [&](std::string_view d) { return res.write(d); };
-    Status st = edge_->readFile(id, *path, onSize, sink);
+    Status st = cluster_->readFile(id, *path, onSize, sink);
     if (!st.isOk()) {
       if (res.started()) {
         (void)res.finish();  // drops the connection: the body is short
@@ -1149,35 +1157,36 @@ void Platform::pauseSandbox(const std::string& id, bool pause, http::Request& re
     std::lock_guard lk(mu_);
     auto it = sandboxes_.find(id);
     if (it == sandboxes_.end()) return sendError(res, notFound("sandbox " + id + " not found"));
-    const std::string& st = it->second.state;
+    const SandboxState st = it->second.state;
     // The VM backends, whose whole state can go to a file.
-    if (toDisk && it->second.backend != "microvm" && it->second.backend != "vm") {
+    if (toDisk && !proto::isVm(it->second.backend)) {
       return sendError(res, Status(Code::kFailedPrecondition,
                                    "memory \"disk\" needs a VM sandbox (backend microvm or vm); "
                                    "sandbox " +
-                                       id + " is backend " + it->second.backend,
+                                       id + " is backend " + proto::backendName(it->second.backend),
                                    0, "memory"));
     }
     // Paused to disk already, or paused and asked for RAM: nothing to do. A
     // sandbox paused in RAM may still go to disk.
-    bool done = pause ? st == "paused" && (!toDisk || it->second.pausedTo == "disk")
-                      : st == "running";
+    bool done = pause ? st == SandboxState::kPaused && (!toDisk || it->second.pausedTo == "disk")
+                      : st == SandboxState::kRunning;
     if (done) return sendJson(res, 200, dumpJson(toApi(it->second)));
-    if (st != "running" && st != "paused") {
+    if (!proto::isUp(st)) {
       return sendError(res, Status(Code::kFailedPrecondition,
-                                   "sandbox " + id + " is " + st + ", not running"));
+                                   "sandbox " + id + " is " + proto::stateName(st) +
+                                       ", not running"));
     }
   }
   // A resume of a sandbox paused to disk restores its VM; if that fails the
   // edge reports the sandbox dead (recorded failed, onSandboxDeath).
-  Status edgeSt = toDisk ? edge_->hibernate(id) : edge_->pause(id, pause);
+  Status edgeSt = toDisk ? cluster_->hibernate(id) : cluster_->pause(id, pause);
   if (!edgeSt.isOk()) return sendError(res, edgeSt);
   {
     std::lock_guard lk(mu_);
     auto it = sandboxes_.find(id);
     if (it == sandboxes_.end()) return sendError(res, notFound("sandbox " + id + " not found"));
-    if (it->second.state == "running" || it->second.state == "paused") {
-      it->second.state = pause ? "paused" : "running";
+    if (it->second.state == SandboxState::kRunning || it->second.state == SandboxState::kPaused) {
+      it->second.state = pause ? SandboxState::kPaused : SandboxState::kRunning;
       it->second.pausedTo = toDisk ? "disk" : "";
     }
     it->second.updatedAt = nowSeconds();

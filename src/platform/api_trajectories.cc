@@ -308,7 +308,7 @@ Result<json> Platform::runRecover(const std::string& id, bool force, http::Reque
   }
   if (live && !force) {
     return Status(Code::kConflict,
-                  "sandbox " + oldId + " of trajectory " + id + " is still " + old.state +
+                  "sandbox " + oldId + " of trajectory " + id + " is still " + proto::stateName(old.state) +
                       "; recover with force to replace it anyway",
                   0, "force");
   }
@@ -368,7 +368,7 @@ Result<json> Platform::runRecover(const std::string& id, bool force, http::Reque
   ASSIGN_OR_RETURN(SandboxRecord made, launch(r));
   // A failed recover leaves nothing: the new sandbox and its record go.
   auto abandon = [&](Status st) -> Status {
-    (void)destroy(made.id, "stopped", "recover failed");
+    (void)destroy(made.id, SandboxState::kStopped, "recover failed");
     {
       std::lock_guard lk(mu_);
       sandboxes_.erase(made.id);

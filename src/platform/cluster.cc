@@ -10,10 +10,7 @@
 #include "common/log.h"
 #include "common/sha256.h"
 #include "common/util.h"
-#include "edge/backends/fncall/fncall_backend.h"
-#include "edge/backends/microvm/microvm_backend.h"
-#include "edge/backends/vm/vm_backend.h"
-#include "edge/edge_wire.h"
+#include "proto/codec.h"
 
 namespace dsec::platform {
 
@@ -31,7 +28,7 @@ void sendJsonBody(http::Response& res, int status, const json& j) {
 void sendErr(http::Response& res, const Status& st) {
   if (res.started()) return;
   countApiError(st.code());
-  sendJsonBody(res, httpStatusFor(st.code()), edge::wire::errorJson(st));
+  sendJsonBody(res, httpStatusFor(st.code()), proto::errorJson(st));
 }
 
 bool validNodeName(const std::string& s) {
@@ -45,31 +42,6 @@ bool validNodeName(const std::string& s) {
 std::string bearer(http::Request& req) {
   std::string a = req.header("authorization");
   return startsWith(a, "Bearer ") ? a.substr(7) : "";
-}
-
-const edge::MicroVmProbe& noMicrovm() {
-  static const edge::MicroVmProbe p = [] {
-    edge::MicroVmProbe x;
-    x.reason = "no node runs in this platform process";
-    return x;
-  }();
-  return p;
-}
-const edge::VmProbe& noVm() {
-  static const edge::VmProbe p = [] {
-    edge::VmProbe x;
-    x.reason = "no node runs in this platform process";
-    return x;
-  }();
-  return p;
-}
-const edge::Userns& noUserns() {
-  static const edge::Userns u = [] {
-    edge::Userns x;
-    x.reason = "no node runs in this platform process";
-    return x;
-  }();
-  return u;
 }
 
 }  // namespace
@@ -269,7 +241,8 @@ void Cluster::renewLeases() {
   }
 }
 
-void Cluster::addLocal(edge::EdgeLink* e, const std::string& name, NodeCapacity cap) {
+void Cluster::addLocal(proto::EdgeLink* e, proto::LocalNode* report, const std::string& name,
+                       NodeCapacity cap) {
   auto node = std::make_unique<Node>();
   node->name = name;
   node->local = true;
@@ -279,18 +252,19 @@ void Cluster::addLocal(edge::EdgeLink* e, const std::string& name, NodeCapacity 
   node->lastHeartbeat = nowSeconds();
   std::lock_guard lk(mu_);
   localName_ = name;
+  localNode_ = report;
   nodes_[name] = std::move(node);
 }
 
 // ------------------------------------------------------------------ routing
 
-edge::EdgeLink* Cluster::localLink() const {
+proto::EdgeLink* Cluster::localLink() const {
   std::lock_guard lk(mu_);
   if (localName_.empty()) return nullptr;
   return nodes_.at(localName_)->link;
 }
 
-Result<edge::EdgeLink*> Cluster::route(const std::string& id) const {
+Result<proto::EdgeLink*> Cluster::route(const std::string& id) const {
   std::lock_guard lk(mu_);
   auto p = placed_.find(id);
   if (p == placed_.end()) {
@@ -324,7 +298,7 @@ bool Cluster::isRemoteNode(const std::string& node) const {
 }
 
 void Cluster::bindSandbox(const std::string& id, const std::string& node,
-                          const edge::SandboxSpec& spec) {
+                          const proto::SandboxSpec& spec) {
   std::lock_guard lk(mu_);
   if (creating_.count(id)) return;  // our own create: it binds itself
   unplaceLocked(id);
@@ -468,7 +442,7 @@ const std::vector<NodeView>& Cluster::placementViewsLocked() {
   return viewBuf_;
 }
 
-PlacementRequest Cluster::requestFor(const edge::SandboxSpec& spec) {
+PlacementRequest Cluster::requestFor(const proto::SandboxSpec& spec) {
   PlacementRequest pr;
   pr.cpu = spec.cpu;
   pr.memoryMb = spec.memoryBytes >> 20;
@@ -481,7 +455,7 @@ PlacementRequest Cluster::requestFor(const edge::SandboxSpec& spec) {
 }
 
 Result<Cluster::Node*> Cluster::admitLocked(std::unique_lock<std::mutex>& lk,
-                                            const edge::SandboxSpec& spec,
+                                            const proto::SandboxSpec& spec,
                                             const PlacementRequest& pr, double t0) {
   auto deadline = std::chrono::steady_clock::now() +
                   std::chrono::milliseconds(int64_t(opts_.admissionWaitS * 1000));
@@ -545,7 +519,7 @@ Result<Cluster::Node*> Cluster::admitLocked(std::unique_lock<std::mutex>& lk,
   return node;
 }
 
-void Cluster::startLocked(Node& node, const edge::SandboxSpec& spec, double t0, bool reserved) {
+void Cluster::startLocked(Node& node, const proto::SandboxSpec& spec, double t0, bool reserved) {
   double lat = nowSeconds() - t0;
   for (size_t i = 0; i < schedBuckets_.size(); ++i) {
     if (lat <= schedBuckets_[i]) {
@@ -576,17 +550,17 @@ void Cluster::finishLocked(Node& node, const std::string& id, const Status& st) 
   }
 }
 
-edge::SandboxSpec Cluster::withFncallInit(const std::string& backend,
-                                          const edge::SandboxSpec& spec) const {
-  edge::SandboxSpec s = spec;
-  if (backend == "fncall" && s.fncallInit.empty()) {
+proto::SandboxSpec Cluster::withFncallInit(proto::BackendKind backend,
+                                           const proto::SandboxSpec& spec) const {
+  proto::SandboxSpec s = spec;
+  if (backend == proto::BackendKind::kFncall && s.fncallInit.empty()) {
     s.fncallInit =
-        edge::fncallInitJson(s.diskBytes, opts_.fncallLanguages, opts_.fncallZygoteMaxCalls);
+        proto::fncallInitJson(s.diskBytes, opts_.fncallLanguages, opts_.fncallZygoteMaxCalls);
   }
   return s;
 }
 
-Status Cluster::create(const std::string& backend, const edge::SandboxSpec& spec) {
+Status Cluster::create(proto::BackendKind backend, const proto::SandboxSpec& spec) {
   PlacementRequest pr = requestFor(spec);
   double t0 = nowSeconds();
   Node* node;
@@ -605,14 +579,14 @@ Status Cluster::create(const std::string& backend, const edge::SandboxSpec& spec
   return st;
 }
 
-std::vector<std::optional<Status>> Cluster::createGroup(const std::string& backend,
-                                                       const std::vector<edge::SandboxSpec>& specs) {
+std::vector<std::optional<Status>> Cluster::createGroup(proto::BackendKind backend,
+                                                       const std::vector<proto::SandboxSpec>& specs) {
   std::vector<std::optional<Status>> out(specs.size());
   if (specs.empty()) return out;
   double t0 = nowSeconds();
   PlacementRequest pr = requestFor(specs[0]);
   Node* node;
-  std::vector<edge::SandboxSpec> group;  // the specs going to `node`, in one call
+  std::vector<proto::SandboxSpec> group;  // the specs going to `node`, in one call
   std::vector<size_t> at;
   {
     std::unique_lock lk(mu_);
@@ -680,7 +654,7 @@ std::vector<std::optional<Status>> Cluster::createGroup(const std::string& backe
 }
 
 Status Cluster::destroy(const std::string& id) {
-  edge::EdgeLink* link = nullptr;
+  proto::EdgeLink* link = nullptr;
   bool down = false;
   {
     std::lock_guard lk(mu_);
@@ -706,11 +680,11 @@ Status Cluster::destroy(const std::string& id) {
 std::vector<Status> Cluster::destroyMany(const std::vector<std::string>& ids) {
   std::vector<Status> out(ids.size());
   // Each node's ids (by the same rule as destroy()), in chunks.
-  std::map<edge::EdgeLink*, std::vector<size_t>> byLink;
+  std::map<proto::EdgeLink*, std::vector<size_t>> byLink;
   {
     std::lock_guard lk(mu_);
     for (size_t i = 0; i < ids.size(); ++i) {
-      edge::EdgeLink* link = nullptr;
+      proto::EdgeLink* link = nullptr;
       auto p = placed_.find(ids[i]);
       if (p == placed_.end()) {
         if (!localName_.empty()) link = nodes_.at(localName_)->link;
@@ -720,7 +694,7 @@ std::vector<Status> Cluster::destroyMany(const std::vector<std::string>& ids) {
       if (link) byLink[link].push_back(i);  // else: a down node destroys it when it returns
     }
   }
-  std::vector<std::pair<edge::EdgeLink*, std::vector<size_t>>> chunks;
+  std::vector<std::pair<proto::EdgeLink*, std::vector<size_t>>> chunks;
   for (auto& [link, at] : byLink) {
     for (size_t from = 0; from < at.size(); from += kDestroyChunk) {
       chunks.emplace_back(
@@ -752,30 +726,42 @@ std::vector<Status> Cluster::destroyMany(const std::vector<std::string>& ids) {
   return out;
 }
 
-#define ROUTE(id) ASSIGN_OR_RETURN(edge::EdgeLink* link, route(id))
+#define ROUTE(id) ASSIGN_OR_RETURN(proto::EdgeLink* link, route(id))
 
-Result<edge::ExecResult> Cluster::exec(const std::string& id, const edge::ExecSpec& spec,
-                                       const edge::OutputSink& sink) {
-  ROUTE(id);
-  return link->exec(id, spec, sink);
+namespace {
+class EndedExec : public proto::ExecCall {
+ public:
+  void cancel() override {}
+};
+}  // namespace
+
+std::shared_ptr<proto::ExecCall> Cluster::startExec(const std::string& id,
+                                                    const proto::ExecSpec& spec,
+                                                    proto::ExecCallbacks cb) {
+  auto link = route(id);
+  if (!link.isOk()) {
+    cb.onDone(link.status());
+    return std::make_shared<EndedExec>();
+  }
+  return (*link)->startExec(id, spec, std::move(cb));
 }
 Result<uint64_t> Cluster::writeFile(const std::string& id, const std::string& path, int mode,
-                                    const edge::ByteSource& src) {
+                                    const proto::ByteSource& src) {
   ROUTE(id);
   return link->writeFile(id, path, mode, src);
 }
 Status Cluster::readFile(const std::string& id, const std::string& path,
                          const std::function<Status(std::optional<uint64_t>)>& onSize,
-                         const edge::ByteSink& sink) {
+                         const proto::ByteSink& sink) {
   ROUTE(id);
   return link->readFile(id, path, onSize, sink);
 }
-Result<std::string> Cluster::fileCall(const std::string& id, proto::FrameType type,
-                                      const std::string& json) {
+Result<std::string> Cluster::agentOp(const std::string& id, proto::AgentOp op,
+                                     const std::string& json) {
   ROUTE(id);
-  return link->fileCall(id, type, json);
+  return link->agentOp(id, op, json);
 }
-Result<edge::CgroupStats> Cluster::stats(const std::string& id) {
+Result<proto::CgroupStats> Cluster::stats(const std::string& id) {
   ROUTE(id);
   return link->stats(id);
 }
@@ -787,15 +773,15 @@ Status Cluster::hibernate(const std::string& id) {
   ROUTE(id);
   return link->hibernate(id);
 }
-Status Cluster::setLimits(const std::string& id, const edge::CgroupLimits& limits) {
+Status Cluster::setLimits(const std::string& id, const proto::CgroupLimits& limits) {
   ROUTE(id);
   return link->setLimits(id, limits);
 }
-Status Cluster::setEgress(const std::string& id, const std::vector<edge::net::EgressRule>& rules) {
+Status Cluster::setEgress(const std::string& id, const std::vector<proto::EgressRule>& rules) {
   ROUTE(id);
   return link->setEgress(id, rules);
 }
-Result<edge::net::EgressDenials> Cluster::egressDenials(const std::string& id) {
+Result<proto::EgressDenials> Cluster::egressDenials(const std::string& id) {
   ROUTE(id);
   return link->egressDenials(id);
 }
@@ -805,7 +791,7 @@ Result<image::BuiltLayer> Cluster::packDiff(const std::string& id, const std::st
 }
 
 Status Cluster::evictLayer(const std::string& digest) {
-  std::vector<edge::EdgeLink*> links;
+  std::vector<proto::EdgeLink*> links;
   {
     std::lock_guard lk(mu_);
     for (auto& [_, n] : nodes_) {
@@ -833,60 +819,18 @@ void Cluster::setLostHandler(std::function<void(const std::string&, bool, const 
   onLost_ = std::move(h);
 }
 
-std::string Cluster::egressUnavailable() const {
-  auto* l = localLink();
-  return l ? l->egressUnavailable() : "";
+proto::LocalNode* Cluster::localNode() const {
+  std::lock_guard lk(mu_);
+  return localNode_;
 }
-std::string Cluster::egressTag() const {
-  auto* l = localLink();
-  return l ? l->egressTag() : "";
-}
-std::map<std::string, uint64_t> Cluster::egressDenialCounts() {
-  auto* l = localLink();
-  return l ? l->egressDenialCounts() : std::map<std::string, uint64_t>{};
-}
-std::map<std::string, uint64_t> Cluster::syscallDenialCounts() const {
-  auto* l = localLink();
-  return l ? l->syscallDenialCounts() : std::map<std::string, uint64_t>{};
-}
-std::vector<std::string> Cluster::sandboxIds() const {
-  auto* l = localLink();
-  return l ? l->sandboxIds() : std::vector<std::string>{};
-}
-std::vector<std::string> Cluster::adoptedIds() const {
-  auto* l = localLink();
-  return l ? l->adoptedIds() : std::vector<std::string>{};
-}
-std::map<std::string, int> Cluster::orphansRemoved() const {
-  auto* l = localLink();
-  return l ? l->orphansRemoved() : std::map<std::string, int>{};
-}
-const std::map<std::string, std::vector<std::string>>& Cluster::fncallLanguages() const {
-  return opts_.fncallLanguages;
-}
-const edge::Userns& Cluster::userns() const {
-  auto* l = localLink();
-  return l ? l->userns() : noUserns();
-}
-const edge::MicroVmProbe& Cluster::microvm() const {
-  auto* l = localLink();
-  return l ? l->microvm() : noMicrovm();
-}
-const edge::VmProbe& Cluster::vm() const {
-  auto* l = localLink();
-  return l ? l->vm() : noVm();
-}
+
 Result<std::string> Cluster::screenshot(const std::string& id) {
   ROUTE(id);
   return link->screenshot(id);
 }
-Status Cluster::input(const std::string& id, const edge::InputAction& action) {
+Status Cluster::input(const std::string& id, const proto::InputAction& action) {
   ROUTE(id);
   return link->input(id, action);
-}
-edge::NodeCache* Cluster::localNodeCache() {
-  auto* l = localLink();
-  return l ? l->localNodeCache() : nullptr;
 }
 
 // ------------------------------------------------------------------ liveness
@@ -1244,21 +1188,21 @@ void Cluster::heartbeat(const std::string& name, http::Request& req, http::Respo
     }
     // Being created: by its replica (which finishes it, or the leader fails
     // it), or a batch's, stored `pending` until its creation is (docs/batches.md).
-    if (r->state == "creating" || r->state == "pending") {
+    if (r->state == SandboxState::kCreating || r->state == SandboxState::kPending) {
       undecided.push_back(id);
       continue;
     }
-    bool live = r->state == "running" || r->state == "paused" || r->state == "lost";
+    bool live = r->state == SandboxState::kRunning || r->state == SandboxState::kPaused || r->state == SandboxState::kLost;
     if (!live || r->node != name) {
       destroy.push_back(id);
       continue;
     }
-    edge::SandboxSpec spec;
+    proto::SandboxSpec spec;
     spec.cpu = r->cpu;
     spec.memoryBytes = r->memoryMb << 20;
     spec.tenant = r->owner;
     bindSandbox(id, name, spec);
-    if (r->state == "lost") changes.emplace_back(id, false);  // found
+    if (r->state == SandboxState::kLost) changes.emplace_back(id, false);  // found
   }
   if (!undecided.empty()) {
     std::lock_guard lk(mu_);
@@ -1334,7 +1278,7 @@ void Cluster::event(const std::string& name, http::Request& req, http::Response&
   if (!placedHere) {
     // Maybe placed through another replica and not yet followed here.
     auto r = opts_.store->getSandbox(id);
-    bool live = r.isOk() && (r->state == "running" || r->state == "paused" || r->state == "lost");
+    bool live = r.isOk() && (r->state == SandboxState::kRunning || r->state == SandboxState::kPaused || r->state == SandboxState::kLost);
     if (!live || r->node != name) return sendJsonBody(res, 200, {{"ignored", true}});
   }
   sendJsonBody(res, 200, {{"ignored", false}});

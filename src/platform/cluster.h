@@ -52,9 +52,8 @@
 
 #include "common/http_server.h"
 #include "common/util.h"
-#include "edge/edge_link.h"
-#include "edge/image/loader.h"
 #include "platform/remote_edge.h"
+#include "proto/edge_link.h"
 #include "platform/scheduler.h"
 #include "platform/store.h"
 
@@ -69,7 +68,7 @@ struct ClusterOptions {
   double heartbeatTimeoutS = 5;
   int maxInflightPerNode = 16;
   double admissionWaitS = 30;
-  edge::LayerLookup lookup;  // answers the edges' layer lookups
+  proto::LayerLookup lookup;  // answers the edges' layer lookups
   // Where burstable sandboxes go when their pool is busy (scheduler.h).
   BurstPolicy burst;
   // Layers the nodes of a pool pre-stage (docs/cluster.md): pool -> image
@@ -91,7 +90,7 @@ struct NodeCapacity {
   int64_t slots = 0;
 };
 
-class Cluster : public edge::EdgeLink {
+class Cluster : public proto::EdgeLink {
  public:
   // Moves an old <dataDir>/nodes.json into the store, loads the store's nodes
   // (those up await their first heartbeat) and starts the liveness monitor.
@@ -104,8 +103,10 @@ class Cluster : public edge::EdgeLink {
   bool isLeader() const { return leader_.load(); }
   const std::string& replicaId() const { return opts_.replicaId; }
 
-  // The in-process node of `dsec up`: always up, reached directly.
-  void addLocal(edge::EdgeLink* e, const std::string& name, NodeCapacity cap);
+  // The in-process node of `dsec up`: always up, reached directly; `report`
+  // is what GET /v1/node shows of it.
+  void addLocal(proto::EdgeLink* e, proto::LocalNode* report, const std::string& name,
+                NodeCapacity cap);
 
   // POST /internal/v1/join, /internal/v1/nodes/{n}/heartbeat and /events,
   // GET /internal/v1/layers/{digest}: the edges' calls.
@@ -113,65 +114,71 @@ class Cluster : public edge::EdgeLink {
   // GET /v1/nodes and /v1/nodes/{name} (the caller checked the API token).
   void handleNodes(http::Request& req, http::Response& res);
 
-  // EdgeLink: node-wide calls go to the local node (or answer empty);
-  // per-sandbox calls to the sandbox's node.
+  // EdgeLink: each call goes to the sandbox's node (a sandbox this cluster
+  // never placed: the local node, if any); the node's errors come back as
+  // they are, kUnavailable when the node is down.
   void setDeathHandler(std::function<void(const std::string&, const std::string&)> h) override;
-  void setLostHandler(std::function<void(const std::string&, bool, const std::string&)> h) override;
+  // Called when the sandboxes of a node that stopped answering are lost
+  // (lost = true), or found again when it returns (lost = false).
+  void setLostHandler(std::function<void(const std::string&, bool, const std::string&)> h);
   // Places the sandbox (waiting for room, see above), then creates it there.
-  Status create(const std::string& backend, const edge::SandboxSpec& spec) override;
+  Status create(proto::BackendKind backend, const proto::SandboxSpec& spec) override;
   // A batch worker's group: the first spec is placed as by create() (waiting
   // for room); the following ones of the same placement request go to the
   // same node while it has room and in-flight slots left, and all of those
   // are created with one call to that node (EdgeLink::createMany). An entry
   // left empty was not attempted (the caller queues it again). Reserved
   // specs (all or nothing) go one at a time: only the first is attempted.
-  std::vector<std::optional<Status>> createGroup(const std::string& backend,
-                                                 const std::vector<edge::SandboxSpec>& specs);
+  std::vector<std::optional<Status>> createGroup(proto::BackendKind backend,
+                                                 const std::vector<proto::SandboxSpec>& specs);
   // Forgets the placement whatever the node says; a down node's copy is
   // destroyed when it returns. OK for a sandbox on a down node.
   Status destroy(const std::string& id) override;
   // destroy() of many: each node's share goes in calls of up to
-  // kDestroyChunk ids (EdgeLink::destroyMany, one HTTP call to a remote
-  // node), several nodes and chunks at once.
+  // kDestroyChunk ids (EdgeLink::destroyMany, one call to a remote node),
+  // several nodes and chunks at once.
   std::vector<Status> destroyMany(const std::vector<std::string>& ids) override;
   static constexpr size_t kDestroyChunk = 256;
-  Result<edge::ExecResult> exec(const std::string& id, const edge::ExecSpec& spec,
-                                const edge::OutputSink& sink) override;
+  std::shared_ptr<proto::ExecCall> startExec(const std::string& id, const proto::ExecSpec& spec,
+                                             proto::ExecCallbacks cb) override;
   Result<uint64_t> writeFile(const std::string& id, const std::string& path, int mode,
-                             const edge::ByteSource& src) override;
+                             const proto::ByteSource& src) override;
   Status readFile(const std::string& id, const std::string& path,
                   const std::function<Status(std::optional<uint64_t>)>& onSize,
-                  const edge::ByteSink& sink) override;
-  Result<std::string> fileCall(const std::string& id, proto::FrameType type,
-                               const std::string& json) override;
-  Result<edge::CgroupStats> stats(const std::string& id) override;
+                  const proto::ByteSink& sink) override;
+  Result<std::string> agentOp(const std::string& id, proto::AgentOp op,
+                              const std::string& json) override;
+  Result<proto::CgroupStats> stats(const std::string& id) override;
   Status pause(const std::string& id, bool paused) override;
   Status hibernate(const std::string& id) override;
-  Status setLimits(const std::string& id, const edge::CgroupLimits& limits) override;
-  Status setEgress(const std::string& id, const std::vector<edge::net::EgressRule>& rules) override;
-  Result<edge::net::EgressDenials> egressDenials(const std::string& id) override;
-  std::string egressUnavailable() const override;
-  std::string egressTag() const override;
-  std::map<std::string, uint64_t> egressDenialCounts() override;
-  std::map<std::string, uint64_t> syscallDenialCounts() const override;
+  Status setLimits(const std::string& id, const proto::CgroupLimits& limits) override;
+  Status setEgress(const std::string& id, const std::vector<proto::EgressRule>& rules) override;
+  Result<proto::EgressDenials> egressDenials(const std::string& id) override;
   Result<image::BuiltLayer> packDiff(const std::string& id, const std::string& workDir) override;
+  // Every node that is up drops its mount of the layer.
   Status evictLayer(const std::string& digest) override;
-  std::vector<std::string> sandboxIds() const override;
-  std::vector<std::string> adoptedIds() const override;
-  std::map<std::string, int> orphansRemoved() const override;
-  const std::map<std::string, std::vector<std::string>>& fncallLanguages() const override;
-  const edge::Userns& userns() const override;
-  const edge::MicroVmProbe& microvm() const override;
-  const edge::VmProbe& vm() const override;
   Result<std::string> screenshot(const std::string& id) override;
-  Status input(const std::string& id, const edge::InputAction& action) override;
-  edge::NodeCache* localNodeCache() override;
-  std::string nodeOf(const std::string& id) const override;
+  Status input(const std::string& id, const proto::InputAction& action) override;
+
+  // The in-process node's report, if this process runs one (null otherwise).
+  proto::LocalNode* localNode() const;
+  // The fncall languages calls may name besides python and bash.
+  const std::map<std::string, std::vector<std::string>>& fncallLanguages() const {
+    return opts_.fncallLanguages;
+  }
+  // The node that holds sandbox `id` (the local node's name for one never
+  // placed here; empty when there is none).
+  std::string nodeOf(const std::string& id) const;
+  // Tells the router that sandbox `id` (a record loaded at start) lives on
+  // `node`, so its calls go there.
   void bindSandbox(const std::string& id, const std::string& node,
-                   const edge::SandboxSpec& spec) override;
-  void unbindSandbox(const std::string& id) override;
-  bool isRemoteNode(const std::string& node) const override;
-  std::string extraMetrics() override;
+                   const proto::SandboxSpec& spec);
+  // Forgets that placement (another platform replica ended the sandbox).
+  void unbindSandbox(const std::string& id);
+  // Whether `node` is another process's (its sandboxes outlive this one).
+  bool isRemoteNode(const std::string& node) const;
+  // Prometheus text appended to the platform's /metrics.
+  std::string extraMetrics();
   // All-or-nothing placement (POST /v1/batches): places every id of `ids`
   // with `r` now, ignoring the in-flight bound, and holds the room for them
   // until each is created (create() then uses that node) or destroyed. If
@@ -186,7 +193,7 @@ class Cluster : public edge::EdgeLink {
     std::string name;
     std::string pool = "default";
     bool local = false;
-    edge::EdgeLink* link = nullptr;      // local_ or remote->get()
+    proto::EdgeLink* link = nullptr;     // local_ or remote->get()
     std::unique_ptr<RemoteEdge> remote;  // remote nodes
     std::string url, edgeKeyHash, platformKey;
     double joinedAt = 0;
@@ -229,17 +236,17 @@ class Cluster : public edge::EdgeLink {
   void unplaceLocked(const std::string& id);
 
   explicit Cluster(ClusterOptions opts);
-  static PlacementRequest requestFor(const edge::SandboxSpec& spec);
+  static PlacementRequest requestFor(const proto::SandboxSpec& spec);
   // Waits (up to admissionWaitS) for a node with room for `spec` and starts
   // its creation there (startLocked); kUnavailable saying why when none.
-  Result<Node*> admitLocked(std::unique_lock<std::mutex>& lk, const edge::SandboxSpec& spec,
+  Result<Node*> admitLocked(std::unique_lock<std::mutex>& lk, const proto::SandboxSpec& spec,
                             const PlacementRequest& pr, double t0);
   // A creation placed on `node` begins (in flight, latency counted) / ended.
-  void startLocked(Node& node, const edge::SandboxSpec& spec, double t0, bool reserved);
+  void startLocked(Node& node, const proto::SandboxSpec& spec, double t0, bool reserved);
   void finishLocked(Node& node, const std::string& id, const Status& st);
   // The node of sandbox `id`, or kNotFound / kUnavailable (down) for calls.
-  Result<edge::EdgeLink*> route(const std::string& id) const;
-  edge::EdgeLink* localLink() const;
+  Result<proto::EdgeLink*> route(const std::string& id) const;
+  proto::EdgeLink* localLink() const;
   // The scheduler's views of the nodes: copies (for reserve(), which changes
   // them, and the API), or placementViewsLocked(): viewBuf_ refilled in place
   // with the sets by reference, for one pick under mu_.
@@ -255,7 +262,8 @@ class Cluster : public edge::EdgeLink {
   void syncNodesSoon();
   // `spec` with, for a fncall sandbox, the init frame's "fncall" object of
   // this platform's configuration (ClusterOptions::fncallLanguages...).
-  edge::SandboxSpec withFncallInit(const std::string& backend, const edge::SandboxSpec& spec) const;
+  proto::SandboxSpec withFncallInit(proto::BackendKind backend,
+                                    const proto::SandboxSpec& spec) const;
   void renewLeases();
   void monitor();
   void join(http::Request& req, http::Response& res);
@@ -280,6 +288,7 @@ class Cluster : public edge::EdgeLink {
   static constexpr double kFullListEveryS = 15;
   std::unordered_set<std::string> creating_;
   std::string localName_;
+  proto::LocalNode* localNode_ = nullptr;  // set by addLocal, before any call
   bool stopping_ = false;
   int queued_ = 0;
   uint64_t creations_ = 0;

@@ -448,7 +448,7 @@ Status PostgresStore::putSandbox(const SandboxRecord& r) {
   return Query::run(this, "putSandbox",
                     "INSERT INTO sandboxes(id, state, doc) VALUES($1, $2, $3) "
                     "ON CONFLICT(id) DO UPDATE SET state=excluded.state, doc=excluded.doc",
-                    Params().add(r.id).add(r.state).add(sandboxToJson(r)), kRetry)
+                    Params().add(r.id).add(std::string(proto::stateName(r.state))).add(sandboxToJson(r)), kRetry)
       .takeStatus();
 }
 
@@ -484,7 +484,7 @@ Status PostgresStore::putSandboxes(const std::vector<SandboxRecord>& rs,
                                    const std::vector<std::string>& drop) {
   if (rs.empty() && drop.empty()) return Status::ok();
   SandboxRows rows;
-  for (auto& r : rs) rows.push(r.id, r.state, sandboxToJson(r));
+  for (auto& r : rs) rows.push(r.id, std::string(proto::stateName(r.state)), sandboxToJson(r));
   TextArray dropped;
   for (auto& id : drop) dropped.push(id);
   // Upserts and deletes: repeating them is harmless.
@@ -500,7 +500,7 @@ Status PostgresStore::putBatch(const BatchRecord& b, const std::vector<std::stri
   SandboxRows rows;
   if (!ids.empty()) {
     SandboxDocs docs(pending);
-    for (auto& id : ids) rows.push(id, pending.state, docs.doc(id));
+    for (auto& id : ids) rows.push(id, std::string(proto::stateName(pending.state)), docs.doc(id));
   }
   std::string sql = std::string(
                         "WITH b AS (INSERT INTO batches(id, doc) VALUES($4, $5) "
@@ -957,11 +957,11 @@ Result<std::vector<SandboxRecord>> PostgresStore::sandboxesChangedSince(double s
   return out;
 }
 
-Result<bool> PostgresStore::casSandbox(const SandboxRecord& r, const std::string& fromState) {
+Result<bool> PostgresStore::casSandbox(const SandboxRecord& r, SandboxState fromState) {
   ASSIGN_OR_RETURN(Rows rows,
                    Query::run(this, "casSandbox",
                               "UPDATE sandboxes SET state=$2, doc=$3 WHERE id=$1 AND state=$4",
-                              Params().add(r.id).add(r.state).add(sandboxToJson(r)).add(fromState),
+                              Params().add(r.id).add(std::string(proto::stateName(r.state))).add(sandboxToJson(r)).add(std::string(proto::stateName(fromState))),
                               kRetry));
   return rows.affected() > 0;
 }

@@ -97,7 +97,7 @@ class PostgresStore : public Store {
   bool shared() const override { return true; }
   Result<SandboxRecord> getSandbox(const std::string& id) override;
   Result<std::vector<SandboxRecord>> sandboxesChangedSince(double since, double* now) override;
-  Result<bool> casSandbox(const SandboxRecord& r, const std::string& fromState) override;
+  Result<bool> casSandbox(const SandboxRecord& r, SandboxState fromState) override;
   Status putNode(const NodeRecord& r) override;
   Result<std::vector<NodeRecord>> listNodes() override;
   Status touchNode(const NodeRecord& r) override;

@@ -72,11 +72,12 @@ std::string Platform::blobPath(const std::string& dataDir, const std::string& di
 }
 
 Result<std::unique_ptr<Platform>> Platform::start(PlatformOptions opts, Store* store,
-                                                  edge::EdgeLink* edge) {
+                                                  Cluster* cluster) {
   std::unique_ptr<Platform> p(new Platform());
   p->opts_ = std::move(opts);
   p->store_ = store;
-  p->edge_ = edge;
+  p->cluster_ = cluster;
+  Cluster* edge = cluster;
   RETURN_IF_ERROR(makeDirs(p->opts_.dataDir + "/blobs/sha256", 0700));
   RETURN_IF_ERROR(validateEgress(p->opts_.setupEgress, "setup_egress"));
   RETURN_IF_ERROR(validateDns(p->opts_.setupDns, "setup_dns"));
@@ -91,14 +92,15 @@ Result<std::unique_ptr<Platform>> Platform::start(PlatformOptions opts, Store* s
   int lost = 0, kept = 0;
   // What the edge re-adopted from its predecessor (this process restarted:
   // crashed, or stopped with live restore) carries on as recorded.
-  auto adoptedList = edge->adoptedIds();
+  std::vector<std::string> adoptedList;
+  if (auto* local = cluster->localNode()) adoptedList = local->report().adopted;
   std::set<std::string> adopted(adoptedList.begin(), adoptedList.end());
   for (auto& r : records) {
     // A batch's, resumed above; or another live replica's create in flight
     // (docs/cluster.md): it finishes it, or the leader fails it if that
     // replica dies.
-    if (r.state == "pending" ||
-        (store->shared() && r.state == "creating" && r.replica != p->opts_.replicaId)) {
+    if (r.state == SandboxState::kPending ||
+        (store->shared() && r.state == SandboxState::kCreating && r.replica != p->opts_.replicaId)) {
       p->sandboxes_[r.id] = r;
       continue;
     }
@@ -108,20 +110,20 @@ Result<std::unique_ptr<Platform>> Platform::start(PlatformOptions opts, Store* s
       ++kept;
       continue;
     }
-    bool live = r.state == "running" || r.state == "paused";
+    bool live = r.state == SandboxState::kRunning || r.state == SandboxState::kPaused;
     if (live && adopted.erase(r.id)) {
       // The record decides: a pause or resume the crash cut short is redone.
-      if (Status st = edge->pause(r.id, r.state == "paused"); !st.isOk()) {
+      if (Status st = edge->pause(r.id, r.state == SandboxState::kPaused); !st.isOk()) {
         log::warn("sandbox " + r.id + ": " + st.toString());
       }
       p->lastCall_[r.id] = now;  // idle time counts from the restart
       ++kept;
-    } else if (r.state != "stopped" && r.state != "failed") {
+    } else if (r.state != SandboxState::kStopped && r.state != SandboxState::kFailed) {
       // The edge came up without it, or it was half made or half destroyed
       // (never acknowledged as running): it is gone.
       if (adopted.erase(r.id)) (void)edge->destroy(r.id);
-      r.error = "lost: the node restarted while the sandbox was " + r.state;
-      r.state = "failed";
+      r.error = "lost: the node restarted while the sandbox was " + std::string(proto::stateName(r.state));
+      r.state = SandboxState::kFailed;
       r.updatedAt = r.stoppedAt = now;
       RETURN_IF_ERROR(store->putSandbox(r));
       ++lost;
@@ -153,7 +155,7 @@ Result<std::unique_ptr<Platform>> Platform::start(PlatformOptions opts, Store* s
   for (int i = 0; i < std::max(1, p->opts_.batchWorkers); ++i) {
     p->batchThreads_.emplace_back([raw = p.get()] { raw->batchWorker(); });
   }
-  p->runPool_ = std::make_unique<edge::RunPool>(edge, p->opts_.runPool);
+  p->runPool_ = std::make_unique<RunPool>(cluster, p->opts_.runPool);
   return p;
 }
 
@@ -197,41 +199,41 @@ void Platform::shutdown() {
     std::lock_guard lk(mu_);
     for (auto& [id, r] : sandboxes_) {
       // Remote nodes' sandboxes outlive a platform restart (docs/cluster.md).
-      if ((r.state == "running" || r.state == "paused") && !edge_->isRemoteNode(r.node)) {
+      if ((r.state == SandboxState::kRunning || r.state == SandboxState::kPaused) && !cluster_->isRemoteNode(r.node)) {
         live.push_back(id);
       }
     }
     // Creates in flight see stopping_ and undo themselves.
   }
   for (auto& id : live) {
-    auto st = destroy(id, "stopped", "");
+    auto st = destroy(id, SandboxState::kStopped, "");
     if (!st.isOk()) log::error("shutdown: destroy " + id + ": " + st.status().toString());
   }
 }
 
-Result<SandboxRecord> Platform::destroy(const std::string& id, const std::string& finalState,
+Result<SandboxRecord> Platform::destroy(const std::string& id, SandboxState finalState,
                                         const std::string& why) {
   {
     std::unique_lock lk(mu_);
     auto it = sandboxes_.find(id);
     if (it == sandboxes_.end()) return notFound("sandbox " + id + " not found");
-    if (it->second.state == "creating") deleteRequested_.insert(id);
-    if (it->second.state == "creating" || it->second.state == "stopping") {
+    if (it->second.state == SandboxState::kCreating) deleteRequested_.insert(id);
+    if (it->second.state == SandboxState::kCreating || it->second.state == SandboxState::kStopping) {
       // Someone else finishes it; wait for the outcome. (Another replica's
       // create ends in a live record here, which is then ours to destroy.)
       stateCv_.wait(lk, [&] {
         auto cur = sandboxes_.find(id);
-        return cur == sandboxes_.end() || (cur->second.state != "creating" &&
-                                           cur->second.state != "stopping");
+        return cur == sandboxes_.end() || (cur->second.state != SandboxState::kCreating &&
+                                           cur->second.state != SandboxState::kStopping);
       });
       it = sandboxes_.find(id);
       if (it == sandboxes_.end()) return notFound("sandbox " + id + " not found");
       if (isFinal(it->second.state)) return it->second;
     }
     if (isFinal(it->second.state)) return it->second;
-    it->second.state = "stopping";
+    it->second.state = SandboxState::kStopping;
   }
-  Status edgeSt = edge_->destroy(id);
+  Status edgeSt = cluster_->destroy(id);
   if (!edgeSt.isOk()) log::error("destroy " + id + ": " + edgeSt.toString());
   SandboxRecord rec;
   {
@@ -254,9 +256,9 @@ void Platform::autoPause(const std::string& id) {
   {
     std::lock_guard lk(mu_);
     auto it = sandboxes_.find(id);
-    if (it == sandboxes_.end() || it->second.state != "running") return;
+    if (it == sandboxes_.end() || it->second.state != SandboxState::kRunning) return;
   }
-  if (Status st = edge_->pause(id, true); !st.isOk()) {
+  if (Status st = cluster_->pause(id, true); !st.isOk()) {
     log::error("auto-pause " + id + ": " + st.toString());
     return;
   }
@@ -265,14 +267,14 @@ void Platform::autoPause(const std::string& id) {
     std::lock_guard lk(mu_);
     auto it = sandboxes_.find(id);
     if (it == sandboxes_.end()) return;
-    if (it->second.state != "running") {
+    if (it->second.state != SandboxState::kRunning) {
       // Destroyed or resumed meanwhile: a call won; thaw if it still exists.
       lastCall_[id] = nowSeconds();
-      if (it->second.state == "paused") return;
-      (void)edge_->pause(id, false);
+      if (it->second.state == SandboxState::kPaused) return;
+      (void)cluster_->pause(id, false);
       return;
     }
-    it->second.state = "paused";
+    it->second.state = SandboxState::kPaused;
     it->second.updatedAt = nowSeconds();
     r = it->second;
   }
@@ -283,7 +285,7 @@ void Platform::autoPause(const std::string& id) {
 
 void Platform::onSandboxDeath(const std::string& id, const std::string& why) {
   if (store_->shared()) refreshSandbox(id);  // placed through another replica?
-  auto st = destroy(id, "failed", why);
+  auto st = destroy(id, SandboxState::kFailed, why);
   if (!st.isOk()) log::error("recording death of " + id + ": " + st.status().toString());
 }
 
@@ -308,14 +310,14 @@ void Platform::janitor() {
     // the destroy or pause that acts on it.
     // A lost sandbox (its node is down) keeps its TTL and idle timeout.
     auto live = [](const SandboxRecord& r) {
-      return r.state == "running" || r.state == "paused" || r.state == "lost";
+      return r.state == SandboxState::kRunning || r.state == SandboxState::kPaused || r.state == SandboxState::kLost;
     };
     auto idleTimers = [&](const std::string& id, const SandboxRecord& r) {
       auto lc = lastCall_.find(id);
       double last = lc == lastCall_.end() ? r.createdAt : std::max(r.createdAt, lc->second);
       if (live(r) && r.idleTimeoutS > 0 && now - last >= double(r.idleTimeoutS)) {
         idle.push_back(id);
-      } else if (r.state == "running" && r.autoPauseS > 0 && now - last >= double(r.autoPauseS)) {
+      } else if (r.state == SandboxState::kRunning && r.autoPauseS > 0 && now - last >= double(r.autoPauseS)) {
         toPause.push_back(id);
       }
     };
@@ -365,7 +367,7 @@ void Platform::janitor() {
         for (; it != sandboxes_.end() && k < kJanitorSlice; ++k) {
           const std::string& id = it->first;
           SandboxRecord& r = it->second;
-          if (r.state == "creating" && !r.replica.empty() && r.replica != opts_.replicaId) {
+          if (r.state == SandboxState::kCreating && !r.replica.empty() && r.replica != opts_.replicaId) {
             othersCreating.push_back(id);  // for reapCreating (leader, replicas)
           }
           bool fin = isFinal(r.state);
@@ -421,12 +423,12 @@ void Platform::janitor() {
     if (leader && store_->shared()) dropCalledElsewhere(idle, toPause);
     for (auto& id : expired) {
       log::info("sandbox " + id + ": TTL expired");
-      auto st = destroy(id, "stopped", "ttl expired");
+      auto st = destroy(id, SandboxState::kStopped, "ttl expired");
       if (!st.isOk()) log::error("ttl destroy " + id + ": " + st.status().toString());
     }
     for (auto& id : idle) {
       log::info("sandbox " + id + ": idle timeout");
-      auto st = destroy(id, "stopped", "idle timeout");
+      auto st = destroy(id, SandboxState::kStopped, "idle timeout");
       if (!st.isOk()) log::error("idle destroy " + id + ": " + st.status().toString());
     }
     for (auto& id : toPause) autoPause(id);
@@ -439,29 +441,29 @@ Result<SandboxRecord> Platform::runningSandbox(const std::string& id) {
     std::lock_guard lk(mu_);
     auto it = sandboxes_.find(id);
     if (it == sandboxes_.end()) return notFound("sandbox " + id + " not found");
-    if (it->second.state == "running") {
+    if (it->second.state == SandboxState::kRunning) {
       lastCall_[id] = nowSeconds();
       return it->second;
     }
-    if (it->second.state != "paused") {
+    if (it->second.state != SandboxState::kPaused) {
       return Status(Code::kFailedPrecondition,
-                    "sandbox " + id + " is " + it->second.state + ", not running");
+                    "sandbox " + id + " is " + proto::stateName(it->second.state) + ", not running");
     }
   }
   // A call to a paused sandbox resumes it first.
-  RETURN_IF_ERROR(edge_->pause(id, false).withContext("resume " + id));
+  RETURN_IF_ERROR(cluster_->pause(id, false).withContext("resume " + id));
   SandboxRecord r;
   {
     std::lock_guard lk(mu_);
     auto it = sandboxes_.find(id);
     if (it == sandboxes_.end()) return notFound("sandbox " + id + " not found");
-    if (it->second.state == "paused") {
-      it->second.state = "running";
+    if (it->second.state == SandboxState::kPaused) {
+      it->second.state = SandboxState::kRunning;
       it->second.pausedTo.clear();
     }
-    if (it->second.state != "running") {
+    if (it->second.state != SandboxState::kRunning) {
       return Status(Code::kFailedPrecondition,
-                    "sandbox " + id + " is " + it->second.state + ", not running");
+                    "sandbox " + id + " is " + proto::stateName(it->second.state) + ", not running");
     }
     it->second.updatedAt = nowSeconds();
     lastCall_[id] = nowSeconds();

@@ -24,12 +24,13 @@
 
 #include "common/http_server.h"
 #include "common/status.h"
-#include "edge/backends/fncall/run_pool.h"
-#include "edge/edge.h"
 #include "platform/chronus.h"
+#include "platform/cluster.h"
 #include "platform/policy.h"
+#include "platform/run_pool.h"
 #include "platform/store.h"
 #include "platform/tenants.h"
+#include "proto/edge_link.h"
 
 namespace dsec::platform {
 
@@ -45,13 +46,13 @@ struct PlatformOptions {
   std::vector<std::string> setupDns;
   // Trajectories whose last step is older than this are deleted (0: never).
   double trajectoryRetentionS = 7 * 86400;
-  // Live restore (edge::EdgeOptions::liveRestore): shutdown() leaves live
+  // Live restore (the node's EdgeOptions::liveRestore): shutdown() leaves live
   // sandboxes running, recorded as they are, for the next start.
   bool liveRestore = false;
   // fncall one-shot calls (POST /v1/run, api_run.cc): the image a call that
   // names none runs on, and the warm pools' bounds.
   std::string runImage = "debian:latest";
-  edge::RunPoolOptions runPool;
+  RunPoolOptions runPool;
   // Batch creations (api_batches.cc): threads creating a batch's sandboxes
   // concurrently (each waits on one node call at a time).
   int batchWorkers = 128;
@@ -64,8 +65,9 @@ struct PlatformOptions {
 
 class Platform {
  public:
+  // `cluster` (not owned) is where every sandbox lives: its nodes.
   static Result<std::unique_ptr<Platform>> start(PlatformOptions opts, Store* store,
-                                                 edge::EdgeLink* edge);
+                                                 Cluster* cluster);
   ~Platform();
 
   // The REST API (api/openapi.yaml).
@@ -83,7 +85,7 @@ class Platform {
   // What a node needs to fetch and mount layer `digest`: its metadata image,
   // data blob and the data blob's chunk index (made now for layers stored
   // before chunk indexes existed).
-  static Result<edge::LayerDesc> describeLayer(Store* store, const std::string& dataDir,
+  static Result<proto::LayerDesc> describeLayer(Store* store, const std::string& dataDir,
                                                const std::string& digest);
   // Writes the chunk index of data blob `dataDigest` beside it in the blob
   // directory and records its digest, unless it has one.
@@ -142,7 +144,7 @@ class Platform {
   // An exec request checked against the running sandbox: what to run and how
   // to answer. Errors name the field.
   struct ExecPlan {
-    edge::ExecSpec spec;
+    proto::ExecSpec spec;
     bool b64 = false;
     bool streaming = false;
   };
@@ -205,18 +207,18 @@ class Platform {
   void getPolicy(const std::string& name, http::Response& res);
   void deletePolicy(const std::string& name, http::Response& res);
   // The filter rules of p's egress and DNS entries, host names resolved now.
-  Result<std::vector<edge::net::EgressRule>> egressRules(const Policy& p);
+  Result<std::vector<proto::EgressRule>> egressRules(const Policy& p);
   // What r's policy (plus its extra paths) asks of its sandbox: the limits
   // (the lower of the sandbox's own and the policy's ceilings), the policy
   // frame's body for the agent (file rules, resolvers, syscall profile) and
   // the egress rules.
   struct PolicyPlan {
-    edge::CgroupLimits limits;
+    proto::CgroupLimits limits;
     std::string agentBody;
-    std::vector<edge::net::EgressRule> egress;
+    std::vector<proto::EgressRule> egress;
   };
   Result<PolicyPlan> planPolicy(const SandboxRecord& r);
-  edge::SandboxSpec edgeSpec(const SandboxRecord& r, const PolicyPlan& plan);
+  proto::SandboxSpec edgeSpec(const SandboxRecord& r, const PolicyPlan& plan);
   // Applies r's policy to its running sandbox (a phase switch).
   Status applyPolicy(const SandboxRecord& r);
   void files(const std::string& id, const std::string& op, http::Request& req,
@@ -280,9 +282,8 @@ class Platform {
   Result<SandboxRecord> runningSandbox(const std::string& id);
   // Stops a sandbox for good and returns its final record. Waits out a
   // create or destroy already in progress instead of failing.
-  Result<SandboxRecord> destroy(const std::string& id, const std::string& finalState,
+  Result<SandboxRecord> destroy(const std::string& id, SandboxState finalState,
                                 const std::string& why);
-  static bool isFinal(const std::string& state) { return state == "stopped" || state == "failed"; }
   void onSandboxDeath(const std::string& id, const std::string& why);
   // Nodes (platform_nodes.cc): a sandbox whose node went down is `lost`, and
   // `running` again when the node returns with it.
@@ -348,8 +349,8 @@ class Platform {
   std::unique_ptr<Chronus> chronus_;
   std::unique_ptr<Tenants> tenants_;
   std::mutex tenantsMu_;        // serializes changes to tenants (api_tenants.cc)
-  edge::EdgeLink* edge_ = nullptr;  // not owned: the node, or the Cluster routing to nodes
-  std::unique_ptr<edge::RunPool> runPool_;  // fncall one-shot calls (api_run.cc)
+  Cluster* cluster_ = nullptr;  // not owned: the nodes, and the router to them
+  std::unique_ptr<RunPool> runPool_;  // fncall one-shot calls (api_run.cc)
   std::mutex gcMu_;  // one collection at a time; held while images and layers are deleted
 
   std::mutex mu_;  // guards sandboxes_, deleteRequested_, stopping_

@@ -17,7 +17,7 @@ void Platform::onSandboxLost(const std::string& id, bool lost, const std::string
   // created, resumed or destroyed it a moment ago).
   if (store_->shared()) refreshSandbox(id);
   SandboxRecord r;
-  std::string from;
+  SandboxState from = SandboxState::kRunning;
   for (int attempt = 0;; ++attempt) {
     bool wasPaused = false;
     {
@@ -27,14 +27,14 @@ void Platform::onSandboxLost(const std::string& id, bool lost, const std::string
       r = it->second;
       from = r.state;
       if (lost) {
-        if (r.state != "running" && r.state != "paused") return;
-        r.state = "lost";
+        if (r.state != SandboxState::kRunning && r.state != SandboxState::kPaused) return;
+        r.state = SandboxState::kLost;
         r.error = why;
       } else {
-        if (r.state != "lost") return;
+        if (r.state != SandboxState::kLost) return;
         // Found again: it ran on while its node was cut off. A paused one is
         // thawed below, so "running" is true.
-        r.state = "running";
+        r.state = SandboxState::kRunning;
         r.error.clear();
         wasPaused = true;
       }
@@ -43,7 +43,8 @@ void Platform::onSandboxLost(const std::string& id, bool lost, const std::string
     // Only over the state we saw: a replica that ended it meanwhile wins.
     auto won = store_->casSandbox(r, from);
     if (!won.isOk()) {
-      log::error("recording sandbox " + id + " as " + r.state + ": " + won.status().toString());
+      log::error("recording sandbox " + id + " as " + proto::stateName(r.state) + ": " +
+                 won.status().toString());
       return;
     }
     if (!*won) {
@@ -60,11 +61,11 @@ void Platform::onSandboxLost(const std::string& id, bool lost, const std::string
       if (it != sandboxes_.end() && it->second.state == from) it->second = r;
       if (!lost) lastCall_[id] = nowSeconds();
     }
-    if (wasPaused) (void)edge_->pause(id, false);
+    if (wasPaused) (void)cluster_->pause(id, false);
     break;
   }
   stateCv_.notify_all();
-  log::warn("sandbox " + id + " is " + r.state + (why.empty() ? "" : ": " + why));
+  log::warn("sandbox " + id + " is " + proto::stateName(r.state) + (why.empty() ? "" : ": " + why));
 }
 
 void Platform::applyStoredLocked(const SandboxRecord& r) {
@@ -76,7 +77,7 @@ void Platform::applyStoredLocked(const SandboxRecord& r) {
     indexLocked(r);
     // A node's heartbeat may have bound it here already: that ends with it.
     if (isFinal(r.state)) {
-      edge_->unbindSandbox(r.id);
+      cluster_->unbindSandbox(r.id);
     } else {
       bindRemote(r);
     }
@@ -85,7 +86,7 @@ void Platform::applyStoredLocked(const SandboxRecord& r) {
   }
   SandboxRecord& cur = it->second;
   // A change this replica is making finishes here, and its result wins.
-  if (cur.state == "stopping" || (cur.state == "creating" && cur.replica == opts_.replicaId)) {
+  if (cur.state == SandboxState::kStopping || (cur.state == SandboxState::kCreating && cur.replica == opts_.replicaId)) {
     return;
   }
   if (cur.updatedAt > r.updatedAt || (cur.updatedAt == r.updatedAt && cur.state == r.state)) {
@@ -94,7 +95,7 @@ void Platform::applyStoredLocked(const SandboxRecord& r) {
   bool ended = !isFinal(cur.state) && isFinal(r.state);
   cur = r;
   if (ended) {
-    edge_->unbindSandbox(r.id);
+    cluster_->unbindSandbox(r.id);
   } else {
     bindRemote(r);
   }
@@ -170,7 +171,7 @@ void Platform::reapCreating(const std::vector<std::string>& candidates) {
       auto it = sandboxes_.find(id);
       if (it == sandboxes_.end()) continue;
       const SandboxRecord& r = it->second;
-      if (r.state == "creating" && !r.replica.empty() && r.replica != opts_.replicaId &&
+      if (r.state == SandboxState::kCreating && !r.replica.empty() && r.replica != opts_.replicaId &&
           !alive.count(r.replica)) {
         orphans.push_back(id);
       }
@@ -181,14 +182,14 @@ void Platform::reapCreating(const std::vector<std::string>& candidates) {
     {
       std::lock_guard lk(mu_);
       auto it = sandboxes_.find(id);
-      if (it == sandboxes_.end() || it->second.state != "creating") continue;
+      if (it == sandboxes_.end() || it->second.state != SandboxState::kCreating) continue;
       r = it->second;
     }
     std::string replica = r.replica;
-    r.state = "failed";
+    r.state = SandboxState::kFailed;
     r.error = "platform replica " + replica + " died while creating it";
     r.updatedAt = r.stoppedAt = nowSeconds();
-    auto won = store_->casSandbox(r, "creating");
+    auto won = store_->casSandbox(r, SandboxState::kCreating);
     if (!won.isOk() || !*won) {
       refreshSandbox(id);  // it finished after all, or another leader took it
       continue;
@@ -259,14 +260,14 @@ void Platform::dropCalledElsewhere(std::vector<std::string>& idle,
 }
 
 bool Platform::bindRemote(const SandboxRecord& r) {
-  bool keep = r.state == "running" || r.state == "paused" || r.state == "lost";
-  if (!keep || !edge_->isRemoteNode(r.node)) return false;
-  edge::SandboxSpec spec;
+  bool keep = r.state == SandboxState::kRunning || r.state == SandboxState::kPaused || r.state == SandboxState::kLost;
+  if (!keep || !cluster_->isRemoteNode(r.node)) return false;
+  proto::SandboxSpec spec;
   spec.id = r.id;
   spec.cpu = r.cpu;
   spec.memoryBytes = r.memoryMb << 20;
   spec.pool = r.pool;
-  edge_->bindSandbox(r.id, r.node, spec);
+  cluster_->bindSandbox(r.id, r.node, spec);
   return true;
 }
 
@@ -293,12 +294,12 @@ Status Platform::parsePlacement(const json& j, SandboxRecord& r) {
 
 std::string Platform::sandboxStateMetrics() {
   std::map<std::string, int64_t> byState;
-  for (const char* s : {"creating", "running", "paused", "lost", "stopping", "stopped", "failed"}) {
-    byState[s] = 0;
+  for (SandboxState s : proto::kAllStates) {
+    if (s != SandboxState::kPending) byState[proto::stateName(s)] = 0;
   }
   {
     std::lock_guard lk(mu_);
-    for (auto& [_, r] : sandboxes_) byState[r.state]++;
+    for (auto& [_, r] : sandboxes_) byState[proto::stateName(r.state)]++;
   }
   std::string out =
       "# HELP dsec_sandboxes Sandboxes this platform holds records of, by state.\n"

@@ -3,7 +3,7 @@
 #include <arpa/inet.h>
 
 #include "common/util.h"
-#include "edge/net/egress_rules.h"
+#include "proto/egress.h"
 #include "platform/api_util.h"
 #include "platform/store.h"
 
@@ -183,14 +183,14 @@ Status validatePolicyPaths(const std::vector<std::string>& paths, const std::str
 
 Status validateEgress(const std::vector<std::string>& entries, const std::string& field) {
   if (entries.size() > 256) return invalidArg(field, "at most 256 egress entries");
-  std::vector<edge::net::EgressEntry> addrs;
+  std::vector<proto::EgressEntry> addrs;
   for (size_t i = 0; i < entries.size(); ++i) {
-    auto e = edge::net::parseEgressEntry(entries[i], field);
+    auto e = proto::parseEgressEntry(entries[i], field);
     if (!e.isOk()) return e.status();
     if (e->host.empty()) addrs.push_back(*e);
   }
   // Catches too many port ranges on nested prefixes now, not at apply time.
-  if (auto r = edge::net::compileEgress(addrs, field); !r.isOk()) return r.status();
+  if (auto r = proto::compileEgress(addrs, field); !r.isOk()) return r.status();
   return Status::ok();
 }
 

@@ -3,6 +3,9 @@
 #include <nlohmann/json.hpp>
 
 #include <fcntl.h>
+
+#include <atomic>
+#include <thread>
 #include <unistd.h>
 
 #include "common/base64.h"
@@ -10,12 +13,12 @@
 #include "common/sha256.h"
 #include "common/util.h"
 #include "common/http_server.h"
-#include "edge/edge_wire.h"
+#include "proto/codec.h"
 
 namespace dsec::platform {
 
 using json = nlohmann::json;
-namespace wire = edge::wire;
+namespace wire = proto;
 
 namespace {
 std::string sbPath(const std::string& id, const std::string& rest = "") {
@@ -31,11 +34,7 @@ constexpr double kReadTimeoutS = 3600;
 }  // namespace
 
 RemoteEdge::RemoteEdge(std::string url, std::string key)
-    : url_(std::move(url)), key_(std::move(key)) {
-  userns_.reason = "remote node";
-  microvm_.reason = "remote node";
-  vm_.reason = "remote node";
-}
+    : url_(std::move(url)), key_(std::move(key)) {}
 
 RemoteEdge::~RemoteEdge() = default;
 
@@ -112,8 +111,8 @@ Result<http::ClientResponse> RemoteEdge::call(std::string_view method, const std
   return r;
 }
 
-Status RemoteEdge::create(const std::string& backend, const edge::SandboxSpec& spec) {
-  json body = {{"backend", backend}, {"spec", wire::toJson(spec)}};
+Status RemoteEdge::create(proto::BackendKind backend, const proto::SandboxSpec& spec) {
+  json body = {{"backend", proto::backendName(backend)}, {"spec", wire::toJson(spec)}};
   return call("POST", "/edge/v1/sandboxes", body.dump()).status();
 }
 
@@ -146,8 +145,8 @@ bool noSuchEndpoint(const Status& st) {
 
 }  // namespace
 
-std::vector<Status> RemoteEdge::createMany(const std::string& backend,
-                                           const std::vector<edge::SandboxSpec>& specs) {
+std::vector<Status> RemoteEdge::createMany(proto::BackendKind backend,
+                                           const std::vector<proto::SandboxSpec>& specs) {
   if (specs.size() <= 1 || noBulk_.load()) return EdgeLink::createMany(backend, specs);
   json arr = json::array();
   std::vector<std::string> ids;
@@ -155,7 +154,7 @@ std::vector<Status> RemoteEdge::createMany(const std::string& backend,
     arr.push_back(wire::toJson(sp));
     ids.push_back(sp.id);
   }
-  json body = {{"backend", backend}, {"specs", std::move(arr)}};
+  json body = {{"backend", proto::backendName(backend)}, {"specs", std::move(arr)}};
   auto r = call("POST", "/edge/v1/bulk/sandboxes", body.dump());
   if (!r.isOk()) {
     if (noSuchEndpoint(r.status())) {
@@ -192,10 +191,38 @@ std::vector<Status> RemoteEdge::destroyMany(const std::vector<std::string>& ids)
 
 Status RemoteEdge::destroy(const std::string& id) { return call("DELETE", sbPath(id)).status(); }
 
-Result<edge::ExecResult> RemoteEdge::exec(const std::string& id, const edge::ExecSpec& spec,
-                                          const edge::OutputSink& sink) {
+namespace {
+// An exec on the node, streamed back over one blocking HTTP request on a
+// thread of its own (until the multiplexed link replaces this hop).
+class HttpExec : public proto::ExecCall {
+ public:
+  void cancel() override { cancelled = true; }
+  std::atomic<bool> cancelled{false};
+};
+}  // namespace
+
+std::shared_ptr<proto::ExecCall> RemoteEdge::startExec(const std::string& id,
+                                                       const proto::ExecSpec& spec,
+                                                       proto::ExecCallbacks cb) {
+  auto call = std::make_shared<HttpExec>();
+  std::thread([this, call, id, spec, cb = std::move(cb)] {
+    proto::OutputSink sink;
+    if (cb.onOutput) {
+      sink = [&](bool isErr, std::string_view d) -> Status {
+        if (call->cancelled) return Status(Code::kUnavailable, "exec cancelled: client went away");
+        cb.onOutput(isErr, d);
+        return Status::ok();
+      };
+    }
+    cb.onDone(httpExec(id, spec, sink));
+  }).detach();
+  return call;
+}
+
+Result<proto::ExecResult> RemoteEdge::httpExec(const std::string& id, const proto::ExecSpec& spec,
+                                               const proto::OutputSink& sink) {
   std::string pending;
-  std::optional<edge::ExecResult> result;
+  std::optional<proto::ExecResult> result;
   Status failure;
   Status sinkError;
   std::function<void(std::string_view)> onData = [&](std::string_view data) {
@@ -206,7 +233,12 @@ Result<edge::ExecResult> RemoteEdge::exec(const std::string& id, const edge::Exe
       pending.erase(0, nl + 1);
       if (ev.is_discarded() || !ev.is_object()) continue;
       if (ev.contains("result")) {
-        result = wire::resultFromJson(ev["result"]);
+        auto r = wire::resultFromJson(ev["result"]);
+        if (r.isOk()) {
+          result = std::move(*r);
+        } else {
+          failure = r.status();
+        }
       } else if (ev.contains("error")) {
         failure = wire::statusFromBody(500, ev.dump());
       } else if (ev.contains("o") || ev.contains("e")) {
@@ -231,7 +263,7 @@ Result<edge::ExecResult> RemoteEdge::exec(const std::string& id, const edge::Exe
 }
 
 Result<uint64_t> RemoteEdge::writeFile(const std::string& id, const std::string& path, int mode,
-                                       const edge::ByteSource& src) {
+                                       const proto::ByteSource& src) {
   std::string data;
   char buf[65536];
   for (;;) {
@@ -251,7 +283,7 @@ Result<uint64_t> RemoteEdge::writeFile(const std::string& id, const std::string&
 
 Status RemoteEdge::readFile(const std::string& id, const std::string& path,
                             const std::function<Status(std::optional<uint64_t>)>& onSize,
-                            const edge::ByteSink& sink) {
+                            const proto::ByteSink& sink) {
   auto r = call("GET", sbPath(id, "/file?path=" + http::percentEncode(path)));
   if (!r.isOk()) return r.status();
   RETURN_IF_ERROR(onSize(uint64_t(r->body.size())));
@@ -259,24 +291,20 @@ Status RemoteEdge::readFile(const std::string& id, const std::string& path,
   return Status::ok();
 }
 
-Result<std::string> RemoteEdge::fileCall(const std::string& id, proto::FrameType type,
-                                         const std::string& body) {
-  json j = {{"type", int(type)}, {"json", body}};
+Result<std::string> RemoteEdge::agentOp(const std::string& id, proto::AgentOp op,
+                                        const std::string& body) {
+  json j = {{"op", proto::agentOpName(op)}, {"json", body}};
   auto r = call("POST", sbPath(id, "/filecall"), j.dump());
   if (!r.isOk()) return r.status();
   return r->body;
 }
 
-Result<edge::CgroupStats> RemoteEdge::stats(const std::string& id) {
+Result<proto::CgroupStats> RemoteEdge::stats(const std::string& id) {
   auto r = call("GET", sbPath(id, "/stats"));
   if (!r.isOk()) return r.status();
   json j = json::parse(r->body, nullptr, false);
   if (j.is_discarded()) return internalError("node: bad stats answer");
-  edge::CgroupStats s;
-  s.oomKills = j.value("oom_kills", int64_t(0));
-  s.pidsLimitHits = j.value("pids_limit_hits", int64_t(0));
-  s.memoryBytes = j.value("memory_bytes", int64_t(0));
-  return s;
+  return wire::statsFromJson(j);
 }
 
 Status RemoteEdge::pause(const std::string& id, bool paused) {
@@ -288,27 +316,23 @@ Status RemoteEdge::hibernate(const std::string& id) {
       .status();
 }
 
-Status RemoteEdge::setLimits(const std::string& id, const edge::CgroupLimits& l) {
-  json j = {{"cpu", l.cpu}, {"memory_bytes", l.memoryBytes}, {"pids", l.pids}};
-  return call("POST", sbPath(id, "/limits"), j.dump()).status();
+Status RemoteEdge::setLimits(const std::string& id, const proto::CgroupLimits& l) {
+  return call("POST", sbPath(id, "/limits"), wire::toJson(l).dump()).status();
 }
 
 Status RemoteEdge::setEgress(const std::string& id,
-                             const std::vector<edge::net::EgressRule>& rules) {
+                             const std::vector<proto::EgressRule>& rules) {
   json rs = json::array();
   for (auto& r : rules) rs.push_back(wire::toJson(r));
   return call("POST", sbPath(id, "/egress"), json{{"rules", rs}}.dump()).status();
 }
 
-Result<edge::net::EgressDenials> RemoteEdge::egressDenials(const std::string& id) {
+Result<proto::EgressDenials> RemoteEdge::egressDenials(const std::string& id) {
   auto r = call("GET", sbPath(id, "/egress_denials"));
   if (!r.isOk()) return r.status();
   json j = json::parse(r->body, nullptr, false);
   if (j.is_discarded()) return internalError("node: bad egress answer");
-  edge::net::EgressDenials d;
-  d.count = j.value("count", uint64_t(0));
-  d.last = j.value("last", "");
-  return d;
+  return wire::denialsFromJson(j);
 }
 
 Result<image::BuiltLayer> RemoteEdge::packDiff(const std::string& id, const std::string& workDir) {
@@ -375,7 +399,7 @@ Result<std::string> RemoteEdge::screenshot(const std::string& id) {
   return std::move(r->body);
 }
 
-Status RemoteEdge::input(const std::string& id, const edge::InputAction& action) {
+Status RemoteEdge::input(const std::string& id, const proto::InputAction& action) {
   return call("POST", sbPath(id, "/input"), wire::toJson(action).dump()).status();
 }
 

@@ -87,10 +87,10 @@ std::string sandboxToJson(const SandboxRecord& r) {
   JsonWriter w(out);
   w.beginObject()
       .member("id", r.id)
-      .member("backend", r.backend)
+      .member("backend", proto::backendName(r.backend))
       .member("image", r.image)
       .member("layers", r.layers)
-      .member("state", r.state)
+      .member("state", proto::stateName(r.state))
       .member("node", r.node)
       .member("pool", r.pool)
       .member("spread", r.spread)
@@ -143,9 +143,32 @@ std::string SandboxDocs::doc(const std::string& id) const {
   return out;
 }
 
+const char* batchStateName(BatchState s) {
+  switch (s) {
+    case BatchState::kRunning:
+      return "running";
+    case BatchState::kDone:
+      return "done";
+    case BatchState::kFailed:
+      return "failed";
+    case BatchState::kDeleted:
+      return "deleted";
+  }
+  return "failed";
+}
+
+std::optional<BatchState> parseBatchState(std::string_view name) {
+  for (BatchState s : {BatchState::kRunning, BatchState::kDone, BatchState::kFailed,
+                       BatchState::kDeleted}) {
+    if (name == batchStateName(s)) return s;
+  }
+  return std::nullopt;
+}
+
 std::string batchToJson(const BatchRecord& b) {
   return json{{"id", b.id},          {"owner", b.owner},           {"count", b.count},
-              {"all_or_nothing", b.allOrNothing}, {"spec", b.spec}, {"state", b.state},
+              {"all_or_nothing", b.allOrNothing}, {"spec", b.spec},
+              {"state", batchStateName(b.state)},
               {"error", b.error},    {"created_at", b.createdAt}, {"updated_at", b.updatedAt}}
       .dump();
 }
@@ -160,7 +183,9 @@ Result<BatchRecord> batchFromJson(const std::string& s) {
     b.count = j.at("count");
     b.allOrNothing = j.at("all_or_nothing");
     b.spec = j.at("spec");
-    b.state = j.at("state");
+    auto state = parseBatchState(j.at("state").get<std::string>());
+    if (!state) return internalError("corrupt batch record: unknown state");
+    b.state = *state;
     b.error = j.value("error", "");
     b.createdAt = j.at("created_at");
     b.updatedAt = j.at("updated_at");
@@ -176,14 +201,18 @@ Result<SandboxRecord> sandboxFromJson(const std::string& s) {
   try {
     SandboxRecord r;
     r.id = j.at("id");
-    r.backend = j.at("backend");
+    auto backend = proto::parseBackend(j.at("backend").get<std::string>());
+    if (!backend) return internalError("corrupt sandbox record: unknown backend");
+    r.backend = *backend;
     r.image = j.at("image");
     r.layers = j.at("layers").get<std::vector<std::string>>();
     using Strings = std::vector<std::string>;
     r.workspaces = j.value("workspaces", Strings{});
     r.toolkits = j.value("toolkits", Strings{});
     r.diffs = j.value("diffs", Strings{});
-    r.state = j.at("state");
+    auto state = proto::parseState(j.at("state").get<std::string>());
+    if (!state) return internalError("corrupt sandbox record: unknown state");
+    r.state = *state;
     r.node = j.value("node", "local");
     r.pool = j.value("pool", "default");
     r.spread = j.value("spread", true);
@@ -291,7 +320,7 @@ Status SqliteStore::putSandbox(const SandboxRecord& r) {
   std::lock_guard lk(mu_);
   Stmt st(db_, kUpsertSandbox);
   if (!st.ok()) return sqlError(db_, "prepare putSandbox");
-  st.bind(1, r.id).bind(2, r.state).bind(3, sandboxToJson(r));
+  st.bind(1, r.id).bind(2, std::string(proto::stateName(r.state))).bind(3, sandboxToJson(r));
   if (st.step() != SQLITE_DONE) return sqlError(db_, "putSandbox");
   return Status::ok();
 }
@@ -300,7 +329,7 @@ Status SqliteStore::putSandboxesLocked(const std::vector<SandboxRecord>& rs) {
   Stmt st(db_, kUpsertSandbox);
   if (!st.ok()) return sqlError(db_, "prepare putSandboxes");
   for (auto& r : rs) {
-    st.bind(1, r.id).bind(2, r.state).bind(3, sandboxToJson(r));
+    st.bind(1, r.id).bind(2, std::string(proto::stateName(r.state))).bind(3, sandboxToJson(r));
     if (st.step() != SQLITE_DONE) return sqlError(db_, "putSandboxes");
     st.reset();
   }
@@ -348,7 +377,7 @@ Status SqliteStore::putBatch(const BatchRecord& b, const std::vector<std::string
     Stmt row(db_, kUpsertSandbox);
     if (!row.ok()) s = sqlError(db_, "prepare putBatch sandboxes");
     for (size_t i = 0; s.isOk() && i < ids.size(); ++i) {
-      row.bind(1, ids[i]).bind(2, pending.state).bind(3, docs->doc(ids[i]));
+      row.bind(1, ids[i]).bind(2, std::string(proto::stateName(pending.state))).bind(3, docs->doc(ids[i]));
       if (row.step() != SQLITE_DONE) s = sqlError(db_, "putBatch sandboxes");
       row.reset();
     }
@@ -1022,11 +1051,11 @@ Result<std::vector<SandboxRecord>> SqliteStore::sandboxesChangedSince(double sin
   return out;
 }
 
-Result<bool> SqliteStore::casSandbox(const SandboxRecord& r, const std::string& fromState) {
+Result<bool> SqliteStore::casSandbox(const SandboxRecord& r, SandboxState fromState) {
   std::lock_guard lk(mu_);
   Stmt st(db_, std::string("UPDATE sandboxes SET state=?2, doc=?3, changed=") + kSqlNow +
                    " WHERE id=?1 AND state=?4");
-  st.bind(1, r.id).bind(2, r.state).bind(3, sandboxToJson(r)).bind(4, fromState);
+  st.bind(1, r.id).bind(2, std::string(proto::stateName(r.state))).bind(3, sandboxToJson(r)).bind(4, std::string(proto::stateName(fromState)));
   if (st.step() != SQLITE_DONE) return sqlError(db_, "casSandbox");
   return sqlite3_changes(db_) > 0;
 }

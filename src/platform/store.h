@@ -8,25 +8,32 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "common/status.h"
 #include "image/image_config.h"
+#include "proto/types.h"
 
 struct sqlite3;
 
 namespace dsec::platform {
 
+using proto::BackendKind;
+using proto::SandboxState;
+using proto::isFinal;
+
 struct SandboxRecord {
   std::string id;
-  std::string backend;
+  BackendKind backend = BackendKind::kContainer;
   std::string image;                // reference as asked ("debian:latest" or a digest)
   // Extra layers stacked on the image at create time, as asked (refs or digests).
   std::vector<std::string> workspaces, toolkits, diffs;
   std::vector<std::string> layers;  // resolved, bottom first
-  std::string state;                // creating | running | paused | lost | stopping | stopped | failed
+  SandboxState state = SandboxState::kCreating;
   // Where a paused sandbox's memory is: "disk" when it was paused to disk
   // (VM backends: saved to a file, no process), else empty (kept in RAM).
   std::string pausedTo;
@@ -81,6 +88,13 @@ struct SandboxRecord {
   std::string replica;
 };
 
+// A batch's life: running (its sandboxes being created), done, failed (all
+// or nothing, and one failed), deleted.
+enum class BatchState : uint8_t { kRunning, kDone, kFailed, kDeleted };
+// "running", "done", "failed", "deleted".
+const char* batchStateName(BatchState s);
+std::optional<BatchState> parseBatchState(std::string_view name);
+
 // A batch creation (POST /v1/batches, docs/batches.md): `count` sandboxes of
 // one spec, whose records (state `pending` until created) are stored with it
 // in one transaction.
@@ -90,7 +104,7 @@ struct BatchRecord {
   int64_t count = 0;
   bool allOrNothing = false;
   std::string spec;            // the create body as asked (JSON)
-  std::string state = "running";  // running | done | failed | deleted
+  BatchState state = BatchState::kRunning;
   std::string error;
   double createdAt = 0;
   double updatedAt = 0;
@@ -311,7 +325,7 @@ class Store {
   virtual Result<std::vector<SandboxRecord>> sandboxesChangedSince(double since, double* now) = 0;
   // Writes r only if the stored record's state is `fromState`; false (and no
   // write) otherwise, or when there is no record.
-  virtual Result<bool> casSandbox(const SandboxRecord& r, const std::string& fromState) = 0;
+  virtual Result<bool> casSandbox(const SandboxRecord& r, SandboxState fromState) = 0;
   // Insert or replace (a join).
   virtual Status putNode(const NodeRecord& r) = 0;
   virtual Result<std::vector<NodeRecord>> listNodes() = 0;
@@ -391,7 +405,7 @@ class SqliteStore : public Store {
   Result<std::vector<ApiKeyRecord>> listApiKeys(const std::string& tenant) override;
   Result<SandboxRecord> getSandbox(const std::string& id) override;
   Result<std::vector<SandboxRecord>> sandboxesChangedSince(double since, double* now) override;
-  Result<bool> casSandbox(const SandboxRecord& r, const std::string& fromState) override;
+  Result<bool> casSandbox(const SandboxRecord& r, SandboxState fromState) override;
   Status putNode(const NodeRecord& r) override;
   Result<std::vector<NodeRecord>> listNodes() override;
   Status touchNode(const NodeRecord& r) override;

@@ -150,9 +150,9 @@ TEST_P(StoreNodesTest, SandboxChangesAreFollowedAndCasRefusesStaleStates) {
   EXPECT_GT(t0, 1e9);
   SandboxRecord r;
   r.id = "sb-1";
-  r.backend = "container";
+  r.backend = BackendKind::kContainer;
   r.image = "x";
-  r.state = "creating";
+  r.state = SandboxState::kCreating;
   r.replica = "r-a";
   ASSERT_TRUE(s->putSandbox(r).isOk());
   auto got = s->getSandbox("sb-1");
@@ -169,26 +169,26 @@ TEST_P(StoreNodesTest, SandboxChangesAreFollowedAndCasRefusesStaleStates) {
   ASSERT_TRUE(changed.isOk());
   EXPECT_TRUE(changed->empty());
   // ... until a compare-and-set from the right state.
-  r.state = "failed";
-  auto won = s->casSandbox(r, "running");
+  r.state = SandboxState::kFailed;
+  auto won = s->casSandbox(r, SandboxState::kRunning);
   ASSERT_TRUE(won.isOk());
   EXPECT_FALSE(*won);
-  EXPECT_EQ(s->getSandbox("sb-1")->state, "creating");
-  won = s->casSandbox(r, "creating");
+  EXPECT_EQ(s->getSandbox("sb-1")->state, SandboxState::kCreating);
+  won = s->casSandbox(r, SandboxState::kCreating);
   ASSERT_TRUE(won.isOk());
   EXPECT_TRUE(*won);
-  EXPECT_EQ(s->getSandbox("sb-1")->state, "failed");
+  EXPECT_EQ(s->getSandbox("sb-1")->state, SandboxState::kFailed);
   changed = s->sandboxesChangedSince(t1, nullptr);
   ASSERT_TRUE(changed.isOk());
   ASSERT_EQ(changed->size(), 1u);
-  EXPECT_EQ((*changed)[0].state, "failed");
+  EXPECT_EQ((*changed)[0].state, SandboxState::kFailed);
   // Every writer stamps the change: many at once, and a batch's records.
   double t2 = 0;
   ASSERT_TRUE(s->sandboxesChangedSince(1e300, &t2).isOk());
   SandboxRecord r2 = r, r3 = r;
   r2.id = "sb-2";
   r3.id = "sb-3";
-  r3.state = "pending";
+  r3.state = SandboxState::kPending;
   r3.batch = "bt-1";
   ASSERT_TRUE(s->putSandboxes({r2}).isOk());
   BatchRecord b;
@@ -203,7 +203,7 @@ TEST_P(StoreNodesTest, SandboxChangesAreFollowedAndCasRefusesStaleStates) {
   EXPECT_TRUE(ids.count("sb-2") && ids.count("sb-3")) << ids.size();
   SandboxRecord ghost = r;
   ghost.id = "sb-ghost";
-  won = s->casSandbox(ghost, "creating");
+  won = s->casSandbox(ghost, SandboxState::kCreating);
   ASSERT_TRUE(won.isOk());
   EXPECT_FALSE(*won);
 }

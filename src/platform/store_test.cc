@@ -111,13 +111,13 @@ TEST_P(StoreTest, SandboxesSurviveReopen) {
     ASSERT_TRUE(s.isOk()) << s.status().toString();
     SandboxRecord r;
     r.id = "sb-1";
-    r.backend = "container";
+    r.backend = BackendKind::kContainer;
     r.image = "busybox:latest";
     r.layers = {"sha256:aa"};
-    r.state = "running";
+    r.state = SandboxState::kRunning;
     r.labels = {{"job", "x"}};
     ASSERT_TRUE((*s)->putSandbox(r).isOk());
-    r.state = "stopped";
+    r.state = SandboxState::kStopped;
     ASSERT_TRUE((*s)->putSandbox(r).isOk());
     ASSERT_TRUE((*s)->putBlob("sha256:aa", 10).isOk());
     ASSERT_TRUE((*s)->putImage(ImageRecord{"busybox", "latest", {"sha256:aa"}, 10, 1}).isOk());
@@ -127,7 +127,7 @@ TEST_P(StoreTest, SandboxesSurviveReopen) {
   auto all = (*s)->loadSandboxes();
   ASSERT_TRUE(all.isOk());
   ASSERT_EQ(all->size(), 1u);
-  EXPECT_EQ((*all)[0].state, "stopped");
+  EXPECT_EQ((*all)[0].state, SandboxState::kStopped);
   EXPECT_EQ((*all)[0].labels.at("job"), "x");
   EXPECT_EQ(*(*s)->blobSize("sha256:aa"), 10);
   EXPECT_EQ((*s)->blobSize("sha256:bb").status().code(), Code::kNotFound);
@@ -141,9 +141,9 @@ TEST_P(StoreTest, SandboxesSurviveReopen) {
 
 TEST_P(StoreTest, BatchesAndGroupWritesSurviveReopen) {
   SandboxRecord tmpl;
-  tmpl.backend = "container";
+  tmpl.backend = BackendKind::kContainer;
   tmpl.image = "busybox:latest";
-  tmpl.state = "pending";
+  tmpl.state = SandboxState::kPending;
   tmpl.batch = "bt-1";
   tmpl.error = "quote \" and \\ and {json}";
   tmpl.labels = {{"job", "rl-42"}};
@@ -167,12 +167,12 @@ TEST_P(StoreTest, BatchesAndGroupWritesSurviveReopen) {
     ASSERT_TRUE((*s)->putBatch(b, ids, tmpl).isOk());
     // A group of outcomes, and a rename (drop one id, add another) in one write.
     std::vector<SandboxRecord> done(recs.begin(), recs.begin() + 100);
-    for (auto& r : done) r.state = "running";
+    for (auto& r : done) r.state = SandboxState::kRunning;
     SandboxRecord renamed = recs[299];
     renamed.id = "sb-new";
     done.push_back(renamed);
     ASSERT_TRUE((*s)->putSandboxes(done, {"sb-1299"}).isOk());
-    b.state = "done";
+    b.state = BatchState::kDone;
     ASSERT_TRUE((*s)->putBatch(b, {}).isOk());
     EXPECT_TRUE((*s)->putSandboxes({}).isOk());
   }
@@ -185,8 +185,8 @@ TEST_P(StoreTest, BatchesAndGroupWritesSurviveReopen) {
   bool sawNew = false, sawOld = false;
   for (auto& r : *all) {
     EXPECT_EQ(r.batch, "bt-1");
-    running += r.state == "running";
-    pending += r.state == "pending";
+    running += r.state == SandboxState::kRunning;
+    pending += r.state == SandboxState::kPending;
     sawNew = sawNew || r.id == "sb-new";
     sawOld = sawOld || r.id == "sb-1299";
     // Each record under its own id, the rest as written.
@@ -201,7 +201,7 @@ TEST_P(StoreTest, BatchesAndGroupWritesSurviveReopen) {
   auto batches = (*s)->loadBatches();
   ASSERT_TRUE(batches.isOk());
   ASSERT_EQ(batches->size(), 1u);
-  EXPECT_EQ((*batches)[0].state, "done");
+  EXPECT_EQ((*batches)[0].state, BatchState::kDone);
   EXPECT_EQ((*batches)[0].owner, "team-a");
   EXPECT_EQ((*batches)[0].count, 300);
   EXPECT_TRUE((*batches)[0].allOrNothing);
@@ -276,9 +276,9 @@ TEST(SqliteStoreTest, OldDatabasesUpgrade) {
 TEST(StoreCodecTest, SandboxUserAndWorkingDirRoundTripAndOldRecordsRead) {
   SandboxRecord r;
   r.id = "sb-2";
-  r.backend = "container";
+  r.backend = BackendKind::kContainer;
   r.image = "app:1";
-  r.state = "running";
+  r.state = SandboxState::kRunning;
   r.user = "1000:1000";
   r.workingDir = "/work";
   auto back = sandboxFromJson(sandboxToJson(r));
@@ -459,8 +459,8 @@ TEST_P(StoreTest, ConcurrentCallsFromManyThreads) {
         }
         SandboxRecord sb;
         sb.id = "sb-" + std::to_string(t) + "-" + std::to_string(k);
-        sb.backend = "container";
-        sb.state = "running";
+        sb.backend = BackendKind::kContainer;
+        sb.state = SandboxState::kRunning;
         if (!s->putSandbox(sb).isOk() || !s->loadSandboxes().isOk()) ++errors;
       }
     });

@@ -71,7 +71,7 @@ Status validateTenantId(const std::string& id, const std::string& field) {
 Usage usageOf(const std::string& tenant, const std::map<std::string, SandboxRecord>& sandboxes) {
   Usage u;
   for (auto& [id, r] : sandboxes) {
-    if (r.owner != tenant || r.state == "stopped" || r.state == "failed") continue;
+    if (r.owner != tenant || r.state == SandboxState::kStopped || r.state == SandboxState::kFailed) continue;
     ++u.sandboxes;
     u.cpu += r.cpu;
     u.memoryMb += r.memoryMb;

@@ -38,7 +38,7 @@ TEST(TokenBucketTest, ReconfigureKeepsTokensUpToTheNewBurst) {
 SandboxRecord sandbox(const std::string& owner, const std::string& state, double cpu, int64_t mb) {
   SandboxRecord r;
   r.owner = owner;
-  r.state = state;
+  r.state = *proto::parseState(state);
   r.cpu = cpu;
   r.memoryMb = mb;
   return r;

@@ -16,18 +16,12 @@
 
 #include "common/status.h"
 #include "image/chunk_index.h"
+#include "proto/types.h"
 
 namespace dsec::edge {
 
-// What a node needs to fetch and mount a layer (from the platform).
-struct LayerDesc {
-  std::string digest;        // the EROFS metadata image: the layer's identity
-  int64_t size = 0;
-  std::string dataDigest;    // its chunked data blob; empty for a single-file layer
-  int64_t dataSize = 0;
-  std::string chunksDigest;  // the data blob's chunk index
-};
-using LayerLookup = std::function<Result<LayerDesc>(const std::string& digest)>;
+using proto::LayerDesc;
+using proto::LayerLookup;
 
 // Counters of one layer's data on this node.
 struct LayerStats {

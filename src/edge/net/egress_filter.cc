@@ -23,8 +23,8 @@ struct SandboxVal {
   uint32_t lastIp6[4];
 };
 struct AllowVal {
-  uint16_t lo[kMaxPortRanges];
-  uint16_t hi[kMaxPortRanges];
+  uint16_t lo[proto::kMaxPortRanges];
+  uint16_t hi[proto::kMaxPortRanges];
   uint32_t n;
 };
 #pragma pack(push, 1)
@@ -175,7 +175,7 @@ Status EgressFilter::setRules(uint64_t cg, const std::vector<EgressRule>& rules)
   std::set<std::string> next;
   int fd4 = bpf_map__fd(skel_->maps.allow4), fd6 = bpf_map__fd(skel_->maps.allow6);
   for (auto& r : rules) {
-    if (r.ports.empty() || r.ports.size() > kMaxPortRanges) {
+    if (r.ports.empty() || r.ports.size() > proto::kMaxPortRanges) {
       return Status(Code::kInternal, "egress rule without a valid port list");
     }
     AllowVal v{};

@@ -24,16 +24,16 @@
 
 #include "common/fd.h"
 #include "common/status.h"
-#include "edge/net/egress_rules.h"
+#include "proto/egress.h"
 
 struct egress_bpf;
 
 namespace dsec::edge::net {
 
-struct EgressDenials {
-  uint64_t count = 0;  // connects and sends refused since the sandbox started
-  std::string last;    // the last refused destination, "1.2.3.4:80" or "[::1]:80"
-};
+using proto::EgressDenials;
+using proto::EgressRule;
+using proto::PortRange;
+
 
 class EgressFilter {
  public:

@@ -18,6 +18,10 @@
 namespace dsec::edge::net {
 namespace {
 
+using proto::compileEgress;
+using proto::EgressEntry;
+using proto::parseEgressEntry;
+
 std::string v2Root() {
   for (const char* p : {"/sys/fs/cgroup", "/sys/fs/cgroup/unified"}) {
     struct statfs s {};

@@ -1,23 +1,15 @@
 #include "edge/backends/fncall/fncall_backend.h"
 
+#include "proto/codec.h"
+
 #include <nlohmann/json.hpp>
 
 #include "edge/sandbox_state.h"
 
 namespace dsec::edge {
 
-std::string fncallInitJson(int64_t scratchBytes,
-                           const std::map<std::string, std::vector<std::string>>& languages,
-                           int64_t zygoteMaxCalls) {
-  nlohmann::json j = {{"scratch_mb", std::max<int64_t>(1, scratchBytes >> 20)},
-                      {"prestart", {"python"}}};
-  if (!languages.empty()) j["languages"] = languages;
-  if (zygoteMaxCalls > 0) j["zygote_max_calls"] = zygoteMaxCalls;
-  return j.dump();
-}
-
 std::string FncallBackend::initJson(int64_t scratchBytes) const {
-  return fncallInitJson(scratchBytes, languages_, zygoteMaxCalls_);
+  return proto::fncallInitJson(scratchBytes, languages_, zygoteMaxCalls_);
 }
 
 Result<std::unique_ptr<Instance>> FncallBackend::create(const SandboxSpec& spec,

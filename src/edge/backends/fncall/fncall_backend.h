@@ -25,14 +25,6 @@ namespace dsec::edge {
 // time, each stall ~30 ms; docs/fncall.md). With 0.5 more: none.
 inline constexpr double kFncallCpuOverhead = 0.5;
 
-// The init frame's "fncall" object (docs/agent-protocol.md) for a sandbox of
-// `scratchBytes`: the node's languages besides python and bash, and the calls
-// a python zygote forks (0: aether's default). Built by whoever places the
-// sandbox, so every node of a cluster runs it the same way.
-std::string fncallInitJson(int64_t scratchBytes,
-                           const std::map<std::string, std::vector<std::string>>& languages,
-                           int64_t zygoteMaxCalls);
-
 class FncallBackend : public Backend {
  public:
   // `container` must outlive this backend (the Edge owns both).

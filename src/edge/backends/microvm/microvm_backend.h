@@ -47,16 +47,7 @@ inline constexpr uint32_t kAgentVsockPort = 1024;
 
 // What start-up found: whether microvms can run here, on which accelerator,
 // and why not (or how the accelerator was chosen).
-struct MicroVmProbe {
-  bool available = false;
-  std::string accelerator;  // "kvm" or "tcg"
-  std::string reason;
-  std::string qemu;         // resolved binary
-  // Whether /dev/vhost-vsock opened (a vsock agent channel is possible), and
-  // the channel chosen: "vsock" or "virtio-serial".
-  bool vhostVsock = false;
-  std::string agentChannel;
-};
+using proto::MicroVmProbe;
 
 // The agent channel for `want` ("auto", "vsock", "virtio-serial") on a node
 // where /dev/vhost-vsock did (not) open: "vsock" for vsock, or auto with

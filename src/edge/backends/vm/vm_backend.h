@@ -44,13 +44,7 @@ struct VmOptions {
 
 // What start-up found: whether full VMs can run here, on which accelerator,
 // and why not (or how the accelerator was chosen).
-struct VmProbe {
-  bool available = false;
-  std::string accelerator;  // "kvm" or "tcg"
-  std::string reason;
-  std::string qemu;     // resolved binaries
-  std::string qemuImg;
-};
+using proto::VmProbe;
 
 // Looks for QEMU and qemu-img and probes KVM for real (edge/qemu.h).
 VmProbe probeVm(const VmOptions& opts);

@@ -1,6 +1,6 @@
 // RunPool on a simulated node: which sandbox serves each call, and when a
 // pool grows.
-#include "edge/backends/fncall/run_pool.h"
+#include "platform/run_pool.h"
 
 #include <gtest/gtest.h>
 
@@ -9,22 +9,22 @@
 #include <set>
 #include <thread>
 
-#include "edge/sim_edge.h"
+#include "proto/sim_edge.h"
 
-namespace dsec::edge {
+namespace dsec::platform {
 namespace {
 
 // A SimEdge that remembers which sandbox each exec ran in.
-class RecordingEdge : public SimEdge {
+class RecordingEdge : public proto::SimEdge {
  public:
-  RecordingEdge() : SimEdge(SimOptions{}) {}
-  Result<ExecResult> exec(const std::string& id, const ExecSpec& spec,
-                          const OutputSink& sink) override {
+  RecordingEdge() : SimEdge(proto::SimOptions{}) {}
+  std::shared_ptr<proto::ExecCall> startExec(const std::string& id, const ExecSpec& spec,
+                                             proto::ExecCallbacks cb) override {
     {
       std::lock_guard lk(mu_);
       served_.push_back(id);
     }
-    return SimEdge::exec(id, spec, sink);
+    return SimEdge::startExec(id, spec, std::move(cb));
   }
   std::vector<std::string> served() {
     std::lock_guard lk(mu_);
@@ -134,4 +134,4 @@ TEST(RunPool, AGrownSandboxOfAMovedTagIsDestroyed) {
 }
 
 }  // namespace
-}  // namespace dsec::edge
+}  // namespace dsec::platform

@@ -31,9 +31,12 @@
 #include <vector>
 
 #include "common/status.h"
-#include "edge/edge.h"
+#include "proto/edge_link.h"
 
-namespace dsec::edge {
+namespace dsec::platform {
+
+using proto::ExecResult;
+using proto::ExecSpec;
 
 struct RunPoolOptions {
   int maxSandboxes = 16;       // per node, all pools together
@@ -76,7 +79,7 @@ struct RunPoolStats {
 
 class RunPool {
  public:
-  RunPool(EdgeLink* edge, RunPoolOptions opts);
+  RunPool(proto::EdgeLink* edge, RunPoolOptions opts);
   ~RunPool();  // shutdown()
   RunPool(const RunPool&) = delete;
   RunPool& operator=(const RunPool&) = delete;
@@ -112,7 +115,7 @@ class RunPool {
   // Destroys idle sandboxes past idleSeconds; grows the pools asked to.
   void janitor();
 
-  EdgeLink* edge_;
+  proto::EdgeLink* edge_;
   const RunPoolOptions opts_;
   mutable std::mutex mu_;  // guards everything below
   std::condition_variable cv_;      // a sandbox came free (callers wait)
@@ -128,4 +131,4 @@ class RunPool {
   std::thread janitor_;
 };
 
-}  // namespace dsec::edge
+}  // namespace dsec::platform

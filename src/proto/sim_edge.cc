@@ -1,15 +1,15 @@
-#include "edge/sim_edge.h"
+#include "proto/sim_edge.h"
 
 #include <chrono>
+#include <cstdlib>
 #include <thread>
 
-namespace dsec::edge {
+#include "common/runtime.h"
+#include "common/util.h"
 
-SimEdge::SimEdge(SimOptions opts) : opts_(opts) {
-  userns_.reason = "simulated node";
-  microvm_.reason = "simulated node";
-  vm_.reason = "simulated node";
-}
+namespace dsec::proto {
+
+SimEdge::SimEdge(SimOptions opts) : opts_(opts) {}
 
 void SimEdge::delay() const {
   if (opts_.latencyMs > 0) std::this_thread::sleep_for(std::chrono::milliseconds(opts_.latencyMs));
@@ -23,13 +23,13 @@ Status SimEdge::check(const std::string& id) const {
   return Status::ok();
 }
 
-Status SimEdge::create(const std::string&, const SandboxSpec& spec) {
+Status SimEdge::create(BackendKind, const SandboxSpec& spec) {
   delay();
   std::lock_guard lk(mu_);
   return addLocked(spec);
 }
 
-std::vector<Status> SimEdge::createMany(const std::string&, const std::vector<SandboxSpec>& specs) {
+std::vector<Status> SimEdge::createMany(BackendKind, const std::vector<SandboxSpec>& specs) {
   delay();
   std::vector<Status> out;
   out.reserve(specs.size());
@@ -63,25 +63,106 @@ std::vector<Status> SimEdge::destroyMany(const std::vector<std::string>& ids) {
   return std::vector<Status>(ids.size());
 }
 
-Result<ExecResult> SimEdge::exec(const std::string& id, const ExecSpec& spec,
-                                 const OutputSink& sink) {
-  RETURN_IF_ERROR(check(id));
-  auto t0 = std::chrono::steady_clock::now();
-  delay();
+namespace {
+
+// The seconds a `sleep N` exec asks for (argv ["sleep", N] or a shell's
+// "sleep N"), or 0.
+double sleepSeconds(const std::vector<std::string>& argv) {
+  std::string n;
+  if (argv.size() == 2 && (argv[0] == "sleep" || argv[0] == "/bin/sleep")) {
+    n = argv[1];
+  } else if (argv.size() == 3 && argv[1] == "-c" && startsWith(argv[2], "sleep ")) {
+    n = argv[2].substr(6);
+  }
+  char* end = nullptr;
+  double s = n.empty() ? 0 : std::strtod(n.c_str(), &end);
+  return end && *end == '\0' && s > 0 && s < 86400 ? s : 0;
+}
+
+class SimExec : public ExecCall, public std::enable_shared_from_this<SimExec> {
+ public:
+  SimExec(ExecCallbacks cb, std::shared_ptr<std::atomic<int64_t>> inflight)
+      : cb_(std::move(cb)), inflight_(std::move(inflight)) {
+    ++*inflight_;
+  }
+  ~SimExec() override { --*inflight_; }
+
+  void start(double seconds, ExecResult r) {
+    result_ = std::move(r);
+    t0_ = std::chrono::steady_clock::now();
+    std::weak_ptr<SimExec> weak = shared_from_this();
+    self_ = shared_from_this();  // until it ends
+    auto t = Runtime::global().after(seconds, [weak] {
+      if (auto self = weak.lock()) self->finish(false);
+    });
+    std::lock_guard lk(mu_);
+    if (done_) {
+      t->cancel();
+    } else {
+      timer_ = std::move(t);
+    }
+  }
+
+  void cancel() override { finish(true); }
+
+ private:
+  void finish(bool cancelled) {
+    std::shared_ptr<SimExec> keep = shared_from_this();
+    std::shared_ptr<Runtime::Timer> t;
+    {
+      std::lock_guard lk(mu_);
+      if (done_) return;
+      done_ = true;
+      t = std::move(timer_);
+      self_.reset();
+    }
+    if (t) t->cancel();
+    if (cancelled) {
+      cb_.onDone(Status(Code::kUnavailable, "exec cancelled: client went away"));
+    } else {
+      result_.durationMs =
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0_)
+              .count();
+      if (cb_.onOutput && !result_.out.empty()) {
+        cb_.onOutput(false, result_.out);
+        result_.out.clear();
+      }
+      cb_.onDone(std::move(result_));
+    }
+    cb_ = {};
+  }
+
+  ExecCallbacks cb_;
+  std::shared_ptr<std::atomic<int64_t>> inflight_;
+  ExecResult result_;
+  std::chrono::steady_clock::time_point t0_;
+  std::mutex mu_;  // guards done_, timer_, self_
+  bool done_ = false;
+  std::shared_ptr<Runtime::Timer> timer_;
+  std::shared_ptr<SimExec> self_;
+};
+
+class EndedExec : public ExecCall {
+ public:
+  void cancel() override {}
+};
+
+}  // namespace
+
+std::shared_ptr<ExecCall> SimEdge::startExec(const std::string& id, const ExecSpec& spec,
+                                                    ExecCallbacks cb) {
+  if (Status st = check(id); !st.isOk()) {
+    cb.onDone(st);
+    return std::make_shared<EndedExec>();
+  }
   ExecResult r;
-  std::string out;
   if (!spec.argv.empty() && spec.argv[0] == "echo") {
-    for (size_t i = 1; i < spec.argv.size(); ++i) out += (i > 1 ? " " : "") + spec.argv[i];
-    out += "\n";
+    for (size_t i = 1; i < spec.argv.size(); ++i) r.out += (i > 1 ? " " : "") + spec.argv[i];
+    r.out += "\n";
   }
-  if (sink) {
-    if (!out.empty()) RETURN_IF_ERROR(sink(false, out));
-  } else {
-    r.out = out;
-  }
-  r.durationMs =
-      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-  return r;
+  auto call = std::make_shared<SimExec>(std::move(cb), inflight_);
+  call->start(opts_.latencyMs / 1000.0 + sleepSeconds(spec.argv), std::move(r));
+  return call;
 }
 
 Result<uint64_t> SimEdge::writeFile(const std::string& id, const std::string& path, int,
@@ -124,7 +205,7 @@ Status SimEdge::readFile(const std::string& id, const std::string& path,
   return Status::ok();
 }
 
-Result<std::string> SimEdge::fileCall(const std::string& id, proto::FrameType, const std::string&) {
+Result<std::string> SimEdge::agentOp(const std::string& id, AgentOp, const std::string&) {
   RETURN_IF_ERROR(check(id));
   delay();
   return std::string("{}");
@@ -136,13 +217,18 @@ Result<CgroupStats> SimEdge::stats(const std::string& id) {
 }
 
 Status SimEdge::pause(const std::string& id, bool) { return check(id); }
+Status SimEdge::hibernate(const std::string& id) {
+  return Status(Code::kFailedPrecondition,
+                "pausing " + id + " to disk: simulated node (backends microvm and vm only)", 0,
+                "memory");
+}
 Status SimEdge::setLimits(const std::string& id, const CgroupLimits&) { return check(id); }
-Status SimEdge::setEgress(const std::string& id, const std::vector<net::EgressRule>&) {
+Status SimEdge::setEgress(const std::string& id, const std::vector<EgressRule>&) {
   return check(id);
 }
-Result<net::EgressDenials> SimEdge::egressDenials(const std::string& id) {
+Result<EgressDenials> SimEdge::egressDenials(const std::string& id) {
   RETURN_IF_ERROR(check(id));
-  return net::EgressDenials{};
+  return EgressDenials{};
 }
 Result<image::BuiltLayer> SimEdge::packDiff(const std::string& id, const std::string&) {
   return Status(Code::kFailedPrecondition, "pack_diff of " + id + ": simulated node");
@@ -163,4 +249,4 @@ Status SimEdge::input(const std::string& id, const InputAction&) {
   return Status(Code::kFailedPrecondition, "sandbox " + id + " has no display (simulated node)");
 }
 
-}  // namespace dsec::edge
+}  // namespace dsec::proto

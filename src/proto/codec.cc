@@ -1,10 +1,10 @@
-#include "edge/edge_wire.h"
+#include "proto/codec.h"
 
 #include <algorithm>
 
 #include "common/base64.h"
 
-namespace dsec::edge::wire {
+namespace dsec::proto {
 
 json toJson(const SandboxSpec& s) {
   return {{"id", s.id},
@@ -82,28 +82,35 @@ json toJson(const ExecResult& r) {
           {"duration_ms", r.durationMs},
           {"call", r.call},
           {"limit", r.limit},
+          {"zygote_started", r.zygoteStarted},
           {"out_b64", base64Encode(r.out)},
           {"err_b64", base64Encode(r.err)}};
 }
 
-ExecResult resultFromJson(const json& j) {
-  ExecResult r;
-  r.exitCode = j.value("exit_code", 0);
-  r.signal = j.value("signal", 0);
-  r.timedOut = j.value("timed_out", false);
-  r.truncated = j.value("truncated", false);
-  r.oomKilled = j.value("oom_killed", false);
-  r.durationMs = j.value("duration_ms", 0.0);
-  r.call = j.value("call", false);
-  r.limit = j.value("limit", "");
-  auto out = base64Decode(j.value("out_b64", ""));
-  auto err = base64Decode(j.value("err_b64", ""));
-  if (out.isOk()) r.out = *out;
-  if (err.isOk()) r.err = *err;
-  return r;
+Result<ExecResult> resultFromJson(const json& j) {
+  try {
+    ExecResult r;
+    r.exitCode = j.value("exit_code", 0);
+    r.signal = j.value("signal", 0);
+    r.timedOut = j.value("timed_out", false);
+    r.truncated = j.value("truncated", false);
+    r.oomKilled = j.value("oom_killed", false);
+    r.durationMs = j.value("duration_ms", 0.0);
+    r.call = j.value("call", false);
+    r.limit = j.value("limit", "");
+    r.zygoteStarted = j.value("zygote_started", false);
+    auto out = base64Decode(j.value("out_b64", ""));
+    auto err = base64Decode(j.value("err_b64", ""));
+    if (!out.isOk() || !err.isOk()) return invalidArg("result", "exec output is not base64");
+    r.out = std::move(*out);
+    r.err = std::move(*err);
+    return r;
+  } catch (const std::exception& e) {
+    return invalidArg("result", std::string("bad exec result: ") + e.what());
+  }
 }
 
-json toJson(const net::EgressRule& r) {
+json toJson(const EgressRule& r) {
   json ports = json::array();
   for (auto& p : r.ports) ports.push_back({p.lo, p.hi});
   return {{"family", r.family},
@@ -113,9 +120,9 @@ json toJson(const net::EgressRule& r) {
           {"ports", ports}};
 }
 
-Result<net::EgressRule> ruleFromJson(const json& j) {
+Result<EgressRule> ruleFromJson(const json& j) {
   try {
-    net::EgressRule r;
+    EgressRule r;
     r.family = j.at("family").get<int>();
     auto a = base64Decode(j.at("addr").get<std::string>());
     if (!a.isOk() || a->size() != r.addr.size()) return invalidArg("rules", "bad egress address");
@@ -133,7 +140,20 @@ Result<net::EgressRule> ruleFromJson(const json& j) {
 json errorJson(const Status& st) {
   json e = {{"code", codeName(st.code())}, {"message", st.message()}};
   if (!st.field().empty()) e["field"] = st.field();
+  if (st.sysErrno() != 0) e["errno"] = st.sysErrno();
   return {{"error", e}};
+}
+
+Status statusFromError(const json& e) {
+  if (!e.is_object()) return Status(Code::kInternal, "malformed error from the node");
+  auto str = [&](const char* k) {
+    auto it = e.find(k);
+    return it != e.end() && it->is_string() ? it->get<std::string>() : std::string();
+  };
+  auto en = e.find("errno");
+  int err = en != e.end() && en->is_number_integer() ? en->get<int>() : 0;
+  std::string code = str("code");
+  return Status(codeFromName(code.empty() ? "internal" : code), str("message"), err, str("field"));
 }
 
 Code codeFromName(const std::string& name) {
@@ -149,9 +169,7 @@ Code codeFromName(const std::string& name) {
 Status statusFromBody(int httpStatus, const std::string& body) {
   json j = json::parse(body, nullptr, false);
   if (!j.is_discarded() && j.is_object() && j.contains("error") && j["error"].is_object()) {
-    auto& e = j["error"];
-    return Status(codeFromName(e.value("code", "internal")), e.value("message", ""), 0,
-                  e.value("field", ""));
+    return statusFromError(j["error"]);
   }
   Code c = httpStatus == 401   ? Code::kUnauthenticated
            : httpStatus == 404 ? Code::kNotFound
@@ -180,4 +198,82 @@ Result<InputAction> inputFromJson(const json& j) {
   return a;
 }
 
-}  // namespace dsec::edge::wire
+json toJson(const CgroupLimits& l) {
+  return {{"cpu", l.cpu}, {"memory_bytes", l.memoryBytes}, {"pids", l.pids}};
+}
+
+Result<CgroupLimits> limitsFromJson(const json& j) {
+  try {
+    CgroupLimits l;
+    l.cpu = j.at("cpu").get<double>();
+    l.memoryBytes = j.value("memory_bytes", int64_t(0));
+    l.pids = j.value("pids", int64_t(0));
+    return l;
+  } catch (const std::exception& e) {
+    return invalidArg("limits", std::string("bad limits: ") + e.what());
+  }
+}
+
+json toJson(const CgroupStats& s) {
+  return {{"oom_kills", s.oomKills},
+          {"pids_limit_hits", s.pidsLimitHits},
+          {"memory_bytes", s.memoryBytes}};
+}
+
+Result<CgroupStats> statsFromJson(const json& j) {
+  try {
+    CgroupStats s;
+    s.oomKills = j.value("oom_kills", int64_t(0));
+    s.pidsLimitHits = j.value("pids_limit_hits", int64_t(0));
+    s.memoryBytes = j.value("memory_bytes", int64_t(0));
+    return s;
+  } catch (const std::exception& e) {
+    return invalidArg("stats", std::string("bad stats: ") + e.what());
+  }
+}
+
+json toJson(const EgressDenials& d) { return {{"count", d.count}, {"last", d.last}}; }
+
+Result<EgressDenials> denialsFromJson(const json& j) {
+  try {
+    EgressDenials d;
+    d.count = j.value("count", uint64_t(0));
+    d.last = j.value("last", "");
+    return d;
+  } catch (const std::exception& e) {
+    return invalidArg("egress", std::string("bad egress denials: ") + e.what());
+  }
+}
+
+json toJson(const image::BuiltLayer& l) {
+  return {{"digest", l.digest},
+          {"size", l.size},
+          {"data_digest", l.dataDigest},
+          {"data_size", l.dataSize},
+          {"kind", l.kind}};
+}
+
+Result<image::BuiltLayer> builtLayerFromJson(const json& j) {
+  try {
+    image::BuiltLayer l;
+    l.digest = j.at("digest").get<std::string>();
+    l.size = j.value("size", int64_t(0));
+    l.dataDigest = j.value("data_digest", "");
+    l.dataSize = j.value("data_size", int64_t(0));
+    l.kind = j.value("kind", "");
+    return l;
+  } catch (const std::exception& e) {
+    return invalidArg("layer", std::string("bad layer: ") + e.what());
+  }
+}
+
+std::string fncallInitJson(int64_t scratchBytes,
+                           const std::map<std::string, std::vector<std::string>>& languages,
+                           int64_t zygoteMaxCalls) {
+  json j = {{"scratch_mb", std::max<int64_t>(1, scratchBytes >> 20)}, {"prestart", {"python"}}};
+  if (!languages.empty()) j["languages"] = languages;
+  if (zygoteMaxCalls > 0) j["zygote_max_calls"] = zygoteMaxCalls;
+  return j.dump();
+}
+
+}  // namespace dsec::proto

@@ -1,4 +1,4 @@
-#include "edge/net/egress_rules.h"
+#include "proto/egress.h"
 
 #include <arpa/inet.h>
 #include <sys/socket.h>
@@ -8,7 +8,7 @@
 
 #include "common/util.h"
 
-namespace dsec::edge::net {
+namespace dsec::proto {
 namespace {
 
 Result<std::vector<PortRange>> parsePorts(const std::string& text, const std::string& entry,
@@ -189,4 +189,4 @@ Result<std::vector<EgressRule>> compileEgress(const std::vector<EgressEntry>& en
   return out;
 }
 
-}  // namespace dsec::edge::net
+}  // namespace dsec::proto

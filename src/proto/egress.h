@@ -1,5 +1,6 @@
 // Egress allow-list entries of a policy, parsed and compiled into the rules
-// the eBPF filter (egress_filter.h) matches. Pure functions, no kernel calls.
+// a node's eBPF filter (edge/net/egress_filter.h) matches: egress rules as
+// data. Pure functions, no kernel calls.
 //
 // An entry is an address or a host name, optionally with ports:
 //   "10.1.2.3"  "10.0.0.0/8"  "10.0.0.0/8:80"  "10.1.2.3:80,443,8000-8100"
@@ -14,14 +15,9 @@
 #include <vector>
 
 #include "common/status.h"
+#include "proto/types.h"
 
-namespace dsec::edge::net {
-
-struct PortRange {
-  uint16_t lo = 0;
-  uint16_t hi = 65535;
-  bool operator==(const PortRange&) const = default;
-};
+namespace dsec::proto {
 
 // At most this many port ranges per address entry (the filter's map value).
 inline constexpr size_t kMaxPortRanges = 8;
@@ -41,21 +37,15 @@ Result<EgressEntry> parseEgressEntry(const std::string& text, const std::string&
 // Canonical text of an address entry ("10.0.0.0/8:80,443"), as the API shows it.
 std::string formatEgressEntry(const EgressEntry& e);
 
-// What the filter stores: one per distinct (family, masked prefix), with the
-// port ranges that apply there. Since the filter takes the longest matching
-// prefix only, each rule also carries the ranges of every shorter prefix
-// that contains it, so that a more specific entry never narrows a broader one.
-struct EgressRule {
-  int family = 0;
-  std::array<uint8_t, 16> addr{};  // masked to prefixLen
-  int prefixLen = 0;
-  std::vector<PortRange> ports;  // sorted, merged, never empty
-  bool operator==(const EgressRule&) const = default;
-};
-
+// Rules (proto::EgressRule) are what a node's filter stores: one per distinct
+// (family, masked prefix), with the port ranges that apply there. Since the
+// filter takes the longest matching prefix only, each rule also carries the
+// ranges of every shorter prefix that contains it, so that a more specific
+// entry never narrows a broader one.
+//
 // `entries` must all be addresses (host names resolved). kInvalidArgument
 // naming `field` when a rule would need more than kMaxPortRanges ranges.
 Result<std::vector<EgressRule>> compileEgress(const std::vector<EgressEntry>& entries,
                                               const std::string& field);
 
-}  // namespace dsec::edge::net
+}  // namespace dsec::proto

@@ -1,4 +1,4 @@
-#include "edge/backends/fncall/run_pool.h"
+#include "platform/run_pool.h"
 
 #include <nlohmann/json.hpp>
 
@@ -8,7 +8,7 @@
 #include "common/log.h"
 #include "common/util.h"
 
-namespace dsec::edge {
+namespace dsec::platform {
 
 using json = nlohmann::json;
 
@@ -21,7 +21,7 @@ double now() {
 
 }  // namespace
 
-RunPool::RunPool(EdgeLink* edge, RunPoolOptions opts) : edge_(edge), opts_(opts) {
+RunPool::RunPool(proto::EdgeLink* edge, RunPoolOptions opts) : edge_(edge), opts_(opts) {
   janitor_ = std::thread([this] { janitor(); });
 }
 
@@ -59,14 +59,14 @@ RunPoolStats RunPool::stats() const {
 }
 
 Result<RunPool::Slot> RunPool::make(const std::vector<std::string>& layers) {
-  SandboxSpec spec;
+  proto::SandboxSpec spec;
   spec.id = "sb-" + randomHex(8);
   spec.layers = layers;
   spec.cpu = opts_.cpu;
   spec.memoryBytes = opts_.memoryBytes;
   spec.diskBytes = opts_.scratchBytes;
   spec.pids = opts_.pids;
-  RETURN_IF_ERROR(edge_->create("fncall", spec));
+  RETURN_IF_ERROR(edge_->create(proto::BackendKind::kFncall, spec));
   {
     std::lock_guard lk(mu_);
     ++counters_.created;
@@ -298,4 +298,4 @@ void RunPool::janitor() {
   }
 }
 
-}  // namespace dsec::edge
+}  // namespace dsec::platform

@@ -1,10 +1,10 @@
-#include "edge/net/egress_rules.h"
+#include "proto/egress.h"
 
 #include <sys/socket.h>
 
 #include <gtest/gtest.h>
 
-namespace dsec::edge::net {
+namespace dsec::proto {
 namespace {
 
 EgressEntry parse(const std::string& s) {
@@ -69,4 +69,4 @@ TEST(EgressRules, CompileRefusesUnresolvedNamesAndTooManyRanges) {
 }
 
 }  // namespace
-}  // namespace dsec::edge::net
+}  // namespace dsec::proto

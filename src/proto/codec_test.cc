@@ -1,8 +1,8 @@
-#include "edge/edge_wire.h"
+#include "proto/codec.h"
 
 #include <gtest/gtest.h>
 
-namespace dsec::edge::wire {
+namespace dsec::proto {
 namespace {
 
 // What a remote node is asked to create must be what the platform planned:
@@ -63,4 +63,4 @@ TEST(EdgeWire, InputActionRoundTrips) {
 }
 
 }  // namespace
-}  // namespace dsec::edge::wire
+}  // namespace dsec::proto

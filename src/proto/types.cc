@@ -1,0 +1,81 @@
+#include "proto/types.h"
+
+namespace dsec::proto {
+
+const char* backendName(BackendKind b) {
+  switch (b) {
+    case BackendKind::kFncall:
+      return "fncall";
+    case BackendKind::kContainer:
+      return "container";
+    case BackendKind::kMicrovm:
+      return "microvm";
+    case BackendKind::kVm:
+      return "vm";
+  }
+  return "container";
+}
+
+std::optional<BackendKind> parseBackend(std::string_view name) {
+  for (BackendKind b : kAllBackends) {
+    if (name == backendName(b)) return b;
+  }
+  return std::nullopt;
+}
+
+const char* stateName(SandboxState s) {
+  switch (s) {
+    case SandboxState::kPending:
+      return "pending";
+    case SandboxState::kCreating:
+      return "creating";
+    case SandboxState::kRunning:
+      return "running";
+    case SandboxState::kPaused:
+      return "paused";
+    case SandboxState::kLost:
+      return "lost";
+    case SandboxState::kStopping:
+      return "stopping";
+    case SandboxState::kStopped:
+      return "stopped";
+    case SandboxState::kFailed:
+      return "failed";
+  }
+  return "failed";
+}
+
+std::optional<SandboxState> parseState(std::string_view name) {
+  for (SandboxState s : kAllStates) {
+    if (name == stateName(s)) return s;
+  }
+  return std::nullopt;
+}
+
+const char* agentOpName(AgentOp op) {
+  switch (op) {
+    case AgentOp::kList:
+      return "list";
+    case AgentOp::kStat:
+      return "stat";
+    case AgentOp::kMkdir:
+      return "mkdir";
+    case AgentOp::kRemove:
+      return "remove";
+    case AgentOp::kPolicy:
+      return "policy";
+    case AgentOp::kAudit:
+      return "audit";
+  }
+  return "stat";
+}
+
+std::optional<AgentOp> parseAgentOp(std::string_view name) {
+  for (AgentOp op : {AgentOp::kList, AgentOp::kStat, AgentOp::kMkdir, AgentOp::kRemove,
+                     AgentOp::kPolicy, AgentOp::kAudit}) {
+    if (name == agentOpName(op)) return op;
+  }
+  return std::nullopt;
+}
+
+}  // namespace dsec::proto
