@@ -1,5 +1,10 @@
 #include "platform/chronus.h"
 
+#include <future>
+#include <memory>
+#include <mutex>
+
+#include "common/runtime.h"
 #include "common/sha256.h"
 #include "common/util.h"
 #include "platform/tenants.h"
@@ -43,58 +48,104 @@ Status Chronus::conflict(const StepKey& key, const std::string& stored,
                 0, "step");
 }
 
-Result<StepOutcome> Chronus::once(const StepKey& key, const std::string& kind,
-                                  const std::string& sandbox, const json& request,
-                                  const std::function<Result<StepOutcome>()>& run) {
+void Chronus::onceAsync(const StepKey& key, const std::string& kind, const std::string& sandbox,
+                        const json& request, StepWork work, StepDone done) {
+  start(key, kind, sandbox, request, std::move(work), std::move(done), false);
+}
+
+void Chronus::start(const StepKey& key, const std::string& kind, const std::string& sandbox,
+                    const json& request, StepWork work, StepDone done, bool finishInline) {
   const std::string digest = digestOf(kind, request);
   const auto k = std::make_pair(key.trajectory, key.step);
   {
-    std::unique_lock lk(mu_);
-    for (;;) {
-      auto it = inflight_.find(k);
-      if (it == inflight_.end()) break;
-      if (it->second != digest) return conflict(key, it->second, digest);
-      cv_.wait(lk);  // the first call is running: its result is ours
+    std::lock_guard lk(mu_);
+    auto it = inflight_.find(k);
+    if (it != inflight_.end()) {
+      if (it->second.digest != digest) return done(conflict(key, it->second.digest, digest));
+      // The first call is running: once it ends this one looks again (its
+      // stored result, or its turn to run when the first one failed).
+      it->second.waiters.push_back([this, key, kind, sandbox, request, work = std::move(work),
+                                    done = std::move(done), finishInline]() mutable {
+        start(key, kind, sandbox, request, std::move(work), std::move(done), finishInline);
+      });
+      return;
     }
     auto stored = store_->getStep(key.trajectory, key.step);
     if (stored.isOk()) {
-      if (stored->digest != digest) return conflict(key, stored->digest, digest);
-      return StepOutcome{stored->status, stored->contentType, stored->body, true, digest};
+      if (stored->digest != digest) return done(conflict(key, stored->digest, digest));
+      return done(StepOutcome{stored->status, stored->contentType, stored->body, true, digest});
     }
-    if (stored.status().code() != Code::kNotFound) return stored.status();
-    inflight_[k] = digest;
+    if (stored.status().code() != Code::kNotFound) return done(stored.status());
+    inflight_[k].digest = digest;
   }
-  auto done = [&] {
-    std::lock_guard lk(mu_);
-    inflight_.erase(k);
-    cv_.notify_all();
-  };
   double started = nowSeconds();
-  auto out = run();
-  if (!out.isOk() || out->status < 200 || out->status >= 300) {
-    done();
-    return out;
+  auto once = std::make_shared<std::once_flag>();
+  work([this, key, kind, sandbox, request, digest, started, done = std::move(done), once,
+        finishInline](Result<StepOutcome> out) mutable {
+    std::call_once(*once, [&] {
+      auto shared = std::make_shared<Result<StepOutcome>>(std::move(out));
+      auto finish = [this, key, kind, sandbox, request, digest, started, done, shared] {
+        finishStep(key, kind, sandbox, request, digest, started, std::move(*shared), done);
+      };
+      // Storing blocks (fsync, a PostgreSQL round trip): not on the thread
+      // that completed an async work, which may be an io thread.
+      if (finishInline || !Runtime::global().runBlocking(finish)) finish();
+    });
+  });
+}
+
+void Chronus::finishStep(const StepKey& key, const std::string& kind, const std::string& sandbox,
+                         const json& request, const std::string& digest, double started,
+                         Result<StepOutcome> out, const StepDone& done) {
+  Status stored;
+  if (out.isOk() && out->status >= 200 && out->status < 300) {
+    TrajectoryStep s;
+    s.trajectory = key.trajectory;
+    s.step = key.step;
+    s.digest = digest;
+    s.kind = kind;
+    s.sandbox = sandbox;
+    s.request = request.dump();
+    s.status = out->status;
+    s.contentType = out->contentType;
+    s.body = out->body;
+    s.startedAt = started;
+    s.finishedAt = nowSeconds();
+    s.content = out->content;
+    // Durable before it is acknowledged: a repeat after a crash replays it.
+    stored = store_->putStep(s);
+    out->digest = digest;
+    out->replayed = false;
   }
-  TrajectoryStep s;
-  s.trajectory = key.trajectory;
-  s.step = key.step;
-  s.digest = digest;
-  s.kind = kind;
-  s.sandbox = sandbox;
-  s.request = request.dump();
-  s.status = out->status;
-  s.contentType = out->contentType;
-  s.body = out->body;
-  s.startedAt = started;
-  s.finishedAt = nowSeconds();
-  s.content = out->content;
-  // Durable before it is acknowledged: a repeat after a crash replays it.
-  Status st = store_->putStep(s);
-  done();
-  if (!st.isOk()) return st.withContext("record the step");
-  out->digest = digest;
-  out->replayed = false;
-  return out;
+  std::vector<std::function<void()>> waiters;
+  {
+    std::lock_guard lk(mu_);
+    auto it = inflight_.find(std::make_pair(key.trajectory, key.step));
+    if (it != inflight_.end()) {
+      waiters = std::move(it->second.waiters);
+      inflight_.erase(it);
+    }
+  }
+  if (!stored.isOk()) {
+    done(stored.withContext("record the step"));
+  } else {
+    done(std::move(out));
+  }
+  for (auto& w : waiters) w();
+}
+
+Result<StepOutcome> Chronus::once(const StepKey& key, const std::string& kind,
+                                  const std::string& sandbox, const json& request,
+                                  const std::function<Result<StepOutcome>()>& run) {
+  // The work runs here and the step is stored here: a caller on the
+  // blocking pool never waits for another pool thread. A repeat of a step in
+  // flight waits for it (its retry runs on the thread that ends the first).
+  std::promise<Result<StepOutcome>> p;
+  auto f = p.get_future();
+  start(
+      key, kind, sandbox, request, [&run](StepDone finish) { finish(run()); },
+      [&p](Result<StepOutcome> out) { p.set_value(std::move(out)); }, true);
+  return f.get();
 }
 
 }  // namespace dsec::platform

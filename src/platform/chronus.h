@@ -9,10 +9,13 @@
 // be replayed through another sandbox (one a recover made) without conflict.
 //
 // Only successful results are stored: a call that failed (the sandbox was
-// gone, a bad path) is not a step, and its repeat runs again. Thread-safe.
+// gone, a bad path) is not a step, and its repeat runs again.
+//
+// A step in flight holds no thread (onceAsync): its work completes it, the
+// store write runs on the blocking pool, and a repeat waiting for it is a
+// queued callback. Thread-safe.
 #pragma once
 
-#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -20,6 +23,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "common/status.h"
 #include "platform/store.h"
@@ -56,20 +60,45 @@ class Chronus {
   // "sha256:<hex>" of the kind and the request (canonical JSON).
   static std::string digestOf(const std::string& kind, const nlohmann::json& request);
 
-  // Runs `run` for `key` unless it ran before (see the header comment).
-  // kConflict (field "step") when the key is stored or in flight with another
-  // digest; the store's errors as they come.
+  // A step's outcome, delivered once.
+  using StepDone = std::function<void(Result<StepOutcome>)>;
+  // A step's work: starts it and calls its argument exactly once, from any
+  // thread, with the outcome.
+  using StepWork = std::function<void(StepDone finish)>;
+
+  // Runs `work` for `key` unless it ran before (see the header comment), and
+  // gives `done` the outcome: the stored result (replayed), the live one once
+  // it is stored, or the error. kConflict (field "step") when the key is
+  // stored or in flight with another digest; the store's errors as they
+  // come. `work` starts on the calling thread; `done` runs on the calling
+  // thread (a replay, an error found first) or on a blocking-pool thread. The
+  // caller must be on a thread that may block (a store read comes first).
+  void onceAsync(const StepKey& key, const std::string& kind, const std::string& sandbox,
+                 const nlohmann::json& request, StepWork work, StepDone done);
+  // onceAsync with `run` as the work, waited for (worker threads only).
   Result<StepOutcome> once(const StepKey& key, const std::string& kind, const std::string& sandbox,
                            const nlohmann::json& request,
                            const std::function<Result<StepOutcome>()>& run);
 
  private:
   Status conflict(const StepKey& key, const std::string& stored, const std::string& asked) const;
+  // onceAsync; with finishInline the outcome is stored on the thread that
+  // completes the work (once(): the caller's), else on the blocking pool.
+  void start(const StepKey& key, const std::string& kind, const std::string& sandbox,
+             const nlohmann::json& request, StepWork work, StepDone done, bool finishInline);
+  // Stores a live outcome (blocking pool), then answers `done` and wakes
+  // the repeats that waited for the key.
+  void finishStep(const StepKey& key, const std::string& kind, const std::string& sandbox,
+                  const nlohmann::json& request, const std::string& digest, double started,
+                  Result<StepOutcome> out, const StepDone& done);
 
+  struct Inflight {
+    std::string digest;
+    std::vector<std::function<void()>> waiters;  // repeats, run again once it ends
+  };
   Store* store_;
   std::mutex mu_;  // guards inflight_
-  std::condition_variable cv_;
-  std::map<std::pair<std::string, int64_t>, std::string> inflight_;  // key -> digest
+  std::map<std::pair<std::string, int64_t>, Inflight> inflight_;
 };
 
 }  // namespace dsec::platform

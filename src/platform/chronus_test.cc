@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <filesystem>
+#include <future>
 #include <thread>
 
 #include "common/util.h"
@@ -131,6 +132,62 @@ TEST_P(ChronusTest, KeepsContentAndIgnoresTheSandbox) {
   ASSERT_TRUE(again.isOk()) << again.status().toString();
   EXPECT_TRUE(again->replayed);
   EXPECT_EQ(again->digest, first->digest);
+}
+
+// A step in flight holds no thread: its work finishes later on another
+// thread; a repeat meanwhile is queued (no thread waits) and gets the stored
+// result once the first is stored; another request under the key is refused
+// at once.
+TEST_P(ChronusTest, AsyncStepsHoldNoThreadAndRepeatsWaitAsCallbacks) {
+  StepKey key{"async", 3};
+  json req = {{"cmd", "sleep 60"}};
+  Chronus::StepDone finishFirst;
+  std::promise<Result<StepOutcome>> first, repeat;
+  chronus_->onceAsync(
+      key, "exec", "sb-1", req, [&](Chronus::StepDone f) { finishFirst = std::move(f); },
+      [&](Result<StepOutcome> o) { first.set_value(std::move(o)); });
+  ASSERT_TRUE(finishFirst);  // the work started on this thread and returned
+  int repeatRuns = 0;
+  chronus_->onceAsync(
+      key, "exec", "sb-1", req, [&](Chronus::StepDone) { ++repeatRuns; },
+      [&](Result<StepOutcome> o) { repeat.set_value(std::move(o)); });
+  std::promise<Status> other;
+  chronus_->onceAsync(
+      key, "exec", "sb-1", json{{"cmd", "other"}}, [](Chronus::StepDone) {},
+      [&](Result<StepOutcome> o) { other.set_value(o.status()); });
+  EXPECT_EQ(other.get_future().get().code(), Code::kConflict);
+  // Finished from another thread (as an agent's exit frame would).
+  std::thread([&] { finishFirst(StepOutcome{200, "application/json", "{\"n\":1}"}); }).join();
+  auto a = first.get_future().get();
+  ASSERT_TRUE(a.isOk()) << a.status().toString();
+  EXPECT_FALSE(a->replayed);
+  auto b = repeat.get_future().get();
+  ASSERT_TRUE(b.isOk()) << b.status().toString();
+  EXPECT_TRUE(b->replayed);
+  EXPECT_EQ(b->body, "{\"n\":1}");
+  EXPECT_EQ(repeatRuns, 0);
+}
+
+// A first attempt that fails is not a step: the repeat that waited for it
+// runs the work itself.
+TEST_P(ChronusTest, ARepeatRunsWhenTheStepItWaitedForFailed) {
+  StepKey key{"async", 4};
+  json req = {{"cmd", "true"}};
+  Chronus::StepDone finishFirst;
+  std::promise<Result<StepOutcome>> first, repeat;
+  chronus_->onceAsync(
+      key, "exec", "sb-1", req, [&](Chronus::StepDone f) { finishFirst = std::move(f); },
+      [&](Result<StepOutcome> o) { first.set_value(std::move(o)); });
+  chronus_->onceAsync(
+      key, "exec", "sb-1", req,
+      [&](Chronus::StepDone f) { f(StepOutcome{200, "application/json", "{\"n\":2}"}); },
+      [&](Result<StepOutcome> o) { repeat.set_value(std::move(o)); });
+  finishFirst(Status(Code::kUnavailable, "the sandbox went away"));
+  EXPECT_EQ(first.get_future().get().status().code(), Code::kUnavailable);
+  auto b = repeat.get_future().get();
+  ASSERT_TRUE(b.isOk()) << b.status().toString();
+  EXPECT_FALSE(b->replayed);
+  EXPECT_EQ(b->body, "{\"n\":2}");
 }
 
 }  // namespace
