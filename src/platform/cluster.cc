@@ -60,14 +60,13 @@ void writeApiErrorMetrics(metrics::Writer& w) {
     std::string_view name = codeName(static_cast<Code>(i));
     // Not a code (codeName's fallback): its slot stays at 0.
     if (name == "internal" && i != static_cast<size_t>(Code::kInternal)) continue;
-    w.counter("dsec_api_errors_total", kHelp,
-              double(gApiErrors[i].load(std::memory_order_relaxed)), {{"code", std::string(name)}});
+    w.counter("dsec_api_errors_total", kHelp, double(gApiErrors[i].load(std::memory_order_relaxed)),
+              {{"code", std::string(name)}});
   }
 }
 
 Cluster::Cluster(ClusterOptions opts)
-    : opts_(std::move(opts)),
-      sched_(defaultScorers(), opts_.maxInflightPerNode, opts_.burst) {}
+    : opts_(std::move(opts)), sched_(defaultScorers(), opts_.maxInflightPerNode, opts_.burst) {}
 
 Result<std::unique_ptr<Cluster>> Cluster::start(ClusterOptions opts) {
   if (!opts.store) return internalError("cluster: no store");

@@ -304,8 +304,8 @@ class Cluster : public proto::EdgeLink {
   std::mutex prestageMu_;  // guards prestageCache_
   std::map<std::string, std::pair<std::vector<std::string>, double>> prestageCache_;
   // From a create's arrival to its placement, in seconds.
-  metrics::Histogram schedLatency_{{0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
-                                    0.5, 1, 2.5, 5, 10, 30}};
+  metrics::Histogram schedLatency_{
+      {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30}};
   std::function<void(const std::string&, const std::string&)> onDeath_;
   std::function<void(const std::string&, bool, const std::string&)> onLost_;
   std::condition_variable monitorCv_;

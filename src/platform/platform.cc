@@ -20,7 +20,7 @@ void sendJson(http::Response& res, int status, const std::string& body) {
 void sendError(http::Response& res, const Status& st) {
   json e = {{"code", codeName(st.code())}, {"message", st.message()}};
   if (!st.field().empty()) e["field"] = st.field();
-  countApiError(st.code());  // dsec_api_errors_total (platform/cluster.h)
+  countApiError(st.code());   // dsec_api_errors_total (platform/cluster.h)
   if (res.started()) return;  // mid-stream: nothing sensible can be added
   sendJson(res, httpStatusFor(st.code()),
            json{{"error", e}}.dump(-1, ' ', false, json::error_handler_t::replace));
@@ -143,9 +143,8 @@ Result<std::unique_ptr<Platform>> Platform::start(PlatformOptions opts, Store* s
   }
   p->runPool_ = std::make_unique<RunPool>(cluster, p->opts_.runPool);
   if (!p->opts_.registry) p->opts_.registry = &metrics::Registry::global();
-  p->metricsId_ = p->opts_.registry->add([raw = p.get()](metrics::Writer& w) {
-    raw->writeMetrics(w);
-  });
+  p->metricsId_ =
+      p->opts_.registry->add([raw = p.get()](metrics::Writer& w) { raw->writeMetrics(w); });
   return p;
 }
 

@@ -362,7 +362,7 @@ class Platform {
   std::mutex tenantsMu_;        // serializes changes to tenants (api_tenants.cc)
   Cluster* cluster_ = nullptr;  // not owned: the nodes, and the router to them
   std::unique_ptr<RunPool> runPool_;  // fncall one-shot calls (api_run.cc)
-  uint64_t metricsId_ = 0;  // the collector in opts_.registry (0: none yet)
+  uint64_t metricsId_ = 0;            // the collector in opts_.registry (0: none yet)
   std::mutex gcMu_;  // one collection at a time; held while images and layers are deleted
 
   std::mutex mu_;  // guards sandboxes_, deleteRequested_, stopping_

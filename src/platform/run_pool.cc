@@ -97,7 +97,8 @@ void RunPool::writeMetrics(metrics::Writer& w) const {
       "output).";
   w.declare("dsec_fncall_calls_total", Type::kCounter, help);
   for (auto& [k, n] : s.results) {
-    w.counter("dsec_fncall_calls_total", help, double(n), {{"result", k.first}, {"limit", k.second}});
+    w.counter("dsec_fncall_calls_total", help, double(n),
+              {{"result", k.first}, {"limit", k.second}});
   }
 }
 
