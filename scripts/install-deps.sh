@@ -28,6 +28,9 @@ PKGS=(
   qemu-utils extlinux syslinux-common
   # tests, demo, benchmarks
   python3 python3-pytest python3-yaml crun procps strace nginx-light openssl
+  # promtool, which checks the platform's /v1/metrics (tests/test_metrics.py);
+  # the package also installs a prometheus service, which the tests never use
+  prometheus
 )
 
 missing=()

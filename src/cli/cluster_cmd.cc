@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "common/log.h"
+#include "common/metrics.h"
 #include "common/sha256.h"
 #include "common/util.h"
 #include "edge/edge_server.h"
@@ -228,6 +229,7 @@ int runSimNodes(const edge::EdgeAgentOptions& base, const http::ServerOptions& s
     if (Status st = makeDirs(ao.dataDir, 0700); !st.isOk()) return fail(st.toString());
     std::string host = base.url.substr(0, base.url.rfind(':'));
     ao.url = host + ":" + std::to_string(n->server->port());
+    ao.registry = nullptr;  // its own: each node's /metrics shows that node alone
     n->agent = std::make_unique<edge::EdgeAgent>(ao);
     if (Status st = n->agent->start(); !st.isOk()) return fail("join " + ao.name + ": " + st.toString());
     n->sim = std::make_unique<proto::SimEdge>(sopt);
@@ -373,6 +375,8 @@ int cmdEdge(const ArgGet& get) {
   }
 
   bool liveRestore = !simulate && get("live-restore", "no") == "yes";
+  // One node in this process: its /metrics is the process's registry.
+  ao.registry = &metrics::Registry::global();
   edge::EdgeAgent agent(ao);
   if (Status st = agent.start(); !st.isOk()) return fail("join: " + st.toString());
 

@@ -25,6 +25,21 @@ std::string escapeLabel(std::string_view v) {
   return out;
 }
 
+std::string escapeHelp(std::string_view v) {
+  std::string out;
+  out.reserve(v.size());
+  for (char c : v) {
+    if (c == '\\') {
+      out += "\\\\";
+    } else if (c == '\n') {
+      out += "\\n";
+    } else {
+      out += c;
+    }
+  }
+  return out;
+}
+
 std::string formatValue(double v) {
   if (std::isnan(v)) return "NaN";
   if (std::isinf(v)) return v > 0 ? "+Inf" : "-Inf";
@@ -129,7 +144,7 @@ std::string Writer::text() const {
   std::string out;
   for (auto& name : order_) {
     const Family& f = families_.find(name)->second;
-    out += "# HELP " + name + " " + f.help + "\n";
+    out += "# HELP " + name + " " + escapeHelp(f.help) + "\n";
     out += "# TYPE " + name + " " + typeName(f.type) + "\n";
     out += f.samples;
   }

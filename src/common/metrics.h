@@ -59,6 +59,8 @@ class Writer {
 
 // A Prometheus label value: backslash, double quote and newline escaped.
 std::string escapeLabel(std::string_view v);
+// A HELP text: backslash and newline escaped (the format leaves quotes as they are).
+std::string escapeHelp(std::string_view v);
 // A sample value as the format spells it (integers without a fraction).
 std::string formatValue(double v);
 
@@ -79,8 +81,8 @@ class Registry {
   uint64_t next_ = 1;
 };
 
-// A counter by one label (an error code, a result): lock-free increments of
-// keys known up front, a mutex for others.
+// A counter by one label (an error code, a result): a map under a mutex, for
+// keys not known up front (a fixed set of keys is cheaper as atomics).
 class CounterVec {
  public:
   void inc(const std::string& key, uint64_t n = 1);

@@ -40,6 +40,29 @@ TEST(Metrics, LabelValuesAreEscaped) {
   EXPECT_NE(w.text().find("g{path=\"a\\\"b\\\\c\\nd\"} 7\n"), std::string::npos) << w.text();
 }
 
+TEST(Metrics, HelpIsEscaped) {
+  Writer w;
+  w.counter("c_total", "Back\\slash and\nnewline, \"quotes\" kept.", 1);
+  EXPECT_EQ(w.text(),
+            "# HELP c_total Back\\\\slash and\\nnewline, \"quotes\" kept.\n"
+            "# TYPE c_total counter\nc_total 1\n");
+}
+
+// A family with nothing to count yet is still listed (scrapers and
+// dashboards see it exists).
+TEST(Metrics, ADeclaredFamilyIsListedEmptyAndKeepsItsPlace) {
+  Writer w;
+  w.declare("a_total", Type::kCounter, "A.");
+  w.gauge("b", "B.", 2);
+  w.counter("a_total", "A.", 1, {{"k", "v"}});
+  EXPECT_EQ(w.text(),
+            "# HELP a_total A.\n# TYPE a_total counter\na_total{k=\"v\"} 1\n"
+            "# HELP b B.\n# TYPE b gauge\nb 2\n");
+  Writer empty;
+  empty.declare("e_total", Type::kCounter, "E.");
+  EXPECT_EQ(empty.text(), "# HELP e_total E.\n# TYPE e_total counter\n");
+}
+
 TEST(Metrics, HistogramBucketsAreCumulative) {
   Histogram h({0.1, 1});
   h.observe(0.05);

@@ -37,6 +37,9 @@ EdgeAgent::EdgeAgent(EdgeAgentOptions opts) : opts_(std::move(opts)), bootId_(ra
     if (!u.empty()) urls_.push_back(u);
   }
   if (urls_.empty()) urls_.push_back(opts_.platformUrl);
+  if (!opts_.registry) ownRegistry_ = std::make_unique<metrics::Registry>();
+  registry_ = opts_.registry ? opts_.registry : ownRegistry_.get();
+  metricsId_ = registry_->add([this](metrics::Writer& w) { writeMetrics(w); });
 }
 
 Result<http::ClientResponse> EdgeAgent::send(const std::string& key, const std::string& method,
@@ -63,7 +66,41 @@ Result<http::ClientResponse> EdgeAgent::send(const std::string& key, const std::
   return Status(Code::kUnavailable, "platform: " + errors);
 }
 
-EdgeAgent::~EdgeAgent() { stop(); }
+EdgeAgent::~EdgeAgent() {
+  registry_->remove(metricsId_);  // first: a scrape under way ends before the agent goes
+  stop();
+}
+
+void EdgeAgent::writeMetrics(metrics::Writer& w) {
+  proto::EdgeLink* link;
+  {
+    std::lock_guard lk(mu_);
+    link = link_;  // ids_ is set with it
+  }
+  w.gauge("dsec_edge_sandboxes", "Sandboxes this node runs.", link ? double(ids_().size()) : 0);
+  w.gauge("dsec_edge_capacity_slots", "Sandboxes this node offers at most.", double(opts_.slots));
+  w.counter("dsec_edge_creates_total", "Creates the platform asked of this node.",
+            double(creates_.load()));
+  w.counter("dsec_edge_destroys_total", "Destroys the platform asked of this node.",
+            double(destroys_.load()));
+  w.counter("dsec_edge_execs_total", "Execs the platform asked of this node.",
+            double(execs_.load()));
+  w.counter("dsec_edge_unauthenticated_total", "Calls refused for a missing or wrong key.",
+            double(refused_.load()));
+  w.counter("dsec_edge_heartbeat_failures_total", "Heartbeats the platform did not take.",
+            double(hbFailures_.load()));
+  w.counter("dsec_edge_prestaged_layers_total",
+            "Layers pre-staged into the node cache at the platform's asking.",
+            double(stagedCount_.load()));
+  w.counter("dsec_edge_prestage_failures_total", "Pre-staging attempts that failed.",
+            double(stageFailures_.load()));
+  const char* help = "Calls answered with an error, by code.";
+  w.declare("dsec_edge_errors_total", metrics::Type::kCounter, help);
+  std::lock_guard lk(errMu_);
+  for (auto& [code, n] : errors_) {
+    w.counter("dsec_edge_errors_total", help, double(n), {{"code", code}});
+  }
+}
 
 Status EdgeAgent::loadCredentials() {
   auto text = readFile(opts_.dataDir + "/node.json");
@@ -347,42 +384,7 @@ void EdgeAgent::reportDeath(const std::string& id, const std::string& why) {
 
 void EdgeAgent::handle(http::Request& req, http::Response& res) {
   if (req.path == "/metrics" && req.method == "GET") {
-    proto::EdgeLink* link;
-    {
-      std::lock_guard lk(mu_);
-      link = link_;
-    }
-    std::string out;
-    auto fam = [&out](const char* n, const char* t, const char* h) {
-      out += std::string("# HELP ") + n + " " + h + "\n# TYPE " + n + " " + t + "\n";
-    };
-    fam("dsec_edge_sandboxes", "gauge", "Sandboxes this node runs.");
-    out += "dsec_edge_sandboxes " + std::to_string(link ? ids_().size() : 0) + "\n";
-    fam("dsec_edge_capacity_slots", "gauge", "Sandboxes this node offers at most.");
-    out += "dsec_edge_capacity_slots " + std::to_string(opts_.slots) + "\n";
-    fam("dsec_edge_creates_total", "counter", "Creates the platform asked of this node.");
-    out += "dsec_edge_creates_total " + std::to_string(creates_.load()) + "\n";
-    fam("dsec_edge_destroys_total", "counter", "Destroys the platform asked of this node.");
-    out += "dsec_edge_destroys_total " + std::to_string(destroys_.load()) + "\n";
-    fam("dsec_edge_execs_total", "counter", "Execs the platform asked of this node.");
-    out += "dsec_edge_execs_total " + std::to_string(execs_.load()) + "\n";
-    fam("dsec_edge_unauthenticated_total", "counter", "Calls refused for a missing or wrong key.");
-    out += "dsec_edge_unauthenticated_total " + std::to_string(refused_.load()) + "\n";
-    fam("dsec_edge_heartbeat_failures_total", "counter", "Heartbeats the platform did not take.");
-    out += "dsec_edge_heartbeat_failures_total " + std::to_string(hbFailures_.load()) + "\n";
-    fam("dsec_edge_prestaged_layers_total", "counter",
-        "Layers pre-staged into the node cache at the platform's asking.");
-    out += "dsec_edge_prestaged_layers_total " + std::to_string(stagedCount_.load()) + "\n";
-    fam("dsec_edge_prestage_failures_total", "counter", "Pre-staging attempts that failed.");
-    out += "dsec_edge_prestage_failures_total " + std::to_string(stageFailures_.load()) + "\n";
-    fam("dsec_edge_errors_total", "counter", "Calls answered with an error, by code.");
-    {
-      std::lock_guard lk(errMu_);
-      for (auto& [code, n] : errors_) {
-        out += "dsec_edge_errors_total{code=\"" + code + "\"} " + std::to_string(n) + "\n";
-      }
-    }
-    (void)res.send(200, "text/plain; version=0.0.4", out);
+    (void)res.send(200, "text/plain; version=0.0.4", registry_->render());
     return;
   }
   std::string key = bearerOf(req);

@@ -17,6 +17,7 @@
 #include <condition_variable>
 #include <deque>
 #include <map>
+#include <memory>
 #include <set>
 #include <functional>
 #include <mutex>
@@ -27,6 +28,7 @@
 
 #include "common/http_client.h"
 #include "common/http_server.h"
+#include "common/metrics.h"
 #include "edge/image/loader.h"
 #include "proto/edge_link.h"
 
@@ -47,6 +49,11 @@ struct EdgeAgentOptions {
   int64_t slots = 0;
   double heartbeatS = 1;
   double joinWaitS = 30;  // how long start() retries an unreachable platform
+  // What GET /metrics renders: the agent adds its collector (this node's
+  // figures only) when made and removes it when destroyed. Not owned; must
+  // outlive the agent. Null: a registry of the agent's own, for several
+  // agents in one process (`dsec edge --sim-nodes K`), each its own node.
+  metrics::Registry* registry = nullptr;
 };
 
 class EdgeAgent {
@@ -74,6 +81,8 @@ class EdgeAgent {
 
   // /edge/v1/... (platform-key authenticated) and GET /metrics.
   void handle(http::Request& req, http::Response& res);
+  // This node's figures (dsec_edge_*): its collector in the registry.
+  void writeMetrics(metrics::Writer& w);
   // For EdgeOptions::lookup: asks the platform what layer `digest` is.
   Result<LayerDesc> lookupLayer(const std::string& digest);
   // Tells the platform a sandbox died on its own (best effort, retried once).
@@ -134,6 +143,9 @@ class EdgeAgent {
   std::atomic<uint64_t> creates_{0}, destroys_{0}, execs_{0}, refused_{0}, hbFailures_{0};
   std::mutex errMu_;
   std::map<std::string, uint64_t> errors_;  // guarded by errMu_: by code
+  std::unique_ptr<metrics::Registry> ownRegistry_;  // when opts_.registry is null
+  metrics::Registry* registry_;                     // opts_.registry or ownRegistry_
+  uint64_t metricsId_;                              // the collector in registry_
 };
 
 }  // namespace dsec::edge

@@ -18,7 +18,9 @@ using json = nlohmann::json;
 
 namespace {
 
-std::array<std::atomic<uint64_t>, 16> gApiErrors{};
+// API errors by code (countApiError), indexed by Code; room for codes added
+// after kRateLimited, which writeApiErrorMetrics lists by their names.
+std::array<std::atomic<uint64_t>, 32> gApiErrors{};
 
 void sendJsonBody(http::Response& res, int status, const json& j) {
   (void)res.send(status, "application/json",
@@ -51,26 +53,20 @@ void countApiError(Code code) {
   if (i < gApiErrors.size()) gApiErrors[i].fetch_add(1, std::memory_order_relaxed);
 }
 
-std::string apiErrorMetrics() {
-  std::string out =
-      "# HELP dsec_api_errors_total API calls answered with an error, by code.\n"
-      "# TYPE dsec_api_errors_total counter\n";
+void writeApiErrorMetrics(metrics::Writer& w) {
+  static constexpr char kHelp[] =
+      "API calls answered with an error, by error code (quota_exceeded, rate_limited, ...).";
   for (size_t i = 1; i < gApiErrors.size(); ++i) {
-    uint64_t n = gApiErrors[i].load(std::memory_order_relaxed);
-    std::string name = codeName(static_cast<Code>(i));
+    std::string_view name = codeName(static_cast<Code>(i));
+    // Not a code (codeName's fallback): its slot stays at 0.
     if (name == "internal" && i != static_cast<size_t>(Code::kInternal)) continue;
-    out += "dsec_api_errors_total{code=\"" + name + "\"} " + std::to_string(n) + "\n";
+    w.counter("dsec_api_errors_total", kHelp, double(gApiErrors[i].load(std::memory_order_relaxed)),
+              {{"code", std::string(name)}});
   }
-  return out;
 }
 
 Cluster::Cluster(ClusterOptions opts)
-    : opts_(std::move(opts)),
-      sched_(defaultScorers(), opts_.maxInflightPerNode, opts_.burst) {
-  schedBuckets_ = {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
-                   0.25,   0.5,   1,      2.5,   5,    10,    30};
-  schedCounts_.assign(schedBuckets_.size(), 0);
-}
+    : opts_(std::move(opts)), sched_(defaultScorers(), opts_.maxInflightPerNode, opts_.burst) {}
 
 Result<std::unique_ptr<Cluster>> Cluster::start(ClusterOptions opts) {
   if (!opts.store) return internalError("cluster: no store");
@@ -520,15 +516,7 @@ Result<Cluster::Node*> Cluster::admitLocked(std::unique_lock<std::mutex>& lk,
 }
 
 void Cluster::startLocked(Node& node, const proto::SandboxSpec& spec, double t0, bool reserved) {
-  double lat = nowSeconds() - t0;
-  for (size_t i = 0; i < schedBuckets_.size(); ++i) {
-    if (lat <= schedBuckets_[i]) {
-      schedCounts_[i]++;
-      break;
-    }
-  }
-  schedSum_ += lat;
-  schedN_++;
+  schedLatency_.observe(nowSeconds() - t0);
   node.inflight++;
   if (reserved) {
     beginCreateLocked(spec.id);
@@ -1327,88 +1315,74 @@ void Cluster::handleNodes(http::Request& req, http::Response& res) {
   sendJsonBody(res, 200, {{"nodes", list}});
 }
 
-std::string Cluster::extraMetrics() {
-  std::string out;
-  auto family = [&out](const char* name, const char* type, const char* help) {
-    out += std::string("# HELP ") + name + " " + help + "\n# TYPE " + name + " " + type + "\n";
-  };
+void Cluster::writeMetrics(metrics::Writer& w) {
+  using metrics::Type;
   std::lock_guard lk(mu_);
   auto views = viewsLocked();
-  family("dsec_node_up", "gauge", "1 while the node heartbeats (the local node always).");
-  for (auto& v : views) {
-    out += "dsec_node_up{node=\"" + v.name + "\",pool=\"" + v.pool + "\"} " +
-           std::to_string(nodes_.at(v.name)->up ? 1 : 0) + "\n";
-  }
-  family("dsec_node_sandboxes", "gauge", "Sandboxes placed on the node.");
-  for (auto& v : views)
-    out += "dsec_node_sandboxes{node=\"" + v.name + "\"} " + std::to_string(v.sandboxes) + "\n";
-  family("dsec_node_cpu_allocated", "gauge", "CPU cores requested by the node's sandboxes.");
-  for (auto& v : views)
-    out += "dsec_node_cpu_allocated{node=\"" + v.name + "\"} " + std::to_string(v.cpuUsed) + "\n";
-  family("dsec_node_cpu_capacity", "gauge", "CPU cores the node offers.");
-  for (auto& v : views)
-    out += "dsec_node_cpu_capacity{node=\"" + v.name + "\"} " + std::to_string(v.cpus) + "\n";
-  family("dsec_node_memory_allocated_bytes", "gauge", "Memory requested by the node's sandboxes.");
-  for (auto& v : views) {
-    out += "dsec_node_memory_allocated_bytes{node=\"" + v.name + "\"} " +
-           std::to_string(v.memoryUsedMb << 20) + "\n";
-  }
-  family("dsec_node_loadavg_1m", "gauge",
-         "The node host's 1-minute load average (last heartbeat).");
-  for (auto& v : views) {
-    auto& n = *nodes_.at(v.name);
-    if (!n.local) {
-      out += "dsec_node_loadavg_1m{node=\"" + v.name + "\"} " + std::to_string(n.loadavg) + "\n";
+  // A gauge of every node, labelled by its name.
+  auto perNode = [&](const char* name, const char* help, auto value) {
+    w.declare(name, Type::kGauge, help);
+    for (auto& v : views) w.gauge(name, help, double(value(v)), {{"node", v.name}});
+  };
+  {
+    const char* help = "1 while the node heartbeats (the local node always).";
+    w.declare("dsec_node_up", Type::kGauge, help);
+    for (auto& v : views) {
+      w.gauge("dsec_node_up", help, nodes_.at(v.name)->up ? 1 : 0,
+              {{"node", v.name}, {"pool", v.pool}});
     }
   }
-  family("dsec_node_inflight_creates", "gauge", "Creations under way on the node.");
-  for (auto& v : views)
-    out +=
-        "dsec_node_inflight_creates{node=\"" + v.name + "\"} " + std::to_string(v.inflight) + "\n";
+  perNode("dsec_node_sandboxes", "Sandboxes placed on the node.",
+          [](const NodeView& v) { return v.sandboxes; });
+  perNode("dsec_node_cpu_allocated", "CPU cores requested by the node's sandboxes.",
+          [](const NodeView& v) { return v.cpuUsed; });
+  perNode("dsec_node_cpu_capacity", "CPU cores the node offers.",
+          [](const NodeView& v) { return v.cpus; });
+  perNode("dsec_node_memory_allocated_bytes", "Memory requested by the node's sandboxes.",
+          [](const NodeView& v) { return v.memoryUsedMb << 20; });
+  {
+    // Heartbeats carry it: none for the local node.
+    const char* help = "The node host's 1-minute load average (last heartbeat).";
+    w.declare("dsec_node_loadavg_1m", Type::kGauge, help);
+    for (auto& v : views) {
+      auto& n = *nodes_.at(v.name);
+      if (!n.local) w.gauge("dsec_node_loadavg_1m", help, n.loadavg, {{"node", v.name}});
+    }
+  }
+  perNode("dsec_node_inflight_creates", "Creations under way on the node.",
+          [](const NodeView& v) { return v.inflight; });
   {
     // Bursting (scheduler.h): each pool's utilization, and the sandboxes that
     // went to the burst pool because their own pool was busy.
     std::set<std::string> pools;
     for (auto& v : views) pools.insert(v.pool);
-    family("dsec_pool_utilization", "gauge",
-           "Largest of CPU, memory and slot use over the pool's up nodes (1: none up).");
+    const char* help = "Largest of CPU, memory and slot use over the pool's up nodes (1: none up).";
+    w.declare("dsec_pool_utilization", Type::kGauge, help);
     for (auto& p : pools) {
-      out += "dsec_pool_utilization{pool=\"" + p + "\"} " +
-             std::to_string(poolUtilization(views, p)) + "\n";
+      w.gauge("dsec_pool_utilization", help, poolUtilization(views, p), {{"pool", p}});
     }
-    family("dsec_sandbox_bursts_total", "counter",
-           "Burstable sandboxes placed in the burst pool, by the pool they asked for.");
+    help = "Burstable sandboxes placed in the burst pool, by the pool they asked for.";
+    w.declare("dsec_sandbox_bursts_total", Type::kCounter, help);
     if (!opts_.burst.pool.empty() && !bursts_.count("default")) {
-      out += "dsec_sandbox_bursts_total{pool=\"default\",burst_pool=\"" + opts_.burst.pool +
-             "\"} 0\n";
+      w.counter("dsec_sandbox_bursts_total", help, 0,
+                {{"pool", "default"}, {"burst_pool", opts_.burst.pool}});
     }
     for (auto& [p, k] : bursts_) {
-      out += "dsec_sandbox_bursts_total{pool=\"" + p + "\",burst_pool=\"" + opts_.burst.pool +
-             "\"} " + std::to_string(k) + "\n";
+      w.counter("dsec_sandbox_bursts_total", help, double(k),
+                {{"pool", p}, {"burst_pool", opts_.burst.pool}});
     }
   }
-  family("dsec_schedule_queue_depth", "gauge", "Creates waiting for a node with room.");
-  out += "dsec_schedule_queue_depth " + std::to_string(queued_) + "\n";
-  family("dsec_sandbox_creations_total", "counter", "Sandboxes created on a node.");
-  out += "dsec_sandbox_creations_total " + std::to_string(creations_) + "\n";
-  family("dsec_sandbox_create_errors_total", "counter", "Creates that failed, by code.");
-  for (auto& [code, k] : createErrors_) {
-    out += "dsec_sandbox_create_errors_total{code=\"" + code + "\"} " + std::to_string(k) + "\n";
+  w.gauge("dsec_schedule_queue_depth", "Creates waiting for a node with room.", queued_);
+  w.counter("dsec_sandbox_creations_total", "Sandboxes created on a node.", double(creations_));
+  {
+    const char* help = "Creates that failed, by code.";
+    w.declare("dsec_sandbox_create_errors_total", Type::kCounter, help);
+    for (auto& [code, k] : createErrors_) {
+      w.counter("dsec_sandbox_create_errors_total", help, double(k), {{"code", code}});
+    }
   }
-  family("dsec_schedule_latency_seconds", "histogram",
-         "From a create's arrival to its placement (queueing included).");
-  uint64_t cum = 0;
-  for (size_t i = 0; i < schedBuckets_.size(); ++i) {
-    cum += schedCounts_[i];
-    char le[32];
-    snprintf(le, sizeof le, "%g", schedBuckets_[i]);
-    out += std::string("dsec_schedule_latency_seconds_bucket{le=\"") + le + "\"} " +
-           std::to_string(cum) + "\n";
-  }
-  out += "dsec_schedule_latency_seconds_bucket{le=\"+Inf\"} " + std::to_string(schedN_) + "\n";
-  out += "dsec_schedule_latency_seconds_sum " + std::to_string(schedSum_) + "\n";
-  out += "dsec_schedule_latency_seconds_count " + std::to_string(schedN_) + "\n";
-  return out + apiErrorMetrics();
+  schedLatency_.writeTo(w, "dsec_schedule_latency_seconds",
+                        "From a create's arrival to its placement (queueing included).");
 }
 
 }  // namespace dsec::platform

@@ -51,6 +51,7 @@
 #include <vector>
 
 #include "common/http_server.h"
+#include "common/metrics.h"
 #include "common/util.h"
 #include "platform/remote_edge.h"
 #include "proto/edge_link.h"
@@ -177,8 +178,10 @@ class Cluster : public proto::EdgeLink {
   void unbindSandbox(const std::string& id);
   // Whether `node` is another process's (its sandboxes outlive this one).
   bool isRemoteNode(const std::string& node) const;
-  // Prometheus text appended to the platform's /metrics.
-  std::string extraMetrics();
+  // Its figures for the platform's /metrics: nodes, pools, the scheduling
+  // queue, creations and their latency. Every family is listed, empty or not.
+  // Takes mu_.
+  void writeMetrics(metrics::Writer& w);
   // All-or-nothing placement (POST /v1/batches): places every id of `ids`
   // with `r` now, ignoring the in-flight bound, and holds the room for them
   // until each is created (create() then uses that node) or destroyed. If
@@ -300,10 +303,9 @@ class Cluster : public proto::EdgeLink {
   static constexpr double kPrestageRefreshS = 5;
   std::mutex prestageMu_;  // guards prestageCache_
   std::map<std::string, std::pair<std::vector<std::string>, double>> prestageCache_;
-  std::vector<double> schedBuckets_;              // histogram bounds (s)
-  std::vector<uint64_t> schedCounts_;             // per bound, cumulative at render
-  double schedSum_ = 0;
-  uint64_t schedN_ = 0;
+  // From a create's arrival to its placement, in seconds.
+  metrics::Histogram schedLatency_{
+      {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30}};
   std::function<void(const std::string&, const std::string&)> onDeath_;
   std::function<void(const std::string&, bool, const std::string&)> onLost_;
   std::condition_variable monitorCv_;
@@ -315,8 +317,12 @@ class Cluster : public proto::EdgeLink {
 };
 
 // Counts an API error by code (for dsec_api_errors_total); cheap, lock-free.
+// One counter for the whole process: every path that answers an API call
+// with an error (the Platform's sendError, the cluster's own routes) counts
+// here, once.
 void countApiError(Code code);
-// The Prometheus text of the API error counters.
-std::string apiErrorMetrics();
+// dsec_api_errors_total, every code listed. The process's counter: written
+// by one collector of a registry (the Platform's), or its samples repeat.
+void writeApiErrorMetrics(metrics::Writer& w);
 
 }  // namespace dsec::platform

@@ -1,7 +1,6 @@
 #include "platform/platform.h"
 
 #include <algorithm>
-#include <atomic>
 #include <nlohmann/json.hpp>
 #include <optional>
 
@@ -18,23 +17,10 @@ void sendJson(http::Response& res, int status, const std::string& body) {
   (void)res.send(status, "application/json", body);
 }
 
-namespace {
-// API errors sent, by code (GET /v1/metrics: dsec_api_errors_total).
-constexpr int kCodes = int(Code::kRateLimited) + 1;
-std::atomic<int64_t> gApiErrors[kCodes];
-}  // namespace
-
-std::vector<std::pair<std::string, int64_t>> apiErrorCounts() {
-  std::vector<std::pair<std::string, int64_t>> out;
-  for (int i = 1; i < kCodes; ++i) out.emplace_back(codeName(Code(i)), gApiErrors[i].load());
-  return out;
-}
-
 void sendError(http::Response& res, const Status& st) {
-  if (int(st.code()) > 0 && int(st.code()) < kCodes) ++gApiErrors[int(st.code())];
   json e = {{"code", codeName(st.code())}, {"message", st.message()}};
   if (!st.field().empty()) e["field"] = st.field();
-  countApiError(st.code());  // platform/cluster.h
+  countApiError(st.code());   // dsec_api_errors_total (platform/cluster.h)
   if (res.started()) return;  // mid-stream: nothing sensible can be added
   sendJson(res, httpStatusFor(st.code()),
            json{{"error", e}}.dump(-1, ' ', false, json::error_handler_t::replace));
@@ -156,6 +142,9 @@ Result<std::unique_ptr<Platform>> Platform::start(PlatformOptions opts, Store* s
     p->batchThreads_.emplace_back([raw = p.get()] { raw->batchWorker(); });
   }
   p->runPool_ = std::make_unique<RunPool>(cluster, p->opts_.runPool);
+  if (!p->opts_.registry) p->opts_.registry = &metrics::Registry::global();
+  p->metricsId_ =
+      p->opts_.registry->add([raw = p.get()](metrics::Writer& w) { raw->writeMetrics(w); });
   return p;
 }
 
@@ -172,6 +161,8 @@ void Platform::stopBatches() {
 }
 
 Platform::~Platform() {
+  // First: a scrape under way ends before anything it reads goes.
+  if (metricsId_) opts_.registry->remove(metricsId_);
   {
     std::lock_guard lk(mu_);
     stopping_ = true;

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "common/http_server.h"
+#include "common/metrics.h"
 #include "common/status.h"
 #include "platform/chronus.h"
 #include "platform/cluster.h"
@@ -61,6 +62,12 @@ struct PlatformOptions {
   // the janitor's sweeps); unset: always.
   std::string replicaId;
   std::function<bool()> leader;
+  // Where GET /v1/metrics comes from: the platform adds its collector
+  // (platform, cluster, in-process node, run pool) at start and removes it
+  // when destroyed, and the endpoint renders the whole registry, so other
+  // parts of the process may add theirs. Not owned; outlives the Platform.
+  // One Platform per registry (the API error counter is the process's).
+  metrics::Registry* registry = &metrics::Registry::global();
 };
 
 class Platform {
@@ -236,7 +243,11 @@ class Platform {
   void runGc(http::Request& req, http::Response& res);
   // The node: its loader, cache and per-layer counters (api_node.cc).
   void getNode(http::Response& res);
+  // GET /v1/metrics: opts_.registry rendered.
   void getMetrics(http::Response& res);
+  // The platform's collector (api_node.cc): the cluster's figures, the API
+  // errors, the records by state, the in-process node's and the run pool's.
+  void writeMetrics(metrics::Writer& w);
   // Tenants, keys and quotas (api_tenants.cc): /v1/tenants... (admins only)
   // and /v1/whoami.
   void tenantsApi(const std::vector<std::string>& parts, http::Request& req, http::Response& res);
@@ -321,8 +332,8 @@ class Platform {
   void shareCalls();
   void dropCalledElsewhere(std::vector<std::string>& idle, std::vector<std::string>& toPause);
   bool isLeader() const { return !opts_.leader || opts_.leader(); }
-  // Prometheus text: sandboxes by state.
-  std::string sandboxStateMetrics();
+  // dsec_sandboxes: the records by state, every state but pending listed.
+  void writeSandboxStateMetrics(metrics::Writer& w);
   void janitor();
   static constexpr size_t kJanitorSlice = 4096;  // records per hold of mu_
   static constexpr double kFullWalkS = 5;        // the janitor's walk over every record
@@ -351,6 +362,7 @@ class Platform {
   std::mutex tenantsMu_;        // serializes changes to tenants (api_tenants.cc)
   Cluster* cluster_ = nullptr;  // not owned: the nodes, and the router to them
   std::unique_ptr<RunPool> runPool_;  // fncall one-shot calls (api_run.cc)
+  uint64_t metricsId_ = 0;            // the collector in opts_.registry (0: none yet)
   std::mutex gcMu_;  // one collection at a time; held while images and layers are deleted
 
   std::mutex mu_;  // guards sandboxes_, deleteRequested_, stopping_
@@ -405,9 +417,11 @@ class Platform {
 
 // Helpers shared by the api_*.cc files.
 void sendError(http::Response& res, const Status& st);
-// How many errors sendError sent, by code name (every code listed).
-std::vector<std::pair<std::string, int64_t>> apiErrorCounts();
 void sendJson(http::Response& res, int status, const std::string& body);
+// The in-process node's figures (api_node.cc): its layers, cache, denials,
+// leftovers removed (`orphanSandboxes` added to the node's own count of
+// sandboxes) and sandboxes re-adopted.
+void writeNodeMetrics(const proto::NodeReport& node, int orphanSandboxes, metrics::Writer& w);
 // A sandbox as the API shows it.
 nlohmann::json sandboxToApi(const SandboxRecord& r);
 // Parses "name[:tag]"; the tag defaults to "latest".

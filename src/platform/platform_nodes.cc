@@ -292,7 +292,7 @@ Status Platform::parsePlacement(const json& j, SandboxRecord& r) {
   return Status::ok();
 }
 
-std::string Platform::sandboxStateMetrics() {
+void Platform::writeSandboxStateMetrics(metrics::Writer& w) {
   std::map<std::string, int64_t> byState;
   for (SandboxState s : proto::kAllStates) {
     if (s != SandboxState::kPending) byState[proto::stateName(s)] = 0;
@@ -301,13 +301,10 @@ std::string Platform::sandboxStateMetrics() {
     std::lock_guard lk(mu_);
     for (auto& [_, r] : sandboxes_) byState[proto::stateName(r.state)]++;
   }
-  std::string out =
-      "# HELP dsec_sandboxes Sandboxes this platform holds records of, by state.\n"
-      "# TYPE dsec_sandboxes gauge\n";
   for (auto& [s, n] : byState) {
-    out += "dsec_sandboxes{state=\"" + s + "\"} " + std::to_string(n) + "\n";
+    w.gauge("dsec_sandboxes", "Sandboxes this platform holds records of, by state.", double(n),
+            {{"state", s}});
   }
-  return out;
 }
 
 }  // namespace dsec::platform

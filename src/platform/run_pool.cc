@@ -58,6 +58,50 @@ RunPoolStats RunPool::stats() const {
   return s;
 }
 
+void RunPool::writeMetrics(metrics::Writer& w) const {
+  using metrics::Type;
+  const RunPoolStats s = stats();
+  w.gauge("dsec_fncall_pools", "fncall one-shot pools (one per image and language).",
+          double(s.pools.size()));
+  w.gauge("dsec_fncall_pool_max_sandboxes",
+          "Bound on the node's fncall pool sandboxes, all pools together (--fncall-pool-max).",
+          s.maxSandboxes);
+  const char* help =
+      "fncall pool sandboxes (warm workers) by pool and state: idle, or busy serving a call.";
+  w.declare("dsec_fncall_pool_sandboxes", Type::kGauge, help);
+  for (auto& [key, c] : s.pools) {
+    w.gauge("dsec_fncall_pool_sandboxes", help, c.idle, {{"pool", key}, {"state", "idle"}});
+    w.gauge("dsec_fncall_pool_sandboxes", help, c.busy, {{"pool", key}, {"state", "busy"}});
+  }
+  help = "fncall pool sandboxes of the node by state (busy includes ones being created).";
+  w.gauge("dsec_fncall_node_sandboxes", help, s.idle, {{"state", "idle"}});
+  w.gauge("dsec_fncall_node_sandboxes", help, s.busy, {{"state", "busy"}});
+  w.counter("dsec_fncall_pool_sandboxes_created_total", "fncall pool sandboxes created.",
+            double(s.created));
+  w.counter("dsec_fncall_pool_sandboxes_grown_total",
+            "fncall pool sandboxes created ahead of demand: a pool whose calls came back to back "
+            "grew to two, so that each call finds a sandbox ready.",
+            double(s.grown));
+  w.counter("dsec_fncall_pool_sandboxes_destroyed_total",
+            "fncall pool sandboxes destroyed (idle, recycled, retired, failed).",
+            double(s.destroyed));
+  w.counter("dsec_fncall_pool_sandboxes_replaced_total",
+            "fncall pool sandboxes destroyed because a call failed on them.", double(s.replaced));
+  w.counter("dsec_fncall_zygote_restarts_total",
+            "One-shot calls that started a python zygote first (the previous one died, was "
+            "killed, or was retired after zygote_max_calls).",
+            double(s.zygoteRestarts));
+  help =
+      "One-shot calls by result (ok: exit 0, exit: another exit code, signal, error: no "
+      "result) and the limit that stopped them (none, timeout, cpu, memory, file_size, "
+      "output).";
+  w.declare("dsec_fncall_calls_total", Type::kCounter, help);
+  for (auto& [k, n] : s.results) {
+    w.counter("dsec_fncall_calls_total", help, double(n),
+              {{"result", k.first}, {"limit", k.second}});
+  }
+}
+
 Result<RunPool::Slot> RunPool::make(const std::vector<std::string>& layers) {
   proto::SandboxSpec spec;
   spec.id = "sb-" + randomHex(8);

@@ -30,6 +30,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/metrics.h"
 #include "common/status.h"
 #include "proto/edge_link.h"
 
@@ -92,6 +93,9 @@ class RunPool {
   Result<ExecResult> run(const std::string& key, const std::vector<std::string>& layers,
                          ExecSpec spec);
   RunPoolStats stats() const;
+  // The pools' figures (dsec_fncall_*) from stats(); every family is listed,
+  // empty or not.
+  void writeMetrics(metrics::Writer& w) const;
   // Destroys every sandbox; later calls fail with kUnavailable.
   void shutdown();
 

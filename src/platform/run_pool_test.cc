@@ -133,5 +133,38 @@ TEST(RunPool, AGrownSandboxOfAMovedTagIsDestroyed) {
   EXPECT_EQ(pool.stats().destroyed, 2u);
 }
 
+// The pools' figures in a scrape: families listed before any call, then the
+// pool, its sandboxes and the call by result.
+TEST(RunPool, MetricsListEveryFamilyAndCountCalls) {
+  RecordingEdge edge;
+  RunPoolOptions opts;
+  opts.maxSandboxes = 3;
+  RunPool pool(&edge, opts);
+  auto render = [&pool] {
+    metrics::Writer w;
+    pool.writeMetrics(w);
+    return w.text();
+  };
+  std::string empty = render();
+  for (const char* line :
+       {"# TYPE dsec_fncall_pools gauge\ndsec_fncall_pools 0\n",
+        "dsec_fncall_pool_max_sandboxes 3\n", "# TYPE dsec_fncall_pool_sandboxes gauge\n# HELP",
+        "dsec_fncall_node_sandboxes{state=\"idle\"} 0\n",
+        "dsec_fncall_pool_sandboxes_created_total 0\n", "dsec_fncall_zygote_restarts_total 0\n",
+        "# TYPE dsec_fncall_calls_total counter\n"}) {
+    EXPECT_NE(empty.find(line), std::string::npos) << line << "\n" << empty;
+  }
+  ASSERT_TRUE(pool.run("img|python", kLayers, call()).isOk());
+  ASSERT_TRUE(waitForSandboxes(pool, 1));
+  std::string text = render();
+  for (const char* line : {"dsec_fncall_pools 1\n",
+                           "dsec_fncall_pool_sandboxes{pool=\"img|python\",state=\"idle\"} 1\n",
+                           "dsec_fncall_pool_sandboxes{pool=\"img|python\",state=\"busy\"} 0\n",
+                           "dsec_fncall_pool_sandboxes_created_total 1\n",
+                           "dsec_fncall_calls_total{result=\"ok\",limit=\"none\"} 1\n"}) {
+    EXPECT_NE(text.find(line), std::string::npos) << line << "\n" << text;
+  }
+}
+
 }  // namespace
 }  // namespace dsec::platform
