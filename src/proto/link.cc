@@ -14,7 +14,6 @@
 #include <deque>
 #include <mutex>
 #include <nlohmann/json.hpp>
-#include <optional>
 #include <set>
 #include <unordered_map>
 #include <vector>
@@ -161,8 +160,7 @@ class Stream final : public ClientCall,
   Stream(std::shared_ptr<Conn> conn, bool client) : client_(client), conn_(std::move(conn)) {}
   // A client call that failed before it had a connection.
   explicit Stream(Status failed) : client_(true), done_(true) {
-    failure_ = failed;
-    outcome_ = std::move(failed);
+    end_ = std::move(failed);
   }
 
   // ClientCall and ServerCall.
@@ -214,8 +212,7 @@ class Stream final : public ClientCall,
     if (cv_) cv_->notify_all();
   }
   Status failedStatusLocked() const {
-    if (!failure_.isOk()) return failure_;
-    if (outcome_ && !outcome_->isOk()) return outcome_->status();
+    if (!end_.isOk()) return end_;
     return Status(Code::kFailedPrecondition, "link: the call is over");
   }
 
@@ -236,13 +233,13 @@ class Stream final : public ClientCall,
   bool manualCredit_ = false;
   std::string inBuf_;
   size_t inOff_ = 0;
-  bool peerEnded_ = false, endDelivered_ = false, redelivering_ = false;
+  bool peerEnded_ = false, endDelivered_ = false, redelivering_ = false, keptReply_ = false;
   // Over: client: the outcome is known; server: replied, failed or cancelled.
   bool done_ = false;
   bool cancelled_ = false;
-  Status cancelWhy_;
-  std::optional<Result<std::string>> outcome_;  // client, when onDone is unset
-  Status failure_;  // client: the outcome when it was a failure
+  // Client: the failure the call ended with; server: why it was cancelled.
+  Status end_;
+  std::string reply_;  // client: the reply, kept for wait() when onDone is unset
   std::unique_ptr<std::condition_variable> cv_;  // blocking helpers wait here (with mu_)
   // Server callbacks (shared so they can be called without the lock).
   std::shared_ptr<std::function<void(const Status&)>> onCancel_;
@@ -425,6 +422,7 @@ void Conn::connect(std::string host, uint16_t port, std::string node, std::strin
 }
 
 void Conn::afterConnect() {
+  if (closed()) return;
   boost::system::error_code ec;
   tcp_.set_option(asio::ip::tcp::no_delay(true), ec);
   int fd = tcp_.release(ec);
@@ -505,6 +503,10 @@ void Conn::adopt(UniqueFd fd, std::string buffered) {
   auto self = shared_from_this();
   int raw = fd.release();
   asio::dispatch(strand_, [self, raw, buffered = std::move(buffered)] {
+    if (self->closed()) {  // the server closed before this ran
+      ::close(raw);
+      return;
+    }
     int one = 1;
     (void)::setsockopt(raw, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);  // not TCP: harmless
     boost::system::error_code ec;
@@ -763,7 +765,7 @@ void Conn::tick() {
 }
 
 bool Conn::handleFrame(Frame& f) {
-  if (hs_ != Hs::kReady) return handshakeFrame(f);
+  if (hs_ != Hs::kReady) return !closed() && handshakeFrame(f);
   auto type = static_cast<LinkFrame>(f.rawType());
   const bool server = role_ == Role::kServer;
   std::unique_lock lk(mu_);
@@ -960,12 +962,13 @@ void Conn::closeWhenIdleLocked() {
 std::function<void()> Conn::finishClientLocked(Stream* s, Result<std::string> outcome) {
   if (s->done_) return nullptr;
   s->done_ = true;
-  if (!outcome.isOk()) s->failure_ = outcome.status();
+  if (!outcome.isOk()) s->end_ = outcome.status();
   s->dropOutLocked();
   removeLocked(s);
   s->notifyLocked();
   if (!s->handler_.onDone) {
-    s->outcome_ = std::move(outcome);
+    if (outcome.isOk()) s->reply_ = std::move(*outcome);
+    s->keptReply_ = true;
     return nullptr;
   }
   auto keep = s->shared_from_this();
@@ -985,7 +988,7 @@ std::function<void()> Conn::cancelServerLocked(Stream* s, const Status& why) {
   }
   s->done_ = true;
   s->cancelled_ = true;
-  s->cancelWhy_ = why;
+  s->end_ = why;
   s->dropOutLocked();
   s->inBuf_.clear();
   s->inOff_ = 0;
@@ -1225,7 +1228,7 @@ void Stream::dropOutLocked() {
 const std::string& Stream::peer() const { return conn_->peerNode(); }
 
 Status Stream::sendRefusalLocked(bool data) const {
-  if (cancelled_) return cancelWhy_.isOk() ? unavailable("call cancelled") : cancelWhy_;
+  if (cancelled_) return end_.isOk() ? unavailable("call cancelled") : end_;
   if (done_) return failedStatusLocked();
   if (data && localEnded_) return Status(Code::kFailedPrecondition, "link: body already ended");
   return Status::ok();
@@ -1256,7 +1259,7 @@ Status Stream::queueLocked(uint8_t type, std::string_view payload,
 }
 
 Status Stream::send(std::string_view bytes) {
-  if (!conn_) return outcome_->status();
+  if (!conn_) return end_;
   std::unique_lock lk(conn_->mu_);
   bool refused;
   return queueLocked(static_cast<uint8_t>(LinkFrame::kData), bytes, lk, &refused);
@@ -1274,7 +1277,7 @@ Status Stream::event(std::string_view payload) {
 }
 
 Status Stream::end() {
-  if (!conn_) return outcome_->status();
+  if (!conn_) return end_;
   std::unique_lock lk(conn_->mu_);
   RETURN_IF_ERROR(sendRefusalLocked(true));
   localEnded_ = true;
@@ -1364,7 +1367,7 @@ void Stream::consumed(size_t n) {
 void Stream::onCancel(std::function<void(const Status&)> cb) {
   std::unique_lock lk(conn_->mu_);
   if (cancelled_) {
-    Status why = cancelWhy_;
+    Status why = end_;
     lk.unlock();
     cb(why);
     return;
@@ -1425,7 +1428,7 @@ void Stream::onData(std::function<void(std::string_view)> data, std::function<vo
 }
 
 Status Stream::writeBlocking(uint8_t type, std::string_view bytes, double timeoutS) {
-  if (!conn_) return outcome_->status();
+  if (!conn_) return end_;
   Status st;
   if (blockingRefused(conn_->rt_, &st)) return st;
   auto deadline = std::chrono::steady_clock::now() +
@@ -1463,7 +1466,7 @@ Status Stream::writeEvent(std::string_view payload, double timeoutS) {
 }
 
 Result<size_t> Stream::read(char* buf, size_t n, double timeoutS) {
-  if (!conn_) return outcome_->status();
+  if (!conn_) return end_;
   Status st;
   if (blockingRefused(conn_->rt_, &st)) return st;
   auto deadline = std::chrono::steady_clock::now() +
@@ -1485,9 +1488,9 @@ Result<size_t> Stream::read(char* buf, size_t n, double timeoutS) {
       return k;
     }
     if (peerEnded_) return size_t(0);
-    if (cancelled_) return cancelWhy_;
+    if (cancelled_) return end_;
     if (done_) {
-      if (client_ && !failure_.isOk()) return failure_;
+      if (client_ && !end_.isOk()) return end_;
       return size_t(0);
     }
     if (cvLocked().wait_until(lk, deadline) == std::cv_status::timeout &&
@@ -1498,7 +1501,7 @@ Result<size_t> Stream::read(char* buf, size_t n, double timeoutS) {
 }
 
 Result<std::string> Stream::wait(double timeoutS) {
-  if (!conn_) return *outcome_;
+  if (!conn_) return end_;
   Status st;
   if (blockingRefused(conn_->rt_, &st)) return st;
   auto deadline = std::chrono::steady_clock::now() +
@@ -1509,10 +1512,9 @@ Result<std::string> Stream::wait(double timeoutS) {
       return Status(Code::kDeadlineExceeded, "link: no outcome within the timeout");
     }
   }
-  if (!outcome_) {
-    return Status(Code::kFailedPrecondition, "link: the outcome went to onDone");
-  }
-  return *outcome_;
+  if (!end_.isOk()) return end_;
+  if (keptReply_) return reply_;
+  return Status(Code::kFailedPrecondition, "link: the outcome went to onDone");
 }
 
 // ---- LinkClient --------------------------------------------------------------------
