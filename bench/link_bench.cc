@@ -940,6 +940,7 @@ json stream(BenchClient& c, const std::string& proto, uint64_t bytes, int smallI
 
 struct Args {
   std::vector<std::string> protos = {"framed", "h2"};
+  std::string one;  // internal: measure this protocol in this process
   double seconds = 2;
   int held = 32768;
   uint64_t streamMiB = 64;
@@ -966,6 +967,8 @@ int main(int argc, char** argv) {
     };
     if (k == "--serve") {
       return serveMain(val());
+    } else if (k == "--one") {
+      a.one = val();
     } else if (k == "--proto") {
       std::string p = val();
       if (p == "both") {
@@ -992,7 +995,38 @@ int main(int argc, char** argv) {
   if (a.seconds <= 0 || a.held <= 0 || a.streamMiB == 0) usage();
 
   std::map<std::string, std::map<std::string, double>> fig;  // proto -> figure -> value
+  if (a.one.empty()) {
+    // Each protocol's client in a fresh process of its own (and its server in
+    // another), so neither inherits the other's heap: RSS per call is clean.
+    for (const auto& proto : a.protos) {
+      char self[4096];
+      ssize_t sl = ::readlink("/proc/self/exe", self, sizeof self - 1);
+      if (sl <= 0) die("readlink /proc/self/exe");
+      self[sl] = '\0';
+      std::string cmd = std::string(self) + " --one " + proto + " --seconds " + std::to_string(a.seconds) +
+                        " --held " + std::to_string(a.held) + " --stream-mib " +
+                        std::to_string(a.streamMiB);
+      FILE* p = ::popen(cmd.c_str(), "r");
+      if (!p) die("popen");
+      char* line = nullptr;
+      size_t cap = 0;
+      while (::getline(&line, &cap, p) > 0) {
+        json j = json::parse(line, nullptr, false);
+        if (j.is_object() && j.value("event", "") == "figures") {
+          for (auto& [k, v] : j.items()) {
+            if (v.is_number()) fig[proto][k] = v.get<double>();
+          }
+        } else {
+          std::fputs(line, stdout);
+          std::fflush(stdout);
+        }
+      }
+      std::free(line);
+      if (::pclose(p) != 0) die(proto + ": the measuring process failed");
+    }
+  }
   for (const auto& proto : a.protos) {
+    if (a.one != proto) continue;
     ServerProc srv;
     srv.start(proto);
     emit({{"event", "server"}, {"proto", proto}, {"pid", srv.pid}, {"port", srv.port}});
@@ -1004,8 +1038,15 @@ int main(int argc, char** argv) {
       } else {
         client = H2Client::connect(rt, srv.port);
       }
-      unary(*client, proto, 16, std::min(0.5, a.seconds));  // warm-up
       auto& f = fig[proto];
+      // Held calls first, on a fresh heap on both ends.
+      json h = held(*client, proto, a.held, srv.pid);
+      f["held_client_bytes_per_call"] = h["client_bytes_per_call"];
+      f["held_server_bytes_per_call"] = h["server_bytes_per_call"];
+      f["held_client_cpu_us_per_call"] = h["client_cpu_us_per_call"];
+      f["held_server_cpu_us_per_call"] = h["server_cpu_us_per_call"];
+      f["held_open_s"] = h["open_s"];
+      unary(*client, proto, 16, std::min(0.5, a.seconds));  // warm-up
       for (int level : a.levels) {
         json j = unary(*client, proto, level, a.seconds);
         std::string p = "c" + std::to_string(level) + "_";
@@ -1013,12 +1054,6 @@ int main(int argc, char** argv) {
         f[p + "p50_us"] = j["p50_us"];
         f[p + "p99_us"] = j["p99_us"];
       }
-      json h = held(*client, proto, a.held, srv.pid);
-      f["held_client_bytes_per_call"] = h["client_bytes_per_call"];
-      f["held_server_bytes_per_call"] = h["server_bytes_per_call"];
-      f["held_client_cpu_us_per_call"] = h["client_cpu_us_per_call"];
-      f["held_server_cpu_us_per_call"] = h["server_cpu_us_per_call"];
-      f["held_open_s"] = h["open_s"];
       json s = stream(*client, proto, a.streamMiB << 20, 16);
       f["stream_mib_per_s"] = s["mib_per_s"];
       f["stream_small_p50_us"] = s["small_p50_us"];
@@ -1027,6 +1062,10 @@ int main(int argc, char** argv) {
       rt.stop();
     }
     srv.stop();
+    json out = {{"event", "figures"}, {"proto", proto}};
+    for (auto& [k, v] : fig[proto]) out[k] = v;
+    emit(out);
+    return 0;
   }
 
   json sum = {{"bench", "link"},
