@@ -252,11 +252,18 @@ class Stream final : public ClientCall,
 // on the strand; what API calls from other threads touch is guarded by mu_.
 class Conn : public std::enable_shared_from_this<Conn> {
  public:
+  static LinkOptions sane(LinkOptions o) {
+    // The peer refuses a window that cannot carry one event.
+    o.initialWindow = std::clamp<uint32_t>(o.initialWindow, kMaxEventPayload, 1u << 30);
+    o.callSendBuffer = std::max<size_t>(o.callSendBuffer, 1);
+    o.connSendBuffer = std::max<size_t>(o.connSendBuffer, o.callSendBuffer);
+    return o;
+  }
   enum class Role { kClient, kServer };
   Conn(Runtime& rt, Role role, const LinkOptions& opts, std::weak_ptr<ConnOwner> owner)
       : rt_(rt),
         role_(role),
-        opts_(opts),
+        opts_(sane(opts)),
         owner_(std::move(owner)),
         strand_(asio::make_strand(rt.io())),
         sock_(strand_),
@@ -1177,7 +1184,7 @@ void Conn::goAway() {
   std::lock_guard lk(mu_);
   if (closed_ || goawaySent_) return;
   goawaySent_ = true;
-  if (hs_ == Hs::kReady || ready_) ctrlLocked(LinkFrame::kGoaway, 0, "");
+  if (ready_) ctrlLocked(LinkFrame::kGoaway, 0, "");
   closeWhenIdleLocked();
 }
 

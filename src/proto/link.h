@@ -105,11 +105,15 @@ std::string linkUpgradeResponse();
 inline constexpr size_t kMaxEventPayload = 64u << 10;
 
 struct LinkOptions {
-  // The window this side grants the peer per call, in bytes (>= 64 KiB).
+  // The window this side grants the peer per call, in bytes (64 KiB to
+  // 1 GiB; clamped). The receiving side of a call holds at most this much
+  // that its consumer has not taken.
   uint32_t initialWindow = 256u << 10;
   // Data and event bytes a call may have queued for sending (beyond it,
   // non-blocking sends fail with kResourceExhausted until onWritable), and
-  // the same for all calls of a connection together.
+  // the same for all calls of a connection together. Control frames (calls,
+  // ends, replies, windows) are not held back: the connection is dropped
+  // when 256 MiB of them wait for a peer that does not read.
   size_t callSendBuffer = 256u << 10;
   size_t connSendBuffer = 16u << 20;
   // A peer that sends nothing else is pinged after pingIntervalS and given up
