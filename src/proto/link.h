@@ -200,7 +200,9 @@ struct LinkClientOptions {
 };
 
 // The platform's end of the link to one edge. Connects on the first call;
-// after a loss it reconnects at once, then with backoff while attempts fail.
+// after a loss it reconnects at once, then with backoff while attempts fail
+// (in the background, until close(), so the link is up again before the
+// next call needs it).
 // While an attempt is under way, new calls wait for it; while the client
 // waits out a backoff after a failed attempt, new calls fail at once with
 // that attempt's status (kUnavailable, or kUnauthenticated for a refused
