@@ -63,8 +63,7 @@ constexpr size_t kChunk = 64u << 10;  // data per send / per HTTP/2 DATA frame
 constexpr size_t kEchoArgs = 100;
 
 double now() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 void emit(const json& j) {
@@ -243,8 +242,9 @@ class H2Conn : public std::enable_shared_from_this<H2Conn> {
   }
   static void commonCallbacks(nghttp2_session_callbacks* cbs) {
     nghttp2_session_callbacks_set_data_source_read_length_callback(
-        cbs, [](nghttp2_session*, uint8_t, int32_t, int32_t sessionWindow, int32_t streamWindow,
-                uint32_t peerMax, void*) -> ssize_t {
+        cbs,
+        [](nghttp2_session*, uint8_t, int32_t, int32_t sessionWindow, int32_t streamWindow,
+           uint32_t peerMax, void*) -> ssize_t {
           return std::min<ssize_t>({ssize_t(kChunk), sessionWindow, streamWindow, peerMax});
         });
   }
@@ -279,23 +279,23 @@ class H2Conn : public std::enable_shared_from_this<H2Conn> {
 
   void readLoop() {
     auto self = shared_from_this();
-    sock_.async_read_some(asio::buffer(rbuf_), [self](const boost::system::error_code& ec,
-                                                      size_t n) {
-      if (ec) {
-        self->dead_ = true;
-        self->closed();
-        return;
-      }
-      ssize_t r = nghttp2_session_mem_recv(self->session_,
-                                           reinterpret_cast<const uint8_t*>(self->rbuf_.data()), n);
-      if (r < 0) {
-        std::fprintf(stderr, "h2 recv: %s\n", nghttp2_strerror(int(r)));
-        self->dead_ = true;
-        return;
-      }
-      self->flush();
-      self->readLoop();
-    });
+    sock_.async_read_some(
+        asio::buffer(rbuf_), [self](const boost::system::error_code& ec, size_t n) {
+          if (ec) {
+            self->dead_ = true;
+            self->closed();
+            return;
+          }
+          ssize_t r = nghttp2_session_mem_recv(
+              self->session_, reinterpret_cast<const uint8_t*>(self->rbuf_.data()), n);
+          if (r < 0) {
+            std::fprintf(stderr, "h2 recv: %s\n", nghttp2_strerror(int(r)));
+            self->dead_ = true;
+            return;
+          }
+          self->flush();
+          self->readLoop();
+        });
   }
   virtual void closed() {}
 
@@ -369,8 +369,8 @@ class H2Client : public H2Conn, public BenchClient {
             reinterpret_cast<uint8_t*>(const_cast<char*>(value.data())), std::strlen(name),
             value.size(), NGHTTP2_NV_FLAG_NO_COPY_NAME};
   }
-  static ssize_t readArgs(nghttp2_session*, int32_t, uint8_t* buf, size_t length,
-                          uint32_t* flags, nghttp2_data_source* src, void*) {
+  static ssize_t readArgs(nghttp2_session*, int32_t, uint8_t* buf, size_t length, uint32_t* flags,
+                          nghttp2_data_source* src, void*) {
     auto* c = static_cast<Call*>(src->ptr);
     size_t n = std::min(length, c->args.size() - c->argsOff);
     std::memcpy(buf, c->args.data() + c->argsOff, n);
@@ -852,7 +852,8 @@ json held(BenchClient& c, const std::string& proto, int n, pid_t server) {
   std::atomic<bool> released{false};
   Handler rel;
   rel.onDone = [&](bool ok, std::string_view r) {
-    if (!ok || r != std::to_string(n)) std::fprintf(stderr, "release answered %s\n", std::string(r).c_str());
+    if (!ok || r != std::to_string(n))
+      std::fprintf(stderr, "release answered %s\n", std::string(r).c_str());
     released = true;
   };
   c.start("release", "", std::move(rel));
@@ -1003,9 +1004,9 @@ int main(int argc, char** argv) {
       ssize_t sl = ::readlink("/proc/self/exe", self, sizeof self - 1);
       if (sl <= 0) die("readlink /proc/self/exe");
       self[sl] = '\0';
-      std::string cmd = std::string(self) + " --one " + proto + " --seconds " + std::to_string(a.seconds) +
-                        " --held " + std::to_string(a.held) + " --stream-mib " +
-                        std::to_string(a.streamMiB);
+      std::string cmd = std::string(self) + " --one " + proto + " --seconds " +
+                        std::to_string(a.seconds) + " --held " + std::to_string(a.held) +
+                        " --stream-mib " + std::to_string(a.streamMiB);
       FILE* p = ::popen(cmd.c_str(), "r");
       if (!p) die("popen");
       char* line = nullptr;

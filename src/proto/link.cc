@@ -29,8 +29,8 @@ using json = nlohmann::json;
 
 namespace {
 
-constexpr size_t kFrameData = 64u << 10;     // data bytes per frame (the unit of interleaving)
-constexpr size_t kWriteBatch = 256u << 10;   // bytes gathered for one socket write
+constexpr size_t kFrameData = 64u << 10;    // data bytes per frame (the unit of interleaving)
+constexpr size_t kWriteBatch = 256u << 10;  // bytes gathered for one socket write
 constexpr size_t kReadBuffer = 256u << 10;
 constexpr size_t kMaxUpgradeAnswer = 16u << 10;
 // Control frames are not flow controlled (calls, ends, replies, windows,
@@ -96,8 +96,8 @@ std::string proofOf(const std::string& key, std::string_view label, std::string_
   appendLenPrefixed(msg, helloS);
   unsigned char mac[EVP_MAX_MD_SIZE];
   unsigned int len = 0;
-  if (!HMAC(EVP_sha256(), key.data(), int(key.size()), reinterpret_cast<const unsigned char*>(msg.data()),
-            msg.size(), mac, &len)) {
+  if (!HMAC(EVP_sha256(), key.data(), int(key.size()),
+            reinterpret_cast<const unsigned char*>(msg.data()), msg.size(), mac, &len)) {
     return "";
   }
   static const char* kHex = "0123456789abcdef";
@@ -159,9 +159,7 @@ class Stream final : public ClientCall,
  public:
   Stream(std::shared_ptr<Conn> conn, bool client) : client_(client), conn_(std::move(conn)) {}
   // A client call that failed before it had a connection.
-  explicit Stream(Status failed) : client_(true), done_(true) {
-    end_ = std::move(failed);
-  }
+  explicit Stream(Status failed) : client_(true), done_(true) { end_ = std::move(failed); }
 
   // ClientCall and ServerCall.
   Status send(std::string_view bytes) override;
@@ -363,13 +361,13 @@ class Conn : public std::enable_shared_from_this<Conn> {
   bool ready_ = false, closed_ = false, wasReady_ = false;
   Status closeStatus_;
   uint32_t peerWindow_ = 0;
-  uint32_t nextId_ = 1;     // client: the next stream id
-  uint32_t lastPeerId_ = 0; // server: the highest stream id seen
+  uint32_t nextId_ = 1;      // client: the next stream id
+  uint32_t lastPeerId_ = 0;  // server: the highest stream id seen
   std::unordered_map<uint32_t, std::shared_ptr<Stream>> streams_;
-  std::deque<std::shared_ptr<Stream>> ring_;  // calls with frames to send, round robin
+  std::deque<std::shared_ptr<Stream>> ring_;      // calls with frames to send, round robin
   std::vector<std::shared_ptr<Stream>> waiters_;  // calls told to wait for room
-  std::string ctrl_;  // encoded frames sent before any call's
-  size_t queued_ = 0; // data and event bytes queued in all calls
+  std::string ctrl_;                              // encoded frames sent before any call's
+  size_t queued_ = 0;                             // data and event bytes queued in all calls
   bool writing_ = false, flushPosted_ = false;
   bool goawaySent_ = false, goawayRecv_ = false;
 };
@@ -393,16 +391,15 @@ void Conn::connect(std::string host, uint16_t port, std::string node, std::strin
     auto addr = asio::ip::make_address(self->host_, aec);
     if (!aec) {
       // An address: no resolver (whose first use starts a thread of its own).
-      self->tcp_.async_connect(asio::ip::tcp::endpoint(addr, self->port_),
-                               [self](const boost::system::error_code& ec) {
-                                 if (ec) {
-                                   self->fail(unavailable("connect to " + self->host_ + ":" +
-                                                          std::to_string(self->port_) + ": " +
-                                                          ec.message()));
-                                   return;
-                                 }
-                                 self->afterConnect();
-                               });
+      self->tcp_.async_connect(
+          asio::ip::tcp::endpoint(addr, self->port_), [self](const boost::system::error_code& ec) {
+            if (ec) {
+              self->fail(unavailable("connect to " + self->host_ + ":" +
+                                     std::to_string(self->port_) + ": " + ec.message()));
+              return;
+            }
+            self->afterConnect();
+          });
       return;
     }
     self->resolver_.async_resolve(
@@ -413,17 +410,16 @@ void Conn::connect(std::string host, uint16_t port, std::string node, std::strin
             self->fail(unavailable("resolve " + self->host_ + ": " + ec.message()));
             return;
           }
-          asio::async_connect(self->tcp_, results,
-                              [self](const boost::system::error_code& ec2,
-                                     const asio::ip::tcp::endpoint&) {
-                                if (ec2) {
-                                  self->fail(unavailable("connect to " + self->host_ + ":" +
-                                                         std::to_string(self->port_) + ": " +
-                                                         ec2.message()));
-                                  return;
-                                }
-                                self->afterConnect();
-                              });
+          asio::async_connect(
+              self->tcp_, results,
+              [self](const boost::system::error_code& ec2, const asio::ip::tcp::endpoint&) {
+                if (ec2) {
+                  self->fail(unavailable("connect to " + self->host_ + ":" +
+                                         std::to_string(self->port_) + ": " + ec2.message()));
+                  return;
+                }
+                self->afterConnect();
+              });
         });
   });
 }
@@ -445,7 +441,8 @@ void Conn::afterConnect() {
   }
   // The hello rides behind the upgrade request: one round trip saved; the
   // server's HTTP layer hands what it read past the request to adopt().
-  json hello = {{"v", 1}, {"node", node_}, {"nonce", randomHex(32)}, {"window", opts_.initialWindow}};
+  json hello = {
+      {"v", 1}, {"node", node_}, {"nonce", randomHex(32)}, {"window", opts_.initialWindow}};
   helloC_ = hello.dump();
   std::string req = "GET " + std::string(kLinkPath) + " HTTP/1.1\r\nHost: " + host_ + ":" +
                     std::to_string(port_) + "\r\nUpgrade: " + std::string(kLinkProtocol) +
@@ -459,51 +456,48 @@ void Conn::afterConnect() {
   }
   auto self = shared_from_this();
   asio::async_write(sock_, asio::buffer(wbuf_),
-                    [self](const boost::system::error_code& ec2, size_t) {
-                      self->onWritten(ec2);
-                    });
+                    [self](const boost::system::error_code& ec2, size_t) { self->onWritten(ec2); });
   rbuf_.resize(kReadBuffer);
   readUpgradeAnswer();
 }
 
 void Conn::readUpgradeAnswer() {
   auto self = shared_from_this();
-  sock_.async_read_some(
-      asio::buffer(rbuf_), [self](const boost::system::error_code& ec, size_t n) {
-        if (ec) {
-          self->fail(unavailable("link upgrade: " + (ec == asio::error::eof
-                                                          ? std::string("connection closed")
-                                                          : ec.message())));
-          return;
-        }
-        self->lastRecv_ = mono();
-        self->upgradeAnswer_.append(self->rbuf_.data(), n);
-        size_t endHdr = self->upgradeAnswer_.find("\r\n\r\n");
-        if (endHdr == std::string::npos) {
-          if (self->upgradeAnswer_.size() > kMaxUpgradeAnswer) {
-            self->fail(unavailable("link upgrade: answer header too long"));
-            return;
-          }
-          self->readUpgradeAnswer();
-          return;
-        }
-        std::string head = self->upgradeAnswer_.substr(0, endHdr);
-        std::string rest = self->upgradeAnswer_.substr(endHdr + 4);
-        self->upgradeAnswer_.clear();
-        // "HTTP/1.1 101 ..."
-        int status = 0;
-        size_t sp = head.find(' ');
-        if (sp != std::string::npos) status = std::atoi(head.c_str() + sp + 1);
-        if (status != 101) {
-          std::string line = head.substr(0, head.find("\r\n"));
-          Code code = (status == 401 || status == 403) ? Code::kUnauthenticated : Code::kUnavailable;
-          self->fail(Status(code, "link upgrade refused: " + line));
-          return;
-        }
-        if (!rest.empty() && !self->feed(rest.data(), rest.size())) return;
-        self->flush();
-        self->readLoop();
-      });
+  sock_.async_read_some(asio::buffer(rbuf_), [self](const boost::system::error_code& ec, size_t n) {
+    if (ec) {
+      self->fail(
+          unavailable("link upgrade: " +
+                      (ec == asio::error::eof ? std::string("connection closed") : ec.message())));
+      return;
+    }
+    self->lastRecv_ = mono();
+    self->upgradeAnswer_.append(self->rbuf_.data(), n);
+    size_t endHdr = self->upgradeAnswer_.find("\r\n\r\n");
+    if (endHdr == std::string::npos) {
+      if (self->upgradeAnswer_.size() > kMaxUpgradeAnswer) {
+        self->fail(unavailable("link upgrade: answer header too long"));
+        return;
+      }
+      self->readUpgradeAnswer();
+      return;
+    }
+    std::string head = self->upgradeAnswer_.substr(0, endHdr);
+    std::string rest = self->upgradeAnswer_.substr(endHdr + 4);
+    self->upgradeAnswer_.clear();
+    // "HTTP/1.1 101 ..."
+    int status = 0;
+    size_t sp = head.find(' ');
+    if (sp != std::string::npos) status = std::atoi(head.c_str() + sp + 1);
+    if (status != 101) {
+      std::string line = head.substr(0, head.find("\r\n"));
+      Code code = (status == 401 || status == 403) ? Code::kUnauthenticated : Code::kUnavailable;
+      self->fail(Status(code, "link upgrade refused: " + line));
+      return;
+    }
+    if (!rest.empty() && !self->feed(rest.data(), rest.size())) return;
+    self->flush();
+    self->readLoop();
+  });
 }
 
 void Conn::adopt(UniqueFd fd, std::string buffered) {
@@ -551,10 +545,9 @@ void Conn::startHandshakeTimer() {
 
 void Conn::readLoop() {
   auto self = shared_from_this();
-  sock_.async_read_some(asio::buffer(rbuf_),
-                        [self](const boost::system::error_code& ec, size_t n) {
-                          self->onRead(ec, n);
-                        });
+  sock_.async_read_some(asio::buffer(rbuf_), [self](const boost::system::error_code& ec, size_t n) {
+    self->onRead(ec, n);
+  });
 }
 
 void Conn::onRead(const boost::system::error_code& ec, size_t n) {
@@ -625,10 +618,9 @@ bool Conn::handshakeFrame(Frame& f) {
         return refuse(Status(Code::kUnauthenticated, "link: expected hello"));
       }
       json j = json::parse(f.payload, nullptr, false);
-      if (j.is_discarded() || !j.is_object() || j.value("v", 0) != 1 ||
-          !j.contains("nonce") || !j["nonce"].is_string() ||
-          j["nonce"].get<std::string>().size() < 32 || !j.contains("window") ||
-          !j["window"].is_number_unsigned()) {
+      if (j.is_discarded() || !j.is_object() || j.value("v", 0) != 1 || !j.contains("nonce") ||
+          !j["nonce"].is_string() || j["nonce"].get<std::string>().size() < 32 ||
+          !j.contains("window") || !j["window"].is_number_unsigned()) {
         return refuse(Status(Code::kUnauthenticated, "link: malformed hello"));
       }
       uint64_t w = j["window"].get<uint64_t>();
@@ -645,11 +637,11 @@ bool Conn::handshakeFrame(Frame& f) {
         }
         peerNode_ = j["node"].get<std::string>();
         auto o = owner_.lock();
-        Result<std::string> key = o ? o->keyFor(peerNode_)
-                                    : Result<std::string>(unavailable("server closed"));
+        Result<std::string> key =
+            o ? o->keyFor(peerNode_) : Result<std::string>(unavailable("server closed"));
         if (!key.isOk() || key->empty()) {
-          return refuse(Status(Code::kUnauthenticated,
-                               "link: no key for node '" + peerNode_ + "'"));
+          return refuse(
+              Status(Code::kUnauthenticated, "link: no key for node '" + peerNode_ + "'"));
         }
         key_ = *key;
         helloC_ = f.payload;
@@ -672,10 +664,10 @@ bool Conn::handshakeFrame(Frame& f) {
         return refuse(Status(Code::kUnauthenticated, "link: expected auth"));
       }
       json j = json::parse(f.payload, nullptr, false);
-      std::string got = (!j.is_discarded() && j.is_object() && j.contains("proof") &&
-                         j["proof"].is_string())
-                            ? j["proof"].get<std::string>()
-                            : "";
+      std::string got =
+          (!j.is_discarded() && j.is_object() && j.contains("proof") && j["proof"].is_string())
+              ? j["proof"].get<std::string>()
+              : "";
       if (!proofMatches(proofOf(key_, kClientLabel, helloC_, helloS_), got)) {
         return refuse(Status(Code::kUnauthenticated,
                              "link: the client's proof does not check (wrong key or a replay)"));
@@ -693,10 +685,10 @@ bool Conn::handshakeFrame(Frame& f) {
         return refuse(Status(Code::kUnauthenticated, "link: expected ready"));
       }
       json j = json::parse(f.payload, nullptr, false);
-      std::string got = (!j.is_discarded() && j.is_object() && j.contains("proof") &&
-                         j["proof"].is_string())
-                            ? j["proof"].get<std::string>()
-                            : "";
+      std::string got =
+          (!j.is_discarded() && j.is_object() && j.contains("proof") && j["proof"].is_string())
+              ? j["proof"].get<std::string>()
+              : "";
       if (!proofMatches(proofOf(key_, kServerLabel, helloC_, helloS_), got)) {
         return refuse(Status(Code::kUnauthenticated,
                              "link: the node's proof does not check (wrong key or a replay)"));
@@ -754,8 +746,8 @@ void Conn::tick() {
   if (closed_) return;
   if (now - lastRecv_ > opts_.pingTimeoutS) {
     lk.unlock();
-    fail(unavailable("link: no word from the peer for " +
-                     std::to_string(int(now - lastRecv_)) + " s"));
+    fail(unavailable("link: no word from the peer for " + std::to_string(int(now - lastRecv_)) +
+                     " s"));
     return;
   }
   if (writing_ && now - writeStart_ > opts_.pingTimeoutS) {
@@ -1078,9 +1070,10 @@ void Conn::flush() {
         s->wantWritable_ = false;
         s->notifyLocked();
         if (s->client_) {
-          if (s->handler_.onWritable) writable.push_back([s] {
-            if (s->handler_.onWritable) s->handler_.onWritable();
-          });
+          if (s->handler_.onWritable)
+            writable.push_back([s] {
+              if (s->handler_.onWritable) s->handler_.onWritable();
+            });
         } else if (s->onWritable_) {
           auto cb = s->onWritable_;
           writable.push_back([cb] { (*cb)(); });
@@ -1146,15 +1139,12 @@ void Conn::fail(Status st) {
     if (closeStatus_.isOk() || wasReady) closeStatus_ = st;
     // Calls learn kUnavailable once the link was up; before, the reason as is
     // (kUnauthenticated for a refused handshake).
-    Status forCalls = wasReady && st.code() != Code::kUnavailable
-                          ? unavailable(st.message())
-                          : st;
+    Status forCalls = wasReady && st.code() != Code::kUnavailable ? unavailable(st.message()) : st;
     auto streams = std::move(streams_);
     streams_.clear();
     for (auto& [id, s] : streams) {
-      std::function<void()> cb = role_ == Role::kClient
-                                     ? finishClientLocked(s.get(), forCalls)
-                                     : cancelServerLocked(s.get(), forCalls);
+      std::function<void()> cb = role_ == Role::kClient ? finishClientLocked(s.get(), forCalls)
+                                                        : cancelServerLocked(s.get(), forCalls);
       if (cb) callbacks.push_back(std::move(cb));
     }
     ring_.clear();
@@ -1194,8 +1184,8 @@ void Conn::attach(const std::shared_ptr<Stream>& s, std::string_view method,
   {
     std::lock_guard lk(mu_);
     if (closed_) {
-      cb = finishClientLocked(s.get(), closeStatus_.isOk() ? unavailable("link closed")
-                                                           : closeStatus_);
+      cb = finishClientLocked(s.get(),
+                              closeStatus_.isOk() ? unavailable("link closed") : closeStatus_);
     } else if (goawaySent_ || goawayRecv_ || nextId_ == UINT32_MAX) {
       cb = finishClientLocked(s.get(), unavailable("link draining; the call did not start"));
     } else {
@@ -1393,8 +1383,8 @@ void Stream::onData(std::function<void(std::string_view)> data, std::function<vo
                     bool manualCredit) {
   std::lock_guard lk(conn_->mu_);
   if (done_) return;
-  onData_ = data ? std::make_shared<std::function<void(std::string_view)>>(std::move(data))
-                 : nullptr;
+  onData_ =
+      data ? std::make_shared<std::function<void(std::string_view)>>(std::move(data)) : nullptr;
   onEnd_ = end ? std::make_shared<std::function<void()>>(std::move(end)) : nullptr;
   manualCredit_ = manualCredit;
   if (!onData_ || redelivering_ || (inBuf_.size() == inOff_ && !peerEnded_)) return;
@@ -1500,8 +1490,8 @@ Result<size_t> Stream::read(char* buf, size_t n, double timeoutS) {
       if (client_ && !end_.isOk()) return end_;
       return size_t(0);
     }
-    if (cvLocked().wait_until(lk, deadline) == std::cv_status::timeout &&
-        inBuf_.size() == inOff_ && !peerEnded_ && !done_) {
+    if (cvLocked().wait_until(lk, deadline) == std::cv_status::timeout && inBuf_.size() == inOff_ &&
+        !peerEnded_ && !done_) {
       return Status(Code::kDeadlineExceeded, "link: nothing to read within the timeout");
     }
   }
@@ -1576,7 +1566,7 @@ struct LinkClient::Core : ConnOwner, std::enable_shared_from_this<LinkClient::Co
 
   Runtime& rt;
   const LinkClientOptions opts;
-  mutable std::mutex mu;  // guards everything below
+  mutable std::mutex mu;       // guards everything below
   std::shared_ptr<Conn> conn;  // connecting or ready; null: none (or draining)
   bool closed = false;
   double backoff;
@@ -1600,7 +1590,8 @@ std::shared_ptr<ClientCall> LinkClient::start(std::string_view method, std::stri
     }
     return s;
   };
-  if (method.size() > kMaxMethod) return failNow(invalidArg("method", "link: method over 255 bytes"));
+  if (method.size() > kMaxMethod)
+    return failNow(invalidArg("method", "link: method over 255 bytes"));
   if (args.size() + method.size() + 1 > kMaxPayload) {
     return failNow(invalidArg("args", "link: args over 1 MiB (send a body instead)"));
   }

@@ -2,12 +2,11 @@
 
 #include <arpa/inet.h>
 #include <dirent.h>
+#include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
-
-#include <gtest/gtest.h>
 
 #include <atomic>
 #include <chrono>
@@ -482,7 +481,8 @@ TEST_F(LinkTest, TenThousandConcurrentCallsShareOneConnection) {
     };
     calls.push_back(client.start("hold", std::to_string(i), std::move(h)));
   }
-  ASSERT_TRUE(waitFor([&] { return edge.heldCount() == size_t(kCalls); }, 5)) << edge.heldCount() << " started " << started.load();
+  ASSERT_TRUE(waitFor([&] { return edge.heldCount() == size_t(kCalls); }, 5))
+      << edge.heldCount() << " started " << started.load();
   ASSERT_TRUE(waitFor([&] { return started.load() == kCalls; }));
   EXPECT_EQ(client.connects(), 1u);
   EXPECT_EQ(edge.server().connections(), 1u);
