@@ -78,15 +78,15 @@ namespace dsec::proto {
 
 // The link's frame types (the type byte of common/frame.h's layout).
 enum class LinkFrame : uint8_t {
-  kHello = 0x01,  // both ways, stream 0: handshake (JSON)
-  kAuth = 0x02,   // client -> server, stream 0: the client's proof (JSON)
-  kReady = 0x03,  // server -> client, stream 0: the server's proof (JSON)
-  kCall = 0x10,   // client -> server: opens the stream (u8 len, method, args)
-  kData = 0x11,   // body bytes, either way (flow controlled)
-  kEnd = 0x12,    // end of the sender's body
-  kEvent = 0x13,  // server -> client: one streamed payload (flow controlled)
-  kReply = 0x14,  // server -> client: success, ends the call
-  kError = 0x15,  // server -> client: failure (a Status), ends the call; stream 0: refusal
+  kHello = 0x01,   // both ways, stream 0: handshake (JSON)
+  kAuth = 0x02,    // client -> server, stream 0: the client's proof (JSON)
+  kReady = 0x03,   // server -> client, stream 0: the server's proof (JSON)
+  kCall = 0x10,    // client -> server: opens the stream (u8 len, method, args)
+  kData = 0x11,    // body bytes, either way (flow controlled)
+  kEnd = 0x12,     // end of the sender's body
+  kEvent = 0x13,   // server -> client: one streamed payload (flow controlled)
+  kReply = 0x14,   // server -> client: success, ends the call
+  kError = 0x15,   // server -> client: failure (a Status), ends the call; stream 0: refusal
   kCancel = 0x16,  // client -> server: the client abandoned the call
   kWindow = 0x17,  // flow-control credit for the stream (u32 increment)
   kPing = 0x20,    // stream 0, either way; answered by pong with the same payload
