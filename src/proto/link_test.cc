@@ -297,6 +297,20 @@ class Edge {
         if (auto self = weak.lock()) self->pump();
       });
       p->pump();
+    } else if (m == "late-reader") {
+      // The body callback is set on a worker, after the body arrived: what
+      // came before is delivered first, in order, then the end.
+      rt_.runBlocking([c] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        auto sum = std::make_shared<Sha256>();
+        auto total = std::make_shared<uint64_t>(0);
+        c->onData(
+            [sum, total](std::string_view b) {
+              sum->update(b.data(), b.size());
+              *total += b.size();
+            },
+            [c, sum, total] { (void)c->reply(std::to_string(*total) + " " + sum->hexDigest()); });
+      });
     } else if (m == "upload-stall") {
       // Takes nothing of the body (until the test reads it).
       std::lock_guard lk(mu_);
@@ -859,6 +873,42 @@ TEST_F(LinkTest, GoawayLetsCallsInFlightFinishAndMovesNewOnes) {
   EXPECT_EQ(*r, "finished");
   // The drained connection closes.
   EXPECT_TRUE(waitFor([&] { return edge.server().connections() == 1; }));
+  EXPECT_EQ(edge.cancels.load(), 0);
+}
+
+TEST_F(LinkTest, ABodyThatArrivesBeforeItsCallbackIsDeliveredInOrder) {
+  Edge edge(rt_);
+  LinkClient client(rt_, clientOpts(edge.port()));
+  constexpr size_t kSize = 200000;  // within the window: all of it waits
+  std::string body(kSize, '\0');
+  fillPattern(body.data(), body.size(), 0);
+  auto call = client.start("late-reader", "", CallHandler{});
+  for (size_t off = 0; off < kSize; off += 10000) {
+    ASSERT_TRUE(call->write(std::string_view(body).substr(off, 10000), kGuardS).isOk());
+  }
+  ASSERT_TRUE(call->end().isOk());
+  auto r = call->wait(kGuardS);
+  ASSERT_TRUE(r.isOk()) << r.status().toString();
+  EXPECT_EQ(*r, std::to_string(kSize) + " " + sha256Hex(body));
+}
+
+TEST_F(LinkTest, DrainLetsCallsFinishAndRefusesNewOnes) {
+  Edge edge(rt_);
+  LinkClient client(rt_, clientOpts(edge.port()));
+  std::promise<Result<std::string>> done;
+  CallHandler h;
+  h.onDone = [&](Result<std::string> r) { done.set_value(std::move(r)); };
+  client.start("hold", "", std::move(h));
+  ASSERT_TRUE(waitFor([&] { return edge.heldCount() == 1; }));
+  client.drain();
+  EXPECT_EQ(client.unary("echo", "x", kGuardS).status().code(), Code::kUnavailable);
+  auto held = edge.takeHeld();
+  ASSERT_EQ(held.size(), 1u);
+  ASSERT_TRUE(held[0]->reply("finished").isOk());
+  auto r = done.get_future().get();
+  ASSERT_TRUE(r.isOk()) << r.status().toString();
+  EXPECT_EQ(*r, "finished");
+  EXPECT_TRUE(waitFor([&] { return edge.server().connections() == 0; }));
   EXPECT_EQ(edge.cancels.load(), 0);
 }
 
