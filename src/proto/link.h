@@ -165,7 +165,8 @@ class ClientCall {
   // connection's send buffer is full: retry after onWritable.
   // kFailedPrecondition after end(); the call's outcome once it is done.
   virtual Status send(std::string_view bytes) = 0;
-  // Ends the request body. kFailedPrecondition when already ended.
+  // Ends the request body. kFailedPrecondition when already ended; the
+  // call's outcome once it is done.
   virtual Status end() = 0;
   // Abandons the call: the server is told (its onCancel runs) and onDone
   // runs with `why` (unless the call was already done). Idempotent.
