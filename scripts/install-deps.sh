@@ -8,6 +8,8 @@ PKGS=(
   build-essential cmake pkg-config
   libboost1.81-dev nlohmann-json3-dev libsqlite3-dev libssl-dev
   libgtest-dev libgmock-dev libcurl4-openssl-dev libfuse3-dev fuse3
+  # HTTP/2, the peer bench/link measures the platform-edge link against
+  libnghttp2-dev
   # the PostgreSQL state store (libpq), and the server the tests run a
   # throwaway cluster of (initdb, pg_ctl; no system-wide service is used)
   libpq-dev postgresql

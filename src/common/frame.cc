@@ -45,6 +45,10 @@ const char* frameTypeName(FrameType type) {
 }
 
 void appendFrame(std::string& out, uint32_t stream, FrameType type, std::string_view payload) {
+  appendFrame(out, stream, static_cast<uint8_t>(type), payload);
+}
+
+void appendFrame(std::string& out, uint32_t stream, uint8_t type, std::string_view payload) {
   putU32(out, static_cast<uint32_t>(payload.size() + 5));
   putU32(out, stream);
   out.push_back(static_cast<char>(type));

@@ -55,10 +55,15 @@ struct Frame {
   uint32_t stream = 0;
   FrameType type = FrameType::kHello;
   std::string payload;
+  // The type byte as it came: protocols other than the agent's that share
+  // this layout (proto/link.h) read their own types from it.
+  uint8_t rawType() const { return static_cast<uint8_t>(type); }
 };
 
 // Appends one encoded frame to `out`. payload.size() must be <= kMaxPayload.
 void appendFrame(std::string& out, uint32_t stream, FrameType type, std::string_view payload);
+// The same with a raw type byte, for protocols with types of their own.
+void appendFrame(std::string& out, uint32_t stream, uint8_t type, std::string_view payload);
 
 // Incremental decoder: feed() whatever bytes arrived, then drain next().
 // Not thread-safe; one per connection direction.
