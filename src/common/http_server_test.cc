@@ -135,6 +135,7 @@ ServerOptions fastOptions() {
   ServerOptions o;
   o.port = 0;
   o.idleTimeoutS = 0.3;
+  o.bodyTimeoutS = 0.3;
   o.sendTimeoutS = 0.3;
   return o;
 }
@@ -224,10 +225,13 @@ TEST_F(HttpServerTest, MalformedUrlGets400AndClose) {
   EXPECT_NE(got.find("malformed percent-encoding in URL"), std::string::npos) << got;
 }
 
-// A body the handler never read ends the connection; the response says so.
+// A body the handler never read, and too big to have been read before it
+// ran (past preReadBytes), ends the connection; the response says so.
 TEST_F(HttpServerTest, UnreadBodySaysConnectionClose) {
   int fd = rawConnect(server_->port());
-  sendAll(fd, "POST /ignore HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n0123456789");
+  const size_t kBig = (64 << 10) + 1000;
+  sendAll(fd, "POST /ignore HTTP/1.1\r\nHost: x\r\nContent-Length: " + std::to_string(kBig) +
+                  "\r\n\r\n" + std::string(kBig, 'b'));
   bool eof = false;
   std::string got = readToEof(fd, &eof);
   ::close(fd);
@@ -241,6 +245,25 @@ TEST_F(HttpServerTest, UnreadBodySaysConnectionClose) {
     ASSERT_TRUE(r.isOk()) << r.status().toString();
     EXPECT_EQ(r->body, "ignored");
   }
+}
+
+// A small body is read before the handler runs: left unread, it costs
+// nothing, and the connection carries the next request.
+TEST_F(HttpServerTest, SmallUnreadBodyKeepsConnection) {
+  int fd = rawConnect(server_->port());
+  sendAll(fd,
+          "POST /ignore HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n0123456789"
+          "GET /echo?q=2 HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+  bool eof = false;
+  std::string got = readToEof(fd, &eof);
+  ::close(fd);
+  EXPECT_TRUE(eof);
+  size_t second = got.find("HTTP/1.1 200", 1);
+  ASSERT_NE(second, std::string::npos) << got;
+  std::string first = got.substr(0, second);
+  EXPECT_EQ(first.find("Connection: close"), std::string::npos) << first;
+  EXPECT_TRUE(first.ends_with("ignored")) << first;
+  EXPECT_TRUE(got.ends_with("GET 2 ")) << got;
 }
 
 TEST_F(HttpServerTest, IdleConnectionClosedQuietly) {
