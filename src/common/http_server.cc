@@ -278,7 +278,7 @@ struct Deferred::State {
   uint64_t length = 0;
   int status = 0;
   bool isHead = false;
-  bool active = false;    // the handler returned: bytes may be written
+  bool active = false;    // bytes may be written (see Connection::defer)
   bool keepAlive = true;  // decided when it became active
   bool headSet = false;   // send() or beginChunked() called
   bool headEmitted = false;
@@ -779,9 +779,11 @@ asio::awaitable<Next> Connection::completeDeferred() {
   ex_.reset();
   {
     std::lock_guard lk(mu_);
-    d->active = true;
-    d->keepAlive = keep;
-    if (d->headSet && !d->headEmitted) emitHeadLocked(*d);
+    if (!d->active) {
+      d->active = true;
+      d->keepAlive = keep;
+      if (d->headSet && !d->headEmitted) emitHeadLocked(*d);
+    }
   }
   deferredCounted_ = true;
   ++core_->deferred;
@@ -1305,6 +1307,14 @@ std::shared_ptr<Deferred> Connection::defer(Response& r) {
   auto st = std::make_shared<Deferred::State>();
   st->headers = std::move(r.extraHeaders_);
   st->isHead = ex_->isHead;
+  // With the whole body off the wire the handler cannot touch the socket any
+  // more (its Response is spent, its reads come from memory): the answer may
+  // go out at once, even while the handler runs on ("answer, then work").
+  // Else it waits for the handler's return, which settles the body.
+  if (bodyReceived()) {
+    st->active = true;
+    st->keepAlive = ex_->keepAlive && !ex_->broken;
+  }
   {
     std::lock_guard lk(mu_);
     d_ = st;

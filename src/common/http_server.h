@@ -120,7 +120,9 @@ class Response {
 
   // Answers later: the handler returns without answering, its thread is free,
   // and the connection waits for the returned Deferred to be completed from
-  // any thread. nullptr if the response was already started. The request
+  // any thread. nullptr if the response was already started. Also the way to
+  // answer before returning (send() holds the answer until the handler
+  // returns): defer(), then send() on the Deferred, then work on. The request
   // (headers, body) is gone once the handler returns: read what is needed
   // first; a body still on the wire (past preReadBytes) is discarded and the
   // connection closes after the response.
@@ -155,11 +157,13 @@ class Response {
   uint64_t remaining_ = 0;
 };
 
-// A response answered after its handler returned (Response::defer()).
-// Thread-safe: every method may be called from any thread, io threads
-// included, and none blocks or waits for the client. Bytes are queued and
-// written in order by the connection once the handler has returned; a client
-// that takes nothing for sendTimeoutS is dropped.
+// A response answered apart from its handler (Response::defer()): later, from
+// any thread, or at once while the handler works on. Thread-safe: every method
+// may be called from any thread, io threads included, and none blocks or waits
+// for the client. Bytes are queued and written in order by the connection:
+// at once if the request body was all read when defer() was called, else once
+// the handler has returned. A client that takes nothing for sendTimeoutS is
+// dropped.
 //
 // Errors: kInternal for misuse (send or beginChunked twice, write before
 // beginChunked, write after finish); kUnavailable once the client is gone (or

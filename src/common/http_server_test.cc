@@ -655,6 +655,36 @@ TEST(HttpServerDeferredTest, CompletedFromAnotherThreadPlainAndChunked) {
   EXPECT_EQ(st.acceptedTotal, 1u);
 }
 
+// "Answer, then work": a response deferred and sent while the handler runs
+// on reaches the client before the handler returns (the platform answers a
+// node's death report before it calls back into the node).
+TEST(HttpServerDeferredTest, AnswerGoesOutWhileTheHandlerWorksOn) {
+  std::promise<void> release;
+  std::shared_future<void> released = release.get_future().share();
+  std::atomic<bool> returned{false};
+  ServerOptions o;
+  o.port = 0;
+  AnyServer s(o, [&](Request& req, Response& res) {
+    auto body = req.readBody(100);
+    (void)res.defer()->send(200, "text/plain", "got " + body.value());
+    released.wait_for(std::chrono::seconds(10));  // the work after the answer
+    returned = true;
+  });
+  ClientOptions co;
+  co.readTimeoutS = 10;
+  auto c = Client::connect(s.url(), "", co);
+  ASSERT_TRUE(c.isOk());
+  auto r = (*c)->request("POST", "/report", "death");
+  ASSERT_TRUE(r.isOk()) << r.status().toString();
+  EXPECT_EQ(r->body, "got death");
+  EXPECT_FALSE(returned.load()) << "the answer waited for the handler";
+  release.set_value();
+  // The connection carries on once the handler is done.
+  r = (*c)->request("POST", "/report", "again");
+  ASSERT_TRUE(r.isOk()) << r.status().toString();
+  EXPECT_EQ(r->body, "got again");
+}
+
 // The deferred response's header carries what the handler set before
 // deferring; a deferred response dropped unanswered is a 500, and the
 // connection carries on.
