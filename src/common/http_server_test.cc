@@ -8,12 +8,19 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <malloc.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
+
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <future>
 #include <mutex>
 #include <thread>
 
 #include "common/http_client.h"
+#include "common/runtime.h"
 
 namespace dsec::http {
 namespace {
@@ -125,6 +132,7 @@ class TestServer {
   }
   uint16_t port() { return server_.port(); }
   std::string url() { return "http://127.0.0.1:" + std::to_string(port()); }
+  ServerStats stats() { return server_.stats(); }
 
  private:
   Server server_;
@@ -135,6 +143,7 @@ ServerOptions fastOptions() {
   ServerOptions o;
   o.port = 0;
   o.idleTimeoutS = 0.3;
+  o.bodyTimeoutS = 0.3;
   o.sendTimeoutS = 0.3;
   return o;
 }
@@ -224,10 +233,13 @@ TEST_F(HttpServerTest, MalformedUrlGets400AndClose) {
   EXPECT_NE(got.find("malformed percent-encoding in URL"), std::string::npos) << got;
 }
 
-// A body the handler never read ends the connection; the response says so.
+// A body the handler never read, and too big to have been read before it
+// ran (past preReadBytes), ends the connection; the response says so.
 TEST_F(HttpServerTest, UnreadBodySaysConnectionClose) {
   int fd = rawConnect(server_->port());
-  sendAll(fd, "POST /ignore HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n0123456789");
+  const size_t kBig = (64 << 10) + 1000;
+  sendAll(fd, "POST /ignore HTTP/1.1\r\nHost: x\r\nContent-Length: " + std::to_string(kBig) +
+                  "\r\n\r\n" + std::string(kBig, 'b'));
   bool eof = false;
   std::string got = readToEof(fd, &eof);
   ::close(fd);
@@ -241,6 +253,25 @@ TEST_F(HttpServerTest, UnreadBodySaysConnectionClose) {
     ASSERT_TRUE(r.isOk()) << r.status().toString();
     EXPECT_EQ(r->body, "ignored");
   }
+}
+
+// A small body is read before the handler runs: left unread, it costs
+// nothing, and the connection carries the next request.
+TEST_F(HttpServerTest, SmallUnreadBodyKeepsConnection) {
+  int fd = rawConnect(server_->port());
+  sendAll(fd,
+          "POST /ignore HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n0123456789"
+          "GET /echo?q=2 HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+  bool eof = false;
+  std::string got = readToEof(fd, &eof);
+  ::close(fd);
+  EXPECT_TRUE(eof);
+  size_t second = got.find("HTTP/1.1 200", 1);
+  ASSERT_NE(second, std::string::npos) << got;
+  std::string first = got.substr(0, second);
+  EXPECT_EQ(first.find("Connection: close"), std::string::npos) << first;
+  EXPECT_TRUE(first.ends_with("ignored")) << first;
+  EXPECT_TRUE(got.ends_with("GET 2 ")) << got;
 }
 
 TEST_F(HttpServerTest, IdleConnectionClosedQuietly) {
@@ -314,6 +345,8 @@ TEST(HttpServerCapTest, OverCapGets503) {
   EXPECT_NE(got.find("Connection: close\r\n"), std::string::npos) << got;
   EXPECT_TRUE(got.ends_with(R"({"error":{"code":"unavailable","message":"too many connections"}})"))
       << got;
+  EXPECT_EQ(server.stats().refusedTotal, 1u);
+  EXPECT_EQ(server.stats().openConnections, 1);
 
   // Once the first connection ends its slot is free again.
   first->reset();
@@ -386,6 +419,708 @@ TEST(PercentTest, DecodeEncode) {
   EXPECT_FALSE(percentDecode("a%2", out));
   EXPECT_FALSE(percentDecode("a%zz", out));
   EXPECT_EQ(percentEncode("a b/c"), "a%20b/c");
+}
+
+// ---------------------------------------------------------------- the coroutine server
+
+// A server with any handler, on its own Runtime (so threads and inline calls
+// can be checked), serving on a thread of its own.
+class AnyServer {
+ public:
+  AnyServer(ServerOptions o, Handler h, RuntimeOptions ro = {1, 4})
+      : rt_(std::make_unique<Runtime>(ro)) {
+    o.runtime = rt_.get();
+    server_ = std::make_unique<Server>(std::move(o));
+    EXPECT_TRUE(server_->listen().isOk());
+    thread_ = std::thread([this, h = std::move(h)] { server_->serve(h); });
+  }
+  ~AnyServer() {
+    server_->stop();
+    thread_.join();
+    server_.reset();
+  }
+  Server& server() { return *server_; }
+  Runtime& runtime() { return *rt_; }
+  uint16_t port() { return server_->port(); }
+  std::string url() { return "http://127.0.0.1:" + std::to_string(port()); }
+
+  // Polls stats() until pred holds; false after `guardS` (a guard against a
+  // hang, not a timing assertion).
+  bool waitStats(const std::function<bool(const ServerStats&)>& pred, double guardS = 20) {
+    auto t0 = Clock::now();
+    while (!pred(server_->stats())) {
+      if (secondsSince(t0) > guardS) return false;
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    return true;
+  }
+
+ private:
+  std::unique_ptr<Runtime> rt_;
+  std::unique_ptr<Server> server_;
+  std::thread thread_;
+};
+
+// Deferred responses parked by handlers, for the test (or a completer
+// thread) to finish.
+struct Parked {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<std::shared_ptr<Deferred>> list;
+  void add(std::shared_ptr<Deferred> d) {
+    std::lock_guard lk(mu);
+    list.push_back(std::move(d));
+    cv.notify_all();
+  }
+  std::shared_ptr<Deferred> take() {
+    std::unique_lock lk(mu);
+    if (!cv.wait_for(lk, std::chrono::seconds(10), [&] { return !list.empty(); })) return nullptr;
+    auto d = std::move(list.front());
+    list.erase(list.begin());
+    return d;
+  }
+};
+
+int threadCount() {
+  int n = 0;
+  DIR* d = opendir("/proc/self/task");
+  while (dirent* e = readdir(d)) n += e->d_name[0] != '.';
+  closedir(d);
+  return n;
+}
+
+// Raises the open-file limit to at least `want`; false if it cannot.
+bool raiseFdLimit(rlim_t want) {
+  rlimit rl{};
+  if (getrlimit(RLIMIT_NOFILE, &rl) != 0) return false;
+  if (rl.rlim_cur >= want) return true;
+  if (rl.rlim_max < want) rl.rlim_max = want;  // root only (CAP_SYS_RESOURCE)
+  rl.rlim_cur = want;
+  return setrlimit(RLIMIT_NOFILE, &rl) == 0;
+}
+
+// One response, read to the end of its Content-Length body.
+std::string readResponse(int fd) {
+  std::string out;
+  char buf[4096];
+  for (;;) {
+    size_t end = out.find("\r\n\r\n");
+    if (end != std::string::npos) {
+      size_t cl = out.find("Content-Length: ");
+      size_t len = cl == std::string::npos ? 0 : std::stoul(out.substr(cl + 16));
+      if (out.size() >= end + 4 + len) return out;
+    }
+    ssize_t n = ::recv(fd, buf, sizeof buf, 0);
+    if (n <= 0) return out;
+    out.append(buf, size_t(n));
+  }
+}
+
+// Many client connections held by a child process, so they do not count
+// against this process's open-file limit (the server's side does). The child
+// only makes system calls and talks to us through two pipes.
+class ClientFleet {
+ public:
+  // Opens n connections to port, sends `first` on each and, if readReply,
+  // reads one response on each.
+  ClientFleet(uint16_t port, int n, std::string first, bool readReply) {
+    int cmd[2], ack[2];
+    if (::pipe2(cmd, O_CLOEXEC) != 0 || ::pipe2(ack, O_CLOEXEC) != 0) return;
+    fds_.reserve(size_t(n));
+    pid_ = ::fork();
+    if (pid_ == 0) {
+      ::close(cmd[1]);
+      ::close(ack[0]);
+      child(port, n, first, readReply, cmd[0], ack[1]);
+    }
+    ::close(cmd[0]);
+    ::close(ack[1]);
+    cmd_ = cmd[1];
+    ack_ = ack[0];
+  }
+  ~ClientFleet() {
+    if (pid_ <= 0) return;
+    (void)!::write(cmd_, "q", 1);
+    ::close(cmd_);
+    ::close(ack_);
+    int st = 0;
+    ::waitpid(pid_, &st, 0);
+  }
+  // Waits for the child to finish its step; false if it failed.
+  bool done() {
+    char c = 0;
+    return pid_ > 0 && ::read(ack_, &c, 1) == 1 && c == 'k';
+  }
+  // Sends `second` on every connection (done() says when). The child has its
+  // own copy of our memory: the bytes go down the pipe.
+  void sendOnAll(const std::string& second) {
+    uint32_t len = uint32_t(second.size());
+    (void)!::write(cmd_, "s", 1);
+    (void)!::write(cmd_, &len, sizeof len);
+    (void)!::write(cmd_, second.data(), second.size());
+  }
+
+ private:
+  [[noreturn]] void child(uint16_t port, int n, const std::string& first, bool readReply, int cmd,
+                          int ack) {
+    auto fail = [&] {
+      (void)!::write(ack, "e", 1);
+      _exit(1);
+    };
+    for (int i = 0; i < n; ++i) {
+      int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+      if (fd < 0 || !rawConnect(fd, port)) fail();
+      if (::send(fd, first.data(), first.size(), MSG_NOSIGNAL) != ssize_t(first.size())) fail();
+      if (readReply && readResponse(fd).find("\r\n\r\n") == std::string::npos) fail();
+      fds_.push_back(fd);
+    }
+    (void)!::write(ack, "k", 1);
+    for (;;) {
+      char c = 0;
+      if (::read(cmd, &c, 1) != 1 || c == 'q') _exit(0);  // closes every socket
+      uint32_t len = 0;
+      if (::read(cmd, &len, sizeof len) != sizeof len) fail();
+      std::string msg(len, 0);
+      for (size_t got = 0; got < len;) {
+        ssize_t r = ::read(cmd, msg.data() + got, len - got);
+        if (r <= 0) fail();
+        got += size_t(r);
+      }
+      for (int fd : fds_) {
+        if (::send(fd, msg.data(), msg.size(), MSG_NOSIGNAL) != ssize_t(msg.size())) fail();
+      }
+      (void)!::write(ack, "k", 1);
+    }
+  }
+
+  pid_t pid_ = -1;
+  int cmd_ = -1, ack_ = -1;
+  std::vector<int> fds_;
+};
+
+TEST(HttpServerDeferredTest, CompletedFromAnotherThreadPlainAndChunked) {
+  Parked parked;
+  ServerOptions o;
+  o.port = 0;
+  AnyServer s(o, [&](Request& req, Response& res) {
+    if (req.path == "/defer" || req.path == "/defer-chunks") {
+      auto d = res.defer();
+      ASSERT_NE(d, nullptr);
+      EXPECT_EQ(res.defer(), nullptr);  // once
+      EXPECT_TRUE(res.started());
+      parked.add(std::move(d));
+      return;  // the worker is free; the connection waits
+    }
+    (void)res.send(404, "text/plain", "nope");
+  });
+  std::thread completer([&] {
+    for (int i = 0; i < 4; ++i) {
+      auto d = parked.take();
+      if (!d) return;
+      if (i % 2 == 0) {
+        d->setHeader("X-Deferred", "yes");
+        EXPECT_TRUE(d->send(200, "text/plain", "late " + std::to_string(i)).isOk());
+        EXPECT_EQ(d->send(200, "text/plain", "again").code(), Code::kInternal);
+      } else {
+        EXPECT_EQ(d->write("too soon").code(), Code::kInternal);
+        EXPECT_TRUE(d->beginChunked(200, "application/x-ndjson").isOk());
+        for (int k = 0; k < 3; ++k) EXPECT_TRUE(d->write("c" + std::to_string(k) + "\n").isOk());
+        EXPECT_TRUE(d->finish().isOk());
+        EXPECT_EQ(d->write("after").code(), Code::kInternal);
+      }
+      EXPECT_FALSE(d->gone());
+    }
+  });
+  ClientOptions co;
+  co.readTimeoutS = 10;
+  auto c = Client::connect(s.url(), "", co);
+  ASSERT_TRUE(c.isOk());
+  // Twice each on one kept-alive connection.
+  for (int round = 0; round < 2; ++round) {
+    auto r = (*c)->request("GET", "/defer");
+    ASSERT_TRUE(r.isOk()) << r.status().toString();
+    EXPECT_EQ(r->status, 200);
+    EXPECT_EQ(r->body, "late " + std::to_string(2 * round));
+    std::string got;
+    auto st =
+        (*c)->requestStreaming("GET", "/defer-chunks", "", [&](std::string_view d) { got += d; });
+    ASSERT_TRUE(st.isOk()) << st.status().toString();
+    EXPECT_EQ(got, "c0\nc1\nc2\n");
+  }
+  completer.join();
+  EXPECT_TRUE(s.waitStats([](const ServerStats& st) { return st.deferredInFlight == 0; }));
+  ServerStats st = s.server().stats();
+  EXPECT_EQ(st.inFlight, 0);
+  EXPECT_GE(st.peakInFlight, 1);
+  EXPECT_EQ(st.acceptedTotal, 1u);
+}
+
+// "Answer, then work": a response deferred and sent while the handler runs
+// on reaches the client before the handler returns (the platform answers a
+// node's death report before it calls back into the node).
+TEST(HttpServerDeferredTest, AnswerGoesOutWhileTheHandlerWorksOn) {
+  std::promise<void> release;
+  std::shared_future<void> released = release.get_future().share();
+  std::atomic<bool> returned{false};
+  ServerOptions o;
+  o.port = 0;
+  AnyServer s(o, [&](Request& req, Response& res) {
+    auto body = req.readBody(100);
+    (void)res.defer()->send(200, "text/plain", "got " + body.value());
+    released.wait_for(std::chrono::seconds(10));  // the work after the answer
+    returned = true;
+  });
+  ClientOptions co;
+  co.readTimeoutS = 10;
+  auto c = Client::connect(s.url(), "", co);
+  ASSERT_TRUE(c.isOk());
+  auto r = (*c)->request("POST", "/report", "death");
+  ASSERT_TRUE(r.isOk()) << r.status().toString();
+  EXPECT_EQ(r->body, "got death");
+  EXPECT_FALSE(returned.load()) << "the answer waited for the handler";
+  release.set_value();
+  // The connection carries on once the handler is done.
+  r = (*c)->request("POST", "/report", "again");
+  ASSERT_TRUE(r.isOk()) << r.status().toString();
+  EXPECT_EQ(r->body, "got again");
+}
+
+// The deferred response's header carries what the handler set before
+// deferring; a deferred response dropped unanswered is a 500, and the
+// connection carries on.
+TEST(HttpServerDeferredTest, DroppedUnansweredIs500) {
+  ServerOptions o;
+  o.port = 0;
+  AnyServer s(o, [&](Request& req, Response& res) {
+    res.setHeader("X-Before", "1");
+    auto d = res.defer();
+    if (req.path == "/answer") (void)d->send(201, "text/plain", "ok");
+    // else: dropped here, unanswered
+  });
+  int fd = rawConnect(s.port());
+  sendAll(fd, "GET /drop HTTP/1.1\r\nHost: x\r\n\r\n");
+  std::string got = readResponse(fd);
+  EXPECT_TRUE(got.starts_with("HTTP/1.1 500")) << got;
+  EXPECT_NE(got.find("X-Before: 1\r\n"), std::string::npos) << got;
+  EXPECT_NE(got.find("deferred response dropped unanswered"), std::string::npos) << got;
+  sendAll(fd, "GET /answer HTTP/1.1\r\nHost: x\r\n\r\n");
+  got = readResponse(fd);
+  EXPECT_TRUE(got.starts_with("HTTP/1.1 201")) << got;
+  EXPECT_TRUE(got.ends_with("ok")) << got;
+  ::close(fd);
+}
+
+TEST(HttpServerDeferredTest, ClientGoneIsNoticedAndCleanedUp) {
+  Parked parked;
+  std::mutex mu;
+  std::condition_variable cv;
+  int goneCalls = 0;
+  bool goneOnIo = false;
+  ServerOptions o;
+  o.port = 0;
+  std::unique_ptr<AnyServer> s;
+  s = std::make_unique<AnyServer>(o, [&](Request&, Response& res) {
+    auto d = res.defer();
+    d->onClientGone([&] {
+      std::lock_guard lk(mu);
+      ++goneCalls;
+      goneOnIo = s->runtime().onIoThread();
+      cv.notify_all();
+    });
+    parked.add(std::move(d));
+  });
+  int fd = rawConnect(s->port());
+  sendAll(fd, "GET /hold HTTP/1.1\r\nHost: x\r\n\r\n");
+  auto d = parked.take();
+  ASSERT_NE(d, nullptr);
+  ASSERT_TRUE(s->waitStats([](const ServerStats& st) { return st.deferredInFlight == 1; }));
+  EXPECT_FALSE(d->gone());
+  ::close(fd);  // the client gives up
+  {
+    std::unique_lock lk(mu);
+    ASSERT_TRUE(cv.wait_for(lk, std::chrono::seconds(10), [&] { return goneCalls > 0; }))
+        << "no onClientGone after the client closed";
+  }
+  EXPECT_TRUE(goneOnIo);
+  EXPECT_TRUE(d->gone());
+  EXPECT_EQ(d->send(200, "text/plain", "too late").code(), Code::kUnavailable);
+  EXPECT_TRUE(s->waitStats([](const ServerStats& st) {
+    return st.openConnections == 0 && st.deferredInFlight == 0 && st.inFlight == 0;
+  }));
+  // Registered after the fact: called soon, once.
+  std::promise<void> late;
+  d->onClientGone([&] { late.set_value(); });
+  EXPECT_EQ(late.get_future().wait_for(std::chrono::seconds(10)), std::future_status::ready);
+  d.reset();
+  s.reset();
+  EXPECT_EQ(goneCalls, 1);
+}
+
+// stop() ends deferred responses too: they hear onClientGone, and serve()
+// returns.
+TEST(HttpServerDeferredTest, StopTellsDeferredResponses) {
+  Parked parked;
+  std::promise<void> gone;
+  ServerOptions o;
+  o.port = 0;
+  auto s = std::make_unique<AnyServer>(o, [&](Request&, Response& res) {
+    auto d = res.defer();
+    d->onClientGone([&] { gone.set_value(); });
+    parked.add(std::move(d));
+  });
+  int fd = rawConnect(s->port());
+  sendAll(fd, "GET /hold HTTP/1.1\r\nHost: x\r\n\r\n");
+  auto d = parked.take();
+  ASSERT_NE(d, nullptr);
+  s.reset();  // stop() and serve() returned
+  EXPECT_EQ(gone.get_future().wait_for(std::chrono::seconds(0)), std::future_status::ready);
+  EXPECT_TRUE(d->gone());
+  bool eof = false;
+  readToEof(fd, &eof);
+  EXPECT_TRUE(eof);
+  ::close(fd);
+}
+
+TEST(HttpServerUpgradeTest, HandsOverTheSocketWithBufferedBytes) {
+  struct Taken {
+    std::mutex mu;
+    std::condition_variable cv;
+    UniqueFd fd;
+    std::string buffered;
+    bool onIo = false;
+  } taken;
+  ServerOptions o;
+  o.port = 0;
+  std::unique_ptr<AnyServer> s;
+  s = std::make_unique<AnyServer>(o, [&](Request& req, Response& res) {
+    if (req.header("upgrade") != "dsec-test") {
+      (void)res.send(426, "text/plain", "upgrade required");
+      return;
+    }
+    EXPECT_EQ(res.upgrade("bad token", [](UniqueFd, std::string) {}).code(),
+              Code::kInvalidArgument);
+    res.setHeader("X-Link", "1");
+    Status st = res.upgrade("dsec-test", [&](UniqueFd fd, std::string buffered) {
+      std::lock_guard lk(taken.mu);
+      taken.fd = std::move(fd);
+      taken.buffered = std::move(buffered);
+      taken.onIo = s->runtime().onIoThread();
+      taken.cv.notify_all();
+    });
+    EXPECT_TRUE(st.isOk()) << st.toString();
+  });
+  int fd = rawConnect(s->port());
+  // The client speaks the new protocol right after its request, in the same
+  // segment: those bytes are read with the request and must be handed over.
+  sendAll(fd,
+          "GET /edge/v1/link HTTP/1.1\r\nHost: x\r\nUpgrade: dsec-test\r\n"
+          "Connection: Upgrade\r\n\r\nHELLO");
+  {
+    std::unique_lock lk(taken.mu);
+    ASSERT_TRUE(taken.cv.wait_for(lk, std::chrono::seconds(10), [&] { return taken.fd.valid(); }));
+  }
+  EXPECT_TRUE(taken.onIo);
+  int sfd = taken.fd.get();
+  EXPECT_FALSE(fcntl(sfd, F_GETFL) & O_NONBLOCK) << "the fd is said to be blocking";
+  EXPECT_TRUE(fcntl(sfd, F_GETFD) & FD_CLOEXEC);
+  // The buffered bytes, then whatever was not read with the request.
+  std::string hello = taken.buffered;
+  char buf[64];
+  while (hello.size() < 5) {
+    ssize_t n = ::recv(sfd, buf, sizeof buf, 0);
+    ASSERT_GT(n, 0);
+    hello.append(buf, size_t(n));
+  }
+  EXPECT_EQ(hello, "HELLO");
+  // The socket works both ways and the server has let go of it.
+  ASSERT_EQ(::send(sfd, "WORLD", 5, MSG_NOSIGNAL), 5);
+  std::string got;
+  while (got.find("WORLD") == std::string::npos) {
+    ssize_t n = ::recv(fd, buf, sizeof buf, 0);
+    ASSERT_GT(n, 0) << got;
+    got.append(buf, size_t(n));
+  }
+  EXPECT_TRUE(got.starts_with("HTTP/1.1 101 Switching Protocols\r\n")) << got;
+  EXPECT_NE(got.find("Upgrade: dsec-test\r\n"), std::string::npos) << got;
+  EXPECT_NE(got.find("Connection: Upgrade\r\n"), std::string::npos) << got;
+  EXPECT_NE(got.find("X-Link: 1\r\n"), std::string::npos) << got;
+  EXPECT_TRUE(got.ends_with("\r\n\r\nWORLD")) << got;
+  EXPECT_TRUE(s->waitStats([](const ServerStats& st) { return st.openConnections == 0; }));
+  s.reset();  // stop() does not touch a handed-over socket
+  ASSERT_EQ(::send(sfd, "AGAIN", 5, MSG_NOSIGNAL), 5);
+  got.clear();
+  while (got.size() < 5) {
+    ssize_t n = ::recv(fd, buf, sizeof buf, 0);
+    ASSERT_GT(n, 0);
+    got.append(buf, size_t(n));
+  }
+  EXPECT_EQ(got, "AGAIN");
+  ::close(fd);
+}
+
+// Slowloris: a head trickled a byte at a time is cut at headerTimeoutS, though
+// every byte comes well within idleTimeoutS.
+TEST(HttpServerTimeoutTest, SlowHeaderIsCut) {
+  ServerOptions o;
+  o.port = 0;
+  o.headerTimeoutS = 0.5;
+  o.idleTimeoutS = 30;
+  AnyServer s(o, [](Request&, Response& res) { (void)res.send(200, "text/plain", "hi"); });
+  int fd = rawConnect(s.port());
+  std::string head = "GET /slow HTTP/1.1\r\nHost: x\r\nX-Pad: " + std::string(200, 'p');
+  auto t0 = Clock::now();
+  bool cut = false;
+  for (char c : head) {
+    if (::send(fd, &c, 1, MSG_NOSIGNAL) != 1) {
+      cut = true;
+      break;
+    }
+    char b;
+    if (::recv(fd, &b, 1, MSG_DONTWAIT) == 0) {
+      cut = true;
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  ::close(fd);
+  EXPECT_TRUE(cut) << "a head trickled over " << secondsSince(t0) << " s was not cut";
+  EXPECT_GE(secondsSince(t0), 0.4);
+  EXPECT_GE(s.server().stats().timedOutTotal, 1u);
+}
+
+// 10,000 connections that each sent part of a request line hold sockets and
+// coroutines, nothing else: a request on a new connection is answered.
+TEST(HttpServerScaleTest, HalfOpenConnectionsDoNotStopNewRequests) {
+  const int kIdle = 10000;
+  if (!raiseFdLimit(kIdle + 1000)) GTEST_SKIP() << "cannot raise RLIMIT_NOFILE to " << kIdle + 1000;
+  ServerOptions o;
+  o.port = 0;
+  AnyServer s(o, [](Request& req, Response& res) {
+    (void)res.send(200, "text/plain", "answered " + req.path);
+  });
+  ClientFleet fleet(s.port(), kIdle, "GET /slo", false);
+  ASSERT_TRUE(fleet.done()) << "the client process could not open its connections";
+  ASSERT_TRUE(s.waitStats([&](const ServerStats& st) { return st.openConnections >= kIdle; }))
+      << s.server().stats().openConnections;
+  ClientOptions co;
+  co.readTimeoutS = 10;
+  auto c = Client::connect(s.url(), "", co);
+  ASSERT_TRUE(c.isOk());
+  auto r = (*c)->request("GET", "/fresh");
+  ASSERT_TRUE(r.isOk()) << r.status().toString();
+  EXPECT_EQ(r->body, "answered /fresh");
+  ServerStats st = s.server().stats();
+  EXPECT_EQ(st.refusedTotal, 0u);
+  EXPECT_EQ(st.timedOutTotal, 0u);
+  EXPECT_EQ(st.openConnections, kIdle + 1);
+}
+
+TEST(HttpServerScaleTest, ThreadCountStaysWithDeferredRequests) {
+  const int kDeferred = 2000;
+  if (!raiseFdLimit(2 * kDeferred + 1000)) GTEST_SKIP() << "cannot raise RLIMIT_NOFILE";
+  Parked parked;
+  ServerOptions o;
+  o.port = 0;
+  AnyServer s(o, [&](Request& req, Response& res) {
+    if (req.path == "/warm") {
+      (void)res.send(200, "text/plain", "warm");
+      return;
+    }
+    parked.add(res.defer());
+  });
+  {  // every thread the server will ever have has started
+    auto c = Client::connect(s.url(), "");
+    ASSERT_TRUE(c.isOk());
+    ASSERT_TRUE((*c)->request("GET", "/warm").isOk());
+  }
+  const int before = threadCount();
+  std::vector<int> fds;
+  for (int i = 0; i < kDeferred; ++i) {
+    fds.push_back(rawConnect(s.port()));
+    sendAll(fds.back(), "GET /hold HTTP/1.1\r\nHost: x\r\n\r\n");
+  }
+  ASSERT_TRUE(s.waitStats([&](const ServerStats& st) { return st.deferredInFlight == kDeferred; }))
+      << s.server().stats().deferredInFlight;
+  EXPECT_EQ(threadCount(), before);
+  ServerStats st = s.server().stats();
+  EXPECT_EQ(st.inFlight, kDeferred);
+  EXPECT_GE(st.peakInFlight, kDeferred);
+  // Answer them all from here; every client hears.
+  std::vector<std::shared_ptr<Deferred>> ds;
+  {
+    std::lock_guard lk(parked.mu);
+    ds.swap(parked.list);
+  }
+  ASSERT_EQ(ds.size(), size_t(kDeferred));
+  for (auto& d : ds) EXPECT_TRUE(d->send(200, "text/plain", "done").isOk());
+  for (int fd : fds) {
+    std::string got = readResponse(fd);
+    EXPECT_TRUE(got.ends_with("done")) << got;
+    ::close(fd);
+  }
+  EXPECT_EQ(threadCount(), before);
+}
+
+// The inline handler answers on the io thread, without the pool; a request it
+// passes on (false) reaches the blocking handler on a worker.
+TEST(HttpServerInlineTest, InlineHandlerRunsOnTheIoThread) {
+  std::atomic<bool> inlineOnIo{false}, blockingOnIo{true};
+  Runtime* rt = nullptr;
+  ServerOptions o;
+  o.port = 0;
+  o.inlineHandler = [&](Request& req, Response& res) {
+    if (req.path != "/v1/health") return false;
+    inlineOnIo = rt->onIoThread();
+    EXPECT_EQ(res.beginChunked(200, "text/plain").code(), Code::kFailedPrecondition);
+    auto body = req.readBody(100);  // pre-read: no waiting
+    EXPECT_TRUE(body.isOk());
+    (void)res.send(200, "application/json",
+                   R"({"ok":true,"body":")" + (body.isOk() ? *body : "") + "\"}");
+    return true;
+  };
+  AnyServer s(o, [&](Request&, Response& res) {
+    blockingOnIo = rt->onIoThread();
+    (void)res.send(200, "text/plain", "blocking");
+  });
+  rt = &s.runtime();
+  auto c = Client::connect(s.url(), "");
+  ASSERT_TRUE(c.isOk());
+  auto r = (*c)->request("POST", "/v1/health", "x");
+  ASSERT_TRUE(r.isOk()) << r.status().toString();
+  EXPECT_EQ(r->body, R"({"ok":true,"body":"x"})");
+  EXPECT_TRUE(inlineOnIo.load());
+  r = (*c)->request("GET", "/other");
+  ASSERT_TRUE(r.isOk()) << r.status().toString();
+  EXPECT_EQ(r->body, "blocking");
+  EXPECT_FALSE(blockingOnIo.load());
+}
+
+// Bodies past preReadBytes, fixed and chunked, are read on demand by the
+// handler's worker through the connection's strand.
+TEST(HttpServerBodyTest, LargeAndChunkedBodiesStreamThroughTheWorker) {
+  ServerOptions o;
+  o.port = 0;
+  o.preReadBytes = 1024;
+  AnyServer s(o, [](Request& req, Response& res) {
+    size_t total = 0;
+    uint32_t sum = 0;
+    char buf[7000];
+    for (;;) {
+      auto n = req.readSome(buf, sizeof buf);
+      if (!n.isOk()) {
+        (void)res.send(httpStatusFor(n.status().code()), "text/plain", n.status().message());
+        return;
+      }
+      if (*n == 0) break;
+      for (size_t i = 0; i < *n; ++i) sum = sum * 31 + uint8_t(buf[i]);
+      total += *n;
+    }
+    EXPECT_TRUE(req.bodyDone());
+    (void)res.beginChunked(200, "text/plain");
+    (void)res.write(std::to_string(total) + " " + std::to_string(sum));
+  });
+  std::string big(3 << 20, 0);
+  uint32_t want = 0;
+  for (size_t i = 0; i < big.size(); ++i) {
+    big[i] = char('a' + i % 23);
+    want = want * 31 + uint8_t(big[i]);
+  }
+  auto c = Client::connect(s.url(), "");
+  ASSERT_TRUE(c.isOk());
+  std::string got;
+  auto r = (*c)->requestStreaming("POST", "/sum", big, [&](std::string_view d) { got += d; });
+  ASSERT_TRUE(r.isOk()) << r.status().toString();
+  EXPECT_EQ(got, std::to_string(big.size()) + " " + std::to_string(want));
+
+  int fd = rawConnect(s.port());
+  std::thread sender([&] {
+    sendAll(fd, "POST /sum HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n");
+    for (int i = 0; i < 5; ++i) {
+      sendAll(fd, "3\r\nabc\r\n");
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    sendAll(fd, "0\r\n\r\n");
+  });
+  std::string raw;
+  char buf[4096];
+  while (raw.find("0\r\n\r\n") == std::string::npos) {
+    ssize_t n = ::recv(fd, buf, sizeof buf, 0);
+    if (n <= 0) break;
+    raw.append(buf, size_t(n));
+  }
+  sender.join();
+  ::close(fd);
+  uint32_t sum = 0;
+  for (int i = 0; i < 5; ++i) {
+    for (char ch : std::string("abc")) sum = sum * 31 + uint8_t(ch);
+  }
+  EXPECT_NE(raw.find("15 " + std::to_string(sum)), std::string::npos) << raw;
+}
+
+// What an idle kept-alive connection and a deferred request cost the process
+// (heap in use and RSS), printed for the record. The bound is a guard only.
+TEST(HttpServerMemoryTest, BytesPerIdleConnectionAndPerDeferredRequest) {
+  const int kConns = 10000;
+  if (!raiseFdLimit(kConns + 1000)) GTEST_SKIP() << "cannot raise RLIMIT_NOFILE";
+  Parked parked;
+  ServerOptions o;
+  o.port = 0;
+  AnyServer s(o, [&](Request& req, Response& res) {
+    if (req.path == "/hold") {
+      parked.add(res.defer());
+    } else {
+      (void)res.send(200, "text/plain", "ok");
+    }
+  });
+  auto heap = [] {
+    struct mallinfo2 mi = mallinfo2();
+    return double(mi.uordblks + mi.hblkhd);
+  };
+  auto rss = [] {
+    long pages = 0, resident = 0;
+    FILE* f = fopen("/proc/self/statm", "r");
+    if (f && fscanf(f, "%ld %ld", &pages, &resident) != 2) resident = 0;
+    if (f) fclose(f);
+    return double(resident) * double(sysconf(_SC_PAGESIZE));
+  };
+  parked.list.reserve(kConns);
+  // Warm up: the first connections grow pools and caches once.
+  for (int i = 0; i < 100; ++i) {
+    int fd = rawConnect(s.port());
+    sendAll(fd, "GET /x HTTP/1.1\r\nHost: x\r\n\r\n");
+    readResponse(fd);
+    ::close(fd);
+  }
+  ASSERT_TRUE(s.waitStats([](const ServerStats& st) { return st.openConnections == 0; }));
+  malloc_trim(0);
+  const double heap0 = heap(), rss0 = rss();
+  ClientFleet fleet(s.port(), kConns, "GET /x HTTP/1.1\r\nHost: x\r\n\r\n", true);
+  ASSERT_TRUE(fleet.done()) << "the client process could not open its connections";
+  ASSERT_TRUE(s.waitStats(
+      [&](const ServerStats& st) { return st.openConnections == kConns && st.inFlight == 0; }));
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  const double heap1 = heap(), rss1 = rss();
+  fleet.sendOnAll("GET /hold HTTP/1.1\r\nHost: x\r\n\r\n");
+  ASSERT_TRUE(fleet.done());
+  ASSERT_TRUE(s.waitStats([&](const ServerStats& st) { return st.deferredInFlight == kConns; }));
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  const double heap2 = heap(), rss2 = rss();
+  double idleHeap = (heap1 - heap0) / kConns, idleRss = (rss1 - rss0) / kConns;
+  double defHeap = (heap2 - heap1) / kConns, defRss = (rss2 - rss1) / kConns;
+  printf("[ memory   ] idle kept-alive connection: %.0f B heap, %.0f B RSS\n", idleHeap, idleRss);
+  printf(
+      "[ memory   ] deferred request (on top):  %.0f B heap, %.0f B RSS (Deferred held by the "
+      "test)\n",
+      defHeap, defRss);
+  printf("[ memory   ] so 131072 deferred requests: %.0f MiB heap\n",
+         (idleHeap + defHeap) * 131072 / (1 << 20));
+  EXPECT_LT(idleHeap, 16 << 10);
+  EXPECT_LT(defHeap, 16 << 10);
+  {
+    std::lock_guard lk(parked.mu);
+    for (auto& d : parked.list) (void)d->send(200, "text/plain", "done");
+    parked.list.clear();
+  }
 }
 
 }  // namespace

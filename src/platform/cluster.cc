@@ -1269,8 +1269,10 @@ void Cluster::event(const std::string& name, http::Request& req, http::Response&
     bool live = r.isOk() && (r->state == SandboxState::kRunning || r->state == SandboxState::kPaused || r->state == SandboxState::kLost);
     if (!live || r->node != name) return sendJsonBody(res, 200, {{"ignored", true}});
   }
-  sendJsonBody(res, 200, {{"ignored", false}});
-  // After the answer: recording the death calls back into the node.
+  // After the answer: recording the death calls back into the node, whose
+  // report waits for this answer. Deferred, it goes out now; res.send() would
+  // hold it until this handler returns.
+  (void)res.defer()->send(200, "application/json", R"({"ignored":false})");
   if (h) h(id, j.value("why", "died"));
 }
 
