@@ -303,13 +303,13 @@ def test_a_small_body_goes_out_with_its_headers(fake, cl, monkeypatch):
     fake.routes[("POST", "/v1/sandboxes/sb-1/exec")] = lambda h, r: h.send_json(200, {
         "exit_code": 0, "stdout": "", "stderr": ""})
     writes = []
-    real = http.client.HTTPConnection.send
+    real = dsec.client._Conn.send
 
     def send(self, data):
         writes.append(len(data) if isinstance(data, (bytes, bytearray)) else -1)
         return real(self, data)
 
-    monkeypatch.setattr(http.client.HTTPConnection, "send", send)
+    monkeypatch.setattr(dsec.client._Conn, "send", send)
     sb = cl.sandbox("sb-1")
     sb.exec(["echo", "ü"])
     assert len(writes) == 1, writes

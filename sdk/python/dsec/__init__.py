@@ -10,7 +10,8 @@
             print(ev.type, ev.data)
 """
 
-from .client import DEFAULT_URL, Batch, Client, Sandbox
+from ._core import DEFAULT_RETRY, Retry
+from .client import DEFAULT_URL, Batch, Client, Sandbox, Trajectory
 from .errors import (Conflict, DeadlineExceeded, DsecError, InternalError, InvalidArgument,
                      NotFound, PayloadTooLarge, PermissionDenied, QuotaExceeded, RateLimited,
                      ResourceExhausted, Unauthenticated, Unavailable, error_from_code,
@@ -20,7 +21,9 @@ from .models import ExecEvent, ExecResult, FileEntry, Image, Record
 __version__ = "0.1.0"
 
 __all__ = [
-    "Client", "Sandbox", "Batch", "ExecResult", "ExecEvent", "FileEntry", "Image", "Record",
+    "Client", "Sandbox", "Batch", "Trajectory",
+    "Retry", "DEFAULT_RETRY",
+    "ExecResult", "ExecEvent", "FileEntry", "Image", "Record",
     "DsecError", "InvalidArgument", "Unauthenticated", "PermissionDenied", "NotFound",
     "Conflict", "PayloadTooLarge", "ResourceExhausted", "Unavailable", "DeadlineExceeded",
     "InternalError", "QuotaExceeded", "RateLimited", "error_from_code", "error_from_response", "DEFAULT_URL",
