@@ -43,6 +43,14 @@ class _LoopThread:
             raise RuntimeError("a facade call from inside the loop thread")
         return asyncio.run_coroutine_threadsafe(coro, loop).result()
 
+    def close_soon(self, agen):
+        """Closes an async generator: at once, or, when the garbage collector
+        finalises its facade on the loop thread itself, as a task there."""
+        if threading.current_thread() is self._thread:
+            self.loop.create_task(agen.aclose())
+        else:
+            self.run(agen.aclose())
+
 
 _LOOP = _LoopThread()
 _ASYNC_TYPES = (dsec.AsyncClient, dsec.AsyncSandbox, dsec.AsyncBatch, dsec.AsyncTrajectory)
@@ -75,7 +83,7 @@ def _iterate(agen):
                 return
             yield _wrap(item)
     finally:
-        _LOOP.run(agen.aclose())
+        _LOOP.close_soon(agen)
 
 
 class Facade:
