@@ -94,7 +94,7 @@ class _Pool:
         self.size = size
         self._slots = asyncio.Semaphore(size)
         self._idle: List[_Conn] = []
-        self.open = 0  # connections open, in use or idle
+        self.open = 0  # connections open or opening, in use or idle
         self._generation = 0
 
     async def acquire(self, req: Request) -> Tuple[_Conn, bool, int]:
@@ -109,8 +109,12 @@ class _Pool:
             if self.open >= self.size and self._idle:
                 self._drop(self._idle.pop(0))  # the least recently used
             gen = self._generation
-            conn = await self._client._connect(req.timeout)
-            self.open += 1
+            self.open += 1  # counted while it connects, so that others see it
+            try:
+                conn = await self._client._connect(req.timeout)
+            except BaseException:
+                self.open -= 1
+                raise
             return conn, False, gen
         except BaseException:
             self._slots.release()
