@@ -1278,3 +1278,72 @@ def test_async_local_addrs_spread_connections(fake):
     asyncio.run(main())
     assert sorted(r["peer"][0] for r in fake.requests) == ["127.0.0.2", "127.0.0.2",
                                                            "127.0.0.3", "127.0.0.3"]
+
+
+# ----- the HTTP/1.1 response parser both clients feed -------------------------------
+
+def _parse(raw: bytes, method="GET", piece=None):
+    """(status, headers, body, keep_alive) of ``raw`` fed whole or ``piece``
+    bytes at a time, then the connection's end."""
+    from dsec._http import END, NEED_DATA, ResponseParser
+    p = ResponseParser(method)
+    pieces = [raw] if piece is None else [raw[i:i + piece] for i in range(0, len(raw), piece)]
+    pieces.append(b"")
+    head, body = None, b""
+    while True:
+        ev = p.next_event()
+        if ev is NEED_DATA:
+            p.feed(pieces.pop(0))
+        elif ev is END:
+            return head.status, head.headers, body, p.keep_alive
+        elif isinstance(ev, bytes):
+            body += ev
+        else:
+            head = ev
+
+
+@pytest.mark.parametrize("piece", [None, 1, 7])
+def test_response_parser_frames_every_kind_of_answer(piece):
+    import dsec._http as h
+    chunks = b"".join(b"%x;ext=1\r\n%s\r\n" % (len(c), c) for c in (b"a" * 300, b"b", b"c\n" * 9))
+    cases = [
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nX-A: 1\r\nx-a: 2\r\n\r\nhello", "GET",
+         (200, "hello", True), {"content-length": "5", "x-a": "1, 2"}),
+        (b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 201 Created\r\nContent-Length: 0\r\n\r\n",
+         "POST", (201, "", True), None),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + chunks
+         + b"0\r\nTrailer: t\r\n\r\n", "GET",
+         (200, "a" * 300 + "b" + "c\n" * 9, True), None),
+        (b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nto the end", "GET",
+         (200, "to the end", False), None),
+        (b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\nok", "GET", (200, "ok", False), None),
+        (b"HTTP/1.0 200 OK\r\nConnection: keep-alive\r\nContent-Length: 2\r\n\r\nok", "GET",
+         (200, "ok", True), None),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\n", "HEAD", (200, "", False), None),
+        (b"HTTP/1.1 204 No Content\r\n\r\n", "DELETE", (204, "", True), None),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nokEXTRA", "GET", (200, "ok", False), None),
+    ]
+    for raw, method, (status, body, keep), headers in cases:
+        if piece is not None and raw.endswith(b"EXTRA"):
+            continue  # bytes past the answer are seen only when they come with it
+        st, hd, b, k = _parse(raw, method, piece)
+        assert (st, b.decode(), k) == (status, body, keep), raw[:60]
+        if headers:
+            assert hd == headers
+    for bad in (b"SPDY/3 200 OK\r\n\r\n", b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n",
+                b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+                b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nshort",
+                b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabcX"):
+        with pytest.raises(h.ProtocolError):
+            _parse(bad, "GET", piece)
+    with pytest.raises(h.NoResponse):
+        _parse(b"", "GET", piece)
+
+
+def test_response_parser_is_linear_in_many_small_chunks():
+    n = 20000
+    raw = (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+           + b"".join(b"%x\r\n%s\r\n" % (len(b"{}\n"), b"{}\n") for _ in range(n)) + b"0\r\n\r\n")
+    t0 = time.monotonic()
+    assert _parse(raw)[2] == b"{}\n" * n
+    assert time.monotonic() - t0 < 2

@@ -83,11 +83,16 @@ class ResponseParser:
     raises :class:`NoResponse`.
     """
 
-    __slots__ = ("_method", "_buf", "_eof", "_state", "_left", "started", "head", "keep_alive")
+    # The unread bytes are _buf[_pos:]: an answer read in one piece is
+    # parsed without copying it, and a piece holding many small chunks is
+    # consumed in one pass.
+    __slots__ = ("_method", "_buf", "_pos", "_eof", "_state", "_left", "started", "head",
+                 "keep_alive")
 
     def __init__(self, method: str = "GET"):
         self._method = method
-        self._buf = bytearray()
+        self._buf = b""
+        self._pos = 0
         self._eof = False
         self._state = _HEAD
         self._left = 0
@@ -98,7 +103,11 @@ class ResponseParser:
     def feed(self, data: bytes) -> None:
         if data:
             self.started = True
-            self._buf += data
+            if self._pos >= len(self._buf):
+                self._buf = bytes(data)
+            else:
+                self._buf = self._buf[self._pos:] + data
+            self._pos = 0
         else:
             self._eof = True
 
@@ -106,21 +115,26 @@ class ResponseParser:
     def done(self) -> bool:
         return self._state == _DONE
 
+    def _take(self, n: int) -> bytes:
+        """Up to ``n`` unread bytes (at least one must be unread)."""
+        buf, pos = self._buf, self._pos
+        end = pos + n
+        if pos == 0 and end >= len(buf):
+            self._pos = len(buf)
+            return buf
+        data = buf[pos:end]
+        self._pos = pos + len(data)
+        return data
+
     def next_event(self):
-        buf = self._buf
         while True:
             st = self._state
+            have = len(self._buf) - self._pos
             if st == _LENGTH:
                 if self._left == 0:
                     return self._end()
-                if buf:
-                    n = self._left
-                    if len(buf) <= n:
-                        data = bytes(buf)
-                        buf.clear()
-                    else:
-                        data = bytes(buf[:n])
-                        del buf[:n]
+                if have:
+                    data = self._take(self._left)
                     self._left -= len(data)
                     return data
                 if self._eof:
@@ -132,11 +146,9 @@ class ResponseParser:
                     return ev
                 continue
             if st == _CHUNK_DATA:
-                if buf:
-                    n = min(self._left, len(buf))
-                    data = bytes(buf[:n])
-                    del buf[:n]
-                    self._left -= n
+                if have:
+                    data = self._take(self._left)
+                    self._left -= len(data)
                     if self._left == 0:
                         self._state = _CHUNK_CRLF
                     return data
@@ -144,25 +156,23 @@ class ResponseParser:
                     raise ProtocolError("connection closed inside a chunk")
                 return NEED_DATA
             if st == _TO_EOF:
-                if buf:
-                    data = bytes(buf)
-                    buf.clear()
-                    return data
+                if have:
+                    return self._take(have)
                 if self._eof:
                     return self._end()
                 return NEED_DATA
             if st == _DONE:
                 return END
             # the line-oriented states of a chunked body
-            i = buf.find(b"\r\n")
+            i = self._buf.find(b"\r\n", self._pos)
             if i < 0:
                 if self._eof:
                     raise ProtocolError("connection closed inside a chunked body")
-                if len(buf) > MAX_HEAD:
+                if have > MAX_HEAD:
                     raise ProtocolError("chunk header line too long")
                 return NEED_DATA
-            line = bytes(buf[:i])
-            del buf[:i + 2]
+            line = self._buf[self._pos:i]
+            self._pos = i + 2
             if st == _CHUNK_SIZE:
                 try:
                     size = int(line.split(b";", 1)[0].strip(), 16)
@@ -185,24 +195,24 @@ class ResponseParser:
 
     def _end(self) -> str:
         self._state = _DONE
-        if self._buf:
+        if self._pos < len(self._buf):
             # Bytes past the answer (none from a sane server): not reused.
             self.keep_alive = False
         return END
 
-    def _parse_head(self) -> Optional[Head]:
-        buf = self._buf
-        end = buf.find(b"\r\n\r\n")
+    def _parse_head(self) -> Optional[Union[Head, str]]:
+        buf, pos = self._buf, self._pos
+        end = buf.find(b"\r\n\r\n", pos)
         if end < 0:
             if self._eof:
                 if not self.started:
                     raise NoResponse("connection closed before the answer")
                 raise ProtocolError("connection closed inside the response headers")
-            if len(buf) > MAX_HEAD:
+            if len(buf) - pos > MAX_HEAD:
                 raise ProtocolError("response headers over 256 KiB")
             return NEED_DATA
-        lines = bytes(buf[:end]).decode("latin-1").split("\r\n")
-        del buf[:end + 4]
+        lines = buf[pos:end].decode("latin-1").split("\r\n")
+        self._pos = end + 4
         first = lines[0].split(" ", 2)
         if len(first) < 2 or not first[0].startswith("HTTP/1.") or not first[1].isdigit():
             raise ProtocolError(f"bad status line {lines[0][:80]!r}")
@@ -220,10 +230,13 @@ class ResponseParser:
                 headers[name] = value
         self.head = Head(status, first[2] if len(first) > 2 else "", headers)
         keep = first[0] != "HTTP/1.0"
-        conn = headers.get("connection", "").lower()
-        if conn in ("close", "keep-alive"):
-            keep = conn == "keep-alive"
+        conn = headers.get("connection")
+        if conn is not None:
+            conn = conn.lower()
+            if conn in ("close", "keep-alive"):
+                keep = conn == "keep-alive"
         self.keep_alive = keep
+        te = headers.get("transfer-encoding")
         if self._method == "HEAD":
             # A server that wrongly sends a body with a HEAD answer would leave
             # stray bytes on the kept-alive connection; HEAD is rare, so the
@@ -232,7 +245,7 @@ class ResponseParser:
             self._state = _DONE
         elif status in (204, 304):
             self._state = _DONE
-        elif "chunked" in headers.get("transfer-encoding", "").lower():
+        elif te is not None and "chunked" in te.lower():
             self._state = _CHUNK_SIZE
         elif "content-length" in headers:
             v = headers["content-length"]
@@ -246,6 +259,6 @@ class ResponseParser:
         else:  # to the connection's end
             self.keep_alive = False
             self._state = _TO_EOF
-        if self._state == _DONE and buf:
+        if self._state == _DONE and self._pos < len(buf):
             self.keep_alive = False
         return self.head
