@@ -1510,7 +1510,8 @@ class SandboxOps(_Driven):
 
         With AsyncClient, cancelling the task that awaits it closes the
         connection, which the server takes as the caller going away: it kills
-        the command's process group.
+        the command's process group (docs/sdk.md, Cancellation: where the
+        server is with that).
         """
         body = _exec_body(cmd, timeout, env, cwd, user, stdin, max_output_bytes, encoding, False)
         if trajectory_id is not None or step is not None:
