@@ -1347,3 +1347,13 @@ def test_response_parser_is_linear_in_many_small_chunks():
     t0 = time.monotonic()
     assert _parse(raw)[2] == b"{}\n" * n
     assert time.monotonic() - t0 < 2
+
+
+def test_an_async_client_used_under_two_event_loops_starts_afresh(fake):
+    import asyncio
+    fake.routes[("GET", "/v1/health")] = lambda h, r: h.send_json(200, {"status": "ok"})
+    c = dsec.AsyncClient(fake.url, token="t")
+    for _ in range(2):  # two asyncio.run, one client: its first pool's loop is gone
+        assert asyncio.run(c.health()) == {"status": "ok"}
+        assert c.connections == 1
+    assert fake.accepted == 2

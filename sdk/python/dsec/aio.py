@@ -12,7 +12,9 @@ pool of kept-alive HTTP/1.1 connections.
             print(ev.type, ev.data)
         await sb.destroy()
 
-An AsyncClient belongs to one event loop (the one its first call runs on).
+An AsyncClient's connections belong to the event loop that opened them; used
+under another loop (a second ``asyncio.run``) it starts a new pool. Call it
+from its loop's thread only.
 """
 
 from __future__ import annotations
@@ -91,6 +93,7 @@ class _Pool:
 
     def __init__(self, client: "AsyncClient", size: int):
         self._client = client
+        self.loop = asyncio.get_running_loop()
         self.size = size
         self._slots = asyncio.Semaphore(size)
         self._idle: List[_Conn] = []
@@ -130,6 +133,17 @@ class _Pool:
     def _drop(self, conn: _Conn) -> None:
         conn.abort()
         self.open -= 1
+
+    def forget(self) -> None:
+        """Drops the idle connections of a loop no longer running (closing
+        what can still be closed)."""
+        idle, self._idle = self._idle, []
+        for conn in idle:
+            try:
+                conn.abort()
+            except RuntimeError:  # its loop is closed
+                pass
+        self.open = 0
 
     def close_idle(self) -> None:
         """Closes the idle connections; those in use close when handed back."""
@@ -252,9 +266,15 @@ class AsyncClient(ClientOps, driver="async"):
 
     @property
     def _pool(self) -> _Pool:
-        if self._pool_ is None:
-            self._pool_ = _Pool(self, self.max_connections)
-        return self._pool_
+        """The pool of the running event loop. Connections belong to the loop
+        that opened them: a client used again under another loop (a second
+        ``asyncio.run``) drops those of the old one and starts afresh."""
+        pool = self._pool_
+        if pool is None or pool.loop is not asyncio.get_running_loop():
+            if pool is not None:
+                pool.forget()
+            pool = self._pool_ = _Pool(self, self.max_connections)
+        return pool
 
     async def aclose(self) -> None:
         """Closes every idle kept-alive connection; those carrying a call
