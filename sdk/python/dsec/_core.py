@@ -36,7 +36,7 @@ import urllib.parse
 from typing import (TYPE_CHECKING, Any, BinaryIO, Callable, Dict, Generator, Iterable, Iterator,
                     List, Optional, Sequence, Tuple, Union)
 
-from ._http import NoResponse, ProtocolError
+from ._http import LAST_CHUNK, NoResponse, ProtocolError, chunk, request_head
 from .errors import DeadlineExceeded, DsecError, NotFound, Unavailable, error_from_response
 from .models import ExecEvent, ExecResult, FileEntry, Image
 
@@ -284,6 +284,35 @@ class Request:
 
     def __repr__(self) -> str:
         return f"Request({self.method} {self.target})"
+
+
+def request_pieces(req: Request, host: str) -> Iterator[bytes]:
+    """``req`` on the wire, as the pieces to write in turn: a body up to
+    COALESCE_MAX goes in one piece with the head; a file in SEND_BLOCK
+    pieces; an iterable as chunks. For an async iterable only the head: the
+    async driver writes its chunks (with :func:`_http.chunk`) and the last one."""
+    body = req.body
+    kind = body.kind
+    if kind == Body.NONE:
+        yield request_head(req.method, req.target, host, req.headers, None)
+    elif kind == Body.BYTES:
+        head = request_head(req.method, req.target, host, req.headers, body.length)
+        if body.length <= COALESCE_MAX:
+            yield head + body.data
+        else:
+            yield head
+            yield body.data
+    elif kind == Body.FILE:
+        yield request_head(req.method, req.target, host, req.headers, body.length)
+        yield from body.file_pieces()
+    else:
+        yield request_head(req.method, req.target, host, req.headers, None, chunked=True)
+        if kind == Body.ITER:
+            for piece in body.data:
+                b = as_bytes(piece)
+                if b:
+                    yield chunk(b)
+            yield LAST_CHUNK
 
 
 class Response:

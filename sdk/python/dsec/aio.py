@@ -25,15 +25,17 @@ import itertools
 import ssl
 from typing import Any, AsyncIterator, List, Optional, Sequence, Tuple, Union
 
-from ._core import (COALESCE_MAX, DEFAULT_RETRY, DEFAULT_TIMEOUT, READ, BatchOps, Blocking, Body,
-                    Call, ClientOps, Emit, Op, Request, Response, Retry, SandboxOps, Sleep,
-                    TrajectoryOps, TransportFailure, as_bytes)
-from ._http import LAST_CHUNK, NEED_DATA, END, ProtocolError, ResponseParser, chunk, request_head
+from ._core import (DEFAULT_RETRY, DEFAULT_TIMEOUT, READ, BatchOps, Blocking, Body, Call,
+                    ClientOps, Emit, Op, Request, Response, Retry, SandboxOps, Sleep, TrajectoryOps,
+                    TransportFailure, as_bytes, request_pieces)
+from ._http import END, LAST_CHUNK, NEED_DATA, ProtocolError, ResponseParser, chunk
 from .errors import DsecError
 
 __all__ = ["AsyncClient", "AsyncSandbox", "AsyncBatch", "AsyncTrajectory"]
 
 DEFAULT_MAX_CONNECTIONS = 100
+# Writes wait for the socket past this much buffered (a file body is not read ahead whole).
+_HIGH_WATER = 1 << 20
 _RECV = 256 * 1024  # StreamReader.read copies what it has: no large allocation
 
 if hasattr(asyncio, "timeout"):  # Python 3.11+
@@ -296,44 +298,22 @@ class AsyncClient(ClientOps, driver="async"):
     # ----- the driver -------------------------------------------------------------
 
     async def _send_request(self, conn: _Conn, req: Request) -> None:
+        """Writes ``req``, waiting (at most its timeout each time) while the
+        socket's buffer is full."""
         w = conn.writer
-        body = req.body
-        kind = body.kind
         t = req.timeout
-        if kind == Body.NONE:
-            w.write(request_head(req.method, req.target, self._host_header, req.headers, None))
-        elif kind == Body.BYTES:
-            head = request_head(req.method, req.target, self._host_header, req.headers,
-                                body.length)
-            if body.length <= COALESCE_MAX:
-                w.write(head + body.data)
-            else:
-                w.write(head)
-                w.write(body.data)
-        elif kind == Body.FILE:
-            w.write(request_head(req.method, req.target, self._host_header, req.headers,
-                                 body.length))
-            for piece in body.file_pieces():
-                w.write(piece)
+        for piece in request_pieces(req, self._host_header):
+            w.write(piece)
+            if w.transport.get_write_buffer_size() > _HIGH_WATER:
                 async with _timeout(t):
                     await w.drain()
-        else:
-            w.write(request_head(req.method, req.target, self._host_header, req.headers,
-                                 None, chunked=True))
-            if kind == Body.ITER:
-                for piece in body.data:
-                    b = as_bytes(piece)
-                    if b:
-                        w.write(chunk(b))
-                        async with _timeout(t):
-                            await w.drain()
-            else:
-                async for piece in body.data:
-                    b = as_bytes(piece)
-                    if b:
-                        w.write(chunk(b))
-                        async with _timeout(t):
-                            await w.drain()
+        if req.body.kind == Body.AITER:
+            async for piece in req.body.data:
+                b = as_bytes(piece)
+                if b:
+                    w.write(chunk(b))
+                    async with _timeout(t):
+                        await w.drain()
             w.write(LAST_CHUNK)
         async with _timeout(t):
             await w.drain()

@@ -28,11 +28,11 @@ import time
 import weakref
 from typing import Any, Iterator, Optional, Sequence, Tuple, Union
 
-from ._core import (COALESCE_MAX, DEFAULT_DATA_DIR, DEFAULT_RETRY, DEFAULT_TIMEOUT, DEFAULT_URL,
-                    READ, BatchOps, Blocking, Body, Call, ClientOps, Emit, Op, Request, Response,
-                    Retry, SandboxOps, Sleep, TrajectoryOps, TransportFailure, _iter_ndjson,
-                    as_bytes)
-from ._http import LAST_CHUNK, NEED_DATA, END, ProtocolError, ResponseParser, chunk, request_head
+from ._core import (DEFAULT_DATA_DIR, DEFAULT_RETRY, DEFAULT_TIMEOUT, DEFAULT_URL, READ,
+                    BatchOps, Blocking, Body, Call, ClientOps, Emit, Op, Request, Response, Retry,
+                    SandboxOps, Sleep, TrajectoryOps, TransportFailure, _iter_ndjson,
+                    request_pieces)
+from ._http import END, NEED_DATA, ProtocolError, ResponseParser
 from .errors import DsecError
 
 __all__ = ["Client", "Sandbox", "Batch", "Trajectory", "DEFAULT_URL", "DEFAULT_DATA_DIR",
@@ -227,33 +227,8 @@ class Client(ClientOps, driver="sync"):
     # ----- the driver -------------------------------------------------------------
 
     def _send_request(self, conn: _Conn, req: Request) -> None:
-        body = req.body
-        kind = body.kind
-        if kind == Body.NONE:
-            conn.send(request_head(req.method, req.target, self._host_header, req.headers, None))
-        elif kind == Body.BYTES:
-            head = request_head(req.method, req.target, self._host_header, req.headers,
-                                body.length)
-            if body.length <= COALESCE_MAX:
-                conn.send(head + body.data)
-            else:
-                conn.send(head)
-                conn.send(body.data)
-        elif kind == Body.FILE:
-            conn.send(request_head(req.method, req.target, self._host_header, req.headers,
-                                   body.length))
-            for piece in body.file_pieces():
-                conn.send(piece)
-        elif kind == Body.ITER:
-            conn.send(request_head(req.method, req.target, self._host_header, req.headers,
-                                   None, chunked=True))
-            for piece in body.data:
-                b = as_bytes(piece)
-                if b:
-                    conn.send(chunk(b))
-            conn.send(LAST_CHUNK)
-        else:
-            raise TypeError("an async iterable body needs dsec.AsyncClient")
+        for piece in request_pieces(req, self._host_header):  # not an AITER: see _perform
+            conn.send(piece)
 
     def _perform(self, req: Request) -> Response:
         """Sends ``req`` on this thread's connection and reads its answer:
