@@ -242,7 +242,7 @@ def _local_port(c) -> int:
     connection of this thread; the one idle connection of an AsyncClient)."""
     if isinstance(c, dsec.Client):
         return c._local.conn.sock.getsockname()[1]
-    pool = c.unwrapped._pool
+    pool = c.unwrapped._pool_
     assert pool.open == 1 and len(pool._idle) == 1, (pool.open, len(pool._idle))
     return pool._idle[0].writer.get_extra_info("sockname")[1]
 
