@@ -66,13 +66,48 @@ def unavailable(reason: str):
 from helpers import (DIGEST_RE, HOST_ENV_MARKER, aether_pids, edge_cgroup, loop_devices_backed_by,  # noqa: E402
                      mounts_containing, sandbox_cgroup_dirs, tail, wait_until)
 from outside_host import ADDR as OUTSIDE_ADDR  # noqa: E402
+from sdk_flavors import ASYNC, SYNC  # noqa: E402
+
+
+# ----- both SDK clients ----------------------------------------------------------
+# The tests of these modules that drive the SDK (through the `sdk`, `client`,
+# `make_sandbox`, `module_sandboxes`, `bb` or `deb` fixtures) run twice: with
+# dsec.Client, then with dsec.AsyncClient behind the synchronous facade of
+# sdk_flavors.py (each call a coroutine on a background event loop), so one
+# test body covers both. $DSEC_TESTS_SDK=sync (or async) runs one of them only.
+BOTH_CLIENTS = frozenset({
+    "test_sandbox", "test_exec", "test_files", "test_trajectory", "test_batches",
+    "test_pause", "test_errors", "test_tenants", "test_lifecycle", "test_pack_diff",
+})
+
+
+def _flavors_wanted():
+    want = os.environ.get("DSEC_TESTS_SDK", "both")
+    if want not in ("both", "sync", "async"):
+        raise pytest.UsageError(f"DSEC_TESTS_SDK={want!r}: want both, sync or async")
+    return {"both": [SYNC, ASYNC], "sync": [SYNC], "async": [ASYNC]}[want]
+
+
+def pytest_generate_tests(metafunc):
+    if "sdk" in metafunc.fixturenames and Path(metafunc.module.__file__).stem in BOTH_CLIENTS:
+        flavors = _flavors_wanted()
+        metafunc.parametrize("sdk", flavors, ids=[f.name for f in flavors], indirect=True,
+                             scope="module")
+
+
+@pytest.fixture(scope="module")
+def sdk(request):
+    """The SDK flavor (sdk_flavors.SYNC or ASYNC) this module's run drives:
+    ``sdk.Client(...)``, ``sdk.from_data_dir(...)``. SYNC outside BOTH_CLIENTS."""
+    return getattr(request, "param", SYNC)
 
 
 # ----- the server -----------------------------------------------------------------
 
 class Server:
-    def __init__(self, data_dir: Path, extra_args=()):
+    def __init__(self, data_dir: Path, extra_args=(), sdk=SYNC):
         self.data_dir = data_dir
+        self.sdk = sdk  # the flavor of self.client
         # More `dsec up` options; $DSEC_UP_ARGS adds to every server's (e.g.
         # `--userns off` to run the suite without user namespaces).
         self.extra_args = [str(a) for a in extra_args] + shlex.split(
@@ -148,7 +183,7 @@ class Server:
                 raise RuntimeError(f"`dsec up` wrote no {up} within {UP_TIMEOUT_S} s; "
                                    f"log tail:\n{self.log_tail()}")
             time.sleep(0.05)
-        self.client = dsec.Client.from_data_dir(str(self.data_dir), timeout=30)
+        self.client = self.sdk.from_data_dir(str(self.data_dir), timeout=30)
         self.url = self.client.url
         self.pid = self.client.server_pid or self.proc.pid
         self.port = int(self.url.rsplit(":", 1)[1].split("/")[0])
@@ -282,9 +317,16 @@ def server():
             srv.log_path.unlink()
 
 
-@pytest.fixture(scope="session")
-def client(server) -> dsec.Client:
-    return server.client
+@pytest.fixture(scope="module")
+def client(server, sdk) -> dsec.Client:
+    """The session server's client: dsec.Client, or (the async run of a
+    BOTH_CLIENTS module) an AsyncClient on it behind the sync facade."""
+    if not sdk.is_async:
+        yield server.client
+        return
+    c = sdk.wrap_like(server.client)
+    yield c
+    c.close()
 
 
 def _image_fixture(server, name: str, tarname: str) -> str:
@@ -315,9 +357,9 @@ def debian(server) -> str:
 class SandboxFactory:
     """Creates sandboxes and destroys them when the owning fixture ends."""
 
-    def __init__(self, server: Server):
+    def __init__(self, server: Server, client):
         self.server = server
-        self.client = server.client
+        self.client = client
         self.sandboxes = []
 
     def __call__(self, image: str, **kw) -> dsec.Sandbox:
@@ -333,17 +375,17 @@ class SandboxFactory:
 
 
 @pytest.fixture
-def make_sandbox(server):
+def make_sandbox(server, client):
     """make_sandbox(image, **create_kwargs) -> Sandbox, destroyed after the test."""
-    f = SandboxFactory(server)
+    f = SandboxFactory(server, client)
     yield f
     f.cleanup()
 
 
 @pytest.fixture(scope="module")
-def module_sandboxes(server):
+def module_sandboxes(server, client):
     """Like make_sandbox, but the sandboxes live for the whole module."""
-    f = SandboxFactory(server)
+    f = SandboxFactory(server, client)
     yield f
     f.cleanup()
 

@@ -278,7 +278,8 @@ def test_platform_sigkill_mid_batch_resumes_without_duplicates(sim_root):
 
 
 def test_batch_of_real_containers(client, busybox):
-    b = client.create_batch(6, busybox, cpu=0.2, memory_mb=64, labels={"t": "batch-real"},
+    label = f"batch-real-{time.monotonic_ns()}"  # apart from the other SDK flavor's run
+    b = client.create_batch(6, busybox, cpu=0.2, memory_mb=64, labels={"t": label},
                             wait=True, timeout=300, progress=True)
     try:
         assert b.state == "done" and b.running == 6 and b.failed == 0, b.info
@@ -286,7 +287,7 @@ def test_batch_of_real_containers(client, busybox):
         assert len(sbs) == 6 and all(s.state == "running" and s.batch == b.id for s in sbs)
         outs = {s.exec(["sh", "-c", "hostname"]).stdout for s in sbs}
         assert len(outs) == 6  # six separate sandboxes
-        assert {s.id for s in client.list(labels={"t": "batch-real"})} == {s.id for s in sbs}
+        assert {s.id for s in client.list(labels={"t": label})} == {s.id for s in sbs}
     finally:
         assert b.destroy() == 6
     assert all(s.state == "stopped" for s in b.sandboxes())

@@ -40,8 +40,8 @@ def test_missing_token_is_401(server, cgroups_before):
         assert_error(server.raw(method, path, body=body, token=None), 401, "unauthenticated")
 
 
-def test_wrong_token_is_401(server, busybox, bb):
-    bad = dsec.Client(server.url, token="not-the-token", timeout=10)
+def test_wrong_token_is_401(server, busybox, bb, sdk):
+    bad = sdk.Client(server.url, token="not-the-token", timeout=10)
     expect_error(lambda: bad.list(), dsec.Unauthenticated, status=401)
     expect_error(lambda: bad.create(busybox, labels={"bad": RUN}), dsec.Unauthenticated)
     expect_error(lambda: bad.sandbox(bb.id).exec("true"), dsec.Unauthenticated)

@@ -11,17 +11,17 @@ from pathlib import Path
 
 import pytest
 
-import dsec
 from conftest import Server, _check_prerequisites
 from helpers import (aether_pids, edge_cgroup, loop_devices_backed_by, mounts_containing,
                      sandbox_cgroup_dirs, wait_until)
 
 
 @pytest.fixture
-def own_server(tmp_path_factory, server):
-    """A second, private `dsec up` (the session server keeps running beside it)."""
+def own_server(tmp_path_factory, server, sdk):
+    """A second, private `dsec up` (the session server keeps running beside
+    it); its ``client`` is of the module run's SDK flavor."""
     _check_prerequisites()
-    s = Server(tmp_path_factory.mktemp("own") / "data")
+    s = Server(tmp_path_factory.mktemp("own") / "data", sdk=sdk)
     s.data_dir.mkdir()
     s.start()
     s.import_image("busybox:latest", Path(os.environ.get(
@@ -31,13 +31,13 @@ def own_server(tmp_path_factory, server):
         s.stop()
 
 
-def test_sigterm_ends_blocked_execs_and_cleans_up(own_server):
+def test_sigterm_ends_blocked_execs_and_cleans_up(own_server, sdk):
     s = own_server
     sb = s.client.create("busybox:latest")
     errors = []
 
     def long_exec():
-        c = dsec.Client.from_data_dir(str(s.data_dir), timeout=120)
+        c = sdk.from_data_dir(str(s.data_dir), timeout=120)
         try:
             c.sandbox(sb.id).exec("sleep 3600", timeout=3600)
         except Exception as e:  # the server goes away under it: any error is fine

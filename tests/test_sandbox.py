@@ -237,9 +237,19 @@ def test_create_destroy_churn_leaves_nothing(client, busybox, server):
         assert_gone_from_host(sid)
 
 
-def test_keepalive_connection_is_reused(server, make_sandbox, busybox):
+def _local_port(c) -> int:
+    """The local port of the client's kept-alive connection (the sync client's
+    connection of this thread; the one idle connection of an AsyncClient)."""
+    if isinstance(c, dsec.Client):
+        return c._local.conn.sock.getsockname()[1]
+    pool = c.unwrapped._pool_
+    assert pool.open == 1 and len(pool._idle) == 1, (pool.open, len(pool._idle))
+    return pool._idle[0].writer.get_extra_info("sockname")[1]
+
+
+def test_keepalive_connection_is_reused(server, make_sandbox, busybox, sdk):
     sb0 = make_sandbox(busybox)
-    c = dsec.Client(server.url, token=server.client.token, timeout=30)
+    c = sdk.Client(server.url, token=server.client.token, timeout=30)
     sb = c.get(sb0.id)
     port = None
     for i in range(30):
@@ -249,13 +259,13 @@ def test_keepalive_connection_is_reused(server, make_sandbox, busybox):
         assert sb.read_file("/tmp/k") == b"k" * i
         evs = list(sb.exec_stream(["echo", "s"]))
         assert evs[-1].type == "exit"
-        local = c._local.conn.sock.getsockname()[1]
+        local = _local_port(c)
         port = port or local
         assert local == port, f"request {i} needed a new connection: keep-alive broken"
     c.close()
 
 
-def test_delete_racing_create_never_leaves_a_running_sandbox(server, busybox):
+def test_delete_racing_create_never_leaves_a_running_sandbox(server, busybox, sdk):
     """A cleanup that deletes by label while creates are in flight: whatever the
     interleaving, every sandbox ends stopped and leaves nothing on the host."""
     label = unique("race")
@@ -263,7 +273,7 @@ def test_delete_racing_create_never_leaves_a_running_sandbox(server, busybox):
     created, cancelled = [], []
 
     def deleter():
-        c = dsec.Client.from_data_dir(str(server.data_dir))
+        c = sdk.from_data_dir(str(server.data_dir))
         while not stop.is_set():
             for sb in c.list(labels={"race": label}):
                 if sb.state not in ("stopped", "failed"):
@@ -272,7 +282,7 @@ def test_delete_racing_create_never_leaves_a_running_sandbox(server, busybox):
     t_del = threading.Thread(target=deleter)
     t_del.start()
     try:
-        c = dsec.Client.from_data_dir(str(server.data_dir))
+        c = sdk.from_data_dir(str(server.data_dir))
         for _ in range(15):
             try:
                 sb = c.create(image=busybox, labels={"race": label})

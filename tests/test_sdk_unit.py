@@ -23,6 +23,7 @@ import pytest
 
 import dsec
 from dsec.client import _iter_ndjson
+from sdk_flavors import FLAVORS
 
 
 class FakeHandler(http.server.BaseHTTPRequestHandler):
@@ -62,11 +63,13 @@ class FakeHandler(http.server.BaseHTTPRequestHandler):
 
     do_GET = do_POST = do_PUT = do_DELETE = do_HEAD = _handle
 
-    def send_json(self, status, doc, close=False):
+    def send_json(self, status, doc, close=False, headers=None):
         data = json.dumps(doc).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
         self.end_headers()
         if self.command != "HEAD":
             self.wfile.write(data)
@@ -99,8 +102,8 @@ class FakeHandler(http.server.BaseHTTPRequestHandler):
 class Fake(http.server.ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self):
-        super().__init__(("127.0.0.1", 0), FakeHandler)
+    def __init__(self, port=0):
+        super().__init__(("127.0.0.1", port), FakeHandler)
         self.routes = {}
         self.requests = []
         self.accepted = 0
@@ -131,8 +134,23 @@ def fake():
     srv.server_close()
 
 
+@pytest.fixture(params=FLAVORS, ids=str)
+def flavor(request):
+    """Each test taking it (or ``cl``) runs with dsec.Client and with
+    dsec.AsyncClient (behind the synchronous facade of sdk_flavors.py)."""
+    return request.param
+
+
 @pytest.fixture
-def cl(fake):
+def cl(fake, flavor):
+    c = flavor.Client(fake.url, token="tok123", timeout=5)
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def scl(fake):
+    """The sync client only (thread and write-level checks)."""
     c = dsec.Client(fake.url, token="tok123", timeout=5)
     yield c
     c.close()
@@ -198,20 +216,20 @@ def test_error_without_field_has_none(fake, cl):
     assert ei.value.field is None
 
 
-def test_connection_refused_is_unavailable():
+def test_connection_refused_is_unavailable(flavor):
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
     s.close()
     with pytest.raises(dsec.Unavailable) as ei:
-        dsec.Client(f"http://127.0.0.1:{port}", token="t", timeout=2).health()
+        flavor.Client(f"http://127.0.0.1:{port}", token="t", timeout=2, retries=0).health()
     assert ei.value.status is None
 
 
-def test_slow_server_is_deadline_exceeded(fake):
+def test_slow_server_is_deadline_exceeded(fake, flavor):
     fake.routes[("GET", "/v1/health")] = lambda h, r: (time.sleep(1.5),
                                                        h.send_json(200, {"status": "ok"}))
-    c = dsec.Client(fake.url, token="t", timeout=0.3)
+    c = flavor.Client(fake.url, token="t", timeout=0.3)
     t0 = time.monotonic()
     with pytest.raises(dsec.DeadlineExceeded):
         c.health()
@@ -245,27 +263,27 @@ def test_create_user_and_sandbox_user(fake, cl):
     assert "user" not in json.loads(fake.requests[-1]["body"])
 
 
-def test_no_token_sends_no_auth_header(fake, monkeypatch, tmp_path):
+def test_no_token_sends_no_auth_header(fake, flavor, monkeypatch, tmp_path):
     monkeypatch.delenv("DSEC_TOKEN", raising=False)
     monkeypatch.setenv("DSEC_DATA_DIR", str(tmp_path))  # holds no token file
     fake.routes[("GET", "/v1/health")] = lambda h, r: h.send_json(200, {"status": "ok"})
-    dsec.Client(fake.url).health()
+    flavor.Client(fake.url).health()
     assert "Authorization" not in fake.requests[-1]["headers"]
 
 
-def test_env_defaults_and_from_data_dir(fake, monkeypatch, tmp_path):
+def test_env_defaults_and_from_data_dir(fake, flavor, monkeypatch, tmp_path):
     monkeypatch.setenv("DSEC_URL", fake.url)
     monkeypatch.setenv("DSEC_TOKEN", "envtok")
-    c = dsec.Client()
+    c = flavor.Client()
     assert c.url == fake.url and c.token == "envtok"
     monkeypatch.delenv("DSEC_URL")
     monkeypatch.delenv("DSEC_TOKEN")
     monkeypatch.setenv("DSEC_DATA_DIR", str(tmp_path))
     (tmp_path / "token").write_text("filetok\n")
-    c = dsec.Client()
+    c = flavor.Client()
     assert c.url == "http://127.0.0.1:7070" and c.token == "filetok"
     (tmp_path / "up.json").write_text(json.dumps({"url": fake.url, "pid": 4242}))
-    c = dsec.Client.from_data_dir(str(tmp_path))
+    c = flavor.from_data_dir(str(tmp_path))
     assert (c.url, c.token, c.server_pid) == (fake.url, "filetok", 4242)
     fake.routes[("GET", "/v1/health")] = lambda h, r: h.send_json(200, {"status": "ok"})
     assert c.health() == {"status": "ok"}
@@ -297,20 +315,20 @@ def test_exec_body_and_result(fake, cl):
     assert json.loads(fake.requests[-1]["body"]) == {"cmd": "echo $HOME", "stdin": "text"}
 
 
-def test_a_small_body_goes_out_with_its_headers(fake, cl, monkeypatch):
+def test_a_small_body_goes_out_with_its_headers(fake, scl, monkeypatch):
     # One write per small request (one segment: the server wakes once), the
     # body intact; a body over 64 KiB still goes separately.
     fake.routes[("POST", "/v1/sandboxes/sb-1/exec")] = lambda h, r: h.send_json(200, {
         "exit_code": 0, "stdout": "", "stderr": ""})
     writes = []
-    real = http.client.HTTPConnection.send
+    real = dsec.client._Conn.send
 
     def send(self, data):
         writes.append(len(data) if isinstance(data, (bytes, bytearray)) else -1)
         return real(self, data)
 
-    monkeypatch.setattr(http.client.HTTPConnection, "send", send)
-    sb = cl.sandbox("sb-1")
+    monkeypatch.setattr(dsec.client._Conn, "send", send)
+    sb = scl.sandbox("sb-1")
     sb.exec(["echo", "ü"])
     assert len(writes) == 1, writes
     assert json.loads(fake.requests[-1]["body"]) == {"cmd": ["echo", "ü"]}
@@ -526,7 +544,8 @@ def test_exec_stream_closed_early_drops_connection(fake, cl):
 
 # ----- keep-alive and reconnects -------------------------------------------------
 
-def test_keepalive_one_connection_per_thread(fake, cl):
+def test_keepalive_one_connection_per_thread(fake, scl):
+    cl = scl
     fake.routes[("GET", "/v1/health")] = lambda h, r: h.send_json(200, {"status": "ok"})
     for _ in range(5):
         cl.health()
@@ -639,9 +658,9 @@ class _DropOnce(_RawServer):
         conn.shutdown(socket.SHUT_RDWR)
 
 
-def test_retries_once_a_resendable_request_on_a_dead_connection():
+def test_retries_once_a_resendable_request_on_a_dead_connection(flavor):
     srv = _DropOnce()
-    c = dsec.Client(srv.url, token="t", timeout=5)
+    c = flavor.Client(srv.url, token="t", timeout=5)
     sb = c.sandbox("sb-1")
     assert sb.write_file("/x", b"first")["size"] == 5
     assert sb.write_file("/x", b"second!")["size"] == 7  # dropped, then resent
@@ -649,9 +668,9 @@ def test_retries_once_a_resendable_request_on_a_dead_connection():
     assert srv.accepted == 2
 
 
-def test_does_not_resend_a_streamed_body():
+def test_does_not_resend_a_streamed_body(flavor):
     srv = _DropOnce()
-    c = dsec.Client(srv.url, token="t", timeout=5)
+    c = flavor.Client(srv.url, token="t", timeout=5)
     sb = c.sandbox("sb-1")
     sb.write_file("/x", b"first")
     with pytest.raises(dsec.Unavailable):
@@ -712,12 +731,12 @@ class _RawAnswer(_RawServer):
                 break
 
 
-def test_run_skips_an_interim_answer():
+def test_run_skips_an_interim_answer(flavor):
     data = json.dumps(RUN_RESULT).encode()
     srv = _RawAnswer(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\n"
                      b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
                      % (len(data), data))
-    c = dsec.Client(srv.url, token="t", timeout=5)
+    c = flavor.Client(srv.url, token="t", timeout=5)
     assert c.run("print(1)").stdout == "1\n"
     assert c.run("print(1)").stdout == "1\n"
 
@@ -728,9 +747,9 @@ def test_run_skips_an_interim_answer():
     b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{\"short\":",
     b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\n{\"a\"",
 ])
-def test_a_malformed_or_cut_answer_is_unavailable(answer):
+def test_a_malformed_or_cut_answer_is_unavailable(flavor, answer):
     srv = _RawAnswer(answer, close=True)
-    c = dsec.Client(srv.url, token="t", timeout=2)
+    c = flavor.Client(srv.url, token="t", timeout=2)
     with pytest.raises(dsec.Unavailable):
         c.run("print(1)")
 
@@ -745,3 +764,596 @@ def test_an_error_status_from_the_lean_path_keeps_code_and_field(fake, cl):
     fake.routes[("POST", "/v1/run")] = lambda h, r: h.send_json(200, RUN_RESULT)
     assert cl.run("print(1)").exit_code == 0
     assert fake.accepted == 1  # an error answer leaves the connection usable
+
+
+# ----- the async client's surface -------------------------------------------------
+
+@pytest.mark.parametrize("sync_cls,async_cls", [
+    (dsec.Client, dsec.AsyncClient), (dsec.Sandbox, dsec.AsyncSandbox),
+    (dsec.Batch, dsec.AsyncBatch), (dsec.Trajectory, dsec.AsyncTrajectory)])
+def test_the_async_classes_have_the_whole_sync_surface(sync_cls, async_cls):
+    import inspect
+    public = {n for n in dir(sync_cls) if not n.startswith("_")}
+    assert public - {"close"} <= set(dir(async_cls))
+    for name in public - {"close"}:
+        s, a = getattr(sync_cls, name), getattr(async_cls, name)
+        if not callable(s) or isinstance(s, type):
+            continue
+        if name in ("sandbox", "trajectory", "from_data_dir"):
+            assert not inspect.iscoroutinefunction(a), name
+        elif name == "exec_stream":
+            pass  # returns an async generator: test_async_exec_stream_and_async_bodies
+        elif sync_cls is not dsec.Trajectory and name not in ("set_quota", "sandboxes"):
+            assert inspect.iscoroutinefunction(a), name
+        assert inspect.signature(s) == inspect.signature(a), name
+        assert s.__doc__ == a.__doc__, name
+    assert inspect.iscoroutinefunction(dsec.AsyncClient.aclose)
+
+
+def test_retry_policy_values():
+    assert dsec.DEFAULT_RETRY == dsec.Retry()
+    assert dsec.Client("http://x", token="t").retries == dsec.AsyncClient("http://x").retries
+    assert dsec.Client("http://x", retries=None).retries.max_attempts == 1
+    assert dsec.Client("http://x", retries=0).retries.max_attempts == 1
+    assert dsec.AsyncClient("http://x", retries=2).retries.max_attempts == 3
+    with pytest.raises(TypeError):
+        dsec.Client("http://x", retries="often")
+    with pytest.raises(ValueError):
+        dsec.Retry(max_attempts=0)
+    r = dsec.Retry(backoff=1, max_backoff=4)
+    for n, cap in ((1, 1), (2, 2), (3, 4), (4, 4), (9, 4)):
+        d = [r.delay(n) for _ in range(50)]
+        assert all(cap / 2 <= x <= cap for x in d) and len(set(d)) > 1
+    from dsec._core import parse_retry_after
+    assert parse_retry_after("3") == 3 and parse_retry_after("0.5") == 0.5
+    assert parse_retry_after("garbage") is None and parse_retry_after(None) is None
+    import email.utils
+    later = email.utils.formatdate(time.time() + 30, usegmt=True)
+    assert 25 < parse_retry_after(later) <= 31
+
+
+# ----- retries (both clients) ---------------------------------------------------
+
+FAST = dsec.Retry(max_attempts=4, backoff=0.01, max_backoff=0.05, total=10)
+
+
+def _scripted(fake, method, path, answers, ok=None):
+    """A route answering ``answers`` in turn ((status, headers) pairs; 200
+    sends ``ok``); returns the list of the times it was called."""
+    times = []
+
+    def route(h, r):
+        times.append(time.monotonic())
+        status, hdrs = answers[min(len(times), len(answers)) - 1]
+        if status < 400:
+            h.send_json(status, ok if ok is not None else {"status": "ok"}, headers=hdrs)
+        else:
+            h.send_json(status, {"error": {"code": "unavailable" if status == 503
+                                           else "rate_limited", "message": "busy"}},
+                        headers=hdrs)
+    fake.routes[(method, path)] = route
+    return times
+
+
+def test_a_read_is_retried_on_503_and_429_honouring_retry_after(fake, flavor):
+    times = _scripted(fake, "GET", "/v1/health",
+                      [(503, {}), (429, {"Retry-After": "1"}), (503, {"Retry-After": "0"}),
+                       (200, {})])
+    c = flavor.Client(fake.url, token="t", timeout=5, retries=FAST)
+    assert c.health() == {"status": "ok"}
+    assert len(times) == 4
+    assert times[1] - times[0] < 0.5          # FAST's backoff: at most 50 ms
+    assert times[2] - times[1] >= 0.95        # Retry-After: 1, over FAST's cap
+    assert fake.accepted == 1                 # error answers keep the connection
+
+
+def test_retries_are_bounded_by_attempts_and_total_time(fake, flavor):
+    times = _scripted(fake, "GET", "/v1/sandboxes/sb-1", [(503, {})])
+    c = flavor.Client(fake.url, token="t", timeout=5,
+                      retries=dsec.Retry(max_attempts=3, backoff=0.01))
+    with pytest.raises(dsec.Unavailable) as ei:
+        c.get("sb-1")
+    assert ei.value.status == 503 and ei.value.message == "busy"
+    assert len(times) == 3
+    # a Retry-After past the total budget: raised at once, not waited for
+    times = _scripted(fake, "GET", "/v1/sandboxes/sb-2", [(429, {"Retry-After": "30"})])
+    c = flavor.Client(fake.url, token="t", timeout=5, retries=dsec.Retry(total=5))
+    t0 = time.monotonic()
+    with pytest.raises(dsec.RateLimited):
+        c.get("sb-2")
+    assert len(times) == 1 and time.monotonic() - t0 < 1
+    # no retries at all
+    times = _scripted(fake, "GET", "/v1/sandboxes/sb-3", [(503, {})])
+    with pytest.raises(dsec.Unavailable):
+        flavor.Client(fake.url, token="t", retries=None).get("sb-3")
+    assert len(times) == 1
+
+
+EXEC_OK = {"exit_code": 0, "stdout": "", "stderr": ""}
+
+
+def test_only_calls_safe_to_repeat_are_retried(fake, flavor):
+    c = flavor.Client(fake.url, token="t", timeout=5, retries=FAST)
+    sb = c.sandbox("sb-1")
+    busy = [(503, {}), (200, {})]
+    # never repeated: creates, plain execs, runs, writes without a step, deletes
+    for method, path, call in [
+            ("POST", "/v1/sandboxes", lambda: c.create("busybox")),
+            ("POST", "/v1/batches", lambda: c.create_batch(2, "busybox")),
+            ("POST", "/v1/sandboxes/sb-1/exec", lambda: sb.exec(["true"])),
+            ("POST", "/v1/run", lambda: c.run("print(1)")),
+            ("POST", "/v1/sandboxes/sb-1/run", lambda: sb.run("print(1)")),
+            ("PUT", "/v1/sandboxes/sb-1/files", lambda: sb.write_file("/x", b"x")),
+            ("POST", "/v1/sandboxes/sb-1/files/mkdir", lambda: sb.mkdir("/d")),
+            ("DELETE", "/v1/sandboxes/sb-1", lambda: sb.destroy()),
+            ("POST", "/v1/sandboxes/sb-1/pause", lambda: sb.pause())]:
+        times = _scripted(fake, method, path, busy)
+        with pytest.raises(dsec.Unavailable):
+            call()
+        assert len(times) == 1, path
+    # trajectory steps are: the server's log answers a repeat with the stored result
+    for method, path, call in [
+            ("POST", "/v1/sandboxes/sb-1/exec",
+             lambda: sb.exec(["true"], trajectory_id="t1", step=0)),
+            ("PUT", "/v1/sandboxes/sb-1/files",
+             lambda: sb.write_file("/x", b"x", trajectory_id="t1", step=1)),
+            ("POST", "/v1/sandboxes/sb-1/files/mkdir",
+             lambda: sb.trajectory("t2").mkdir("/d")),
+            ("DELETE", "/v1/sandboxes/sb-1/files",
+             lambda: sb.trajectory("t3").remove("/d")),
+            ("GET", "/v1/sandboxes/sb-1/files/list", lambda: sb.list_dir("/"))]:
+        times = _scripted(fake, method, path, busy, ok=dict(EXEC_OK, entries=[]))
+        call()
+        assert len(times) == 2, path
+    # ... unless the body cannot be sent twice
+    times = _scripted(fake, "PUT", "/v1/sandboxes/sb-1/files", busy)
+    with pytest.raises(dsec.Unavailable):
+        sb.write_file("/x", iter([b"a", b"b"]), trajectory_id="t1", step=2)
+    assert len(times) == 1
+    # a seekable file is rewound for the repeat
+    bodies = []
+
+    def put(h, r):
+        bodies.append(r["body"])
+        if len(bodies) == 1:
+            h.send_json(503, {"error": {"code": "unavailable", "message": "busy"}})
+        else:
+            h.send_json(200, {"path": "/x", "size": len(r["body"])})
+    fake.routes[("PUT", "/v1/sandboxes/sb-1/files")] = put
+    f = io.BytesIO(b"skip:payload")
+    f.seek(5)
+    assert sb.write_file("/x", f, trajectory_id="t1", step=3)["size"] == 7
+    assert bodies == [b"payload", b"payload"]
+
+
+class _ResetFirst(_RawServer):
+    """Resets (RST) the first ``n`` connections after reading a request, then
+    answers every request with a JSON object."""
+
+    def __init__(self, n=1):
+        self.n = n
+        self.requests = 0
+        super().__init__()
+
+    def _serve(self, conn, f):
+        import struct
+        while self._read_request(f) is not None:
+            self.requests += 1
+            if self.accepted <= self.n:
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                return
+            data = json.dumps(dict(SB, status="ok")).encode()
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+
+
+def test_a_reset_before_the_answer_is_retried_only_when_safe(flavor):
+    srv = _ResetFirst(n=1)
+    c = flavor.Client(srv.url, token="t", timeout=5, retries=FAST)
+    assert c.get("sb-1").id == SB["id"]  # a read: sent again on a new connection
+    assert (srv.accepted, srv.requests) == (2, 2)
+    srv = _ResetFirst(n=1)
+    c = flavor.Client(srv.url, token="t", timeout=5, retries=FAST)
+    with pytest.raises(dsec.Unavailable) as ei:
+        c.create("busybox")  # a create: never repeated
+    assert ei.value.status is None
+    assert (srv.accepted, srv.requests) == (1, 1)
+
+
+def test_a_refused_read_is_retried_until_the_server_listens(flavor):
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    late = {}
+
+    def listen_later():
+        time.sleep(0.4)
+        srv = Fake(port)
+        srv.routes[("GET", "/v1/health")] = lambda h, r: h.send_json(200, {"status": "ok"})
+        late["srv"] = srv
+        srv.serve_forever(0.02)
+    threading.Thread(target=listen_later, daemon=True).start()
+    c = flavor.Client(f"http://127.0.0.1:{port}", token="t", timeout=5,
+                      retries=dsec.Retry(max_attempts=20, backoff=0.05, max_backoff=0.1))
+    try:
+        assert c.health() == {"status": "ok"}
+    finally:
+        while "srv" not in late:
+            time.sleep(0.05)
+        late["srv"].shutdown()
+        late["srv"].server_close()
+
+
+# ----- timeouts (both clients) ----------------------------------------------------
+
+def test_exec_timeout_extends_the_answer_deadline(fake, flavor):
+    def slow(h, r):
+        time.sleep(0.8)
+        h.send_json(200, dict(EXEC_OK, stdout="late"))
+    fake.routes[("POST", "/v1/sandboxes/sb-1/exec")] = slow
+    fake.routes[("GET", "/v1/health")] = lambda h, r: h.send_json(200, {"status": "ok"})
+    c = flavor.Client(fake.url, token="t", timeout=0.3)
+    sb = c.sandbox("sb-1")
+    assert sb.exec(["sleep", "1"], timeout=1).stdout == "late"  # waits 1 + 0.3 s
+    t0 = time.monotonic()
+    with pytest.raises(dsec.DeadlineExceeded):
+        sb.exec(["sleep", "1"], timeout=0.1)  # waits 0.1 + 0.3 s
+    assert 0.35 < time.monotonic() - t0 < 0.75
+    # the timed-out connection is not reused: the next answer is its own
+    assert c.health() == {"status": "ok"}
+    assert fake.accepted == 2
+    # a plain exec that timed out is not repeated
+    assert len([r for r in fake.requests if r["path"].endswith("/exec")]) == 2
+
+
+def test_connect_timeout_bounds_connecting(flavor):
+    # a listening socket whose backlog is full: connects hang
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(0)
+    fillers = []
+    for _ in range(8):
+        f = socket.socket()
+        f.setblocking(False)
+        f.connect_ex(s.getsockname())
+        fillers.append(f)
+    c = flavor.Client(f"http://127.0.0.1:{s.getsockname()[1]}", token="t", timeout=10,
+                      connect_timeout=0.3, retries=0)
+    t0 = time.monotonic()
+    with pytest.raises(dsec.DeadlineExceeded) as ei:
+        c.health()
+    assert time.monotonic() - t0 < 3
+    assert ei.value.status is None
+    for f in fillers:
+        f.close()
+    s.close()
+
+
+# ----- the async client: pool, cancellation, async bodies --------------------------
+
+def _wait_for(pred, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(0.01)
+
+
+async def _until(pred, timeout=5.0):
+    import asyncio
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.01)
+
+
+def test_async_pool_is_bounded_and_the_next_call_waits(fake):
+    import asyncio
+    gate = threading.Event()
+
+    def held(h, r):
+        gate.wait(5)
+        h.send_json(200, {"status": "ok"})
+    fake.routes[("GET", "/v1/health")] = held
+
+    async def main():
+        c = dsec.AsyncClient(fake.url, token="t", max_connections=2)
+        tasks = [asyncio.create_task(c.health()) for _ in range(3)]
+        await _until(lambda: len(fake.requests) == 2)
+        await asyncio.sleep(0.2)
+        assert len(fake.requests) == 2 and c.connections == 2  # the third waits
+        assert not any(t.done() for t in tasks)
+        gate.set()
+        assert await asyncio.gather(*tasks) == [{"status": "ok"}] * 3
+        assert len(fake.requests) == 3 and fake.accepted == 2  # on a freed connection
+        for _ in range(10):  # sequential calls reuse one kept-alive connection
+            await c.health()
+        assert fake.accepted == 2 and c.connections == 2
+        await c.aclose()
+        assert c.connections == 0
+        await c.health()  # usable after aclose: reconnects
+        assert fake.accepted == 3
+        await c.aclose()
+    asyncio.run(main())
+
+
+def _wait_peer_close(h, seen):
+    """In a fake route: blocks until the client closes the connection."""
+    seen["request"] = True
+    h.connection.settimeout(10)
+    try:
+        while h.connection.recv(1024):
+            pass
+    except OSError:
+        pass
+    seen["closed"] = True
+    h.close_connection = True
+
+
+def test_cancelling_an_async_exec_closes_its_connection(fake):
+    import asyncio
+    seen = {}
+    fake.routes[("POST", "/v1/sandboxes/sb-1/exec")] = lambda h, r: _wait_peer_close(h, seen)
+    fake.routes[("GET", "/v1/health")] = lambda h, r: h.send_json(200, {"status": "ok"})
+
+    async def main():
+        c = dsec.AsyncClient(fake.url, token="t", max_connections=1)
+        await c.health()
+        task = asyncio.create_task(c.sandbox("sb-1").exec("sleep 100", timeout=100))
+        await _until(lambda: seen.get("request"))
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await _until(lambda: seen.get("closed"))  # the server saw the client go away
+        assert c.connections == 0  # not back in the pool
+        assert await c.health() == {"status": "ok"}  # the one slot is free again
+        assert fake.accepted == 2
+        await c.aclose()
+    asyncio.run(main())
+
+
+def test_cancelling_a_half_read_answer_never_pools_the_connection(fake):
+    import asyncio
+    seen = {}
+
+    def partial(h, r):
+        h.send_response(200)
+        h.send_header("Content-Type", "application/json")
+        h.send_header("Content-Length", "100")
+        h.end_headers()
+        h.wfile.write(b'{"exit_code": 0, ')
+        h.wfile.flush()
+        _wait_peer_close(h, seen)
+    fake.routes[("POST", "/v1/sandboxes/sb-1/exec")] = partial
+    fake.routes[("GET", "/v1/health")] = lambda h, r: h.send_json(200, {"status": "ok"})
+
+    async def main():
+        c = dsec.AsyncClient(fake.url, token="t")
+        task = asyncio.create_task(c.sandbox("sb-1").exec("x"))
+        await _until(lambda: seen.get("request"))
+        await asyncio.sleep(0.1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await _until(lambda: seen.get("closed"))
+        assert c.connections == 0
+        assert await c.health() == {"status": "ok"}
+        await c.aclose()
+    asyncio.run(main())
+
+
+def test_async_exec_stream_cancelled_or_left_closes_the_connection(fake):
+    import asyncio
+    seen = {}
+
+    def stream(h, r):
+        h.start_chunked()
+        h.chunk(b'{"type":"stdout","data":"1\\n"}\n')
+        _wait_peer_close(h, seen)
+    fake.routes[("POST", "/v1/sandboxes/sb-1/exec")] = stream
+
+    async def main():
+        c = dsec.AsyncClient(fake.url, token="t")
+        sb = c.sandbox("sb-1")
+        got = []
+
+        async def consume():
+            async for ev in sb.exec_stream("yes"):
+                got.append(ev)
+        task = asyncio.create_task(consume())
+        await _until(lambda: got)
+        assert got[0].type == "stdout" and got[0].data == "1\n"
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await _until(lambda: seen.get("closed"))
+        assert c.connections == 0
+        # leaving the loop early, then aclose(): the same
+        seen.clear()
+        agen = sb.exec_stream("yes")
+        async for ev in agen:
+            break
+        await agen.aclose()
+        await _until(lambda: seen.get("closed"))
+        assert c.connections == 0
+        await c.aclose()
+    asyncio.run(main())
+
+
+def test_async_exec_stream_and_async_bodies(fake):
+    import asyncio
+
+    def stream(h, r):
+        h.start_chunked()
+        h.chunk(b'{"type":"stdout","data":"a"}\n{"type":"stderr","data_b64":"/w=="}\n')
+        h.chunk(b'{"type":"exit","exit_code":3}\n')
+        h.end_chunks()
+
+    def put(h, r):
+        h.send_json(200, {"path": "/x", "size": len(r["body"]), "body": r["body"].decode()})
+    fake.routes[("POST", "/v1/sandboxes/sb-1/exec")] = stream
+    fake.routes[("PUT", "/v1/sandboxes/sb-1/files")] = put
+    fake.routes[("GET", "/v1/sandboxes/sb-1/files")] = lambda h, r: h.send_raw(
+        200, b"0123456789" * 100_000)
+
+    async def main():
+        async with dsec.AsyncClient(fake.url, token="t") as c:
+            sb = c.sandbox("sb-1")
+            assert isinstance(sb, dsec.AsyncSandbox)
+            evs = [ev async for ev in sb.exec_stream(["x"])]
+            assert [e.type for e in evs] == ["stdout", "stderr", "exit"]
+            assert evs[1].data_bytes == b"\xff" and evs[2].result.exit_code == 3
+
+            async def chunks():
+                for part in (b"ab", b"", b"cd"):
+                    await asyncio.sleep(0)
+                    yield part
+            r = await sb.write_file("/x", chunks())
+            assert r["body"] == "abcd"
+            assert fake.requests[-1]["headers"].get("Transfer-Encoding") == "chunked"
+            assert (await sb.write_file("/x", io.BytesIO(b"file")))["body"] == "file"
+            assert (await sb.write_file("/x", [b"it", b"er"]))["body"] == "iter"
+
+            class AsyncOut:
+                def __init__(self):
+                    self.data = b""
+
+                async def write(self, b):
+                    self.data += b
+            out = AsyncOut()
+            assert await sb.read_file_to("/big", out) == 1_000_000
+            assert out.data == b"0123456789" * 100_000
+            buf = io.BytesIO()
+            assert await sb.read_file_to("/big", buf) == 1_000_000
+            assert fake.accepted == 1
+    asyncio.run(main())
+
+
+def test_sync_client_refuses_an_async_body(scl, fake):
+    async def chunks():
+        yield b"x"
+    with pytest.raises(TypeError):
+        scl.sandbox("sb-1").write_file("/x", chunks())
+    assert fake.requests == []
+
+
+def test_async_trajectory_takes_steps_at_call_time(fake):
+    import asyncio
+    steps = []
+
+    def exec_(h, r):
+        steps.append(json.loads(r["body"])["step"])
+        h.send_json(200, EXEC_OK)
+    fake.routes[("POST", "/v1/sandboxes/sb-1/exec")] = exec_
+
+    async def main():
+        async with dsec.AsyncClient(fake.url, token="t") as c:
+            t = c.sandbox("sb-1").trajectory("tr", start=5)
+            assert isinstance(t, dsec.AsyncTrajectory)
+            coros = [t.exec(["echo", str(i)]) for i in range(3)]
+            assert t.next_step == 8
+            await asyncio.gather(*reversed(coros))
+    asyncio.run(main())
+    assert sorted(steps) == [5, 6, 7]
+
+
+def test_async_local_addrs_spread_connections(fake):
+    import asyncio
+    gate = threading.Event()
+
+    def held(h, r):
+        gate.wait(5)
+        h.send_json(200, {"status": "ok"})
+    fake.routes[("GET", "/v1/health")] = held
+
+    async def main():
+        c = dsec.AsyncClient(fake.url, token="t", local_addrs=["127.0.0.2", "127.0.0.3"])
+        tasks = [asyncio.create_task(c.health()) for _ in range(4)]
+        await _until(lambda: len(fake.requests) == 4)
+        gate.set()
+        await asyncio.gather(*tasks)
+        await c.aclose()
+    asyncio.run(main())
+    assert sorted(r["peer"][0] for r in fake.requests) == ["127.0.0.2", "127.0.0.2",
+                                                           "127.0.0.3", "127.0.0.3"]
+
+
+# ----- the HTTP/1.1 response parser both clients feed -------------------------------
+
+def _parse(raw: bytes, method="GET", piece=None):
+    """(status, headers, body, keep_alive) of ``raw`` fed whole or ``piece``
+    bytes at a time, then the connection's end."""
+    from dsec._http import END, NEED_DATA, ResponseParser
+    p = ResponseParser(method)
+    pieces = [raw] if piece is None else [raw[i:i + piece] for i in range(0, len(raw), piece)]
+    pieces.append(b"")
+    head, body = None, b""
+    while True:
+        ev = p.next_event()
+        if ev is NEED_DATA:
+            p.feed(pieces.pop(0))
+        elif ev is END:
+            return head.status, head.headers, body, p.keep_alive
+        elif isinstance(ev, bytes):
+            body += ev
+        else:
+            head = ev
+
+
+@pytest.mark.parametrize("piece", [None, 1, 7])
+def test_response_parser_frames_every_kind_of_answer(piece):
+    import dsec._http as h
+    chunks = b"".join(b"%x;ext=1\r\n%s\r\n" % (len(c), c) for c in (b"a" * 300, b"b", b"c\n" * 9))
+    cases = [
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nX-A: 1\r\nx-a: 2\r\n\r\nhello", "GET",
+         (200, "hello", True), {"content-length": "5", "x-a": "1, 2"}),
+        (b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 201 Created\r\nContent-Length: 0\r\n\r\n",
+         "POST", (201, "", True), None),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + chunks
+         + b"0\r\nTrailer: t\r\n\r\n", "GET",
+         (200, "a" * 300 + "b" + "c\n" * 9, True), None),
+        (b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nto the end", "GET",
+         (200, "to the end", False), None),
+        (b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\nok", "GET", (200, "ok", False), None),
+        (b"HTTP/1.0 200 OK\r\nConnection: keep-alive\r\nContent-Length: 2\r\n\r\nok", "GET",
+         (200, "ok", True), None),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\n", "HEAD", (200, "", False), None),
+        (b"HTTP/1.1 204 No Content\r\n\r\n", "DELETE", (204, "", True), None),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nokEXTRA", "GET", (200, "ok", False), None),
+    ]
+    for raw, method, (status, body, keep), headers in cases:
+        if piece is not None and raw.endswith(b"EXTRA"):
+            continue  # bytes past the answer are seen only when they come with it
+        st, hd, b, k = _parse(raw, method, piece)
+        assert (st, b.decode(), k) == (status, body, keep), raw[:60]
+        if headers:
+            assert hd == headers
+    for bad in (b"SPDY/3 200 OK\r\n\r\n", b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n",
+                b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+                b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nshort",
+                b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabcX"):
+        with pytest.raises(h.ProtocolError):
+            _parse(bad, "GET", piece)
+    with pytest.raises(h.NoResponse):
+        _parse(b"", "GET", piece)
+
+
+def test_response_parser_is_linear_in_many_small_chunks():
+    n = 20000
+    raw = (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+           + b"".join(b"%x\r\n%s\r\n" % (len(b"{}\n"), b"{}\n") for _ in range(n)) + b"0\r\n\r\n")
+    t0 = time.monotonic()
+    assert _parse(raw)[2] == b"{}\n" * n
+    assert time.monotonic() - t0 < 2
+
+
+def test_an_async_client_used_under_two_event_loops_starts_afresh(fake):
+    import asyncio
+    fake.routes[("GET", "/v1/health")] = lambda h, r: h.send_json(200, {"status": "ok"})
+    c = dsec.AsyncClient(fake.url, token="t")
+    for _ in range(2):  # two asyncio.run, one client: its first pool's loop is gone
+        assert asyncio.run(c.health()) == {"status": "ok"}
+        assert c.connections == 1
+    assert fake.accepted == 2

@@ -37,13 +37,13 @@ def _uid() -> str:
 class Tenant:
     """A user tenant made for one test, with a key and a client on it."""
 
-    def __init__(self, admin: dsec.Client, server, prefix: str, **quota):
+    def __init__(self, admin: dsec.Client, server, sdk, prefix: str, **quota):
         self.admin = admin
         self.server = server
         self.id = f"{prefix}-{_uid()}"
         self.info = admin.create_tenant(self.id, name=f"test {prefix}", quota=quota or None)
         self.key = admin.create_key(self.id, name="test")
-        self.client = dsec.Client(url=server.url, token=self.key["key"], timeout=60)
+        self.client = sdk.Client(url=server.url, token=self.key["key"], timeout=60)
 
     def cleanup(self):
         for sb in self.admin.list():
@@ -60,11 +60,11 @@ class Tenant:
 
 
 @pytest.fixture
-def make_tenant(server, client):
+def make_tenant(server, client, sdk):
     made = []
 
     def make(prefix="t", **quota) -> Tenant:
-        t = Tenant(client, server, prefix, **quota)
+        t = Tenant(client, server, sdk, prefix, **quota)
         made.append(t)
         return t
 
@@ -151,10 +151,10 @@ def test_a_key_is_shown_once_and_stored_only_as_a_hash(ab, client, server):
         assert secret.encode() not in f.read_bytes(), f
 
 
-def test_bad_and_revoked_keys_are_refused_at_once(ab, client, server):
+def test_bad_and_revoked_keys_are_refused_at_once(ab, client, server, sdk):
     a, _ = ab
     second = client.create_key(a.id, name="second")
-    c2 = dsec.Client(url=server.url, token=second["key"])
+    c2 = sdk.Client(url=server.url, token=second["key"])
     assert c2.whoami()["key_id"] == second["id"]
     forged = second["key"][:-1] + ("0" if second["key"][-1] != "0" else "1")
     status, headers, _, doc = _raw(server, "GET", "/v1/whoami", forged)
@@ -438,13 +438,13 @@ def test_creation_rate_is_limited_with_429(make_tenant, busybox, client, server)
     assert re.search(r'^dsec_api_errors_total\{code="rate_limited"\} [1-9]', metrics, re.M)
 
 
-def test_concurrent_creates_never_exceed_the_quota(make_tenant, busybox, client):
+def test_concurrent_creates_never_exceed_the_quota(make_tenant, busybox, client, sdk):
     t = make_tenant("qx", max_sandboxes=3)
     results = []
     lock = threading.Lock()
 
     def create():
-        c = dsec.Client(url=t.client.url, token=t.key["key"], timeout=120)
+        c = sdk.Client(url=t.client.url, token=t.key["key"], timeout=120)
         try:
             r = c.create(busybox)
             out = ("ok", r.id)
@@ -465,7 +465,7 @@ def test_concurrent_creates_never_exceed_the_quota(make_tenant, busybox, client)
     assert len(_live(client, t.id)) == 3
 
 
-def test_one_shot_runs_count_against_the_quotas(make_tenant, debian, busybox, client):
+def test_one_shot_runs_count_against_the_quotas(make_tenant, debian, busybox, client, sdk):
     # POST /v1/run: each call is a creation (creates_per_s) and, while it
     # runs, one warm sandbox (max_sandboxes, max_cpu, max_memory_mb).
     t = make_tenant("qrun", max_sandboxes=1)
@@ -474,7 +474,7 @@ def test_one_shot_runs_count_against_the_quotas(make_tenant, debian, busybox, cl
     done = {}
 
     def slow():
-        c = dsec.Client(url=t.client.url, token=t.key["key"], timeout=120)
+        c = sdk.Client(url=t.client.url, token=t.key["key"], timeout=120)
         try:
             done["r"] = c.run("import time; time.sleep(4); print('slept')", image=debian,
                               timeout=60)
