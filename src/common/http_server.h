@@ -26,6 +26,11 @@
 //  - Every wait on the client has a deadline (header, idle, body, send), so a
 //    slow or silent client holds a socket and a coroutine, never a worker,
 //    and cannot delay other connections.
+//
+// Memory: an idle kept-alive connection holds no buffer and no request state,
+// about 2.6 KB of heap in all (its object, strand, reactor entry, two small
+// coroutine frames, its pending wait and timer); a deferred request adds about
+// 0.4 KB. HttpServerMemoryTest prints the figures.
 #pragma once
 
 #include <cstdint>

@@ -424,7 +424,8 @@ TEST(PercentTest, DecodeEncode) {
 // ---------------------------------------------------------------- the coroutine server
 
 // A server with any handler, on its own Runtime (so threads and inline calls
-// can be checked), serving on a thread of its own.
+// can be checked), serving on a thread of its own. The Runtime goes last, as
+// Deferreds of the server must (http_server.h).
 class AnyServer {
  public:
   AnyServer(ServerOptions o, Handler h, RuntimeOptions ro = {1, 4})
@@ -435,9 +436,13 @@ class AnyServer {
     thread_ = std::thread([this, h = std::move(h)] { server_->serve(h); });
   }
   ~AnyServer() {
-    server_->stop();
-    thread_.join();
+    stop();
     server_.reset();
+  }
+  // stop(), and serve() has returned.
+  void stop() {
+    server_->stop();
+    if (thread_.joinable()) thread_.join();
   }
   Server& server() { return *server_; }
   Runtime& runtime() { return *rt_; }
@@ -772,13 +777,15 @@ TEST(HttpServerDeferredTest, StopTellsDeferredResponses) {
   sendAll(fd, "GET /hold HTTP/1.1\r\nHost: x\r\n\r\n");
   auto d = parked.take();
   ASSERT_NE(d, nullptr);
-  s.reset();  // stop() and serve() returned
+  s->stop();
   EXPECT_EQ(gone.get_future().wait_for(std::chrono::seconds(0)), std::future_status::ready);
   EXPECT_TRUE(d->gone());
+  EXPECT_EQ(d->send(200, "text/plain", "too late").code(), Code::kUnavailable);
   bool eof = false;
   readToEof(fd, &eof);
   EXPECT_TRUE(eof);
   ::close(fd);
+  d.reset();  // before the Runtime goes
 }
 
 TEST(HttpServerUpgradeTest, HandsOverTheSocketWithBufferedBytes) {
