@@ -321,8 +321,6 @@ def test_cancelling_an_async_exec_stream_stops_the_command(server, busybox):
         "the streamed exec's command outlived its cancelled caller"
 
 
-@pytest.mark.xfail(reason="the server does not stop a plain (unstreamed) exec whose client "
-                          "went away yet", strict=False)
 def test_cancelling_an_async_exec_stops_the_command(server, busybox):
     async def call(sb):
         await sb.exec(["sleep", "7772"], timeout=600)

@@ -14,6 +14,7 @@
 
 #include "common/log.h"
 #include "common/metrics.h"
+#include "common/runtime.h"
 #include "common/sha256.h"
 #include "common/util.h"
 #include "edge/edge_server.h"
@@ -213,7 +214,6 @@ int runSimNodes(const edge::EdgeAgentOptions& base, const http::ServerOptions& s
     std::unique_ptr<http::Server> server;
     std::unique_ptr<edge::EdgeAgent> agent;
     std::unique_ptr<proto::SimEdge> sim;
-    std::thread serving;
   };
   std::vector<std::unique_ptr<SimNode>> nodes;
   json list = json::array();
@@ -237,9 +237,8 @@ int runSimNodes(const edge::EdgeAgentOptions& base, const http::ServerOptions& s
                         nullptr);
     auto* agent = n->agent.get();
     auto* server = n->server.get();
-    n->serving = std::thread([server, agent] {
-      server->serve([agent](http::Request& req, http::Response& res) { agent->handle(req, res); });
-    });
+    // All the nodes' servers share the process's event loop: no thread each.
+    server->start([agent](http::Request& req, http::Response& res) { agent->handle(req, res); });
     list.push_back({{"node", ao.name}, {"url", ao.url}});
     nodes.push_back(std::move(n));
   }
@@ -256,7 +255,7 @@ int runSimNodes(const edge::EdgeAgentOptions& base, const http::ServerOptions& s
   }
   for (auto& n : nodes) n->server->stop();
   for (auto& n : nodes) {
-    n->serving.join();
+    n->server->wait();
     n->agent->stop();
   }
   ::unlink((base.dataDir + "/edge.json").c_str());
@@ -264,7 +263,39 @@ int runSimNodes(const edge::EdgeAgentOptions& base, const http::ServerOptions& s
   return 0;
 }
 
-Result<Daemon> prepareDaemon(const std::string& listen, const std::string& dataDir) {
+uint64_t addServerMetrics(const http::Server& server) {
+  return metrics::Registry::global().add([&server](metrics::Writer& w) {
+    http::ServerStats s = server.stats();
+    w.gauge("dsec_http_connections", "Open HTTP connections.", double(s.openConnections));
+    w.gauge("dsec_http_requests_in_flight",
+            "HTTP requests in flight now (from their headers to their last response byte).",
+            double(s.inFlight));
+    w.gauge("dsec_http_requests_in_flight_peak", "The most HTTP requests in flight at once.",
+            double(s.peakInFlight));
+    w.gauge("dsec_http_deferred_in_flight",
+            "Responses answered later (execs in flight) not yet complete.",
+            double(s.deferredInFlight));
+    w.counter("dsec_http_connections_accepted_total", "HTTP connections accepted.",
+              double(s.acceptedTotal));
+    w.counter("dsec_http_connections_refused_total",
+              "HTTP connections refused past --max-connections.", double(s.refusedTotal));
+    w.counter("dsec_http_timeouts_total",
+              "HTTP connections closed for a header, idle, body or send timeout.",
+              double(s.timedOutTotal));
+    Runtime& rt = Runtime::global();
+    w.gauge("dsec_runtime_blocking_queued", "Blocking work waiting for a worker thread.",
+            double(rt.blockingQueued()));
+    w.gauge("dsec_runtime_blocking_busy", "Worker threads running blocking work.",
+            double(rt.blockingBusy()));
+    w.gauge("dsec_runtime_threads", "Threads of the event loop (io) and the blocking pool.",
+            double(rt.blockingThreadCount()), {{"kind", "blocking"}});
+    w.gauge("dsec_runtime_threads", "Threads of the event loop (io) and the blocking pool.",
+            double(rt.ioThreadCount()), {{"kind", "io"}});
+  });
+}
+
+Result<Daemon> prepareDaemon(const ArgGet& get, const std::string& listen,
+                             const std::string& dataDir) {
   Daemon d;
   size_t colon = listen.rfind(':');
   if (colon == std::string::npos) return invalidArg("listen", "--listen must be HOST:PORT");
@@ -272,6 +303,32 @@ Result<Daemon> prepareDaemon(const std::string& listen, const std::string& dataD
   int port = std::atoi(listen.substr(colon + 1).c_str());
   if (port < 0 || port > 65535) return invalidArg("listen", "bad port in --listen");
   d.server.port = uint16_t(port);
+  // The event loop and the blocking pool, sized to the node (docs/concurrency.md).
+  RuntimeOptions ro;
+  ASSIGN_OR_RETURN(double io, numberFlag(get, "io-threads", 0));
+  ASSIGN_OR_RETURN(double workers, numberFlag(get, "workers", 0));
+  if (io > 64 || workers > 1024) {
+    return invalidArg(io > 64 ? "io-threads" : "workers",
+                      "--io-threads at most 64, --workers at most 1024");
+  }
+  ro.ioThreads = int(io);
+  ro.blockingThreads = int(workers);
+  // A simulated node's latency sleeps on a worker (proto/sim_edge.h), and one
+  // process may run hundreds of them.
+  if (workers == 0 && get("simulate", "-") != "-") ro.blockingThreads = 64;
+  Runtime::configureGlobal(ro);
+  ASSIGN_OR_RETURN(double maxConn, numberFlag(get, "max-connections", 100000));
+  if (maxConn < 1 || maxConn > 4e6) {
+    return invalidArg("max-connections", "--max-connections must be 1..4000000");
+  }
+  d.server.maxConnections = int(maxConn);
+  for (auto [flag, out] : {std::pair{"header-timeout-s", &d.server.headerTimeoutS},
+                           std::pair{"idle-timeout-s", &d.server.idleTimeoutS},
+                           std::pair{"body-timeout-s", &d.server.bodyTimeoutS},
+                           std::pair{"send-timeout-s", &d.server.sendTimeoutS}}) {
+    ASSIGN_OR_RETURN(*out, numberFlag(get, flag, *out));
+    if (*out <= 0) return invalidArg(flag, std::string("--") + flag + " must be positive");
+  }
 
   // Signals go to one thread that stops the server; everything else has them blocked.
   sigemptyset(&d.sigs);
@@ -280,10 +337,13 @@ Result<Daemon> prepareDaemon(const std::string& listen, const std::string& dataD
   sigaddset(&d.sigs, SIGHUP);
   pthread_sigmask(SIG_BLOCK, &d.sigs, nullptr);
   signal(SIGPIPE, SIG_IGN);
-  rlimit rl;
-  if (getrlimit(RLIMIT_NOFILE, &rl) == 0) {
-    rl.rlim_cur = rl.rlim_max;
-    setrlimit(RLIMIT_NOFILE, &rl);
+  // Every connection is a socket: the fd limit must fit the connection
+  // limit and what sandboxes, agents and layers hold besides (a root
+  // process may raise its hard limit up to fs.nr_open).
+  uint64_t fds = raiseNofileLimit(uint64_t(maxConn) + 65536);
+  if (fds < uint64_t(maxConn) + 1024) {
+    log::warn("open files limited to " + std::to_string(fds) + ": fewer connections than " +
+              "--max-connections " + std::to_string(int64_t(maxConn)) + " will be accepted");
   }
   if (Status st = makeDirs(dataDir, 0700); !st.isOk()) {
     return Status(st.code(), st.toString(), st.sysErrno());
@@ -314,7 +374,7 @@ int cmdEdge(const ArgGet& get) {
     return fail("cannot open --log-file " + get("log-file", ""));
   }
   if (!simulate && geteuid() != 0) return fail("dsec edge must run as root (or with --simulate)");
-  auto daemon = prepareDaemon(listen, dataDir);
+  auto daemon = prepareDaemon(get, listen, dataDir);
   if (!daemon.isOk()) return fail(daemon.status().message());
   http::ServerOptions so = daemon->server;
   sigset_t sigs = daemon->sigs;

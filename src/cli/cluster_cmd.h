@@ -46,7 +46,15 @@ struct Daemon {
   http::ServerOptions server;
   sigset_t sigs;
 };
-Result<Daemon> prepareDaemon(const std::string& listen, const std::string& dataDir);
+// The listening address, the server's connection limit and timeouts
+// (--max-connections, --header-timeout-s, --idle-timeout-s, --body-timeout-s,
+// --send-timeout-s), the signal mask, RLIMIT_NOFILE raised to fit the
+// connection limit, and the data dir made and locked. Errors name the flag.
+Result<Daemon> prepareDaemon(const ArgGet& get, const std::string& listen,
+                             const std::string& dataDir);
+// The HTTP server's connection figures (dsec_http_*) in the process's
+// metrics registry; the returned id removes them.
+uint64_t addServerMetrics(const http::Server& server);
 
 // `dsec edge --platform URL --join-token T --data-dir D --listen HOST:PORT
 // [--name N] [--pool P] [--simulate --sim-latency-ms N --sim-capacity N] ...`

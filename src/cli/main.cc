@@ -21,6 +21,7 @@
 #include "common/http_client.h"
 #include "common/http_server.h"
 #include "common/log.h"
+#include "common/metrics.h"
 #include "common/util.h"
 #include "edge/edge.h"
 #include "edge/image/fanotify_loader.h"
@@ -60,6 +61,14 @@ const char* kUsage = R"(usage: dsec COMMAND [OPTIONS]
         direct for file://, else fanotify where the kernel allows it, else fuse)
      --cache-mb N: node cache limit (unused layers evicted past it; default none)
      --loader-timeout-s S: a loader process silent this long is restarted (default 5)
+     --max-connections N: open HTTP connections at most (default 100000; RLIMIT_NOFILE
+        is raised to fit); --header-timeout-s S (30), --idle-timeout-s S (300),
+        --body-timeout-s S (60), --send-timeout-s S (300): how long a client may take
+        to send a request's headers, to start its next request, to go silent in a
+        body, to take no response bytes (docs/concurrency.md). Also for platform and edge
+     --io-threads N, --workers N: the event loop's threads (default 1 per 4 cores,
+        1..4) and the bounded pool running blocking work (default 4 per core, 8..32;
+        64 for edge --simulate). Also for platform and edge
      --log-file PATH [--log-max-mb N]: log there instead of stderr, rotated to PATH.1
         past N MiB (default 64); at most 1000 lines a second, the rest counted
      --prefetch-window-s S: chunks read this long after a layer is attached are
@@ -102,7 +111,8 @@ const char* kUsage = R"(usage: dsec COMMAND [OPTIONS]
   platform [--data-dir DIR] [--listen HOST:PORT] [--store ...] [--join-token-file F]
            [--heartbeat-timeout-s S] [--max-inflight N] [--admission-wait-s S]
            [--burst-pool P|none] [--burst-threshold X] [--prestage 'POOL=REF,...;...']
-           [--batch-workers N]   threads creating batches' sandboxes (default 128)
+           [--batch-workers N]   threads creating batches' sandboxes, at most (default:
+                                 8 for up, 128 for platform); they start as batches come
            [--replica-id ID] [--lease-ttl-s S]
         The control plane alone (API, store, scheduler): edges join it with the
         token in <data-dir>/join_token (0600). `dsec up` takes the same flags and
@@ -327,7 +337,8 @@ int cmdUp(const Args& a) {
   if (geteuid() != 0 && a.positional[0] == "up") {
     return die("dsec up must run as root (it builds namespaces and cgroups)");
   }
-  auto daemon = cli::prepareDaemon(listen, dataDir);
+  auto daemon = cli::prepareDaemon(
+      [&a](const std::string& k, const std::string& d) { return a.get(k, d); }, listen, dataDir);
   if (!daemon.isOk()) return die(daemon.status().message());
   http::ServerOptions so = daemon->server;
   sigset_t sigs = daemon->sigs;
@@ -443,6 +454,7 @@ int cmdUp(const Args& a) {
   po.runPool = runPool;
   po.token = *token;
   po.liveRestore = eo.liveRestore;
+  if (withEdge) po.batchWorkers = 8;  // its node takes 16 creates at a time, in groups
   if (!a.get("batch-workers").empty()) {
     po.batchWorkers = std::atoi(a.get("batch-workers").c_str());
     if (po.batchWorkers < 1 || po.batchWorkers > 4096) return die("--batch-workers must be 1..4096");
@@ -461,8 +473,15 @@ int cmdUp(const Args& a) {
   auto plat = platform::Platform::start(po, store->get(), cluster->get());
   if (!plat.isOk()) return die("platform: " + plat.status().toString());
 
+  // Health answers on the event loop: never queued behind blocking work.
+  so.inlineHandler = [](http::Request& req, http::Response& res) {
+    if (req.path != "/v1/health" || req.method != "GET") return false;
+    (void)res.send(200, "application/json", R"({"status":"ok","version":"0.1.0"})");
+    return true;
+  };
   http::Server server(so);
   if (Status st = server.listen(); !st.isOk()) return die(st.toString());
+  uint64_t serverMetrics = cli::addServerMetrics(server);
   std::string url = "http://" + so.host + ":" + std::to_string(server.port());
   json up = {{"url", url}, {"pid", getpid()}};
   if (Status st = writeFileAtomic(dataDir + "/up.json", up.dump() + "\n", 0644); !st.isOk()) {
@@ -476,14 +495,16 @@ int cmdUp(const Args& a) {
     sigwait(&sigs, &sig);
     log::info(std::string("received ") + strsignal(sig) + ", shutting down");
     server.stop();
-    // Destroying the sandboxes ends the execs that connection threads are
-    // blocked in; serve() returns once those threads are done.
+    // Destroying the sandboxes ends the execs in flight (their deferred
+    // answers were dropped with the connections); serve() returns once no
+    // handler runs.
     p->shutdown();
     sigwait(&sigs, &sig);
     log::warn(std::string("received ") + strsignal(sig) + " again, exiting at once");
     _exit(2);
   });
   server.serve(cli::platformHandler(p, cluster->get(), *token));
+  metrics::Registry::global().remove(serverMetrics);
   ::unlink((dataDir + "/up.json").c_str());
   (*plat)->shutdown();
   // No death reports may reach the platform once it is gone.

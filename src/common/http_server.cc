@@ -1733,6 +1733,11 @@ uint16_t Server::port() const {
 }
 
 void Server::serve(Handler handler) {
+  start(std::move(handler));
+  wait();
+}
+
+void Server::start(Handler handler) {
   std::shared_ptr<ServerCore> core = impl_->core;
   {
     std::lock_guard lk(core->mu);
@@ -1751,6 +1756,10 @@ void Server::serve(Handler handler) {
     }
     core->leave();
   });
+}
+
+void Server::wait() {
+  std::shared_ptr<ServerCore> core = impl_->core;
   Handler gone;
   {
     std::unique_lock lk(core->mu);

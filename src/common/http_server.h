@@ -292,6 +292,11 @@ class Server {
   // Sockets (listening and accepted) are close-on-exec. Returns at once if
   // stop() came first.
   void serve(Handler handler);
+  // serve() in two halves: start() begins accepting and returns at once (a
+  // process serving many servers parks no thread per server); wait() blocks
+  // as serve() does after it.
+  void start(Handler handler);
+  void wait();
   // Thread-safe; callable from a signal-handling thread (not from an
   // async-signal handler). Closes every connection: reads and writes of
   // running handlers fail with kUnavailable, handlers blocked elsewhere run

@@ -3,6 +3,7 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <sys/random.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/sysmacros.h>
 #include <unistd.h>
@@ -392,5 +393,26 @@ bool secretEquals(std::string_view a, std::string_view b) {
 }  // namespace dsec
 
 namespace dsec {
+
+uint64_t raiseNofileLimit(uint64_t want) {
+  rlimit rl{};
+  if (::getrlimit(RLIMIT_NOFILE, &rl) != 0) return 0;
+  if (rl.rlim_cur >= want) return rl.rlim_cur;
+  uint64_t cap = want;
+  if (auto nr = readFile("/proc/sys/fs/nr_open"); nr.isOk()) {
+    cap = std::min<uint64_t>(cap, std::strtoull(nr->c_str(), nullptr, 10));
+  }
+  rlimit up = rl;
+  up.rlim_max = std::max<uint64_t>(rl.rlim_max, cap);
+  up.rlim_cur = up.rlim_max;
+  if (::setrlimit(RLIMIT_NOFILE, &up) != 0) {
+    // Not allowed to raise the hard limit: as far as it goes.
+    up = rl;
+    up.rlim_cur = rl.rlim_max;
+    (void)::setrlimit(RLIMIT_NOFILE, &up);
+  }
+  if (::getrlimit(RLIMIT_NOFILE, &rl) != 0) return 0;
+  return rl.rlim_cur;
+}
 
 }  // namespace dsec

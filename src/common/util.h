@@ -42,6 +42,11 @@ bool startsWith(std::string_view s, std::string_view prefix);
 // Constant-time comparison for secrets.
 bool secretEquals(std::string_view a, std::string_view b);
 
+// Raises RLIMIT_NOFILE (soft and, where allowed, hard: a root process up to
+// fs.nr_open) to at least `want` if it can; returns the soft limit in force
+// after. Never lowers it.
+uint64_t raiseNofileLimit(uint64_t want);
+
 }  // namespace dsec
 
 

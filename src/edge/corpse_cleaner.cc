@@ -7,11 +7,7 @@
 namespace dsec::edge {
 
 CorpseCleaner::CorpseCleaner(std::function<void(const std::string& id)> cleanup, int workers)
-    : cleanup_(std::move(cleanup)) {
-  for (int i = 0; i < std::max(1, workers); ++i) {
-    threads_.emplace_back([this] { loop(); });
-  }
-}
+    : cleanup_(std::move(cleanup)), maxWorkers_(std::max(1, workers)) {}
 
 CorpseCleaner::~CorpseCleaner() {
   {
@@ -26,6 +22,12 @@ void CorpseCleaner::add(std::string id, UniqueFd pidfd) {
   {
     std::lock_guard lk(mu_);
     queue_.emplace_back(std::move(id), std::move(pidfd));
+    // A worker more while every one is busy (up to the bound): a backend
+    // that never destroys anything holds no thread for it.
+    if (idle_ + starting_ < int(queue_.size()) && int(threads_.size()) < maxWorkers_) {
+      ++starting_;
+      threads_.emplace_back([this] { loop(); });
+    }
   }
   cv_.notify_all();
 }
@@ -37,8 +39,11 @@ void CorpseCleaner::drain() {
 
 void CorpseCleaner::loop() {
   std::unique_lock lk(mu_);
+  --starting_;
   for (;;) {
+    ++idle_;
     cv_.wait(lk, [&] { return stop_ || !queue_.empty(); });
+    --idle_;
     if (queue_.empty()) return;  // stopping and drained
     auto [id, pidfd] = std::move(queue_.front());
     queue_.pop_front();

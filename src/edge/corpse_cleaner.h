@@ -27,6 +27,8 @@ class CorpseCleaner {
   // sandboxes. The threads run at the request path's priority: a teardown
   // left behind is not free, each one still mounted in the edge's namespace
   // is copied by every later clone (CLONE_NEWNS) and holds a loop device.
+  // Workers start as destroys come (one more while all are busy, up to
+  // `workers`) and stay: a node with nothing to clean up holds no thread.
   explicit CorpseCleaner(std::function<void(const std::string& id)> cleanup,
                          int workers = kDefaultWorkers);
   static constexpr int kDefaultWorkers = 16;
@@ -49,8 +51,11 @@ class CorpseCleaner {
   std::condition_variable cv_;
   std::deque<std::pair<std::string, UniqueFd>> queue_;
   int busy_ = 0;  // workers cleaning up right now
+  int idle_ = 0;      // workers waiting for work
+  int starting_ = 0;  // workers started, not yet waiting
   bool stop_ = false;
-  std::vector<std::thread> threads_;
+  const int maxWorkers_;
+  std::vector<std::thread> threads_;  // guarded by mu_ (grows in add())
 };
 
 }  // namespace dsec::edge

@@ -72,19 +72,19 @@ EdgeAgent::~EdgeAgent() {
 }
 
 void EdgeAgent::writeMetrics(metrics::Writer& w) {
-  proto::EdgeLink* link;
+  LinkService* service;
   {
     std::lock_guard lk(mu_);
-    link = link_;  // ids_ is set with it
+    service = service_.get();  // ids_ is set with it
   }
-  w.gauge("dsec_edge_sandboxes", "Sandboxes this node runs.", link ? double(ids_().size()) : 0);
+  w.gauge("dsec_edge_sandboxes", "Sandboxes this node runs.", service ? double(ids_().size()) : 0);
   w.gauge("dsec_edge_capacity_slots", "Sandboxes this node offers at most.", double(opts_.slots));
   w.counter("dsec_edge_creates_total", "Creates the platform asked of this node.",
-            double(creates_.load()));
+            double(service ? service->creates() : 0));
   w.counter("dsec_edge_destroys_total", "Destroys the platform asked of this node.",
-            double(destroys_.load()));
+            double(service ? service->destroys() : 0));
   w.counter("dsec_edge_execs_total", "Execs the platform asked of this node.",
-            double(execs_.load()));
+            double(service ? service->execs() : 0));
   w.counter("dsec_edge_unauthenticated_total", "Calls refused for a missing or wrong key.",
             double(refused_.load()));
   w.counter("dsec_edge_heartbeat_failures_total", "Heartbeats the platform did not take.",
@@ -96,10 +96,11 @@ void EdgeAgent::writeMetrics(metrics::Writer& w) {
             double(stageFailures_.load()));
   const char* help = "Calls answered with an error, by code.";
   w.declare("dsec_edge_errors_total", metrics::Type::kCounter, help);
-  std::lock_guard lk(errMu_);
-  for (auto& [code, n] : errors_) {
+  if (!service) return;
+  for (auto& [code, n] : service->errors().values()) {
     w.counter("dsec_edge_errors_total", help, double(n), {{"code", code}});
   }
+  service->writeMetrics(w);
 }
 
 Status EdgeAgent::loadCredentials() {
@@ -176,13 +177,19 @@ Result<std::string> EdgeAgent::platformCall(const std::string& method, const std
 
 void EdgeAgent::serveLink(proto::EdgeLink* link, std::function<std::vector<std::string>()> ids,
                           std::function<std::vector<std::string>()> layers) {
-  // Packs of an earlier process: the platform's fetch of them failed with it.
-  (void)removeTree(opts_.dataDir + "/packs");
+  auto service = std::make_unique<LinkService>(
+      Runtime::global(), link,
+      [this](const std::string& node) {
+        std::lock_guard lk(mu_);
+        return node == node_ ? platformKey_ : std::string();
+      },
+      ids, opts_.dataDir + "/packs");
   {
     std::lock_guard lk(mu_);
     link_ = link;
     ids_ = std::move(ids);
     layers_ = std::move(layers);
+    service_ = std::move(service);
   }
   hbThread_ = std::thread([this] { heartbeatLoop(); });
 }
@@ -387,12 +394,29 @@ void EdgeAgent::handle(http::Request& req, http::Response& res) {
     (void)res.send(200, "text/plain; version=0.0.4", registry_->render());
     return;
   }
+  LinkService* service;
+  {
+    std::lock_guard lk(mu_);
+    service = service_.get();
+  }
+  if (req.path == proto::kLinkPath && req.method == "GET") {
+    // The platform's link (docs/cluster.md): its handshake authenticates both
+    // ends with the platform key, never sent.
+    if (!service) {
+      sendJ(res, 503, proto::errorJson(Status(Code::kUnavailable, "node is starting")));
+      return;
+    }
+    Status st = res.upgrade(std::string(proto::kLinkProtocol),
+                            [service](UniqueFd fd, std::string buffered) {
+                              service->adopt(std::move(fd), std::move(buffered));
+                            });
+    if (!st.isOk()) sendJ(res, httpStatusFor(st.code()), proto::errorJson(st));
+    return;
+  }
   std::string key = bearerOf(req);
-  proto::EdgeLink* link;
   std::string want;
   {
     std::lock_guard lk(mu_);
-    link = link_;
     want = platformKey_;
   }
   if (key.empty() || want.empty() || !secretEquals(key, want)) {
@@ -404,321 +428,59 @@ void EdgeAgent::handle(http::Request& req, http::Response& res) {
                                                              : "invalid platform credential")));
     return;
   }
-  if (!link) {
+  if (!service) {
     sendJ(res, 503, proto::errorJson(Status(Code::kUnavailable, "node is starting")));
     return;
   }
-  route(req, res, link);
+  route(req, res, service);
 }
 
-void EdgeAgent::route(http::Request& req, http::Response& res, proto::EdgeLink* link) {
-  auto fail = [&](const Status& st) {
-    {
-      std::lock_guard lk(errMu_);
-      errors_[codeName(st.code())]++;
-    }
-    if (!res.started()) sendJ(res, httpStatusFor(st.code()), proto::errorJson(st));
-  };
-  auto parts = splitString(req.path, '/');  // "", "edge", "v1", coll, id, op
+void EdgeAgent::route(http::Request& req, http::Response& res, LinkService* service) {
+  // The node's calls for an operator or a script, with the platform key: the
+  // link's JSON calls (link_service.h) on HTTP. The platform itself uses the
+  // link.
+  auto parts = splitString(req.path, '/');  // "", "edge", "v1", coll, id
   size_t n = parts.size();
   const std::string& m = req.method;
-  if (n < 4 || parts[1] != "edge" || parts[2] != "v1")
-    return fail(notFound("no such endpoint: " + req.path));
-  auto body = [&]() -> Result<json> {
-    ASSIGN_OR_RETURN(std::string b, req.readBody(256 << 20));
-    json j = json::parse(b.empty() ? "{}" : b, nullptr, false);
-    if (j.is_discarded() || !j.is_object()) return invalidArg("body", "body must be a JSON object");
-    return j;
-  };
-  if (parts[3] == "packs") return servePack(parts, req, res);
-  if (parts[3] == "layers" && n == 6 && parts[5] == "evict" && m == "POST") {
-    Status st = link->evictLayer(parts[4]);
-    return st.isOk() ? sendJ(res, 200, json::object()) : fail(st);
+  std::string method;
+  json args = json::object();
+  if (n < 4 || parts[1] != "edge" || parts[2] != "v1") {
+    method = "";
+  } else if (parts[3] == "sandboxes" && n == 4 && m == "GET") {
+    method = "list";
+  } else if (parts[3] == "sandboxes" && n == 4 && m == "POST") {
+    method = "create";
+  } else if (parts[3] == "sandboxes" && n == 5 && m == "DELETE") {
+    method = "destroy";
+    args["id"] = parts[4];
+  } else if (parts[3] == "bulk" && n == 5 && parts[4] == "sandboxes" && m == "POST") {
+    method = "create_many";
+  } else if (parts[3] == "bulk" && n == 5 && parts[4] == "destroy" && m == "POST") {
+    method = "destroy_many";
   }
-  // A bulk call's answer: {results: [{id} or {id, error}]}, one per id in
-  // order; each error counted as a call's would be.
-  auto bulkAnswer = [&](const std::vector<std::string>& ids, const std::vector<Status>& sts) {
-    json results = json::array();
-    for (size_t i = 0; i < ids.size(); ++i) {
-      json one = {{"id", ids[i]}};
-      if (i >= sts.size() || !sts[i].isOk()) {
-        Status st = i < sts.size() ? sts[i] : internalError("no result");
-        {
-          std::lock_guard lk(errMu_);
-          errors_[codeName(st.code())]++;
-        }
-        one["error"] = proto::errorJson(st)["error"];
-      }
-      results.push_back(std::move(one));
-    }
-    sendJ(res, 200, {{"results", results}});
-  };
-  if (parts[3] == "bulk" && n == 5 && parts[4] == "sandboxes" && m == "POST") {
-    // A batch's creations on this node in one call: {backend, specs: [...]}
-    // -> {results: [{id} or {id, error}]}, one per spec, in order. A bad spec
-    // refuses the whole call before anything is made.
-    auto j = body();
-    if (!j.isOk()) return fail(j.status());
-    auto specsJ = (*j).find("specs");
-    if (specsJ == (*j).end() || !specsJ->is_array() || specsJ->empty() || specsJ->size() > 4096) {
-      return fail(invalidArg("specs", "specs must be a list of 1 to 4096 sandbox specs"));
-    }
-    std::vector<proto::SandboxSpec> specs;
-    specs.reserve(specsJ->size());
-    for (auto& sj : *specsJ) {
-      auto spec = proto::specFromJson(sj);
-      if (!spec.isOk()) return fail(spec.status());
-      specs.push_back(std::move(*spec));
-    }
-    creates_ += specs.size();
-    std::vector<std::string> ids;
-    for (auto& sp : specs) ids.push_back(sp.id);
-    auto backend = proto::parseBackend((*j).value("backend", "container"));
-    if (!backend) return fail(invalidArg("backend", "unknown backend"));
-    return bulkAnswer(ids, link->createMany(*backend, specs));
-  }
-  if (parts[3] == "bulk" && n == 5 && parts[4] == "destroy" && m == "POST") {
-    // Destroys on this node in one call (a bulk destroy's share of it):
-    // {ids: [...]} -> {results: [{id} or {id, error}]}, one per id, in order.
-    auto j = body();
-    if (!j.isOk()) return fail(j.status());
-    auto idsJ = (*j).find("ids");
-    if (idsJ == (*j).end() || !idsJ->is_array() || idsJ->empty() || idsJ->size() > 4096) {
-      return fail(invalidArg("ids", "ids must be a list of 1 to 4096 sandbox ids"));
-    }
-    std::vector<std::string> ids;
-    ids.reserve(idsJ->size());
-    for (auto& i : *idsJ) {
-      if (!i.is_string()) return fail(invalidArg("ids", "ids must be strings"));
-      ids.push_back(i.get<std::string>());
-    }
-    destroys_ += ids.size();
-    return bulkAnswer(ids, link->destroyMany(ids));
-  }
-  if (parts[3] != "sandboxes") return fail(notFound("no such endpoint: " + req.path));
-  if (n == 4) {
-    if (m == "GET") return sendJ(res, 200, {{"sandboxes", ids_()}});
-    if (m != "POST") return fail(invalidArg("method", "method " + m + " not allowed"));
-    auto j = body();
-    if (!j.isOk()) return fail(j.status());
-    auto spec = proto::specFromJson((*j).value("spec", json::object()));
-    if (!spec.isOk()) return fail(spec.status());
-    auto backend = proto::parseBackend((*j).value("backend", "container"));
-    if (!backend) return fail(invalidArg("backend", "unknown backend"));
-    creates_++;
-    Status st = link->create(*backend, *spec);
-    return st.isOk() ? sendJ(res, 200, {{"id", spec->id}}) : fail(st);
-  }
-  const std::string& id = parts[4];
-  if (n == 5) {
-    if (m != "DELETE") return fail(invalidArg("method", "method " + m + " not allowed"));
-    destroys_++;
-    Status st = link->destroy(id);
-    return st.isOk() ? sendJ(res, 200, json::object()) : fail(st);
-  }
-  const std::string& op = parts[5];
-  if (op == "exec" && m == "POST") {
-    auto j = body();
-    if (!j.isOk()) return fail(j.status());
-    auto spec = proto::execFromJson(*j);
-    if (!spec.isOk()) return fail(spec.status());
-    execs_++;
-    bool stream = req.param("stream").value_or("") == "1";
-    if (Status st = res.beginChunked(200, "application/x-ndjson"); !st.isOk()) return;
-    std::mutex wmu;
-    proto::OutputSink sink;
-    if (stream) {
-      sink = [&](bool isErr, std::string_view data) -> Status {
-        json ev = {{isErr ? "e" : "o", base64Encode(data)}};
-        std::lock_guard lk(wmu);
-        return res.write(ev.dump() + "\n");
-      };
-    }
-    auto r = link->exec(id, *spec, sink);
-    json last = r.isOk() ? json{{"result", proto::toJson(*r)}} : proto::errorJson(r.status());
-    if (!r.isOk()) {
-      std::lock_guard lk(errMu_);
-      errors_[codeName(r.status().code())]++;
-    }
-    std::lock_guard lk(wmu);
-    (void)res.write(last.dump() + "\n");
-    (void)res.finish();
-    return;
-  }
-  if (op == "file" && m == "PUT") {
-    auto path = req.param("path");
-    if (!path) return fail(invalidArg("path", "path is required"));
-    int mode = std::atoi(req.param("mode").value_or("420").c_str());
-    proto::ByteSource src = [&](char* buf, size_t len) { return req.readSome(buf, len); };
-    auto w = link->writeFile(id, *path, mode, src);
-    return w.isOk() ? sendJ(res, 200, {{"written", *w}}) : fail(w.status());
-  }
-  if (op == "file" && m == "GET") {
-    auto path = req.param("path");
-    if (!path) return fail(invalidArg("path", "path is required"));
-    std::optional<uint64_t> size;
-    Status st = link->readFile(
-        id, *path,
-        [&](std::optional<uint64_t> s) -> Status {
-          size = s;
-          return s ? res.beginFixed(200, "application/octet-stream", *s)
-                   : res.beginChunked(200, "application/octet-stream");
-        },
-        [&](std::string_view data) { return res.write(data); });
-    if (!st.isOk()) return fail(st);
-    if (!size) (void)res.finish();
-    return;
-  }
-  if (op == "filecall" && m == "POST") {
-    auto j = body();
-    if (!j.isOk()) return fail(j.status());
-    auto op = proto::parseAgentOp((*j).value("op", ""));
-    if (!op) return fail(invalidArg("op", "unknown agent op"));
-    auto r = link->agentOp(id, *op, (*j).value("json", "{}"));
-    return r.isOk() ? (void)res.send(200, "application/json", *r) : fail(r.status());
-  }
-  if (op == "stats" && m == "GET") {
-    auto s = link->stats(id);
-    if (!s.isOk()) return fail(s.status());
-    return sendJ(res, 200, proto::toJson(*s));
-  }
-  if (op == "pause" && m == "POST") {
-    auto j = body();
-    if (!j.isOk()) return fail(j.status());
-    // {"paused": true, "memory": "disk"}: to disk (VM backends).
-    bool toDisk = (*j).value("memory", std::string()) == "disk";
-    bool paused = (*j).value("paused", true);
-    Status st = paused && toDisk ? link->hibernate(id) : link->pause(id, paused);
-    return st.isOk() ? sendJ(res, 200, json::object()) : fail(st);
-  }
-  if (op == "limits" && m == "POST") {
-    auto j = body();
-    if (!j.isOk()) return fail(j.status());
-    auto l = proto::limitsFromJson(*j);
-    if (!l.isOk()) return fail(l.status());
-    Status st = link->setLimits(id, *l);
-    return st.isOk() ? sendJ(res, 200, json::object()) : fail(st);
-  }
-  if (op == "egress" && m == "POST") {
-    auto j = body();
-    if (!j.isOk()) return fail(j.status());
-    std::vector<proto::EgressRule> rules;
-    for (auto& x : (*j).value("rules", json::array())) {
-      auto r = proto::ruleFromJson(x);
-      if (!r.isOk()) return fail(r.status());
-      rules.push_back(*r);
-    }
-    Status st = link->setEgress(id, rules);
-    return st.isOk() ? sendJ(res, 200, json::object()) : fail(st);
-  }
-  if (op == "pack_diff" && m == "POST") return packDiff(id, res, link);
-  if (op == "screenshot" && m == "GET") {
-    auto png = link->screenshot(id);
-    if (!png.isOk()) return fail(png.status());
-    (void)res.send(200, "image/png", *png);
-    return;
-  }
-  if (op == "input" && m == "POST") {
-    auto j = body();
-    if (!j.isOk()) return fail(j.status());
-    auto a = proto::inputFromJson(*j);
-    if (!a.isOk()) return fail(a.status());
-    Status st = link->input(id, *a);
-    return st.isOk() ? sendJ(res, 200, json::object()) : fail(st);
-  }
-  if (op == "egress_denials" && m == "GET") {
-    auto d = link->egressDenials(id);
-    if (!d.isOk()) return fail(d.status());
-    return sendJ(res, 200, proto::toJson(*d));
-  }
-  fail(notFound("no such endpoint: " + m + " " + req.path));
-}
-
-void EdgeAgent::countError(const Status& st) {
-  std::lock_guard lk(errMu_);
-  errors_[codeName(st.code())]++;
-}
-
-void EdgeAgent::packDiff(const std::string& id, http::Response& res, proto::EdgeLink* link) {
-  auto fail = [&](const Status& st) {
-    countError(st);
-    if (!res.started()) sendJ(res, httpStatusFor(st.code()), proto::errorJson(st));
-  };
-  std::string root = opts_.dataDir + "/packs";
-  if (Status st = makeDirs(root, 0700); !st.isOk()) return fail(st);
-  // Packs the platform never fetched (it died meanwhile) go first.
-  std::vector<std::string> stale;
-  {
-    std::lock_guard lk(mu_);
-    double now = nowSeconds();
-    for (auto it = packs_.begin(); it != packs_.end();) {
-      if (now - it->second.second > kPackKeepS) {
-        stale.push_back(it->first);
-        it = packs_.erase(it);
+  Result<json> out = notFound("no such endpoint: " + m + " " + req.path);
+  if (!method.empty()) {
+    if (m == "POST") {
+      auto body = req.readBody(256 << 20);
+      json j = body.isOk() ? json::parse(body->empty() ? "{}" : *body, nullptr, false) : json();
+      if (!body.isOk()) {
+        out = body.status();
+      } else if (j.is_discarded() || !j.is_object()) {
+        out = invalidArg("body", "body must be a JSON object");
       } else {
-        ++it;
+        args.update(j);
+        if (method != "destroy_many" && !args.contains("backend")) args["backend"] = "container";
+        out = service->runJson(method, args);
       }
+    } else {
+      out = service->runJson(method, args);
     }
   }
-  for (auto& p : stale) (void)removeTree(root + "/" + p);
-  std::string pack = randomHex(8);
-  std::string dir = root + "/" + pack;
-  auto layer = link->packDiff(id, dir);
-  if (!layer.isOk()) {
-    (void)removeTree(dir);
-    return fail(layer.status());
+  if (!out.isOk()) {
+    service->countError(out.status());
+    return sendJ(res, httpStatusFor(out.status().code()), proto::errorJson(out.status()));
   }
-  {
-    std::lock_guard lk(mu_);
-    packs_[pack] = {*layer, nowSeconds()};
-  }
-  sendJ(res, 200,
-        {{"pack", pack},
-         {"digest", layer->digest},
-         {"size", layer->size},
-         {"data_digest", layer->dataDigest},
-         {"data_size", layer->dataSize}});
-}
-
-void EdgeAgent::servePack(const std::vector<std::string>& parts, http::Request& req,
-                          http::Response& res) {
-  auto fail = [&](const Status& st) {
-    countError(st);
-    if (!res.started()) sendJ(res, httpStatusFor(st.code()), proto::errorJson(st));
-  };
-  // "", "edge", "v1", "packs", pack, [meta|data]
-  if (parts.size() < 5) return fail(notFound("no such endpoint: " + req.path));
-  const std::string& pack = parts[4];
-  image::BuiltLayer layer;
-  {
-    std::lock_guard lk(mu_);
-    auto it = packs_.find(pack);
-    if (it == packs_.end()) return fail(notFound("no pack " + pack + " on this node"));
-    layer = it->second.first;
-    if (parts.size() == 5 && req.method == "DELETE") packs_.erase(it);
-  }
-  if (parts.size() == 5 && req.method == "DELETE") {
-    (void)removeTree(opts_.dataDir + "/packs/" + pack);
-    return sendJ(res, 200, json::object());
-  }
-  if (parts.size() != 6 || req.method != "GET" || (parts[5] != "meta" && parts[5] != "data")) {
-    return fail(notFound("no such endpoint: " + req.method + " " + req.path));
-  }
-  const std::string& path = parts[5] == "meta" ? layer.path : layer.dataPath;
-  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  if (!fd) return fail(sysError("open " + path));
-  struct stat st;
-  if (::fstat(fd.get(), &st) != 0) return fail(sysError("stat " + path));
-  if (Status s = res.beginFixed(200, "application/octet-stream", uint64_t(st.st_size)); !s.isOk()) {
-    return;
-  }
-  std::string buf(1 << 20, '\0');
-  for (;;) {
-    ssize_t n = ::read(fd.get(), buf.data(), buf.size());
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) break;  // a short body tells the platform (it checks size and digest)
-    if (!res.write(std::string_view(buf.data(), size_t(n))).isOk()) break;
-  }
+  sendJ(res, 200, *out);
 }
 
 }  // namespace dsec::edge

@@ -30,6 +30,7 @@
 #include "common/http_server.h"
 #include "common/metrics.h"
 #include "edge/image/loader.h"
+#include "edge/link_service.h"
 #include "proto/edge_link.h"
 
 namespace dsec::edge {
@@ -79,7 +80,10 @@ class EdgeAgent {
   static constexpr double kPrestageRetryS = 30;
   void stop();
 
-  // /edge/v1/... (platform-key authenticated) and GET /metrics.
+  // GET /edge/v1/link (the platform's link, upgraded and handed to the
+  // LinkService), the JSON calls of /edge/v1/... on HTTP (platform-key
+  // authenticated: list, create, destroy, bulk create and destroy), and GET
+  // /metrics.
   void handle(http::Request& req, http::Response& res);
   // This node's figures (dsec_edge_*): its collector in the registry.
   void writeMetrics(metrics::Writer& w);
@@ -101,16 +105,10 @@ class EdgeAgent {
                                     double readTimeoutS);
   void heartbeatLoop();
   Status heartbeatOnce();
-  void route(http::Request& req, http::Response& res, proto::EdgeLink* link);
+  void route(http::Request& req, http::Response& res, LinkService* service);
   // Queues what a heartbeat answer asks to pre-stage.
   void queuePrestage(const std::vector<std::string>& digests);
   void prestageLoop();
-  // pack_diff over the hop: POST .../pack_diff builds the layer into
-  // <dataDir>/packs/<pack>; GET /edge/v1/packs/<pack>/{meta,data} serve its
-  // files; DELETE /edge/v1/packs/<pack> removes them.
-  void packDiff(const std::string& id, http::Response& res, proto::EdgeLink* link);
-  void servePack(const std::vector<std::string>& parts, http::Request& req, http::Response& res);
-  void countError(const Status& st);
 
   EdgeAgentOptions opts_;
   std::string bootId_;
@@ -136,13 +134,10 @@ class EdgeAgent {
   std::map<std::string, double> stageFailedAt_;
   std::thread stageThread_;
   std::atomic<uint64_t> stagedCount_{0}, stageFailures_{0};
-  // Packed layers waiting for the platform to fetch them: pack -> (layer, when).
-  std::map<std::string, std::pair<image::BuiltLayer, double>> packs_;  // guarded by mu_
-  static constexpr double kPackKeepS = 600;  // an unfetched pack is removed after this
   // Metrics.
-  std::atomic<uint64_t> creates_{0}, destroys_{0}, execs_{0}, refused_{0}, hbFailures_{0};
-  std::mutex errMu_;
-  std::map<std::string, uint64_t> errors_;  // guarded by errMu_: by code
+  std::atomic<uint64_t> refused_{0}, hbFailures_{0};
+  // The platform's link and the node's calls; set by serveLink (mu_).
+  std::unique_ptr<LinkService> service_;
   std::unique_ptr<metrics::Registry> ownRegistry_;  // when opts_.registry is null
   metrics::Registry* registry_;                     // opts_.registry or ownRegistry_
   uint64_t metricsId_;                              // the collector in registry_

@@ -175,6 +175,7 @@ void Platform::createBatch(http::Request& req, http::Response& res) {
     bt.outstanding = b.count;
     bt.claimed = claimed;
     for (auto& id : ids) batchQueue_.push_back(id);
+    growBatchWorkersLocked();
   }
   batchCv_.notify_all();
   log::info("batch " + b.id + ": " + std::to_string(b.count) + " sandboxes of tenant " + b.owner +
@@ -390,6 +391,18 @@ Result<int64_t> Platform::destroyMany(const std::vector<std::string>& ids, const
   return n;
 }
 
+void Platform::growBatchWorkersLocked() {
+  // A worker more for each kBulkCreate queued beyond what the idle ones
+  // take, up to batchWorkers; they stay once started. A new worker counts as
+  // idle from here (batchWorker).
+  while (size_t(batchIdle_) * kBulkCreate < batchQueue_.size() &&
+         batchWorkersStarted_ < std::max(1, opts_.batchWorkers) && !batchStop_) {
+    ++batchWorkersStarted_;
+    ++batchIdle_;
+    batchThreads_.emplace_back([this] { batchWorker(); });
+  }
+}
+
 void Platform::batchWorker() {
   for (;;) {
     // Up to kBulkCreate at once: the cluster places them together and makes
@@ -399,11 +412,20 @@ void Platform::batchWorker() {
       std::unique_lock lk(batchMu_);
       batchCv_.wait(lk, [&] { return batchStop_ || !batchQueue_.empty(); });
       if (batchStop_) return;
+      --batchIdle_;  // idle again when this round ends (below)
       while (!batchQueue_.empty() && ids.size() < kBulkCreate) {
         ids.push_back(std::move(batchQueue_.front()));
         batchQueue_.pop_front();
       }
     }
+    // However the round ends, this worker is idle again after it.
+    struct IdleAfter {
+      Platform* p;
+      ~IdleAfter() {
+        std::lock_guard lk(p->batchMu_);
+        ++p->batchIdle_;
+      }
+    } idleAfter{this};
     std::vector<SandboxRecord> rs;
     {
       std::lock_guard lk(mu_);
@@ -667,6 +689,7 @@ Status Platform::resumeBatches(std::vector<SandboxRecord>& records) {
       batchQueue_.push_back(r.id);
     }
   }
+  // Workers start once the records are loaded (Platform::start).
   for (auto& [id, b] : batches_) settleBatchLocked(id);
   if (!renamed.empty()) {
     log::info("resuming batches: " + std::to_string(renamed.size()) + " sandboxes to create");

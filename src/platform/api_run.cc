@@ -288,7 +288,8 @@ void Platform::runCode(http::Request& req, http::Response& res) {
   sendJson(res, 200, dumpJson(runResultJson(*r, *plan)));
 }
 
-void Platform::runInSandbox(const std::string& id, http::Request& req, http::Response& res) {
+void Platform::runInSandbox(const std::string& id, http::Request& req, http::Response& res,
+                            std::shared_ptr<void> activity) {
   auto parsed = parseRunBody(req, {"language", "code", "stdin", "stdin_b64", "timeout_s",
                                    "limits", "max_output_bytes", "encoding", "env"});
   if (!parsed.isOk()) return sendError(res, parsed.status());
@@ -301,9 +302,15 @@ void Platform::runInSandbox(const std::string& id, http::Request& req, http::Res
   }
   auto plan = planRun(*parsed, false, sb->env);
   if (!plan.isOk()) return sendError(res, plan.status());
-  auto r = cluster_->exec(id, plan->spec, nullptr);
-  if (!r.isOk()) return sendError(res, r.status());
-  sendJson(res, 200, dumpJson(runResultJson(*r, *plan)));
+  // Answered when the call ends; a client that goes away cancels it.
+  auto d = res.defer();
+  proto::ExecCallbacks cb;
+  cb.onDone = [d, plan = *plan, activity](Result<proto::ExecResult> r) {
+    if (!r.isOk()) return sendError(*d, r.status());
+    sendJson(*d, 200, dumpJson(runResultJson(*r, plan)));
+  };
+  auto call = cluster_->startExec(id, plan->spec, std::move(cb));
+  d->onClientGone([call] { call->cancel(); });
 }
 
 }  // namespace dsec::platform

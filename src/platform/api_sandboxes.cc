@@ -765,24 +765,38 @@ json execResultJson(const proto::ExecResult& r, bool b64) {
 
 }  // namespace
 
-// Sends a step's outcome: the Dsec-Replayed header always, and for JSON
-// results also "replayed", "trajectory_id" and "step" in the object.
-void Platform::sendStep(http::Response& res, const StepKey& key, const StepOutcome& o) {
-  res.setHeader("Dsec-Replayed", o.replayed ? "true" : "false");
-  res.setHeader("Dsec-Step-Digest", o.digest);
+Platform::StepAnswer Platform::stepAnswer(const StepKey& key, const StepOutcome& o) {
+  StepAnswer a;
+  a.headers = {{"Dsec-Replayed", o.replayed ? "true" : "false"}, {"Dsec-Step-Digest", o.digest}};
+  a.status = o.status;
+  a.contentType = o.contentType;
+  a.body = o.body;
   if (o.contentType == "application/json") {
     json j = json::parse(o.body, nullptr, false);
     if (j.is_object()) {
       j["replayed"] = o.replayed;
       j["trajectory_id"] = trajectoryAsSeenBy(currentCaller(), key.trajectory).value_or("");
       j["step"] = key.step;
-      return sendJson(res, o.status, dumpJson(j));
+      a.body = dumpJson(j);
     }
   }
-  (void)res.send(o.status, o.contentType, o.body);
+  return a;
 }
 
-void Platform::execSandbox(const std::string& id, http::Request& req, http::Response& res) {
+void Platform::sendStep(http::Response& res, const StepKey& key, const StepOutcome& o) {
+  StepAnswer a = stepAnswer(key, o);
+  for (auto& [k, v] : a.headers) res.setHeader(k, v);
+  (void)res.send(a.status, a.contentType, a.body);
+}
+
+void Platform::sendStep(http::Deferred& d, const StepKey& key, const StepOutcome& o) {
+  StepAnswer a = stepAnswer(key, o);
+  for (auto& [k, v] : a.headers) d.setHeader(k, v);
+  (void)d.send(a.status, a.contentType, a.body);
+}
+
+void Platform::execSandbox(const std::string& id, http::Request& req, http::Response& res,
+                           std::shared_ptr<void> activity) {
   auto parsed = parseObject(req, {"cmd", "env", "cwd", "user", "timeout_s", "stdin", "stdin_b64",
                                   "max_output_bytes", "encoding", "stream", "trajectory_id",
                                   "step"});
@@ -794,57 +808,82 @@ void Platform::execSandbox(const std::string& id, http::Request& req, http::Resp
   j.erase("trajectory_id");
   j.erase("step");
   if (*key) {
-    // A step is replayed whole, so it runs whole: no streaming.
+    // A step is replayed whole, so it runs whole: no streaming. It runs to
+    // its end even if its client goes away: the log keeps its result for the
+    // client's retry.
     bool streamAsked = j.value("stream", false) ||
                        req.header("accept").find("application/x-ndjson") != std::string::npos;
     if (streamAsked) {
       return sendError(res, invalidArg("stream", "a trajectory step cannot be streamed"));
     }
-    const std::string sid = routeStep(id, (*key)->trajectory);
-    auto out = chronus_->once(**key, "exec", sid, j, [&]() -> Result<StepOutcome> {
-      ASSIGN_OR_RETURN(ExecPlan plan, planExec(sid, j, req));
-      ASSIGN_OR_RETURN(proto::ExecResult r, cluster_->exec(sid, plan.spec, nullptr));
-      return StepOutcome{200, "application/json", dumpJson(execResultJson(r, plan.b64))};
-    });
-    if (!out.isOk()) return sendError(res, out.status());
-    if (!out->replayed) noteStepSandbox((*key)->trajectory, sid);
-    return sendStep(res, **key, *out);
+    const StepKey k = **key;
+    const std::string sid = routeStep(id, k.trajectory);
+    auto d = res.defer();
+    chronus_->onceAsync(
+        k, "exec", sid, j,
+        [&, sid, activity](Chronus::StepDone finish) {
+          // Runs here, during the handler (req is valid).
+          auto plan = planExec(sid, j, req);
+          if (!plan.isOk()) return finish(plan.status());
+          bool b64 = plan->b64;
+          proto::ExecCallbacks cb;
+          cb.onDone = [finish, b64, activity](Result<proto::ExecResult> r) {
+            if (!r.isOk()) return finish(r.status());
+            finish(StepOutcome{200, "application/json", dumpJson(execResultJson(*r, b64))});
+          };
+          (void)cluster_->startExec(sid, plan->spec, std::move(cb));
+        },
+        [this, d, k, sid, caller = currentCaller()](Result<StepOutcome> out) {
+          CallerScope scope(caller);  // may run on another thread
+          if (!out.isOk()) return sendError(*d, out.status());
+          if (!out->replayed) noteStepSandbox(k.trajectory, sid);
+          sendStep(*d, k, *out);
+        });
+    return;
   }
   auto planned = planExec(id, j, req);
   if (!planned.isOk()) return sendError(res, planned.status());
-  proto::ExecSpec& spec = planned->spec;
   const bool b64 = planned->b64;
-  const bool streaming = planned->streaming;
-
-  if (!streaming) {
-    auto r = cluster_->exec(id, spec, nullptr);
-    if (!r.isOk()) return sendError(res, r.status());
-    return sendJson(res, 200, dumpJson(execResultJson(*r, b64)));
-  }
-  if (Status st = res.beginChunked(200, "application/x-ndjson"); !st.isOk()) return;
-  auto sink = [&](bool isErr, std::string_view data) -> Status {
-    json ev = {{"type", isErr ? "stderr" : "stdout"}};
-    if (b64) {
-      ev["data_b64"] = base64Encode(data);
-    } else {
-      ev["data"] = std::string(data);
-    }
-    return res.write(dumpJson(ev) + "\n");
-  };
-  auto r = cluster_->exec(id, spec, sink);
-  json last;
-  if (r.isOk()) {
-    last = execResultJson(*r, false);
-    last.erase("stdout");
-    last.erase("stderr");
-    last.erase("encoding");
-    last["type"] = "exit";
+  auto d = res.defer();
+  proto::ExecCallbacks cb;
+  if (!planned->streaming) {
+    cb.onDone = [d, b64, activity](Result<proto::ExecResult> r) {
+      if (!r.isOk()) return sendError(*d, r.status());
+      sendJson(*d, 200, dumpJson(execResultJson(*r, b64)));
+    };
   } else {
-    last = {{"type", "error"},
-            {"error", {{"code", codeName(r.status().code())}, {"message", r.status().message()}}}};
+    (void)d->beginChunked(200, "application/x-ndjson");
+    // Output goes out as it comes; what the client has not taken yet queues
+    // in memory, bounded by the exec's output caps.
+    cb.onOutput = [d, b64](bool isErr, std::string_view data) {
+      json ev = {{"type", isErr ? "stderr" : "stdout"}};
+      if (b64) {
+        ev["data_b64"] = base64Encode(data);
+      } else {
+        ev["data"] = std::string(data);
+      }
+      (void)d->write(dumpJson(ev) + "\n");
+    };
+    cb.onDone = [d, activity](Result<proto::ExecResult> r) {
+      json last;
+      if (r.isOk()) {
+        last = execResultJson(*r, false);
+        last.erase("stdout");
+        last.erase("stderr");
+        last.erase("encoding");
+        last["type"] = "exit";
+      } else {
+        last = {{"type", "error"},
+                {"error",
+                 {{"code", codeName(r.status().code())}, {"message", r.status().message()}}}};
+      }
+      (void)d->write(dumpJson(last) + "\n");
+      (void)d->finish();
+    };
   }
-  (void)res.write(dumpJson(last) + "\n");
-  (void)res.finish();
+  auto call = cluster_->startExec(id, planned->spec, std::move(cb));
+  // The client went away: its exec's process group is killed.
+  d->onClientGone([call] { call->cancel(); });
 }
 
 namespace {

@@ -181,7 +181,7 @@ Status Cluster::syncNodes() {
         slot->name = r.name;
         slot->url = r.url;
         slot->platformKey = r.platformKey;
-        slot->remote = std::make_unique<RemoteEdge>(r.url, r.platformKey);
+        slot->remote = std::make_unique<RemoteEdge>(r.url, r.platformKey, r.name);
         slot->link = slot->remote.get();
         slot->up = r.state != "down";
         slot->reconciled = true;  // whichever replica hears it reconciles
@@ -1021,7 +1021,7 @@ void Cluster::join(http::Request& req, http::Response& res) {
     if (n.remote) {
       n.remote->reset(url, n.platformKey);
     } else {
-      n.remote = std::make_unique<RemoteEdge>(url, n.platformKey);
+      n.remote = std::make_unique<RemoteEdge>(url, n.platformKey, n.name);
     }
     n.link = n.remote.get();
     n.lastHeartbeat = n.lastStored = rec.lastHeartbeat;

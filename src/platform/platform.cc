@@ -17,13 +17,27 @@ void sendJson(http::Response& res, int status, const std::string& body) {
   (void)res.send(status, "application/json", body);
 }
 
-void sendError(http::Response& res, const Status& st) {
+std::pair<int, std::string> errorAnswer(const Status& st) {
   json e = {{"code", codeName(st.code())}, {"message", st.message()}};
   if (!st.field().empty()) e["field"] = st.field();
-  countApiError(st.code());   // dsec_api_errors_total (platform/cluster.h)
+  countApiError(st.code());  // dsec_api_errors_total (platform/cluster.h)
+  return {httpStatusFor(st.code()),
+          json{{"error", e}}.dump(-1, ' ', false, json::error_handler_t::replace)};
+}
+
+void sendError(http::Response& res, const Status& st) {
+  auto [status, body] = errorAnswer(st);
   if (res.started()) return;  // mid-stream: nothing sensible can be added
-  sendJson(res, httpStatusFor(st.code()),
-           json{{"error", e}}.dump(-1, ' ', false, json::error_handler_t::replace));
+  sendJson(res, status, body);
+}
+
+void sendError(http::Deferred& d, const Status& st) {
+  auto [status, body] = errorAnswer(st);
+  sendJson(d, status, body);
+}
+
+void sendJson(http::Deferred& d, int status, const std::string& body) {
+  (void)d.send(status, "application/json", body);
 }
 
 Status parseImageRef(const std::string& ref, std::string& name, std::string& tag) {
@@ -138,8 +152,10 @@ Result<std::unique_ptr<Platform>> Platform::start(PlatformOptions opts, Store* s
   }
   p->janitorThread_ = std::thread([raw = p.get()] { raw->janitor(); });
   p->batchThreads_.emplace_back([raw = p.get()] { raw->batchCommitter(); });
-  for (int i = 0; i < std::max(1, p->opts_.batchWorkers); ++i) {
-    p->batchThreads_.emplace_back([raw = p.get()] { raw->batchWorker(); });
+  {
+    // Workers start as batches come (growBatchWorkersLocked).
+    std::lock_guard lk(p->batchMu_);
+    p->growBatchWorkersLocked();
   }
   p->runPool_ = std::make_unique<RunPool>(cluster, p->opts_.runPool);
   if (!p->opts_.registry) p->opts_.registry = &metrics::Registry::global();
@@ -525,19 +541,20 @@ void Platform::handle(http::Request& req, http::Response& res) {
         if (p->sandboxes_.count(id)) p->lastCall_[id] = nowSeconds();  // not for a purged one
       }
     };
-    std::optional<Activity> activity;
-    if (n >= 5) activity.emplace(this, id);
+    // Shared: an exec answered later holds it until it ends.
+    std::shared_ptr<Activity> activity;
+    if (n >= 5) activity = std::make_shared<Activity>(this, id);
     if (n == 4) {
       if (m == "GET") return getSandbox(id, res);
       if (m == "DELETE") return deleteSandbox(id, res);
       return methodNotAllowed();
     }
     if (n == 5 && parts[4] == "run") {  // fncall (api_run.cc)
-      if (m == "POST") return runInSandbox(id, req, res);
+      if (m == "POST") return runInSandbox(id, req, res, std::move(activity));
       return methodNotAllowed();
     }
     if (n == 5 && parts[4] == "exec") {
-      if (m == "POST") return execSandbox(id, req, res);
+      if (m == "POST") return execSandbox(id, req, res, std::move(activity));
       return methodNotAllowed();
     }
     if (n == 5 && (parts[4] == "pause" || parts[4] == "resume")) {

@@ -55,7 +55,8 @@ struct PlatformOptions {
   std::string runImage = "debian:latest";
   RunPoolOptions runPool;
   // Batch creations (api_batches.cc): threads creating a batch's sandboxes
-  // concurrently (each waits on one node call at a time).
+  // concurrently (each waits on one node call at a time), at most; they
+  // start as batches come and stay.
   int batchWorkers = 128;
   // Replicas on a shared store (docs/cluster.md): this replica's id, kept in
   // the records it creates, and whether it is the leader now (it alone runs
@@ -135,6 +136,9 @@ class Platform {
   // Resumes batches at start: their pending records, under fresh ids.
   Status resumeBatches(std::vector<SandboxRecord>& records);
   void batchWorker();
+  // Starts workers while the queue holds more than the idle ones take
+  // (batchMu_ held).
+  void growBatchWorkersLocked();
   void batchCommitter();
   // Ends batch `id` when none of its sandboxes is pending; batchMu_ held.
   void settleBatchLocked(const std::string& id);
@@ -143,11 +147,18 @@ class Platform {
   void listSandboxes(http::Request& req, http::Response& res);
   void getSandbox(const std::string& id, http::Response& res);
   void deleteSandbox(const std::string& id, http::Response& res);
-  void execSandbox(const std::string& id, http::Request& req, http::Response& res);
+  // Exec answers when the agent's frames complete the exec: the handler
+  // defers its response and returns (no thread waits for the exec).
+  // `activity` keeps the sandbox's idle timers at bay until it ends; a client
+  // that goes away cancels the exec (not a trajectory step's, which the log
+  // keeps).
+  void execSandbox(const std::string& id, http::Request& req, http::Response& res,
+                   std::shared_ptr<void> activity);
   // fncall (api_run.cc): POST /v1/run (a one-shot call in a warm pool) and
   // POST /v1/sandboxes/{id}/run (a call in a fncall sandbox's /scratch).
   void runCode(http::Request& req, http::Response& res);
-  void runInSandbox(const std::string& id, http::Request& req, http::Response& res);
+  void runInSandbox(const std::string& id, http::Request& req, http::Response& res,
+                    std::shared_ptr<void> activity);
   // An exec request checked against the running sandbox: what to run and how
   // to answer. Errors name the field.
   struct ExecPlan {
@@ -156,7 +167,18 @@ class Platform {
     bool streaming = false;
   };
   Result<ExecPlan> planExec(const std::string& id, const nlohmann::json& j, http::Request& req);
+  // A step's answer: the Dsec-Replayed and Dsec-Step-Digest headers, and for
+  // JSON results "replayed", "trajectory_id" and "step" in the object (the
+  // trajectory id as the current caller named it).
+  struct StepAnswer {
+    std::vector<std::pair<std::string, std::string>> headers;
+    int status = 200;
+    std::string contentType;
+    std::string body;
+  };
+  StepAnswer stepAnswer(const StepKey& key, const StepOutcome& o);
   void sendStep(http::Response& res, const StepKey& key, const StepOutcome& o);
+  void sendStep(http::Deferred& d, const StepKey& key, const StepOutcome& o);
   // Re-executes a logged mutating step in sandbox `id` (api_sandboxes.cc):
   // null when its result matches the log, else the divergence as an object;
   // an error when it could not be attempted (see the definition).
@@ -407,6 +429,8 @@ class Platform {
   std::condition_variable batchCv_;   // work queued, or stopping
   std::condition_variable commitCv_;  // batchDone_ grew, or stopping
   std::vector<std::thread> batchThreads_;
+  int batchIdle_ = 0;            // workers waiting for work (batchMu_)
+  int batchWorkersStarted_ = 0;  // workers started so far (batchMu_)
   std::mutex syncMu_;      // one syncSandboxes at a time; guards syncSince_
   double syncSince_ = 0;  // the store's clock at the last sync
   std::map<std::string, double> sharedCalls_;  // janitor thread only: last call time shared
@@ -417,7 +441,12 @@ class Platform {
 
 // Helpers shared by the api_*.cc files.
 void sendError(http::Response& res, const Status& st);
+// The same for a deferred response (an exec completed later).
+void sendError(http::Deferred& d, const Status& st);
+// The API's answer to an error: its HTTP status and JSON body, counted.
+std::pair<int, std::string> errorAnswer(const Status& st);
 void sendJson(http::Response& res, int status, const std::string& body);
+void sendJson(http::Deferred& d, int status, const std::string& body);
 // The in-process node's figures (api_node.cc): its layers, cache, denials,
 // leftovers removed (`orphanSandboxes` added to the node's own count of
 // sandboxes) and sandboxes re-adopted.

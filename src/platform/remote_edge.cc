@@ -1,282 +1,272 @@
 #include "platform/remote_edge.h"
 
-#include <nlohmann/json.hpp>
-
 #include <fcntl.h>
-
-#include <atomic>
-#include <thread>
 #include <unistd.h>
 
-#include "common/base64.h"
+#include <cstdlib>
+
 #include "common/fd.h"
 #include "common/sha256.h"
 #include "common/util.h"
-#include "common/http_server.h"
 #include "proto/codec.h"
 
 namespace dsec::platform {
 
 using json = nlohmann::json;
-namespace wire = proto;
 
 namespace {
-std::string sbPath(const std::string& id, const std::string& rest = "") {
-  return "/edge/v1/sandboxes/" + http::percentEncode(id) + rest;
+
+// The longest a node may take to answer a call. Creates of vm sandboxes wait
+// for a boot (--vm-boot-timeout-s, 300 s, retried once); a node that died is
+// found sooner by the link's ping (its calls fail with kUnavailable) and by
+// its heartbeats.
+constexpr double kCallTimeoutS = 3600;
+// The longest a body transfer may make no progress.
+constexpr double kStallS = 600;
+constexpr size_t kChunk = 256u << 10;
+
+// "http://HOST:PORT" -> host, port.
+std::pair<std::string, uint16_t> hostPort(const std::string& url) {
+  std::string rest = startsWith(url, "http://") ? url.substr(7) : url;
+  rest = rest.substr(0, rest.find('/'));
+  size_t colon = rest.rfind(':');
+  if (colon == std::string::npos) return {rest, 80};
+  return {rest.substr(0, colon), uint16_t(std::atoi(rest.c_str() + colon + 1))};
 }
-constexpr size_t kMaxPooled = 32;
-// The longest a node may stay silent within one answer. Creates of vm
-// sandboxes wait for a boot (--vm-boot-timeout-s, 300 s, retried once) and an
-// exec may run for long without output: the node's own bounds apply, this
-// only keeps a hung node from holding a platform thread forever (a dead one
-// is found by its heartbeats).
-constexpr double kReadTimeoutS = 3600;
+
+Status unreachable(const std::string& url, const Status& st) {
+  if (st.code() != Code::kUnavailable && st.code() != Code::kUnauthenticated) return st;
+  return Status(Code::kUnavailable, "node at " + url + ": " + st.message());
+}
+
+// Reads the call's body up to and including the first '\n': the JSON head
+// of a read_file or pack_diff answer. Bytes read past it go to `rest`.
+Result<json> readHead(proto::ClientCall& call, std::string& rest) {
+  std::string buf;
+  char chunk[4096];
+  for (;;) {
+    size_t nl = buf.find('\n');
+    if (nl != std::string::npos) {
+      rest = buf.substr(nl + 1);
+      json j = json::parse(buf.substr(0, nl), nullptr, false);
+      if (j.is_discarded() || !j.is_object()) return internalError("node: malformed answer head");
+      return j;
+    }
+    if (buf.size() > (64u << 10)) return internalError("node: answer head over 64 KiB");
+    ASSIGN_OR_RETURN(size_t n, call.read(chunk, sizeof chunk, kStallS));
+    if (n == 0) {
+      // The body ended without a head: the call's own error says why.
+      ASSIGN_OR_RETURN(std::string reply, call.wait(kStallS));
+      (void)reply;
+      return internalError("node: answer without a head");
+    }
+    buf.append(chunk, n);
+  }
+}
+
+// The outcome of a call whose body was read or written: the call's own
+// error if it has one (the real cause of a transfer that broke off).
+Status outcomeOf(proto::ClientCall& call, const Status& transfer) {
+  auto out = call.wait(transfer.isOk() ? kCallTimeoutS : 5);
+  if (!out.isOk()) return out.status();
+  return transfer;
+}
+
+class LinkExec : public proto::ExecCall {
+ public:
+  explicit LinkExec(std::shared_ptr<proto::ClientCall> call) : call_(std::move(call)) {}
+  void cancel() override {
+    call_->cancel(Status(Code::kUnavailable, "exec cancelled: client went away"));
+  }
+
+ private:
+  std::shared_ptr<proto::ClientCall> call_;
+};
+
 }  // namespace
 
-RemoteEdge::RemoteEdge(std::string url, std::string key)
-    : url_(std::move(url)), key_(std::move(key)) {}
+RemoteEdge::RemoteEdge(std::string url, std::string key, std::string node, Runtime& rt)
+    : rt_(rt), node_(std::move(node)), url_(std::move(url)), key_(std::move(key)) {}
 
-RemoteEdge::~RemoteEdge() = default;
-
-void RemoteEdge::reset(std::string url, std::string key) {
-  std::lock_guard lk(mu_);
-  url_ = std::move(url);
-  key_ = std::move(key);
-  ++epoch_;
-  idle_.clear();
-  noBulk_ = false;  // maybe another edge now
-  noBulkDestroy_ = false;
+RemoteEdge::~RemoteEdge() {
+  std::shared_ptr<proto::LinkClient> c;
+  {
+    std::lock_guard lk(mu_);
+    c = std::move(client_);
+  }
+  if (c) c->close();
 }
 
-Result<http::ClientResponse> RemoteEdge::call(std::string_view method, const std::string& target,
-                                              std::string_view body,
-                                              const std::function<void(std::string_view)>* onData) {
-  std::unique_ptr<http::Client> c;
-  uint64_t epoch;
-  std::string url, key;
+void RemoteEdge::reset(std::string url, std::string key) {
+  std::shared_ptr<proto::LinkClient> old;
   {
     std::lock_guard lk(mu_);
-    epoch = epoch_;
-    url = url_;
-    key = key_;
-    if (!idle_.empty()) {
-      c = std::move(idle_.back().second);
-      idle_.pop_back();
-    }
+    if (url == url_ && key == key_) return;
+    url_ = std::move(url);
+    key_ = std::move(key);
+    old = std::move(client_);
   }
-  bool fresh = false;
-  if (!c) {
-    http::ClientOptions co;
-    co.connectTimeoutS = 3;
-    co.readTimeoutS = kReadTimeoutS;
-    auto nc = http::Client::connect(url, key, co);
-    if (!nc.isOk()) {
-      Status st = nc.status();
-      return Status(Code::kUnavailable, "node at " + url + " unreachable: " + st.message());
-    }
-    c = std::move(*nc);
-    fresh = true;
+  if (old) old->close();
+}
+
+std::string RemoteEdge::url() const {
+  std::lock_guard lk(mu_);
+  return url_;
+}
+
+std::shared_ptr<proto::LinkClient> RemoteEdge::client() const {
+  std::lock_guard lk(mu_);
+  if (!client_) {
+    proto::LinkClientOptions o;
+    std::tie(o.host, o.port) = hostPort(url_);
+    o.key = key_;
+    o.node = node_;
+    client_ = std::make_shared<proto::LinkClient>(rt_, o);
   }
-  bool gotData = false;
-  std::function<void(std::string_view)> counted;
-  if (onData) {
-    counted = [&](std::string_view d) {
-      gotData = true;
-      (*onData)(d);
-    };
-  }
-  auto r = onData ? c->requestStreaming(method, target, body, counted)
-                  : c->request(method, target, body);
-  if (!r.isOk() && !fresh && !gotData) {
-    // A pooled keep-alive connection the edge closed meanwhile (nothing came
-    // back, so nothing ran): once more on a fresh one.
-    http::ClientOptions co;
-    co.connectTimeoutS = 3;
-    co.readTimeoutS = kReadTimeoutS;
-    auto nc = http::Client::connect(url, key, co);
-    if (nc.isOk()) {
-      c = std::move(*nc);
-      r = onData ? c->requestStreaming(method, target, body, counted)
-                 : c->request(method, target, body);
-    }
-  }
-  if (!r.isOk()) {
-    return Status(Code::kUnavailable, "node at " + url + ": " + r.status().message());
-  }
-  {
-    std::lock_guard lk(mu_);
-    if (epoch == epoch_ && idle_.size() < kMaxPooled) idle_.emplace_back(epoch, std::move(c));
-  }
-  if (r->status / 100 != 2) return wire::statusFromBody(r->status, r->body);
-  return r;
+  return client_;
+}
+
+bool RemoteEdge::connected() const {
+  std::lock_guard lk(mu_);
+  return client_ && client_->connected();
+}
+
+uint64_t RemoteEdge::connects() const {
+  std::lock_guard lk(mu_);
+  return client_ ? client_->connects() : 0;
+}
+
+size_t RemoteEdge::callsInFlight() const {
+  std::lock_guard lk(mu_);
+  return client_ ? client_->callsInFlight() : 0;
+}
+
+Result<json> RemoteEdge::unary(const std::string& method, const json& args) {
+  auto r = client()->unary(method, args.dump(-1, ' ', false, json::error_handler_t::replace),
+                           kCallTimeoutS);
+  if (!r.isOk()) return unreachable(url(), r.status());
+  json j = json::parse(*r, nullptr, false);
+  if (j.is_discarded()) return internalError("node: malformed answer to " + method);
+  return j;
 }
 
 Status RemoteEdge::create(proto::BackendKind backend, const proto::SandboxSpec& spec) {
-  json body = {{"backend", proto::backendName(backend)}, {"spec", wire::toJson(spec)}};
-  return call("POST", "/edge/v1/sandboxes", body.dump()).status();
+  return unary("create", {{"backend", proto::backendName(backend)}, {"spec", proto::toJson(spec)}})
+      .status();
 }
 
 namespace {
 
 // The statuses a bulk call's answer ({results: [{id} or {id, error}]}, one
 // per id in order) gives for `ids`; an entry the answer lacks is an error.
-std::vector<Status> bulkResults(const std::string& body, const std::vector<std::string>& ids) {
+std::vector<Status> bulkResults(const json& j, const std::vector<std::string>& ids) {
   std::vector<Status> out(ids.size(),
                           Status(Code::kInternal, "node answered no result for the sandbox"));
-  json j = json::parse(body, nullptr, false);
-  if (j.is_discarded() || !j.is_object() || !j.contains("results") || !j["results"].is_array()) {
-    return out;
-  }
+  if (!j.is_object() || !j.contains("results") || !j["results"].is_array()) return out;
   auto& res = j["results"];
   for (size_t i = 0; i < ids.size() && i < res.size(); ++i) {
     if (!res[i].is_object() || res[i].value("id", "") != ids[i]) continue;
-    if (res[i].contains("error") && res[i]["error"].is_object()) {
-      out[i] = wire::statusFromBody(500, json{{"error", res[i]["error"]}}.dump());
-    } else {
-      out[i] = Status::ok();
-    }
+    out[i] = res[i].contains("error") ? proto::statusFromError(res[i]["error"]) : Status::ok();
   }
   return out;
-}
-
-bool noSuchEndpoint(const Status& st) {
-  return st.code() == Code::kNotFound && st.message().find("no such endpoint") != std::string::npos;
 }
 
 }  // namespace
 
 std::vector<Status> RemoteEdge::createMany(proto::BackendKind backend,
                                            const std::vector<proto::SandboxSpec>& specs) {
-  if (specs.size() <= 1 || noBulk_.load()) return EdgeLink::createMany(backend, specs);
+  if (specs.empty()) return {};
   json arr = json::array();
   std::vector<std::string> ids;
   for (auto& sp : specs) {
-    arr.push_back(wire::toJson(sp));
+    arr.push_back(proto::toJson(sp));
     ids.push_back(sp.id);
   }
-  json body = {{"backend", proto::backendName(backend)}, {"specs", std::move(arr)}};
-  auto r = call("POST", "/edge/v1/bulk/sandboxes", body.dump());
-  if (!r.isOk()) {
-    if (noSuchEndpoint(r.status())) {
-      noBulk_ = true;  // an edge of an older release: one call per sandbox
-      return EdgeLink::createMany(backend, specs);
-    }
-    // Nothing is known of any of them: each failed (anything the node made
-    // anyway is wanted by no record, and its reconcile destroys it).
-    return std::vector<Status>(specs.size(), r.status());
-  }
-  return bulkResults(r->body, ids);
+  auto r = unary("create_many", {{"backend", proto::backendName(backend)}, {"specs", arr}});
+  // Nothing is known of any of them when the call failed: each failed
+  // (anything the node made anyway is wanted by no record, and its
+  // reconcile destroys it).
+  if (!r.isOk()) return std::vector<Status>(specs.size(), r.status());
+  return bulkResults(*r, ids);
 }
 
+Status RemoteEdge::destroy(const std::string& id) { return unary("destroy", {{"id", id}}).status(); }
+
 std::vector<Status> RemoteEdge::destroyMany(const std::vector<std::string>& ids) {
-  constexpr size_t kMaxPerCall = 4096;  // the edge's bound
-  if (ids.size() <= 1 || noBulkDestroy_.load()) return EdgeLink::destroyMany(ids);
+  constexpr size_t kMaxPerCall = 4096;  // the node's bound
   std::vector<Status> out;
   out.reserve(ids.size());
   for (size_t from = 0; from < ids.size(); from += kMaxPerCall) {
     std::vector<std::string> part(ids.begin() + from,
                                   ids.begin() + std::min(ids.size(), from + kMaxPerCall));
-    auto r = call("POST", "/edge/v1/bulk/destroy", json{{"ids", part}}.dump());
-    if (!r.isOk() && noSuchEndpoint(r.status())) {
-      noBulkDestroy_ = true;  // an edge of an older release: one call per sandbox
-      auto rest = EdgeLink::destroyMany(std::vector<std::string>(ids.begin() + from, ids.end()));
-      out.insert(out.end(), rest.begin(), rest.end());
-      return out;
-    }
-    auto sts = r.isOk() ? bulkResults(r->body, part) : std::vector<Status>(part.size(), r.status());
+    auto r = unary("destroy_many", {{"ids", part}});
+    auto sts = r.isOk() ? bulkResults(*r, part) : std::vector<Status>(part.size(), r.status());
     out.insert(out.end(), sts.begin(), sts.end());
   }
   return out;
 }
 
-Status RemoteEdge::destroy(const std::string& id) { return call("DELETE", sbPath(id)).status(); }
-
-namespace {
-// An exec on the node, streamed back over one blocking HTTP request on a
-// thread of its own (until the multiplexed link replaces this hop).
-class HttpExec : public proto::ExecCall {
- public:
-  void cancel() override { cancelled = true; }
-  std::atomic<bool> cancelled{false};
-};
-}  // namespace
-
 std::shared_ptr<proto::ExecCall> RemoteEdge::startExec(const std::string& id,
                                                        const proto::ExecSpec& spec,
                                                        proto::ExecCallbacks cb) {
-  auto call = std::make_shared<HttpExec>();
-  std::thread([this, call, id, spec, cb = std::move(cb)] {
-    proto::OutputSink sink;
-    if (cb.onOutput) {
-      sink = [&](bool isErr, std::string_view d) -> Status {
-        if (call->cancelled) return Status(Code::kUnavailable, "exec cancelled: client went away");
-        cb.onOutput(isErr, d);
-        return Status::ok();
-      };
-    }
-    cb.onDone(httpExec(id, spec, sink));
-  }).detach();
-  return call;
-}
-
-Result<proto::ExecResult> RemoteEdge::httpExec(const std::string& id, const proto::ExecSpec& spec,
-                                               const proto::OutputSink& sink) {
-  std::string pending;
-  std::optional<proto::ExecResult> result;
-  Status failure;
-  Status sinkError;
-  std::function<void(std::string_view)> onData = [&](std::string_view data) {
-    pending.append(data);
-    size_t nl;
-    while ((nl = pending.find('\n')) != std::string::npos) {
-      json ev = json::parse(std::string_view(pending).substr(0, nl), nullptr, false);
-      pending.erase(0, nl + 1);
-      if (ev.is_discarded() || !ev.is_object()) continue;
-      if (ev.contains("result")) {
-        auto r = wire::resultFromJson(ev["result"]);
-        if (r.isOk()) {
-          result = std::move(*r);
-        } else {
-          failure = r.status();
-        }
-      } else if (ev.contains("error")) {
-        failure = wire::statusFromBody(500, ev.dump());
-      } else if (ev.contains("o") || ev.contains("e")) {
-        bool isErr = ev.contains("e");
-        auto d = base64Decode(ev[isErr ? "e" : "o"].get<std::string>());
-        if (!d.isOk()) continue;
-        if (sink) {
-          // A sink that fails (the client went away) drops the rest; the exec
-          // runs to its own end on the node.
-          if (sinkError.isOk()) sinkError = sink(isErr, *d);
-        }
-      }
+  // The call's callbacks run on io threads, one at a time for the call.
+  struct State {
+    proto::ExecCallbacks cb;
+    std::string out, err;  // collected when there is no onOutput
+  };
+  auto st = std::make_shared<State>();
+  st->cb = std::move(cb);
+  proto::CallHandler h;
+  h.onEvent = [st](std::string_view ev) {
+    if (ev.empty()) return;
+    bool isErr = ev[0] == 'e';
+    std::string_view data = ev.substr(1);
+    if (st->cb.onOutput) {
+      st->cb.onOutput(isErr, data);
+    } else {
+      (isErr ? st->err : st->out).append(data);
     }
   };
-  auto r = call("POST", sbPath(id, sink ? "/exec?stream=1" : "/exec"), wire::toJson(spec).dump(),
-                &onData);
-  if (!r.isOk()) return r.status();
-  if (!failure.isOk()) return failure;
-  if (!sinkError.isOk()) return sinkError;
-  if (!result) return Status(Code::kUnavailable, "node ended the exec stream without a result");
-  return *result;
+  h.onDone = [st, url = url()](Result<std::string> outcome) {
+    auto cb = std::move(st->cb);
+    if (!outcome.isOk()) return cb.onDone(unreachable(url, outcome.status()));
+    json j = json::parse(*outcome, nullptr, false);
+    if (j.is_discarded()) return cb.onDone(internalError("node: malformed exec result"));
+    auto r = proto::resultFromJson(j);
+    if (r.isOk()) {
+      r->out = std::move(st->out);
+      r->err = std::move(st->err);
+    }
+    cb.onDone(std::move(r));
+  };
+  json args = {{"id", id}, {"spec", proto::toJson(spec)}};
+  auto call = client()->start("exec", args.dump(-1, ' ', false, json::error_handler_t::replace),
+                              std::move(h));
+  return std::make_shared<LinkExec>(std::move(call));
 }
 
 Result<uint64_t> RemoteEdge::writeFile(const std::string& id, const std::string& path, int mode,
                                        const proto::ByteSource& src) {
-  std::string data;
-  char buf[65536];
+  json args = {{"id", id}, {"path", path}, {"mode", mode}};
+  auto call = client()->start("write_file", args.dump(), proto::CallHandler{});
+  std::string buf(kChunk, '\0');
+  Status transfer;
   for (;;) {
-    ASSIGN_OR_RETURN(size_t n, src(buf, sizeof buf));
-    if (n == 0) break;
-    data.append(buf, n);
+    auto n = src(buf.data(), buf.size());
+    if (!n.isOk()) {
+      // The caller's body broke off: nothing is written.
+      call->cancel(n.status());
+      return n.status();
+    }
+    if (*n == 0) break;
+    transfer = call->write(std::string_view(buf.data(), *n), kStallS);
+    if (!transfer.isOk()) break;
   }
-  auto r =
-      call("PUT",
-           sbPath(id, "/file?path=" + http::percentEncode(path) + "&mode=" + std::to_string(mode)),
-           data);
-  if (!r.isOk()) return r.status();
-  json j = json::parse(r->body, nullptr, false);
+  if (transfer.isOk()) transfer = call->end();
+  auto out = call->wait(transfer.isOk() ? kCallTimeoutS : 5);
+  if (!out.isOk()) return unreachable(url(), out.status());
+  if (!transfer.isOk()) return unreachable(url(), transfer);
+  json j = json::parse(*out, nullptr, false);
   if (j.is_discarded()) return internalError("node: bad write answer");
   return j.value("written", uint64_t(0));
 }
@@ -284,123 +274,157 @@ Result<uint64_t> RemoteEdge::writeFile(const std::string& id, const std::string&
 Status RemoteEdge::readFile(const std::string& id, const std::string& path,
                             const std::function<Status(std::optional<uint64_t>)>& onSize,
                             const proto::ByteSink& sink) {
-  auto r = call("GET", sbPath(id, "/file?path=" + http::percentEncode(path)));
-  if (!r.isOk()) return r.status();
-  RETURN_IF_ERROR(onSize(uint64_t(r->body.size())));
-  if (!r->body.empty()) RETURN_IF_ERROR(sink(r->body));
-  return Status::ok();
+  json args = {{"id", id}, {"path", path}};
+  auto call = client()->start("read_file", args.dump(), proto::CallHandler{});
+  std::string rest;
+  auto head = readHead(*call, rest);
+  if (!head.isOk()) return unreachable(url(), outcomeOf(*call, head.status()));
+  std::optional<uint64_t> size;
+  if (auto s = head->find("size"); s != head->end() && s->is_number_unsigned()) {
+    size = s->get<uint64_t>();
+  }
+  Status st = onSize(size);
+  if (st.isOk() && !rest.empty()) st = sink(rest);
+  std::string buf(kChunk, '\0');
+  while (st.isOk()) {
+    auto n = call->read(buf.data(), buf.size(), kStallS);
+    if (!n.isOk()) {
+      st = n.status();
+      break;
+    }
+    if (*n == 0) break;
+    st = sink(std::string_view(buf.data(), *n));
+  }
+  if (!st.isOk()) {
+    call->cancel(st);  // the caller went away, or the transfer broke off
+    return unreachable(url(), outcomeOf(*call, st));
+  }
+  return unreachable(url(), outcomeOf(*call, Status::ok()));
 }
 
 Result<std::string> RemoteEdge::agentOp(const std::string& id, proto::AgentOp op,
                                         const std::string& body) {
-  json j = {{"op", proto::agentOpName(op)}, {"json", body}};
-  auto r = call("POST", sbPath(id, "/filecall"), j.dump());
-  if (!r.isOk()) return r.status();
-  return r->body;
+  ASSIGN_OR_RETURN(json j, unary("agent_op", {{"id", id},
+                                              {"op", proto::agentOpName(op)},
+                                              {"json", body}}));
+  return j.dump();
 }
 
 Result<proto::CgroupStats> RemoteEdge::stats(const std::string& id) {
-  auto r = call("GET", sbPath(id, "/stats"));
-  if (!r.isOk()) return r.status();
-  json j = json::parse(r->body, nullptr, false);
-  if (j.is_discarded()) return internalError("node: bad stats answer");
-  return wire::statsFromJson(j);
+  ASSIGN_OR_RETURN(json j, unary("stats", {{"id", id}}));
+  return proto::statsFromJson(j);
 }
 
 Status RemoteEdge::pause(const std::string& id, bool paused) {
-  return call("POST", sbPath(id, "/pause"), json{{"paused", paused}}.dump()).status();
+  return unary("pause", {{"id", id}, {"paused", paused}}).status();
 }
 
 Status RemoteEdge::hibernate(const std::string& id) {
-  return call("POST", sbPath(id, "/pause"), json{{"paused", true}, {"memory", "disk"}}.dump())
-      .status();
+  return unary("pause", {{"id", id}, {"paused", true}, {"memory", "disk"}}).status();
 }
 
 Status RemoteEdge::setLimits(const std::string& id, const proto::CgroupLimits& l) {
-  return call("POST", sbPath(id, "/limits"), wire::toJson(l).dump()).status();
+  return unary("set_limits", {{"id", id}, {"limits", proto::toJson(l)}}).status();
 }
 
-Status RemoteEdge::setEgress(const std::string& id,
-                             const std::vector<proto::EgressRule>& rules) {
+Status RemoteEdge::setEgress(const std::string& id, const std::vector<proto::EgressRule>& rules) {
   json rs = json::array();
-  for (auto& r : rules) rs.push_back(wire::toJson(r));
-  return call("POST", sbPath(id, "/egress"), json{{"rules", rs}}.dump()).status();
+  for (auto& r : rules) rs.push_back(proto::toJson(r));
+  return unary("set_egress", {{"id", id}, {"rules", rs}}).status();
 }
 
 Result<proto::EgressDenials> RemoteEdge::egressDenials(const std::string& id) {
-  auto r = call("GET", sbPath(id, "/egress_denials"));
-  if (!r.isOk()) return r.status();
-  json j = json::parse(r->body, nullptr, false);
-  if (j.is_discarded()) return internalError("node: bad egress answer");
-  return wire::denialsFromJson(j);
+  ASSIGN_OR_RETURN(json j, unary("egress_denials", {{"id", id}}));
+  return proto::denialsFromJson(j);
 }
 
-Result<image::BuiltLayer> RemoteEdge::packDiff(const std::string& id, const std::string& workDir) {
-  // The node builds the layer; its two files come back over the hop into
-  // workDir, each checked against the size and digest the node announced
-  // (the caller moves them into the blob store, where every node reads them).
-  auto r = call("POST", sbPath(id, "/pack_diff"));
-  if (!r.isOk()) return r.status();
-  json j = json::parse(r->body, nullptr, false);
-  if (j.is_discarded() || !j.is_object() || !j.contains("pack")) {
-    return internalError("node: bad pack_diff answer");
-  }
-  std::string pack = j.value("pack", "");
-  image::BuiltLayer layer;
-  layer.digest = j.value("digest", "");
-  layer.size = j.value("size", int64_t(0));
-  layer.dataDigest = j.value("data_digest", "");
-  layer.dataSize = j.value("data_size", int64_t(0));
-  layer.path = workDir + "/meta";
-  layer.dataPath = workDir + "/data";
-  Status st = makeDirs(workDir, 0700);
-  if (st.isOk()) st = fetchPackFile(pack, "meta", layer.path, layer.digest, layer.size);
-  if (st.isOk()) st = fetchPackFile(pack, "data", layer.dataPath, layer.dataDigest, layer.dataSize);
-  // The node's copy goes either way (it also drops packs nobody fetched).
-  (void)call("DELETE", "/edge/v1/packs/" + http::percentEncode(pack));
-  if (!st.isOk()) return st.withContext("pack_diff " + id + ": fetching the layer from the node");
-  return layer;
-}
+namespace {
 
-Status RemoteEdge::fetchPackFile(const std::string& pack, const std::string& which,
-                                 const std::string& dest, const std::string& digest,
-                                 int64_t size) {
+// Copies exactly `size` bytes of the call's body (`rest` first) into a new
+// file at `dest`, checking them against `digest`.
+Status receiveFile(proto::ClientCall& call, std::string& rest, const std::string& dest,
+                   int64_t size, const std::string& digest) {
   UniqueFd fd(::open(dest.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
   if (!fd) return sysError("create " + dest);
   Sha256 h;
   int64_t got = 0;
-  Status wrote;
-  std::function<void(std::string_view)> onData = [&](std::string_view d) {
-    if (!wrote.isOk()) return;
+  auto take = [&](std::string_view d) -> Status {
     h.update(d.data(), d.size());
     got += int64_t(d.size());
-    if (::write(fd.get(), d.data(), d.size()) != ssize_t(d.size())) wrote = sysError("write " + dest);
+    if (::write(fd.get(), d.data(), d.size()) != ssize_t(d.size())) return sysError("write " + dest);
+    return Status::ok();
   };
-  auto r = call("GET", "/edge/v1/packs/" + http::percentEncode(pack) + "/" + which, {}, &onData);
-  if (!r.isOk()) return r.status();
-  RETURN_IF_ERROR(wrote);
+  size_t first = std::min<size_t>(rest.size(), size_t(size));
+  RETURN_IF_ERROR(take(std::string_view(rest).substr(0, first)));
+  rest.erase(0, first);
+  std::string buf(kChunk, '\0');
+  while (got < size) {
+    ASSIGN_OR_RETURN(size_t n,
+                     call.read(buf.data(), std::min<size_t>(buf.size(), size - got), kStallS));
+    if (n == 0) break;
+    RETURN_IF_ERROR(take(std::string_view(buf.data(), n)));
+  }
   if (::fsync(fd.get()) != 0) return sysError("fsync " + dest);
   std::string sum = "sha256:" + h.hexDigest();
   if (got != size || sum != digest) {
-    return Status(Code::kDataLoss, "the node's " + which + " file is " + std::to_string(got) +
+    return Status(Code::kDataLoss, "the node's " + dest + " is " + std::to_string(got) +
                                        " bytes hashing to " + sum + ", it announced " +
                                        std::to_string(size) + " bytes of " + digest);
   }
   return Status::ok();
 }
 
+}  // namespace
+
+Result<image::BuiltLayer> RemoteEdge::packDiff(const std::string& id, const std::string& workDir) {
+  // The node builds the layer and streams its two files back in the call's
+  // body, each checked against the size and digest it announced first (the
+  // caller moves them into the blob store, where every node reads them).
+  auto call = client()->start("pack_diff", json{{"id", id}}.dump(), proto::CallHandler{});
+  std::string rest;
+  auto head = readHead(*call, rest);
+  if (!head.isOk()) return unreachable(url(), outcomeOf(*call, head.status()));
+  ASSIGN_OR_RETURN(image::BuiltLayer layer, proto::builtLayerFromJson(*head));
+  Status st = makeDirs(workDir, 0700);
+  layer.path = workDir + (layer.kind == "disk" ? "/disk.qcow2" : "/meta");
+  if (st.isOk()) st = receiveFile(*call, rest, layer.path, layer.size, layer.digest);
+  if (st.isOk() && !layer.dataDigest.empty()) {
+    layer.dataPath = workDir + "/data";
+    st = receiveFile(*call, rest, layer.dataPath, layer.dataSize, layer.dataDigest);
+  }
+  if (!st.isOk()) call->cancel(st);
+  st = outcomeOf(*call, st);
+  if (!st.isOk()) {
+    return unreachable(url(), st).withContext("pack_diff " + id + ": fetching the layer");
+  }
+  return layer;
+}
+
 Status RemoteEdge::evictLayer(const std::string& digest) {
-  return call("POST", "/edge/v1/layers/" + http::percentEncode(digest) + "/evict").status();
+  return unary("evict_layer", {{"digest", digest}}).status();
 }
 
 Result<std::string> RemoteEdge::screenshot(const std::string& id) {
-  auto r = call("GET", sbPath(id, "/screenshot"));
-  if (!r.isOk()) return r.status();
-  return std::move(r->body);
+  auto call = client()->start("screenshot", json{{"id", id}}.dump(), proto::CallHandler{});
+  std::string png;
+  std::string buf(kChunk, '\0');
+  Status st;
+  for (;;) {
+    auto n = call->read(buf.data(), buf.size(), kStallS);
+    if (!n.isOk()) {
+      st = n.status();
+      break;
+    }
+    if (*n == 0) break;
+    png.append(buf.data(), *n);
+  }
+  st = outcomeOf(*call, st);
+  if (!st.isOk()) return unreachable(url(), st);
+  return png;
 }
 
 Status RemoteEdge::input(const std::string& id, const proto::InputAction& action) {
-  return call("POST", sbPath(id, "/input"), wire::toJson(action).dump()).status();
+  return unary("input", {{"id", id}, {"action", proto::toJson(action)}}).status();
 }
 
 }  // namespace dsec::platform

@@ -1,42 +1,51 @@
-// An edge in another process (`dsec edge`), driven over its internal HTTP API
-// (docs/cluster.md). Every call carries the platform's credential for that
-// node (`Authorization: Bearer <platform key>`), which the edge checks.
+// An edge in another process (`dsec edge`), driven over the platform-edge
+// link (proto/link.h, docs/cluster.md): one persistent, multiplexed
+// connection to the node carrying every call, authenticated both ways with
+// the node's platform key (never sent). The calls and their encodings are
+// listed in edge/link_service.h.
 //
-// Thread-safe: calls take a keep-alive connection from a small pool (a new
-// one when none is idle); a connection that failed is dropped. Exec output is
-// streamed back as NDJSON and handed to the sink as it arrives. File bodies
-// are buffered in memory on this hop (bounded by the API's own limits).
+// An exec in flight is one call on the link and holds no thread here: its
+// output arrives as events, its result as the reply, and cancel() tells the
+// node to kill it. The other operations block their caller (a worker thread)
+// until the node answers; file bodies stream both ways with the link's flow
+// control.
+//
+// Thread-safe. A call on a node that cannot be reached, or whose connection
+// drops mid-call, fails with kUnavailable.
 #pragma once
 
-#include <atomic>
 #include <memory>
 #include <mutex>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
-#include "common/http_client.h"
+#include "common/runtime.h"
 #include "proto/edge_link.h"
+#include "proto/link.h"
 
 namespace dsec::platform {
 
 class RemoteEdge : public proto::EdgeLink {
  public:
-  RemoteEdge(std::string url, std::string key);
+  // url: http://HOST:PORT of the node's HTTP port; key: its platform key;
+  // node: its name (said in the link's hello).
+  RemoteEdge(std::string url, std::string key, std::string node,
+             Runtime& rt = Runtime::global());
   ~RemoteEdge() override;
-  // Changes where and with what the node is reached (on re-join).
+  // Changes where and with what the node is reached (on re-join): calls in
+  // flight on the old connection fail, new ones go to the new address.
   void reset(std::string url, std::string key);
-  const std::string& url() const { return url_; }
+  std::string url() const;
 
   // Deaths come through the node's events (Cluster::handleInternal).
   void setDeathHandler(std::function<void(const std::string&, const std::string&)>) override {}
   Status create(proto::BackendKind backend, const proto::SandboxSpec& spec) override;
-  // One POST /edge/v1/bulk/sandboxes (docs/cluster.md); an edge without it
-  // (older release, 404) gets one call per sandbox from then on.
+  // One call for all of them.
   std::vector<Status> createMany(proto::BackendKind backend,
                                  const std::vector<proto::SandboxSpec>& specs) override;
   Status destroy(const std::string& id) override;
-  // One POST /edge/v1/bulk/destroy per 4,096 ids; an edge without it (older
-  // release, 404) gets one call per sandbox from then on.
+  // One call per 4,096 ids.
   std::vector<Status> destroyMany(const std::vector<std::string>& ids) override;
   std::shared_ptr<proto::ExecCall> startExec(const std::string& id, const proto::ExecSpec& spec,
                                              proto::ExecCallbacks cb) override;
@@ -53,31 +62,30 @@ class RemoteEdge : public proto::EdgeLink {
   Status setLimits(const std::string& id, const proto::CgroupLimits& limits) override;
   Status setEgress(const std::string& id, const std::vector<proto::EgressRule>& rules) override;
   Result<proto::EgressDenials> egressDenials(const std::string& id) override;
-  // Builds the diff layer on the node and fetches its two files into workDir
-  // (verified against the digests the node gives; kDataLoss otherwise).
+  // Builds the diff layer on the node and streams its two files into workDir
+  // (verified against the sizes and digests the node gives; kDataLoss
+  // otherwise).
   Result<image::BuiltLayer> packDiff(const std::string& id, const std::string& workDir) override;
   Status evictLayer(const std::string& digest) override;
   // Computer use (backend vm) is forwarded as is: the node's errors come back.
   Result<std::string> screenshot(const std::string& id) override;
   Status input(const std::string& id, const proto::InputAction& action) override;
 
- private:
-  Result<proto::ExecResult> httpExec(const std::string& id, const proto::ExecSpec& spec,
-                                     const proto::OutputSink& sink);
-  // One request with a pooled connection; a non-2xx answer becomes its Status.
-  Result<http::ClientResponse> call(std::string_view method, const std::string& target,
-                                    std::string_view body = {},
-                                    const std::function<void(std::string_view)>* onData = nullptr);
-  // One file of a pack (pack_diff) into dest, checked against size and digest.
-  Status fetchPackFile(const std::string& pack, const std::string& which, const std::string& dest,
-                       const std::string& digest, int64_t size);
+  // The link's state, for metrics: connected, handshakes so far, calls in flight.
+  bool connected() const;
+  uint64_t connects() const;
+  size_t callsInFlight() const;
 
-  mutable std::mutex mu_;  // guards url_, key_, idle_, epoch_
-  std::atomic<bool> noBulk_{false};
-  std::atomic<bool> noBulkDestroy_{false};
+ private:
+  std::shared_ptr<proto::LinkClient> client() const;
+  // One call without bodies: its reply as JSON.
+  Result<nlohmann::json> unary(const std::string& method, const nlohmann::json& args);
+
+  Runtime& rt_;
+  const std::string node_;
+  mutable std::mutex mu_;  // guards url_, key_, client_
   std::string url_, key_;
-  uint64_t epoch_ = 0;  // bumped by reset(): older connections are not reused
-  std::vector<std::pair<uint64_t, std::unique_ptr<http::Client>>> idle_;
+  mutable std::shared_ptr<proto::LinkClient> client_;  // made on first use
 };
 
 }  // namespace dsec::platform

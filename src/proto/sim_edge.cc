@@ -85,7 +85,6 @@ class SimExec : public ExecCall, public std::enable_shared_from_this<SimExec> {
       : cb_(std::move(cb)), inflight_(std::move(inflight)) {
     ++*inflight_;
   }
-  ~SimExec() override { --*inflight_; }
 
   void start(double seconds, ExecResult r) {
     result_ = std::move(r);
@@ -116,6 +115,7 @@ class SimExec : public ExecCall, public std::enable_shared_from_this<SimExec> {
       t = std::move(timer_);
       self_.reset();
     }
+    --*inflight_;
     if (t) t->cancel();
     if (cancelled) {
       cb_.onDone(Status(Code::kUnavailable, "exec cancelled: client went away"));
