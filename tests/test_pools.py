@@ -388,6 +388,33 @@ def test_edge_pack_routes_need_the_platform_key(real_pools):
     assert st == 404 and doc["error"]["code"] == "not_found", doc
 
 
+def test_a_remote_exec_ends_with_its_client(real_pools):
+    """An exec on a node that joined over the link: its client going away
+    cancels the call on the link, and the node kills its process group."""
+    import socket
+    cl = real_pools
+    sb = cl.client.create("busybox:latest", pool="cloud", cpu=0.1, memory_mb=64)
+    try:
+        def running():
+            r = sb.exec(["sh", "-c", "ps -o args | grep -c '^[s]leep 7791$'"])
+            return r.stdout.strip() != "0"
+        for stream in (False, True):
+            body = json.dumps({"cmd": ["sleep", "7791"], "timeout_s": 600,
+                               "stream": stream}).encode()
+            s = socket.create_connection(("127.0.0.1", cl.port), timeout=10)
+            s.sendall(b"POST /v1/sandboxes/%s/exec HTTP/1.1\r\nHost: x\r\n"
+                      b"Authorization: Bearer %s\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\n\r\n" % (sb.id.encode(), cl.token.encode(),
+                                                          len(body)) + body)
+            try:
+                assert wait_until(running, 10), "the command never started"
+            finally:
+                s.close()
+            assert wait_until(lambda: not running(), 10), f"outlived its client (stream {stream})"
+    finally:
+        sb.destroy()
+
+
 def test_computer_use_on_a_remote_container_answers_as_locally(real_pools):
     cl = real_pools
     sb = cl.client.create("busybox:latest", pool="cloud", cpu=0.1, memory_mb=64)

@@ -267,6 +267,9 @@ uint64_t addServerMetrics(const http::Server& server) {
   return metrics::Registry::global().add([&server](metrics::Writer& w) {
     http::ServerStats s = server.stats();
     w.gauge("dsec_http_connections", "Open HTTP connections.", double(s.openConnections));
+    w.gauge("dsec_http_max_connections",
+            "Open HTTP connections at most (--max-connections, capped under RLIMIT_NOFILE).",
+            double(s.maxConnections));
     w.gauge("dsec_http_requests_in_flight",
             "HTTP requests in flight now (from their headers to their last response byte).",
             double(s.inFlight));
@@ -341,9 +344,16 @@ Result<Daemon> prepareDaemon(const ArgGet& get, const std::string& listen,
   // limit and what sandboxes, agents and layers hold besides (a root
   // process may raise its hard limit up to fs.nr_open).
   uint64_t fds = raiseNofileLimit(uint64_t(maxConn) + 65536);
-  if (fds < uint64_t(maxConn) + 1024) {
-    log::warn("open files limited to " + std::to_string(fds) + ": fewer connections than " +
-              "--max-connections " + std::to_string(int64_t(maxConn)) + " will be accepted");
+  // Past the fd limit accept() fails and clients hang in the backlog; past
+  // the connection cap they get a 503. So the cap stays under the limit,
+  // leaving a tenth of it (at least 2048) to sandboxes, agents and layers.
+  uint64_t reserve = std::max<uint64_t>(2048, fds / 10);
+  if (fds < uint64_t(maxConn) + reserve) {
+    int capped = int(fds > reserve + 64 ? fds - reserve : 64);
+    log::warn("open files limited to " + std::to_string(fds) + " (RLIMIT_NOFILE; raising it " +
+              "needs CAP_SYS_RESOURCE): connections capped at " + std::to_string(capped) +
+              " instead of --max-connections " + std::to_string(int64_t(maxConn)));
+    d.server.maxConnections = capped;
   }
   if (Status st = makeDirs(dataDir, 0700); !st.isOk()) {
     return Status(st.code(), st.toString(), st.sysErrno());

@@ -1799,6 +1799,7 @@ ServerStats Server::stats() const {
   s.acceptedTotal = c.accepted.load();
   s.refusedTotal = c.refused.load();
   s.timedOutTotal = c.timedOut.load();
+  s.maxConnections = c.opts.maxConnections;
   return s;
 }
 

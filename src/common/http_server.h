@@ -270,6 +270,7 @@ struct ServerStats {
   uint64_t acceptedTotal = 0;    // connections taken into service
   uint64_t refusedTotal = 0;     // connections turned away past maxConnections
   uint64_t timedOutTotal = 0;    // header, idle, body and send timeouts
+  int64_t maxConnections = 0;    // ServerOptions::maxConnections (<= 0: no cap)
 };
 
 class Server {

@@ -273,19 +273,22 @@ void Platform::runCode(http::Request& req, http::Response& res) {
     u.cpu += asked.cpu;
     u.memoryMb += asked.memoryMb;
   }
-  auto release = [&] {
+  auto release = [this, tenant = owner->id, asked] {
     std::lock_guard lk(mu_);
-    Usage& u = runsInFlight_[owner->id];
+    Usage& u = runsInFlight_[tenant];
     u.cpu -= asked.cpu;
     u.memoryMb -= asked.memoryMb;
-    if (--u.runs <= 0) runsInFlight_.erase(owner->id);
+    if (--u.runs <= 0) runsInFlight_.erase(tenant);
   };
   // One pool per (image, language): a pool's sandboxes keep that language's
-  // zygote warm.
-  auto r = runPool_->run(key + "|" + plan->language, layers, plan->spec);
-  release();
-  if (!r.isOk()) return sendError(res, r.status());
-  sendJson(res, 200, dumpJson(runResultJson(*r, *plan)));
+  // zygote warm. The call is answered when it ends; no thread waits for it.
+  auto d = res.defer();
+  runPool_->runAsync(key + "|" + plan->language, layers, plan->spec,
+                     [d, release, plan = *plan](Result<proto::ExecResult> r) {
+                       release();
+                       if (!r.isOk()) return sendError(*d, r.status());
+                       sendJson(*d, 200, dumpJson(runResultJson(*r, plan)));
+                     });
 }
 
 void Platform::runInSandbox(const std::string& id, http::Request& req, http::Response& res,

@@ -4,8 +4,10 @@
 
 #include <algorithm>
 #include <chrono>
+#include <future>
 
 #include "common/log.h"
+#include "common/runtime.h"
 #include "common/util.h"
 
 namespace dsec::platform {
@@ -274,10 +276,10 @@ void RunPool::release(const std::string& key, Slot slot, bool healthy) {
   if (!keep) destroy(slot.id);
 }
 
-Result<ExecResult> RunPool::run(const std::string& key, const std::vector<std::string>& layers,
-                                ExecSpec spec) {
+void RunPool::runAsync(const std::string& key, const std::vector<std::string>& layers,
+                       ExecSpec spec, std::function<void(Result<ExecResult>)> done) {
   json call = json::parse(spec.fncallJson.empty() ? "{}" : spec.fncallJson, nullptr, false);
-  if (!call.is_object()) return invalidArg("fncall", "malformed call");
+  if (!call.is_object()) return done(invalidArg("fncall", "malformed call"));
   call["fresh_dir"] = true;
   call["exclusive"] = true;
   spec.fncallJson = call.dump();
@@ -285,30 +287,56 @@ Result<ExecResult> RunPool::run(const std::string& key, const std::vector<std::s
     std::lock_guard lk(mu_);
     ++counters_.calls;
   }
-  // One retry, on another sandbox, when the one we got was gone before the
-  // call started (died, or its agent could not take the call).
-  for (int attempt = 0;; ++attempt) {
-    ASSIGN_OR_RETURN(Slot slot, acquire(key, layers));
-    auto r = edge_->exec(slot.id, spec, nullptr);
-    bool healthy = r.isOk() || r.status().code() == Code::kInvalidArgument ||
-                   r.status().code() == Code::kNotFound;
-    bool retry = !r.isOk() && !healthy && attempt == 0 &&
-                 (r.status().code() == Code::kFailedPrecondition ||
-                  r.status().code() == Code::kUnavailable);
-    release(key, std::move(slot), healthy);
-    if (!retry) {
-      std::lock_guard lk(mu_);
-      if (r.isOk()) {
-        const char* result = r->signal != 0 ? "signal" : r->exitCode == 0 ? "ok" : "exit";
-        ++counters_.results[{result, r->limit.empty() ? "none" : r->limit}];
-        if (r->zygoteStarted) ++counters_.zygoteRestarts;
-      } else {
-        ++counters_.results[{"error", "none"}];
+  attempt(key, layers, std::move(spec), std::move(done), 0);
+}
+
+void RunPool::attempt(const std::string& key, const std::vector<std::string>& layers,
+                      ExecSpec spec, std::function<void(Result<ExecResult>)> done, int n) {
+  auto slot = acquire(key, layers);
+  if (!slot.isOk()) return done(slot.status());
+  std::string id = slot->id;
+  proto::ExecCallbacks cb;
+  cb.onDone = [this, key, layers, spec, done, n, slot = *slot](Result<ExecResult> r) mutable {
+    // Releasing may destroy the sandbox, and a retry acquires another: both
+    // block, and this runs on the link's or the reactor's thread.
+    auto finish = [this, key, layers, spec = std::move(spec), done = std::move(done), n,
+                   slot = std::move(slot), r = std::move(r)]() mutable {
+      // One retry, on another sandbox, when the one we got was gone before
+      // the call started (died, or its agent could not take the call).
+      bool healthy = r.isOk() || r.status().code() == Code::kInvalidArgument ||
+                     r.status().code() == Code::kNotFound;
+      bool retry = !r.isOk() && !healthy && n == 0 &&
+                   (r.status().code() == Code::kFailedPrecondition ||
+                    r.status().code() == Code::kUnavailable);
+      release(key, std::move(slot), healthy);
+      if (retry) {
+        log::warn("fncall pool: replacing a sandbox after: " + r.status().toString());
+        return attempt(key, layers, std::move(spec), std::move(done), n + 1);
       }
-      return r;
-    }
-    log::warn("fncall pool: replacing a sandbox after: " + r.status().toString());
-  }
+      {
+        std::lock_guard lk(mu_);
+        if (r.isOk()) {
+          const char* result = r->signal != 0 ? "signal" : r->exitCode == 0 ? "ok" : "exit";
+          ++counters_.results[{result, r->limit.empty() ? "none" : r->limit}];
+          if (r->zygoteStarted) ++counters_.zygoteRestarts;
+        } else {
+          ++counters_.results[{"error", "none"}];
+        }
+      }
+      done(std::move(r));
+    };
+    if (!Runtime::global().runBlocking(finish)) finish();
+  };
+  edge_->startExec(id, spec, std::move(cb));
+}
+
+Result<ExecResult> RunPool::run(const std::string& key, const std::vector<std::string>& layers,
+                                ExecSpec spec) {
+  std::promise<Result<ExecResult>> p;
+  auto f = p.get_future();
+  runAsync(key, layers, std::move(spec),
+           [&p](Result<ExecResult> r) { p.set_value(std::move(r)); });
+  return f.get();
 }
 
 void RunPool::janitor() {

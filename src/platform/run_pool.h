@@ -24,6 +24,7 @@
 
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <string>
@@ -92,6 +93,13 @@ class RunPool {
   // call, with its field).
   Result<ExecResult> run(const std::string& key, const std::vector<std::string>& layers,
                          ExecSpec spec);
+  // run() whose call holds no thread while it runs: the sandbox is taken on
+  // the calling thread (which may wait up to waitSeconds for one, or create
+  // it), then `done` runs once with the result, on the blocking pool (or on
+  // the calling thread for an error found first). Callers must be on a
+  // thread that may block.
+  void runAsync(const std::string& key, const std::vector<std::string>& layers, ExecSpec spec,
+                std::function<void(Result<ExecResult>)> done);
   RunPoolStats stats() const;
   // The pools' figures (dsec_fncall_*) from stats(); every family is listed,
   // empty or not.
@@ -109,6 +117,9 @@ class RunPool {
     std::vector<Slot> idle;  // most recently used last
   };
   Result<Slot> acquire(const std::string& key, const std::vector<std::string>& layers);
+  // One try of a call (n: tries so far); retries once on another sandbox.
+  void attempt(const std::string& key, const std::vector<std::string>& layers, ExecSpec spec,
+               std::function<void(Result<ExecResult>)> done, int n);
   void release(const std::string& key, Slot slot, bool healthy);
   Result<Slot> make(const std::vector<std::string>& layers);
   void destroy(const std::string& id);
