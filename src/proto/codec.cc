@@ -1,10 +1,71 @@
 #include "proto/codec.h"
 
+#include <sys/socket.h>
+
 #include <algorithm>
+#include <stdexcept>
+#include <type_traits>
+#include <utility>
 
 #include "common/base64.h"
 
 namespace dsec::proto {
+namespace {
+
+// What the readers below throw, and each decoder's catch turns into its
+// kInvalidArgument: what() names the key, as nlohmann's type errors do not.
+struct BadField : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// v as T. An integer must be whole and fit T: nlohmann's get would truncate
+// 1.5 and wrap 70000 into a uint16_t port.
+template <class T>
+T as(const json& v, const std::string& name) {
+  try {
+    if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool>) {
+      if (!v.is_number_integer()) throw BadField(name + ": not an integer");
+      bool fits = v.is_number_unsigned() ? std::in_range<T>(v.get<uint64_t>())
+                                         : std::in_range<T>(v.get<int64_t>());
+      if (!fits) throw BadField(name + ": out of range");
+    }
+    return v.get<T>();
+  } catch (const json::exception& e) {
+    throw BadField(name + ": " + e.what());
+  }
+}
+
+const json& member(const json& j, const char* k, bool& found) {
+  if (!j.is_object()) throw BadField("not an object");
+  auto it = j.find(k);
+  found = it != j.end();
+  return found ? *it : j;
+}
+
+template <class T>
+T req(const json& j, const char* k) {
+  bool found;
+  const json& v = member(j, k, found);
+  if (!found) throw BadField(std::string(k) + ": missing");
+  return as<T>(v, k);
+}
+
+template <class T>
+T opt(const json& j, const char* k, T def) {
+  bool found;
+  const json& v = member(j, k, found);
+  return found ? as<T>(v, k) : def;
+}
+
+// A size, count or limit, where a negative value means nothing.
+template <class T>
+T nonNeg(const json& j, const char* k, T def) {
+  T v = opt(j, k, def);
+  if (v < 0) throw BadField(std::string(k) + ": negative");
+  return v;
+}
+
+}  // namespace
 
 json toJson(const SandboxSpec& s) {
   return {{"id", s.id},
@@ -23,17 +84,17 @@ json toJson(const SandboxSpec& s) {
 Result<SandboxSpec> specFromJson(const json& j) {
   try {
     SandboxSpec s;
-    s.id = j.at("id").get<std::string>();
-    s.layers = j.value("layers", std::vector<std::string>{});
-    s.cpu = j.value("cpu", 1.0);
-    s.memoryBytes = j.value("memory_bytes", int64_t(512) << 20);
-    s.diskBytes = j.value("disk_bytes", int64_t(1) << 30);
-    s.diskExplicit = j.value("disk_explicit", false);
-    s.pids = j.value("pids", int64_t(1024));
-    s.fncallInit = j.value("fncall_init", "");
-    s.initPolicy = j.value("init_policy", "");
-    s.workingDir = j.value("working_dir", "");
-    s.network = j.value("network", false);
+    s.id = req<std::string>(j, "id");
+    s.layers = opt(j, "layers", std::vector<std::string>{});
+    s.cpu = nonNeg(j, "cpu", 1.0);
+    s.memoryBytes = nonNeg(j, "memory_bytes", int64_t(512) << 20);
+    s.diskBytes = nonNeg(j, "disk_bytes", int64_t(1) << 30);
+    s.diskExplicit = opt(j, "disk_explicit", false);
+    s.pids = nonNeg(j, "pids", int64_t(1024));
+    s.fncallInit = opt(j, "fncall_init", std::string());
+    s.initPolicy = opt(j, "init_policy", std::string());
+    s.workingDir = opt(j, "working_dir", std::string());
+    s.network = opt(j, "network", false);
     return s;
   } catch (const std::exception& e) {
     return invalidArg("spec", std::string("bad sandbox spec: ") + e.what());
@@ -55,15 +116,15 @@ json toJson(const ExecSpec& s) {
 Result<ExecSpec> execFromJson(const json& j) {
   try {
     ExecSpec s;
-    s.argv = j.at("argv").get<std::vector<std::string>>();
-    s.env = j.value("env", std::vector<std::string>{});
-    s.cwd = j.value("cwd", "");
-    s.user = j.value("user", "");
-    s.timeoutMs = j.value("timeout_ms", int64_t(60000));
-    s.maxOutput = j.value("max_output", int64_t(1) << 20);
-    s.fncallJson = j.value("fncall", "");
+    s.argv = req<std::vector<std::string>>(j, "argv");
+    s.env = opt(j, "env", std::vector<std::string>{});
+    s.cwd = opt(j, "cwd", std::string());
+    s.user = opt(j, "user", std::string());
+    s.timeoutMs = nonNeg(j, "timeout_ms", int64_t(60000));
+    s.maxOutput = nonNeg(j, "max_output", int64_t(1) << 20);
+    s.fncallJson = opt(j, "fncall", std::string());
     if (j.contains("stdin_b64")) {
-      auto d = base64Decode(j["stdin_b64"].get<std::string>());
+      auto d = base64Decode(req<std::string>(j, "stdin_b64"));
       if (!d.isOk()) return invalidArg("stdin_b64", "not base64");
       s.stdinData = *d;
     }
@@ -90,18 +151,19 @@ json toJson(const ExecResult& r) {
 Result<ExecResult> resultFromJson(const json& j) {
   try {
     ExecResult r;
-    r.exitCode = j.value("exit_code", 0);
-    r.signal = j.value("signal", 0);
-    r.timedOut = j.value("timed_out", false);
-    r.truncated = j.value("truncated", false);
-    r.oomKilled = j.value("oom_killed", false);
-    r.durationMs = j.value("duration_ms", 0.0);
-    r.call = j.value("call", false);
-    r.limit = j.value("limit", "");
-    r.zygoteStarted = j.value("zygote_started", false);
-    auto out = base64Decode(j.value("out_b64", ""));
-    auto err = base64Decode(j.value("err_b64", ""));
-    if (!out.isOk() || !err.isOk()) return invalidArg("result", "exec output is not base64");
+    r.exitCode = opt(j, "exit_code", 0);
+    r.signal = opt(j, "signal", 0);
+    r.timedOut = opt(j, "timed_out", false);
+    r.truncated = opt(j, "truncated", false);
+    r.oomKilled = opt(j, "oom_killed", false);
+    r.durationMs = opt(j, "duration_ms", 0.0);
+    r.call = opt(j, "call", false);
+    r.limit = opt(j, "limit", std::string());
+    r.zygoteStarted = opt(j, "zygote_started", false);
+    auto out = base64Decode(opt(j, "out_b64", std::string()));
+    auto err = base64Decode(opt(j, "err_b64", std::string()));
+    if (!out.isOk()) return invalidArg("result", "bad exec result: out_b64: not base64");
+    if (!err.isOk()) return invalidArg("result", "bad exec result: err_b64: not base64");
     r.out = std::move(*out);
     r.err = std::move(*err);
     return r;
@@ -123,13 +185,22 @@ json toJson(const EgressRule& r) {
 Result<EgressRule> ruleFromJson(const json& j) {
   try {
     EgressRule r;
-    r.family = j.at("family").get<int>();
-    auto a = base64Decode(j.at("addr").get<std::string>());
-    if (!a.isOk() || a->size() != r.addr.size()) return invalidArg("rules", "bad egress address");
+    r.family = req<int>(j, "family");
+    if (r.family != AF_INET && r.family != AF_INET6) throw BadField("family: not AF_INET(6)");
+    auto a = base64Decode(req<std::string>(j, "addr"));
+    if (!a.isOk() || a->size() != r.addr.size()) throw BadField("addr: not 16 bytes of base64");
     std::copy(a->begin(), a->end(), r.addr.begin());
-    r.prefixLen = j.at("prefix").get<int>();
-    for (auto& p : j.at("ports")) {
-      r.ports.push_back({p.at(0).get<uint16_t>(), p.at(1).get<uint16_t>()});
+    r.prefixLen = req<int>(j, "prefix");
+    if (r.prefixLen < 0 || r.prefixLen > (r.family == AF_INET ? 32 : 128)) {
+      throw BadField("prefix: out of range");
+    }
+    json ports = req<json>(j, "ports");
+    if (!ports.is_array()) throw BadField("ports: not an array");
+    for (auto& p : ports) {
+      if (!p.is_array() || p.size() != 2) throw BadField("ports: not [lo, hi]");
+      PortRange pr{as<uint16_t>(p[0], "ports"), as<uint16_t>(p[1], "ports")};
+      if (pr.lo > pr.hi) throw BadField("ports: lo above hi");
+      r.ports.push_back(pr);
     }
     return r;
   } catch (const std::exception& e) {
@@ -186,12 +257,12 @@ json toJson(const InputAction& a) {
 Result<InputAction> inputFromJson(const json& j) {
   InputAction a;
   try {
-    a.kind = j.at("kind").get<std::string>();
-    a.text = j.value("text", "");
-    a.key = j.value("key", "");
-    a.x = j.value("x", 0);
-    a.y = j.value("y", 0);
-    a.button = j.value("button", "");
+    a.kind = req<std::string>(j, "kind");
+    a.text = opt(j, "text", std::string());
+    a.key = opt(j, "key", std::string());
+    a.x = opt(j, "x", 0);
+    a.y = opt(j, "y", 0);
+    a.button = opt(j, "button", std::string());
   } catch (const std::exception& e) {
     return invalidArg("input", std::string("bad input action: ") + e.what());
   }
@@ -205,9 +276,10 @@ json toJson(const CgroupLimits& l) {
 Result<CgroupLimits> limitsFromJson(const json& j) {
   try {
     CgroupLimits l;
-    l.cpu = j.at("cpu").get<double>();
-    l.memoryBytes = j.value("memory_bytes", int64_t(0));
-    l.pids = j.value("pids", int64_t(0));
+    l.cpu = req<double>(j, "cpu");
+    if (l.cpu < 0) throw BadField("cpu: negative");
+    l.memoryBytes = nonNeg(j, "memory_bytes", int64_t(0));
+    l.pids = nonNeg(j, "pids", int64_t(0));
     return l;
   } catch (const std::exception& e) {
     return invalidArg("limits", std::string("bad limits: ") + e.what());
@@ -223,9 +295,9 @@ json toJson(const CgroupStats& s) {
 Result<CgroupStats> statsFromJson(const json& j) {
   try {
     CgroupStats s;
-    s.oomKills = j.value("oom_kills", int64_t(0));
-    s.pidsLimitHits = j.value("pids_limit_hits", int64_t(0));
-    s.memoryBytes = j.value("memory_bytes", int64_t(0));
+    s.oomKills = opt(j, "oom_kills", int64_t(0));
+    s.pidsLimitHits = opt(j, "pids_limit_hits", int64_t(0));
+    s.memoryBytes = opt(j, "memory_bytes", int64_t(0));
     return s;
   } catch (const std::exception& e) {
     return invalidArg("stats", std::string("bad stats: ") + e.what());
@@ -237,8 +309,8 @@ json toJson(const EgressDenials& d) { return {{"count", d.count}, {"last", d.las
 Result<EgressDenials> denialsFromJson(const json& j) {
   try {
     EgressDenials d;
-    d.count = j.value("count", uint64_t(0));
-    d.last = j.value("last", "");
+    d.count = opt(j, "count", uint64_t(0));
+    d.last = opt(j, "last", std::string());
     return d;
   } catch (const std::exception& e) {
     return invalidArg("egress", std::string("bad egress denials: ") + e.what());
@@ -256,11 +328,11 @@ json toJson(const image::BuiltLayer& l) {
 Result<image::BuiltLayer> builtLayerFromJson(const json& j) {
   try {
     image::BuiltLayer l;
-    l.digest = j.at("digest").get<std::string>();
-    l.size = j.value("size", int64_t(0));
-    l.dataDigest = j.value("data_digest", "");
-    l.dataSize = j.value("data_size", int64_t(0));
-    l.kind = j.value("kind", "");
+    l.digest = req<std::string>(j, "digest");
+    l.size = nonNeg(j, "size", int64_t(0));
+    l.dataDigest = opt(j, "data_digest", std::string());
+    l.dataSize = nonNeg(j, "data_size", int64_t(0));
+    l.kind = opt(j, "kind", std::string());
     return l;
   } catch (const std::exception& e) {
     return invalidArg("layer", std::string("bad layer: ") + e.what());
