@@ -292,13 +292,15 @@ uint64_t addServerMetrics(const http::Server& server) {
             double(rt.blockingBusy()));
     w.gauge("dsec_runtime_threads", "Threads of the event loop (io) and the blocking pool.",
             double(rt.blockingThreadCount()), {{"kind", "blocking"}});
+    w.gauge("dsec_runtime_blocking_max_threads",
+            "Blocking pool threads at most (--max-workers).", double(rt.blockingMaxThreads()));
     w.gauge("dsec_runtime_threads", "Threads of the event loop (io) and the blocking pool.",
             double(rt.ioThreadCount()), {{"kind", "io"}});
   });
 }
 
 Result<Daemon> prepareDaemon(const ArgGet& get, const std::string& listen,
-                             const std::string& dataDir) {
+                             const std::string& dataDir, int defaultMaxWorkers) {
   Daemon d;
   size_t colon = listen.rfind(':');
   if (colon == std::string::npos) return invalidArg("listen", "--listen must be HOST:PORT");
@@ -310,12 +312,18 @@ Result<Daemon> prepareDaemon(const ArgGet& get, const std::string& listen,
   RuntimeOptions ro;
   ASSIGN_OR_RETURN(double io, numberFlag(get, "io-threads", 0));
   ASSIGN_OR_RETURN(double workers, numberFlag(get, "workers", 0));
-  if (io > 64 || workers > 1024) {
-    return invalidArg(io > 64 ? "io-threads" : "workers",
-                      "--io-threads at most 64, --workers at most 1024");
+  ASSIGN_OR_RETURN(double maxWorkers, numberFlag(get, "max-workers", defaultMaxWorkers));
+  if (io > 64 || workers > 1024 || maxWorkers > 4096) {
+    return invalidArg(io > 64 ? "io-threads" : workers > 1024 ? "workers" : "max-workers",
+                      "--io-threads at most 64, --workers at most 1024, --max-workers at most "
+                      "4096");
+  }
+  if (!get("max-workers", "").empty() && workers > maxWorkers) {
+    return invalidArg("max-workers", "--max-workers must be at least --workers");
   }
   ro.ioThreads = int(io);
   ro.blockingThreads = int(workers);
+  ro.maxBlockingThreads = int(maxWorkers);
   // A simulated node's latency sleeps on a worker (proto/sim_edge.h), and one
   // process may run hundreds of them.
   if (workers == 0 && get("simulate", "-") != "-") ro.blockingThreads = 64;

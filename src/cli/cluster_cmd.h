@@ -50,8 +50,9 @@ struct Daemon {
 // (--max-connections, --header-timeout-s, --idle-timeout-s, --body-timeout-s,
 // --send-timeout-s), the signal mask, RLIMIT_NOFILE raised to fit the
 // connection limit, and the data dir made and locked. Errors name the flag.
+// defaultMaxWorkers: --max-workers when not given (0: --workers, a fixed pool).
 Result<Daemon> prepareDaemon(const ArgGet& get, const std::string& listen,
-                             const std::string& dataDir);
+                             const std::string& dataDir, int defaultMaxWorkers = 0);
 // The HTTP server's connection figures (dsec_http_*) in the process's
 // metrics registry; the returned id removes them.
 uint64_t addServerMetrics(const http::Server& server);

@@ -66,9 +66,11 @@ const char* kUsage = R"(usage: dsec COMMAND [OPTIONS]
         --body-timeout-s S (60), --send-timeout-s S (300): how long a client may take
         to send a request's headers, to start its next request, to go silent in a
         body, to take no response bytes (docs/concurrency.md). Also for platform and edge
-     --io-threads N, --workers N: the event loop's threads (default 1 per 4 cores,
-        1..4) and the bounded pool running blocking work (default 4 per core, 8..32;
-        64 for edge --simulate). Also for platform and edge
+     --io-threads N, --workers N, --max-workers N: the event loop's threads (default
+        1 per 4 cores, 1..4) and the pool running blocking work: threads always there
+        (default 4 per core, 8..32; 64 for edge --simulate) and at most, added one per
+        5 ms while work waits with none free and ended after 10 s idle (default: up and
+        edge --workers, a fixed pool; platform 256). Also for platform and edge
      --log-file PATH [--log-max-mb N]: log there instead of stderr, rotated to PATH.1
         past N MiB (default 64); at most 1000 lines a second, the rest counted
      --prefetch-window-s S: chunks read this long after a layer is attached are
@@ -337,8 +339,11 @@ int cmdUp(const Args& a) {
   if (geteuid() != 0 && a.positional[0] == "up") {
     return die("dsec up must run as root (it builds namespaces and cgroups)");
   }
+  // The platform's handlers wait on remote nodes (a create's admission and the
+  // node's answer): its pool grows while starved (docs/concurrency.md).
   auto daemon = cli::prepareDaemon(
-      [&a](const std::string& k, const std::string& d) { return a.get(k, d); }, listen, dataDir);
+      [&a](const std::string& k, const std::string& d) { return a.get(k, d); }, listen, dataDir,
+      a.positional[0] == "platform" ? 256 : 0);
   if (!daemon.isOk()) return die(daemon.status().message());
   http::ServerOptions so = daemon->server;
   sigset_t sigs = daemon->sigs;

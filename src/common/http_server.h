@@ -217,7 +217,7 @@ class Deferred {
 // may block (on the sandbox agent, on disk, on the client through Request and
 // Response). Called from many workers at once. The pool is bounded and shared
 // by every Server (and everything else) on the Runtime: at most
-// Runtime::blockingThreadCount() handlers run at once and later requests wait
+// Runtime::blockingMaxThreads() handlers run at once and later requests wait
 // in its queue, so a call that waits long (an exec) should defer() and free
 // its worker, and a handler must never wait for another request of a server
 // on the same Runtime.

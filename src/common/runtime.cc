@@ -6,6 +6,7 @@
 #include <boost/asio.hpp>
 #include <condition_variable>
 #include <deque>
+#include <list>
 #include <mutex>
 #include <optional>
 #include <thread>
@@ -37,12 +38,23 @@ struct Runtime::Impl {
   std::optional<asio::executor_work_guard<asio::io_context::executor_type>> guard;
   std::vector<std::thread> ioThreads;
 
-  mutable std::mutex mu;  // guards queue, stopping, busy
+  struct Worker {
+    std::thread thread;
+    bool done = false;  // its loop ended; join it
+  };
+  mutable std::mutex mu;  // guards everything below
   std::condition_variable cv;
-  std::deque<std::function<void()>> queue;
+  struct Task {
+    std::function<void()> fn;
+    std::chrono::steady_clock::time_point queuedAt;
+  };
+  std::deque<Task> queue;
+  bool growArmed = false;  // a grow check is scheduled
   bool stopping = false;
-  int busy = 0;
-  std::vector<std::thread> pool;
+  int busy = 0;     // running a task
+  int threads = 0;  // workers whose loop has not ended
+  int waiting = 0;  // workers waiting for a task (not yet woken)
+  std::list<Worker> pool;
   std::once_flag stopOnce;
 };
 
@@ -66,27 +78,65 @@ Runtime::Runtime(RuntimeOptions opts) : impl_(std::make_unique<Impl>()) {
       }
     });
   }
-  for (int i = 0; i < blockingThreads_; ++i) {
-    impl_->pool.emplace_back([this] {
-      std::unique_lock lk(impl_->mu);
-      for (;;) {
-        impl_->cv.wait(lk, [&] { return impl_->stopping || !impl_->queue.empty(); });
-        if (impl_->stopping) return;
-        auto fn = std::move(impl_->queue.front());
-        impl_->queue.pop_front();
-        ++impl_->busy;
-        lk.unlock();
-        try {
-          fn();
-        } catch (const std::exception& e) {
-          log::error(std::string("blocking pool: task threw: ") + e.what());
-        }
-        fn = nullptr;  // its captures go before the next task
-        lk.lock();
-        --impl_->busy;
+  maxBlockingThreads_ =
+      std::max(blockingThreads_, opts.maxBlockingThreads > 0 ? opts.maxBlockingThreads : 0);
+  keepAliveS_ = opts.blockingKeepAliveS;
+  std::lock_guard lk(impl_->mu);
+  for (int i = 0; i < blockingThreads_; ++i) spawnWorkerLocked();
+}
+
+void Runtime::spawnWorkerLocked() {
+  auto& w = impl_->pool.emplace_back();
+  ++impl_->threads;
+  w.thread = std::thread([this, &w] {
+    reapWorkers();  // threads that ended before this one started: joined here, not on an io thread
+    const auto keepAlive = std::chrono::duration<double>(keepAliveS_);
+    std::unique_lock lk(impl_->mu);
+    for (;;) {
+      ++impl_->waiting;
+      bool ready = true;
+      auto wake = [&] { return impl_->stopping || !impl_->queue.empty(); };
+      if (impl_->threads > blockingThreads_) {
+        ready = impl_->cv.wait_for(lk, keepAlive, wake);
+      } else {
+        impl_->cv.wait(lk, wake);
       }
-    });
+      --impl_->waiting;
+      // Stopping, or a thread beyond the core ones idle for keepAlive: ends
+      // (the runtime joins it later; it touches nothing once done is set).
+      if (impl_->stopping || (!ready && impl_->threads > blockingThreads_)) {
+        --impl_->threads;
+        w.done = true;
+        return;
+      }
+      if (impl_->queue.empty()) continue;
+      auto fn = std::move(impl_->queue.front().fn);
+      impl_->queue.pop_front();
+      ++impl_->busy;
+      lk.unlock();
+      try {
+        fn();
+      } catch (const std::exception& e) {
+        log::error(std::string("blocking pool: task threw: ") + e.what());
+      }
+      fn = nullptr;  // its captures go before the next task
+      lk.lock();
+      --impl_->busy;
+    }
+  });
+}
+
+void Runtime::reapWorkers() {
+  std::list<Impl::Worker> done;
+  {
+    std::lock_guard lk(impl_->mu);
+    for (auto it = impl_->pool.begin(); it != impl_->pool.end();) {
+      auto next = std::next(it);
+      if (it->done) done.splice(done.end(), impl_->pool, it);
+      it = next;
+    }
   }
+  for (auto& w : done) w.thread.join();
 }
 
 Runtime::~Runtime() { stop(); }
@@ -109,13 +159,41 @@ asio::io_context& Runtime::io() { return impl_->io; }
 void Runtime::post(std::function<void()> fn) { asio::post(impl_->io, std::move(fn)); }
 
 bool Runtime::runBlocking(std::function<void()> fn) {
+  bool arm = false;
   {
     std::lock_guard lk(impl_->mu);
     if (impl_->stopping) return false;
-    impl_->queue.push_back(std::move(fn));
+    impl_->queue.push_back({std::move(fn), std::chrono::steady_clock::now()});
+    // No waiting worker left for it: if it still waits kGrowAfter from now,
+    // one more thread (growCheck). A burst of short tasks drains before then
+    // and adds none.
+    if (size_t(impl_->waiting) < impl_->queue.size() && impl_->threads < maxBlockingThreads_ &&
+        !impl_->growArmed) {
+      impl_->growArmed = arm = true;
+    }
   }
   impl_->cv.notify_one();
+  if (arm) (void)after(kGrowAfterS, [this] { growCheck(); });
   return true;
+}
+
+void Runtime::growCheck() {
+  bool again = false;
+  {
+    std::lock_guard lk(impl_->mu);
+    impl_->growArmed = false;
+    if (impl_->stopping) return;
+    auto waitedSince = std::chrono::steady_clock::now() -
+                       std::chrono::microseconds(int64_t(kGrowAfterS * 1e6));
+    bool starved = size_t(impl_->waiting) < impl_->queue.size();
+    if (starved && impl_->threads < maxBlockingThreads_ &&
+        impl_->queue.front().queuedAt <= waitedSince) {
+      spawnWorkerLocked();
+    }
+    again = starved && impl_->threads < maxBlockingThreads_;
+    impl_->growArmed = again;
+  }
+  if (again) (void)after(kGrowAfterS, [this] { growCheck(); });
 }
 
 namespace {
@@ -167,6 +245,11 @@ size_t Runtime::blockingQueued() const {
   return impl_->queue.size();
 }
 
+int Runtime::blockingThreadCount() const {
+  std::lock_guard lk(impl_->mu);
+  return impl_->threads;
+}
+
 int Runtime::blockingBusy() const {
   std::lock_guard lk(impl_->mu);
   return impl_->busy;
@@ -176,7 +259,7 @@ bool Runtime::onIoThread() const { return tIoRuntime == this; }
 
 void Runtime::stop() {
   std::call_once(impl_->stopOnce, [this] {
-    std::deque<std::function<void()>> dropped;
+    std::deque<Impl::Task> dropped;
     {
       std::lock_guard lk(impl_->mu);
       impl_->stopping = true;
@@ -186,7 +269,14 @@ void Runtime::stop() {
     impl_->guard.reset();
     impl_->io.stop();
     for (auto& t : impl_->ioThreads) t.join();
-    for (auto& t : impl_->pool) t.join();
+    // No worker is added once stopping is set; a starting one may be
+    // reaping others (it joins those), so the list is taken under the lock.
+    std::list<Impl::Worker> all;
+    {
+      std::lock_guard lk(impl_->mu);
+      all.swap(impl_->pool);
+    }
+    for (auto& w : all) w.thread.join();
   });
 }
 

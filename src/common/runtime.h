@@ -6,8 +6,15 @@
 // as callbacks and coroutines on a few io threads and must never block them:
 // no store access, no mount/clone/cgroup writes, no fsync, no waiting on a
 // mutex held across any of those. Work that blocks goes to the blocking pool,
-// a fixed number of threads fed from one FIFO queue: the queue, not the
-// thread count, grows with load.
+// threads fed from one FIFO queue: `blockingThreads` that live as long as the
+// runtime, and one more each kGrowAfterS while the oldest queued task has
+// waited that long with no thread free, up to `maxBlockingThreads`; a thread
+// beyond `blockingThreads` ends after `blockingKeepAliveS` without work (the
+// shape of tokio's spawn_blocking pool, with .NET's starvation delay so that a
+// burst of short tasks adds none). Past the cap the queue, not the thread count, grows with load.
+// The extra threads are for work that mostly waits (a create on a remote
+// node, a VM's boot): such work must not hold the whole pool, and a long call
+// that waits on I/O only should free its thread instead (an exec defers).
 //
 // One Runtime serves a whole process (global()); tests may make their own.
 // Boost.Asio stays out of this header: code that needs the io_context
@@ -30,8 +37,13 @@ namespace dsec {
 struct RuntimeOptions {
   // Event loop threads; 0: 1 on up to 4 cores, else cores / 4 (at most 4).
   int ioThreads = 0;
-  // Blocking pool threads; 0: 4 per core, at least 8 and at most 32.
+  // Blocking pool threads always there; 0: 4 per core, at least 8 and at most 32.
   int blockingThreads = 0;
+  // Blocking pool threads at most (at least blockingThreads); 0: blockingThreads,
+  // a fixed pool.
+  int maxBlockingThreads = 0;
+  // How long a thread beyond blockingThreads waits for work before it ends.
+  double blockingKeepAliveS = 10;
 };
 
 class Runtime {
@@ -69,7 +81,9 @@ class Runtime {
   std::shared_ptr<Timer> after(double seconds, std::function<void()> fn);
 
   int ioThreadCount() const { return ioThreads_; }
-  int blockingThreadCount() const { return blockingThreads_; }
+  // Blocking pool threads now, and at most.
+  int blockingThreadCount() const;
+  int blockingMaxThreads() const { return maxBlockingThreads_; }
   // Queued blocking work not yet started, and work running now.
   size_t blockingQueued() const;
   int blockingBusy() const;
@@ -84,8 +98,14 @@ class Runtime {
  private:
   struct Impl;
   std::unique_ptr<Impl> impl_;
+  static constexpr double kGrowAfterS = 0.005;
+  void spawnWorkerLocked();
+  void growCheck();
+  void reapWorkers();
   int ioThreads_ = 0;
   int blockingThreads_ = 0;
+  int maxBlockingThreads_ = 0;
+  double keepAliveS_ = 10;
 };
 
 }  // namespace dsec

@@ -21,7 +21,7 @@ TEST(Runtime, PostRunsOnAnIoThread) {
 }
 
 TEST(Runtime, BlockingPoolIsBoundedAndRunsEverythingInOrderOfQueueing) {
-  Runtime rt(RuntimeOptions{1, 2});
+  Runtime rt(RuntimeOptions{1, 2, 2});
   EXPECT_EQ(rt.blockingThreadCount(), 2);
   std::mutex mu;
   std::condition_variable cv;
@@ -57,6 +57,55 @@ TEST(Runtime, BlockingPoolIsBoundedAndRunsEverythingInOrderOfQueueing) {
   EXPECT_EQ(maxRunning.load(), 2);
 }
 
+// Work that waits does not hold the whole pool: with every thread busy, a
+// new task gets a thread of its own up to the cap, the rest queue, and the
+// extra threads end after the keep-alive.
+TEST(Runtime, BlockingPoolGrowsToItsCapWhenBusyAndShrinksWhenIdle) {
+  Runtime rt(RuntimeOptions{1, 1, 4, 0.2});
+  EXPECT_EQ(rt.blockingThreadCount(), 1);
+  EXPECT_EQ(rt.blockingMaxThreads(), 4);
+  std::mutex mu;
+  std::condition_variable cv;
+  bool release = false;
+  std::atomic<int> done{0};
+  for (int i = 0; i < 6; ++i) {
+    ASSERT_TRUE(rt.runBlocking([&] {
+      std::unique_lock lk(mu);
+      cv.wait(lk, [&] { return release; });
+      ++done;
+    }));
+  }
+  for (int i = 0; i < 200 && rt.blockingBusy() < 4; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_EQ(rt.blockingBusy(), 4);
+  EXPECT_EQ(rt.blockingThreadCount(), 4);
+  EXPECT_EQ(rt.blockingQueued(), 2u);
+  {
+    std::lock_guard lk(mu);
+    release = true;
+  }
+  cv.notify_all();
+  for (int i = 0; i < 400 && done.load() < 6; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_EQ(done.load(), 6);
+  for (int i = 0; i < 400 && rt.blockingThreadCount() > 1; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_EQ(rt.blockingThreadCount(), 1);
+  // And it grows again (the ended threads are joined on the way).
+  std::promise<void> a, b;
+  std::promise<void> go;
+  auto goF = go.get_future().share();
+  rt.runBlocking([&] { a.set_value(); goF.wait(); });
+  rt.runBlocking([&] { b.set_value(); goF.wait(); });
+  a.get_future().wait();
+  b.get_future().wait();
+  EXPECT_EQ(rt.blockingThreadCount(), 2);
+  go.set_value();
+}
+
 TEST(Runtime, TimerFiresOnceAndCancelStopsIt) {
   Runtime rt(RuntimeOptions{2, 1});
   std::promise<void> fired;
@@ -79,7 +128,7 @@ TEST(Runtime, TimerFiresOnceAndCancelStopsIt) {
 }
 
 TEST(Runtime, StopDropsQueuedWorkAndRefusesMore) {
-  auto rt = std::make_unique<Runtime>(RuntimeOptions{1, 1});
+  auto rt = std::make_unique<Runtime>(RuntimeOptions{1, 1, 1});
   std::promise<void> started;
   std::atomic<bool> ranSecond{false};
   std::promise<void> go;
