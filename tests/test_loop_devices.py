@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -151,6 +153,18 @@ def test_churn_returns_loop_devices_mounts_and_cgroups_to_their_start(loop_serve
     removed = metric(s, "dsec_edge_loop_devices_removed_total")
     assert created - removed == st["attached"] + st["free"], (created, removed, st)
     assert metric(s, "dsec_edge_loop_devices_reused_total") >= (ROUNDS - 1) * FREE_MAX / 2
+    # Each family announced once, and the page is one Prometheus accepts.
+    _, _, body, _ = s.raw("GET", "/v1/metrics")
+    text = body.decode()
+    for fam in ("dsec_edge_loop_devices", "dsec_edge_loop_free_max",
+                "dsec_edge_loop_devices_created_total", "dsec_edge_loop_devices_removed_total",
+                "dsec_edge_loop_devices_reused_total"):
+        assert text.count(f"# TYPE {fam} ") == 1, fam
+    promtool = shutil.which("promtool")
+    if promtool:
+        r = subprocess.run([promtool, "check", "metrics"], input=body, capture_output=True,
+                           timeout=60)
+        assert r.returncode == 0, (r.stdout + r.stderr).decode()
 
 
 def test_restart_trims_what_a_crashed_edge_left(tmp_path_factory, server):
