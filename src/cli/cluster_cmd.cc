@@ -477,6 +477,7 @@ int cmdEdge(const ArgGet& get) {
     eo.diskQuota = get("disk-quota", "auto");
     eo.egressSubnet = get("egress-subnet", "10.88.0.0/16");
     eo.egressNat = get("egress-nat", "yes") == "yes";
+    eo.registry = &metrics::Registry::global();
     eo.userns = get("userns", "auto");
     eo.liveRestore = get("live-restore", "no") == "yes";
     eo.microvmAccel = get("microvm-accel", "auto");

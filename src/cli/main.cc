@@ -386,6 +386,7 @@ int cmdUp(const Args& a) {
     if (runPool.idleSeconds <= 0) return die("--fncall-pool-idle-s must be positive");
   }
   eo.diskQuota = a.get("disk-quota", "auto");
+  eo.registry = &metrics::Registry::global();
   if (!a.get("disk-pool-mb").empty()) {
     long long mb = std::atoll(a.get("disk-pool-mb").c_str());
     if (mb <= 0) return die("--disk-pool-mb must be a positive number of MiB");

@@ -40,6 +40,8 @@
 
 namespace dsec::edge {
 
+class LoopPool;
+
 enum class DiskQuotaKind { kXfs, kExt4, kBtrfs, kTmpfs, kNone };
 
 const char* diskQuotaKindName(DiskQuotaKind kind);
@@ -57,6 +59,11 @@ struct DiskQuotaOptions {
   // Sandboxes of an earlier edge live on under <root>: take over the pool (or
   // shared bind) it left mounted there instead of making a fresh one.
   bool adopt = false;
+  // The edge's loop devices (loop_device.h), which the ext4 mechanism takes
+  // its per-sandbox devices from and gives back to. Not owned; must outlive
+  // the quota. Null: the ext4 mechanism makes a pool of its own that
+  // attributes nothing across runs.
+  LoopPool* loops = nullptr;
 };
 
 // Where sandboxes' writable layers live and what bounds them. Thread-safe:

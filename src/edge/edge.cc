@@ -63,6 +63,20 @@ Result<std::unique_ptr<Edge>> Edge::start(EdgeOptions opts) {
   // Sandboxes an earlier edge on this data dir left running (it crashed, or
   // stopped with live restore): those whose PID 1 is still the recorded
   // process are re-adopted below; the rest are orphans.
+  {
+    // Loop devices: what an earlier edge of this data dir left unbound is
+    // trimmed now (loop_device.h says which devices count as ours).
+    LoopPoolOptions lo;
+    lo.ledger = e->opts_.dataDir + "/loop-devices";
+    char real[PATH_MAX];
+    if (::realpath(e->opts_.dataDir.c_str(), real)) lo.ownedPrefix = std::string(real) + "/";
+    lo.maxFree = e->opts_.loopFreeMax;
+    ASSIGN_OR_RETURN(e->loops_, LoopPool::open(lo));
+    if (e->opts_.registry) {
+      e->metricsId_ = e->opts_.registry->add(
+          [raw = e.get()](metrics::Writer& w) { raw->loops_->writeMetrics(w); });
+    }
+  }
   e->stateDir_ = std::make_unique<SandboxStateDir>(e->opts_.dataDir + "/state");
   RETURN_IF_ERROR(e->stateDir_->open());
   std::vector<SandboxState> live;
@@ -86,6 +100,7 @@ Result<std::unique_ptr<Edge>> Edge::start(EdgeOptions opts) {
   co.diskQuota = e->opts_.diskQuota;
   co.diskPoolBytes = e->opts_.diskPoolBytes;
   co.userns = &e->userns_;
+  co.loops = e->loops_.get();
   ASSIGN_OR_RETURN(auto container, ContainerBackend::make(co, e->cgroups_.get(), e->layers_.get(),
                                                           e->reactor_.get(), keep));
   e->diskQuotaInfo_ = container->diskQuotaInfo();
@@ -303,7 +318,11 @@ void Edge::updateState(const std::string& id, const std::function<void(SandboxSt
   }
 }
 
-Edge::~Edge() { shutdown(); }
+Edge::~Edge() {
+  // First: a scrape under way ends before the pool goes.
+  if (metricsId_) opts_.registry->remove(metricsId_);
+  shutdown();
+}
 
 std::string Edge::describe() const {
   return "cgroups " + cgroups_->describe() + " under " + opts_.cgroupParent +
@@ -1228,6 +1247,9 @@ void Edge::shutdown() {
   if (cache_ && keep) cache_->keepLoaderForNextEdge();
   cache_.reset();
   if (cgroups_ && !keep) cgroups_->removeParent();
+  // After the disks and layers let go of their devices: the free ones are
+  // removed, the attached ones (live restore) stay for the next edge.
+  if (loops_) loops_->close();
   reactor_->stop();
   reactor_.reset();
 }

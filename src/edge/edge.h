@@ -14,12 +14,14 @@
 #include <string>
 #include <vector>
 
+#include "common/metrics.h"
 #include "common/status.h"
 #include "edge/backend.h"
 #include "edge/backends/microvm/microvm_backend.h"
 #include "edge/backends/vm/vm_backend.h"
 #include "edge/cgroup.h"
 #include "edge/image/layer_cache.h"
+#include "edge/loop_device.h"
 #include "edge/net/egress_filter.h"
 #include "edge/net/egress_net.h"
 #include "edge/sandbox_state.h"
@@ -78,6 +80,12 @@ struct EdgeOptions {
   // microvmAccel's choice.
   std::string qemuImgPath = "qemu-img";
   double vmBootTimeoutS = 300;
+  // Where the node's own figures go (dsec_edge_loop_*): the edge adds its
+  // collector at start and removes it when destroyed. Not owned; must
+  // outlive the edge. Null: not exported.
+  metrics::Registry* registry = nullptr;
+  // Unbound loop devices kept for reuse (LoopPoolOptions::maxFree).
+  size_t loopFreeMax = 16;
 };
 
 // The node: every EdgeLink method is the one below; as a LocalNode it reports
@@ -205,6 +213,11 @@ class Edge : public proto::EdgeLink, public proto::LocalNode {
   Status plumbEgress(const std::string& id, Instance& inst);
 
   EdgeOptions opts_;
+  // The loop devices this edge makes (per-sandbox ext4 disks): before every
+  // user of it, so it is destroyed after them. Its ledger is
+  // <dataDir>/loop-devices.
+  std::unique_ptr<LoopPool> loops_;
+  uint64_t metricsId_ = 0;  // the collector in opts_.registry (0: none)
   std::unique_ptr<Cgroups> cgroups_;
   std::unique_ptr<NodeCache> cache_;
   std::unique_ptr<LayerCache> layers_;

@@ -120,8 +120,14 @@ Status unmountIfMounted(const std::string& dir) {
 
 class Ext4Quota : public DiskQuota {
  public:
-  Ext4Quota(std::string root, std::string disksDir, std::string mkfs, Ext4QuotaOptions eo)
-      : root_(std::move(root)), disks_(std::move(disksDir)), mkfs_(std::move(mkfs)), eo_(eo) {
+  Ext4Quota(std::string root, std::string disksDir, std::string mkfs, Ext4QuotaOptions eo,
+            LoopPool* loops, std::unique_ptr<LoopPool> ownLoops)
+      : root_(std::move(root)),
+        disks_(std::move(disksDir)),
+        mkfs_(std::move(mkfs)),
+        eo_(eo),
+        ownLoops_(std::move(ownLoops)),
+        loops_(loops ? loops : ownLoops_.get()) {
     if (eo_.sparesPerSize > 0 && eo_.sizesKept > 0 && eo_.initialSize > 0) {
       wanted_.push_back(roundBytes(eo_.initialSize));
     }
@@ -180,6 +186,10 @@ class Ext4Quota : public DiskQuota {
       return st;
     }
     spare->mount.reset();
+    {
+      std::lock_guard lk(mu_);
+      if (spare->loop >= 0) loopOf_[name] = spare->loop;
+    }
     if (spare->image != imageOf(name) &&
         ::rename(spare->image.c_str(), imageOf(name).c_str()) != 0) {
       // Mounted and usable; only its image keeps the spare's name, which the
@@ -192,7 +202,19 @@ class Ext4Quota : public DiskQuota {
   Status remove(const std::string& name) override {
     RETURN_IF_ERROR(checkName(name));
     std::string dir = root_ + "/" + name;
+    // Its loop device: known since create, or (a sandbox of an earlier edge)
+    // read off the mounted filesystem.
+    int loop = -1;
+    {
+      std::lock_guard lk(mu_);
+      if (auto it = loopOf_.find(name); it != loopOf_.end()) {
+        loop = it->second;
+        loopOf_.erase(it);
+      }
+    }
+    if (loop < 0) loop = loopOfDir(dir);
     if (auto spare = recycle(name, dir)) {
+      spare->loop = loop;  // stays bound: the spare holds it
       log::debug("disk quota: " + name + "'s filesystem emptied, a spare again");
       std::lock_guard lk(mu_);
       spares_.emplace(spare->bytes, std::move(*spare));
@@ -204,6 +226,9 @@ class Ext4Quota : public DiskQuota {
     // down now and its loop device (autoclear) detaches.
     shutDownSandboxFs(dir, root_);
     RETURN_IF_ERROR(unmountIfMounted(dir));
+    // The device unbinds once the kernel drops the filesystem (moments from
+    // now, in the background); the pool reuses or removes it after that.
+    if (loop >= 0) loops_->release(loop);
     Status st = removeTree(dir);
     if (::unlink(imageOf(name).c_str()) != 0 && errno != ENOENT && st.isOk()) {
       st = sysError("remove " + imageOf(name));
@@ -220,6 +245,7 @@ class Ext4Quota : public DiskQuota {
       bound_ = false;
     }
     if (!kept_) ::rmdir(disks_.c_str());  // fails (fine) while images remain
+    if (ownLoops_) ownLoops_->close();
   }
 
   void keepForNextEdge() override {
@@ -228,6 +254,7 @@ class Ext4Quota : public DiskQuota {
     dropTemplates();
     bound_ = false;
     kept_ = true;
+    if (ownLoops_) ownLoops_->close();  // the sandboxes' devices stay attached
   }
 
   // Takes over root_'s shared bind (adopt) or makes it, removes what an
@@ -259,7 +286,17 @@ class Ext4Quota : public DiskQuota {
     int64_t bytes = 0;
     std::string image;
     UniqueFd mount;  // fsmount(2): mounted, attached nowhere
+    int loop = -1;   // its loop device's index in loops_ (-1: unknown)
   };
+
+  // The index of the loop device under the sandbox filesystem mounted on
+  // `dir`; -1 when none is (or it is not a sandbox's own ext4).
+  int loopOfDir(const std::string& dir) {
+    UniqueFd fd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+    struct stat st;
+    if (!fd || !isOwnExt4Root(fd.get(), root_) || ::fstat(fd.get(), &st) != 0) return -1;
+    return loops_->indexOf(st.st_dev);
+  }
 
   static int64_t roundBytes(int64_t bytes) { return (bytes + kBlock - 1) / kBlock * kBlock; }
   std::string imageOf(const std::string& name) const { return disks_ + "/" + name + ".img"; }
@@ -287,6 +324,8 @@ class Ext4Quota : public DiskQuota {
     auto undo = [&](Status st) {
       s.mount.reset();  // the filesystem goes, and the (autoclear) device with it
       ::unlink(s.image.c_str());
+      if (s.loop >= 0) loops_->release(s.loop);
+      s.loop = -1;
       return st;
     };
     auto tmpl = templateOf(bytes);
@@ -298,14 +337,16 @@ class Ext4Quota : public DiskQuota {
       Status cp = copySparse(*tmpl, out.get(), bytes);
       if (!cp.isOk()) return undo(cp.withContext("copy " + *tmpl + " to " + s.image));
     }
-    UniqueFd held;
     // Direct I/O keeps the host's page cache from holding a second copy of
     // every block, where the backing filesystem allows it.
-    auto dev = attachLoop(s.image, LO_FLAGS_AUTOCLEAR | LO_FLAGS_DIRECT_IO, held);
-    if (!dev.isOk() && dev.status().sysErrno() == EINVAL) {
-      dev = attachLoop(s.image, LO_FLAGS_AUTOCLEAR, held);
+    auto lease = loops_->attach(s.image, LO_FLAGS_AUTOCLEAR | LO_FLAGS_DIRECT_IO);
+    if (!lease.isOk() && lease.status().sysErrno() == EINVAL) {
+      lease = loops_->attach(s.image, LO_FLAGS_AUTOCLEAR);
     }
-    if (!dev.isOk()) return undo(std::move(dev).takeStatus());
+    if (!lease.isOk()) return undo(std::move(lease).takeStatus());
+    s.loop = lease->index;
+    UniqueFd held = std::move(lease->fd);
+    const std::string* dev = &lease->path;
     // The filesystem holds the device from here; closing `held` (on return)
     // leaves it as its only user, so the device goes with the filesystem.
     UniqueFd fsfd(int(::syscall(SYS_fsopen, "ext4", kFsopenCloexec)));
@@ -468,6 +509,8 @@ class Ext4Quota : public DiskQuota {
   void destroySpare(Spare& s) {
     s.mount.reset();
     ::unlink(s.image.c_str());
+    if (s.loop >= 0) loops_->release(s.loop);
+    s.loop = -1;
   }
 
   // Keeps sparesPerSize spares of each wanted size, and drops spares of sizes
@@ -571,7 +614,17 @@ class Ext4Quota : public DiskQuota {
         bool inUse = n.size() > 4 && n.compare(n.size() - 4, 4, ".img") == 0 &&
                      !startsWith(n, "spare-") &&
                      isMountPoint(root_ + "/" + n.substr(0, n.size() - 4));
-        if (!inUse) stale.push_back(disks_ + "/" + n);
+        if (!inUse) {
+          stale.push_back(disks_ + "/" + n);
+          continue;
+        }
+        // A sandbox being re-adopted: its device is attached until removed.
+        std::string name = n.substr(0, n.size() - 4);
+        if (int loop = loopOfDir(root_ + "/" + name); loop >= 0) {
+          loops_->adopt(loop);
+          std::lock_guard lk(mu_);
+          loopOf_[name] = loop;
+        }
       }
       ::closedir(d);
       for (auto& p : stale) {
@@ -584,18 +637,22 @@ class Ext4Quota : public DiskQuota {
   const std::string disks_;
   const std::string mkfs_;
   const Ext4QuotaOptions eo_;
+  // The loop devices: the edge's pool, or (no pool given: tests) our own.
+  const std::unique_ptr<LoopPool> ownLoops_;
+  LoopPool* const loops_;
   bool bound_ = false;  // root_ bound on itself, shared
   bool kept_ = false;   // keepForNextEdge: images stay for the next edge
   std::atomic<uint64_t> nextSpare_{0};
   std::mutex templateMu_;        // guards templates_ (held while one is made)
   std::set<int64_t> templates_;  // sizes with a template image
   std::thread filler_;
-  std::mutex mu_;  // guards spares_, wanted_, fresh_, lastUse_, stop_
+  std::mutex mu_;  // guards spares_, wanted_, fresh_, lastUse_, loopOf_, stop_
   std::condition_variable cv_;
   std::multimap<int64_t, Spare> spares_;  // by size in bytes
   std::vector<int64_t> wanted_;           // sizes to keep spares of, newest first
   std::map<int64_t, Usage> fresh_;        // by size: a new spare's usage
   std::map<int64_t, double> lastUse_;     // by size: monoSeconds() of its last create
+  std::map<std::string, int> loopOf_;     // by sandbox: its loop device's index
   bool stop_ = false;
 };
 
@@ -623,7 +680,13 @@ Result<std::unique_ptr<DiskQuota>> openExt4Quota(const DiskQuotaOptions& opts,
   std::string mkfs = findProgram("mkfs.ext4");
   if (mkfs.empty()) return unavailable("mkfs.ext4 not found (package e2fsprogs)");
   if (disksDir.empty()) return unavailable("no directory for the images configured");
-  auto q = std::make_unique<Ext4Quota>(opts.root, disksDir, std::move(mkfs), eo);
+  std::unique_ptr<LoopPool> own;
+  if (!opts.loops) {
+    // No edge pool (tests): one of our own, attributing nothing across runs.
+    ASSIGN_OR_RETURN(own, LoopPool::open(LoopPoolOptions{}));
+  }
+  auto q = std::make_unique<Ext4Quota>(opts.root, disksDir, std::move(mkfs), eo, opts.loops,
+                                       std::move(own));
   RETURN_IF_ERROR(q->open(opts.adopt));  // on error q's destructor undoes it
   return std::unique_ptr<DiskQuota>(std::move(q));
 }

@@ -26,7 +26,9 @@
 // <root> is bound on itself as a shared mount, so the move and the unmounts
 // reach the mount namespaces cloned from ours in the meantime (spare agents,
 // VM processes); a removed sandbox's filesystem then goes with its last
-// mount, and its loop device (autoclear) with it.
+// mount, and its loop device (autoclear) with it. The devices come from the
+// edge's LoopPool (DiskQuotaOptions::loops) and go back to it when a disk is
+// thrown away: reused, or removed beyond its free list (loop_device.h).
 #pragma once
 
 #include <cstdint>

@@ -272,6 +272,7 @@ Result<std::unique_ptr<ContainerBackend>> ContainerBackend::make(ContainerOption
   qo.poolBytes = opts.diskPoolBytes;
   qo.mode = opts.diskQuota;
   qo.adopt = !keep.empty();
+  qo.loops = opts.loops;
   ASSIGN_OR_RETURN(b->quota_, openDiskQuota(qo));
   if (!keep.empty()) {
     // The other sandboxes' directories go through the quota (a tmpfs or a

@@ -52,6 +52,9 @@ struct ContainerOptions {
   // Sandboxes run in user namespaces when set and enabled. Not owned; must
   // outlive the backend. The layer cache must have the same idmap set.
   const Userns* userns = nullptr;
+  // The edge's loop devices, for the disk quota (DiskQuotaOptions::loops).
+  // Not owned; must outlive the backend. Null: the quota's own.
+  LoopPool* loops = nullptr;
 };
 
 class ContainerBackend : public Backend {
