@@ -279,6 +279,8 @@ Result<InitConfig> parseInitConfig(std::string_view payload) {
     if (!it->is_object()) return invalidArg("rootfs", "rootfs must be an object");
     RootfsConfig r;
     RETURN_IF_ERROR(readBool(*it, "mount_fd", r.mountFd));
+    RETURN_IF_ERROR(readBool(*it, "disk_fd", r.diskFd));
+    if (r.diskFd && !r.mountFd) return invalidArg("rootfs.disk_fd", "disk_fd needs mount_fd");
     if (r.mountFd) {
       RETURN_IF_ERROR(readString(*it, "target", true, r.target));
       bool dotdot = r.target == ".." || r.target.rfind("../", 0) == 0 ||
@@ -342,6 +344,9 @@ Status setupContainer(const InitConfig& config, int rootfsFd, const std::string&
       // The edge's overlay (host user namespace, nodev) joins our mount
       // namespace. Its flags are not locked for us, which is why seccomp
       // denies mount calls to everything that runs after this setup.
+      // The target may be in our private stage (the edge's detached layout),
+      // where nothing made it yet.
+      RETURN_IF_ERROR(ensureDir(r.target, 0755));
       if (::syscall(SYS_move_mount, rootfsFd, "", AT_FDCWD, r.target.c_str(),
                     0x4 /*MOVE_MOUNT_F_EMPTY_PATH*/) < 0) {
         return sysError("attach rootfs " + r.target);

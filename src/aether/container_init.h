@@ -19,6 +19,11 @@ struct RootfsConfig {
   // a mount fd with the init frame; lower, upper and work are then absent
   // and target may be relative to aether's working directory.
   bool mountFd = false;
+  // With mount_fd: a second fd came along, a read-only clone of the
+  // sandbox's disk that PID 1 keeps (close-on-exec) at a fixed number, so a
+  // restarted edge can take it back with pidfd_getfd (aether/main.cc).
+  // target (relative) then lies in the private stage and is made if missing.
+  bool diskFd = false;
   std::vector<std::string> lower;  // top layer first
   std::string upper;
   std::string work;

@@ -36,6 +36,11 @@ constexpr int kConnFd = 3;
 // the edge goes away (AgentOptions::reattach_fd); held on /dev/null until
 // then. Claimed first thing, before anything else may be given that number.
 constexpr int kReattachFd = 9;
+// Where PID 1 keeps the read-only clone of its sandbox's disk that the edge
+// sends with init (RootfsConfig::diskFd), for a restarted edge to take back
+// with pidfd_getfd; /dev/null without one. Close-on-exec: no exec'd process
+// inherits it.
+constexpr int kDiskFd = 10;
 
 // pipe() and friends must never hand out 0-2 (they would become an exec's
 // stdio by accident), so make sure those are open.
@@ -69,10 +74,11 @@ Status writeAllBlocking(int fd, std::string_view data) {
   return Status::ok();
 }
 
-// Before the event loop exists: a blocking read of the first frame. A file
-// descriptor sent along with it (SCM_RIGHTS: the rootfs mount in user
-// namespace mode) lands in `passed`; any further ones are closed.
-Result<proto::Frame> readFirstFrame(int fd, proto::FrameDecoder& decoder, UniqueFd& passed) {
+// Before the event loop exists: a blocking read of the first frame. File
+// descriptors sent along with it (SCM_RIGHTS: the rootfs mount, then the
+// disk clone) land in `passed` and `second`; any further ones are closed.
+Result<proto::Frame> readFirstFrame(int fd, proto::FrameDecoder& decoder, UniqueFd& passed,
+                                    UniqueFd& second) {
   char buf[65536];
   proto::Frame f;
   while (!decoder.next(f)) {
@@ -94,10 +100,12 @@ Result<proto::Frame> readFirstFrame(int fd, proto::FrameDecoder& decoder, Unique
       for (size_t i = 0; i < count; ++i) {
         int got;
         std::memcpy(&got, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
-        if (passed) {
-          ::close(got);
-        } else {
+        if (!passed) {
           passed.reset(got);
+        } else if (!second) {
+          second.reset(got);
+        } else {
+          ::close(got);
         }
       }
     }
@@ -148,9 +156,10 @@ int realMain(int argc, char** argv) {
   ensureStdFds();
   if (!no_init) {
     int null = ::open("/dev/null", O_RDWR | O_CLOEXEC);
-    if (null < 0 || ::dup3(null, kReattachFd, O_CLOEXEC) < 0) {
-      std::fprintf(stderr, "dsec-aether: cannot reserve fd %d: %s\n", kReattachFd,
-                   std::strerror(errno));
+    if (null < 0 || ::dup3(null, kReattachFd, O_CLOEXEC) < 0 ||
+        ::dup3(null, kDiskFd, O_CLOEXEC) < 0) {
+      std::fprintf(stderr, "dsec-aether: cannot reserve fds %d and %d: %s\n", kReattachFd,
+                   kDiskFd, std::strerror(errno));
       return 2;
     }
     ::close(null);
@@ -200,8 +209,8 @@ int realMain(int argc, char** argv) {
                      r.status().toString().c_str());
       }
     }
-    UniqueFd rootfsFd;
-    Result<proto::Frame> first = readFirstFrame(conn.get(), decoder, rootfsFd);
+    UniqueFd rootfsFd, diskFd;
+    Result<proto::Frame> first = readFirstFrame(conn.get(), decoder, rootfsFd, diskFd);
     if (!first.isOk()) {
       std::fprintf(stderr, "dsec-aether: %s\n", first.status().toString().c_str());
       return 1;
@@ -215,6 +224,19 @@ int realMain(int argc, char** argv) {
     Status st = setupContainer(*config, rootfsFd.get(), staged);
     rootfsFd.reset();  // attached (or refused): the sandbox must not keep it
     if (!st.isOk()) return failStartup(conn.get(), st);
+    if (diskFd) {
+      if (!config->rootfs || !config->rootfs->diskFd) {
+        return failStartup(conn.get(), invalidArg("rootfs.disk_fd",
+                                                  "a second fd came with init without disk_fd"));
+      }
+      if (::dup3(diskFd.get(), kDiskFd, O_CLOEXEC) < 0) {
+        return failStartup(conn.get(), sysError("keep the disk clone"));
+      }
+      diskFd.reset();
+    } else if (config->rootfs && config->rootfs->diskFd) {
+      return failStartup(conn.get(),
+                         invalidArg("rootfs.disk_fd", "disk_fd is set but no disk fd came"));
+    }
     if (!config->working_dir.empty()) {
       st = makeDir(config->working_dir, true, 0755);
       if (!st.isOk()) return failStartup(conn.get(), st.withContext("working_dir " + config->working_dir));

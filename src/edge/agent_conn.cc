@@ -101,6 +101,14 @@ bool AgentConn::dead() const {
 
 Status AgentConn::send(uint32_t stream, proto::FrameType type, std::string_view payload,
                        int passFd) {
+  std::vector<int> fds;
+  if (passFd >= 0) fds.push_back(passFd);
+  return send(stream, type, payload, fds);
+}
+
+Status AgentConn::send(uint32_t stream, proto::FrameType type, std::string_view payload,
+                       const std::vector<int>& passFds) {
+  if (passFds.size() > kMaxPassFds) return invalidArg("fds", "too many descriptors for one frame");
   if (payload.size() > proto::kMaxPayload) return internalError("frame payload too large");
   std::string wire;
   wire.reserve(payload.size() + proto::kHeaderSize);
@@ -110,19 +118,19 @@ Status AgentConn::send(uint32_t stream, proto::FrameType type, std::string_view 
   size_t off = 0;
   while (off < wire.size()) {
     ssize_t n;
-    if (off == 0 && passFd >= 0) {
+    if (off == 0 && !passFds.empty()) {
       struct iovec iov = {wire.data(), wire.size()};
-      alignas(struct cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+      alignas(struct cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxPassFds)] = {};
       struct msghdr msg = {};
       msg.msg_iov = &iov;
       msg.msg_iovlen = 1;
       msg.msg_control = control;
-      msg.msg_controllen = sizeof control;
+      msg.msg_controllen = CMSG_SPACE(sizeof(int) * passFds.size());
       struct cmsghdr* c = CMSG_FIRSTHDR(&msg);
       c->cmsg_level = SOL_SOCKET;
       c->cmsg_type = SCM_RIGHTS;
-      c->cmsg_len = CMSG_LEN(sizeof(int));
-      std::memcpy(CMSG_DATA(c), &passFd, sizeof(int));
+      c->cmsg_len = CMSG_LEN(sizeof(int) * passFds.size());
+      std::memcpy(CMSG_DATA(c), passFds.data(), sizeof(int) * passFds.size());
       n = ::sendmsg(sock_.get(), &msg, MSG_NOSIGNAL);
     } else {
       n = ::send(sock_.get(), wire.data() + off, wire.size() - off, MSG_NOSIGNAL);

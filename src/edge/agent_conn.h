@@ -13,6 +13,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <vector>
 #include <thread>
 #include <unordered_map>
 
@@ -77,6 +78,11 @@ class AgentConn {
   // along with the frame's first byte (SCM_RIGHTS; the caller keeps its
   // copy): the init frame's rootfs mount in user namespace mode.
   Status send(uint32_t stream, proto::FrameType type, std::string_view payload, int passFd = -1);
+  // The same with up to kMaxPassFds descriptors, in order (the init frame's
+  // rootfs mount, then its disk clone). kInvalidArgument for more.
+  static constexpr size_t kMaxPassFds = 4;
+  Status send(uint32_t stream, proto::FrameType type, std::string_view payload,
+              const std::vector<int>& passFds);
 
   // Reactor side: drains readable bytes. False once the connection is dead.
   bool onReadable();

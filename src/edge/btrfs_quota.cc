@@ -125,6 +125,8 @@ class BtrfsQuota : public DiskQuota {
     return Status::ok();
   }
 
+  std::string dirOf(const std::string& name) const override { return root_ + "/" + name; }
+
   Status remove(const std::string& name) override {
     RETURN_IF_ERROR(checkName(name));
     btrfs_ioctl_vol_args args{};

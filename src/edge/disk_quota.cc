@@ -5,6 +5,7 @@
 #include <fcntl.h>
 #include <sys/mount.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -15,6 +16,7 @@
 #include "common/util.h"
 #include "edge/btrfs_quota.h"
 #include "edge/ext4_quota.h"
+#include "edge/userns.h"
 #include "edge/xfs_quota.h"
 
 namespace dsec::edge {
@@ -103,6 +105,89 @@ Status bindShared(const std::string& dir) {
   return Status::ok();
 }
 
+Status DiskTable::put(const std::string& name, UniqueFd mount, bool adopted) {
+  std::lock_guard lk(mu_);
+  auto [it, added] = disks_.try_emplace(name);
+  if (!added) return Status(Code::kAlreadyExists, name + " has a disk already");
+  it->second.mount = std::move(mount);
+  it->second.adopted = adopted;
+  return Status::ok();
+}
+
+bool DiskTable::has(const std::string& name) const {
+  std::lock_guard lk(mu_);
+  return disks_.count(name) != 0;
+}
+
+std::optional<DiskTable::Disk> DiskTable::take(const std::string& name) {
+  std::lock_guard lk(mu_);
+  auto it = disks_.find(name);
+  if (it == disks_.end()) return std::nullopt;
+  Disk d = std::move(it->second);
+  disks_.erase(it);
+  return d;
+}
+
+int DiskTable::fd(const std::string& name) const {
+  std::lock_guard lk(mu_);
+  auto it = disks_.find(name);
+  return it == disks_.end() ? -1 : it->second.mount.get();
+}
+
+std::string DiskTable::dirOf(const std::string& name, const std::string& fallback) const {
+  int f = fd(name);
+  if (f < 0) return fallback;
+  // Our pid, not "self": mkfs.erofs (pack_diff) is handed this path too.
+  return "/proc/" + std::to_string(::getpid()) + "/fd/" + std::to_string(f);
+}
+
+size_t DiskTable::size() const {
+  std::lock_guard lk(mu_);
+  return disks_.size();
+}
+
+namespace {
+
+constexpr unsigned kFsopenCloexec = 1;      // FSOPEN_CLOEXEC
+constexpr unsigned kFsconfigSetString = 1;  // FSCONFIG_SET_STRING
+constexpr unsigned kFsconfigCmdCreate = 6;  // FSCONFIG_CMD_CREATE
+constexpr unsigned kFsmountCloexec = 1;     // FSMOUNT_CLOEXEC
+
+// A detached tmpfs (fsmount): `data` as "key=value,key=value".
+Result<UniqueFd> detachedTmpfs(const std::string& data) {
+  UniqueFd fs(int(::syscall(SYS_fsopen, "tmpfs", kFsopenCloexec)));
+  if (!fs) return sysError("fsopen tmpfs");
+  for (const auto& kv : splitString(data, ',')) {
+    auto eq = kv.find('=');
+    if (eq == std::string::npos) continue;
+    std::string key = kv.substr(0, eq), value = kv.substr(eq + 1);
+    if (::syscall(SYS_fsconfig, fs.get(), kFsconfigSetString, key.c_str(), value.c_str(), 0) != 0) {
+      return sysError("tmpfs " + kv);
+    }
+  }
+  if (::syscall(SYS_fsconfig, fs.get(), kFsconfigCmdCreate, nullptr, nullptr, 0) != 0) {
+    return sysError("create tmpfs");
+  }
+  UniqueFd m(int(::syscall(SYS_fsmount, fs.get(), kFsmountCloexec, 0)));
+  if (!m) return sysError("fsmount tmpfs");
+  return m;
+}
+
+}  // namespace
+
+Status probeDetachedDisks() {
+  ASSIGN_OR_RETURN(UniqueFd tmp, detachedTmpfs("size=1048576,mode=0700"));
+  for (const char* d : {"l", "u", "w"}) {
+    if (::mkdirat(tmp.get(), d, 0700) != 0) return sysError("mkdir in a detached tmpfs");
+  }
+  std::string dir = "/proc/self/fd/" + std::to_string(tmp.get());
+  auto ov = makeOverlay(std::vector<std::string>{dir + "/l"}, dir + "/u", dir + "/w");
+  if (!ov.isOk()) {
+    return std::move(ov).takeStatus().withContext("overlay over a detached mount (Linux >= 6.15)");
+  }
+  return Status::ok();
+}
+
 namespace {
 
 Status checkName(const std::string& name) {
@@ -115,16 +200,25 @@ Status checkName(const std::string& name) {
 // A tmpfs per sandbox. <root> is bound on itself and made shared, so a tmpfs
 // mounted on <root>/<name> after an agent was cloned (the spare pool) still
 // appears in that agent's mount namespace (until it makes its tree private).
+//
+// Detached (DiskQuotaOptions::detach): each tmpfs is made with fsmount(2)
+// and held by fd, attached nowhere; <root> is not bound.
 class TmpfsQuota : public DiskQuota {
  public:
-  explicit TmpfsQuota(std::string root) : root_(std::move(root)) {}
+  TmpfsQuota(std::string root, bool detach) : root_(std::move(root)), detach_(detach) {}
   ~TmpfsQuota() override { close(); }
 
   Status open(bool adopt) {
-    // The earlier edge's shared bind is still there when its sandboxes are.
+    // The earlier edge's shared bind is still there when its sandboxes are
+    // (sandboxes of an edge that mounted them on <root>/<name>).
     if (adopt && isMountPoint(root_)) {
       bound_ = true;
       return Status::ok();
+    }
+    if (detach_) {
+      // A kernel refusing size= shows now, not at the first create.
+      auto probe = detachedTmpfs(tmpfsMountData(kMinProbeBytes, ::sysconf(_SC_PAGESIZE)));
+      return probe.isOk() ? Status::ok() : probe.status();
     }
     RETURN_IF_ERROR(bindShared(root_));
     bound_ = true;
@@ -140,17 +234,36 @@ class TmpfsQuota : public DiskQuota {
 
   DiskQuotaKind kind() const override { return DiskQuotaKind::kTmpfs; }
   std::string describe() const override {
+    if (detach_) return "tmpfs, one per sandbox, detached (RAM, charged to its memory cgroup)";
     return "tmpfs, one per sandbox under " + root_ + " (RAM, charged to its memory cgroup)";
   }
   int overLimitErrno() const override { return ENOSPC; }
 
   Status create(const std::string& name, int64_t bytes) override {
     RETURN_IF_ERROR(checkName(name));
+    if (detach_) {
+      if (disks_.has(name)) return Status(Code::kAlreadyExists, name + " has a disk already");
+      ASSIGN_OR_RETURN(UniqueFd m,
+                       detachedTmpfs(tmpfsMountData(bytes, ::sysconf(_SC_PAGESIZE))));
+      return disks_.put(name, std::move(m), false);
+    }
     return mountAt(root_ + "/" + name, bytes);
+  }
+
+  std::string dirOf(const std::string& name) const override {
+    return disks_.dirOf(name, root_ + "/" + name);
+  }
+  int diskFd(const std::string& name) const override { return disks_.fd(name); }
+  Status adoptDisk(const std::string& name, UniqueFd mount) override {
+    RETURN_IF_ERROR(checkName(name));
+    return disks_.put(name, std::move(mount), true);
   }
 
   Status remove(const std::string& name) override {
     RETURN_IF_ERROR(checkName(name));
+    // Its pages go once the sandbox's overlay (its mount namespace) and our fd
+    // have let go.
+    if (disks_.take(name)) return Status::ok();
     std::string dir = root_ + "/" + name;
     // EINVAL: not a mount point (a failed create's leftover, or none).
     if (::umount2(dir.c_str(), MNT_DETACH) != 0 && errno != EINVAL && errno != ENOENT) {
@@ -179,7 +292,9 @@ class TmpfsQuota : public DiskQuota {
   }
 
   const std::string root_;
+  const bool detach_;
   bool bound_ = false;
+  DiskTable disks_;
 };
 
 // Plain directories: nothing enforced.
@@ -199,6 +314,7 @@ class NoQuota : public DiskQuota {
     RETURN_IF_ERROR(checkName(name));
     return removeTree(root_ + "/" + name);
   }
+  std::string dirOf(const std::string& name) const override { return root_ + "/" + name; }
   void close() override {}
   void keepForNextEdge() override {}
 
@@ -221,7 +337,7 @@ Result<std::unique_ptr<DiskQuota>> openKind(DiskQuotaKind kind, const DiskQuotaO
     case DiskQuotaKind::kExt4: return openExt4Quota(opts, ext4DisksDir(opts));
     case DiskQuotaKind::kBtrfs: return openBtrfsQuota(opts);
     case DiskQuotaKind::kTmpfs: {
-      auto q = std::make_unique<TmpfsQuota>(opts.root);
+      auto q = std::make_unique<TmpfsQuota>(opts.root, opts.detach);
       RETURN_IF_ERROR(q->open(opts.adopt));
       return std::unique_ptr<DiskQuota>(std::move(q));
     }

@@ -26,16 +26,30 @@
 //          ENOSPC, but RAM-backed: the pages are charged to the sandbox's
 //          memory cgroup. Needs only tmpfs, so it is the fallback.
 //   none   plain directories: disk_mb is not enforced (only when asked for).
+//
+// Where the kernel allows it (probeDetachedDisks: Linux >= 6.15), the ext4
+// and tmpfs mechanisms keep each sandbox's filesystem a *detached* mount held
+// by an fd (fsmount(2)), attached in no mount namespace: the edge's mount
+// table, which every new sandbox's namespace is copied from, then holds no
+// mount per sandbox (issue 30). The edge reaches the filesystem through
+// dirOf() (/proc/<edge pid>/fd/N), builds the overlay over it and hands that
+// to the sandbox by fd. Elsewhere (the fallback) they are mounted on
+// <root>/<name> under a shared bind of <root>, as before.
 // ext4 project quotas are not implemented (EDQUOT, like btrfs): see
 // docs/container-backend.md.
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <mutex>
+#include <set>
 #include <string>
+#include <optional>
 #include <string_view>
 #include <vector>
 
+#include "common/fd.h"
 #include "common/status.h"
 
 namespace dsec::edge {
@@ -64,6 +78,11 @@ struct DiskQuotaOptions {
   // the quota. Null: the ext4 mechanism makes a pool of its own that
   // attributes nothing across runs.
   LoopPool* loops = nullptr;
+  // The sandboxes being re-adopted (with adopt): their images stay.
+  std::set<std::string> keep;
+  // ext4 and tmpfs: keep disks detached (see above). The caller sets it from
+  // probeDetachedDisks(); false: mounted on <root>/<name>.
+  bool detach = false;
 };
 
 // Where sandboxes' writable layers live and what bounds them. Thread-safe:
@@ -86,6 +105,20 @@ class DiskQuota {
   // sandbox's processes must be gone. Space may return to the pool a little
   // later (btrfs drops a subvolume in the background).
   virtual Status remove(const std::string& name) = 0;
+  // The sandbox's directory as a path that this process and the host-root
+  // processes it starts (mkfs.erofs) can use until remove(name): <root>/<name>,
+  // or for a detached disk /proc/<edge pid>/fd/N, the magic link to its root.
+  virtual std::string dirOf(const std::string& name) const = 0;
+  // The detached disk's mount fd (borrowed: valid until remove(name)), -1
+  // when `name` has none (not detached, or not created).
+  virtual int diskFd(const std::string& /*name*/) const { return -1; }
+  // Crash adoption: `mount` (a detached mount of a live sandbox's disk: the
+  // read-only clone its agent holds) becomes name's disk; it is never
+  // recycled, and remove(name) drops it and the image. kAlreadyExists when
+  // name has one; kFailedPrecondition for mechanisms without detached disks.
+  virtual Status adoptDisk(const std::string& name, UniqueFd /*mount*/) {
+    return Status(Code::kFailedPrecondition, name + ": this disk quota has no detached disks");
+  }
   // Tears down what open made (unmounts the pool, lets its loop device go,
   // deletes its image). Sandboxes must have been removed. Idempotent.
   virtual void close() = 0;
@@ -94,6 +127,34 @@ class DiskQuota {
   // the destructor then do nothing.
   virtual void keepForNextEdge() = 0;
 };
+
+// The detached disks of a mechanism, by sandbox name. Thread-safe.
+class DiskTable {
+ public:
+  struct Disk {
+    UniqueFd mount;  // fsmount(2) or a clone: attached nowhere
+    bool adopted = false;
+  };
+  // kAlreadyExists when name has one.
+  Status put(const std::string& name, UniqueFd mount, bool adopted);
+  bool has(const std::string& name) const;
+  // Removes and returns name's disk; nullopt when it has none.
+  std::optional<Disk> take(const std::string& name);
+  int fd(const std::string& name) const;  // -1: none
+  // /proc/<our pid>/fd/N for name's disk, else `fallback`.
+  std::string dirOf(const std::string& name, const std::string& fallback) const;
+  size_t size() const;
+
+ private:
+  mutable std::mutex mu_;  // guards disks_
+  std::map<std::string, Disk> disks_;
+};
+
+// Whether this kernel lets the edge build an overlay whose upper and work
+// dirs lie in a detached mount (fsmount), reached by /proc/self/fd/N: tried on
+// a throwaway tmpfs. Needs Linux >= 6.15 (clone_private_mount of detached
+// mounts). The error names the step that failed.
+Status probeDetachedDisks();
 
 // Parses a mode into the mechanisms to try, in order. kInvalidArgument
 // (field "disk-quota") for an unknown mode.

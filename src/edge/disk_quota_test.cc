@@ -7,19 +7,23 @@
 #include <linux/fs.h>
 #include <sys/ioctl.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
+#include <cstring>
 #include <iostream>
 #include <string>
 #include <thread>
 
 #include "common/fd.h"
+#include "common/mountinfo.h"
 #include "common/util.h"
 #include "edge/btrfs_quota.h"
 #include "edge/ext4_quota.h"
+#include "edge/userns.h"
 #include "edge/image/layer_cache.h"
 #include "edge/xfs_quota.h"
 
@@ -441,6 +445,181 @@ TEST(Ext4Quota, GivesEnospcPerSandboxAndCleansUp) {
   EXPECT_TRUE(mountsUnder(tmp.path).empty());
   EXPECT_NE(::access(disks.c_str(), F_OK), 0) << "images left";
   EXPECT_TRUE(eventually([&] { return loopsBackedBy(disks).empty(); }));
+}
+
+std::string detachedSkipReason() {
+  if (::geteuid() != 0) return "needs root (mount)";
+  if (Status st = probeDetachedDisks(); !st.isOk()) {
+    return "this kernel cannot keep disks detached: " + st.toString();
+  }
+  return {};
+}
+
+// An overlay whose upper and work dirs lie in a detached tmpfs (reached by
+// /proc/self/fd/N) takes writes into that upper dir, and nothing of it is
+// mounted anywhere: the layout the container backend uses on such kernels.
+TEST(DetachedDisks, OverlayWritesIntoADetachedUpper) {
+  if (auto why = detachedSkipReason(); !why.empty()) GTEST_SKIP() << why;
+  int64_t before = mountCount();
+  TempDir tmp;
+  ASSERT_FALSE(tmp.path.empty());
+  DiskQuotaOptions o;
+  o.root = tmp.path;
+  o.mode = "tmpfs";
+  o.detach = true;
+  auto q = openDiskQuota(o);
+  ASSERT_TRUE(q.isOk()) << q.status().toString();
+  ASSERT_TRUE((*q)->create("sb-a", 1 << 20).isOk());
+  std::string d = (*q)->dirOf("sb-a");
+  for (const char* sub : {"/lower", "/upper", "/work"}) {
+    ASSERT_EQ(::mkdir((d + sub).c_str(), 0755), 0) << d << sub;
+  }
+  ASSERT_TRUE(writeFileAtomic(d + "/lower/base", "lower").isOk());
+  {
+    auto ov = makeOverlay(std::vector<std::string>{d + "/lower"}, d + "/upper", d + "/work");
+    ASSERT_TRUE(ov.isOk()) << ov.status().toString();
+    {
+      UniqueFd f(::openat(ov->get(), "new", O_WRONLY | O_CREAT | O_CLOEXEC, 0644));
+      ASSERT_TRUE(f) << std::strerror(errno);
+      ASSERT_EQ(::write(f.get(), "x", 1), 1);
+    }
+    struct stat st;
+    EXPECT_EQ(::fstatat(ov->get(), "base", &st, 0), 0);
+    EXPECT_EQ(::stat((d + "/upper/new").c_str(), &st), 0) << "the write is not in the upper dir";
+    EXPECT_EQ(mountCount(), before);
+  }
+  EXPECT_TRUE((*q)->remove("sb-a").isOk());
+}
+
+// Issue 30: detached disks are mounted nowhere (our mount table does not
+// change), reached through dirOf (/proc/PID/fd/N), bounded as before, and a
+// removed one is recycled in place or let go with its loop device and image.
+TEST(Ext4Quota, DetachedDisksAreMountedNowhere) {
+  if (auto why = ext4SkipReason(); !why.empty()) GTEST_SKIP() << why;
+  if (auto why = detachedSkipReason(); !why.empty()) GTEST_SKIP() << why;
+  TempDir tmp;
+  ASSERT_FALSE(tmp.path.empty());
+  DiskQuotaOptions o;
+  o.root = tmp.path + "/sandboxes";
+  o.detach = true;
+  ASSERT_TRUE(makeDirs(o.root, 0700).isOk());
+  std::string disks = tmp.path + "/disks";
+  constexpr int64_t kLimit = 32ll << 20;
+  Ext4QuotaOptions eo;
+  eo.sparesPerSize = 1;
+  eo.initialSize = kLimit;
+  int64_t mountsBefore = mountCount();
+  auto q = openExt4Quota(o, disks, eo);
+  ASSERT_TRUE(q.isOk()) << q.status().toString();
+  DiskQuota& dq = **q;
+  EXPECT_EQ(mountCount(), mountsBefore) << "no shared bind of the root";
+  ASSERT_TRUE(dq.create("sb-a", kLimit).isOk());
+  ASSERT_TRUE(dq.create("sb-b", 2 * kLimit).isOk());
+  EXPECT_EQ(dq.create("sb-a", kLimit).code(), Code::kAlreadyExists);
+  EXPECT_EQ(mountCount(), mountsBefore) << "a sandbox's disk is mounted somewhere";
+  EXPECT_NE(::access((o.root + "/sb-a").c_str(), F_OK), 0);
+  for (const char* n : {"sb-a", "sb-b"}) {
+    std::string d = dq.dirOf(n);
+    EXPECT_TRUE(startsWith(d, "/proc/")) << d;
+    EXPECT_GE(dq.diskFd(n), 0);
+    struct stat st;
+    ASSERT_EQ(::stat(d.c_str(), &st), 0) << d;
+    EXPECT_EQ(st.st_mode & 07777, 0700u);
+    EXPECT_EQ(loopsBackedBy(disks + "/" + n + ".img").size(), 1u) << n;
+    EXPECT_EQ(::mkdir((d + "/upper").c_str(), 0755), 0) << d;
+  }
+  EXPECT_EQ(dq.dirOf("sb-zz"), o.root + "/sb-zz");
+  EXPECT_EQ(dq.diskFd("sb-zz"), -1);
+  int64_t written = 0;
+  std::string big = dq.dirOf("sb-a") + "/upper/big";
+  EXPECT_EQ(writeZeros(big, 2 * kLimit, &written), ENOSPC);
+  EXPECT_GT(written, kLimit * 3 / 4);
+  EXPECT_EQ(writeZeros(dq.dirOf("sb-b") + "/upper/f", kLimit, &written), 0);
+  // Both hold little once big is gone: emptied in place and kept as spares
+  // (their images renamed), or thrown away; either way nothing is mounted.
+  ASSERT_EQ(::unlink(big.c_str()), 0);
+  EXPECT_TRUE(dq.remove("sb-a").isOk());
+  EXPECT_TRUE(dq.remove("sb-a").isOk());
+  EXPECT_TRUE(dq.remove("sb-b").isOk());
+  EXPECT_EQ(dq.diskFd("sb-a"), -1);
+  EXPECT_NE(::access((disks + "/sb-a.img").c_str(), F_OK), 0);
+  EXPECT_NE(::access((disks + "/sb-b.img").c_str(), F_OK), 0);
+  EXPECT_EQ(mountCount(), mountsBefore);
+  dq.close();
+  EXPECT_EQ(mountCount(), mountsBefore);
+  EXPECT_TRUE(eventually([&] { return loopsBackedBy(disks).empty(); }));
+  EXPECT_NE(::access(disks.c_str(), F_OK), 0) << "images left";
+}
+
+// A restarted edge takes a live sandbox's disk back from a read-only clone
+// (the one its agent holds); remove lets it go and deletes the image, and
+// keeps (by opts.keep) the images of sandboxes being re-adopted at open.
+TEST(Ext4Quota, DetachedDiskIsAdoptedFromAClone) {
+  if (auto why = ext4SkipReason(); !why.empty()) GTEST_SKIP() << why;
+  if (auto why = detachedSkipReason(); !why.empty()) GTEST_SKIP() << why;
+  TempDir tmp;
+  ASSERT_FALSE(tmp.path.empty());
+  DiskQuotaOptions o;
+  o.root = tmp.path + "/sandboxes";
+  o.detach = true;
+  ASSERT_TRUE(makeDirs(o.root, 0700).isOk());
+  std::string disks = tmp.path + "/disks";
+  Ext4QuotaOptions eo;
+  eo.sparesPerSize = 0;
+  eo.recycledPerSize = 0;
+  UniqueFd clone;
+  {
+    auto q = openExt4Quota(o, disks, eo);
+    ASSERT_TRUE(q.isOk()) << q.status().toString();
+    ASSERT_TRUE((*q)->create("sb-a", 32ll << 20).isOk());
+    ASSERT_TRUE(writeFileAtomic((*q)->dirOf("sb-a") + "/f", "hi").isOk());
+    clone.reset(int(::syscall(SYS_open_tree, (*q)->diskFd("sb-a"), "",
+                              1 /*OPEN_TREE_CLONE*/ | O_CLOEXEC | AT_EMPTY_PATH)));
+    ASSERT_TRUE(clone) << std::strerror(errno);
+    (*q)->keepForNextEdge();
+  }
+  EXPECT_EQ(::access((disks + "/sb-a.img").c_str(), F_OK), 0);
+  o.adopt = true;
+  o.keep = {"sb-a"};
+  auto q = openExt4Quota(o, disks, eo);
+  ASSERT_TRUE(q.isOk()) << q.status().toString();
+  EXPECT_EQ(::access((disks + "/sb-a.img").c_str(), F_OK), 0) << "a kept image was removed";
+  ASSERT_TRUE((*q)->adoptDisk("sb-a", std::move(clone)).isOk());
+  auto f = readFile((*q)->dirOf("sb-a") + "/f");
+  ASSERT_TRUE(f.isOk()) << f.status().toString();
+  EXPECT_EQ(*f, "hi");
+  EXPECT_TRUE((*q)->remove("sb-a").isOk());
+  EXPECT_NE(::access((disks + "/sb-a.img").c_str(), F_OK), 0);
+  (*q)->close();
+  EXPECT_TRUE(eventually([&] { return loopsBackedBy(disks).empty(); }));
+}
+
+TEST(TmpfsQuota, DetachedDisksAreMountedNowhere) {
+  if (auto why = detachedSkipReason(); !why.empty()) GTEST_SKIP() << why;
+  TempDir tmp;
+  ASSERT_FALSE(tmp.path.empty());
+  DiskQuotaOptions o;
+  o.root = tmp.path + "/sandboxes";
+  o.mode = "tmpfs";
+  o.detach = true;
+  ASSERT_TRUE(makeDirs(o.root, 0700).isOk());
+  int64_t mountsBefore = mountCount();
+  auto q = openDiskQuota(o);
+  ASSERT_TRUE(q.isOk()) << q.status().toString();
+  DiskQuota& dq = **q;
+  constexpr int64_t kLimit = 2 << 20;
+  ASSERT_TRUE(dq.create("sb-a", kLimit).isOk());
+  EXPECT_EQ(dq.create("sb-a", kLimit).code(), Code::kAlreadyExists);
+  EXPECT_EQ(mountCount(), mountsBefore);
+  int64_t written = 0;
+  std::string big = dq.dirOf("sb-a") + "/big";
+  EXPECT_EQ(writeZeros(big, 2 * kLimit, &written), ENOSPC);
+  EXPECT_EQ(written, kLimit);
+  EXPECT_TRUE(dq.remove("sb-a").isOk());
+  EXPECT_TRUE(dq.remove("sb-a").isOk());
+  EXPECT_EQ(dq.diskFd("sb-a"), -1);
+  dq.close();
+  EXPECT_EQ(mountCount(), mountsBefore);
 }
 
 // The loop device behind a sandbox's image, or "" (the sysfs entry's path).

@@ -1107,12 +1107,16 @@ Result<image::BuiltLayer> Edge::packDiff(const std::string& id, const std::strin
   // ones, so snapshots stay portable between nodes and modes. The overlay's
   // own whiteouts belong to host 0 and show as the overflow id there: only
   // their 0:0 device number makes them whiteouts.
+  // A detached disk's upper (/proc/<pid>/fd/N/upper: docs/container-backend.md,
+  // Mounts) gets a read-only view too: mkfs.erofs resolves its source with
+  // realpath(3), which a path through a detached mount does not survive.
+  // The view is one mount for the length of the pack.
   std::string view;
-  if (userns_.enabled) {
+  if (userns_.enabled || startsWith(upper, "/proc/")) {
     RETURN_IF_ERROR(makeDirs(workDir, 0700));
     view = workDir + "/upper-view";
     if (::mkdir(view.c_str(), 0700) != 0 && errno != EEXIST) return sysError("mkdir " + view);
-    auto m = idmappedClone(upper, userns_.inverseFd.get(), true);
+    auto m = idmappedClone(upper, userns_.enabled ? userns_.inverseFd.get() : -1, true);
     if (!m.isOk()) return std::move(m).takeStatus().withContext("pack_diff " + id);
     RETURN_IF_ERROR(attachMount(m->get(), view));
   }

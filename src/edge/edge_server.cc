@@ -11,6 +11,7 @@
 #include "common/base64.h"
 #include "common/http_client.h"
 #include "common/log.h"
+#include "common/mountinfo.h"
 #include "common/util.h"
 #include "proto/codec.h"
 
@@ -78,6 +79,10 @@ void EdgeAgent::writeMetrics(metrics::Writer& w) {
     service = service_.get();  // ids_ is set with it
   }
   w.gauge("dsec_edge_sandboxes", "Sandboxes this node runs.", service ? double(ids_().size()) : 0);
+  w.gauge("dsec_edge_mounts",
+          "Mounts in this edge's mount namespace, which every new sandbox's namespace is copied "
+          "from: constant as sandboxes are added.",
+          double(mountCount()));
   w.gauge("dsec_edge_capacity_slots", "Sandboxes this node offers at most.", double(opts_.slots));
   w.counter("dsec_edge_creates_total", "Creates the platform asked of this node.",
             double(service ? service->creates() : 0));

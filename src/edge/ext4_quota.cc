@@ -90,13 +90,17 @@ bool isOwnExt4Root(int fd, const std::string& parent) {
 // here, slower than a burst of creates takes new ones. Only ever the
 // sandbox's own ext4: `dir` must be a mount root on a device other than its
 // parent's (so never the host filesystem beneath an unmounted `dir`).
+// `top`: an fd on the filesystem's root (a detached disk's mount fd will do).
+void shutDownSandboxFsAt(int top, const std::string& what, const std::string& parent) {
+  if (top < 0 || !isOwnExt4Root(top, parent)) return;
+  uint32_t flags = kExt4GoingFlagsNoLogFlush;
+  if (::ioctl(top, kExt4IocShutdown, &flags) != 0) {
+    log::debug("disk quota: shut down " + what + ": " + std::strerror(errno));
+  }
+}
 void shutDownSandboxFs(const std::string& dir, const std::string& parent) {
   UniqueFd fd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
-  if (!fd || !isOwnExt4Root(fd.get(), parent)) return;
-  uint32_t flags = kExt4GoingFlagsNoLogFlush;
-  if (::ioctl(fd.get(), kExt4IocShutdown, &flags) != 0) {
-    log::debug("disk quota: shut down " + dir + ": " + std::strerror(errno));
-  }
+  shutDownSandboxFsAt(fd.get(), dir, parent);
 }
 
 // Inodes and blocks in use on the filesystem of `fd`.
@@ -121,13 +125,16 @@ Status unmountIfMounted(const std::string& dir) {
 class Ext4Quota : public DiskQuota {
  public:
   Ext4Quota(std::string root, std::string disksDir, std::string mkfs, Ext4QuotaOptions eo,
-            LoopPool* loops, std::unique_ptr<LoopPool> ownLoops)
+            bool detach, std::set<std::string> keep, LoopPool* loops,
+            std::unique_ptr<LoopPool> ownLoops)
       : root_(std::move(root)),
         disks_(std::move(disksDir)),
         mkfs_(std::move(mkfs)),
         eo_(eo),
         ownLoops_(std::move(ownLoops)),
-        loops_(loops ? loops : ownLoops_.get()) {
+        loops_(loops ? loops : ownLoops_.get()),
+        detach_(detach),
+        keep_(std::move(keep)) {
     if (eo_.sparesPerSize > 0 && eo_.sizesKept > 0 && eo_.initialSize > 0) {
       wanted_.push_back(roundBytes(eo_.initialSize));
     }
@@ -136,7 +143,8 @@ class Ext4Quota : public DiskQuota {
 
   DiskQuotaKind kind() const override { return DiskQuotaKind::kExt4; }
   std::string describe() const override {
-    return "ext4, one sparse loop-mounted image per sandbox in " + disks_ + " (" +
+    return "ext4, one sparse loop-mounted image per sandbox in " + disks_ +
+           (detach_ ? ", detached" : "") + " (" +
            std::to_string(eo_.sparesPerSize) + " spares kept per size, up to " +
            std::to_string(eo_.recycledPerSize) + " from removed sandboxes)";
   }
@@ -150,7 +158,7 @@ class Ext4Quota : public DiskQuota {
     bytes = roundBytes(bytes);
     std::string dir = root_ + "/" + name;
     struct stat st;
-    if (::lstat(dir.c_str(), &st) == 0) {
+    if (::lstat(dir.c_str(), &st) == 0 || table_.has(name)) {
       return Status(Code::kAlreadyExists, dir + " exists");
     }
     std::optional<Spare> spare;
@@ -171,6 +179,16 @@ class Ext4Quota : public DiskQuota {
       if (!made.isOk()) return std::move(made).takeStatus();
       spare = std::move(made).value();
     }
+    if (detach_) {
+      // Attached nowhere: the sandbox gets it through its overlay, built by
+      // the edge from dirOf(name), and no mount namespace copies it.
+      renameImage(*spare, name);
+      if (spare->loop >= 0) {
+        std::lock_guard lk(mu_);
+        loopOf_[name] = spare->loop;
+      }
+      return table_.put(name, std::move(spare->mount), false);
+    }
     if (::mkdir(dir.c_str(), 0700) != 0) {
       Status st = sysError("mkdir " + dir);
       destroySpare(*spare);
@@ -190,30 +208,67 @@ class Ext4Quota : public DiskQuota {
       std::lock_guard lk(mu_);
       if (spare->loop >= 0) loopOf_[name] = spare->loop;
     }
-    if (spare->image != imageOf(name) &&
-        ::rename(spare->image.c_str(), imageOf(name).c_str()) != 0) {
-      // Mounted and usable; only its image keeps the spare's name, which the
-      // next start removes as stale once it is unmounted.
-      log::warn("disk quota: rename " + spare->image + ": " + std::strerror(errno));
-    }
+    renameImage(*spare, name);
     return Status::ok();
+  }
+
+  std::string dirOf(const std::string& name) const override {
+    return table_.dirOf(name, root_ + "/" + name);
+  }
+  int diskFd(const std::string& name) const override { return table_.fd(name); }
+  Status adoptDisk(const std::string& name, UniqueFd mount) override {
+    RETURN_IF_ERROR(checkName(name));
+    if (!isOwnExt4Root(mount.get(), root_)) {
+      return Status(Code::kInvalidArgument, name + ": the adopted disk is not an ext4 root");
+    }
+    // Its loop device (an earlier edge's): attached until the disk goes.
+    struct stat st;
+    if (::fstat(mount.get(), &st) == 0) {
+      if (int loop = loops_->indexOf(st.st_dev); loop >= 0) {
+        loops_->adopt(loop);
+        std::lock_guard lk(mu_);
+        loopOf_[name] = loop;
+      }
+    }
+    return table_.put(name, std::move(mount), true);
   }
 
   Status remove(const std::string& name) override {
     RETURN_IF_ERROR(checkName(name));
+    if (auto disk = table_.take(name)) {
+      // A detached disk: emptied and kept as a spare (never an adopted one:
+      // that is the agent's read-only clone), or shut down and let go. The
+      // filesystem then dies with the sandbox's overlay, and its loop
+      // device (autoclear) with it.
+      int fd = disk->mount.get();
+      std::string dir = "/proc/self/fd/" + std::to_string(fd);
+      int loop = takeLoop(name);
+      if (!disk->adopted) {
+        if (auto spare = recycle(name, dir, &disk->mount)) {
+          spare->loop = loop;  // stays bound: the spare holds it
+          log::debug("disk quota: " + name + "'s filesystem emptied, a spare again");
+          std::lock_guard lk(mu_);
+          spares_.emplace(spare->bytes, std::move(*spare));
+          cv_.notify_all();
+          return Status::ok();
+        }
+      }
+      shutDownSandboxFsAt(fd, name, root_);
+      disk->mount.reset();
+      // The device unbinds once the sandbox's overlay lets the filesystem go
+      // (moments from now); the pool reuses or removes it after that.
+      if (loop >= 0) loops_->release(loop);
+      if (::unlink(imageOf(name).c_str()) != 0 && errno != ENOENT) {
+        return sysError("remove " + imageOf(name));
+      }
+      return Status::ok();
+    }
     std::string dir = root_ + "/" + name;
     // Its loop device: known since create, or (a sandbox of an earlier edge)
     // read off the mounted filesystem.
-    int loop = -1;
-    {
-      std::lock_guard lk(mu_);
-      if (auto it = loopOf_.find(name); it != loopOf_.end()) {
-        loop = it->second;
-        loopOf_.erase(it);
-      }
-    }
+    int loop = takeLoop(name);
     if (loop < 0) loop = loopOfDir(dir);
-    if (auto spare = recycle(name, dir)) {
+    if (auto spare = recycle(name, dir, nullptr)) {
       spare->loop = loop;  // stays bound: the spare holds it
       log::debug("disk quota: " + name + "'s filesystem emptied, a spare again");
       std::lock_guard lk(mu_);
@@ -263,8 +318,10 @@ class Ext4Quota : public DiskQuota {
   Status open(bool adopt) {
     RETURN_IF_ERROR(makeDirs(disks_, 0700));
     if (adopt && isMountPoint(root_)) {
+      // An edge that mounted disks on <root>/<name> left its sandboxes
+      // there: they keep that place until destroyed.
       bound_ = true;
-    } else {
+    } else if (!detach_) {
       RETURN_IF_ERROR(bindShared(root_));
       bound_ = true;
     }
@@ -289,6 +346,17 @@ class Ext4Quota : public DiskQuota {
     int loop = -1;   // its loop device's index in loops_ (-1: unknown)
   };
 
+  // The loop device recorded for `name` at create or adoption (forgotten
+  // here); -1 when none is.
+  int takeLoop(const std::string& name) {
+    std::lock_guard lk(mu_);
+    auto it = loopOf_.find(name);
+    if (it == loopOf_.end()) return -1;
+    int loop = it->second;
+    loopOf_.erase(it);
+    return loop;
+  }
+
   // The index of the loop device under the sandbox filesystem mounted on
   // `dir`; -1 when none is (or it is not a sandbox's own ext4).
   int loopOfDir(const std::string& dir) {
@@ -299,6 +367,14 @@ class Ext4Quota : public DiskQuota {
   }
 
   static int64_t roundBytes(int64_t bytes) { return (bytes + kBlock - 1) / kBlock * kBlock; }
+
+  void renameImage(const Spare& spare, const std::string& name) {
+    if (spare.image != imageOf(name) && ::rename(spare.image.c_str(), imageOf(name).c_str()) != 0) {
+      // Mounted and usable; only its image keeps the spare's name, which the
+      // next start removes as stale.
+      log::warn("disk quota: rename " + spare.image + ": " + std::strerror(errno));
+    }
+  }
   std::string imageOf(const std::string& name) const { return disks_ + "/" + name + ".img"; }
 
   // Most recently used first; at most sizesKept. Under mu_.
@@ -385,7 +461,11 @@ class Ext4Quota : public DiskQuota {
   // mount namespace still holds (its overlay's upper and work dirs) are
   // freed moments later, when that namespace is gone; at most
   // recycleMaxBytes / recycleMaxInodes, checked before emptying.
-  std::optional<Spare> recycle(const std::string& name, const std::string& dir) {
+  //
+  // `held`: a detached disk's mount fd (`dir` is /proc/self/fd/N): emptied
+  // in place, and on success moved into the spare as it is (no clone, no
+  // unmount); on failure left to the caller.
+  std::optional<Spare> recycle(const std::string& name, const std::string& dir, UniqueFd* held) {
     if (eo_.recycledPerSize <= 0) return std::nullopt;
     struct stat img;
     if (::stat(imageOf(name).c_str(), &img) != 0) return std::nullopt;
@@ -401,7 +481,8 @@ class Ext4Quota : public DiskQuota {
       }
       fresh = f->second;
     }
-    UniqueFd top(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+    UniqueFd top(held ? ::openat(held->get(), ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC)
+                      : ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
     if (!top || !isOwnExt4Root(top.get(), root_)) return std::nullopt;
     auto used = usageOf(top.get());
     if (!used || used->inodes > fresh.inodes + uint64_t(eo_.recycleMaxInodes) ||
@@ -409,13 +490,15 @@ class Ext4Quota : public DiskQuota {
       return std::nullopt;
     }
     std::vector<std::string> entries;
-    if (DIR* d = ::opendir(dir.c_str())) {
+    int listFd = ::openat(top.get(), ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (DIR* d = listFd >= 0 ? ::fdopendir(listFd) : nullptr) {
       while (auto* e = ::readdir(d)) {
         std::string n = e->d_name;
         if (n != "." && n != "..") entries.push_back(std::move(n));
       }
       ::closedir(d);
     } else {
+      if (listFd >= 0) ::close(listFd);
       return std::nullopt;
     }
     for (auto& n : entries) {
@@ -428,6 +511,12 @@ class Ext4Quota : public DiskQuota {
     if (::fchown(top.get(), 0, 0) != 0 || ::fchmod(top.get(), 0700) != 0) return std::nullopt;
     Spare s;
     s.bytes = bytes;
+    if (held) {
+      s.mount = std::move(*held);
+      s.image = disks_ + "/spare-" + std::to_string(nextSpare_.fetch_add(1)) + ".img";
+      if (::rename(imageOf(name).c_str(), s.image.c_str()) != 0) s.image = imageOf(name);
+      return s;
+    }
     s.mount.reset(
         int(::syscall(SYS_open_tree, AT_FDCWD, dir.c_str(), kOpenTreeClone | kOpenTreeCloexec)));
     if (!s.mount) return std::nullopt;
@@ -605,25 +694,33 @@ class Ext4Quota : public DiskQuota {
   // A crashed or upgraded edge's spares (their mounts were attached nowhere,
   // so they went with its fds) and images no mounted sandbox uses (their
   // mounts went with the crash cleanup, or the sandbox's removal).
+  // Sandboxes being re-adopted keep theirs (keep_; a detached disk is
+  // mounted nowhere), as do those still mounted on <root>/<name> (an edge
+  // that mounted them there). One read of the mount table, not one per image.
   void removeLeftovers() {
+    std::set<std::string> mounted;
+    for (auto& mp : mountsUnder(root_)) mounted.insert(mp);
     if (DIR* d = ::opendir(disks_.c_str())) {
       std::vector<std::string> stale;
       while (auto* e = ::readdir(d)) {
         std::string n = e->d_name;
         if (n == "." || n == "..") continue;
+        std::string id = n.size() > 4 ? n.substr(0, n.size() - 4) : "";
         bool inUse = n.size() > 4 && n.compare(n.size() - 4, 4, ".img") == 0 &&
                      !startsWith(n, "spare-") &&
-                     isMountPoint(root_ + "/" + n.substr(0, n.size() - 4));
+                     (keep_.count(id) != 0 || mounted.count(root_ + "/" + id) != 0);
         if (!inUse) {
           stale.push_back(disks_ + "/" + n);
           continue;
         }
-        // A sandbox being re-adopted: its device is attached until removed.
-        std::string name = n.substr(0, n.size() - 4);
-        if (int loop = loopOfDir(root_ + "/" + name); loop >= 0) {
-          loops_->adopt(loop);
-          std::lock_guard lk(mu_);
-          loopOf_[name] = loop;
+        // A sandbox being re-adopted on <root>/<name>: its device is attached
+        // until removed (a detached one's is adopted with its disk, adoptDisk).
+        if (mounted.count(root_ + "/" + id) != 0) {
+          if (int loop = loopOfDir(root_ + "/" + id); loop >= 0) {
+            loops_->adopt(loop);
+            std::lock_guard lk(mu_);
+            loopOf_[id] = loop;
+          }
         }
       }
       ::closedir(d);
@@ -640,6 +737,9 @@ class Ext4Quota : public DiskQuota {
   // The loop devices: the edge's pool, or (no pool given: tests) our own.
   const std::unique_ptr<LoopPool> ownLoops_;
   LoopPool* const loops_;
+  const bool detach_;                 // disks stay detached (table_), see disk_quota.h
+  const std::set<std::string> keep_;  // re-adopted sandboxes (their images stay)
+  DiskTable table_;                   // detached disks by sandbox name
   bool bound_ = false;  // root_ bound on itself, shared
   bool kept_ = false;   // keepForNextEdge: images stay for the next edge
   std::atomic<uint64_t> nextSpare_{0};
@@ -685,8 +785,8 @@ Result<std::unique_ptr<DiskQuota>> openExt4Quota(const DiskQuotaOptions& opts,
     // No edge pool (tests): one of our own, attributing nothing across runs.
     ASSIGN_OR_RETURN(own, LoopPool::open(LoopPoolOptions{}));
   }
-  auto q = std::make_unique<Ext4Quota>(opts.root, disksDir, std::move(mkfs), eo, opts.loops,
-                                       std::move(own));
+  auto q = std::make_unique<Ext4Quota>(opts.root, disksDir, std::move(mkfs), eo, opts.detach,
+                                       opts.keep, opts.loops, std::move(own));
   RETURN_IF_ERROR(q->open(opts.adopt));  // on error q's destructor undoes it
   return std::unique_ptr<DiskQuota>(std::move(q));
 }

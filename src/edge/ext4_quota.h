@@ -23,12 +23,23 @@
 // spare but needs CAP_SYS_RESOURCE, which the edge may lack (this dev host
 // does), so spares are per size.
 //
-// <root> is bound on itself as a shared mount, so the move and the unmounts
-// reach the mount namespaces cloned from ours in the meantime (spare agents,
-// VM processes); a removed sandbox's filesystem then goes with its last
-// mount, and its loop device (autoclear) with it. The devices come from the
-// edge's LoopPool (DiskQuotaOptions::loops) and go back to it when a disk is
-// thrown away: reused, or removed beyond its free list (loop_device.h).
+// Detached (DiskQuotaOptions::detach, the default where the kernel allows):
+// a create hands the spare over as it is, attached nowhere, held by fd in
+// the quota (dirOf: /proc/<pid>/fd/N); nothing is mounted on <root>/<name>
+// and <root> is not bound, so the edge's mount table does not grow with its
+// sandboxes. A removed sandbox's filesystem is emptied through the fd and
+// kept as it is, or shut down and let go; it goes with the last of the fd
+// and the sandbox's overlay, and its loop device (autoclear) with it.
+//
+// Otherwise <root> is bound on itself as a shared mount, and a create puts
+// the spare on <root>/<name> with one move_mount, so the move and the
+// unmounts reach the mount namespaces cloned from ours in the meantime
+// (spare agents, VM processes); a removed sandbox's filesystem then goes
+// with its last mount, and its loop device (autoclear) with it.
+//
+// The loop devices come from the edge's LoopPool (DiskQuotaOptions::loops)
+// and go back to it when a disk is thrown away: reused, or removed beyond its
+// free list (loop_device.h).
 #pragma once
 
 #include <cstdint>
@@ -62,8 +73,9 @@ struct Ext4QuotaOptions {
 // kFailedPrecondition with the reason otherwise, or when the probe (one
 // spare formatted and mounted at start) fails. Images live in `disksDir`
 // (made if missing; must not be under opts.root). With opts.adopt, takes over
-// the shared bind and the sandboxes' mounts an earlier edge left; either way
-// stale spares and images of no mounted sandbox are removed. On error nothing
+// the shared bind and the sandboxes' mounts an earlier edge left (older
+// layout); either way stale spares and images of no sandbox in opts.keep nor
+// mounted are removed. Re-adopted detached disks come back by adoptDisk. On error nothing
 // is left mounted or attached.
 Result<std::unique_ptr<DiskQuota>> openExt4Quota(const DiskQuotaOptions& opts,
                                                  const std::string& disksDir,

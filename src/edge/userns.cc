@@ -123,16 +123,20 @@ Result<UniqueFd> idmappedClone(const std::string& dir, int usernsFd, bool readOn
       int(::syscall(SYS_open_tree, AT_FDCWD, dir.c_str(), kOpenTreeClone | kOpenTreeCloexec)));
   if (!m) return sysError("open_tree " + dir);
   MountAttr a{};
-  a.attrSet = MOUNT_ATTR_IDMAP | (readOnly ? MOUNT_ATTR_RDONLY : 0);
-  a.usernsFd = uint64_t(usernsFd);
-  if (mountSetattr(m.get(), "", AT_EMPTY_PATH, &a) != 0) {
-    return sysError("idmap mount of " + dir);
+  a.attrSet = (usernsFd >= 0 ? MOUNT_ATTR_IDMAP : 0) | (readOnly ? MOUNT_ATTR_RDONLY : 0);
+  a.usernsFd = usernsFd >= 0 ? uint64_t(usernsFd) : 0;
+  if (a.attrSet != 0 && mountSetattr(m.get(), "", AT_EMPTY_PATH, &a) != 0) {
+    return sysError((usernsFd >= 0 ? "idmap mount of " : "read-only clone of ") + dir);
   }
   return m;
 }
 
-Result<UniqueFd> makeOverlay(const std::vector<int>& lowerFds, const std::string& upper,
-                             const std::string& work) {
+namespace {
+
+// One of the two: lower layers by mount fd or by path.
+Result<UniqueFd> overlayOf(const std::vector<int>& lowerFds,
+                           const std::vector<std::string>& lowerPaths, const std::string& upper,
+                           const std::string& work) {
   UniqueFd fs(int(::syscall(SYS_fsopen, "overlay", kFsopenCloexec)));
   if (!fs) return sysError("fsopen overlay");
   auto config = [&](unsigned cmd, const char* key, const char* value, int aux) {
@@ -141,6 +145,11 @@ Result<UniqueFd> makeOverlay(const std::vector<int>& lowerFds, const std::string
   for (int fd : lowerFds) {
     if (!config(kFsconfigSetFd, "lowerdir+", nullptr, fd))
       return fsError("overlay lowerdir+", fs.get());
+  }
+  // One fsconfig per layer: no page-sized limit on the options, however many.
+  for (const auto& p : lowerPaths) {
+    if (!config(kFsconfigSetString, "lowerdir+", p.c_str(), 0))
+      return fsError("overlay lowerdir+ " + p, fs.get());
   }
   // The options the sandbox's own mount(2) used before user namespaces:
   // without index, metacopy and redirect_dir the upper dir is a plain tree of
@@ -161,6 +170,18 @@ Result<UniqueFd> makeOverlay(const std::vector<int>& lowerFds, const std::string
   UniqueFd m(int(::syscall(SYS_fsmount, fs.get(), kFsmountCloexec, MOUNT_ATTR_NODEV)));
   if (!m) return fsError("fsmount overlay", fs.get());
   return m;
+}
+
+}  // namespace
+
+Result<UniqueFd> makeOverlay(const std::vector<int>& lowerFds, const std::string& upper,
+                             const std::string& work) {
+  return overlayOf(lowerFds, {}, upper, work);
+}
+
+Result<UniqueFd> makeOverlay(const std::vector<std::string>& lowerPaths, const std::string& upper,
+                             const std::string& work) {
+  return overlayOf({}, lowerPaths, upper, work);
 }
 
 Status attachMount(int mountFd, const std::string& target) {

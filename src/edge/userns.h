@@ -67,7 +67,8 @@ Result<UniqueFd> makeUsernsFd(const std::string& map);
 Status writeIdMaps(pid_t pid, const std::string& map);
 
 // A detached clone of the mount at `dir` (not recursive) idmapped through
-// `usernsFd`; read-only when asked. The caller owns the mount: closing the
+// `usernsFd` (-1: not idmapped); read-only when asked. `dir` may lie in a
+// detached mount (/proc/self/fd/N/...). The caller owns the mount: closing the
 // fd drops it. sysError of open_tree or mount_setattr (EINVAL: the
 // filesystem does not support idmapped mounts).
 Result<UniqueFd> idmappedClone(const std::string& dir, int usernsFd, bool readOnly);
@@ -77,6 +78,13 @@ Result<UniqueFd> idmappedClone(const std::string& dir, int usernsFd, bool readOn
 // (host paths), index, metacopy and redirect_dir off. The error carries the
 // kernel's fs_context log line when it has one.
 Result<UniqueFd> makeOverlay(const std::vector<int>& lowerFds, const std::string& upper,
+                             const std::string& work);
+
+// The same with the lower layers named by path (top layer first): the
+// node's layer mounts, in our mount namespace. `upper` and `work` may lie in
+// a detached mount reached through /proc/self/fd/N (Linux >= 6.15 lets
+// overlayfs clone a detached mount privately; probeDetachedDisks checks).
+Result<UniqueFd> makeOverlay(const std::vector<std::string>& lowerPaths, const std::string& upper,
                              const std::string& work);
 
 // Attaches a detached mount at `target` (an existing directory).

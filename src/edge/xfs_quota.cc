@@ -108,6 +108,8 @@ class XfsQuota : public DiskQuota {
     return Status::ok();
   }
 
+  std::string dirOf(const std::string& name) const override { return root_ + "/" + name; }
+
   Status remove(const std::string& name) override {
     RETURN_IF_ERROR(checkName(name));
     uint32_t id = 0;

@@ -4,6 +4,7 @@
 #include <nlohmann/json.hpp>
 #include <string_view>
 
+#include "common/mountinfo.h"
 #include "platform/api_util.h"
 #include "platform/platform.h"
 
@@ -71,6 +72,10 @@ void Platform::getNode(http::Response& res) {
                    {"accelerator", node.vm.accelerator.empty() ? json(nullptr)
                                                                    : json(node.vm.accelerator)},
                    {"reason", node.vm.reason}}}}},
+               // The node runs in this process: its mount namespace is ours. It
+               // holds O(1) mounts per node (host, layers, pools), never one
+               // per sandbox (issue 30; docs/container-backend.md).
+               {"edge_mounts", mountCount()},
                {"egress",
                 {{"available", node.egressUnavailable.empty()},
                  {"unavailable_reason", node.egressUnavailable},
@@ -127,6 +132,10 @@ void writeNodeMetrics(const proto::NodeReport& node, int orphanSandboxes, metric
       }
     }
   }
+  w.gauge("dsec_edge_mounts",
+          "Mounts in the node's (this process's) mount namespace, which every new sandbox's "
+          "namespace is copied from: constant as sandboxes are added.",
+          double(mountCount()));
   w.gauge("dsec_node_cache_bytes", "Bytes the node cache holds on disk.",
           double(node.cacheUsedBytes));
   w.gauge("dsec_node_cache_limit_bytes", "Node cache size limit (0: none).",

@@ -36,6 +36,34 @@ print("ptrace", libc.syscall(101, 16, 1, 0, 0), ctypes.get_errno())  # PTRACE_AT
     assert deb.exec("echo agent fine").stdout == "agent fine\n"
 
 
+def test_cannot_take_pid1s_disk_handle(deb):
+    # PID 1 keeps a read-only clone of the sandbox's own disk at fd 10 for a
+    # restarted edge (docs/container-backend.md, Mounts): like fd 3, no
+    # process of the sandbox may pull it out, open it through /proc, or list
+    # what it reaches.
+    r = deb.exec(["python3", "-c", """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+pfd = libc.syscall(434, 1, 0)
+fd = libc.syscall(438, pfd, 10, 0)
+print("getfd", fd, ctypes.get_errno())
+for how in (os.O_RDONLY | os.O_DIRECTORY, os.O_PATH):
+    try:
+        os.open("/proc/1/fd/10", how); print("open ok")
+    except OSError as e:
+        print("open refused", e.errno)
+try:
+    print("list ok", len(os.listdir("/proc/1/fd/10/")))
+except OSError as e:
+    print("list refused", e.errno)
+"""], timeout=30)
+    assert r.exit_code == 0, r.stderr
+    out = r.stdout.splitlines()
+    assert out[0].split()[1] == "-1", out
+    assert not [l for l in out if " ok" in l], out
+    assert deb.exec("echo agent fine").stdout == "agent fine\n"
+
+
 def test_host_logs_are_invisible(bb):
     marker = f"/var/log/dsec-host-secret-{uuid.uuid4().hex}"
     with open(marker, "w") as f:

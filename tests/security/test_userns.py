@@ -24,8 +24,25 @@ def userns(server) -> dict:
     return u
 
 
-def _upper(server, sandbox_id: str) -> str:
-    return os.path.join(str(server.data_dir), "edge", "sandboxes", sandbox_id, "upper")
+def _upper(server, sb) -> str:
+    """The sandbox's upper dir as the host sees it: <data>/edge/sandboxes/<id>/upper,
+    or, where its disk is a detached mount held by the edge (docs/container-backend.md,
+    Mounts), /proc/<edge pid>/fd/N/upper: the edge's fd whose upper dir holds a
+    marker the sandbox just wrote."""
+    legacy = os.path.join(str(server.data_dir), "edge", "sandboxes", sb.id, "upper")
+    if os.path.isdir(legacy):
+        return legacy
+    marker = f".upper-marker-{os.getpid()}-{sb.id}"
+    assert sb.exec(f"touch /{marker}").exit_code == 0
+    try:
+        fds = f"/proc/{server.pid}/fd"
+        for fd in os.listdir(fds):
+            upper = os.path.join(fds, fd, "upper")
+            if os.path.exists(os.path.join(upper, marker)):
+                return upper
+    finally:
+        sb.exec(f"rm -f /{marker}")
+    raise AssertionError(f"no upper dir of {sb.id} on the host")
 
 
 def test_node_reports_the_mapping(userns):
@@ -68,7 +85,7 @@ def test_files_written_inside_belong_to_the_host_range(bb, server, userns):
     assert r.exit_code == 0, r.stderr
     assert r.stdout == "0:0\n"
     base = userns["base"]
-    upper = _upper(server, bb.id)
+    upper = _upper(server, bb)
     st = os.stat(os.path.join(upper, "userns-root.txt"))
     assert (st.st_uid, st.st_gid) == (base, base)
     st = os.stat(os.path.join(upper, "userns-1000.txt"))
@@ -82,7 +99,7 @@ def test_root_inside_cannot_read_a_host_root_file(bb, server, userns):
     # Were a host-root-only file reachable (here: put into the sandbox's upper
     # dir behind its back), root inside still could not read it: its
     # CAP_DAC_OVERRIDE holds only over ids its namespace maps.
-    path = os.path.join(_upper(server, bb.id), "host-root-secret.txt")
+    path = os.path.join(_upper(server, bb), "host-root-secret.txt")
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.write(fd, b"host secret\n")

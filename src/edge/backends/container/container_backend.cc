@@ -14,6 +14,8 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <cstdlib>
+#include <string_view>
 #include <dirent.h>
 #include <utility>
 #include <vector>
@@ -228,6 +230,31 @@ std::vector<std::string> sandboxDirs(const std::string& root) {
 
 // The sandbox agent's reattach descriptor (aether/main.cc).
 constexpr int kAgentReattachFd = 9;
+// Where the agent keeps the read-only clone of its sandbox's disk (detached
+// layout; /dev/null otherwise), for a restarted edge (aether/main.cc).
+constexpr int kAgentDiskFd = 10;
+// Where aether attaches the edge's overlay: in its private stage tmpfs,
+// relative to its working directory (the sandbox root), so no directory of
+// the edge's namespace is needed.
+#define DSEC_ROOT_IN_STAGE DSEC_STAGE_DIR "/root"
+
+constexpr unsigned kOpenTreeClone = 1;          // OPEN_TREE_CLONE
+constexpr unsigned kMountAttrRdonly = 0x1;      // MOUNT_ATTR_RDONLY
+struct MountAttrArg {                           // struct mount_attr
+  uint64_t attrSet = 0, attrClr = 0, propagation = 0, usernsFd = 0;
+};
+
+// A read-only detached clone of the disk mount `fd`, for the agent to keep.
+Result<UniqueFd> readOnlyClone(int fd) {
+  UniqueFd c(int(::syscall(SYS_open_tree, fd, "", kOpenTreeClone | O_CLOEXEC | AT_EMPTY_PATH)));
+  if (!c) return sysError("open_tree of the sandbox disk");
+  MountAttrArg a;
+  a.attrSet = kMountAttrRdonly;
+  if (::syscall(SYS_mount_setattr, c.get(), "", AT_EMPTY_PATH, &a, sizeof a) != 0) {
+    return sysError("make the disk clone read-only");
+  }
+  return c;
+}
 
 #ifndef SYS_pidfd_getfd
 #define SYS_pidfd_getfd 438
@@ -265,8 +292,23 @@ Result<std::unique_ptr<ContainerBackend>> ContainerBackend::make(ContainerOption
       if (removeTree(opts.sandboxRoot + "/" + name).isOk()) b->orphans_.insert(name);
     }
   }
+  // Issue 30: where the kernel allows, nothing per sandbox is mounted in our
+  // namespace (container_backend.h).
+  // DSEC_ATTACHED_DISKS=1 forces the older layout (tests of the fallback).
+  const char* forced = ::getenv("DSEC_ATTACHED_DISKS");
+  if (Status probe = forced && std::string_view(forced) == "1"
+                         ? Status(Code::kFailedPrecondition, "DSEC_ATTACHED_DISKS=1")
+                         : probeDetachedDisks();
+      probe.isOk()) {
+    b->detached_ = true;
+  } else {
+    log::warn("sandbox disks are mounted in the edge's namespace, so each create copies one "
+              "mount per live sandbox (" + probe.toString() + ")");
+  }
   // Before any agent is cloned, so that every agent's mount namespace has it.
   DiskQuotaOptions qo;
+  qo.detach = b->detached_;
+  qo.keep = keep;
   qo.root = opts.sandboxRoot;
   qo.poolImage = opts.diskPoolImage.empty() ? opts.sandboxRoot + ".img" : opts.diskPoolImage;
   qo.poolBytes = opts.diskPoolBytes;
@@ -468,7 +510,6 @@ Result<std::unique_ptr<Instance>> ContainerBackend::create(const SandboxSpec& sp
   auto inst = std::make_unique<ContainerInstance>();
   inst->id_ = spec.id;
   inst->cgroups_ = cgroups_;
-  inst->dir_ = opts_.sandboxRoot + "/" + spec.id;
   bool dirMade = false;
   bool cgroupMade = false;
 
@@ -486,8 +527,11 @@ Result<std::unique_ptr<Instance>> ContainerBackend::create(const SandboxSpec& sp
   // The sandbox's directory, bounded by disk_mb: upper and work live in it.
   if (Status st = quota_->create(spec.id, spec.diskBytes); !st.isOk()) return fail(st);
   dirMade = true;
+  // <sandboxRoot>/<id>, or a detached disk's /proc/<pid>/fd/N.
+  inst->dir_ = quota_->dirOf(spec.id);
   laps.lap("disk");
   for (const char* sub : {"/upper", "/work", "/rootfs"}) {
+    if (detached_ && sub[1] == 'r') continue;  // aether's target is in its stage
     std::string d = inst->dir_ + sub;
     if (::mkdir(d.c_str(), 0755) != 0) return fail(sysError("mkdir " + d));
   }
@@ -516,15 +560,30 @@ Result<std::unique_ptr<Instance>> ContainerBackend::create(const SandboxSpec& sp
   laps.lap("layers");
   // User namespace mode: the edge makes the overlay (see edge/userns.h for
   // why the sandbox cannot); aether attaches it where it used to mount it.
+  // Detached layout: in both modes, over the disk reached through dirOf.
   UniqueFd rootfsMount;
-  if (userns_) {
-    std::vector<int> fds;
-    for (auto& f : idmapped) fds.push_back(f->get());
-    auto m = makeOverlay(fds, inst->dir_ + "/upper", inst->dir_ + "/work");
+  if (userns_ || detached_) {
+    Result<UniqueFd> m = internalError("no overlay");
+    if (userns_) {
+      std::vector<int> fds;
+      for (auto& f : idmapped) fds.push_back(f->get());
+      m = makeOverlay(fds, inst->dir_ + "/upper", inst->dir_ + "/work");
+    } else {
+      m = makeOverlay(lower.get<std::vector<std::string>>(), inst->dir_ + "/upper",
+                      inst->dir_ + "/work");
+    }
     if (!m.isOk()) return fail(m.status());
     rootfsMount = std::move(*m);
     idmapped.clear();
     laps.lap("overlay");
+  }
+  // The agent keeps a read-only clone of a detached disk, so that a
+  // restarted edge can take it back (adopt).
+  UniqueFd diskClone;
+  if (int fd = quota_->diskFd(spec.id); fd >= 0) {
+    auto c = readOnlyClone(fd);
+    if (!c.isOk()) return fail(c.status());
+    diskClone = std::move(*c);
   }
   inst->cpuOverhead_ = spec.cpuOverhead;
   CgroupLimits limits{spec.cpu + spec.cpuOverhead, spec.memoryBytes, spec.pids};
@@ -555,7 +614,10 @@ Result<std::unique_ptr<Instance>> ContainerBackend::create(const SandboxSpec& sp
     init["policy"] = json::parse(spec.initPolicy, nullptr, false);
     if (!init["policy"].is_object()) return fail(invalidArg("policy", "initial policy is not an object"));
   }
-  if (userns_) {
+  if (detached_) {
+    init["rootfs"] = {{"mount_fd", true}, {"target", DSEC_ROOT_IN_STAGE}};
+    if (diskClone) init["rootfs"]["disk_fd"] = true;
+  } else if (userns_) {
     // Relative to aether's working directory, the sandbox root (ChildArgs):
     // the absolute path crosses 0700 directories of host root.
     init["rootfs"] = {{"mount_fd", true}, {"target", spec.id + "/rootfs"}};
@@ -565,11 +627,15 @@ Result<std::unique_ptr<Instance>> ContainerBackend::create(const SandboxSpec& sp
                       {"work", inst->dir_ + "/work"},
                       {"target", inst->dir_ + "/rootfs"}};
   }
-  if (Status st = inst->conn_->send(0, proto::FrameType::kInit, init.dump(), rootfsMount.get());
+  std::vector<int> passed;
+  if (rootfsMount) passed.push_back(rootfsMount.get());
+  if (diskClone) passed.push_back(diskClone.get());
+  if (Status st = inst->conn_->send(0, proto::FrameType::kInit, init.dump(), passed);
       !st.isOk()) {
     return fail(st);
   }
-  rootfsMount.reset();  // aether has its own reference now
+  rootfsMount.reset();  // aether has its own references now
+  diskClone.reset();
   if (Status st = awaitHello(*inst->conn_, monoSeconds() + opts_.startTimeoutS, Code::kInternal,
                              "sandbox agent did not start");
       !st.isOk()) {
@@ -589,7 +655,6 @@ Result<std::unique_ptr<Instance>> ContainerBackend::adopt(const SandboxState& st
   inst->id_ = state.spec.id;
   inst->cgroups_ = cgroups_;
   inst->cpuOverhead_ = state.spec.cpuOverhead;
-  inst->dir_ = opts_.sandboxRoot + "/" + state.spec.id;
   inst->pid_ = state.pid;
   auto fail = [&](Status st) -> Status {
     if (inst->conn_) reactor_->remove(inst->conn_);
@@ -628,6 +693,20 @@ Result<std::unique_ptr<Instance>> ContainerBackend::adopt(const SandboxState& st
     ::usleep(5000);
   }
   ::fcntl(sock.get(), F_SETFD, FD_CLOEXEC);
+  // A detached disk is reachable only through the agent's read-only clone
+  // (/dev/null there in the older layout, whose disk is still mounted on
+  // <sandboxRoot>/<id>): pack_diff reads its upper dir through it, and
+  // destroy knows its disk.
+  if (UniqueFd disk(int(syscall(SYS_pidfd_getfd, pidfd, kAgentDiskFd, 0))); disk) {
+    struct stat st;
+    if (::fstat(disk.get(), &st) == 0 && S_ISDIR(st.st_mode)) {
+      ::fcntl(disk.get(), F_SETFD, FD_CLOEXEC);
+      if (Status ad = quota_->adoptDisk(state.spec.id, std::move(disk)); !ad.isOk()) {
+        log::warn("adopt " + state.spec.id + ": its disk: " + ad.toString());
+      }
+    }
+  }
+  inst->dir_ = quota_->dirOf(state.spec.id);
   inst->conn_ = std::make_shared<AgentConn>(std::move(sock), "agent-" + std::to_string(state.pid));
   if (Status st = reactor_->add(inst->conn_); !st.isOk()) {
     inst->conn_.reset();

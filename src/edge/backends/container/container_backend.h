@@ -11,6 +11,16 @@
 // the node's shared EROFS layer mounts by path.
 // The sandbox's directory (overlay upper and work) is bounded by its disk_mb
 // through a DiskQuota (disk_quota.h).
+//
+// Mounts (issue 30): on kernels that allow it (probeDetachedDisks, Linux >=
+// 6.15) nothing per sandbox is attached in the edge's mount namespace, which
+// every spare's clone copies: the writable layer (ext4, tmpfs) is a detached
+// mount the quota holds by fd, the edge builds the overlay over it in both
+// modes and hands it over by fd, and aether attaches it inside its own
+// private stage tmpfs (<stage>/root) before it pivots. aether also keeps a
+// read-only clone of the disk at fd 10, which a restarted edge takes back
+// with pidfd_getfd(2) to reach the upper dir (pack_diff) and know the disk
+// (docs/container-backend.md, "Mounts").
 #pragma once
 
 #include <condition_variable>
@@ -94,6 +104,11 @@ class ContainerBackend : public Backend {
   UniqueFd aetherMemfd_;  // sealed copy of dsec-aether, exec'd by every sandbox
   std::unique_ptr<DiskQuota> quota_;  // set up before the first agent is cloned
   bool userns_ = false;               // opts_.userns is set and enabled
+  // probeDetachedDisks() passed: the edge builds every overlay (upper and
+  // work through the disk's dirOf) and aether attaches it in its private
+  // stage; ext4 and tmpfs disks stay detached. Else the layout before issue
+  // 30: disks mounted on <sandboxRoot>/<id>, which every later clone copies.
+  bool detached_ = false;
   std::set<std::string> orphans_;  // sandboxes whose leftovers make() removed, for cleanupOrphans
   std::set<std::string> keep_;  // make()'s: being re-adopted, never orphans
 
