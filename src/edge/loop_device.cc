@@ -35,6 +35,9 @@ constexpr size_t kRemovingTries = 8;
 // attach(): new devices tried at most when other processes keep binding
 // the ones we add before we do.
 constexpr int kAddTries = 8;
+// How long attach waits for a device released moments ago to unbind
+// before it adds one.
+constexpr double kWaitForUnbindS = 0.2;
 // The ledger is rewritten (compacted) once this many lines were appended.
 constexpr uint64_t kLedgerCompactLines = 1 << 16;
 
@@ -326,6 +329,11 @@ Result<LoopLease> LoopPool::attach(const std::string& file, uint32_t loFlags) {
   // for removal. A device still unbinding refuses (EBUSY) and is passed over.
   std::set<int> tried;
   size_t fromRemoving = 0;
+  // A device released moments ago may still be unbinding (a detached disk's
+  // filesystem goes only when the dead sandbox's overlay does): rather than
+  // add a device for every create of a burst, wait a little for one.
+  const double waitUntil = monoSeconds() + kWaitForUnbindS;
+  bool busySeen = false;
   for (;;) {
     int n = -1;
     bool wasRemoving = false;
@@ -350,7 +358,16 @@ Result<LoopLease> LoopPool::attach(const std::string& file, uint32_t loFlags) {
         }
       }
     }
-    if (n < 0) break;
+    if (n < 0) {
+      if (busySeen && monoSeconds() < waitUntil) {
+        busySeen = false;
+        tried.clear();
+        fromRemoving = 0;
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+        continue;
+      }
+      break;
+    }
     tried.insert(n);
     auto dev = sys_->configure(n, f.get(), loFlags);
     std::lock_guard lk(mu_);
@@ -370,6 +387,7 @@ Result<LoopLease> LoopPool::attach(const std::string& file, uint32_t loFlags) {
       free_.push_back(n);
     }
     if (err != EBUSY) return std::move(dev).takeStatus();
+    busySeen = true;
   }
   // None to reuse: a new device, recorded before it is used.
   for (int attempt = 0; attempt < kAddTries; ++attempt) {
@@ -395,6 +413,7 @@ Result<LoopLease> LoopPool::attach(const std::string& file, uint32_t loFlags) {
     trimFreeLocked();
     // EBUSY: another process bound the new device before we did.
     if (err != EBUSY) return std::move(dev).takeStatus();
+    busySeen = true;
   }
   return Status(Code::kResourceExhausted, "no loop device could be bound to " + file);
 }
