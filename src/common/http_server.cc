@@ -496,6 +496,9 @@ class Connection : public std::enable_shared_from_this<Connection> {
   // Strand only.
   std::optional<asio::any_completion_handler<void()>> waiter_;
   std::vector<std::string> sending_;  // being written
+  // The buffers of the write in flight (writeSome): they live here, not on
+  // the stack, for as long as the operation may read them.
+  std::array<asio::const_buffer, 16> writeBufs_;
   size_t sendIdx_ = 0, sendOff_ = 0;
   uint32_t timerGen_ = 0;
   Wait armed_ = Wait::kNone;
@@ -974,15 +977,18 @@ void Connection::flush() {
 }
 
 void Connection::writeSome() {
-  std::array<asio::const_buffer, 16> bufs;
+  // The buffer sequence is a view of writeBufs_, which must outlive the
+  // operation: a write the socket cannot take at once is performed later, by
+  // the reactor, from the copy of the view the operation holds (a view of a
+  // local array would then point into a dead stack frame).
   size_t nb = 0;
-  for (size_t i = sendIdx_; i < sending_.size() && nb < bufs.size(); ++i) {
+  for (size_t i = sendIdx_; i < sending_.size() && nb < writeBufs_.size(); ++i) {
     size_t off = i == sendIdx_ ? sendOff_ : 0;
-    bufs[nb++] = asio::buffer(sending_[i].data() + off, sending_[i].size() - off);
+    writeBufs_[nb++] = asio::buffer(sending_[i].data() + off, sending_[i].size() - off);
   }
   arm(core_->opts.sendTimeoutS, Wait::kSend);
   sock_.async_write_some(
-      std::span<const asio::const_buffer>(bufs.data(), nb),
+      std::span<const asio::const_buffer>(writeBufs_.data(), nb),
       [self = shared_from_this()](ErrorCode ec, size_t n) { self->onWrote(ec, n); });
 }
 

@@ -1005,6 +1005,76 @@ TEST(HttpServerInlineTest, InlineHandlerRunsOnTheIoThread) {
   EXPECT_FALSE(blockingOnIo.load());
 }
 
+// A response bigger than the socket buffers, to a client slower than the
+// server: most writes find the socket full and are finished later by the
+// reactor, from the buffer sequence the operation kept. Those buffers must
+// still be alive then (they once lived in writeSome()'s stack frame: the body
+// stalled or came out garbled). Both a streamed Response (one buffer per
+// write, big and small pieces as the files route sends) and a Deferred that
+// queues many pieces at once (many buffers per write).
+TEST(HttpServerBodyTest, SlowReaderGetsEveryByteOfABigResponse) {
+  static constexpr size_t kPieces = 160;
+  auto pieceOf = [](size_t i) {
+    // 64 KiB pieces with a short one now and then; every byte tells where it is.
+    std::string p(i % 3 == 2 ? 106 : 64 << 10, '\0');
+    for (size_t k = 0; k < p.size(); ++k) p[k] = char('a' + (i * 7 + k) % 26);
+    return p;
+  };
+  std::string want;
+  for (size_t i = 0; i < kPieces; ++i) want += pieceOf(i);
+  ServerOptions o;
+  o.port = 0;
+  std::vector<std::thread> producers;
+  std::mutex producersMu;
+  AnyServer s(o, [&](Request& req, Response& res) {
+    if (req.path == "/stream") {
+      Status st = res.beginFixed(200, "application/octet-stream", want.size());
+      for (size_t i = 0; st.isOk() && i < kPieces; ++i) st = res.write(pieceOf(i));
+      EXPECT_TRUE(st.isOk()) << st.toString();
+      (void)res.finish();
+      return;
+    }
+    std::shared_ptr<Deferred> d = res.defer();
+    std::lock_guard lk(producersMu);
+    producers.emplace_back([d, &pieceOf] {
+      EXPECT_TRUE(d->beginChunked(200, "application/octet-stream").isOk());
+      for (size_t i = 0; i < kPieces; ++i) EXPECT_TRUE(d->write(pieceOf(i)).isOk());
+      EXPECT_TRUE(d->finish().isOk());
+    });
+  });
+  struct JoinProducers {
+    std::vector<std::thread>& ts;
+    std::mutex& mu;
+    ~JoinProducers() {
+      std::lock_guard lk(mu);
+      for (auto& t : ts) t.join();
+    }
+  } joinProducers{producers, producersMu};
+  ClientOptions co;
+  co.readTimeoutS = 5;  // a stalled body fails the test instead of hanging it
+  auto c = Client::connect(s.url(), "", co);
+  ASSERT_TRUE(c.isOk());
+  for (int round = 0; round < 3; ++round) {
+    for (const char* path : {"/stream", "/deferred"}) {
+      std::string got;
+      size_t sinceNap = 0;
+      auto r = (*c)->requestStreaming("GET", path, "", [&](std::string_view d) {
+        got += d;
+        sinceNap += d.size();
+        if (sinceNap >= (256 << 10)) {  // slower than the server: its writes back up
+          sinceNap = 0;
+          std::this_thread::sleep_for(std::chrono::milliseconds(2));
+        }
+      });
+      ASSERT_TRUE(r.isOk()) << path << " round " << round << ": " << r.status().toString()
+                            << " after " << got.size() << " of " << want.size() << " bytes";
+      EXPECT_EQ(r->status, 200);
+      ASSERT_EQ(got.size(), want.size()) << path << " round " << round;
+      EXPECT_TRUE(got == want) << path << " round " << round << ": body garbled";
+    }
+  }
+}
+
 // Bodies past preReadBytes, fixed and chunked, are read on demand by the
 // handler's worker through the connection's strand.
 TEST(HttpServerBodyTest, LargeAndChunkedBodiesStreamThroughTheWorker) {
