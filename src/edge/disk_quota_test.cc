@@ -3,8 +3,6 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <glob.h>
-#include <fstream>
-#include <sstream>
 #include <gtest/gtest.h>
 #include <linux/fs.h>
 #include <sys/ioctl.h>
@@ -31,23 +29,6 @@
 
 namespace dsec::edge {
 namespace {
-
-// Mounts of this process's namespace at or under `dir` (the namespace is the
-// host's, shared with every other test and program running: a count of all
-// of them races with those).
-int64_t mountsIn(const std::string& dir) {
-  std::ifstream in("/proc/self/mountinfo");
-  std::string line;
-  int64_t n = 0;
-  while (std::getline(in, line)) {
-    std::istringstream f(line);
-    std::string id, parent, devs, root, point;
-    f >> id >> parent >> devs >> root >> point;
-    if (point == dir || point.rfind(dir + "/", 0) == 0) ++n;
-  }
-  return n;
-}
-
 
 TEST(DiskQuotaCandidates, AutoPrefersDiskOverRam) {
   auto c = diskQuotaCandidates("auto");
@@ -481,7 +462,7 @@ TEST(DetachedDisks, OverlayWritesIntoADetachedUpper) {
   if (auto why = detachedSkipReason(); !why.empty()) GTEST_SKIP() << why;
   TempDir tmp;
   ASSERT_FALSE(tmp.path.empty());
-  int64_t before = mountsIn(tmp.path);
+  size_t before = mountsUnder(tmp.path).size();
   DiskQuotaOptions o;
   o.root = tmp.path;
   o.mode = "tmpfs";
@@ -505,7 +486,7 @@ TEST(DetachedDisks, OverlayWritesIntoADetachedUpper) {
     struct stat st;
     EXPECT_EQ(::fstatat(ov->get(), "base", &st, 0), 0);
     EXPECT_EQ(::stat((d + "/upper/new").c_str(), &st), 0) << "the write is not in the upper dir";
-    EXPECT_EQ(mountsIn(tmp.path), before);
+    EXPECT_EQ(mountsUnder(tmp.path).size(), before);
   }
   EXPECT_TRUE((*q)->remove("sb-a").isOk());
 }
@@ -527,15 +508,15 @@ TEST(Ext4Quota, DetachedDisksAreMountedNowhere) {
   Ext4QuotaOptions eo;
   eo.sparesPerSize = 1;
   eo.initialSize = kLimit;
-  int64_t mountsBefore = mountsIn(tmp.path);
+  size_t mountsBefore = mountsUnder(tmp.path).size();
   auto q = openExt4Quota(o, disks, eo);
   ASSERT_TRUE(q.isOk()) << q.status().toString();
   DiskQuota& dq = **q;
-  EXPECT_EQ(mountsIn(tmp.path), mountsBefore) << "no shared bind of the root";
+  EXPECT_EQ(mountsUnder(tmp.path).size(), mountsBefore) << "no shared bind of the root";
   ASSERT_TRUE(dq.create("sb-a", kLimit).isOk());
   ASSERT_TRUE(dq.create("sb-b", 2 * kLimit).isOk());
   EXPECT_EQ(dq.create("sb-a", kLimit).code(), Code::kAlreadyExists);
-  EXPECT_EQ(mountsIn(tmp.path), mountsBefore) << "a sandbox's disk is mounted somewhere";
+  EXPECT_EQ(mountsUnder(tmp.path).size(), mountsBefore) << "a sandbox's disk is mounted somewhere";
   EXPECT_NE(::access((o.root + "/sb-a").c_str(), F_OK), 0);
   for (const char* n : {"sb-a", "sb-b"}) {
     std::string d = dq.dirOf(n);
@@ -563,9 +544,9 @@ TEST(Ext4Quota, DetachedDisksAreMountedNowhere) {
   EXPECT_EQ(dq.diskFd("sb-a"), -1);
   EXPECT_NE(::access((disks + "/sb-a.img").c_str(), F_OK), 0);
   EXPECT_NE(::access((disks + "/sb-b.img").c_str(), F_OK), 0);
-  EXPECT_EQ(mountsIn(tmp.path), mountsBefore);
+  EXPECT_EQ(mountsUnder(tmp.path).size(), mountsBefore);
   dq.close();
-  EXPECT_EQ(mountsIn(tmp.path), mountsBefore);
+  EXPECT_EQ(mountsUnder(tmp.path).size(), mountsBefore);
   EXPECT_TRUE(eventually([&] { return loopsBackedBy(disks).empty(); }));
   EXPECT_NE(::access(disks.c_str(), F_OK), 0) << "images left";
 }
@@ -622,14 +603,14 @@ TEST(TmpfsQuota, DetachedDisksAreMountedNowhere) {
   o.mode = "tmpfs";
   o.detach = true;
   ASSERT_TRUE(makeDirs(o.root, 0700).isOk());
-  int64_t mountsBefore = mountsIn(tmp.path);
+  size_t mountsBefore = mountsUnder(tmp.path).size();
   auto q = openDiskQuota(o);
   ASSERT_TRUE(q.isOk()) << q.status().toString();
   DiskQuota& dq = **q;
   constexpr int64_t kLimit = 2 << 20;
   ASSERT_TRUE(dq.create("sb-a", kLimit).isOk());
   EXPECT_EQ(dq.create("sb-a", kLimit).code(), Code::kAlreadyExists);
-  EXPECT_EQ(mountsIn(tmp.path), mountsBefore);
+  EXPECT_EQ(mountsUnder(tmp.path).size(), mountsBefore);
   int64_t written = 0;
   std::string big = dq.dirOf("sb-a") + "/big";
   EXPECT_EQ(writeZeros(big, 2 * kLimit, &written), ENOSPC);
@@ -638,7 +619,7 @@ TEST(TmpfsQuota, DetachedDisksAreMountedNowhere) {
   EXPECT_TRUE(dq.remove("sb-a").isOk());
   EXPECT_EQ(dq.diskFd("sb-a"), -1);
   dq.close();
-  EXPECT_EQ(mountsIn(tmp.path), mountsBefore);
+  EXPECT_EQ(mountsUnder(tmp.path).size(), mountsBefore);
 }
 
 // The loop device behind a sandbox's image, or "" (the sysfs entry's path).
