@@ -1,5 +1,6 @@
 #include "aether/container_init.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <net/if.h>
 #include <sched.h>
@@ -7,6 +8,7 @@
 #include <sys/mount.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <sys/syscall.h>
 #include <sys/sysmacros.h>
 #include <unistd.h>
@@ -134,9 +136,20 @@ Status mountDev(const std::string& root) {
   }
   if (::symlink("pts/ptmx", (dev + "/ptmx").c_str()) < 0)
     return sysError("symlink " + dev + "/ptmx");
+  // /dev/shm is a directory of the /dev tmpfs (whose 64 MiB it shares)
+  // bound on itself for its own flags, not a tmpfs of its own: every
+  // superblock costs each memory cgroup on the host shrinker bookkeeping and
+  // each cgroup's removal a walk (docs/container-backend.md, "Kernel cost per
+  // sandbox").
   RETURN_IF_ERROR(ensureDir(dev + "/shm", 01777));
-  RETURN_IF_ERROR(mountOrError("shm", dev + "/shm", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
-                               "mode=1777,size=65536k", "mount"));
+  // mkdir honours the umask (and may drop the sticky bit): world-writable
+  // and sticky, as the tmpfs's mode=1777 made it.
+  if (::chmod((dev + "/shm").c_str(), 01777) < 0) return sysError("chmod " + dev + "/shm");
+  RETURN_IF_ERROR(mountOrError((dev + "/shm").c_str(), dev + "/shm", nullptr, MS_BIND, nullptr,
+                               "bind"));
+  RETURN_IF_ERROR(mountOrError(nullptr, dev + "/shm", nullptr,
+                               MS_BIND | MS_REMOUNT | MS_NOSUID | MS_NODEV | MS_NOEXEC, nullptr,
+                               "remount"));
   struct Link {
     const char* target;
     const char* name;
@@ -169,15 +182,37 @@ constexpr const char* kReadOnlyPaths[] = {
     "/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger",
 };
 
-Status maskPaths(const std::string& root) {
+// `dir` when it is an empty directory on a read-only mount (what the edge
+// offers as the node's mask), else empty: masks then get a tmpfs each rather
+// than a bind of anything a sandbox could write or read.
+std::string usableMaskDir(const std::string& dir) {
+  if (dir.empty()) return {};
+  struct statvfs vfs;
+  if (::statvfs(dir.c_str(), &vfs) != 0 || !(vfs.f_flag & ST_RDONLY)) return {};
+  DIR* d = ::opendir(dir.c_str());
+  if (!d) return {};
+  bool empty = true;
+  while (auto* e = ::readdir(d)) {
+    if (std::strcmp(e->d_name, ".") != 0 && std::strcmp(e->d_name, "..") != 0) empty = false;
+  }
+  ::closedir(d);
+  return empty ? dir : std::string();
+}
+
+Status maskPaths(const std::string& root, const std::string& maskDir) {
   std::string null = root + "/dev/null";
+  constexpr unsigned long kMaskFlags = MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC;
   for (const char* p : kMaskedPaths) {
     std::string path = root + p;
     struct stat st;
     if (::stat(path.c_str(), &st) < 0) continue;  // this kernel has no such file
-    if (S_ISDIR(st.st_mode)) {
-      RETURN_IF_ERROR(mountOrError("tmpfs", path, "tmpfs",
-                                   MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=0", "mask"));
+    if (S_ISDIR(st.st_mode) && !maskDir.empty()) {
+      // The node's one empty read-only tmpfs, bound: no superblock per mask.
+      RETURN_IF_ERROR(mountOrError(maskDir.c_str(), path, nullptr, MS_BIND, nullptr, "mask"));
+      RETURN_IF_ERROR(mountOrError(nullptr, path, nullptr, MS_BIND | MS_REMOUNT | kMaskFlags,
+                                   nullptr, "mask read-only"));
+    } else if (S_ISDIR(st.st_mode)) {
+      RETURN_IF_ERROR(mountOrError("tmpfs", path, "tmpfs", kMaskFlags, "size=0", "mask"));
     } else {
       RETURN_IF_ERROR(mountOrError(null.c_str(), path, nullptr, MS_BIND, nullptr, "mask"));
     }
@@ -196,7 +231,7 @@ Status maskPaths(const std::string& root) {
 }
 
 // /proc, /sys and /dev of a sandbox whose root is `root`, with Docker's masks.
-Status mountKernelFs(const std::string& root) {
+Status mountKernelFs(const std::string& root, const std::string& maskDir) {
   RETURN_IF_ERROR(ensureDir(root + "/proc", 0555));
   RETURN_IF_ERROR(mountOrError("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC,
                                nullptr, "mount"));
@@ -204,7 +239,7 @@ Status mountKernelFs(const std::string& root) {
   RETURN_IF_ERROR(mountOrError("sysfs", root + "/sys", "sysfs",
                                MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, nullptr, "mount"));
   RETURN_IF_ERROR(mountDev(root));
-  return maskPaths(root);
+  return maskPaths(root, maskDir);
 }
 
 Status pivotInto(const std::string& root) {
@@ -328,7 +363,8 @@ Status bringUpInterface(const char* name) {
   return Status::ok();
 }
 
-Status setupContainer(const InitConfig& config, int rootfsFd, const std::string& staged) {
+Status setupContainer(const InitConfig& config, int rootfsFd, const std::string& staged,
+                      const std::string& maskDir) {
   if (config.rootfs && config.rootfs->mountFd != (rootfsFd >= 0)) {
     return invalidArg("rootfs.mount_fd", config.rootfs->mountFd
                                              ? "mount_fd is set but no mount fd came with init"
@@ -356,7 +392,7 @@ Status setupContainer(const InitConfig& config, int rootfsFd, const std::string&
     }
     const std::string& root = r.target;
     if (staged.empty()) {
-      RETURN_IF_ERROR(mountKernelFs(root));
+      RETURN_IF_ERROR(mountKernelFs(root, usableMaskDir(maskDir)));
     } else {
       // Moved with whatever is mounted beneath them (the masks).
       for (const char* sub : {"/proc", "/sys", "/dev"}) {
@@ -375,14 +411,14 @@ Status setupContainer(const InitConfig& config, int rootfsFd, const std::string&
   return Status::ok();
 }
 
-Result<std::string> prestage(const std::string& stageDir) {
+Result<std::string> prestage(const std::string& stageDir, const std::string& maskDir) {
   if (::mount(nullptr, "/", nullptr, MS_REC | MS_SLAVE, nullptr) < 0) {
     return sysError("make / slave");
   }
   // Private (its parent is a slave): nothing mounted beneath it propagates.
   RETURN_IF_ERROR(mountOrError("tmpfs", stageDir, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
                                "mode=700,size=64k", "mount stage"));
-  Status st = mountKernelFs(stageDir);
+  Status st = mountKernelFs(stageDir, usableMaskDir(maskDir));
   if (st.isOk()) st = bringUpInterface("lo");  // the sandbox's own network namespace
   if (!st.isOk()) {
     // Half-staged mounts go with the stage; init mounts them afresh.

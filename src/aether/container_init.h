@@ -62,8 +62,13 @@ Result<InitConfig> parseInitConfig(std::string_view payload);
 //
 // `staged`: where prestage() left /proc, /sys and /dev (moved into the root
 // instead of mounted there), or empty to mount them now.
+//
+// `maskDir` (both here and in prestage): the node's empty read-only
+// directory (the edge's `--mask=DIR`, relative to the working directory),
+// bound over each masked directory; without one (or if it is not empty and
+// read-only) each gets a read-only tmpfs of its own, a superblock apiece.
 Status setupContainer(const InitConfig& config, int rootfsFd = -1,
-                      const std::string& staged = {});
+                      const std::string& staged = {}, const std::string& maskDir = {});
 
 // A spare agent's work before it knows its sandbox (`dsec-aether
 // --prestage`): makes every mount slave (host mounts, such as layers mounted
@@ -76,7 +81,8 @@ Status setupContainer(const InitConfig& config, int rootfsFd = -1,
 // whatever lies under `stageDir` from the agent, so the edge names an empty
 // directory of its own (never one above its data directory, such as /tmp).
 constexpr const char* kStageDir = "/tmp";
-Result<std::string> prestage(const std::string& stageDir = kStageDir);
+Result<std::string> prestage(const std::string& stageDir = kStageDir,
+                             const std::string& maskDir = {});
 
 // Sets the IFF_UP flag of interface `name` through SIOCSIFFLAGS.
 Status bringUpInterface(const char* name);

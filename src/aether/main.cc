@@ -133,6 +133,7 @@ int realMain(int argc, char** argv) {
   bool no_init = false;
   bool prestaged = false;
   std::string stage_dir = kStageDir;
+  std::string mask_dir;  // the node's empty read-only directory for masks
   for (int i = 1; i < argc; ++i) {
     std::string_view a = argv[i];
     if (a == "--no-init") {
@@ -142,9 +143,11 @@ int realMain(int argc, char** argv) {
     } else if (a.substr(0, 11) == "--prestage=" && a.size() > 11) {
       prestaged = true;
       stage_dir = std::string(a.substr(11));
+    } else if (a.substr(0, 7) == "--mask=" && a.size() > 7) {
+      mask_dir = std::string(a.substr(7));
     } else {
       std::fprintf(stderr,
-                   "usage: dsec-aether [--no-init | --prestage[=DIR]]\n  (the connection is fd "
+                   "usage: dsec-aether [--no-init | --prestage[=DIR]] [--mask=DIR]\n  (the connection is fd "
                    "3)\n");
       return 2;
     }
@@ -201,7 +204,7 @@ int realMain(int argc, char** argv) {
     // its stage directory, say), init does it all as without --prestage.
     std::string staged;
     if (prestaged) {
-      Result<std::string> r = prestage(stage_dir);
+      Result<std::string> r = prestage(stage_dir, mask_dir);
       if (r.isOk()) {
         staged = *r;
       } else {
@@ -221,7 +224,7 @@ int realMain(int argc, char** argv) {
     }
     Result<InitConfig> config = parseInitConfig(first->payload);
     if (!config.isOk()) return failStartup(conn.get(), config.status());
-    Status st = setupContainer(*config, rootfsFd.get(), staged);
+    Status st = setupContainer(*config, rootfsFd.get(), staged, mask_dir);
     rootfsFd.reset();  // attached (or refused): the sandbox must not keep it
     if (!st.isOk()) return failStartup(conn.get(), st);
     if (diskFd) {

@@ -237,6 +237,8 @@ constexpr int kAgentDiskFd = 10;
 // relative to its working directory (the sandbox root), so no directory of
 // the edge's namespace is needed.
 #define DSEC_ROOT_IN_STAGE DSEC_STAGE_DIR "/root"
+// The node's empty read-only tmpfs for masked directories (aether --mask).
+#define DSEC_MASK_DIR ".mask"
 
 constexpr unsigned kOpenTreeClone = 1;          // OPEN_TREE_CLONE
 constexpr unsigned kMountAttrRdonly = 0x1;      // MOUNT_ATTR_RDONLY
@@ -339,13 +341,32 @@ Result<std::unique_ptr<ContainerBackend>> ContainerBackend::make(ContainerOption
   // The spares' stage (prestage), in the quota's root when it mounts one.
   std::string stage = opts.sandboxRoot + "/" DSEC_STAGE_DIR;
   if (::mkdir(stage.c_str(), 0700) != 0 && errno != EEXIST) return sysError("mkdir " + stage);
+  // The node's one mask: an empty read-only tmpfs that aether binds over the
+  // directories Docker masks, instead of a tmpfs (a superblock) per mask per
+  // sandbox. A predecessor's goes first (its sandboxes keep their binds).
+  std::string mask = opts.sandboxRoot + "/" DSEC_MASK_DIR;
+  if (::mkdir(mask.c_str(), 0555) != 0 && errno != EEXIST) return sysError("mkdir " + mask);
+  while (::umount2(mask.c_str(), MNT_DETACH) == 0) {
+  }
+  // Owned by the sandboxes' root (as each tmpfs mask was), not "nobody".
+  std::string maskOpts = "size=0,mode=0555";
+  if (b->userns_) {
+    maskOpts += ",uid=" + std::to_string(opts.userns->base) + ",gid=" + std::to_string(opts.userns->base);
+  }
+  if (::mount("tmpfs", mask.c_str(), "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
+              maskOpts.c_str()) != 0) {
+    return sysError("mount the mask tmpfs on " + mask);
+  }
+  b->maskMounted_ = true;
   // One spawn up front, so a broken aether fails start-up, not the first create.
   ASSIGN_OR_RETURN(Agent probe, b->spawnAgent());
   b->spares_.push_back(std::move(probe));
   b->cleaner_ = std::make_unique<CorpseCleaner>(
       [raw = b.get()](const std::string& id) {
-        Status st = raw->cgroups_->remove(id);
+        // The disk first: emptied for reuse, its page cache (charged to the
+        // sandbox's memory group) goes, so the group fits the pool.
         Status rm = raw->quota_->remove(id);
+        Status st = raw->cgroups_->remove(id);
         if (!st.isOk()) log::error("cleanup " + id + ": " + st.toString());
         if (!rm.isOk()) log::error("cleanup " + id + ": " + rm.toString());
       });
@@ -366,7 +387,8 @@ Result<ContainerBackend::Agent> ContainerBackend::spawnAgent() {
   // ours, so the tmpfs hides nothing the agent needs (over /tmp it hid a
   // data directory under /tmp).
   static char arg1[] = "--prestage=" DSEC_STAGE_DIR;
-  char* argv[] = {arg0, arg1, nullptr};
+  static char arg2[] = "--mask=" DSEC_MASK_DIR;
+  char* argv[] = {arg0, arg1, arg2, nullptr};
   static char env0[] = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
   char* envp[] = {env0, nullptr};
   ChildArgs args{theirs.get(), aetherMemfd_.get(), devNull.get(), argv, envp};
@@ -768,6 +790,10 @@ void ContainerBackend::shutdown(bool keepSandboxes) {
   }
   spares_.clear();
   if (cleaner_) cleaner_->drain();
+  if (std::exchange(maskMounted_, false)) {
+    std::string mask = opts_.sandboxRoot + "/" DSEC_MASK_DIR;
+    if (::umount2(mask.c_str(), MNT_DETACH) != 0) log::warn(sysError("unmount " + mask).toString());
+  }
   // Every sandbox directory is gone: the pool (mount, loop device, image) may
   // go, unless sandboxes live on for the next edge.
   if (quota_) {
