@@ -16,6 +16,7 @@
 #include <sstream>
 #include <thread>
 
+#include "common/log.h"
 #include "common/util.h"
 
 namespace dsec::edge {
@@ -49,6 +50,10 @@ class RealCgroupFs : public CgroupFs {
   Result<std::string> read(const std::string& path) override { return readFile(path); }
   Status write(const std::string& path, std::string_view data) override {
     return writeKnob(path, data);
+  }
+  Status rename(const std::string& from, const std::string& to) override {
+    if (::rename(from.c_str(), to.c_str()) != 0) return sysError("rename " + from + " to " + to);
+    return Status::ok();
   }
   std::vector<std::string> list(const std::string& dir) override {
     std::vector<std::string> out;
@@ -234,6 +239,7 @@ Result<std::unique_ptr<Cgroups>> Cgroups::detectWith(std::shared_ptr<CgroupFs> f
       RETURN_IF_ERROR(cg->mkdirIfMissing(cur));
     }
   }
+  cg->adoptMemoryPool();
   return cg;
 }
 
@@ -293,10 +299,19 @@ Status Cgroups::freeze(const std::string& id, bool frozen) {
 
 Status Cgroups::create(const std::string& id, const CgroupLimits& limits) {
   auto dirs = dirsOf(id);
-  for (auto& d : dirs) {
-    if (Status st = fs_->mkdir(d); !st.isOk()) {
+  // v1: the memory group (dirs[0]) may come from the pool.
+  bool pooled = takePooledMemory(id);
+  for (size_t i = pooled ? 1 : 0; i < dirs.size(); ++i) {
+    if (Status st = fs_->mkdir(dirs[i]); !st.isOk()) {
       (void)remove(id);
       return st;
+    }
+  }
+  if (pooled) {
+    // What the last sandbox left in the counters a reader might see.
+    for (const char* k : {"memory.max_usage_in_bytes", "memory.failcnt",
+                          "memory.memsw.max_usage_in_bytes", "memory.memsw.failcnt"}) {
+      if (fs_->writable(dirs[0] + "/" + k)) (void)fs_->write(dirs[0] + "/" + k, "0");
     }
   }
   if (Status st = setLimits(id, limits); !st.isOk()) {
@@ -410,11 +425,107 @@ Status Cgroups::remove(const std::string& id) {
   // cgroup.kill would not care, but the group may be an earlier run's).
   (void)freeze(id, false);
   Status first;
-  for (auto& d : dirsOf(id)) {
-    Status st = killAndRemove(d);
+  auto dirs = dirsOf(id);
+  // v1: the memory group (dirs[0]) last, so that it is empty when it may
+  // go to the pool: every task is in one group of each hierarchy, and the
+  // others could be removed only once theirs had no task left.
+  bool v1 = mode_ == Mode::kV1;
+  for (size_t i = v1 ? 1 : 0; i < dirs.size(); ++i) {
+    Status st = killAndRemove(dirs[i]);
+    if (!st.isOk() && first.isOk()) first = st;
+  }
+  if (v1 && !(first.isOk() && poolMemory(id))) {
+    Status st = killAndRemove(dirs[0]);
     if (!st.isOk() && first.isOk()) first = st;
   }
   return first;
+}
+
+void Cgroups::setMemoryPoolMax(size_t max) {
+  std::vector<std::string> extra;
+  {
+    std::lock_guard lk(poolMu_);
+    poolMax_ = max;
+    while (pool_.size() > poolMax_) {
+      extra.push_back(std::move(pool_.back()));
+      pool_.pop_back();
+    }
+  }
+  for (auto& name : extra) (void)killAndRemove(v1Memory_ + "/" + parent_ + "/" + name);
+}
+
+size_t Cgroups::memoryPoolSize() const {
+  std::lock_guard lk(poolMu_);
+  return pool_.size();
+}
+
+bool Cgroups::takePooledMemory(const std::string& id) {
+  if (mode_ != Mode::kV1) return false;
+  const std::string base = v1Memory_ + "/" + parent_ + "/";
+  for (;;) {
+    std::string name;
+    {
+      std::lock_guard lk(poolMu_);
+      if (pool_.empty()) return false;
+      name = std::move(pool_.back());
+      pool_.pop_back();
+    }
+    Status st = fs_->rename(base + name, base + id);
+    if (st.isOk()) return true;
+    log::warn("memory cgroup pool: " + st.toString() + "; removing it");
+    (void)killAndRemove(base + name);
+  }
+}
+
+bool Cgroups::poolMemory(const std::string& id) {
+  if (mode_ != Mode::kV1) return false;
+  const std::string base = v1Memory_ + "/" + parent_ + "/";
+  const std::string dir = base + id;
+  std::string name;
+  {
+    std::lock_guard lk(poolMu_);
+    if (pool_.size() + poolReserved_ >= poolMax_) return false;
+    ++poolReserved_;
+    name = "pool-" + std::to_string(poolNext_++);
+  }
+  bool pooled = false;
+  auto procs = fs_->read(dir + "/cgroup.procs");
+  auto oom = fs_->read(dir + "/memory.oom_control");
+  // Only a group that is empty, never saw an OOM kill (its count cannot be
+  // reset) and holds little (reclaimable) leftover: the next sandbox's
+  // limit and usage then start where a new group's would, near enough.
+  if (procs.isOk() && tokens(*procs).empty() && oom.isOk() &&
+      keyedValue(*oom, "oom_kill") == 0 &&
+      readInt(*fs_, dir + "/memory.usage_in_bytes") <= kPoolMaxBytes) {
+    pooled = fs_->rename(dir, base + name).isOk();
+  }
+  std::lock_guard lk(poolMu_);
+  --poolReserved_;
+  if (pooled) pool_.push_back(name);
+  return pooled;
+}
+
+// v1: pool groups an earlier edge left (empty, as it put them there) become
+// ours, up to the bound; the rest go.
+void Cgroups::adoptMemoryPool() {
+  if (mode_ != Mode::kV1) return;
+  const std::string base = v1Memory_ + "/" + parent_ + "/";
+  std::vector<std::string> drop;
+  {
+    std::lock_guard lk(poolMu_);
+    for (auto& name : fs_->list(v1Memory_ + "/" + parent_)) {
+      if (!startsWith(name, "pool-")) continue;
+      uint64_t n = std::strtoull(name.c_str() + 5, nullptr, 10);
+      poolNext_ = std::max(poolNext_, n + 1);
+      auto procs = fs_->read(base + name + "/cgroup.procs");
+      if (pool_.size() < poolMax_ && procs.isOk() && tokens(*procs).empty()) {
+        pool_.push_back(name);
+      } else {
+        drop.push_back(name);
+      }
+    }
+  }
+  for (auto& name : drop) (void)killAndRemove(base + name);
 }
 
 std::vector<std::string> Cgroups::hierarchies() const {
@@ -426,6 +537,7 @@ std::vector<std::string> Cgroups::hierarchies() const {
 }
 
 void Cgroups::removeParent() {
+  setMemoryPoolMax(0);
   std::vector<std::string> bases = hierarchies();
   // Only the innermost level is ours alone; shared levels go only when empty.
   auto parts = splitString(parent_, '/');

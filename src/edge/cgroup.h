@@ -1,13 +1,15 @@
 // Per-sandbox cgroups on cgroup v2 (unified) or v1 (legacy and hybrid hosts).
 // Detects the layout once; creates <root>/<ctrl>/dsec/<id> (v1) or
 // <root>/dsec/<id> (v2) with limits, attaches a process, reads events, and
-// removes them. Thread-safe: it holds no mutable state after detect().
+// removes them. Thread-safe: after detect() its only mutable state is the
+// memory cgroup pool, under its own mutex.
 #pragma once
 
 #include <sys/types.h>
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -41,6 +43,8 @@ class CgroupFs {
   virtual Result<std::string> read(const std::string& path) = 0;
   // One write(2) of `data` to an existing file (a knob).
   virtual Status write(const std::string& path, std::string_view data) = 0;
+  // rename(2) of a group within its parent (cgroup v1 only; v2 refuses).
+  virtual Status rename(const std::string& from, const std::string& to) = 0;
   // Entry names in `dir` without "." and ".."; empty when it cannot be read.
   virtual std::vector<std::string> list(const std::string& dir) = 0;
   // kill(pid, SIGKILL), errors ignored (the process may be gone).
@@ -92,9 +96,27 @@ class Cgroups {
   // group first). Missing groups are fine; kInternal when a group stays busy
   // for 2 s.
   Status remove(const std::string& id);
-  // Removes the (empty) parent groups made by detect(); shared levels stay
-  // while other edges use them.
+  // Removes the (empty) parent groups made by detect(), and the memory pool;
+  // shared levels stay while other edges use them.
   void removeParent();
+
+  // The memory cgroup pool (cgroup v1; docs/container-backend.md, "Kernel
+  // cost per sandbox"). Removing a memory cgroup makes the kernel walk every
+  // memory-cgroup-aware LRU on the host (two per superblock) under
+  // cgroup_mutex, which mkdir and attach need too: at 3,000 live sandboxes
+  // that is ~15 ms of one CPU per removal, and creates queue behind it.
+  // Creating one allocates shrinker maps sized by the most superblocks the
+  // host ever had at once (~660 KB each here). So remove() keeps up to
+  // `max` emptied memory groups of sandboxes that never hit an OOM kill and
+  // hold at most kPoolMaxBytes of leftover charges (page cache they read,
+  // which stays cached), renamed "pool-<n>", and create() renames one to the
+  // new id instead of a mkdir, and resets its peak and failure counters.
+  // Pool groups left by an earlier edge are taken over at detect(). v2 groups
+  // cannot be renamed: there the pool stays off. 0 turns it off.
+  static constexpr size_t kDefaultMemoryPool = 64;
+  static constexpr int64_t kPoolMaxBytes = 64ll << 20;
+  void setMemoryPoolMax(size_t max);
+  size_t memoryPoolSize() const;
   // Ids of sandbox groups that exist now (for orphan cleanup at start).
   std::vector<std::string> list() const;
   // Directories that make up the sandbox's cgroups.
@@ -115,6 +137,12 @@ class Cgroups {
   Status enableControllers(const std::string& dir, bool evacuate) const;
   Status killAndRemove(const std::string& dir) const;
   void killListed(const std::string& dir) const;
+  // The pool (see setMemoryPoolMax): a pooled group renamed to `id`, if any.
+  bool takePooledMemory(const std::string& id);
+  // Puts `id`'s (empty) memory group in the pool; false when it does not fit
+  // or qualify (the caller removes it then).
+  bool poolMemory(const std::string& id);
+  void adoptMemoryPool();
 
   std::shared_ptr<CgroupFs> fs_;
   Mode mode_ = Mode::kV2;
@@ -126,6 +154,12 @@ class Cgroups {
   std::string v1Unified_;
   // The hierarchy roots a sandbox has a group in (v2: one).
   std::vector<std::string> hierarchies() const;
+
+  mutable std::mutex poolMu_;  // guards pool_, poolMax_, poolNext_
+  std::vector<std::string> pool_;  // names under v1Memory_/parent_
+  size_t poolMax_ = kDefaultMemoryPool;
+  size_t poolReserved_ = 0;  // poolMemory() calls under way
+  uint64_t poolNext_ = 0;
 };
 
 }  // namespace dsec::edge

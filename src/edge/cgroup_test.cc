@@ -2,11 +2,13 @@
 
 #include <gtest/gtest.h>
 #include <linux/magic.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <map>
 #include <set>
 #include <sstream>
@@ -161,6 +163,10 @@ class FakeCgroup2Fs : public CgroupFs {
     }
     it->second.data = std::string(data);
     return Status::ok();
+  }
+  // cgroup v2 refuses to rename groups.
+  Status rename(const std::string& from, const std::string&) override {
+    return sysError("rename " + from, EPERM);
   }
   std::vector<std::string> list(const std::string& dir) override {
     std::vector<std::string> out;
@@ -422,7 +428,106 @@ TEST(CgroupTest, CreateLimitAttachRemove) {
   EXPECT_TRUE(WIFSIGNALED(status));
   for (auto& d : dirs) EXPECT_NE(stat(d.c_str(), &st), 0) << d;
   EXPECT_EQ((*cg)->stats(id).status().code(), Code::kNotFound);
-  for (auto& d : dirs) rmdir(d.substr(0, d.rfind('/')).c_str());
+  (*cg)->removeParent();  // and the memory group the pool kept (v1)
+  for (auto& d : dirs) EXPECT_NE(stat(d.substr(0, d.rfind('/')).c_str(), &st), 0) << d;
+}
+
+// A child in `id`'s groups that touches `bytes` of memory when told (one
+// byte on `go`), then waits to be killed.
+pid_t childThatAllocates(Cgroups& cg, const std::string& id, size_t bytes, int go[2]) {
+  if (::pipe(go) != 0) return -1;
+  pid_t child = fork();
+  if (child == 0) {
+    char c;
+    if (::read(go[0], &c, 1) != 1) _exit(1);
+    if (bytes > 0) {
+      auto* p = static_cast<char*>(::malloc(bytes));
+      for (size_t i = 0; p && i < bytes; i += 4096) p[i] = 1;
+    }
+    pause();
+    _exit(0);
+  }
+  if (!cg.attach(id, child).isOk()) {
+    ::kill(child, SIGKILL);
+    ::waitpid(child, nullptr, 0);
+    return -1;
+  }
+  return child;
+}
+
+uint64_t inodeOf(const std::string& path) {
+  struct stat st;
+  return ::stat(path.c_str(), &st) == 0 ? st.st_ino : 0;
+}
+
+// cgroup v1: a destroyed sandbox's memory group is kept, renamed, and given
+// to the next create (no memory cgroup removal, no creation); one that saw an
+// OOM kill is removed; a new Cgroups on the same parent takes the pool over.
+TEST(CgroupTest, MemoryPoolReusesEmptyMemoryGroups) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root to manage cgroups";
+  const std::string parent = "dsec-unittest-pool-" + randomHex(3);
+  auto cg = Cgroups::detect("/sys/fs/cgroup", parent);
+  if (!cg.isOk()) GTEST_SKIP() << "no usable cgroups: " << cg.status().toString();
+  if ((*cg)->mode() != Cgroups::Mode::kV1) {
+    (*cg)->removeParent();
+    GTEST_SKIP() << "the memory cgroup pool is for cgroup v1 (v2 groups cannot be renamed)";
+  }
+  std::string a = "sb-a" + randomHex(4), b = "sb-b" + randomHex(4), c = "sb-c" + randomHex(4);
+  ASSERT_TRUE((*cg)->create(a, CgroupLimits{0.5, 64 << 20, 32}).isOk());
+  const std::string memA = (*cg)->dirsOf(a)[0];
+  const uint64_t inoA = inodeOf(memA);
+  int go[2];
+  pid_t child = childThatAllocates(**cg, a, 0, go);
+  ASSERT_GT(child, 0);
+  ASSERT_TRUE((*cg)->remove(a).isOk());
+  ASSERT_EQ(waitpid(child, nullptr, 0), child);
+  ::close(go[0]);
+  ::close(go[1]);
+  EXPECT_EQ(inodeOf(memA), 0u);
+  EXPECT_EQ((*cg)->memoryPoolSize(), 1u);
+
+  // The next create takes it: same group, new name, new limit.
+  ASSERT_TRUE((*cg)->create(b, CgroupLimits{0.5, 32 << 20, 32}).isOk());
+  const std::string memB = (*cg)->dirsOf(b)[0];
+  EXPECT_EQ(inodeOf(memB), inoA);
+  EXPECT_EQ((*cg)->memoryPoolSize(), 0u);
+  EXPECT_EQ(*readFile(memB + "/memory.limit_in_bytes"), std::to_string(32 << 20) + "\n");
+  EXPECT_EQ(*readFile(memB + "/memory.failcnt"), "0\n");
+  for (auto& d : (*cg)->dirsOf(b)) EXPECT_NE(inodeOf(d), 0u) << d;
+  ASSERT_TRUE((*cg)->remove(b).isOk());
+  EXPECT_EQ((*cg)->memoryPoolSize(), 1u);
+
+  // An OOM kill's count cannot be reset: that group is removed, not kept.
+  ASSERT_TRUE((*cg)->create(c, CgroupLimits{0.5, 16 << 20, 32}).isOk());
+  const uint64_t inoC = inodeOf((*cg)->dirsOf(c)[0]);
+  EXPECT_EQ((*cg)->memoryPoolSize(), 0u);
+  child = childThatAllocates(**cg, c, 64 << 20, go);
+  ASSERT_GT(child, 0);
+  ASSERT_EQ(::write(go[1], "x", 1), 1);
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ::close(go[0]);
+  ::close(go[1]);
+  ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) << status;
+  EXPECT_EQ(*(*cg)->oomKills(c), 1);
+  ASSERT_TRUE((*cg)->remove(c).isOk());
+  EXPECT_EQ((*cg)->memoryPoolSize(), 0u);
+  EXPECT_EQ(inodeOf((*cg)->dirsOf(c)[0]), 0u);
+  (void)inoC;
+
+  // Kept across edges: a new Cgroups on the same parent adopts the pool.
+  ASSERT_TRUE((*cg)->create(a, CgroupLimits{0.5, 64 << 20, 32}).isOk());
+  ASSERT_TRUE((*cg)->remove(a).isOk());
+  EXPECT_EQ((*cg)->memoryPoolSize(), 1u);
+  cg->reset();
+  auto again = Cgroups::detect("/sys/fs/cgroup", parent);
+  ASSERT_TRUE(again.isOk());
+  EXPECT_EQ((*again)->memoryPoolSize(), 1u);
+  (*again)->setMemoryPoolMax(0);
+  EXPECT_EQ((*again)->memoryPoolSize(), 0u);
+  (*again)->removeParent();
+  struct stat st;
+  EXPECT_NE(stat(memA.substr(0, memA.rfind('/')).c_str(), &st), 0);
 }
 
 }  // namespace

@@ -74,7 +74,15 @@ Result<std::unique_ptr<Edge>> Edge::start(EdgeOptions opts) {
     ASSIGN_OR_RETURN(e->loops_, LoopPool::open(lo));
     if (e->opts_.registry) {
       e->metricsId_ = e->opts_.registry->add(
-          [raw = e.get()](metrics::Writer& w) { raw->loops_->writeMetrics(w); });
+          [raw = e.get()](metrics::Writer& w) {
+            raw->loops_->writeMetrics(w);
+            if (raw->cgroups_) {
+              w.gauge("dsec_edge_memory_cgroup_pool",
+                      "Emptied memory cgroups (v1) kept for the next creates, which take one "
+                      "instead of making one, sparing its removal (edge/cgroup.h).",
+                      double(raw->cgroups_->memoryPoolSize()));
+            }
+          });
     }
   }
   e->stateDir_ = std::make_unique<SandboxStateDir>(e->opts_.dataDir + "/state");
