@@ -13,6 +13,7 @@
 #include <climits>
 #include <cstring>
 #include <mutex>
+#include <atomic>
 #include <thread>
 #include <vector>
 
@@ -457,7 +458,10 @@ size_t LoopPool::removeExcess(bool force) {
       }
     }
   }
-  for (int n : due) {
+  // LOOP_CTL_REMOVE waits for RCU grace periods (~50 ms each here), outside
+  // the kernel's loop_ctl_mutex: one thread removes ~20 devices a second,
+  // sixteen ~400 (64: ~1,400), which is what a mass destroy needs.
+  auto removeOne = [this](int n) {
     bool gone = false, removed = false;
     // A bound device (still unbinding, or re-adopted) waits: no ledger churn.
     if (!sys_->bound(n)) {
@@ -483,12 +487,25 @@ size_t LoopPool::removeExcess(bool force) {
     if (gone) {
       if (removed) ++removed_;
       if (it != removing_.end()) removing_.erase(it);
-      continue;
+      return;
     }
-    if (it == removing_.end()) continue;  // adopted meanwhile
+    if (it == removing_.end()) return;  // adopted meanwhile
     Pending& p = it->second;
     p.backoff = std::min(opts_.retryMaxS, std::max(opts_.retryMinS, p.backoff * 2));
     p.due = monoSeconds() + p.backoff;
+  };
+  size_t workers = std::min(due.size(), kRemoveThreads);
+  if (workers <= 1) {
+    for (int n : due) removeOne(n);
+  } else {
+    std::atomic<size_t> next{0};
+    std::vector<std::thread> threads;
+    for (size_t i = 0; i < workers; ++i) {
+      threads.emplace_back([&] {
+        for (size_t k; (k = next.fetch_add(1)) < due.size();) removeOne(due[k]);
+      });
+    }
+    for (auto& t : threads) t.join();
   }
   std::lock_guard lk(mu_);
   return removing_.size();
@@ -531,8 +548,14 @@ void LoopPool::close(double waitS) {
     free_.clear();
   }
   // Released filesystems may still be letting go of their devices: a short
-  // wait, then what remains stays in the ledger for the next edge.
-  double deadline = monoSeconds() + waitS;
+  // wait (longer after a mass destroy: a second per 500 queued, up to 30 s),
+  // then what remains stays in the ledger for the next edge of this data dir.
+  size_t queued;
+  {
+    std::lock_guard lk(mu_);
+    queued = removing_.size();
+  }
+  double deadline = monoSeconds() + std::min(30.0, waitS + double(queued) / 500);
   while (removeExcess(true) > 0 && monoSeconds() < deadline) {
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }

@@ -145,7 +145,9 @@ class LoopPool {
   // One pass over the devices queued for removal whose retry is due (all of
   // them with force): removes the unbound ones; the rest wait (backoff).
   // Returns how many remain queued. The thread calls this on its own.
+  // Removals run on up to kRemoveThreads threads at once.
   size_t removeExcess(bool force = false);
+  static constexpr size_t kRemoveThreads = 16;
   // Stops the thread and removes every device that is not attached (free
   // and queued), retrying refusals for up to waitS; attached ones (live
   // restore) stay in the ledger for the next edge. Idempotent.

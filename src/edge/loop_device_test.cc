@@ -13,6 +13,7 @@
 #include <deque>
 #include <cstdlib>
 #include <map>
+#include <condition_variable>
 #include <mutex>
 #include <set>
 #include <thread>
@@ -43,6 +44,16 @@ class FakeLoopSys : public LoopSys {
     return n;
   }
   Status remove(int index) override {
+    if (holdUntil > 1) {
+      // Each removal waits (up to 1 s) until holdUntil are in at once, as
+      // the kernel's wait for a grace period would let them be.
+      std::unique_lock g(gateMu_);
+      maxInside = std::max(maxInside, ++inside);
+      if (inside >= holdUntil) gateOpen_ = true;
+      gateCv_.notify_all();
+      gateCv_.wait_for(g, std::chrono::seconds(1), [&] { return gateOpen_; });
+      --inside;
+    }
     std::lock_guard lk(mu_);
     ++removes;
     auto it = devs.find(index);
@@ -103,12 +114,17 @@ class FakeLoopSys : public LoopSys {
   }
 
   std::map<int, Dev> devs;
+  int holdUntil = 0;  // > 1: remove() waits for that many at once (see there)
+  int inside = 0, maxInside = 0;  // removals under way now, most at once
   std::string boot = "boot-1";
   bool refuseDirectIo = false;
   int adds = 0, removes = 0;
 
  private:
   bool busyLocked(const Dev& d) const { return !d.backing.empty() || now_ < d.readyAt; }
+  std::mutex gateMu_;  // guards inside, maxInside, gateOpen_
+  std::condition_variable gateCv_;
+  bool gateOpen_ = false;
   std::mutex mu_;
   int now_ = 0;
 };
@@ -213,6 +229,31 @@ TEST_F(LoopPoolTest, KeepsAtMostMaxFreeAndRemovesTheRest) {
   EXPECT_EQ(sys->count(), 16u);
   // The newest released stay (the oldest went first).
   for (int i = 24; i < 40; ++i) EXPECT_TRUE(sys->exists(idx[size_t(i)])) << idx[size_t(i)];
+}
+
+// LOOP_CTL_REMOVE waits for RCU grace periods (~50 ms here), so a mass
+// destroy's devices are removed by several threads at once: the fake lets
+// no removal finish before four are under way.
+TEST_F(LoopPoolTest, RemovesManyDevicesInParallel) {
+  opts.maxFree = 0;
+  auto pool = open();
+  ASSERT_TRUE(pool);
+  std::vector<int> idx;
+  for (int i = 0; i < 64; ++i) {
+    auto l = pool->attach(file, LO_FLAGS_AUTOCLEAR);
+    ASSERT_TRUE(l.isOk());
+    idx.push_back(l->index);
+  }
+  sys->holdUntil = 4;
+  for (int n : idx) {
+    sys->unbind(n);
+    pool->release(n);
+  }
+  EXPECT_EQ(pool->removeExcess(true), 0u);
+  EXPECT_GE(sys->maxInside, 4);
+  EXPECT_LE(sys->maxInside, int(LoopPool::kRemoveThreads));
+  EXPECT_EQ(sys->count(), 0u);
+  EXPECT_EQ(pool->stats().removed, 64u);
 }
 
 TEST_F(LoopPoolTest, RetriesARemovalTheKernelRefusesWhileTearingDown) {
