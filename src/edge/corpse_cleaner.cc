@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "common/util.h"
 #include "edge/agent_conn.h"
 
 namespace dsec::edge {
@@ -37,6 +38,11 @@ void CorpseCleaner::drain() {
   cv_.wait(lk, [&] { return queue_.empty() && busy_ == 0; });
 }
 
+size_t CorpseCleaner::backlog() {
+  std::lock_guard lk(mu_);
+  return queue_.size() + size_t(busy_);
+}
+
 void CorpseCleaner::loop() {
   std::unique_lock lk(mu_);
   --starting_;
@@ -55,6 +61,71 @@ void CorpseCleaner::loop() {
     cleanup_(id);
     lk.lock();
     --busy_;
+    cv_.notify_all();
+  }
+}
+
+CgroupReaper::CgroupReaper(std::function<void(const std::string&)> remove,
+                           std::function<size_t()> backlog, size_t batchAbove, double maxDelayS)
+    : remove_(std::move(remove)),
+      backlog_(std::move(backlog)),
+      batchAbove_(batchAbove),
+      maxDelayS_(maxDelayS),
+      thread_([this] { loop(); }) {}
+
+CgroupReaper::~CgroupReaper() {
+  drain();
+  {
+    std::lock_guard lk(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+}
+
+void CgroupReaper::add(std::string id) {
+  {
+    std::lock_guard lk(mu_);
+    queue_.emplace_back(std::move(id), monoSeconds());
+  }
+  cv_.notify_all();
+}
+
+size_t CgroupReaper::pending() {
+  std::lock_guard lk(mu_);
+  return queue_.size() + size_t(busy_);
+}
+
+void CgroupReaper::drain() {
+  std::unique_lock lk(mu_);
+  ++draining_;
+  cv_.notify_all();
+  cv_.wait(lk, [&] { return queue_.empty() && !busy_; });
+  --draining_;
+}
+
+void CgroupReaper::loop() {
+  std::unique_lock lk(mu_);
+  for (;;) {
+    cv_.wait(lk, [&] { return stop_ || !queue_.empty(); });
+    if (queue_.empty()) return;  // stopping
+    // A mass destroy: wait (polling the cleaner) until it has caught up.
+    if (!draining_ && monoSeconds() - queue_.front().second < maxDelayS_) {
+      lk.unlock();
+      bool wait = backlog_() > batchAbove_;
+      lk.lock();
+      if (wait) {
+        cv_.wait_for(lk, std::chrono::milliseconds(50));
+        continue;
+      }
+    }
+    std::string id = std::move(queue_.front().first);
+    queue_.pop_front();
+    busy_ = true;
+    lk.unlock();
+    remove_(id);
+    lk.lock();
+    busy_ = false;
     cv_.notify_all();
   }
 }

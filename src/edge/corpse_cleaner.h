@@ -42,6 +42,8 @@ class CorpseCleaner {
   void add(std::string id, UniqueFd pidfd);
   // Returns once everything queued so far is cleaned up.
   void drain();
+  // Sandboxes queued or being cleaned up right now.
+  size_t backlog();
 
  private:
   void loop();
@@ -56,6 +58,52 @@ class CorpseCleaner {
   bool stop_ = false;
   const int maxWorkers_;
   std::vector<std::thread> threads_;  // guarded by mu_ (grows in add())
+};
+
+// Removes destroyed sandboxes' cgroups on a thread of its own, after their
+// teardown, and in a mass destroy only once the teardown has caught up.
+//
+// Why (docs/container-backend.md, "Kernel cost per sandbox"): removing a
+// memory cgroup walks every memory-cgroup-aware LRU on the host, two per
+// live superblock, under cgroup_mutex. A sandbox's superblocks go when its
+// PID 1 is reaped. When thousands are destroyed at once, removing each
+// one's cgroups as soon as it is reaped makes the early removals walk the
+// LRUs of all the sandboxes still dying (~15 ms each at 3,000 live here,
+// against ~1 ms on an empty node). So while more than `batchAbove` sandboxes
+// wait for the cleaner (`backlog`), removals wait too, up to `maxDelayS`
+// after the oldest arrived; with fewer (a steady stream of destroys) they
+// run at once, and the memory cgroup pool (edge/cgroup.h) keeps working.
+class CgroupReaper {
+ public:
+  CgroupReaper(std::function<void(const std::string& id)> remove,
+               std::function<size_t()> backlog, size_t batchAbove = kBatchAbove,
+               double maxDelayS = kMaxDelayS);
+  static constexpr size_t kBatchAbove = 32;
+  static constexpr double kMaxDelayS = 20;
+  // Drains, then stops the thread.
+  ~CgroupReaper();
+  CgroupReaper(const CgroupReaper&) = delete;
+  CgroupReaper& operator=(const CgroupReaper&) = delete;
+
+  void add(std::string id);
+  // Removes everything queued now, whatever the backlog, and returns once done.
+  void drain();
+  size_t pending();
+
+ private:
+  void loop();
+
+  std::function<void(const std::string&)> remove_;
+  std::function<size_t()> backlog_;
+  const size_t batchAbove_;
+  const double maxDelayS_;
+  std::mutex mu_;  // guards everything below
+  std::condition_variable cv_;
+  std::deque<std::pair<std::string, double>> queue_;  // id, when added (monoSeconds)
+  bool busy_ = false;
+  int draining_ = 0;
+  bool stop_ = false;
+  std::thread thread_;
 };
 
 }  // namespace dsec::edge

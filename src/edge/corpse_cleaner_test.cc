@@ -7,9 +7,12 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <mutex>
+#include <string>
+#include <thread>
 #include <vector>
 
 namespace dsec::edge {
@@ -99,6 +102,85 @@ TEST(CorpseCleaner, DestructorDrainsWhatIsQueued) {
     cleaner.add("sb-x", UniqueFd());  // no process: cleaned up at once
   }
   EXPECT_EQ(calls, 1);
+}
+
+// Removals wait while the cleaner has a mass destroy's backlog (over the
+// threshold), and run once it has caught up.
+TEST(CgroupReaper, WaitsForAMassDestroysTeardownToCatchUp) {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<std::string> removed;
+  std::atomic<size_t> backlog{100};
+  CgroupReaper reaper(
+      [&](const std::string& id) {
+        std::lock_guard lk(mu);
+        removed.push_back(id);
+        cv.notify_all();
+      },
+      [&] { return backlog.load(); }, /*batchAbove=*/32, /*maxDelayS=*/600);
+  reaper.add("sb-1");
+  reaper.add("sb-2");
+  // Nothing happens while the backlog stays above the threshold (the reaper
+  // polls every 50 ms: give it several rounds).
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  {
+    std::lock_guard lk(mu);
+    EXPECT_TRUE(removed.empty());
+  }
+  EXPECT_EQ(reaper.pending(), 2u);
+  backlog = 3;
+  std::unique_lock lk(mu);
+  ASSERT_TRUE(cv.wait_for(lk, std::chrono::seconds(10), [&] { return removed.size() == 2; }));
+  EXPECT_EQ(removed, (std::vector<std::string>{"sb-1", "sb-2"}));
+}
+
+// A small backlog (a steady stream of destroys) does not hold removals up.
+TEST(CgroupReaper, RemovesAtOnceWithASmallBacklog) {
+  std::mutex mu;
+  std::condition_variable cv;
+  int n = 0;
+  CgroupReaper reaper(
+      [&](const std::string&) {
+        std::lock_guard lk(mu);
+        ++n;
+        cv.notify_all();
+      },
+      [] { return size_t(5); }, 32, 600);
+  for (int i = 0; i < 10; ++i) reaper.add("sb-" + std::to_string(i));
+  std::unique_lock lk(mu);
+  ASSERT_TRUE(cv.wait_for(lk, std::chrono::seconds(10), [&] { return n == 10; }));
+}
+
+// The wait is bounded (maxDelayS), and drain() removes everything at once.
+TEST(CgroupReaper, TheWaitIsBoundedAndDrainDoesNotWait) {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<std::string> removed;
+  {
+    CgroupReaper reaper(
+        [&](const std::string& id) {
+          std::lock_guard lk(mu);
+          removed.push_back(id);
+          cv.notify_all();
+        },
+        [] { return size_t(1000); }, 32, /*maxDelayS=*/0.2);
+    reaper.add("sb-late");
+    {
+      std::unique_lock lk(mu);
+      ASSERT_TRUE(cv.wait_for(lk, std::chrono::seconds(10), [&] { return removed.size() == 1; }));
+    }
+  }
+  CgroupReaper stuck(
+      [&](const std::string& id) {
+        std::lock_guard lk(mu);
+        removed.push_back(id);
+      },
+      [] { return size_t(1000); }, 32, /*maxDelayS=*/600);
+  stuck.add("sb-drained");
+  stuck.drain();
+  EXPECT_EQ(stuck.pending(), 0u);
+  std::lock_guard lk(mu);
+  EXPECT_EQ(removed, (std::vector<std::string>{"sb-late", "sb-drained"}));
 }
 
 }  // namespace

@@ -361,14 +361,21 @@ Result<std::unique_ptr<ContainerBackend>> ContainerBackend::make(ContainerOption
   // One spawn up front, so a broken aether fails start-up, not the first create.
   ASSIGN_OR_RETURN(Agent probe, b->spawnAgent());
   b->spares_.push_back(std::move(probe));
+  // The cgroups go last, on the reaper, which batches them in a mass
+  // destroy (corpse_cleaner.h).
+  b->cgroupReaper_ = std::make_unique<CgroupReaper>(
+      [raw = b.get()](const std::string& id) {
+        Status st = raw->cgroups_->remove(id);
+        if (!st.isOk()) log::error("cleanup " + id + ": " + st.toString());
+      },
+      [raw = b.get()] { return raw->cleaner_ ? raw->cleaner_->backlog() : 0; });
   b->cleaner_ = std::make_unique<CorpseCleaner>(
       [raw = b.get()](const std::string& id) {
         // The disk first: emptied for reuse, its page cache (charged to the
         // sandbox's memory group) goes, so the group fits the pool.
         Status rm = raw->quota_->remove(id);
-        Status st = raw->cgroups_->remove(id);
-        if (!st.isOk()) log::error("cleanup " + id + ": " + st.toString());
         if (!rm.isOk()) log::error("cleanup " + id + ": " + rm.toString());
+        raw->cgroupReaper_->add(id);
       });
   b->spareThread_ = std::thread([raw = b.get()] { raw->spareLoop(); });
   return b;
@@ -790,6 +797,7 @@ void ContainerBackend::shutdown(bool keepSandboxes) {
   }
   spares_.clear();
   if (cleaner_) cleaner_->drain();
+  if (cgroupReaper_) cgroupReaper_->drain();
   if (std::exchange(maskMounted_, false)) {
     std::string mask = opts_.sandboxRoot + "/" DSEC_MASK_DIR;
     if (::umount2(mask.c_str(), MNT_DETACH) != 0) log::warn(sysError("unmount " + mask).toString());
@@ -808,6 +816,7 @@ void ContainerBackend::shutdown(bool keepSandboxes) {
 ContainerBackend::~ContainerBackend() {
   shutdown();
   cleaner_.reset();
+  cgroupReaper_.reset();
 }
 
 void ContainerBackend::removeOrphan(const std::string& id) {

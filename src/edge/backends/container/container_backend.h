@@ -134,6 +134,7 @@ class ContainerBackend : public Backend {
   // Reaps killed sandboxes and removes what they leave (edge/corpse_cleaner.h).
   // Last, so it goes first: its work uses the members above.
   std::unique_ptr<CorpseCleaner> cleaner_;
+  std::unique_ptr<CgroupReaper> cgroupReaper_;  // fed by cleaner_ (made first, reset last)
 };
 
 }  // namespace dsec::edge
