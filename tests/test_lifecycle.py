@@ -122,3 +122,40 @@ def test_sandboxes_without_user_namespaces_under_a_tmp_data_dir(tmp_path_factory
     finally:
         s.stop()
     assert not mounts_containing(str(s.data_dir))
+
+
+def test_stopped_sandboxes_are_kept_up_to_a_count(tmp_path_factory, server, sdk):
+    """Issue 30: stopped sandboxes stay listed for an hour, and at most
+    `--stopped-retention-max` of them (the longest stopped go first), so a
+    trainer's churn does not grow the platform's memory and store by the hour.
+    The janitor walks the records every 5 s."""
+    _check_prerequisites()
+    s = Server(tmp_path_factory.mktemp("retention") / "data", sdk=sdk,
+               extra_args=["--stopped-retention-max", "2"])
+    s.data_dir.mkdir()
+    s.start()
+    try:
+        s.import_image("busybox:latest", Path(os.environ.get(
+            "DSEC_IMAGE_CACHE", "/var/cache/dsec/test-images")) / "busybox.tar")
+        ids = []
+        for _ in range(5):
+            sb = s.client.create("busybox:latest", labels={"t": "retention"})
+            ids.append(sb.id)
+            sb.destroy()
+            time.sleep(0.05)  # distinct stop times
+        live = s.client.create("busybox:latest", labels={"t": "retention"})
+
+        def listed():
+            return {x.id for x in s.client.list(labels={"t": "retention"})}
+        deadline = time.monotonic() + 30
+        while len(listed()) > 3 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        # The running one stays, and the two stopped last; the rest are gone
+        # from the list and from GET.
+        assert listed() == {live.id, ids[3], ids[4]}
+        for old in ids[:3]:
+            status, _, _, body = s.raw("GET", f"/v1/sandboxes/{old}")
+            assert status == 404, body
+        live.destroy()
+    finally:
+        s.stop()

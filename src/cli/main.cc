@@ -54,6 +54,8 @@ const char* kUsage = R"(usage: dsec COMMAND [OPTIONS]
         better kept in ~/.pgpass or $PGPASSWORD). The schema is created or
         upgraded at start; see docs/stores.md
   up also takes --gc-grace-s S: unreferenced layers older than S are deleted (default 600)
+     --stopped-retention-max N: stopped sandboxes stay listed for an hour, and at
+        most N of them (the longest stopped go first; default 10000)
      --blob-store URI: where the node reads layer blobs: file:///DIR or http(s)://HOST/PREFIX
         (default file://<data-dir>/blobs, the platform's own blob directory)
      --blob-store-ca FILE: CA certificates (PEM) an https:// store is checked against
@@ -466,6 +468,11 @@ int cmdUp(const Args& a) {
     if (po.batchWorkers < 1 || po.batchWorkers > 4096) return die("--batch-workers must be 1..4096");
   }
   if (!a.get("gc-grace-s").empty()) po.gcGraceS = std::atof(a.get("gc-grace-s").c_str());
+  if (!a.get("stopped-retention-max").empty()) {
+    long long n = std::atoll(a.get("stopped-retention-max").c_str());
+    if (n < 0) return die("--stopped-retention-max must be >= 0");
+    po.stoppedRetentionMax = size_t(n);
+  }
   if (!a.get("trajectory-retention-s").empty()) {
     po.trajectoryRetentionS = std::atof(a.get("trajectory-retention-s").c_str());
     if (po.trajectoryRetentionS < 0) return die("--trajectory-retention-s must be >= 0");

@@ -367,6 +367,7 @@ void Platform::janitor() {
       lastFullWalk = now;
       std::string from;
       bool first = true;
+      std::vector<std::pair<double, std::string>> stopped;  // kept by time: for the count bound
       for (;;) {
         auto it = first ? sandboxes_.begin() : sandboxes_.lower_bound(from);
         first = false;
@@ -385,6 +386,7 @@ void Platform::janitor() {
             it = sandboxes_.erase(it);
             continue;
           }
+          if (fin) stopped.emplace_back(r.stoppedAt, id);
           if (live(r) && r.expiresAt > 0 && r.expiresAt <= now) expired.push_back(id);
           if (!fin && !timed_.count(id) && (r.idleTimeoutS > 0 || r.autoPauseS > 0)) {
             timed_.insert(id);
@@ -396,6 +398,20 @@ void Platform::janitor() {
         from = it->first;  // the next one to look at (or what follows it, if it goes)
         lk.unlock();
         lk.lock();
+      }
+      // Past the count bound, the longest stopped go (re-checked: a record
+      // may have gone or changed while the lock was let go).
+      if (stopped.size() > opts_.stoppedRetentionMax) {
+        size_t over = stopped.size() - opts_.stoppedRetentionMax;
+        std::nth_element(stopped.begin(), stopped.begin() + long(over - 1), stopped.end());
+        for (size_t i = 0; i < over; ++i) {
+          auto it = sandboxes_.find(stopped[i].second);
+          if (it == sandboxes_.end() || !isFinal(it->second.state)) continue;
+          purge.push_back(it->first);
+          lastCall_.erase(it->first);
+          timed_.erase(it->first);
+          sandboxes_.erase(it);
+        }
       }
     }
     // Found by expiry_ and by the walk alike: destroyed once.

@@ -38,7 +38,12 @@ namespace dsec::platform {
 struct PlatformOptions {
   std::string dataDir;
   std::string token;
-  double stoppedRetentionS = 3600;  // stopped sandboxes stay listed this long
+  double stoppedRetentionS = 3600;  // stopped sandboxes stay listed this long,
+  // and at most this many of them (the longest stopped go first): at a
+  // trainer's churn (200 destroys a second) an hour is 720,000 records,
+  // ~2 KB each in memory and a row each in the store. As Kubernetes bounds
+  // terminated pods (terminated-pod-gc-threshold, 12,500).
+  size_t stoppedRetentionMax = 10000;
   double gcGraceS = 600;            // unreferenced layers older than this are collected
   double gcIntervalS = 60;          // how often the janitor collects
   // What the built-in `setup` policy allows (platform/policy.h): egress
