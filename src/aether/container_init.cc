@@ -22,6 +22,9 @@
 
 namespace dsec::aether {
 
+// Where a pre-pivoted agent attaches the sandbox's root, in its stage.
+constexpr const char* kPivotedRoot = "/root";
+
 namespace {
 
 Status mountOrError(const char* source, const std::string& target, const char* fstype,
@@ -252,6 +255,20 @@ Status pivotInto(const std::string& root) {
   return Status::ok();
 }
 
+// Pre-pivoted agents (prestage with pivot): the root is the stage tmpfs, and
+// the sandbox's root is mounted on top of it and entered with chroot. No
+// pivot_root (which walks every task on the host, chroot_fs_refs) and no
+// unmount (which waits for an RCU grace period) on the create path: prestage
+// paid both. What lies beneath, should a process leave the chroot, is the
+// stage: empty directories (docs/container-backend.md).
+Status enterRoot(const std::string& root) {
+  if (::chdir(root.c_str()) < 0) return sysError("chdir " + root);
+  RETURN_IF_ERROR(mountOrError(".", "/", nullptr, MS_MOVE, nullptr, "move root"));
+  if (::chroot(".") < 0) return sysError("chroot " + root);
+  if (::chdir("/") < 0) return sysError("chdir /");
+  return Status::ok();
+}
+
 Status setHostname(const std::string& hostname) {
   if (::sethostname(hostname.data(), hostname.size()) < 0) return sysError("sethostname");
   struct stat st;
@@ -370,6 +387,8 @@ Status setupContainer(const InitConfig& config, int rootfsFd, const std::string&
                                              ? "mount_fd is set but no mount fd came with init"
                                              : "a mount fd came with init without mount_fd");
   }
+  // prestage(..., pivot = true) left us in the stage ("/").
+  const bool prePivoted = staged == "/";
   if (config.rootfs) {
     const RootfsConfig& r = *config.rootfs;
     // Nothing mounted from here on may propagate back to the host.
@@ -382,15 +401,19 @@ Status setupContainer(const InitConfig& config, int rootfsFd, const std::string&
       // denies mount calls to everything that runs after this setup.
       // The target may be in our private stage (the edge's detached layout),
       // where nothing made it yet.
-      RETURN_IF_ERROR(ensureDir(r.target, 0755));
-      if (::syscall(SYS_move_mount, rootfsFd, "", AT_FDCWD, r.target.c_str(),
+      const std::string target = prePivoted ? std::string(kPivotedRoot) : r.target;
+      RETURN_IF_ERROR(ensureDir(target, 0755));
+      if (::syscall(SYS_move_mount, rootfsFd, "", AT_FDCWD, target.c_str(),
                     0x4 /*MOVE_MOUNT_F_EMPTY_PATH*/) < 0) {
-        return sysError("attach rootfs " + r.target);
+        return sysError("attach rootfs " + target);
       }
+    } else if (prePivoted) {
+      return invalidArg("rootfs.mount_fd",
+                        "an agent staged with --pivot needs its rootfs as a mount fd");
     } else {
       RETURN_IF_ERROR(mountOverlay(r));
     }
-    const std::string& root = r.target;
+    const std::string& root = prePivoted ? std::string(kPivotedRoot) : r.target;
     if (staged.empty()) {
       RETURN_IF_ERROR(mountKernelFs(root, usableMaskDir(maskDir)));
     } else {
@@ -401,7 +424,7 @@ Status setupContainer(const InitConfig& config, int rootfsFd, const std::string&
                                      nullptr, "move staged"));
       }
     }
-    RETURN_IF_ERROR(pivotInto(root));
+    RETURN_IF_ERROR(prePivoted ? enterRoot(root) : pivotInto(root));
     if (!config.hostname.empty()) RETURN_IF_ERROR(setHostname(config.hostname));
     if (config.fncall) RETURN_IF_ERROR(setupFncallRoot(*config.fncall));
     if (staged.empty()) RETURN_IF_ERROR(bringUpInterface("lo"));
@@ -411,7 +434,8 @@ Status setupContainer(const InitConfig& config, int rootfsFd, const std::string&
   return Status::ok();
 }
 
-Result<std::string> prestage(const std::string& stageDir, const std::string& maskDir) {
+Result<std::string> prestage(const std::string& stageDir, const std::string& maskDir,
+                             bool pivot) {
   if (::mount(nullptr, "/", nullptr, MS_REC | MS_SLAVE, nullptr) < 0) {
     return sysError("make / slave");
   }
@@ -424,6 +448,12 @@ Result<std::string> prestage(const std::string& stageDir, const std::string& mas
     // Half-staged mounts go with the stage; init mounts them afresh.
     (void)::umount2(stageDir.c_str(), MNT_DETACH);
     return st;
+  }
+  if (pivot) {
+    // Into the stage now, off the create path; the host's tree goes. A
+    // failure here leaves no usable agent: the edge sees it exit.
+    RETURN_IF_ERROR(pivotInto(stageDir).withContext("pivot into the stage"));
+    return std::string("/");
   }
   return stageDir;
 }

@@ -81,8 +81,14 @@ Status setupContainer(const InitConfig& config, int rootfsFd = -1,
 // whatever lies under `stageDir` from the agent, so the edge names an empty
 // directory of its own (never one above its data directory, such as /tmp).
 constexpr const char* kStageDir = "/tmp";
+//
+// `pivot` (`--pivot`: the edge's detached layout, whose init brings the
+// rootfs as a mount fd): also pivot_root into the stage and drop the host's
+// tree, here rather than on the create path; returns "/", and init then
+// mounts the rootfs at /root on the stage and enters it with MS_MOVE onto
+// "/" and chroot (no pivot_root, no unmount at create).
 Result<std::string> prestage(const std::string& stageDir = kStageDir,
-                             const std::string& maskDir = {});
+                             const std::string& maskDir = {}, bool pivot = false);
 
 // Sets the IFF_UP flag of interface `name` through SIOCSIFFLAGS.
 Status bringUpInterface(const char* name);

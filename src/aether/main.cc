@@ -134,6 +134,7 @@ int realMain(int argc, char** argv) {
   bool prestaged = false;
   std::string stage_dir = kStageDir;
   std::string mask_dir;  // the node's empty read-only directory for masks
+  bool pivot = false;    // prestage pivots into the stage (container_init.h)
   for (int i = 1; i < argc; ++i) {
     std::string_view a = argv[i];
     if (a == "--no-init") {
@@ -145,9 +146,11 @@ int realMain(int argc, char** argv) {
       stage_dir = std::string(a.substr(11));
     } else if (a.substr(0, 7) == "--mask=" && a.size() > 7) {
       mask_dir = std::string(a.substr(7));
+    } else if (a == "--pivot") {
+      pivot = true;
     } else {
       std::fprintf(stderr,
-                   "usage: dsec-aether [--no-init | --prestage[=DIR]] [--mask=DIR]\n  (the connection is fd "
+                   "usage: dsec-aether [--no-init | --prestage[=DIR]] [--mask=DIR] [--pivot]\n  (the connection is fd "
                    "3)\n");
       return 2;
     }
@@ -204,7 +207,7 @@ int realMain(int argc, char** argv) {
     // its stage directory, say), init does it all as without --prestage.
     std::string staged;
     if (prestaged) {
-      Result<std::string> r = prestage(stage_dir, mask_dir);
+      Result<std::string> r = prestage(stage_dir, mask_dir, pivot);
       if (r.isOk()) {
         staged = *r;
       } else {

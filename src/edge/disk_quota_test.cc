@@ -594,6 +594,43 @@ TEST(Ext4Quota, DetachedDiskIsAdoptedFromAClone) {
   EXPECT_TRUE(eventually([&] { return loopsBackedBy(disks).empty(); }));
 }
 
+// A removed disk that is not kept as a spare is shut down first, so that
+// its last unmount writes nothing back (its image is deleted anyway): a
+// detached disk's fd is an O_PATH one, on which the ioctl alone fails.
+TEST(Ext4Quota, ARemovedDetachedDiskIsShutDown) {
+  if (auto why = ext4SkipReason(); !why.empty()) GTEST_SKIP() << why;
+  if (auto why = detachedSkipReason(); !why.empty()) GTEST_SKIP() << why;
+  TempDir tmp;
+  ASSERT_FALSE(tmp.path.empty());
+  DiskQuotaOptions o;
+  o.root = tmp.path + "/sandboxes";
+  o.detach = true;
+  ASSERT_TRUE(makeDirs(o.root, 0700).isOk());
+  std::string disks = tmp.path + "/disks";
+  Ext4QuotaOptions eo;
+  eo.sparesPerSize = 0;
+  eo.recycledPerSize = 0;  // never kept: removed disks are let go
+  auto q = openExt4Quota(o, disks, eo);
+  ASSERT_TRUE(q.isOk()) << q.status().toString();
+  ASSERT_TRUE((*q)->create("sb-a", 32ll << 20).isOk());
+  ASSERT_TRUE(writeFileAtomic((*q)->dirOf("sb-a") + "/f", "hi").isOk());
+  // What the sandbox's overlay would hold on to: a clone of the disk.
+  UniqueFd clone(int(::syscall(SYS_open_tree, (*q)->diskFd("sb-a"), "",
+                               1 /*OPEN_TREE_CLONE*/ | O_CLOEXEC | AT_EMPTY_PATH)));
+  ASSERT_TRUE(clone) << std::strerror(errno);
+  ASSERT_TRUE((*q)->remove("sb-a").isOk());
+  // A shut-down ext4 answers EIO to everything.
+  std::string f = "/proc/self/fd/" + std::to_string(clone.get()) + "/g";
+  int fd = ::open(f.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
+  int err = errno;
+  if (fd >= 0) ::close(fd);
+  EXPECT_LT(fd, 0);
+  EXPECT_EQ(err, EIO) << std::strerror(err);
+  clone.reset();
+  (*q)->close();
+  EXPECT_TRUE(eventually([&] { return loopsBackedBy(disks).empty(); }));
+}
+
 TEST(TmpfsQuota, DetachedDisksAreMountedNowhere) {
   if (auto why = detachedSkipReason(); !why.empty()) GTEST_SKIP() << why;
   TempDir tmp;

@@ -94,7 +94,10 @@ bool isOwnExt4Root(int fd, const std::string& parent) {
 void shutDownSandboxFsAt(int top, const std::string& what, const std::string& parent) {
   if (top < 0 || !isOwnExt4Root(top, parent)) return;
   uint32_t flags = kExt4GoingFlagsNoLogFlush;
-  if (::ioctl(top, kExt4IocShutdown, &flags) != 0) {
+  // A detached disk's fd (fsmount, open_tree) is an O_PATH one, which
+  // refuses ioctls (EBADF): open its root directory for real through it.
+  UniqueFd real(::openat(top, ".", O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+  if (::ioctl(real ? real.get() : top, kExt4IocShutdown, &flags) != 0) {
     log::debug("disk quota: shut down " + what + ": " + std::strerror(errno));
   }
 }

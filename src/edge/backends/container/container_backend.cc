@@ -395,7 +395,10 @@ Result<ContainerBackend::Agent> ContainerBackend::spawnAgent() {
   // data directory under /tmp).
   static char arg1[] = "--prestage=" DSEC_STAGE_DIR;
   static char arg2[] = "--mask=" DSEC_MASK_DIR;
-  char* argv[] = {arg0, arg1, arg2, nullptr};
+  // The detached layout brings the rootfs as a mount fd, so the agent can
+  // pivot into its stage now, off the create path (container_init.h).
+  static char arg3[] = "--pivot";
+  char* argv[] = {arg0, arg1, arg2, detached_ ? arg3 : nullptr, nullptr};
   static char env0[] = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
   char* envp[] = {env0, nullptr};
   ChildArgs args{theirs.get(), aetherMemfd_.get(), devNull.get(), argv, envp};
