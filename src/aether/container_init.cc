@@ -391,6 +391,7 @@ Status setupContainer(const InitConfig& config, int rootfsFd, const std::string&
   const bool prePivoted = staged == "/";
   if (config.rootfs) {
     const RootfsConfig& r = *config.rootfs;
+    const std::string root = prePivoted ? std::string(kPivotedRoot) : r.target;
     // Nothing mounted from here on may propagate back to the host.
     if (::mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) < 0) {
       return sysError("make / private");
@@ -401,11 +402,10 @@ Status setupContainer(const InitConfig& config, int rootfsFd, const std::string&
       // denies mount calls to everything that runs after this setup.
       // The target may be in our private stage (the edge's detached layout),
       // where nothing made it yet.
-      const std::string target = prePivoted ? std::string(kPivotedRoot) : r.target;
-      RETURN_IF_ERROR(ensureDir(target, 0755));
-      if (::syscall(SYS_move_mount, rootfsFd, "", AT_FDCWD, target.c_str(),
+      RETURN_IF_ERROR(ensureDir(root, 0755));
+      if (::syscall(SYS_move_mount, rootfsFd, "", AT_FDCWD, root.c_str(),
                     0x4 /*MOVE_MOUNT_F_EMPTY_PATH*/) < 0) {
-        return sysError("attach rootfs " + target);
+        return sysError("attach rootfs " + root);
       }
     } else if (prePivoted) {
       return invalidArg("rootfs.mount_fd",
@@ -413,7 +413,6 @@ Status setupContainer(const InitConfig& config, int rootfsFd, const std::string&
     } else {
       RETURN_IF_ERROR(mountOverlay(r));
     }
-    const std::string& root = prePivoted ? std::string(kPivotedRoot) : r.target;
     if (staged.empty()) {
       RETURN_IF_ERROR(mountKernelFs(root, usableMaskDir(maskDir)));
     } else {

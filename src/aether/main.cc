@@ -150,8 +150,8 @@ int realMain(int argc, char** argv) {
       pivot = true;
     } else {
       std::fprintf(stderr,
-                   "usage: dsec-aether [--no-init | --prestage[=DIR]] [--mask=DIR] [--pivot]\n  (the connection is fd "
-                   "3)\n");
+                   "usage: dsec-aether [--no-init | --prestage[=DIR]] [--mask=DIR] [--pivot]\n"
+                   "  (the connection is fd 3)\n");
       return 2;
     }
   }

@@ -249,12 +249,16 @@ std::string Cgroups::describe() const {
 
 std::vector<std::string> Cgroups::dirsOf(const std::string& id) const {
   if (mode_ == Mode::kV2) return {root_ + "/" + parent_ + "/" + id};
-  std::vector<std::string> dirs = {v1Memory_ + "/" + parent_ + "/" + id,
+  std::vector<std::string> dirs = {memoryGroup(id),
                                    v1Cpu_ + "/" + parent_ + "/" + id,
                                    v1Pids_ + "/" + parent_ + "/" + id};
   if (!v1Freezer_.empty()) dirs.push_back(v1Freezer_ + "/" + parent_ + "/" + id);
   if (!v1Unified_.empty()) dirs.push_back(v1Unified_ + "/" + parent_ + "/" + id);
   return dirs;
+}
+
+std::string Cgroups::memoryGroup(const std::string& name) const {
+  return v1Memory_ + "/" + parent_ + "/" + name;
 }
 
 std::string Cgroups::v2Parent() const {
@@ -451,7 +455,7 @@ void Cgroups::setMemoryPoolMax(size_t max) {
       pool_.pop_back();
     }
   }
-  for (auto& name : extra) (void)killAndRemove(v1Memory_ + "/" + parent_ + "/" + name);
+  for (auto& name : extra) (void)killAndRemove(memoryGroup(name));
 }
 
 size_t Cgroups::memoryPoolSize() const {
@@ -461,7 +465,6 @@ size_t Cgroups::memoryPoolSize() const {
 
 bool Cgroups::takePooledMemory(const std::string& id) {
   if (mode_ != Mode::kV1) return false;
-  const std::string base = v1Memory_ + "/" + parent_ + "/";
   for (;;) {
     std::string name;
     {
@@ -470,17 +473,16 @@ bool Cgroups::takePooledMemory(const std::string& id) {
       name = std::move(pool_.back());
       pool_.pop_back();
     }
-    Status st = fs_->rename(base + name, base + id);
+    Status st = fs_->rename(memoryGroup(name), memoryGroup(id));
     if (st.isOk()) return true;
     log::warn("memory cgroup pool: " + st.toString() + "; removing it");
-    (void)killAndRemove(base + name);
+    (void)killAndRemove(memoryGroup(name));
   }
 }
 
 bool Cgroups::poolMemory(const std::string& id) {
   if (mode_ != Mode::kV1) return false;
-  const std::string base = v1Memory_ + "/" + parent_ + "/";
-  const std::string dir = base + id;
+  const std::string dir = memoryGroup(id);
   std::string name;
   {
     std::lock_guard lk(poolMu_);
@@ -497,7 +499,7 @@ bool Cgroups::poolMemory(const std::string& id) {
   if (procs.isOk() && tokens(*procs).empty() && oom.isOk() &&
       keyedValue(*oom, "oom_kill") == 0 &&
       readInt(*fs_, dir + "/memory.usage_in_bytes") <= kPoolMaxBytes) {
-    pooled = fs_->rename(dir, base + name).isOk();
+    pooled = fs_->rename(dir, memoryGroup(name)).isOk();
   }
   std::lock_guard lk(poolMu_);
   --poolReserved_;
@@ -509,7 +511,6 @@ bool Cgroups::poolMemory(const std::string& id) {
 // ours, up to the bound; the rest go.
 void Cgroups::adoptMemoryPool() {
   if (mode_ != Mode::kV1) return;
-  const std::string base = v1Memory_ + "/" + parent_ + "/";
   std::vector<std::string> drop;
   {
     std::lock_guard lk(poolMu_);
@@ -517,7 +518,7 @@ void Cgroups::adoptMemoryPool() {
       if (!startsWith(name, "pool-")) continue;
       uint64_t n = std::strtoull(name.c_str() + 5, nullptr, 10);
       poolNext_ = std::max(poolNext_, n + 1);
-      auto procs = fs_->read(base + name + "/cgroup.procs");
+      auto procs = fs_->read(memoryGroup(name) + "/cgroup.procs");
       if (pool_.size() < poolMax_ && procs.isOk() && tokens(*procs).empty()) {
         pool_.push_back(name);
       } else {
@@ -525,7 +526,7 @@ void Cgroups::adoptMemoryPool() {
       }
     }
   }
-  for (auto& name : drop) (void)killAndRemove(base + name);
+  for (auto& name : drop) (void)killAndRemove(memoryGroup(name));
 }
 
 std::vector<std::string> Cgroups::hierarchies() const {

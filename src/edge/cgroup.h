@@ -143,6 +143,8 @@ class Cgroups {
   // or qualify (the caller removes it then).
   bool poolMemory(const std::string& id);
   void adoptMemoryPool();
+  // v1: the group `name` (a sandbox id or a pool name) in the memory hierarchy.
+  std::string memoryGroup(const std::string& name) const;
 
   std::shared_ptr<CgroupFs> fs_;
   Mode mode_ = Mode::kV2;

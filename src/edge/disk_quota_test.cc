@@ -491,19 +491,29 @@ TEST(DetachedDisks, OverlayWritesIntoADetachedUpper) {
   EXPECT_TRUE((*q)->remove("sb-a").isOk());
 }
 
+// The detached layout's ext4 quota (issue 30): sandboxes' root and disks'
+// directory in a temp dir of their own. Skips where the kernel or the host
+// cannot (ext4, loop devices, detached overlays).
+class Ext4QuotaDetached : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (auto why = ext4SkipReason(); !why.empty()) GTEST_SKIP() << why;
+    if (auto why = detachedSkipReason(); !why.empty()) GTEST_SKIP() << why;
+    ASSERT_FALSE(tmp.path.empty());
+    o.root = tmp.path + "/sandboxes";
+    o.detach = true;
+    ASSERT_TRUE(makeDirs(o.root, 0700).isOk());
+    disks = tmp.path + "/disks";
+  }
+  TempDir tmp;
+  DiskQuotaOptions o;
+  std::string disks;
+};
+
 // Issue 30: detached disks are mounted nowhere (our mount table does not
 // change), reached through dirOf (/proc/PID/fd/N), bounded as before, and a
 // removed one is recycled in place or let go with its loop device and image.
-TEST(Ext4Quota, DetachedDisksAreMountedNowhere) {
-  if (auto why = ext4SkipReason(); !why.empty()) GTEST_SKIP() << why;
-  if (auto why = detachedSkipReason(); !why.empty()) GTEST_SKIP() << why;
-  TempDir tmp;
-  ASSERT_FALSE(tmp.path.empty());
-  DiskQuotaOptions o;
-  o.root = tmp.path + "/sandboxes";
-  o.detach = true;
-  ASSERT_TRUE(makeDirs(o.root, 0700).isOk());
-  std::string disks = tmp.path + "/disks";
+TEST_F(Ext4QuotaDetached, DetachedDisksAreMountedNowhere) {
   constexpr int64_t kLimit = 32ll << 20;
   Ext4QuotaOptions eo;
   eo.sparesPerSize = 1;
@@ -554,16 +564,7 @@ TEST(Ext4Quota, DetachedDisksAreMountedNowhere) {
 // A restarted edge takes a live sandbox's disk back from a read-only clone
 // (the one its agent holds); remove lets it go and deletes the image, and
 // keeps (by opts.keep) the images of sandboxes being re-adopted at open.
-TEST(Ext4Quota, DetachedDiskIsAdoptedFromAClone) {
-  if (auto why = ext4SkipReason(); !why.empty()) GTEST_SKIP() << why;
-  if (auto why = detachedSkipReason(); !why.empty()) GTEST_SKIP() << why;
-  TempDir tmp;
-  ASSERT_FALSE(tmp.path.empty());
-  DiskQuotaOptions o;
-  o.root = tmp.path + "/sandboxes";
-  o.detach = true;
-  ASSERT_TRUE(makeDirs(o.root, 0700).isOk());
-  std::string disks = tmp.path + "/disks";
+TEST_F(Ext4QuotaDetached, DetachedDiskIsAdoptedFromAClone) {
   Ext4QuotaOptions eo;
   eo.sparesPerSize = 0;
   eo.recycledPerSize = 0;
@@ -597,16 +598,7 @@ TEST(Ext4Quota, DetachedDiskIsAdoptedFromAClone) {
 // A removed disk that is not kept as a spare is shut down first, so that
 // its last unmount writes nothing back (its image is deleted anyway): a
 // detached disk's fd is an O_PATH one, on which the ioctl alone fails.
-TEST(Ext4Quota, ARemovedDetachedDiskIsShutDown) {
-  if (auto why = ext4SkipReason(); !why.empty()) GTEST_SKIP() << why;
-  if (auto why = detachedSkipReason(); !why.empty()) GTEST_SKIP() << why;
-  TempDir tmp;
-  ASSERT_FALSE(tmp.path.empty());
-  DiskQuotaOptions o;
-  o.root = tmp.path + "/sandboxes";
-  o.detach = true;
-  ASSERT_TRUE(makeDirs(o.root, 0700).isOk());
-  std::string disks = tmp.path + "/disks";
+TEST_F(Ext4QuotaDetached, ARemovedDetachedDiskIsShutDown) {
   Ext4QuotaOptions eo;
   eo.sparesPerSize = 0;
   eo.recycledPerSize = 0;  // never kept: removed disks are let go

@@ -9,11 +9,11 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <climits>
 #include <cstring>
 #include <mutex>
-#include <atomic>
 #include <thread>
 #include <vector>
 

@@ -368,6 +368,14 @@ void Platform::janitor() {
       std::string from;
       bool first = true;
       std::vector<std::pair<double, std::string>> stopped;  // kept by time: for the count bound
+      // A stopped record past retention goes from memory now, from the
+      // store below (purge).
+      auto forget = [&](std::map<std::string, SandboxRecord>::iterator it) {
+        purge.push_back(it->first);
+        lastCall_.erase(it->first);
+        timed_.erase(it->first);
+        return sandboxes_.erase(it);
+      };
       for (;;) {
         auto it = first ? sandboxes_.begin() : sandboxes_.lower_bound(from);
         first = false;
@@ -380,10 +388,7 @@ void Platform::janitor() {
           }
           bool fin = isFinal(r.state);
           if (fin && r.stoppedAt + opts_.stoppedRetentionS <= now) {
-            purge.push_back(id);
-            lastCall_.erase(id);
-            timed_.erase(id);
-            it = sandboxes_.erase(it);
+            it = forget(it);
             continue;
           }
           if (fin) stopped.emplace_back(r.stoppedAt, id);
@@ -406,11 +411,7 @@ void Platform::janitor() {
         std::nth_element(stopped.begin(), stopped.begin() + long(over - 1), stopped.end());
         for (size_t i = 0; i < over; ++i) {
           auto it = sandboxes_.find(stopped[i].second);
-          if (it == sandboxes_.end() || !isFinal(it->second.state)) continue;
-          purge.push_back(it->first);
-          lastCall_.erase(it->first);
-          timed_.erase(it->first);
-          sandboxes_.erase(it);
+          if (it != sandboxes_.end() && isFinal(it->second.state)) forget(it);
         }
       }
     }

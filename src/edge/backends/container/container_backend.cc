@@ -240,23 +240,6 @@ constexpr int kAgentDiskFd = 10;
 // The node's empty read-only tmpfs for masked directories (aether --mask).
 #define DSEC_MASK_DIR ".mask"
 
-constexpr unsigned kOpenTreeClone = 1;          // OPEN_TREE_CLONE
-constexpr unsigned kMountAttrRdonly = 0x1;      // MOUNT_ATTR_RDONLY
-struct MountAttrArg {                           // struct mount_attr
-  uint64_t attrSet = 0, attrClr = 0, propagation = 0, usernsFd = 0;
-};
-
-// A read-only detached clone of the disk mount `fd`, for the agent to keep.
-Result<UniqueFd> readOnlyClone(int fd) {
-  UniqueFd c(int(::syscall(SYS_open_tree, fd, "", kOpenTreeClone | O_CLOEXEC | AT_EMPTY_PATH)));
-  if (!c) return sysError("open_tree of the sandbox disk");
-  MountAttrArg a;
-  a.attrSet = kMountAttrRdonly;
-  if (::syscall(SYS_mount_setattr, c.get(), "", AT_EMPTY_PATH, &a, sizeof a) != 0) {
-    return sysError("make the disk clone read-only");
-  }
-  return c;
-}
 
 #ifndef SYS_pidfd_getfd
 #define SYS_pidfd_getfd 438
@@ -351,13 +334,14 @@ Result<std::unique_ptr<ContainerBackend>> ContainerBackend::make(ContainerOption
   // Owned by the sandboxes' root (as each tmpfs mask was), not "nobody".
   std::string maskOpts = "size=0,mode=0555";
   if (b->userns_) {
-    maskOpts += ",uid=" + std::to_string(opts.userns->base) + ",gid=" + std::to_string(opts.userns->base);
+    std::string base = std::to_string(opts.userns->base);
+    maskOpts += ",uid=" + base + ",gid=" + base;
   }
   if (::mount("tmpfs", mask.c_str(), "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
               maskOpts.c_str()) != 0) {
     return sysError("mount the mask tmpfs on " + mask);
   }
-  b->maskMounted_ = true;
+  b->maskMount_ = std::move(mask);
   // One spawn up front, so a broken aether fails start-up, not the first create.
   ASSIGN_OR_RETURN(Agent probe, b->spawnAgent());
   b->spares_.push_back(std::move(probe));
@@ -612,8 +596,9 @@ Result<std::unique_ptr<Instance>> ContainerBackend::create(const SandboxSpec& sp
   // The agent keeps a read-only clone of a detached disk, so that a
   // restarted edge can take it back (adopt).
   UniqueFd diskClone;
-  if (int fd = quota_->diskFd(spec.id); fd >= 0) {
-    auto c = readOnlyClone(fd);
+  if (quota_->diskFd(spec.id) >= 0) {
+    // dir_ is the disk's root (/proc/<pid>/fd/N): not idmapped, read-only.
+    auto c = idmappedClone(inst->dir_, -1, /*readOnly=*/true);
     if (!c.isOk()) return fail(c.status());
     diskClone = std::move(*c);
   }
@@ -801,8 +786,7 @@ void ContainerBackend::shutdown(bool keepSandboxes) {
   spares_.clear();
   if (cleaner_) cleaner_->drain();
   if (cgroupReaper_) cgroupReaper_->drain();
-  if (std::exchange(maskMounted_, false)) {
-    std::string mask = opts_.sandboxRoot + "/" DSEC_MASK_DIR;
+  if (std::string mask = std::exchange(maskMount_, {}); !mask.empty()) {
     if (::umount2(mask.c_str(), MNT_DETACH) != 0) log::warn(sysError("unmount " + mask).toString());
   }
   // Every sandbox directory is gone: the pool (mount, loop device, image) may

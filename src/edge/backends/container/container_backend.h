@@ -109,7 +109,7 @@ class ContainerBackend : public Backend {
   // stage; ext4 and tmpfs disks stay detached. Else the layout before issue
   // 30: disks mounted on <sandboxRoot>/<id>, which every later clone copies.
   bool detached_ = false;
-  bool maskMounted_ = false;  // <sandboxRoot>/.mask (make(); shutdown() unmounts it)
+  std::string maskMount_;  // <sandboxRoot>/.mask while mounted (make(); shutdown() unmounts it)
   std::set<std::string> orphans_;  // sandboxes whose leftovers make() removed, for cleanupOrphans
   std::set<std::string> keep_;  // make()'s: being re-adopted, never orphans
 
