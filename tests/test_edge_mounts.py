@@ -6,7 +6,10 @@ issue asks: ~20 s per mechanism here; a host without the memory for them,
 on the ext4 mechanism this host picks (`auto`) and on tmpfs: the edge's mount
 count (/proc/<dsec pid>/mountinfo, also GET /v1/node `edge_mounts` and the
 `dsec_edge_mounts` gauge) stays where it was with one sandbox, and a sandbox
-sees only its own mounts, as many with N live as with one."""
+sees only its own mounts, as many with N live as with one. The edge also
+keeps at most two descriptors per live sandbox (its PID 1's pidfd and the
+agent connection; the disk is the sandbox's own, DiskQuota::lend): the
+host's RLIMIT_NOFILE bounds how many one node holds."""
 
 from __future__ import annotations
 
@@ -29,6 +32,10 @@ BUSYBOX_TAR = Path(os.environ.get("DSEC_IMAGE_CACHE", "/var/cache/dsec/test-imag
 # Mounts the edge may gain beside the sandboxes (a layer mounted on first use
 # is counted in the baseline already; pack_diff's transient view is not here).
 SLACK = 2
+# Descriptors per held sandbox the edge may keep, and a few besides (spares,
+# the layer cache's loaders, connections of the test's client).
+FDS_PER_SANDBOX = 2
+FD_SLACK = 64
 
 pytestmark = pytest.mark.slow
 
@@ -36,6 +43,10 @@ pytestmark = pytest.mark.slow
 def edge_mounts(s: Server) -> int:
     with open(f"/proc/{s.pid}/mountinfo") as f:
         return sum(1 for _ in f)
+
+
+def edge_fds(s: Server) -> int:
+    return len(os.listdir(f"/proc/{s.pid}/fd"))
 
 
 def own_mounts(s: Server) -> int:
@@ -97,7 +108,7 @@ def test_edge_mount_count_does_not_grow_with_live_sandboxes(quota_server):
     disk_mb = 16 if "tmpfs" in s.extra_args else 1024
     first = s.client.create("busybox:latest", disk_mb=disk_mb)
     assert first.exec("echo ok").stdout == "ok\n"
-    base, own_base = edge_mounts(s), own_mounts(s)
+    base, own_base, fds_base = edge_mounts(s), own_mounts(s), edge_fds(s)
     assert abs(node_field(s) - base) <= SLACK and abs(gauge(s) - base) <= SLACK
     own_first = sandbox_mountinfo(first)
 
@@ -106,9 +117,12 @@ def test_edge_mount_count_does_not_grow_with_live_sandboxes(quota_server):
         held = list(pool.map(lambda _: s.client.create("busybox:latest", disk_mb=disk_mb),
                              range(N - 1)))
     took = time.monotonic() - t0
-    live, own_live = edge_mounts(s), own_mounts(s)
+    live, own_live, fds_live = edge_mounts(s), own_mounts(s), edge_fds(s)
     print(f"edge mounts: {base} with 1 sandbox, {live} with {N} live; of this server's: "
-          f"{own_base}, {own_live} ({s.extra_args[1]}, {N - 1} creates in {took:.1f} s)")
+          f"{own_base}, {own_live} ({s.extra_args[1]}, {N - 1} creates in {took:.1f} s); "
+          f"edge fds: {fds_base}, {fds_live} ({(fds_live - fds_base) / (N - 1):.2f} per sandbox)")
+    assert fds_live - fds_base <= FDS_PER_SANDBOX * (N - 1) + FD_SLACK, \
+        f"{fds_live} fds with {N} live vs {fds_base} with 1"
     assert own_live == own_base, f"{own_live} mounts with {N} live vs {own_base} with 1"
     # Other programs on the host may mount meanwhile, never one per sandbox.
     assert live - base < max(SLACK + 1, N // 4), f"{live} mounts with {N} live vs {base} with 1"

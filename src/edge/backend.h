@@ -43,10 +43,15 @@ class Instance {
   // Changes the sandbox's CPU, memory and pids limits in place.
   virtual Status setLimits(const CgroupLimits& limits) = 0;
   // The node-local directory holding the sandbox's writes in overlayfs form
-  // (whiteouts, opaque dirs), or empty when the backend has none.
-  virtual std::string upperDir() const = 0;
+  // (whiteouts, opaque dirs): `path` is empty when the backend has none, and
+  // stays valid while `hold` (a descriptor it goes through, if any) lives.
+  struct UpperDir {
+    std::string path;
+    UniqueFd hold;
+  };
+  virtual Result<UpperDir> upperDir() const = 0;
   // Backends whose writes the host cannot read in place (a guest's disk:
-  // upperDir() is empty) copy them out instead: into `dest` (which must not
+  // upperDir() has no path) copy them out instead: into `dest` (which must not
   // exist yet) as a directory in the same overlayfs form, one consistent
   // moment of the sandbox (the backend freezes what it must meanwhile).
   // A backend whose sandbox is one whole disk (vm) snapshots that instead:

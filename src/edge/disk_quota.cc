@@ -111,6 +111,7 @@ Status DiskTable::put(const std::string& name, UniqueFd mount, bool adopted) {
   if (!added) return Status(Code::kAlreadyExists, name + " has a disk already");
   it->second.mount = std::move(mount);
   it->second.adopted = adopted;
+  it->second.readOnly = adopted;  // the sandbox's own (lend's), read-only
   return Status::ok();
 }
 
@@ -126,6 +127,30 @@ std::optional<DiskTable::Disk> DiskTable::take(const std::string& name) {
   Disk d = std::move(it->second);
   disks_.erase(it);
   return d;
+}
+
+Result<UniqueFd> DiskTable::lend(const std::string& name) {
+  std::lock_guard lk(mu_);
+  auto it = disks_.find(name);
+  if (it == disks_.end() || !it->second.mount) {
+    return Status(Code::kNotFound, name + " has no detached disk");
+  }
+  if (!it->second.readOnly) {
+    RETURN_IF_ERROR(setMountReadOnly(it->second.mount.get(), true).withContext(name));
+    it->second.readOnly = true;
+  }
+  return std::move(it->second.mount);
+}
+
+Status DiskTable::reclaim(const std::string& name, UniqueFd mount) {
+  std::lock_guard lk(mu_);
+  auto it = disks_.find(name);
+  if (it == disks_.end() || it->second.mount) {
+    return Status(Code::kNotFound, name + " has no lent disk");
+  }
+  it->second.mount = std::move(mount);
+  it->second.readOnly = true;
+  return Status::ok();
 }
 
 int DiskTable::fd(const std::string& name) const {
@@ -257,6 +282,10 @@ class TmpfsQuota : public DiskQuota {
   Status adoptDisk(const std::string& name, UniqueFd mount) override {
     RETURN_IF_ERROR(checkName(name));
     return disks_.put(name, std::move(mount), true);
+  }
+  Result<UniqueFd> lend(const std::string& name) override { return disks_.lend(name); }
+  Status reclaim(const std::string& name, UniqueFd mount) override {
+    return disks_.reclaim(name, std::move(mount));
   }
 
   Status remove(const std::string& name) override {

@@ -119,6 +119,29 @@ class DiskQuota {
   virtual Status adoptDisk(const std::string& name, UniqueFd /*mount*/) {
     return Status(Code::kFailedPrecondition, name + ": this disk quota has no detached disks");
   }
+  // A detached disk goes to its sandbox (issue 30): the quota's mount is
+  // made read-only (MOUNT_ATTR_RDONLY on that mount only: the sandbox's
+  // overlay, built before, holds its own writable clone) and its fd returned,
+  // for the caller to hand to the sandbox's PID 1 (aether's fd 10), which
+  // then holds the one reference. The quota keeps no descriptor, so a held
+  // sandbox costs the edge none for its disk; diskFd() is then -1 and dirOf()
+  // unusable, and the caller reaches the disk through PID 1 (pidfd_getfd).
+  // The mount itself goes, not a clone: closing the caller's fd then
+  // unmounts nothing (a dissolved detached mount waits out an RCU grace
+  // period, on the create path). kNotFound when name has no detached disk
+  // held here; sysError of mount_setattr.
+  virtual Result<UniqueFd> lend(const std::string& name) {
+    return Status(Code::kNotFound, name + " has no detached disk");
+  }
+  // Before the sandbox dies: gives a lent disk back (`mount`: what lend
+  // returned, taken from PID 1), so remove() can empty it for reuse (made
+  // writable again once the sandbox is gone) or shut it down. A disk never
+  // given back (its PID 1 died first) is let go by remove(): the filesystem
+  // dies with the sandbox's last reference to it. kNotFound when name has no
+  // lent disk.
+  virtual Status reclaim(const std::string& name, UniqueFd /*mount*/) {
+    return Status(Code::kNotFound, name + " has no lent disk");
+  }
   // Tears down what open made (unmounts the pool, lets its loop device go,
   // deletes its image). Sandboxes must have been removed. Idempotent.
   virtual void close() = 0;
@@ -132,15 +155,19 @@ class DiskQuota {
 class DiskTable {
  public:
   struct Disk {
-    UniqueFd mount;  // fsmount(2) or a clone: attached nowhere
+    UniqueFd mount;  // fsmount(2) or a clone: attached nowhere; empty while lent
     bool adopted = false;
+    bool readOnly = false;  // mount was lent (made read-only) or adopted
   };
   // kAlreadyExists when name has one.
   Status put(const std::string& name, UniqueFd mount, bool adopted);
   bool has(const std::string& name) const;
   // Removes and returns name's disk; nullopt when it has none.
   std::optional<Disk> take(const std::string& name);
-  int fd(const std::string& name) const;  // -1: none
+  // DiskQuota::lend and reclaim: the entry stays, its fd goes and comes back.
+  Result<UniqueFd> lend(const std::string& name);
+  Status reclaim(const std::string& name, UniqueFd mount);
+  int fd(const std::string& name) const;  // -1: none, or lent
   // /proc/<our pid>/fd/N for name's disk, else `fallback`.
   std::string dirOf(const std::string& name, const std::string& fallback) const;
   size_t size() const;

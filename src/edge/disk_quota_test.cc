@@ -15,6 +15,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <iostream>
+#include <map>
 #include <string>
 #include <thread>
 
@@ -655,6 +656,70 @@ TEST(TmpfsQuota, DetachedDisksAreMountedNowhere) {
 std::string loopOf(const std::string& image) {
   auto l = loopsBackedBy(image);
   return l.size() == 1 ? l.front() : "";
+}
+
+// Issue 30: a lent disk (its sandbox's PID 1 holds it, read-only) costs the
+// quota no descriptor. Given back, it is emptied and kept as a spare all the
+// same, writable again; never given back (the sandbox died first), it is let
+// go with its image.
+TEST_F(Ext4QuotaDetached, ALentDiskIsRecycledOrLetGo) {
+  constexpr int64_t kLimit = 32ll << 20;
+  Ext4QuotaOptions eo;
+  eo.sparesPerSize = 1;
+  eo.initialSize = kLimit;
+  eo.recycledPerSize = 8;
+  auto q = openExt4Quota(o, disks, eo);
+  ASSERT_TRUE(q.isOk()) << q.status().toString();
+  DiskQuota& dq = **q;
+  std::map<std::string, UniqueFd> lent;
+  for (const char* n : {"sb-a", "sb-b"}) {
+    ASSERT_TRUE(dq.create(n, kLimit).isOk());
+    ASSERT_TRUE(writeFileAtomic(dq.dirOf(n) + "/f", "hi").isOk());
+    auto m = dq.lend(n);
+    ASSERT_TRUE(m.isOk()) << m.status().toString();
+    lent[n] = std::move(*m);
+    EXPECT_EQ(dq.diskFd(n), -1) << n << ": still held after lend";
+    EXPECT_EQ(dq.lend(n).status().code(), Code::kNotFound) << n << ": lent twice";
+  }
+  EXPECT_EQ(dq.lend("sb-zz").status().code(), Code::kNotFound);
+  std::string a = "/proc/self/fd/" + std::to_string(lent["sb-a"].get());
+  auto f = readFile(a + "/f");
+  ASSERT_TRUE(f.isOk()) << f.status().toString();
+  EXPECT_EQ(*f, "hi");
+  int fd = ::open((a + "/g").c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
+  int err = errno;
+  if (fd >= 0) ::close(fd);
+  EXPECT_EQ(fd, -1) << "a lent disk is writable";
+  EXPECT_EQ(err, EROFS) << std::strerror(err);
+  std::string loopA = loopOf(disks + "/sb-a.img");
+  ASSERT_FALSE(loopA.empty());
+  EXPECT_EQ(dq.reclaim("sb-zz", UniqueFd()).code(), Code::kNotFound);
+  ASSERT_TRUE(dq.reclaim("sb-a", std::move(lent["sb-a"])).isOk());
+  EXPECT_EQ(dq.reclaim("sb-a", UniqueFd(::open("/", O_PATH | O_CLOEXEC))).code(), Code::kNotFound)
+      << "reclaimed twice";
+  ASSERT_TRUE(dq.remove("sb-a").isOk());
+  EXPECT_NE(::access((disks + "/sb-a.img").c_str(), F_OK), 0);
+  auto spares = loopsBackedBy(disks + "/spare-");
+  EXPECT_NE(std::find(spares.begin(), spares.end(), loopA), spares.end())
+      << loopA << ": the reclaimed disk was not kept as a spare";
+  // It comes back empty and writable.
+  bool seen = false;
+  for (int i = 0; i < 3 && !seen; ++i) {
+    std::string n = "sb-n" + std::to_string(i);
+    ASSERT_TRUE(dq.create(n, kLimit).isOk());
+    if (loopOf(disks + "/" + n + ".img") != loopA) continue;
+    seen = true;
+    EXPECT_NE(::access((dq.dirOf(n) + "/f").c_str(), F_OK), 0) << "left in the recycled disk";
+    EXPECT_TRUE(writeFileAtomic(dq.dirOf(n) + "/g", "ok").isOk()) << "the spare is read-only";
+  }
+  EXPECT_TRUE(seen) << "the reclaimed disk was not reused";
+  // sb-b's sandbox died holding its disk: let go, image and all.
+  lent["sb-b"].reset();
+  ASSERT_TRUE(dq.remove("sb-b").isOk());
+  EXPECT_NE(::access((disks + "/sb-b.img").c_str(), F_OK), 0);
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(dq.remove("sb-n" + std::to_string(i)).isOk());
+  dq.close();
+  EXPECT_TRUE(eventually([&] { return loopsBackedBy(disks).empty(); }));
 }
 
 // A removed sandbox that wrote little becomes an emptied spare of its size

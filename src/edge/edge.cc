@@ -1075,7 +1075,8 @@ Result<std::string> Edge::agentOp(const std::string& id, proto::AgentOp op,
 Result<image::BuiltLayer> Edge::packDiff(const std::string& id, const std::string& workDir) {
   auto inst = find(id);
   if (!inst) return notRunning(id);
-  std::string upper = inst->upperDir();
+  ASSIGN_OR_RETURN(Instance::UpperDir upperDir, inst->upperDir());
+  const std::string& upper = upperDir.path;
   if (upper.empty() && inst->snapshotsDisk()) {
     // A vm: the snapshot is its whole disk (docs/vm.md), not a diff layer.
     RETURN_IF_ERROR(makeDirs(workDir, 0700));

@@ -15,6 +15,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -28,6 +29,7 @@
 #include "edge/btrfs_quota.h"
 #include "edge/image/layer_cache.h"
 #include "edge/loop_device.h"
+#include "edge/userns.h"
 #include "image/layer_builder.h"
 
 namespace dsec::edge {
@@ -235,6 +237,10 @@ class Ext4Quota : public DiskQuota {
     }
     return table_.put(name, std::move(mount), true);
   }
+  Result<UniqueFd> lend(const std::string& name) override { return table_.lend(name); }
+  Status reclaim(const std::string& name, UniqueFd mount) override {
+    return table_.reclaim(name, std::move(mount));
+  }
 
   Status remove(const std::string& name) override {
     RETURN_IF_ERROR(checkName(name));
@@ -243,10 +249,29 @@ class Ext4Quota : public DiskQuota {
       // that is the agent's read-only clone), or shut down and let go. The
       // filesystem then dies with the sandbox's overlay, and its loop
       // device (autoclear) with it.
+      int loop = takeLoop(name);
+      if (!disk->mount) {
+        // Lent and never given back (its PID 1 died first): nothing to empty
+        // or shut down; the filesystem dies with the sandbox's last
+        // reference to it, and the loop device (autoclear) with it.
+        if (loop >= 0) loops_->release(loop);
+        if (::unlink(imageOf(name).c_str()) != 0 && errno != ENOENT) {
+          return sysError("remove " + imageOf(name));
+        }
+        return Status::ok();
+      }
+      if (disk->readOnly && !disk->adopted) {
+        // Lent and given back: writable again for a spare (the sandbox is
+        // gone, so this fd is the mount's one user).
+        if (Status w = setMountReadOnly(disk->mount.get(), false); w.isOk()) {
+          disk->readOnly = false;
+        } else {
+          log::debug("disk quota: not recycling " + name + ": " + w.toString());
+        }
+      }
       int fd = disk->mount.get();
       std::string dir = "/proc/self/fd/" + std::to_string(fd);
-      int loop = takeLoop(name);
-      if (!disk->adopted) {
+      if (!disk->adopted && !disk->readOnly) {
         if (auto spare = recycle(name, dir, &disk->mount)) {
           spare->loop = loop;  // stays bound: the spare holds it
           log::debug("disk quota: " + name + "'s filesystem emptied, a spare again");
@@ -785,8 +810,15 @@ Result<std::unique_ptr<DiskQuota>> openExt4Quota(const DiskQuotaOptions& opts,
   if (disksDir.empty()) return unavailable("no directory for the images configured");
   std::unique_ptr<LoopPool> own;
   if (!opts.loops) {
-    // No edge pool (tests): one of our own, attributing nothing across runs.
-    ASSIGN_OR_RETURN(own, LoopPool::open(LoopPoolOptions{}));
+    // No edge pool (tests): one of our own. With no ledger, it attributes
+    // the devices found bound to images in disksDir (an adopted sandbox's),
+    // so they are removed once let go.
+    LoopPoolOptions lo;
+    if (char* real = ::realpath(disksDir.c_str(), nullptr)) {
+      lo.ownedPrefix = std::string(real) + "/";
+      ::free(real);
+    }
+    ASSIGN_OR_RETURN(own, LoopPool::open(lo));
   }
   auto q = std::make_unique<Ext4Quota>(opts.root, disksDir, std::move(mkfs), eo, opts.detach,
                                        opts.keep, opts.loops, std::move(own));

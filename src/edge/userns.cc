@@ -131,6 +131,15 @@ Result<UniqueFd> idmappedClone(const std::string& dir, int usernsFd, bool readOn
   return m;
 }
 
+Status setMountReadOnly(int mountFd, bool readOnly) {
+  MountAttr a{};
+  (readOnly ? a.attrSet : a.attrClr) = MOUNT_ATTR_RDONLY;
+  if (mountSetattr(mountFd, "", AT_EMPTY_PATH, &a) != 0) {
+    return sysError(readOnly ? "make the mount read-only" : "make the mount writable");
+  }
+  return Status::ok();
+}
+
 namespace {
 
 // One of the two: lower layers by mount fd or by path.

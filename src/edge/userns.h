@@ -73,6 +73,10 @@ Status writeIdMaps(pid_t pid, const std::string& map);
 // filesystem does not support idmapped mounts).
 Result<UniqueFd> idmappedClone(const std::string& dir, int usernsFd, bool readOnly);
 
+// Sets or clears MOUNT_ATTR_RDONLY on the mount `mountFd` refers to (that
+// mount only, not its clones). sysError of mount_setattr.
+Status setMountReadOnly(int mountFd, bool readOnly);
+
 // A detached overlay mount (nodev, like the sandboxes' roots have always
 // been) of `lowerFds` (mount fds, top layer first) with `upper` and `work`
 // (host paths), index, metacopy and redirect_dir off. The error carries the

@@ -69,6 +69,27 @@ const char* childFailure(int code) {
   return "exited early";
 }
 
+// The sandbox agent's reattach descriptor (aether/main.cc).
+constexpr int kAgentReattachFd = 9;
+// Where the agent keeps the read-only clone of its sandbox's disk (detached
+// layout; /dev/null otherwise): the edge takes it from there whenever it
+// needs the disk (DiskQuota::lend), and so does a restarted edge.
+constexpr int kAgentDiskFd = 10;
+
+#ifndef SYS_pidfd_getfd
+#define SYS_pidfd_getfd 438
+#endif
+
+// The sandbox's disk, from its PID 1 (kAgentDiskFd): a read-only clone. An
+// empty fd when that is gone or is not a directory (/dev/null: no disk).
+UniqueFd sandboxDisk(int pidfd) {
+  UniqueFd disk(int(::syscall(SYS_pidfd_getfd, pidfd, kAgentDiskFd, 0)));
+  struct stat st;
+  if (!disk || ::fstat(disk.get(), &st) != 0 || !S_ISDIR(st.st_mode)) return UniqueFd();
+  ::fcntl(disk.get(), F_SETFD, FD_CLOEXEC);
+  return disk;
+}
+
 class ContainerInstance : public Instance {
  public:
   const std::string& id() const override { return id_; }
@@ -81,7 +102,15 @@ class ContainerInstance : public Instance {
     l.cpu += cpuOverhead_;
     return cgroups_->setLimits(id_, l);
   }
-  std::string upperDir() const override { return dir_ + "/upper"; }
+  Result<UpperDir> upperDir() const override {
+    if (!diskLent_) return UpperDir{dir_ + "/upper", UniqueFd()};
+    UniqueFd disk = sandboxDisk(pidfd_.get());
+    if (!disk) return Status(Code::kFailedPrecondition, id_ + ": its disk is gone");
+    // Our pid, not "self": mkfs.erofs may be handed this path.
+    std::string path = "/proc/" + std::to_string(::getpid()) + "/fd/" +
+                       std::to_string(disk.get()) + "/upper";
+    return UpperDir{std::move(path), std::move(disk)};
+  }
   pid_t initPid() const override { return pid_; }
   Result<UniqueFd> openNetns() const override {
     // pid_ is our child and not reaped while the instance lives: no reuse.
@@ -92,7 +121,8 @@ class ContainerInstance : public Instance {
   }
 
   std::string id_;
-  std::string dir_;
+  std::string dir_;        // the disk's root; unusable once lent
+  bool diskLent_ = false;  // the disk is its PID 1's (DiskQuota::lend)
   std::vector<std::string> layers_;  // acquired from the layer cache
   pid_t pid_ = -1;  // our child, or an adopted PID 1 pinned by pidfd_
   UniqueFd pidfd_;
@@ -228,11 +258,6 @@ std::vector<std::string> sandboxDirs(const std::string& root) {
 // root that no sandbox is named after (ids start with "sb-").
 #define DSEC_STAGE_DIR ".stage"
 
-// The sandbox agent's reattach descriptor (aether/main.cc).
-constexpr int kAgentReattachFd = 9;
-// Where the agent keeps the read-only clone of its sandbox's disk (detached
-// layout; /dev/null otherwise), for a restarted edge (aether/main.cc).
-constexpr int kAgentDiskFd = 10;
 // Where aether attaches the edge's overlay: in its private stage tmpfs,
 // relative to its working directory (the sandbox root), so no directory of
 // the edge's namespace is needed.
@@ -240,10 +265,6 @@ constexpr int kAgentDiskFd = 10;
 // The node's empty read-only tmpfs for masked directories (aether --mask).
 #define DSEC_MASK_DIR ".mask"
 
-
-#ifndef SYS_pidfd_getfd
-#define SYS_pidfd_getfd 438
-#endif
 
 }  // namespace
 
@@ -593,14 +614,16 @@ Result<std::unique_ptr<Instance>> ContainerBackend::create(const SandboxSpec& sp
     idmapped.clear();
     laps.lap("overlay");
   }
-  // The agent keeps a read-only clone of a detached disk, so that a
-  // restarted edge can take it back (adopt).
-  UniqueFd diskClone;
+  // A detached disk goes to the agent, read-only (its overlay has its own
+  // writable clone now): it holds the one reference (DiskQuota::lend), so
+  // the edge keeps no descriptor for it, and reaches it (pack_diff,
+  // destroy, a restarted edge) through the agent's fd 10.
+  UniqueFd disk;
   if (quota_->diskFd(spec.id) >= 0) {
-    // dir_ is the disk's root (/proc/<pid>/fd/N): not idmapped, read-only.
-    auto c = idmappedClone(inst->dir_, -1, /*readOnly=*/true);
-    if (!c.isOk()) return fail(c.status());
-    diskClone = std::move(*c);
+    auto d = quota_->lend(spec.id);
+    if (!d.isOk()) return fail(d.status());
+    disk = std::move(*d);
+    inst->diskLent_ = true;
   }
   inst->cpuOverhead_ = spec.cpuOverhead;
   CgroupLimits limits{spec.cpu + spec.cpuOverhead, spec.memoryBytes, spec.pids};
@@ -633,7 +656,7 @@ Result<std::unique_ptr<Instance>> ContainerBackend::create(const SandboxSpec& sp
   }
   if (detached_) {
     init["rootfs"] = {{"mount_fd", true}, {"target", DSEC_ROOT_IN_STAGE}};
-    if (diskClone) init["rootfs"]["disk_fd"] = true;
+    if (disk) init["rootfs"]["disk_fd"] = true;
   } else if (userns_) {
     // Relative to aether's working directory, the sandbox root (ChildArgs):
     // the absolute path crosses 0700 directories of host root.
@@ -646,13 +669,13 @@ Result<std::unique_ptr<Instance>> ContainerBackend::create(const SandboxSpec& sp
   }
   std::vector<int> passed;
   if (rootfsMount) passed.push_back(rootfsMount.get());
-  if (diskClone) passed.push_back(diskClone.get());
+  if (disk) passed.push_back(disk.get());
   if (Status st = inst->conn_->send(0, proto::FrameType::kInit, init.dump(), passed);
       !st.isOk()) {
     return fail(st);
   }
   rootfsMount.reset();  // aether has its own references now
-  diskClone.reset();
+  disk.reset();
   if (Status st = awaitHello(*inst->conn_, monoSeconds() + opts_.startTimeoutS, Code::kInternal,
                              "sandbox agent did not start");
       !st.isOk()) {
@@ -714,16 +737,17 @@ Result<std::unique_ptr<Instance>> ContainerBackend::adopt(const SandboxState& st
   // (/dev/null there in the older layout, whose disk is still mounted on
   // <sandboxRoot>/<id>): pack_diff reads its upper dir through it, and
   // destroy knows its disk.
-  if (UniqueFd disk(int(syscall(SYS_pidfd_getfd, pidfd, kAgentDiskFd, 0))); disk) {
-    struct stat st;
-    if (::fstat(disk.get(), &st) == 0 && S_ISDIR(st.st_mode)) {
-      ::fcntl(disk.get(), F_SETFD, FD_CLOEXEC);
-      if (Status ad = quota_->adoptDisk(state.spec.id, std::move(disk)); !ad.isOk()) {
-        log::warn("adopt " + state.spec.id + ": its disk: " + ad.toString());
-      }
+  inst->dir_ = quota_->dirOf(state.spec.id);
+  if (UniqueFd disk = sandboxDisk(pidfd)) {
+    // Known to the quota (its loop device), then left to its sandbox: our
+    // fd is a second reference to the agent's, so closing it unmounts
+    // nothing.
+    if (Status ad = quota_->adoptDisk(state.spec.id, std::move(disk)); !ad.isOk()) {
+      log::warn("adopt " + state.spec.id + ": its disk: " + ad.toString());
+    } else if (auto lent = quota_->lend(state.spec.id); lent.isOk()) {
+      inst->diskLent_ = true;
     }
   }
-  inst->dir_ = quota_->dirOf(state.spec.id);
   inst->conn_ = std::make_shared<AgentConn>(std::move(sock), "agent-" + std::to_string(state.pid));
   if (Status st = reactor_->add(inst->conn_); !st.isOk()) {
     inst->conn_.reset();
@@ -762,6 +786,14 @@ Status ContainerBackend::destroy(Instance& base) {
   if (inst.conn_) {
     reactor_->remove(inst.conn_);
     inst.conn_->fail(Status(Code::kUnavailable, "sandbox destroyed"));
+  }
+  // The disk back from PID 1 while it lives, so the cleaner can empty it
+  // for reuse (or else let it go with the sandbox).
+  if (inst.diskLent_ && inst.pidfd_) {
+    if (UniqueFd disk = sandboxDisk(inst.pidfd_.get())) {
+      (void)quota_->reclaim(inst.id_, std::move(disk));
+    }
+    inst.diskLent_ = false;
   }
   // SIGKILL to a PID 1 takes the whole pid namespace with it; waiting for
   // that (and for the mount and net namespaces to go) is the cleaner's job.

@@ -77,7 +77,7 @@ class MicroVmInstance : public Instance {
     if (l.memoryBytes > 0) l.memoryBytes += kQemuOverheadBytes;
     return cgroups_->setLimits(id_, l);
   }
-  std::string upperDir() const override { return ""; }
+  Result<UpperDir> upperDir() const override { return UpperDir{}; }
   bool exportsUpper() const override { return true; }
   Status exportUpper(const std::string& dest) override;
   Result<UniqueFd> openNetns() const override {

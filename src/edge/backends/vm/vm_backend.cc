@@ -93,7 +93,7 @@ class VmInstance : public Instance {
     if (l.memoryBytes > 0) l.memoryBytes += kQemuOverheadBytes;
     return cgroups_->setLimits(id_, l);
   }
-  std::string upperDir() const override { return ""; }
+  Result<UpperDir> upperDir() const override { return UpperDir{}; }
   bool snapshotsDisk() const override { return true; }
   Status snapshotDisk(const std::string& dest) override;
   Result<UniqueFd> openNetns() const override {
