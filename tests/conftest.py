@@ -104,6 +104,14 @@ def sdk(request):
 
 # ----- the server -----------------------------------------------------------------
 
+# Servers of one session run at once (the session's, and one a test starts):
+# each gets a window of host ids of its own for its sandboxes' ranges, as two
+# edges on one host must (docs/security.md). 6 windows of 2^28 ids (4,096
+# ranges of 65536) in the default window, taken in turn.
+_USERNS_WINDOWS = [(524288 + k * 2**28, 524288 + (k + 1) * 2**28 - 1) for k in range(6)]
+_next_window = [0]
+
+
 class Server:
     def __init__(self, data_dir: Path, extra_args=(), sdk=SYNC):
         self.data_dir = data_dir
@@ -112,6 +120,10 @@ class Server:
         # `--userns off` to run the suite without user namespaces).
         self.extra_args = [str(a) for a in extra_args] + shlex.split(
             os.environ.get("DSEC_UP_ARGS", ""))
+        if "--userns-window" not in self.extra_args:
+            first, last = _USERNS_WINDOWS[_next_window[0] % len(_USERNS_WINDOWS)]
+            _next_window[0] += 1
+            self.extra_args += ["--userns-window", f"{first}-{last}"]
         self.log_path = data_dir.parent / (data_dir.name + ".log")
         self.proc = None
         self.client = None

@@ -154,6 +154,76 @@ def test_import_keeps_the_tree_file_by_file(server, client, tmp_path, make_sandb
     assert os.getxattr(top / "xattr.txt", "user.dsec") == b"yes"
 
 
+def layer_windows_owned() -> bytes:
+    """opt/win.txt as Git for Windows' tar makes it: owned by 197609 (0x30000 + RID 1001)."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        _add(tf, "opt", type=tarfile.DIRTYPE, mode=0o755)
+        _add(tf, "opt/win.txt", b"from windows\n", mode=0o644, uid=197609, gid=197609)
+        _add(tf, "opt/mine.txt", b"mine\n", mode=0o644, uid=65535, gid=65535)
+    return buf.getvalue()
+
+
+def test_import_reports_owners_outside_the_mapping(server, client, tmp_path, make_sandbox):
+    archive = tmp_path / "image-owners.tar"
+    build_docker_save(archive, [layer_base(), layer_windows_owned()])
+    name = unique("imp-owners")
+    r = server.cli("image", "import", "--data-dir", server.data_dir, "--name", f"{name}:1",
+                   archive, timeout=300)
+    # A warning, not a refusal: the image is imported and usable.
+    assert r.returncode == 0, r.stderr
+    assert "2 layer(s)" in r.stderr, r.stderr
+    assert ("warning: 1 file is owned by ids outside 0-65535, the ids a sandbox maps "
+            "(--owner-width)") in r.stderr, r.stderr
+    assert "(EACCES, EOVERFLOW): opt/win.txt (uid 197609, gid 197609)\n" in r.stderr, r.stderr
+    assert "mine.txt" not in r.stderr, "65535 is inside the mapping"
+    assert "--userns-width 262144" in r.stderr, r.stderr
+    assert len(client.image(f"{name}:1").layers) == 2
+
+    status, _, _, node = server.raw("GET", "/v1/node")
+    assert status == 200, node
+    u = node["userns"]
+    if not u["enabled"]:
+        pytest.skip(f"sandboxes run without user namespaces here, so every owner maps: "
+                    f"{u['reason']}")
+    if u["length"] > 197609:
+        pytest.skip(f"this node maps {u['length']} ids, 197609 among them")
+    sb = make_sandbox(f"{name}:1")
+    sh = lambda c: sb.exec(c)  # noqa: E731
+    assert sh("stat -c %u:%g /opt/win.txt").stdout == "65534:65534\n"
+    assert sh("stat -c %u:%g /opt/mine.txt").stdout == "65535:65535\n"
+    assert sh("cat /opt/win.txt").stdout == "from windows\n", "0644: others may read it"
+    # Opening it for writing is refused by the VFS, whatever its mode, before
+    # overlayfs is asked (inode_permission: a write to an inode with an
+    # unmapped owner is EACCES); what overlayfs would copy up first (a mode,
+    # a time, a rename, a removal) fails in the copy-up (EOVERFLOW).
+    w = sh("echo x >> /opt/win.txt")
+    assert w.exit_code != 0 and "Permission denied" in w.stderr, w
+    for change in ("chmod 600 /opt/win.txt", "touch -d 2020-01-01 /opt/win.txt",
+                   "mv /opt/win.txt /opt/moved", "rm -f /opt/win.txt"):
+        c = sh(change)
+        assert c.exit_code != 0 and "Value too large for defined data type" in c.stderr, \
+            (change, c)
+    assert sh("cat /opt/win.txt").stdout == "from windows\n"
+    assert sh("stat -c %a /opt/win.txt").stdout == "644\n"
+    # An owner inside the mapping is writable as usual.
+    assert sh("echo x >> /opt/mine.txt").exit_code == 0
+
+
+def test_owner_width_is_checked_and_widens_what_is_reported(server, tmp_path):
+    archive = tmp_path / "image-owners.tar"
+    build_docker_save(archive, [layer_windows_owned()])
+    for bad in ("0", "100000", "65536x", "4294967296"):
+        r = server.cli("image", "import", "--data-dir", server.data_dir, "--name",
+                       unique("bad-width"), "--owner-width", bad, archive)
+        assert r.returncode != 0, r.stderr
+        assert "--owner-width must be a positive multiple of 65536" in r.stderr, r.stderr
+        assert f"'{bad}'" in r.stderr, r.stderr
+    r = server.cli("image", "import", "--data-dir", server.data_dir, "--name",
+                   unique("wide-owners"), "--owner-width", "262144", archive, timeout=300)
+    assert r.returncode == 0 and "warning" not in r.stderr, r.stderr
+
+
 def test_bad_archives_are_refused(server, tmp_path):
     bad = tmp_path / "bad.tar"
     with tarfile.open(bad, "w") as tf:

@@ -6,6 +6,7 @@ killed under it loses no acknowledged step."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -206,6 +207,40 @@ def test_a_second_crash_is_survived_too(crashable):
         n = s.client.get(sb.id).exec("cat /n; echo x >> /n").stdout
         assert n.startswith("1\n"), n
     assert s.client.get(sb.id).exec("wc -l < /n").stdout.strip() == "3"
+    _stop_and_check_clean(s)
+
+
+def _uid_map(sb) -> str:
+    return sb.exec("cat /proc/self/uid_map").stdout.split()
+
+
+def test_readoption_keeps_each_sandboxs_id_range(crashable):
+    # Issue 31: a re-adopted sandbox keeps its host id range (its state file
+    # records it), the restarted edge hands it to no one else, and a state
+    # file whose range is not the kernel's makes that sandbox an orphan.
+    s = crashable
+    status, _, _, node = s.raw("GET", "/v1/node")
+    if not node["userns"]["enabled"]:
+        pytest.skip(f"no user namespaces here: {node['userns']['reason']}")
+    a, b = s.client.create("busybox:latest"), s.client.create("busybox:latest")
+    ranges = {a.id: _uid_map(a), b.id: _uid_map(b)}
+    state = json.loads((s.data_dir / "edge" / "state" / f"{a.id}.json").read_text())
+    assert state["userns"] == {"base": int(ranges[a.id][1]), "length": int(ranges[a.id][2])}
+    _crash(s)
+    # b's record now names another range than its namespace has.
+    bs = s.data_dir / "edge" / "state" / f"{b.id}.json"
+    rec = json.loads(bs.read_text())
+    rec["userns"]["base"] += 10 * 65536
+    bs.write_text(json.dumps(rec))
+    s.start()
+    again = s.client.get(a.id)
+    assert again.state == "running" and _uid_map(again) == ranges[a.id]
+    lost = s.client.get(b.id)
+    assert lost.state == "failed", lost.info
+    fresh = [s.client.create("busybox:latest") for _ in range(3)]
+    assert all(_uid_map(f)[1] != ranges[a.id][1] for f in fresh), [_uid_map(f) for f in fresh]
+    status, _, _, node = s.raw("GET", "/v1/node")
+    assert node["userns"]["ranges"]["sandboxes"] == 4, node["userns"]
     _stop_and_check_clean(s)
 
 

@@ -74,7 +74,9 @@ Status mountOverlay(const RootfsConfig& r) {
       if (i > 0) o += ':';
       o += strip.empty() ? r.lower[i] : r.lower[i].substr(strip.size() == 1 ? 1 : strip.size() + 1);
     }
-    o += ",upperdir=" + r.upper + ",workdir=" + r.work + ",index=off,metacopy=off,redirect_dir=off";
+    // xino=on: inode numbers as on one filesystem (edge/userns.cc, overlayOf).
+    o += ",upperdir=" + r.upper + ",workdir=" + r.work +
+         ",index=off,metacopy=off,redirect_dir=off,xino=on";
     return o;
   };
   std::string opts = options({});

@@ -253,11 +253,12 @@ Status setupGuest(const std::map<std::string, std::string>& params, UniqueFd* up
   }
   // As for containers (container_init.cc): without index, metacopy and
   // redirect_dir the upper dir is a plain tree of the sandbox's writes that
-  // pack_diff can turn into a layer.
+  // pack_diff can turn into a layer; xino=on keeps readdir's inode numbers
+  // equal to stat's (edge/userns.cc, overlayOf).
   RETURN_IF_ERROR(mountOrFail("overlay", "/newroot", "overlay", 0,
                               "lowerdir=" + lower +
                                   ",upperdir=/rw/upper,workdir=/rw/work,index=off,metacopy=off,"
-                                  "redirect_dir=off"));
+                                  "redirect_dir=off,xino=on"));
   upper->reset(::open("/rw/upper", O_RDONLY | O_DIRECTORY | O_CLOEXEC));
   if (!*upper) return sysError("open /rw/upper");
   for (const char* d : {"/newroot/dev", "/newroot/proc", "/newroot/sys", "/newroot/tmp"}) {

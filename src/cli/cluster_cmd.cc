@@ -6,6 +6,7 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <iostream>
@@ -479,6 +480,21 @@ int cmdEdge(const ArgGet& get) {
     eo.egressNat = get("egress-nat", "yes") == "yes";
     eo.registry = &metrics::Registry::global();
     eo.userns = get("userns", "auto");
+    // A range per sandbox from this edge's window (docs/security.md): two
+    // edges on one host need windows of their own.
+    if (std::string w = get("userns-width", ""); !w.empty()) {
+      char* end = nullptr;
+      unsigned long long n = std::strtoull(w.c_str(), &end, 10);
+      if (*end != 0 || n == 0 || n > 0xffffffffull) {
+        return fail("--userns-width must be a multiple of 65536, not '" + w + "'");
+      }
+      eo.usernsWidth = uint32_t(n);  // the multiple is checked at start
+    }
+    if (std::string w = get("userns-window", ""); !w.empty()) {
+      auto win = edge::parseIdWindow(w);
+      if (!win.isOk()) return fail(win.status().message());
+      std::tie(eo.usernsFirst, eo.usernsLast) = *win;
+    }
     eo.liveRestore = get("live-restore", "no") == "yes";
     eo.microvmAccel = get("microvm-accel", "auto");
     eo.microvmAgentChannel = get("microvm-agent-channel", "auto");

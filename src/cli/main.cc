@@ -99,8 +99,12 @@ const char* kUsage = R"(usage: dsec COMMAND [OPTIONS]
      --setup-dns LIST: resolvers `setup` sandboxes use (allowed on port 53)
      --egress-subnet CIDR: IPv4 subnet of the veths of sandboxes with egress (default
         10.88.0.0/16) and --egress-nat yes|no: masquerade them out of the host (default yes)
-     --userns auto|off: run each sandbox in a user namespace, root inside = host uid
-        100000 (default auto: where the kernel supports it; see docs/security.md)
+     --userns auto|off: run each sandbox in a user namespace of its own, root inside =
+        an unprivileged host uid no other sandbox has (default auto: where the kernel
+        supports it; see docs/security.md); --userns-width N: the ids each sandbox maps,
+        0..N-1 (a multiple of 65536, default 65536); --userns-window FIRST-LAST: the host
+        ids the sandboxes' ranges come from (default 524288-1879048191, less the host's
+        /etc/subuid and /etc/subgid entries)
      --live-restore yes|no: a graceful stop leaves running sandboxes for the next
         start to re-adopt, e.g. across an upgrade (default no: it destroys them)
      --microvm-accel auto|kvm|tcg: the microvm backend's accelerator (default auto: KVM
@@ -125,15 +129,19 @@ const char* kUsage = R"(usage: dsec COMMAND [OPTIONS]
   edge --platform URL[,URL...] --data-dir DIR [--join-token T | --join-token-file F]
        [--listen HOST:PORT] [--name N] [--pool P] [--cpus N] [--memory-mb N] [--slots N]
        [--heartbeat-s S] --blob-store URI [--loader ...] [--live-restore yes|no]
+       [--userns auto|off] [--userns-width N] [--userns-window FIRST-LAST]
        [--simulate [--sim-latency-ms N] [--sim-capacity N] [--sim-nodes K]]
         A node in its own process: joins the platform, heartbeats, serves the
         platform's calls (each authenticated); --simulate runs no sandboxes;
         --sim-nodes K runs K simulated nodes (NAME-0..K-1) in this one process
   image import --name NAME[:TAG] [--kind base|workspace|toolkit|diff]
-               [--format auto|rootfs|oci|docker] PATH
+               [--format auto|rootfs|oci|docker] [--owner-width N] PATH
         Build EROFS layers from a root filesystem (dir or tarball), an OCI image
         layout (dir or tar) or a `docker save` archive (one layer per image layer);
-        the image config's User, Env and WorkingDir become the sandboxes' defaults
+        the image config's User, Env and WorkingDir become the sandboxes' defaults.
+        Files owned by a uid or gid >= N (default 65536, a multiple of 65536: the
+        nodes' `up --userns-width`) are imported but warned about: sandboxes see
+        them as 65534 and cannot change them (docs/images.md)
   image import --kind disk --name NAME[:TAG] PATH
         Store a bootable disk image (qcow2 or raw, with its own kernel and init, e.g. a
         cloud image with qemu-guest-agent) for backend vm (docs/vm.md)
@@ -402,6 +410,17 @@ int cmdUp(const Args& a) {
   }
   eo.userns = a.get("userns", "auto");
   if (eo.userns != "auto" && eo.userns != "off") return die("--userns must be auto or off");
+  if (auto n = rangeFlag(a, "userns-width", 65536, 1ll << 31, edge::kDefaultUsernsWidth);
+      n.isOk()) {
+    eo.usernsWidth = uint32_t(*n);  // a multiple of 65536: checked at start (id_range_pool.h)
+  } else {
+    return die(n.status().message());
+  }
+  if (std::string w = a.get("userns-window"); !w.empty()) {
+    auto win = edge::parseIdWindow(w);
+    if (!win.isOk()) return die(win.status().message());
+    std::tie(eo.usernsFirst, eo.usernsLast) = *win;
+  }
   if (std::string lr = a.get("live-restore", "no"); lr == "yes" || lr == "no") {
     eo.liveRestore = lr == "yes";
   } else {
@@ -674,7 +693,19 @@ int cmdImage(const Args& a) {
   } else {
     return die("--format must be auto, rootfs, oci or docker");
   }
-  auto imported = image::importImage(a.positional[2], format, work);
+  uint32_t ownerWidth = image::kDefaultOwnerWidth;
+  if (a.opts.count("owner-width") != 0) {
+    std::string w = a.get("owner-width");
+    // The ids a sandbox maps: a node's `dsec up --userns-width`, whose rules it follows.
+    bool digits = !w.empty() && w.size() <= 10 && w.find_first_not_of("0123456789") == w.npos;
+    unsigned long long v = digits ? std::strtoull(w.c_str(), nullptr, 10) : 0;
+    if (v == 0 || v % 65536 != 0 || v > 0xffff0000ULL) {
+      return die("--owner-width must be a positive multiple of 65536 (at most 4294901760), not '" +
+                 w + "'");
+    }
+    ownerWidth = static_cast<uint32_t>(v);
+  }
+  auto imported = image::importImage(a.positional[2], format, work, ownerWidth);
   if (!imported.isOk()) {
     (void)removeTree(work);
     return die(imported.status().toString());
@@ -717,6 +748,27 @@ int cmdImage(const Args& a) {
   if (!config.workingDir.empty()) std::cerr << ", working dir " << config.workingDir;
   if (!config.env.empty()) std::cerr << ", " << config.env.size() << " env var(s)";
   std::cerr << "\n";
+  if (const image::OwnerReport& o = imported->owners; o.outside > 0) {
+    // A warning, not a refusal: the image works, those files are only frozen.
+    std::cerr << "warning: " << o.outside << (o.outside == 1 ? " file is" : " files are")
+              << " owned by ids outside 0-" << (o.width - 1)
+              << ", the ids a sandbox maps (--owner-width): they show as 65534 inside and cannot"
+                 " be changed (EACCES, EOVERFLOW): ";
+    for (size_t i = 0; i < o.examples.size(); ++i) {
+      const auto& e = o.examples[i];
+      std::cerr << (i ? ", " : "") << e.path << " (uid " << e.uid << ", gid " << e.gid << ")";
+    }
+    if (o.outside > static_cast<int64_t>(o.examples.size())) {
+      std::cerr << ", and " << (o.outside - static_cast<int64_t>(o.examples.size())) << " more";
+    }
+    // The width that would map them all: nodes started with it keep them writable.
+    uint64_t need = ((uint64_t{std::max(o.maxUid, o.maxGid)} >> 16) + 1) << 16;
+    std::cerr << "\n  largest owner ids: uid " << o.maxUid << ", gid " << o.maxGid;
+    if (need <= 0xffff0000ULL) {
+      std::cerr << "; sandboxes on nodes run with `dsec up --userns-width " << need << "` map them";
+    }
+    std::cerr << " (docs/images.md)\n";
+  }
   return 0;
 }
 

@@ -14,6 +14,7 @@
 #include "common/status.h"
 #include "edge/agent_conn.h"
 #include "edge/cgroup.h"
+#include "edge/id_range_pool.h"
 #include "proto/types.h"
 
 namespace dsec::edge {
@@ -74,6 +75,9 @@ class Instance {
   // The host pid of the sandbox's PID 1 (recorded so a restarted edge can
   // find it again), -1 when there is none.
   virtual pid_t initPid() const { return -1; }
+  // The host ids its user namespace maps (issue 31), recorded for
+  // re-adoption; empty when it has none of its own.
+  virtual IdRange idRange() const { return {}; }
   // Whether the sandbox is hibernated (Backend::hibernate): its whole state
   // is a file, nothing of it runs, calls on its agent fail until restore().
   virtual bool hibernated() const { return false; }

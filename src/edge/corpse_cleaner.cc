@@ -130,4 +130,44 @@ void CgroupReaper::loop() {
   }
 }
 
+FdDropper::~FdDropper() {
+  {
+    std::lock_guard lk(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+void FdDropper::drop(std::vector<UniqueFd> fds) {
+  if (fds.empty()) return;
+  {
+    std::lock_guard lk(mu_);
+    for (auto& f : fds) queue_.push_back(std::move(f));
+    if (!thread_.joinable()) thread_ = std::thread([this] { loop(); });
+  }
+  cv_.notify_all();
+}
+
+void FdDropper::drain() {
+  std::unique_lock lk(mu_);
+  cv_.wait(lk, [&] { return queue_.empty() && closing_ == 0; });
+}
+
+void FdDropper::loop() {
+  std::unique_lock lk(mu_);
+  for (;;) {
+    cv_.wait(lk, [&] { return stop_ || !queue_.empty(); });
+    if (queue_.empty()) return;  // stop_, nothing left
+    std::vector<UniqueFd> batch = std::move(queue_);
+    queue_.clear();
+    closing_ = batch.size();
+    lk.unlock();
+    batch.clear();  // the closes (and unmounts) happen here
+    lk.lock();
+    closing_ = 0;
+    cv_.notify_all();
+  }
+}
+
 }  // namespace dsec::edge

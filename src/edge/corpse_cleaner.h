@@ -106,4 +106,31 @@ class CgroupReaper {
   std::thread thread_;
 };
 
+// Closes descriptors on a thread of its own. Closing the last fd of a
+// detached mount (a sandbox's idmapped layer clones, which its overlay no
+// longer needs once made: it holds private clones of its own) unmounts it,
+// and that waits out an RCU grace period (`dissolve_on_fput` ->
+// `namespace_unlock`): milliseconds per mount on a busy node, which do not
+// belong on the create path. The thread starts at the first drop.
+class FdDropper {
+ public:
+  FdDropper() = default;
+  // Closes what is queued, then stops the thread.
+  ~FdDropper();
+  FdDropper(const FdDropper&) = delete;
+  FdDropper& operator=(const FdDropper&) = delete;
+  void drop(std::vector<UniqueFd> fds);
+  // Returns once everything dropped so far is closed.
+  void drain();
+
+ private:
+  void loop();
+  std::mutex mu_;  // guards queue_, closing_, stop_, thread_
+  std::condition_variable cv_;
+  std::vector<UniqueFd> queue_;
+  size_t closing_ = 0;  // taken off queue_, not yet closed
+  bool stop_ = false;
+  std::thread thread_;
+};
+
 }  // namespace dsec::edge

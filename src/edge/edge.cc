@@ -52,11 +52,11 @@ Result<std::unique_ptr<Edge>> Edge::start(EdgeOptions opts) {
   if (e->opts_.cache.dir.empty()) e->opts_.cache.dir = e->opts_.dataDir + "/cache";
   ASSIGN_OR_RETURN(e->cache_, NodeCache::open(e->opts_.cache, e->opts_.lookup));
   ASSIGN_OR_RETURN(e->cgroups_, Cgroups::detect(e->opts_.cgroupRoot, e->opts_.cgroupParent));
-  UsernsOptions uo{e->opts_.userns, e->opts_.usernsBase, e->opts_.usernsLength};
+  UsernsOptions uo{e->opts_.userns, e->opts_.usernsFirst, e->opts_.usernsLast,
+                   e->opts_.usernsWidth, readSubordinateIds()};
   ASSIGN_OR_RETURN(e->userns_, detectUserns(uo));
   log::info("edge: user namespaces " + e->userns_.reason);
   e->layers_ = std::make_unique<LayerCache>(e->opts_.dataDir + "/layers", e->cache_.get());
-  if (e->userns_.enabled) e->layers_->setIdmap(e->userns_.fd.get());
   RETURN_IF_ERROR(e->layers_->cleanupStale());
   e->reactor_ = std::make_unique<Reactor>();
   RETURN_IF_ERROR(e->reactor_->start());
@@ -89,12 +89,23 @@ Result<std::unique_ptr<Edge>> Edge::start(EdgeOptions opts) {
   RETURN_IF_ERROR(e->stateDir_->open());
   std::vector<SandboxState> live;
   std::set<std::string> keep;
+  std::map<std::string, IdRange> keepRanges;
   for (auto& s : e->stateDir_->loadAll()) {
     auto started = processStartTime(s.pid);
     // fncall sandboxes are container sandboxes underneath (backends/fncall).
     bool vm = proto::isVm(s.backend);
     // A hibernated VM has no process: its saved state file is checked on adopt.
     if ((vm && s.hibernated) || (started.isOk() && *started == s.startTime)) {
+      if (!vm && e->userns_.enabled) {
+        // The ids its processes run as, whatever its record says, are what
+        // must not be handed out again while it lives (adopt() compares the
+        // two; a sandbox of a --userns off run maps the identity: none). An
+        // older edge's record has no range: the kernel's is the truth.
+        if (auto r = readIdMap(s.pid); r.isOk() && r->base != 0) {
+          keepRanges[s.spec.id] = *r;
+          if (s.userns.empty()) s.userns = *r;
+        }
+      }
       keep.insert(s.spec.id);
       live.push_back(std::move(s));
     } else {
@@ -108,10 +119,12 @@ Result<std::unique_ptr<Edge>> Edge::start(EdgeOptions opts) {
   co.diskQuota = e->opts_.diskQuota;
   co.diskPoolBytes = e->opts_.diskPoolBytes;
   co.userns = &e->userns_;
+  co.keepRanges = std::move(keepRanges);
   co.loops = e->loops_.get();
   ASSIGN_OR_RETURN(auto container, ContainerBackend::make(co, e->cgroups_.get(), e->layers_.get(),
                                                           e->reactor_.get(), keep));
   e->diskQuotaInfo_ = container->diskQuotaInfo();
+  e->container_ = container.get();
   if (int orphans = container->cleanupOrphans(); orphans > 0) {
     log::warn("removed leftovers of " + std::to_string(orphans) + " orphan sandboxes");
     e->countOrphans("sandbox", orphans);
@@ -415,6 +428,7 @@ Status Edge::create(BackendKind backend, const SandboxSpec& spec) {
     state.backend = backend;
     state.spec = spec;
     state.pid = (*inst)->initPid();
+    state.userns = (*inst)->idRange();
     auto started = processStartTime(state.pid);
     Status st = started.isOk() ? Status::ok() : started.status();
     if (st.isOk()) {
@@ -1111,9 +1125,10 @@ Result<image::BuiltLayer> Edge::packDiff(const std::string& id, const std::strin
     }
     return Status(Code::kFailedPrecondition, "backend" + name + " cannot pack_diff (snapshots)");
   }
-  // In a user namespace the upper dir holds host ids (root inside = base);
-  // the layer is built from a read-only view that maps them back to 0-based
-  // ones, so snapshots stay portable between nodes and modes. The overlay's
+  // In a user namespace the upper dir holds host ids of the sandbox's own
+  // range (root inside = its base); the layer is built from a read-only view
+  // that maps them back to 0-based ones, so snapshots stay portable between
+  // sandboxes, ranges, nodes and modes. The overlay's
   // own whiteouts belong to host 0 and show as the overflow id there: only
   // their 0:0 device number makes them whiteouts.
   // A detached disk's upper (/proc/<pid>/fd/N/upper: docs/container-backend.md,
@@ -1121,11 +1136,20 @@ Result<image::BuiltLayer> Edge::packDiff(const std::string& id, const std::strin
   // realpath(3), which a path through a detached mount does not survive.
   // The view is one mount for the length of the pack.
   std::string view;
-  if (userns_.enabled || startsWith(upper, "/proc/")) {
+  IdRange range = inst->idRange();
+  if (!range.empty() || startsWith(upper, "/proc/")) {
     RETURN_IF_ERROR(makeDirs(workDir, 0700));
     view = workDir + "/upper-view";
     if (::mkdir(view.c_str(), 0700) != 0 && errno != EEXIST) return sysError("mkdir " + view);
-    auto m = idmappedClone(upper, userns_.enabled ? userns_.inverseFd.get() : -1, true);
+    // This sandbox's inverse mapping, made for this pack (a child for a
+    // moment: small beside mkfs.erofs).
+    UniqueFd inverse;
+    if (!range.empty()) {
+      auto inv = makeUsernsFd(inverseLine(range));
+      if (!inv.isOk()) return std::move(inv).takeStatus().withContext("pack_diff " + id);
+      inverse = std::move(*inv);
+    }
+    auto m = idmappedClone(upper, inverse ? inverse.get() : -1, true);
     if (!m.isOk()) return std::move(m).takeStatus().withContext("pack_diff " + id);
     RETURN_IF_ERROR(attachMount(m->get(), view));
   }
@@ -1189,7 +1213,18 @@ proto::NodeReport Edge::report() {
                 l.stats.bytesRead};
     r.layers.push_back(std::move(lr));
   }
-  r.userns = {userns_.enabled, userns_.base, userns_.length, userns_.reason};
+  r.userns.enabled = userns_.enabled;
+  r.userns.reason = userns_.reason;
+  if (userns_.enabled && container_) {
+    r.userns.length = userns_.width;
+    r.userns.windowFirst = userns_.windowFirst;
+    r.userns.windowLast = userns_.windowLast;
+    auto rs = container_->rangeStats();
+    r.userns.capacity = rs.capacity;
+    r.userns.inUse = rs.inUse;
+    r.userns.sandboxes = rs.sandboxes;
+    r.userns.spares = rs.spares;
+  }
   r.microvm = microvm_;
   r.vm = vm_;
   r.egressUnavailable = egressWhy_;

@@ -31,6 +31,8 @@
 
 namespace dsec::edge {
 
+class ContainerBackend;
+
 struct EdgeOptions {
   std::string dataDir;     // node-local: <dataDir>/layers, <dataDir>/sandboxes
   std::string aetherPath;  // static dsec-aether
@@ -49,11 +51,14 @@ struct EdgeOptions {
   std::string egressSubnet = "10.88.0.0/16";
   bool egressNat = true;
   // User namespaces for container sandboxes (edge/userns.h): "auto" (on where
-  // the kernel supports it, detected at start) or "off"; root inside maps to
-  // host uid usernsBase, ids 0..usernsLength-1 are mapped. One range per node.
+  // the kernel supports it, detected at start) or "off". Each sandbox maps
+  // ids 0..usernsWidth-1 to a range of host ids of its own, from the window
+  // usernsFirst..usernsLast less the host's /etc/subuid and /etc/subgid
+  // entries (edge/id_range_pool.h).
   std::string userns = "auto";
-  uint32_t usernsBase = 100000;
-  uint32_t usernsLength = 65536;
+  uint32_t usernsFirst = kDefaultUsernsFirst;
+  uint32_t usernsLast = kDefaultUsernsLast;
+  uint32_t usernsWidth = kDefaultUsernsWidth;
   // Live restore (like Docker's live-restore): a graceful stop leaves the
   // sandboxes running, with what they need (mounts, loader process, egress
   // filter and path), for the next edge on this data dir to re-adopt. A crash
@@ -224,6 +229,7 @@ class Edge : public proto::EdgeLink, public proto::LocalNode {
   std::unique_ptr<Reactor> reactor_;
   std::map<BackendKind, std::unique_ptr<Backend>> backends_;
   std::string diskQuotaInfo_;  // the container backend's, set at start
+  ContainerBackend* container_ = nullptr;  // backends_'s, for its id ranges
   Userns userns_;              // detected at start, then read-only
   MicroVmProbe microvm_;       // probed at start, then read-only
   VmProbe vm_;                 // probed at start, then read-only

@@ -71,6 +71,7 @@ std::string encodeSandboxState(const SandboxState& s) {
             {"paused", s.paused},
             {"network", s.spec.network}};
   if (s.hibernated) j["hibernated"] = true;
+  if (!s.userns.empty()) j["userns"] = {{"base", s.userns.base}, {"length", s.userns.length}};
   return j.dump();
 }
 
@@ -98,6 +99,15 @@ Result<SandboxState> decodeSandboxState(const std::string& text) {
     s.paused = j.at("paused").get<bool>();
     s.hibernated = j.value("hibernated", false);
     s.spec.network = j.value("network", false);  // absent in files of older edges
+    if (j.contains("userns")) {  // absent in files of older edges
+      const json& u = j.at("userns");
+      uint64_t base = u.at("base").get<uint64_t>(), length = u.at("length").get<uint64_t>();
+      // Never host root, never (uid_t)-1.
+      if (base == 0 || length == 0 || base + length > 0xffffffffull) {
+        return invalidArg("state", "bad userns range");
+      }
+      s.userns = IdRange{uint32_t(base), uint32_t(length)};
+    }
     if (!startsWith(s.spec.id, "sb-")) return invalidArg("state", "bad id");
     // A hibernated sandbox has no process; any other has a PID 1.
     if (s.hibernated ? s.pid != -1 : s.pid <= 1) return invalidArg("state", "bad pid");

@@ -32,6 +32,9 @@ struct SandboxState {
   bool paused = false;
   // Memory saved to disk, no process (Backend::hibernate); pid is -1 then.
   bool hibernated = false;
+  // The host ids its user namespace maps (issue 31): kept on re-adoption.
+  // Empty without a user namespace of its own (and in an older edge's file).
+  IdRange userns;
 };
 
 std::string encodeSandboxState(const SandboxState& s);

@@ -77,6 +77,31 @@ TEST(SandboxStateTest, HibernatedRoundTripsWithoutAProcess) {
   EXPECT_FALSE(old->hibernated);
 }
 
+// Issue 31: a sandbox's host id range is kept for re-adoption; a record of an
+// older edge has none, and a range including host root or (uid_t)-1 is refused.
+TEST(SandboxStateTest, IdRangeRoundTripsAndIsChecked) {
+  SandboxState s = sample();
+  EXPECT_EQ(encodeSandboxState(s).find("userns"), std::string::npos);
+  auto old = decodeSandboxState(encodeSandboxState(s));
+  ASSERT_TRUE(old.isOk());
+  EXPECT_TRUE(old->userns.empty());
+  s.userns = IdRange{589824, 65536};
+  auto back = decodeSandboxState(encodeSandboxState(s));
+  ASSERT_TRUE(back.isOk()) << back.status().toString();
+  EXPECT_EQ(back->userns, (IdRange{589824, 65536}));
+  for (auto [base, length] : {std::pair<uint64_t, uint64_t>{0, 65536}, {589824, 0},
+                              {0xffff0000ull, 0x10000}}) {
+    std::string text = encodeSandboxState(s);
+    std::string want = "\"userns\":{\"base\":589824,\"length\":65536}";
+    size_t at = text.find(want);
+    ASSERT_NE(at, std::string::npos) << text;
+    text.replace(at, want.size(), "\"userns\":{\"base\":" + std::to_string(base) +
+                                      ",\"length\":" + std::to_string(length) + "}");
+    auto bad = decodeSandboxState(text);
+    EXPECT_FALSE(bad.isOk()) << text;
+  }
+}
+
 TEST(SandboxStateTest, RefusesMalformed) {
   EXPECT_FALSE(decodeSandboxState("").isOk());
   EXPECT_FALSE(decodeSandboxState("[]").isOk());

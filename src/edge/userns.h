@@ -1,12 +1,15 @@
 // User namespaces for container sandboxes (issue 4): root inside a sandbox is
-// root only within a user namespace that maps 0..length-1 to the node's host
-// range base..base+length-1, so on the host it is an unprivileged uid.
+// root only within a user namespace that maps 0..width-1 to a host range
+// base..base+width-1, so on the host it is an unprivileged uid. Each sandbox
+// has a range of its own (issue 31, edge/id_range_pool.h), allocated from
+// the node's window when its agent is cloned.
 //
 // Design (docs/container-backend.md, "User namespaces"): the edge, as host
 // root in the initial user namespace, builds each sandbox's overlay itself
-// over idmapped clones of the node's EROFS layer mounts (files owned by 0
-// appear as host `base`) with the upper dir owned by host `base`, and hands
-// the finished detached mount to the sandbox's init as an fd. The sandbox
+// over idmapped clones of the node's EROFS layer mounts, made through the
+// sandbox's own user namespace (files owned by 0 appear as host `base`),
+// with the upper dir owned by host `base`, and hands the finished detached
+// mount to the sandbox's init as an fd. The sandbox
 // never mounts its own root: overlayfs inside a user namespace would ignore
 // the trusted.overlay.* xattrs image layers use for opaque dirs.
 //
@@ -19,42 +22,57 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/fd.h"
 #include "common/status.h"
+#include "edge/id_range_pool.h"
 
 namespace dsec::edge {
 
-// The node's sandbox id range and whether it is used.
+// The node's window of host ids for sandboxes, the ids each one maps, and
+// whether user namespaces are used.
 struct UsernsOptions {
-  std::string mode = "auto";  // "auto": on where the kernel supports it; "off"
-  uint32_t base = 100000;     // host uid/gid of root inside
-  uint32_t length = 65536;    // ids 0..length-1 inside are mapped
+  std::string mode = "auto";                 // "auto": on where the kernel supports it; "off"
+  uint32_t windowFirst = kDefaultUsernsFirst;  // host ids the ranges come from
+  uint32_t windowLast = kDefaultUsernsLast;
+  uint32_t width = kDefaultUsernsWidth;  // ids 0..width-1 inside each sandbox are mapped
+  // Host ids never handed out: the host's /etc/subuid and /etc/subgid
+  // entries (readSubordinateIds()).
+  std::vector<IdRange> excluded;
 };
 
-// What detectUserns found. Not thread-safe to mutate; read-only after start.
+// What detectUserns found. Read-only after start.
 struct Userns {
   bool enabled = false;
-  uint32_t base = 0;
-  uint32_t length = 0;
-  std::string reason;  // why it is off (or "on": the mapping), for logs and GET /v1/node
-  // A user namespace with the node's mapping ("0 base length"): the idmap of
-  // layer clones. Valid when enabled.
-  UniqueFd fd;
-  // The inverse mapping ("base 0 length"): an idmapped view of an upper dir
-  // through it shows host `base` as 0 (pack_diff). Valid when enabled.
-  UniqueFd inverseFd;
-  // "0 100000 65536\n": what the edge writes to each sandbox's uid_map and gid_map.
-  std::string mapLine() const;
+  uint32_t windowFirst = 0, windowLast = 0, width = 0;
+  std::vector<IdRange> excluded;
+  std::string reason;  // why it is off (or "on": the ranges), for logs and GET /v1/node
+  // The node's ranges, empty (capacity 0) when off: the owner copies it.
+  IdRangePool pool;
 };
 
-// kInvalidArgument ("userns") for a mode other than auto/off or a range that
-// is empty, overflows 32 bits or includes host id 0. Otherwise an enabled
-// Userns when mode is auto and this kernel can: create a user namespace,
-// idmap a mount, and take overlay lower layers by fd; else a disabled one
-// whose reason says which step failed.
+// kInvalidArgument for a mode other than auto/off (field "userns") or a
+// window and width IdRangePool::make refuses (fields "userns-window",
+// "userns-width"). Otherwise an enabled Userns when mode is auto and this
+// kernel can: create a user namespace, idmap a mount, and take overlay lower
+// layers by fd; else a disabled one whose reason says which step failed.
 Result<Userns> detectUserns(const UsernsOptions& opts);
+
+// "FIRST-LAST" (`--userns-window`) as host ids; kInvalidArgument (field
+// "userns-window") for anything else. IdRangePool::make checks the values.
+Result<std::pair<uint32_t, uint32_t>> parseIdWindow(const std::string& text);
+
+// The host's /etc/subuid and /etc/subgid entries (ids delegated to users,
+// who may map them into namespaces of their own): none when the files are
+// missing.
+std::vector<IdRange> readSubordinateIds();
+
+// The single extent of /proc/<pid>/uid_map ("0 B L"), checked to equal
+// gid_map: a sandbox's range as the kernel has it. kFailedPrecondition when
+// the maps are not one identical extent starting at 0; sysError of a read.
+Result<IdRange> readIdMap(pid_t pid);
 
 // A user namespace whose uid_map and gid_map are both `map` ("0 100000
 // 65536"), kept alive by the returned /proc/PID/ns/user fd after the
@@ -79,7 +97,7 @@ Status setMountReadOnly(int mountFd, bool readOnly);
 
 // A detached overlay mount (nodev, like the sandboxes' roots have always
 // been) of `lowerFds` (mount fds, top layer first) with `upper` and `work`
-// (host paths), index, metacopy and redirect_dir off. The error carries the
+// (host paths), index, metacopy and redirect_dir off, xino on. The error carries the
 // kernel's fs_context log line when it has one.
 Result<UniqueFd> makeOverlay(const std::vector<int>& lowerFds, const std::string& upper,
                              const std::string& work);

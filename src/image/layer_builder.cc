@@ -1,11 +1,15 @@
 #include "image/layer_builder.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <spawn.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cstring>
+#include <memory>
 #include <tuple>
 
 #include "common/fd.h"
@@ -43,7 +47,82 @@ Status runCommand(const std::vector<std::string>& argv) {
   return Status(Code::kInternal, argv[0] + " failed (status " + std::to_string(status) + "): " + err);
 }
 
-Result<BuiltLayer> buildLayer(const std::string& source, const std::string& workDir) {
+void OwnerReport::add(const OwnerReport& other) {
+  if (width == 0) width = other.width;
+  entries += other.entries;
+  outside += other.outside;
+  maxUid = std::max(maxUid, other.maxUid);
+  maxGid = std::max(maxGid, other.maxGid);
+  for (const auto& e : other.examples) {
+    if (examples.size() >= kOwnerExamples) break;
+    bool named = std::any_of(examples.begin(), examples.end(),
+                             [&](const OwnerExample& x) { return x.path == e.path; });
+    if (!named) examples.push_back(e);
+  }
+}
+
+Result<OwnerReport> scanOwners(const std::string& tree, uint32_t width) {
+  if (width == 0) return invalidArg("owner-width", "the owner width must be positive");
+  OwnerReport out;
+  out.width = width;
+  auto note = [&](const std::string& rel, const struct stat& st) {
+    ++out.entries;
+    out.maxUid = std::max<uint32_t>(out.maxUid, st.st_uid);
+    out.maxGid = std::max<uint32_t>(out.maxGid, st.st_gid);
+    if (st.st_uid < width && st.st_gid < width) return;
+    ++out.outside;
+    if (out.examples.size() < kOwnerExamples) {
+      out.examples.push_back({rel.empty() ? "." : rel, st.st_uid, st.st_gid});
+    }
+  };
+  UniqueFd root(::open(tree.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (!root) return sysError("open " + tree);
+  struct stat st;
+  if (::fstat(root.get(), &st) != 0) return sysError("stat " + tree);
+  note("", st);
+  // Breadth first, relative paths opened beneath the root with O_NOFOLLOW, so
+  // no fd is held per level of depth and a symlink is never entered. Names are
+  // sorted so the examples do not depend on the filesystem's readdir order.
+  std::vector<std::string> dirs = {""};
+  for (size_t i = 0; i < dirs.size(); ++i) {
+    const std::string rel = dirs[i];  // a copy: push_back below may move dirs
+    int fd = rel.empty() ? ::dup(root.get())
+                         : ::openat(root.get(), rel.c_str(),
+                                    O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (fd < 0) return sysError("open " + tree + "/" + rel);
+    std::unique_ptr<DIR, int (*)(DIR*)> d(::fdopendir(fd), ::closedir);
+    if (!d) {
+      int err = errno;
+      ::close(fd);
+      return sysError("opendir " + tree + "/" + rel, err);
+    }
+    std::vector<std::string> names;
+    while (true) {
+      errno = 0;
+      struct dirent* e = ::readdir(d.get());
+      if (!e) {
+        if (errno != 0) return sysError("readdir " + tree + "/" + rel);
+        break;
+      }
+      if (std::strcmp(e->d_name, ".") != 0 && std::strcmp(e->d_name, "..") != 0) {
+        names.emplace_back(e->d_name);
+      }
+    }
+    std::sort(names.begin(), names.end());
+    for (const auto& n : names) {
+      std::string child = rel.empty() ? n : rel + "/" + n;
+      if (::fstatat(::dirfd(d.get()), n.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) {
+        return sysError("stat " + tree + "/" + child);
+      }
+      note(child, st);
+      if (S_ISDIR(st.st_mode)) dirs.push_back(std::move(child));
+    }
+  }
+  return out;
+}
+
+Result<BuiltLayer> buildLayer(const std::string& source, const std::string& workDir,
+                              uint32_t ownerWidth) {
   struct stat st;
   if (::stat(source.c_str(), &st) != 0) return sysError("stat " + source);
   RETURN_IF_ERROR(makeDirs(workDir, 0700));
@@ -61,6 +140,14 @@ Result<BuiltLayer> buildLayer(const std::string& source, const std::string& work
     tree = extracted;
   }
   BuiltLayer out;
+  if (ownerWidth != 0) {
+    auto owners = scanOwners(tree, ownerWidth);
+    if (!owners.isOk()) {
+      if (!extracted.empty()) (void)removeTree(extracted);
+      return std::move(owners).takeStatus();
+    }
+    out.owners = std::move(owners).value();
+  }
   out.path = workDir + "/layer.erofs";
   out.dataPath = workDir + "/layer.data";
   Status mk = runCommand({"mkfs.erofs", "--quiet", "-U", "6c617965-722d-6473-6563-000000000001",

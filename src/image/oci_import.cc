@@ -291,11 +291,12 @@ Result<ImageConfig> parseImageConfig(const std::string& text, const std::string&
 }
 
 Result<ImportedImage> importImage(const std::string& path, ArchiveFormat format,
-                                  const std::string& workDir) {
+                                  const std::string& workDir, uint32_t ownerWidth) {
   RETURN_IF_ERROR(makeDirs(workDir, 0700));
   ImportedImage out;
   if (format == ArchiveFormat::kRootfs) {
-    ASSIGN_OR_RETURN(BuiltLayer l, buildLayer(path, workDir + "/layer0"));
+    ASSIGN_OR_RETURN(BuiltLayer l, buildLayer(path, workDir + "/layer0", ownerWidth));
+    out.owners.add(l.owners);
     out.layers.push_back(std::move(l));
     return out;
   }
@@ -315,9 +316,10 @@ Result<ImportedImage> importImage(const std::string& path, ArchiveFormat format,
     std::string tree = workDir + "/tree" + std::to_string(i);
     RETURN_IF_ERROR(extractArchive(parts.layers[i], tree, true));
     RETURN_IF_ERROR(translateWhiteouts(tree).withContext("layer " + std::to_string(i)));
-    auto built = buildLayer(tree, workDir + "/layer" + std::to_string(i));
+    auto built = buildLayer(tree, workDir + "/layer" + std::to_string(i), ownerWidth);
     (void)removeTree(tree);
     if (!built.isOk()) return std::move(built).takeStatus();
+    out.owners.add(built->owners);
     out.layers.push_back(std::move(built).value());
   }
   if (root != path) (void)removeTree(root);

@@ -25,6 +25,8 @@ Result<ArchiveFormat> detectFormat(const std::string& path);
 struct ImportedImage {
   std::vector<BuiltLayer> layers;  // bottom first
   ImageConfig config;              // empty for a root filesystem import
+  // The layers' owner reports added up (OwnerReport::add), bottom first.
+  OwnerReport owners;
 };
 
 // Builds one layer per image layer, bottom first, and reads the image config
@@ -35,8 +37,12 @@ struct ImportedImage {
 // the config missing or outside the archive, a config that is not JSON or
 // whose User/Env/WorkingDir have the wrong type or a relative WorkingDir.
 // Values are not judged further here; the platform validates them.
+// Every layer's tree is scanned against `ownerWidth` (buildLayer, scanOwners;
+// 0: no scan) and `owners` sums the reports: owners outside the width are
+// reported, not refused, since the image still works (they show as 65534).
 Result<ImportedImage> importImage(const std::string& path, ArchiveFormat format,
-                                  const std::string& workDir);
+                                  const std::string& workDir,
+                                  uint32_t ownerWidth = kDefaultOwnerWidth);
 
 // Reads User, Env and WorkingDir from the text of an image config blob
 // (`{"config": {"User": ..., "Env": [...], "WorkingDir": ...}, ...}`); absent

@@ -152,6 +152,64 @@ TEST(OciImportTest, ImportsTheConfigOfOciLayoutsAndDockerSaves) {
   ASSERT_TRUE(removeTree(dir).isOk());
 }
 
+TEST(OciImportTest, OwnersOutsideTheWidthAreSummedOverLayers) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root to chown layer files to ids up to 1000000";
+  if (access("/usr/bin/mkfs.erofs", X_OK) != 0) GTEST_SKIP() << "mkfs.erofs not installed";
+  std::string dir = "/tmp/dsec-owners-import-" + randomHex(4);
+  auto owned = [&](const std::string& path, uid_t uid, gid_t gid) {
+    ASSERT_TRUE(writeFileAtomic(path, "x\n").isOk()) << path;
+    ASSERT_EQ(::chown(path.c_str(), uid, gid), 0) << path;
+  };
+  // Layer 0: opt/win.txt (197609) and an ordinary file; layer 1 replaces
+  // opt/win.txt and adds big (1000000).
+  ASSERT_TRUE(makeDirs(dir + "/l0/opt").isOk());
+  ASSERT_TRUE(makeDirs(dir + "/l1/opt").isOk());
+  owned(dir + "/l0/opt/win.txt", 197609, 197609);
+  owned(dir + "/l0/ok.txt", 65535, 0);
+  owned(dir + "/l1/opt/win.txt", 197609, 197609);
+  owned(dir + "/l1/big", 1000000, 1000000);
+  std::string docker = dir + "/docker";
+  for (const char* l : {"l0", "l1"}) {
+    ASSERT_TRUE(makeDirs(docker + "/" + l).isOk());
+    ASSERT_TRUE(runCommand({"tar", "--numeric-owner", "-C", dir + "/" + l, "-cf",
+                            docker + "/" + l + "/layer.tar", "."})
+                    .isOk());
+  }
+  ASSERT_TRUE(writeFileAtomic(docker + "/cfg.json", R"({"config":{}})").isOk());
+  ASSERT_TRUE(writeFileAtomic(docker + "/manifest.json",
+                              R"([{"Config":"cfg.json","Layers":["l0/layer.tar","l1/layer.tar"]}])")
+                  .isOk());
+
+  auto img = importImage(docker, ArchiveFormat::kDockerSave, dir + "/work-a");
+  ASSERT_TRUE(img.isOk()) << img.status().toString();
+  ASSERT_EQ(img->layers.size(), 2u);
+  EXPECT_EQ(img->layers[0].owners.outside, 1);
+  EXPECT_EQ(img->layers[1].owners.outside, 2);
+  const OwnerReport& o = img->owners;
+  EXPECT_EQ(o.width, kDefaultOwnerWidth);
+  EXPECT_EQ(o.outside, 3);
+  EXPECT_EQ(o.maxUid, 1000000u);
+  EXPECT_EQ(o.maxGid, 1000000u);
+  std::vector<OwnerExample> want = {{"opt/win.txt", 197609, 197609}, {"big", 1000000, 1000000}};
+  EXPECT_EQ(o.examples, want);
+
+  // A node mapping 2^20 ids keeps them all; width 0 skips the scan.
+  auto wide = importImage(docker, ArchiveFormat::kDockerSave, dir + "/work-b", 1 << 20);
+  ASSERT_TRUE(wide.isOk()) << wide.status().toString();
+  EXPECT_EQ(wide->owners.outside, 0);
+  EXPECT_EQ(wide->owners.maxUid, 1000000u);
+  auto off = importImage(docker, ArchiveFormat::kDockerSave, dir + "/work-c", 0);
+  ASSERT_TRUE(off.isOk()) << off.status().toString();
+  EXPECT_EQ(off->owners.width, 0u);
+  EXPECT_EQ(off->owners.entries, 0);
+
+  // A root filesystem import reports too.
+  auto rootfs = importImage(dir + "/l1", ArchiveFormat::kRootfs, dir + "/work-d");
+  ASSERT_TRUE(rootfs.isOk()) << rootfs.status().toString();
+  EXPECT_EQ(rootfs->owners.outside, 2);
+  ASSERT_TRUE(removeTree(dir).isOk());
+}
+
 TEST(OciImportTest, AMissingConfigIsRefusedBeforeAnyLayerIsBuilt) {
   std::string dir = "/tmp/dsec-nocfg-test-" + randomHex(4);
   ASSERT_TRUE(makeDirs(dir).isOk());

@@ -52,8 +52,14 @@ void Platform::getNode(http::Response& res) {
                {"layers", layers},
                {"userns",
                 {{"enabled", node.userns.enabled},
-                 {"base", node.userns.base},
                  {"length", node.userns.length},
+                 {"window", {{"first", node.userns.windowFirst}, {"last", node.userns.windowLast}}},
+                 {"ranges",
+                  {{"capacity", node.userns.capacity},
+                   {"in_use", node.userns.inUse},
+                   {"sandboxes", node.userns.sandboxes},
+                   {"spares", node.userns.spares},
+                   {"free", node.userns.capacity - node.userns.inUse}}},
                  {"reason", node.userns.reason}}},
                {"backends",
                 {{"container", {{"available", true}, {"accelerator", nullptr}, {"reason", ""}}},
@@ -136,6 +142,17 @@ void writeNodeMetrics(const proto::NodeReport& node, int orphanSandboxes, metric
           "Mounts in the node's (this process's) mount namespace, which every new sandbox's "
           "namespace is copied from: constant as sandboxes are added.",
           double(mountCount()));
+  if (node.userns.enabled) {
+    const char* rh =
+        "Host id ranges for container sandboxes' user namespaces (one per sandbox, issue 31), "
+        "by state: capacity of the node's window, in use (sandboxes live or being torn down, "
+        "and spare agents), free.";
+    w.declare("dsec_userns_ranges", Type::kGauge, rh);
+    w.gauge("dsec_userns_ranges", rh, double(node.userns.capacity), {{"state", "capacity"}});
+    w.gauge("dsec_userns_ranges", rh, double(node.userns.inUse), {{"state", "in_use"}});
+    w.gauge("dsec_userns_ranges", rh, double(node.userns.capacity - node.userns.inUse),
+            {{"state", "free"}});
+  }
   w.gauge("dsec_node_cache_bytes", "Bytes the node cache holds on disk.",
           double(node.cacheUsedBytes));
   w.gauge("dsec_node_cache_limit_bytes", "Node cache size limit (0: none).",

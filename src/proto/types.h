@@ -232,12 +232,17 @@ struct LayerReport {
   LayerStats stats;
 };
 
-// User namespaces of a node's container sandboxes (edge/userns.h).
+// User namespaces of a node's container sandboxes (edge/userns.h): each maps
+// ids 0..length-1 to a host range of its own from the window (issue 31).
 struct UsernsInfo {
   bool enabled = false;
-  uint32_t base = 0;
-  uint32_t length = 0;
-  std::string reason;  // why it is off (or the mapping)
+  uint32_t length = 0;  // ids each sandbox maps
+  uint32_t windowFirst = 0, windowLast = 0;
+  // Ranges: how many the window holds (less /etc/subuid and /etc/subgid),
+  // in use (sandboxes, live or being torn down, and spare agents), and of
+  // those the sandboxes' and the spares'.
+  uint64_t capacity = 0, inUse = 0, sandboxes = 0, spares = 0;
+  std::string reason;  // why it is off (or the ranges)
 };
 
 // Whether microvms run on a node, on which accelerator, and why.

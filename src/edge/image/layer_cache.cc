@@ -129,7 +129,7 @@ Result<LayerCache::Mounted> LayerCache::acquireMount(const std::string& digest) 
     if (!cache_->broken(digest)) {
       ++it->second.refs;
       it->second.lastUsed = monoSeconds();
-      return Mounted{it->second.path, it->second.idmapped, it->second.files};
+      return Mounted{it->second.path, it->second.files};
     }
     // Mounted over a loader process that died: sandboxes running on it keep
     // their (failing) mount, which their own mount namespaces hold; new ones
@@ -151,35 +151,13 @@ Result<LayerCache::Mounted> LayerCache::acquireMount(const std::string& digest) 
   } else if (st = mountLayer(files, target); !st.isOk()) {
     ::rmdir(target.c_str());
   }
-  std::shared_ptr<UniqueFd> idmapped;
-  if (st.isOk() && idmapFd_ >= 0) {
-    // Once per layer and node (~5 us): sandboxes in user namespaces stack
-    // this clone, through which files owned by 0 belong to the node's base id.
-    auto clone = idmappedClone(target, idmapFd_, true);
-    if (clone.isOk()) {
-      idmapped = std::make_shared<UniqueFd>(std::move(*clone));
-    } else {
-      st = clone.status();
-      // The start-up check idmaps a tmpfs; a kernel that can do that but not
-      // EROFS ends here, at every create.
-      if (st.sysErrno() == EINVAL) {
-        st = Status(st.code(),
-                    st.message() +
-                        " (EROFS on this kernel cannot be idmapped: run "
-                        "`dsec up --userns off`)",
-                    EINVAL);
-      }
-      ::umount2(target.c_str(), MNT_DETACH);
-      ::rmdir(target.c_str());
-    }
-  }
   if (!st.isOk()) {
     cache_->unmounted(digest);
     return st;
   }
-  layers_[digest] = Entry{target, idmapped, files, refs + 1, monoSeconds()};
+  layers_[digest] = Entry{target, files, refs + 1, monoSeconds()};
   trimLocked();
-  return Mounted{target, idmapped, files};
+  return Mounted{target, files};
 }
 
 void LayerCache::trimLocked() {

@@ -32,17 +32,11 @@ class LayerCache {
   Status cleanupStale();
   // Unmounts every layer and mountRoot itself.
   void close();
-  // From now on every layer mounted also gets a detached, read-only clone of
-  // its mount idmapped through `usernsFd` (edge/userns.h), made once and kept
-  // beside the mount. Call before the first acquire; the fd is not owned and
-  // must outlive this cache.
-  void setIdmap(int usernsFd) { idmapFd_ = usernsFd; }
-  // Mounts the layer if needed, takes a reference, returns its mount point
-  // and, with setIdmap, its idmapped clone (shared: stays open while the
-  // caller holds it even if the layer is remounted meanwhile).
+  // Mounts the layer if needed, takes a reference, returns its mount point.
+  // (A sandbox in a user namespace stacks an idmapped clone of it, made
+  // through its own range: container_backend.cc.)
   struct Mounted {
     std::string path;
-    std::shared_ptr<UniqueFd> idmapped;  // null without setIdmap
     LayerFiles files;  // what the mount reads (microvms get these as disks)
   };
   Result<Mounted> acquireMount(const std::string& digest);
@@ -62,7 +56,6 @@ class LayerCache {
  private:
   struct Entry {
     std::string path;
-    std::shared_ptr<UniqueFd> idmapped;
     LayerFiles files;
     int refs = 0;
     double lastUsed = 0;
@@ -78,7 +71,6 @@ class LayerCache {
   std::map<std::string, Entry> layers_;
   std::string method_ = "file";
   bool rootBound_ = false;
-  int idmapFd_ = -1;  // set once before use
 };
 
 // Mount points under `prefix` in this mount namespace, deepest first.

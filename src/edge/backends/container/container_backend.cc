@@ -112,6 +112,7 @@ class ContainerInstance : public Instance {
     return UpperDir{std::move(path), std::move(disk)};
   }
   pid_t initPid() const override { return pid_; }
+  IdRange idRange() const override { return range_; }
   Result<UniqueFd> openNetns() const override {
     // pid_ is our child and not reaped while the instance lives: no reuse.
     std::string path = "/proc/" + std::to_string(pid_) + "/ns/net";
@@ -123,6 +124,7 @@ class ContainerInstance : public Instance {
   std::string id_;
   std::string dir_;        // the disk's root; unusable once lent
   bool diskLent_ = false;  // the disk is its PID 1's (DiskQuota::lend)
+  IdRange range_;          // its user namespace's host ids (empty without userns)
   std::vector<std::string> layers_;  // acquired from the layer cache
   pid_t pid_ = -1;  // our child, or an adopted PID 1 pinned by pidfd_
   UniqueFd pidfd_;
@@ -276,6 +278,20 @@ Result<std::unique_ptr<ContainerBackend>> ContainerBackend::make(ContainerOption
   std::unique_ptr<ContainerBackend> b(new ContainerBackend(opts, cgroups, layers, reactor));
   b->userns_ = opts.userns != nullptr && opts.userns->enabled;
   b->keep_ = keep;
+  if (b->userns_) {
+    // The re-adopted sandboxes keep their ranges; a range that cannot be
+    // reserved (taken twice, or delegated to a host user since) makes its
+    // sandbox fail adopt() and become an orphan.
+    b->ranges_ = opts.userns->pool;
+    for (auto& [id, r] : opts.keepRanges) {
+      if (!keep.count(id)) continue;
+      if (Status st = b->ranges_.reserve(r); st.isOk()) {
+        b->rangeOf_[id] = r;
+      } else {
+        log::warn("sandbox " + id + ": its host id range: " + st.toString());
+      }
+    }
+  }
   ASSIGN_OR_RETURN(b->aetherMemfd_, sealedCopy(opts.aetherPath));
   RETURN_IF_ERROR(makeDirs(opts.sandboxRoot, 0700));
   // A crashed predecessor's leftovers go before the disk quota may mount on
@@ -352,12 +368,9 @@ Result<std::unique_ptr<ContainerBackend>> ContainerBackend::make(ContainerOption
   if (::mkdir(mask.c_str(), 0555) != 0 && errno != EEXIST) return sysError("mkdir " + mask);
   while (::umount2(mask.c_str(), MNT_DETACH) == 0) {
   }
-  // Owned by the sandboxes' root (as each tmpfs mask was), not "nobody".
+  // Host root's: with a range per sandbox it can be no sandbox's own, so it
+  // shows as nobody (65534) inside, empty and read-only either way.
   std::string maskOpts = "size=0,mode=0555";
-  if (b->userns_) {
-    std::string base = std::to_string(opts.userns->base);
-    maskOpts += ",uid=" + base + ",gid=" + base;
-  }
   if (::mount("tmpfs", mask.c_str(), "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
               maskOpts.c_str()) != 0) {
     return sysError("mount the mask tmpfs on " + mask);
@@ -380,6 +393,9 @@ Result<std::unique_ptr<ContainerBackend>> ContainerBackend::make(ContainerOption
         // sandbox's memory group) goes, so the group fits the pool.
         Status rm = raw->quota_->remove(id);
         if (!rm.isOk()) log::error("cleanup " + id + ": " + rm.toString());
+        // Its processes are reaped and its files gone: its ids may serve
+        // another sandbox.
+        raw->releaseRangeOf(id);
         raw->cgroupReaper_->add(id);
       });
   b->spareThread_ = std::thread([raw = b.get()] { raw->spareLoop(); });
@@ -387,6 +403,19 @@ Result<std::unique_ptr<ContainerBackend>> ContainerBackend::make(ContainerOption
 }
 
 Result<ContainerBackend::Agent> ContainerBackend::spawnAgent() {
+  // Its host ids, taken now (a uid_map is written once, before the agent
+  // runs) and given back on every way out but success.
+  IdRange range;
+  if (userns_) {
+    ASSIGN_OR_RETURN(range, allocateRange());
+  }
+  struct Lease {
+    ContainerBackend* b;
+    IdRange r;
+    ~Lease() {
+      if (!r.empty()) b->releaseRange(r);
+    }
+  } lease{this, range};
   int sv[2];
   if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) return sysError("socketpair");
   UniqueFd ours(sv[0]), theirs(sv[1]);
@@ -442,7 +471,7 @@ Result<ContainerBackend::Agent> ContainerBackend::spawnAgent() {
   if (userns_) {
     statusWr.reset();
     goRd.reset();
-    Status st = writeIdMaps(pid, opts_.userns->mapLine());
+    Status st = writeIdMaps(pid, mapLine(range));
     if (!st.isOk()) {
       killAndWait(pidfd);  // the child is blocked on the go pipe: safe to kill
       return st.withContext("sandbox agent's user namespace");
@@ -479,6 +508,7 @@ Result<ContainerBackend::Agent> ContainerBackend::spawnAgent() {
     killAndWait(a.pidfd.get());
     return st;
   }
+  a.range = std::exchange(lease.r, IdRange{});
   return a;
 }
 
@@ -506,6 +536,7 @@ Result<ContainerBackend::Agent> ContainerBackend::takeAgent() {
     }
     reactor_->remove(a.conn);
     killAndWait(a.pidfd.get());
+    if (!a.range.empty()) releaseRange(a.range);
   }
   return spawnAgent();
 }
@@ -533,7 +564,13 @@ void ContainerBackend::spareLoop() {
     auto a = spawnAgent();
     lk.lock();
     if (!a.isOk()) {
-      log::error("spare agent: " + a.status().toString());
+      // Every range in use (by sandboxes and spares) is no fault: a destroy
+      // gives one back (releaseRange notifies).
+      if (a.status().code() == Code::kResourceExhausted) {
+        log::debug("spare agent: " + a.status().toString());
+      } else {
+        log::error("spare agent: " + a.status().toString());
+      }
       spareCv_.wait_for(lk, std::chrono::seconds(1));
       continue;
     }
@@ -557,10 +594,25 @@ Result<std::unique_ptr<Instance>> ContainerBackend::create(const SandboxSpec& sp
     if (cgroupMade) (void)cgroups_->remove(spec.id);
     for (auto& d : inst->layers_) layers_->release(d);
     if (dirMade) (void)quota_->remove(spec.id);
+    // Its PID 1 is reaped and its disk gone: nothing holds its ids.
+    if (!inst->range_.empty()) releaseRangeOf(spec.id);
     return st.withContext("create " + spec.id);
   };
 
   if (spec.diskBytes <= 0) return invalidArg("disk_mb", "disk_mb must be positive");
+  // The agent first: its user namespace's range owns the disk and maps the
+  // layers.
+  auto agent = takeAgent();
+  if (!agent.isOk()) return fail(agent.status());
+  inst->pid_ = agent->pid;
+  inst->pidfd_ = std::move(agent->pidfd);
+  inst->conn_ = std::move(agent->conn);
+  if (!agent->range.empty()) {
+    inst->range_ = agent->range;
+    std::lock_guard lk(rangeMu_);
+    rangeOf_[spec.id] = agent->range;
+  }
+  laps.lap("agent");
   // The sandbox's directory, bounded by disk_mb: upper and work live in it.
   if (Status st = quota_->create(spec.id, spec.diskBytes); !st.isOk()) return fail(st);
   dirMade = true;
@@ -573,9 +625,9 @@ Result<std::unique_ptr<Instance>> ContainerBackend::create(const SandboxSpec& sp
     if (::mkdir(d.c_str(), 0755) != 0) return fail(sysError("mkdir " + d));
   }
   if (userns_) {
-    // Root inside is host uid `base`: it owns its directory (which stays
+    // Root inside is its range's base: it owns its directory (which stays
     // 0700, closed to every other host user) and its writable layer.
-    uid_t id = opts_.userns->base;
+    uid_t id = inst->range_.base;
     for (const char* sub : {"", "/upper", "/work"}) {
       std::string d = inst->dir_ + sub;
       if (::chown(d.c_str(), id, id) != 0) return fail(sysError("chown " + d));
@@ -583,17 +635,40 @@ Result<std::unique_ptr<Instance>> ContainerBackend::create(const SandboxSpec& sp
   }
   laps.lap("mkdir");
   json lower = json::array();
-  std::vector<std::shared_ptr<UniqueFd>> idmapped;  // held until the overlay is made
+  // User namespace mode: each layer through the sandbox's own mapping, an
+  // idmapped clone of the node's mount (files owned by 0 appear as host
+  // `base`), held until the overlay is made.
+  std::vector<UniqueFd> idmapped;
+  UniqueFd nsFd;
+  if (userns_) {
+    // Our unreaped child: the pid is still its own.
+    std::string ns = "/proc/" + std::to_string(inst->pid_) + "/ns/user";
+    nsFd.reset(::open(ns.c_str(), O_RDONLY | O_CLOEXEC));
+    if (!nsFd) return fail(sysError("open " + ns));
+  }
   for (auto it = spec.layers.rbegin(); it != spec.layers.rend(); ++it) {
     auto mp = layers_->acquireMount(*it);
     if (!mp.isOk()) return fail(std::move(mp).takeStatus());
     inst->layers_.push_back(*it);
     lower.push_back(mp->path);  // overlayfs wants the top layer first
     if (userns_) {
-      if (!mp->idmapped) return fail(internalError("layer " + *it + " has no idmapped mount"));
-      idmapped.push_back(mp->idmapped);
+      auto m = idmappedClone(mp->path, nsFd.get(), /*readOnly=*/true);
+      if (!m.isOk()) {
+        Status st = m.status();
+        if (st.sysErrno() == EINVAL) {
+          // The start-up check idmaps a tmpfs; a kernel that can do that but
+          // not EROFS ends here, at every create.
+          st = Status(st.code(),
+                      "layer " + *it + ": " + st.message() +
+                          " (EROFS on this kernel cannot be idmapped: run `dsec up --userns off`)",
+                      EINVAL);
+        }
+        return fail(st);
+      }
+      idmapped.push_back(std::move(*m));
     }
   }
+  nsFd.reset();
   laps.lap("layers");
   // User namespace mode: the edge makes the overlay (see edge/userns.h for
   // why the sandbox cannot); aether attaches it where it used to mount it.
@@ -603,7 +678,7 @@ Result<std::unique_ptr<Instance>> ContainerBackend::create(const SandboxSpec& sp
     Result<UniqueFd> m = internalError("no overlay");
     if (userns_) {
       std::vector<int> fds;
-      for (auto& f : idmapped) fds.push_back(f->get());
+      for (auto& f : idmapped) fds.push_back(f.get());
       m = makeOverlay(fds, inst->dir_ + "/upper", inst->dir_ + "/work");
     } else {
       m = makeOverlay(lower.get<std::vector<std::string>>(), inst->dir_ + "/upper",
@@ -611,7 +686,8 @@ Result<std::unique_ptr<Instance>> ContainerBackend::create(const SandboxSpec& sp
     }
     if (!m.isOk()) return fail(m.status());
     rootfsMount = std::move(*m);
-    idmapped.clear();
+    // The overlay holds private clones: ours go, unmounted off this path.
+    dropper_.drop(std::move(idmapped));
     laps.lap("overlay");
   }
   // A detached disk goes to the agent, read-only (its overlay has its own
@@ -630,13 +706,6 @@ Result<std::unique_ptr<Instance>> ContainerBackend::create(const SandboxSpec& sp
   if (Status st = cgroups_->create(spec.id, limits); !st.isOk()) return fail(st);
   cgroupMade = true;
   laps.lap("cgroup");
-
-  auto agent = takeAgent();
-  if (!agent.isOk()) return fail(agent.status());
-  inst->pid_ = agent->pid;
-  inst->pidfd_ = std::move(agent->pidfd);
-  inst->conn_ = std::move(agent->conn);
-  laps.lap("agent");
 
   // aether blocks on its init frame, so it cannot fork before it is in the
   // sandbox's cgroups.
@@ -708,6 +777,30 @@ Result<std::unique_ptr<Instance>> ContainerBackend::adopt(const SandboxState& st
   auto started = processStartTime(state.pid);
   if (!started.isOk() || *started != state.startTime) {
     return fail(Status(Code::kNotFound, "its PID 1 is gone"));
+  }
+  if (userns_) {
+    // make() reserved the range the kernel has for it (keepRanges); its
+    // record must name the same. None at all: a sandbox of a --userns off
+    // run (identity map), which keeps running as it was.
+    auto has = readIdMap(state.pid);
+    if (!has.isOk()) return fail(has.status());
+    if (has->base != 0) {
+      bool reserved;
+      {
+        std::lock_guard lk(rangeMu_);
+        auto it = rangeOf_.find(state.spec.id);
+        reserved = it != rangeOf_.end() && it->second == *has;
+      }
+      if (!reserved) {
+        return fail(Status(Code::kFailedPrecondition, "its host id range could not be reserved"));
+      }
+      if (!(state.userns == *has)) {
+        return fail(Status(Code::kFailedPrecondition,
+                           "its uid_map (base " + std::to_string(has->base) + ", " +
+                               std::to_string(has->length) + " ids) is not its recorded range"));
+      }
+      inst->range_ = *has;
+    }
   }
   // A paused sandbox's agent is frozen too, and cannot notice the old edge
   // go: it runs just long enough to reattach.
@@ -814,8 +907,10 @@ void ContainerBackend::shutdown(bool keepSandboxes) {
   for (auto& a : spares_) {
     reactor_->remove(a.conn);
     killAndWait(a.pidfd.get());
+    if (!a.range.empty()) releaseRange(a.range);
   }
   spares_.clear();
+  dropper_.drain();
   if (cleaner_) cleaner_->drain();
   if (cgroupReaper_) cgroupReaper_->drain();
   if (std::string mask = std::exchange(maskMount_, {}); !mask.empty()) {
@@ -842,6 +937,45 @@ void ContainerBackend::removeOrphan(const std::string& id) {
   // Removing the cgroups kills (and waits for) every process in them.
   if (Status st = cgroups_->remove(id); !st.isOk()) log::error("orphan " + id + ": " + st.toString());
   if (Status st = quota_->remove(id); !st.isOk()) log::error("orphan " + id + ": " + st.toString());
+  releaseRangeOf(id);
+}
+
+Result<IdRange> ContainerBackend::allocateRange() {
+  std::lock_guard lk(rangeMu_);
+  return ranges_.allocate();
+}
+
+void ContainerBackend::releaseRange(IdRange r) {
+  {
+    std::lock_guard lk(rangeMu_);
+    if (Status st = ranges_.release(r); !st.isOk()) log::error("id range: " + st.toString());
+  }
+  spareCv_.notify_all();  // a spare may have waited for one
+}
+
+void ContainerBackend::releaseRangeOf(const std::string& id) {
+  IdRange r;
+  {
+    std::lock_guard lk(rangeMu_);
+    auto it = rangeOf_.find(id);
+    if (it == rangeOf_.end()) return;
+    r = it->second;
+    rangeOf_.erase(it);
+  }
+  releaseRange(r);
+}
+
+ContainerBackend::RangeStats ContainerBackend::rangeStats() {
+  RangeStats s;
+  {
+    std::lock_guard lk(rangeMu_);
+    s.capacity = ranges_.capacity();
+    s.inUse = ranges_.inUse();
+    s.sandboxes = rangeOf_.size();
+  }
+  std::lock_guard lk(spareMu_);
+  for (auto& a : spares_) s.spares += !a.range.empty();
+  return s;
 }
 
 int ContainerBackend::cleanupOrphans() {

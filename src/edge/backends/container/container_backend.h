@@ -59,9 +59,13 @@ struct ContainerOptions {
   std::string diskQuota = "auto";
   std::string diskPoolImage;  // empty: <sandboxRoot>.img
   int64_t diskPoolBytes = 0;
-  // Sandboxes run in user namespaces when set and enabled. Not owned; must
-  // outlive the backend. The layer cache must have the same idmap set.
+  // Sandboxes run in user namespaces when set and enabled, each with a host
+  // id range of its own from userns->pool. Not owned; must outlive the
+  // backend.
   const Userns* userns = nullptr;
+  // The ranges of the sandboxes make()'s `keep` re-adopts (their state
+  // files'): reserved before any agent is cloned.
+  std::map<std::string, IdRange> keepRanges;
   // The edge's loop devices, for the disk quota (DiskQuotaOptions::loops).
   // Not owned; must outlive the backend. Null: the quota's own.
   LoopPool* loops = nullptr;
@@ -92,6 +96,12 @@ class ContainerBackend : public Backend {
   void shutdown(bool keepSandboxes = false) override;
   // The mechanism bounding each sandbox's writable layer, for logs.
   std::string diskQuotaInfo() const { return quota_->describe(); }
+  // The node's host id ranges (issue 31): capacity, in use (sandboxes, live
+  // or being torn down, and spares), live sandboxes' and spares'.
+  struct RangeStats {
+    size_t capacity = 0, inUse = 0, sandboxes = 0, spares = 0;
+  };
+  RangeStats rangeStats();
 
  private:
   ContainerBackend(ContainerOptions opts, Cgroups* cgroups, LayerCache* layers, Reactor* reactor)
@@ -118,11 +128,25 @@ class ContainerBackend : public Backend {
     pid_t pid = -1;
     UniqueFd pidfd;
     std::shared_ptr<AgentConn> conn;
+    IdRange range;  // its user namespace's host ids (empty without userns)
   };
   Result<Agent> spawnAgent();
   // A spare if one is ready and alive, else a freshly spawned agent.
   Result<Agent> takeAgent();
   void spareLoop();
+
+  // Host id ranges (issue 31). A range is taken when an agent is cloned and
+  // given back once nothing of its sandbox is left (its processes reaped and
+  // its disk removed), or when a spare or a failed create is killed.
+  Result<IdRange> allocateRange();
+  void releaseRange(IdRange r);
+  // The range of sandbox `id` goes back (destroyed, orphaned, failed).
+  void releaseRangeOf(const std::string& id);
+  std::mutex rangeMu_;  // guards ranges_, rangeOf_
+  IdRangePool ranges_;
+  std::map<std::string, IdRange> rangeOf_;  // sandboxes holding a range
+  // Closes the per-sandbox idmapped layer clones off the create path.
+  FdDropper dropper_;
 
   std::mutex spareMu_;  // guards spares_, lastTake_, stopSpares_
   std::condition_variable spareCv_;
