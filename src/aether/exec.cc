@@ -396,6 +396,13 @@ Result<Credentials> execCredentials(const std::string& user, const ExecSettings&
 Result<SpawnedExec> spawnExec(const ExecRequest& req, const ExecSettings& settings) {
   ASSIGN_OR_RETURN(Credentials creds,
                    execCredentials(req.user.empty() ? "root" : req.user, settings));
+  // An id the sandbox's user namespace does not map would fail at setgid
+  // with a bare EINVAL: say which, and why.
+  if (creds.uid != 0 || creds.gid != 0 || creds.groups.size() > 1) {
+    auto uidMap = readSmallFile("/proc/self/uid_map");
+    auto gidMap = readSmallFile("/proc/self/gid_map");
+    if (uidMap.isOk() && gidMap.isOk()) RETURN_IF_ERROR(checkMapped(creds, *uidMap, *gidMap));
+  }
 
   ChildPlan plan;
   plan.switch_user = ::geteuid() == 0;

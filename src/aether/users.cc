@@ -5,7 +5,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <charconv>
+#include <cstdio>
 
 #include "common/fd.h"
 
@@ -190,6 +192,62 @@ Result<std::string> readSmallFile(const std::string& path, size_t max_size) {
     if (out.size() > max_size) return Status(Code::kResourceExhausted, path + " is too large");
   }
   return out;
+}
+
+namespace {
+
+struct Extent {
+  uint64_t inside = 0, count = 0;
+};
+
+std::vector<Extent> parseIdMap(std::string_view text) {
+  std::vector<Extent> out;
+  while (!text.empty()) {
+    size_t nl = text.find('\n');
+    std::string line(text.substr(0, nl));
+    text = nl == std::string_view::npos ? std::string_view() : text.substr(nl + 1);
+    unsigned long long inside = 0, outside = 0, count = 0;
+    if (std::sscanf(line.c_str(), "%llu %llu %llu", &inside, &outside, &count) == 3) {
+      out.push_back({inside, count});
+    }
+  }
+  return out;
+}
+
+bool mapped(const std::vector<Extent>& map, uint64_t id) {
+  if (map.empty()) return true;
+  for (const Extent& e : map) {
+    if (id >= e.inside && id - e.inside < e.count) return true;
+  }
+  return false;
+}
+
+std::string describe(const std::vector<Extent>& map) {
+  std::string out;
+  for (const Extent& e : map) {
+    if (!out.empty()) out += ", ";
+    out += std::to_string(e.inside) + "-" + std::to_string(e.inside + e.count - 1);
+  }
+  return out;
+}
+
+}  // namespace
+
+Status checkMapped(const Credentials& c, std::string_view uid_map, std::string_view gid_map) {
+  std::vector<Extent> uids = parseIdMap(uid_map), gids = parseIdMap(gid_map);
+  auto outside = [&](const char* what, uint64_t id, const std::vector<Extent>& map) {
+    return Status(Code::kInvalidArgument,
+                  std::string(what) + " " + std::to_string(id) +
+                      " is outside this sandbox's id mapping (" + describe(map) +
+                      "): a node maps ids up to its --userns-width",
+                  EINVAL, "user");
+  };
+  if (!mapped(uids, c.uid)) return outside("uid", c.uid, uids);
+  if (!mapped(gids, c.gid)) return outside("gid", c.gid, gids);
+  for (gid_t g : c.groups) {
+    if (!mapped(gids, g)) return outside("supplementary gid", g, gids);
+  }
+  return Status::ok();
 }
 
 }  // namespace dsec::aether

@@ -50,6 +50,14 @@ struct Credentials {
 Result<Credentials> resolveUser(std::string_view spec, std::string_view passwd_text,
                                 std::string_view group_text);
 
+// Whether the user namespace maps `c`'s uid, gid and supplementary groups:
+// `uid_map` and `gid_map` are /proc/self/uid_map and gid_map ("inside
+// outside count" lines; empty: no user namespace, everything mapped). An id
+// outside is kInvalidArgument, field "user", naming the id and the ids the
+// sandbox maps (a sandbox maps 0..width-1 only: docs/security.md, "Ids
+// outside the mapping"), instead of setuid's bare EINVAL.
+Status checkMapped(const Credentials& c, std::string_view uid_map, std::string_view gid_map);
+
 // Reads a whole small file; a missing file reads as empty.
 Result<std::string> readSmallFile(const std::string& path, size_t max_size = 16u << 20);
 

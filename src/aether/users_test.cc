@@ -107,5 +107,31 @@ TEST(UsersTest, ReadSmallFileTreatsMissingAsEmpty) {
   EXPECT_FALSE(d.isOk());  // a directory is not a regular file
 }
 
+// Issue 31: an exec as an id the sandbox does not map says so, naming the
+// field and the mapping, instead of failing at setgid with a bare EINVAL.
+TEST(UsersTest, IdsOutsideTheMappingAreNamed) {
+  const char* map = "         0     589824      65536\n";
+  Credentials ok{1000, 1000, {1000, 27}, "/"};
+  EXPECT_TRUE(checkMapped(ok, map, map).isOk());
+  Credentials top{65535, 65534, {65534}, "/"};
+  EXPECT_TRUE(checkMapped(top, map, map).isOk());
+  Status uid = checkMapped({65536, 0, {0}, "/"}, map, map);
+  EXPECT_EQ(uid.code(), Code::kInvalidArgument);
+  EXPECT_EQ(uid.field(), "user");
+  EXPECT_NE(uid.message().find("uid 65536 is outside this sandbox's id mapping (0-65535)"),
+            std::string::npos)
+      << uid.message();
+  EXPECT_NE(checkMapped({0, 197609, {197609}, "/"}, map, map).message().find("gid 197609"),
+            std::string::npos);
+  EXPECT_NE(checkMapped({0, 0, {0, 70000}, "/"}, map, map).message().find("supplementary gid"),
+            std::string::npos);
+  // No user namespace (the identity map, or none read): everything is mapped.
+  EXPECT_TRUE(checkMapped({4000000000u, 1, {}, "/"}, "0 0 4294967295\n", "").isOk());
+  // Several extents.
+  std::string two = "0 589824 1000\n5000 600000 10\n";
+  EXPECT_TRUE(checkMapped({5009, 0, {}, "/"}, two, two).isOk());
+  EXPECT_FALSE(checkMapped({5010, 0, {}, "/"}, two, two).isOk());
+}
+
 }  // namespace
 }  // namespace dsec::aether

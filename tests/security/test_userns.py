@@ -383,3 +383,13 @@ time.sleep(300)
     r = other.exec(["python3", "-c", size])
     assert r.exit_code == 0, r.stderr
     assert r.stdout.strip() == "65536", r.stdout
+
+
+def test_exec_as_an_unmapped_user_says_why(bb, userns):
+    # setgid would fail with a bare EINVAL: the agent names the id, the field
+    # and the mapping instead.
+    length = sandbox_range(bb)[1]
+    e = expect_error(lambda: bb.exec("id", user=str(length)), dsec.InvalidArgument,
+                     field="user", status=400)
+    assert f"uid {length} is outside this sandbox's id mapping (0-{length - 1})" in str(e), e
+    assert bb.exec("id -u", user=str(length - 1)).stdout == f"{length - 1}\n"
