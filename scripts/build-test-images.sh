@@ -1,21 +1,25 @@
 #!/usr/bin/env bash
 # Builds the root filesystem tarballs the tests and benchmarks import, and caches
-# them: busybox.tar (seconds) and debian.tar (debootstrap minbase + python3,
-# minutes). Each is rebuilt only when missing. Each is built in a temp dir next
-# to the cache and renamed into place, so an interrupted run leaves no partial
-# tarball behind (only a stale .tmp.* dir that the next run removes).
+# them: busybox.tar (seconds), debian.tar (debootstrap minbase + python3,
+# minutes) and debian-pytest.tar (debian.tar plus CPython's regression test
+# suite, libpython3.11-testsuite, for tests/test_workload_parity.py; seconds
+# once debian.tar is there). Each is rebuilt only when missing. Each is built
+# in a temp dir next to the cache and renamed into place, so an interrupted run
+# leaves no partial tarball behind (only a stale .tmp.* dir that the next run
+# removes).
 #
 # Usage: scripts/build-test-images.sh [CACHE_DIR]
 #   CACHE_DIR defaults to $DSEC_IMAGE_CACHE, else /var/cache/dsec/test-images.
 #   DSEC_DEBIAN_MIRROR overrides the mirror taken from the host's apt sources.
-#   DSEC_TEST_IMAGES="busybox" builds only the named images (default: busybox debian).
+#   DSEC_TEST_IMAGES="busybox" builds only the named images (default: busybox
+#   debian debian-pytest; debian-pytest needs debian, built first when missing).
 set -euo pipefail
 exec </dev/null
 export DEBIAN_FRONTEND=noninteractive
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 cache="${1:-${DSEC_IMAGE_CACHE:-/var/cache/dsec/test-images}}"
-images="${DSEC_TEST_IMAGES:-busybox debian}"
+images="${DSEC_TEST_IMAGES:-busybox debian debian-pytest}"
 suite=bookworm
 
 log() { echo "build-test-images: $*"; }
@@ -127,17 +131,105 @@ build_debian() {
   pack "$root" debian.tar
 }
 
+# debian.tar plus the files of libpython3.11-testsuite (CPython's regression
+# tests, /usr/lib/python3.11/test/...), at exactly the version of the image's
+# python3.11 so the tests match their interpreter, of net-tools, its one
+# dependency the image lacks, and of netbase (/etc/services, /etc/protocols:
+# without them the service and protocol name lookups of the socket tests fail
+# the same everywhere and compare nothing). The .debs come from the host's apt
+# (Debian 12 like the image) and are unpacked with dpkg-deb (their postinst
+# only byte-compiles; python compiles on import instead) and merged over the
+# rootfs without replacing its merged-/usr links (/bin -> usr/bin). Where the
+# host's apt does not have that version (a point release since debian.tar was
+# built), apt installs the package inside a chroot of the rootfs instead, which
+# brings python3.11 up to the suite's version. /etc/dsec-test-image lists the
+# versions. Remove debian-pytest.tar along with debian.tar to rebuild both.
+build_debian_pytest() {
+  local root="$tmp/rootfs" debs="$tmp/debs" stage="$tmp/stage" ver deb pkgs
+  [ -s "$cache/debian.tar" ] || die "debian-pytest.tar needs $cache/debian.tar"
+  log "debian-pytest.tar: unpacking debian.tar"
+  mkdir -p "$root" "$debs"
+  tar --numeric-owner --xattrs --xattrs-include='*' --acls -C "$root" -xpf "$cache/debian.tar"
+  ver="$(dpkg-query --admindir="$root/var/lib/dpkg" -W -f='${Version}' python3.11 2>/dev/null)" ||
+    die "no python3.11 in debian.tar's dpkg database"
+  pkgs="libpython3.11-testsuite=$ver net-tools netbase"
+  log "debian-pytest.tar: apt-get download $pkgs"
+  # As root into a dir the _apt user may not write: no privilege drop.
+  if fetch_debs "$debs" $pkgs || { apt-get -q update >&2 && fetch_debs "$debs" $pkgs; }; then
+    for deb in "$debs"/*.deb; do
+      log "debian-pytest.tar: unpacking $(basename "$deb")"
+      rm -rf "$stage"
+      mkdir "$stage"
+      dpkg-deb -x "$deb" "$stage"
+      tar -C "$stage" -cf - . | tar -C "$root" --keep-directory-symlink --no-overwrite-dir -xpf -
+    done
+    rm -rf "$stage"
+  else
+    log "debian-pytest.tar: the host's apt has no libpython3.11-testsuite $ver;" \
+      "installing the suite with apt in a chroot of the rootfs"
+    rm -f "$debs"/*.deb
+    install_in_chroot "$root"
+  fi
+  [ -f "$root/usr/lib/python3.11/test/test_os.py" ] || die "test_os.py missing after the install"
+  [ -L "$root/bin" ] || die "the rootfs's /bin link was replaced"
+  {
+    echo "debian-pytest (scripts/build-test-images.sh): debian.tar + libpython3.11-testsuite"
+    dpkg-query --admindir="$root/var/lib/dpkg" -W -f='${Package} ${Version}\n' \
+      python3.11 libpython3.11-testsuite 2>/dev/null || true
+    for deb in "$debs"/*.deb; do
+      [ -e "$deb" ] || continue
+      echo "$(dpkg-deb -f "$deb" Package) $(dpkg-deb -f "$deb" Version) (unpacked)"
+    done
+  } >"$root/etc/dsec-test-image"
+  pack "$root" debian-pytest.tar
+}
+
+# fetch_debs DIR PKG[=VERSION]...: apt-get download into DIR.
+fetch_debs() {
+  local dir="$1"
+  shift
+  (cd "$dir" && apt-get -q -o APT::Sandbox::User=root download "$@") >&2
+}
+
+# Fallback of build_debian_pytest: apt-get install inside a chroot of $1 (the
+# host's resolver for the download), then its apt caches and lists removed.
+install_in_chroot() {
+  local root="$1"
+  mount -t proc proc "$root/proc"
+  cp -L /etc/resolv.conf "$root/etc/resolv.conf"
+  run_group chroot "$root" apt-get -q update || die "apt-get update in the chroot failed"
+  run_group chroot "$root" apt-get -q -y --no-install-recommends install \
+    libpython3.11-testsuite netbase ||
+    die "apt-get install libpython3.11-testsuite in the chroot failed"
+  umount "$root/proc"
+  : >"$root/etc/resolv.conf"
+  rm -rf "$root"/var/cache/apt/archives/*.deb "$root"/var/cache/apt/*.bin \
+    "$root"/var/lib/apt/lists/* "$root"/var/log/*.log "$root"/var/log/apt/*
+  mkdir -p "$root/var/lib/apt/lists/partial"
+}
+
+# debian-pytest is made from debian.tar: build debian first where it is asked
+# for and debian.tar is missing.
+wanted=""
+for img in $images; do
+  if [ "$img" = debian-pytest ] && [ ! -s "$cache/debian.tar" ]; then
+    case " $wanted " in *" debian "*) ;; *) wanted="$wanted debian" ;; esac
+  fi
+  case " $wanted " in *" $img "*) ;; *) wanted="$wanted $img" ;; esac
+done
+images="${wanted# }"
+
 for img in $images; do
   case "$img" in
-    busybox | debian) ;;
-    *) die "unknown image '$img' (known: busybox debian)" ;;
+    busybox | debian | debian-pytest) ;;
+    *) die "unknown image '$img' (known: busybox debian debian-pytest)" ;;
   esac
   if [ -s "$cache/$img.tar" ]; then
     log "$img.tar: cached"
     continue
   fi
   tmp="$(mktemp -d "$cache/.tmp.$img.XXXXXX")"
-  "build_$img"
+  "build_${img//-/_}"
   cleanup
   tmp=""
 done
