@@ -1,7 +1,8 @@
 """Issue 31, item 1: inode numbers in a container sandbox behave as on one
 filesystem. readdir's d_ino (os.scandir's inode()) equals stat's st_ino for
-every entry of the root filesystem: files only in a lower layer (the image's,
-and a snapshot's restored from pack_diff), files the sandbox wrote (upper),
+every entry of the root filesystem: files only in a lower layer of each kind
+(the image's, a workspace's, a toolkit's, and a snapshot's restored from
+pack_diff), files the sandbox wrote (upper),
 lower files it changed (copied up), directories merged from several layers,
 /tmp; and (st_dev, st_ino) names one file only, across layers. Without
 overlayfs' xino each layer's own inode numbers leak through readdir
@@ -16,6 +17,7 @@ from __future__ import annotations
 import json
 
 from helpers import unique
+from test_layers import import_layer
 
 CHECK = r"""
 import json, os, stat, sys
@@ -70,8 +72,16 @@ def check(sb) -> dict:
     return json.loads(r.stdout)
 
 
-def test_readdir_inodes_agree_with_stat(make_sandbox, debian):
-    sb = make_sandbox(debian)
+def test_readdir_inodes_agree_with_stat(server, tmp_path, make_sandbox, debian):
+    # Every kind of layer: the image's (base), a workspace and a toolkit,
+    # both also writing into /usr/local and /etc (directories merged across
+    # three filesystems), and below, a snapshot's diff layer.
+    ws, tk = unique("ws"), unique("tk")
+    import_layer(server, tmp_path, f"{ws}:1", "workspace", {
+        "work/ws/README": ("task\n", 0o644), "etc/ws.conf": ("w\n", 0o644)})
+    import_layer(server, tmp_path, f"{tk}:1", "toolkit", {
+        "usr/local/tk/bin/t": ("#!/bin/sh\n", 0o755), "etc/tk.conf": ("t\n", 0o644)})
+    sb = make_sandbox(debian, workspaces=[f"{ws}:1"], toolkits=[f"{tk}:1"])
     before = check(sb)
     assert before["checked"] > 1000, before
     assert before["nbad"] == 0, before
@@ -85,6 +95,7 @@ def test_readdir_inodes_agree_with_stat(make_sandbox, debian):
     snap = unique("inodes")
     sb.pack_diff(snap)
     restored = make_sandbox(None, snapshot=f"{snap}:latest")
+    assert restored.exec("cat /work/ws/README /etc/tk.conf").stdout == "task\nt\n"
     assert restored.exec("cat /work/a/b/f").stdout == "x\n"
     again = check(restored)
     assert again["nbad"] == 0 and not again["dups"] and again["devs"] == 1, again
