@@ -658,6 +658,22 @@ std::string loopOf(const std::string& image) {
   return l.size() == 1 ? l.front() : "";
 }
 
+// Creates sb-n0, sb-n1, ... (at most 3: the spares of a size) until one gets
+// the filesystem on loop device `loop` back, recycled: its name, or "" when
+// none did (or a create failed, a test failure of its own).
+std::string createUntilReused(DiskQuota& dq, const std::string& disks, const std::string& loop,
+                              int64_t bytes) {
+  for (int i = 0; i < 3; ++i) {
+    std::string n = "sb-n" + std::to_string(i);
+    if (Status st = dq.create(n, bytes); !st.isOk()) {
+      ADD_FAILURE() << "create " << n << ": " << st.toString();
+      return "";
+    }
+    if (loopOf(disks + "/" + n + ".img") == loop) return n;
+  }
+  return "";
+}
+
 // Issue 30: a lent disk (its sandbox's PID 1 holds it, read-only) costs the
 // quota no descriptor. Given back, it is emptied and kept as a spare all the
 // same, writable again; never given back (the sandbox died first), it is let
@@ -703,16 +719,10 @@ TEST_F(Ext4QuotaDetached, ALentDiskIsRecycledOrLetGo) {
   EXPECT_NE(std::find(spares.begin(), spares.end(), loopA), spares.end())
       << loopA << ": the reclaimed disk was not kept as a spare";
   // It comes back empty and writable.
-  bool seen = false;
-  for (int i = 0; i < 3 && !seen; ++i) {
-    std::string n = "sb-n" + std::to_string(i);
-    ASSERT_TRUE(dq.create(n, kLimit).isOk());
-    if (loopOf(disks + "/" + n + ".img") != loopA) continue;
-    seen = true;
-    EXPECT_NE(::access((dq.dirOf(n) + "/f").c_str(), F_OK), 0) << "left in the recycled disk";
-    EXPECT_TRUE(writeFileAtomic(dq.dirOf(n) + "/g", "ok").isOk()) << "the spare is read-only";
-  }
-  EXPECT_TRUE(seen) << "the reclaimed disk was not reused";
+  std::string n = createUntilReused(dq, disks, loopA, kLimit);
+  ASSERT_FALSE(n.empty()) << "the reclaimed disk was not reused";
+  EXPECT_NE(::access((dq.dirOf(n) + "/f").c_str(), F_OK), 0) << "left in the recycled disk";
+  EXPECT_TRUE(writeFileAtomic(dq.dirOf(n) + "/g", "ok").isOk()) << "the spare is read-only";
   // sb-b's sandbox died holding its disk: let go, image and all.
   lent["sb-b"].reset();
   ASSERT_TRUE(dq.remove("sb-b").isOk());
@@ -765,12 +775,9 @@ TEST(Ext4Quota, RecyclesALightlyUsedFilesystemEmptied) {
   EXPECT_NE(std::find(spares.begin(), spares.end(), loopA), spares.end()) << loopA;
 
   // Taking every spare of the size reaches it: it comes back empty, 0700, root's.
-  bool seen = false;
-  for (int i = 0; i < 3 && !seen; ++i) {
-    std::string n = "sb-n" + std::to_string(i);
-    ASSERT_TRUE(dq.create(n, kLimit).isOk());
-    if (loopOf(disks + "/" + n + ".img") != loopA) continue;
-    seen = true;
+  {
+    std::string n = createUntilReused(dq, disks, loopA, kLimit);
+    ASSERT_FALSE(n.empty()) << "the removed sandbox's filesystem was not reused";
     std::string d = o.root + "/" + n;
     struct stat st;
     ASSERT_EQ(::stat(d.c_str(), &st), 0);
@@ -786,7 +793,6 @@ TEST(Ext4Quota, RecyclesALightlyUsedFilesystemEmptied) {
     EXPECT_EQ(writeZeros(d + "/big", 2 * kLimit, &written), ENOSPC);
     EXPECT_GT(written, kLimit * 3 / 4);
   }
-  EXPECT_TRUE(seen) << "the removed sandbox's filesystem was not reused";
 
   // Too many files, or too many bytes, to be worth emptying: thrown away
   // with its device.
