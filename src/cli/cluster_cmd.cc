@@ -483,12 +483,9 @@ int cmdEdge(const ArgGet& get) {
     // A range per sandbox from this edge's window (docs/security.md): two
     // edges on one host need windows of their own.
     if (std::string w = get("userns-width", ""); !w.empty()) {
-      char* end = nullptr;
-      unsigned long long n = std::strtoull(w.c_str(), &end, 10);
-      if (*end != 0 || n == 0 || n > 0xffffffffull) {
-        return fail("--userns-width must be a multiple of 65536, not '" + w + "'");
-      }
-      eo.usernsWidth = uint32_t(n);  // the multiple is checked at start
+      auto width = edge::parseIdWidth(w);  // a multiple of 65536: checked at start
+      if (!width.isOk()) return fail(width.status().message());
+      eo.usernsWidth = *width;
     }
     if (std::string w = get("userns-window", ""); !w.empty()) {
       auto win = edge::parseIdWindow(w);

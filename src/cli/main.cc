@@ -410,11 +410,10 @@ int cmdUp(const Args& a) {
   }
   eo.userns = a.get("userns", "auto");
   if (eo.userns != "auto" && eo.userns != "off") return die("--userns must be auto or off");
-  if (auto n = rangeFlag(a, "userns-width", 65536, 1ll << 31, edge::kDefaultUsernsWidth);
-      n.isOk()) {
-    eo.usernsWidth = uint32_t(*n);  // a multiple of 65536: checked at start (id_range_pool.h)
-  } else {
-    return die(n.status().message());
+  if (std::string w = a.get("userns-width"); !w.empty()) {
+    auto width = edge::parseIdWidth(w);  // a multiple of 65536: checked at start
+    if (!width.isOk()) return die(width.status().message());
+    eo.usernsWidth = *width;
   }
   if (std::string w = a.get("userns-window"); !w.empty()) {
     auto win = edge::parseIdWindow(w);

@@ -107,6 +107,19 @@ Result<std::pair<uint32_t, uint32_t>> parseIdWindow(const std::string& text) {
   return std::make_pair(uint32_t(first), uint32_t(last));
 }
 
+Result<uint32_t> parseIdWidth(const std::string& text) {
+  constexpr unsigned long long kMax = 1ull << 31;
+  unsigned long long n = 0;
+  int used = 0;
+  if (std::sscanf(text.c_str(), "%llu%n", &n, &used) != 1 || size_t(used) != text.size() ||
+      !std::isdigit(static_cast<unsigned char>(text[0])) || n < kDefaultUsernsWidth || n > kMax) {
+    return invalidArg("userns-width", "--userns-width must be a number from " +
+                                          std::to_string(kDefaultUsernsWidth) + " to " +
+                                          std::to_string(kMax) + ", not '" + text + "'");
+  }
+  return uint32_t(n);
+}
+
 std::vector<IdRange> readSubordinateIds() {
   std::vector<IdRange> out;
   for (const char* f : {"/etc/subuid", "/etc/subgid"}) {
@@ -305,7 +318,6 @@ Result<Userns> detectUserns(const UsernsOptions& opts) {
   u.windowFirst = opts.windowFirst;
   u.windowLast = opts.windowLast;
   u.width = opts.width;
-  u.excluded = opts.excluded;
   u.reason = "on: each sandbox maps ids 0-" + std::to_string(opts.width - 1) +
              " to host ids of its own, from " + std::to_string(opts.windowFirst) + "-" +
              std::to_string(opts.windowLast) + " (" + std::to_string(pool.capacity()) +

@@ -47,7 +47,6 @@ struct UsernsOptions {
 struct Userns {
   bool enabled = false;
   uint32_t windowFirst = 0, windowLast = 0, width = 0;
-  std::vector<IdRange> excluded;
   std::string reason;  // why it is off (or "on": the ranges), for logs and GET /v1/node
   // The node's ranges, empty (capacity 0) when off: the owner copies it.
   IdRangePool pool;
@@ -63,6 +62,10 @@ Result<Userns> detectUserns(const UsernsOptions& opts);
 // "FIRST-LAST" (`--userns-window`) as host ids; kInvalidArgument (field
 // "userns-window") for anything else. IdRangePool::make checks the values.
 Result<std::pair<uint32_t, uint32_t>> parseIdWindow(const std::string& text);
+// `--userns-width N`: a whole number from 65536 to 2^31; kInvalidArgument
+// (field "userns-width") for anything else. IdRangePool::make checks that it
+// is a multiple of 65536.
+Result<uint32_t> parseIdWidth(const std::string& text);
 
 // The host's /etc/subuid and /etc/subgid entries (ids delegated to users,
 // who may map them into namespaces of their own): none when the files are

@@ -37,6 +37,25 @@ TEST(Userns, BadOptionsNameTheField) {
   EXPECT_FALSE(detectUserns(opts("off", 0)).isOk());
 }
 
+// The flags of dsec up and dsec edge, parsed by one pair of helpers.
+TEST(Userns, ParsesWidthAndWindowFlags) {
+  EXPECT_EQ(*parseIdWidth("262144"), 262144u);
+  for (const char* bad : {"", "x", "-65536", "65535", "2147483649", "65536k", " 65536"}) {
+    auto w = parseIdWidth(bad);
+    ASSERT_FALSE(w.isOk()) << bad;
+    EXPECT_EQ(w.status().field(), "userns-width") << bad;
+  }
+  auto win = parseIdWindow("524288-1879048191");
+  ASSERT_TRUE(win.isOk());
+  EXPECT_EQ(win->first, 524288u);
+  EXPECT_EQ(win->second, 1879048191u);
+  for (const char* bad : {"", "1-", "-5", "a-b", "1-2-3", "1-4294967296", " 1-2"}) {
+    auto w = parseIdWindow(bad);
+    ASSERT_FALSE(w.isOk()) << bad;
+    EXPECT_EQ(w.status().field(), "userns-window") << bad;
+  }
+}
+
 TEST(Userns, OffIsOffWithTheReason) {
   auto u = detectUserns(opts("off"));
   ASSERT_TRUE(u.isOk());
