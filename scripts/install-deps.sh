@@ -10,6 +10,10 @@ PKGS=(
   libgtest-dev libgmock-dev libcurl4-openssl-dev libfuse3-dev fuse3
   # HTTP/2, the peer bench/link measures the platform-edge link against
   libnghttp2-dev
+  # registry pulls and the streaming layer converter: ISA-L's igzip for gzip
+  # layers (about twice zlib's speed, src/image/tar_stream.cc), zstd, and
+  # libarchive for tar (PAX, GNU long names, sparse files)
+  libisal-dev libzstd-dev libarchive-dev
   # the PostgreSQL state store (libpq), and the server the tests run a
   # throwaway cluster of (initdb, pg_ctl; no system-wide service is used)
   libpq-dev postgresql
@@ -33,6 +37,10 @@ PKGS=(
   # promtool, which checks the platform's /v1/metrics (tests/test_metrics.py);
   # the package also installs a prometheus service, which the tests never use
   prometheus
+  # registry tests and bench/pull: the CNCF distribution server, skopeo to push
+  # and to compare against, zstd layers, bcrypt for htpasswd, JWTs for the
+  # token server the tests run
+  docker-registry skopeo zstd python3-bcrypt python3-jwt python3-cryptography
 )
 
 missing=()

@@ -17,7 +17,7 @@ from test_oci_import import CACHE, _add, build_docker_save, build_oci
 CONFIG = {"User": "1000:1000", "Env": ["FOO=bar", "PATH=/usr/local/bin:/usr/bin:/bin"],
           "WorkingDir": "/work", "Cmd": ["sh"]}
 API_CONFIG = {"user": "1000:1000", "env": ["FOO=bar", "PATH=/usr/local/bin:/usr/bin:/bin"],
-              "working_dir": "/work"}
+              "working_dir": "/work", "entrypoint": [], "cmd": ["sh"], "labels": {}}
 
 
 def busybox_layer() -> bytes:
@@ -143,7 +143,11 @@ def test_bad_configs_are_refused_naming_the_field(server, client, app_image):
         ({"working_dir": "/a/../b"}, "config.working_dir"),
         ({"working_dir": "/a/"}, "config.working_dir"),
         ({"working_dir": "/" + "d" * 1024}, "config.working_dir"),
-        ({"cmd": ["sh"]}, "config.cmd"),
+        ({"cmd": "sh"}, "config.cmd"),
+        ({"entrypoint": [1]}, "config.entrypoint"),
+        ({"labels": ["a"]}, "config.labels"),
+        ({"labels": {"a": 1}}, "config.labels"),
+        ({"stop_signal": "SIGINT"}, "config.stop_signal"),
         ("user=root", "config"),
     ]
     for config, field in cases:

@@ -10,9 +10,11 @@
 #include <cstdio>
 #include <cstring>
 #include <iostream>
+#include <iterator>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -28,8 +30,10 @@
 #include "edge/image/fuse_loader.h"
 #include "edge/qemu.h"
 #include "common/sha256.h"
+#include "image/build_context.h"
 #include "image/layer_builder.h"
 #include "image/oci_import.h"
+#include "image/registry_client.h"
 #include "platform/platform.h"
 #include "platform/store.h"
 
@@ -54,6 +58,11 @@ const char* kUsage = R"(usage: dsec COMMAND [OPTIONS]
         better kept in ~/.pgpass or $PGPASSWORD). The schema is created or
         upgraded at start; see docs/stores.md
   up also takes --gc-grace-s S: unreferenced layers older than S are deleted (default 600)
+     --insecure-registry HOST (repeatable), --registry-ca FILE (PEM, instead of the
+        system CAs), --registry-auth CONFIG.json (credentials for pulls that bring
+        none), --pull-workers N (layers fetched and converted at once; default 4),
+        --registry-allow HOST (repeatable: tenants may pull from it though it is on a
+        loopback, private or link-local address; admins always may)
      --stopped-retention-max N: stopped sandboxes stay listed for an hour, and at
         most N of them (the longest stopped go first; default 10000)
      --blob-store URI: where the node reads layer blobs: file:///DIR or http(s)://HOST/PREFIX
@@ -145,6 +154,20 @@ const char* kUsage = R"(usage: dsec COMMAND [OPTIONS]
   image import --kind disk --name NAME[:TAG] PATH
         Store a bootable disk image (qcow2 or raw, with its own kernel and init, e.g. a
         cloud image with qemu-guest-agent) for backend vm (docs/vm.md)
+  image pull [--platform OS/ARCH[/VARIANT]] [--name NAME[:TAG]] [--insecure-registry HOST]
+             [--auth-file CONFIG.json] REF
+        Pull REF (e.g. debian:12, ghcr.io/org/img@sha256:...) from its OCI registry: the
+        platform fetches and converts each layer once (a layer it has is not fetched
+        again) and names the image HOST/REPO:TAG unless --name says otherwise.
+        Credentials come from --auth-file, else $DOCKER_CONFIG/config.json, else
+        ~/.docker/config.json; --insecure-registry HOST: plain http for that host
+  image build [-f DOCKERFILE] -t NAME[:TAG] [--build-arg K=V]... [--target STAGE]
+              [--network] [--no-cache] [--platform OS/ARCH] [--insecure-registry] CONTEXT
+        Build an image from a Dockerfile (default CONTEXT/Dockerfile): CONTEXT is tarred
+        here (its .dockerignore applied) and uploaded; each RUN runs in a sandbox of the
+        image so far (no egress; --network: the setup policy's), each RUN/COPY/ADD is a
+        layer, and steps whose inputs did not change come from the build cache
+        (docs/images.md). Steps and RUN output go to stderr; the image ref to stdout
   image ls
   image tag SRC NAME[:TAG]
   image rm NAME[:TAG]...
@@ -495,6 +518,19 @@ int cmdUp(const Args& a) {
     po.trajectoryRetentionS = std::atof(a.get("trajectory-retention-s").c_str());
     if (po.trajectoryRetentionS < 0) return die("--trajectory-retention-s must be >= 0");
   }
+  // Registry pulls (docs/images.md).
+  po.insecureRegistries = a.all("insecure-registry");
+  po.registryAllow = a.all("registry-allow");
+  po.registryCa = a.get("registry-ca");
+  if (std::string f = a.get("registry-auth"); !f.empty()) {
+    auto text = readFile(f);
+    if (!text.isOk()) return die("--registry-auth: " + text.status().toString());
+    po.registryAuth = *text;
+  }
+  if (!a.get("pull-workers").empty()) {
+    po.pullWorkers = std::atoi(a.get("pull-workers").c_str());
+    if (po.pullWorkers < 1 || po.pullWorkers > 64) return die("--pull-workers must be 1..64");
+  }
   for (auto [flag, out] : {std::pair{"setup-egress", &po.setupEgress},
                            std::pair{"setup-dns", &po.setupDns}}) {
     for (auto& x : splitString(a.get(flag), ',')) {
@@ -629,12 +665,291 @@ int importDisk(http::Client& c, const std::string& name, const std::string& tag,
   return 0;
 }
 
+// The credentials the Docker CLI would use for registry `host`: from
+// --auth-file, else $DOCKER_CONFIG/config.json, else ~/.docker/config.json.
+Result<std::optional<image::RegistryCredentials>> dockerCredentials(const Args& a,
+                                                                    const std::string& host) {
+  std::string path = a.get("auth-file");
+  if (path.empty()) {
+    const char* dir = getenv("DOCKER_CONFIG");
+    const char* home = getenv("HOME");
+    if (dir && *dir) {
+      path = std::string(dir) + "/config.json";
+    } else if (home && *home) {
+      path = std::string(home) + "/.docker/config.json";
+    }
+  }
+  if (path.empty()) return std::optional<image::RegistryCredentials>();
+  auto text = readFile(path);
+  if (!text.isOk()) {
+    if (a.get("auth-file").empty()) return std::optional<image::RegistryCredentials>();
+    return std::move(text).takeStatus();
+  }
+  return image::credentialsFromDockerConfig(*text, host);
+}
+
+// dsec image pull REF: the platform pulls; this shows its progress, a line
+// per layer (redrawn in place on a terminal).
+int cmdPull(const Args& a, http::Client& c) {
+  if (a.positional.size() != 3) {
+    return die("usage: dsec image pull [--platform OS/ARCH] [--name NAME[:TAG]] "
+               "[--insecure-registry HOST] [--auth-file CONFIG.json] REF");
+  }
+  auto ref = image::parseRegistryRef(a.positional[2]);
+  if (!ref.isOk()) return die(ref.status().message());
+  json body = {{"ref", a.positional[2]}};
+  if (!a.get("platform").empty()) body["platform"] = a.get("platform");
+  for (auto& h : a.all("insecure-registry")) {
+    if (h == ref->host) body["insecure_registry"] = true;
+  }
+  if (std::string n = a.get("name"); !n.empty()) {
+    std::string name, tag;
+    if (Status st = platform::parseImageRef(n, name, tag); !st.isOk()) return die(st.message());
+    body["name"] = name;
+    body["tag"] = tag;
+  }
+  auto creds = dockerCredentials(a, ref->host);
+  if (!creds.isOk()) return die(creds.status().toString());
+  if (*creds) {
+    if (!(*creds)->identityToken.empty()) {
+      body["auth"] = {{"identity_token", (*creds)->identityToken}};
+    } else {
+      body["auth"] = {{"username", (*creds)->username}, {"password", (*creds)->password}};
+    }
+  }
+  const bool tty = isatty(STDERR_FILENO);
+  std::vector<std::string> order;               // layers, in manifest order
+  std::map<std::string, std::string> lines;     // what each shows now
+  size_t drawn = 0;
+  auto redraw = [&] {
+    if (!tty) return;
+    if (drawn) fprintf(stderr, "\033[%zuA", drawn);
+    for (auto& d : order) fprintf(stderr, "\033[2K%s\n", lines[d].c_str());
+    drawn = order.size();
+  };
+  std::string pending, errorBody;
+  int code = 1;
+  auto onData = [&](std::string_view d) {
+    pending.append(d);
+    size_t nl;
+    while ((nl = pending.find('\n')) != std::string::npos) {
+      std::string line = pending.substr(0, nl);
+      pending.erase(0, nl + 1);
+      json ev = json::parse(line, nullptr, false);
+      if (ev.is_discarded() || !ev.is_object()) {
+        errorBody += line;
+        continue;
+      }
+      std::string type = ev.value("type", "");
+      if (type == "resolved") {
+        fprintf(stderr, "%s: %s (%s)\n", ev.value("ref", "").c_str(),
+                ev.value("manifest_digest", "").c_str(), ev.value("platform", "").c_str());
+        for (auto& l : ev["layers"]) {
+          std::string dg = l.value("digest", "");
+          order.push_back(dg);
+          lines[dg] = dg.substr(7, 12) + ": waiting";
+        }
+        redraw();
+      } else if (type == "layer") {
+        std::string dg = ev.value("digest", "");
+        std::string status = ev.value("status", "");
+        int64_t bytes = ev.value("bytes", int64_t(0)), total = ev.value("total", int64_t(0));
+        std::string text = dg.substr(7, 12) + ": " + status;
+        if (status == "downloading" && total > 0) {
+          int width = 30, fill = int(width * double(bytes) / double(total));
+          text += " [" + std::string(fill, '=') + std::string(width - fill, ' ') + "] " +
+                  std::to_string(bytes >> 20) + "/" + std::to_string(total >> 20) + " MiB";
+        }
+        if (tty) {
+          lines[dg] = text;
+          redraw();
+        } else if (lines[dg] != status) {
+          lines[dg] = status;
+          fprintf(stderr, "%s\n", text.c_str());
+        }
+      } else if (type == "done") {
+        auto& img = ev["image"];
+        std::cout << img.value("ref", "") << (ev.value("unchanged", false) ? " (up to date)" : "")
+                  << "\n";
+        code = 0;
+      } else if (type == "error") {
+        std::string field = ev["error"].value("field", "");
+        std::cerr << "dsec: " << ev["error"].value("code", "error") << ": "
+                  << ev["error"].value("message", "")
+                  << (field.empty() ? "" : " (field " + field + ")") << "\n";
+        code = 1;
+      }
+    }
+  };
+  auto r = c.requestStreaming("POST", "/v1/images/pull", body.dump(), onData);
+  if (!r.isOk()) return die(r.status().toString());
+  if (r->status != 200) {
+    http::ClientResponse e = *r;
+    e.body = errorBody + pending;
+    return apiError(e);
+  }
+  return code;
+}
+
+// `dsec image build`'s arguments: -f and -t as Docker spells them, and
+// --network, --no-cache and --insecure-registry as switches (the generic
+// parser would take the context for their value).
+Args parseBuildArgs(int argc, char** argv, int start) {
+  static const std::set<std::string> kSwitches = {"network", "no-cache", "insecure-registry",
+                                                  "quiet"};
+  Args a;
+  for (int i = start; i < argc; ++i) {
+    std::string s = argv[i];
+    if ((s == "-f" || s == "-t") && i + 1 < argc) {
+      a.opts.emplace(s == "-f" ? "file" : "tag", argv[++i]);
+    } else if (s == "-q") {
+      a.opts.emplace("quiet", "true");
+    } else if (startsWith(s, "--")) {
+      size_t eq = s.find('=');
+      std::string name = s.substr(2, eq == std::string::npos ? std::string::npos : eq - 2);
+      if (eq != std::string::npos) {
+        a.opts.emplace(name, s.substr(eq + 1));
+      } else if (kSwitches.count(name) || i + 1 >= argc) {
+        a.opts.emplace(name, "true");
+      } else {
+        a.opts.emplace(name, argv[++i]);
+      }
+    } else {
+      a.positional.push_back(s);
+    }
+  }
+  return a;
+}
+
+int cmdBuild(const Args& a) {
+  const char* usage =
+      "usage: dsec image build [-f DOCKERFILE] -t NAME[:TAG] [--build-arg K=V]... "
+      "[--target STAGE] [--network] [--no-cache] [--platform OS/ARCH] [--insecure-registry] "
+      "CONTEXT";
+  if (a.positional.size() != 3) return die(usage);
+  const std::string ctx = a.positional[2];
+  std::string ref = a.get("tag");
+  if (ref.empty()) return die(std::string("-t NAME[:TAG] is required\n") + usage);
+  std::string name, tag;
+  if (Status st = platform::parseImageRef(ref, name, tag); !st.isOk()) return die(st.message());
+  std::string dfPath = a.get("file", "Dockerfile");
+  if (dfPath != "-" && dfPath[0] != '/' && a.opts.count("file") == 0) dfPath = ctx + "/" + dfPath;
+  auto dockerfile =
+      dfPath == "-"
+          ? Result<std::string>(std::string(std::istreambuf_iterator<char>(std::cin), {}))
+          : readFile(dfPath);
+  if (!dockerfile.isOk()) return die(dockerfile.status().toString());
+  json body = {{"dockerfile", *dockerfile}, {"name", name}, {"tag", tag}};
+  json args = json::object();
+  for (auto& kv : a.all("build-arg")) {
+    size_t eq = kv.find('=');
+    if (eq == std::string::npos) {
+      // As Docker: NAME alone takes the value from this environment.
+      const char* v = getenv(kv.c_str());
+      if (!v) continue;
+      args[kv] = v;
+    } else {
+      args[kv.substr(0, eq)] = kv.substr(eq + 1);
+    }
+  }
+  if (!args.empty()) body["build_args"] = args;
+  if (!a.get("target").empty()) body["target"] = a.get("target");
+  if (!a.get("platform").empty()) body["platform"] = a.get("platform");
+  if (a.get("network") == "true") body["network"] = true;
+  if (a.get("no-cache") == "true") body["no_cache"] = true;
+  if (a.get("insecure-registry") == "true") body["insecure_registry"] = true;
+  const bool quiet = a.get("quiet") == "true";
+
+  auto client = connectClient(a);
+  if (!client.isOk()) return die(client.status().toString());
+  auto& c = **client;
+  // The context, tarred as Docker sends it (.dockerignore applied), uploaded
+  // as a blob unless the platform has it already.
+  {
+    std::string tarPath = "/var/tmp/dsec-context-" + randomHex(6) + ".tar";
+    UniqueFd fd(::open(tarPath.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
+    if (!fd) return die(sysError("create " + tarPath).toString());
+    auto packed = image::packContextDir(ctx, fd.get());
+    fd.reset();
+    if (!packed.isOk()) {
+      ::unlink(tarPath.c_str());
+      return die(packed.status().toString());
+    }
+    auto head = c.request("HEAD", "/v1/blobs/" + packed->digest);
+    if (!head.isOk() || head->status != 200) {
+      auto up = c.uploadFile("PUT", "/v1/blobs/" + packed->digest, tarPath);
+      if (!up.isOk()) {
+        ::unlink(tarPath.c_str());
+        return die(up.status().toString());
+      }
+      if (up->status != 201) {
+        ::unlink(tarPath.c_str());
+        return apiError(*up);
+      }
+    }
+    ::unlink(tarPath.c_str());
+    if (!quiet) {
+      std::cerr << "context: " << packed->files << " entries, " << packed->size << " bytes ("
+                << packed->digest.substr(0, 19) << ")\n";
+    }
+    body["context"] = packed->digest;
+  }
+  std::string pending, errorBody;
+  int code = 1;
+  bool atLineStart = true;
+  auto onData = [&](std::string_view d) {
+    pending.append(d);
+    size_t nl;
+    while ((nl = pending.find('\n')) != std::string::npos) {
+      std::string line = pending.substr(0, nl);
+      pending.erase(0, nl + 1);
+      json ev = json::parse(line, nullptr, false);
+      if (ev.is_discarded() || !ev.is_object()) {
+        errorBody += line;
+        continue;
+      }
+      std::string type = ev.value("type", "");
+      if (type == "step" && !quiet) {
+        if (!atLineStart) std::cerr << "\n";
+        std::cerr << "#" << ev.value("line", 0) << " " << ev.value("instruction", "")
+                  << (ev.value("cached", false) ? "  (cached)" : "") << "\n";
+        atLineStart = true;
+      } else if (type == "output" && !quiet) {
+        std::string data = ev.value("data", "");
+        std::cerr << data;
+        if (!data.empty()) atLineStart = data.back() == '\n';
+      } else if ((type == "pull" || type == "pulled") && !quiet) {
+        std::cerr << (type == "pull" ? "pulling " : "pulled ") << ev.value("ref", "") << "\n";
+      } else if (type == "done") {
+        std::cout << ev["image"].value("ref", "") << "\n";
+        code = 0;
+      } else if (type == "error") {
+        if (!atLineStart) std::cerr << "\n";
+        std::string field = ev["error"].value("field", "");
+        std::cerr << "dsec: " << ev["error"].value("code", "error") << ": "
+                  << ev["error"].value("message", "")
+                  << (field.empty() ? "" : " (field " + field + ")") << "\n";
+        code = 1;
+      }
+    }
+  };
+  auto r = c.requestStreaming("POST", "/v1/images/build", body.dump(), onData);
+  if (!r.isOk()) return die(r.status().toString());
+  if (r->status != 200) {
+    http::ClientResponse e = *r;
+    e.body = errorBody + pending;
+    return apiError(e);
+  }
+  return code;
+}
+
 int cmdImage(const Args& a) {
-  if (a.positional.size() < 2) return die("usage: dsec image import|ls");
+  if (a.positional.size() < 2) return die("usage: dsec image import|pull|build|ls|tag|rm");
   auto client = connectClient(a);
   if (!client.isOk()) return die(client.status().toString());
   auto& c = **client;
   const std::string& sub = a.positional[1];
+  if (sub == "pull") return cmdPull(a, c);
   if (sub == "ls") {
     auto r = c.request("GET", "/v1/images");
     if (!r.isOk()) return die(r.status().toString());
@@ -736,6 +1051,9 @@ int cmdImage(const Args& a) {
   if (!config.empty()) {
     body["config"] = {
         {"user", config.user}, {"env", config.env}, {"working_dir", config.workingDir}};
+    if (!config.entrypoint.empty()) body["config"]["entrypoint"] = config.entrypoint;
+    if (!config.cmd.empty()) body["config"]["cmd"] = config.cmd;
+    if (!config.labels.empty()) body["config"]["labels"] = config.labels;
   }
   auto r = c.request("POST", "/v1/images", body.dump());
   if (!r.isOk()) return die(r.status().toString());
@@ -1125,6 +1443,9 @@ int main(int argc, char** argv) {
     return die(
         "usage: dsec loader fanotify --store URI --control-fd N\n"
         "       dsec loader fuse --store URI --mount DIR --control-fd N (started by dsec up)");
+  }
+  if (cmd == "image" && a.positional.size() > 1 && a.positional[1] == "build") {
+    return cmdBuild(parseBuildArgs(argc, argv, 1));
   }
   if (cmd == "image") return cmdImage(a);
   if (cmd == "sandbox") return cmdSandbox(a);

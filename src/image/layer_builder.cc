@@ -15,6 +15,7 @@
 #include "common/fd.h"
 #include "common/sha256.h"
 #include "common/util.h"
+#include "image/erofs_writer.h"
 
 extern char** environ;
 
@@ -155,8 +156,12 @@ Result<BuiltLayer> buildLayer(const std::string& source, const std::string& work
                           "--blobdev=" + out.dataPath, out.path, tree});
   if (!extracted.empty()) (void)removeTree(extracted);
   RETURN_IF_ERROR(mk);
-  for (auto [path, digest, size] : {std::tuple{&out.path, &out.digest, &out.size},
-                                    std::tuple{&out.dataPath, &out.dataDigest, &out.dataSize}}) {
+  // The data blob first: its digest goes into the metadata image, so the
+  // layer's digest names the files' bytes, not only their names and
+  // attributes (setErofsDeviceTag).
+  for (auto [path, digest, size] : {std::tuple{&out.dataPath, &out.dataDigest, &out.dataSize},
+                                    std::tuple{&out.path, &out.digest, &out.size}}) {
+    if (path == &out.path) RETURN_IF_ERROR(setErofsDeviceTag(out.path, out.dataDigest.substr(7)));
     ASSIGN_OR_RETURN(std::string hex, sha256File(*path));
     *digest = "sha256:" + hex;
     if (::stat(path->c_str(), &st) != 0) return sysError("stat " + *path);

@@ -10,6 +10,7 @@
 
 #include "common/sha256.h"
 #include "common/util.h"
+#include "image/layer_converter.h"
 
 namespace dsec::image {
 namespace {
@@ -46,6 +47,39 @@ void makeOwned(const std::string& path, uid_t uid, gid_t gid) {
     ASSERT_TRUE(writeFileAtomic(path, "x\n").isOk()) << path;
   }
   ASSERT_EQ(::lchown(path.c_str(), uid, gid), 0) << path << ": " << strerror(errno);
+}
+
+TEST(LayerBuilderTest, ALayersDigestNamesItsFilesBytes) {
+  // Same names, sizes, modes and mtimes, different bytes: the metadata images
+  // alone would be identical; the data blob's digest bound into each
+  // (setErofsDeviceTag) tells the layers apart, by mkfs and by the converter.
+  if (access("/usr/bin/mkfs.erofs", X_OK) != 0) GTEST_SKIP() << "mkfs.erofs not installed";
+  std::string dir = "/tmp/dsec-layer-test-" + randomHex(4);
+  std::vector<std::string> digests;
+  for (const char* content : {"amd64", "arm64"}) {
+    std::string src = dir + "/" + content;
+    ASSERT_TRUE(makeDirs(src).isOk());
+    ASSERT_TRUE(writeFileAtomic(src + "/marker", content).isOk());
+    ASSERT_TRUE(runCommand({"touch", "-d", "@1700000000", src + "/marker", src}).isOk());
+    auto l = buildLayer(src, dir + "/work-" + content);
+    ASSERT_TRUE(l.isOk()) << l.status().toString();
+    EXPECT_EQ(l->digest, "sha256:" + *sha256File(l->path));
+    digests.push_back(l->digest);
+    ASSERT_TRUE(runCommand({"tar", "--mtime=@1700000000", "-C", src, "-cf", src + ".tar", "."}).isOk());
+    auto c = convertTarFile(src + ".tar", std::nullopt, dir + "/conv-" + content);
+    ASSERT_TRUE(c.isOk()) << c.status().toString();
+    EXPECT_EQ(c->layer.digest, "sha256:" + *sha256File(c->layer.path));
+    digests.push_back(c->layer.digest);
+  }
+  EXPECT_NE(digests[0], digests[2]);
+  EXPECT_NE(digests[1], digests[3]);
+  // The converter is deterministic: the same tar again is the same layer
+  // (mkfs.erofs 1.5 stamps its build time into the superblock, so its layers
+  // of one tree differ from run to run).
+  auto again = convertTarFile(dir + "/amd64.tar", std::nullopt, dir + "/conv-again");
+  ASSERT_TRUE(again.isOk());
+  EXPECT_EQ(again->layer.digest, digests[1]);
+  ASSERT_TRUE(removeTree(dir).isOk());
 }
 
 TEST(LayerBuilderTest, ScanOwnersCountsEntriesOutsideTheWidth) {

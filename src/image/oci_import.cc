@@ -1,5 +1,7 @@
 #include "image/oci_import.h"
 
+#include "image/layer_converter.h"
+
 #include <dirent.h>
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -278,13 +280,30 @@ Result<ImageConfig> parseImageConfig(const std::string& text, const std::string&
     }
     out.workingDir = cleanAbsolutePath(out.workingDir);
   }
-  if (auto env = c->find("Env"); env != c->end() && !env->is_null()) {
-    if (!env->is_array()) return invalidArg("path", "config.Env of " + what + " is not a list");
-    for (auto& e : *env) {
+  for (auto [key, dst] : {std::pair{"Env", &out.env}, std::pair{"Entrypoint", &out.entrypoint},
+                          std::pair{"Cmd", &out.cmd}}) {
+    auto list = c->find(key);
+    if (list == c->end() || list->is_null()) continue;
+    if (!list->is_array()) {
+      return invalidArg("path", std::string("config.") + key + " of " + what + " is not a list");
+    }
+    for (auto& e : *list) {
       if (!e.is_string()) {
-        return invalidArg("path", "config.Env of " + what + " holds a non-string");
+        return invalidArg("path",
+                          std::string("config.") + key + " of " + what + " holds a non-string");
       }
-      out.env.push_back(e.get<std::string>());
+      dst->push_back(e.get<std::string>());
+    }
+  }
+  if (auto labels = c->find("Labels"); labels != c->end() && !labels->is_null()) {
+    if (!labels->is_object()) {
+      return invalidArg("path", "config.Labels of " + what + " is not an object");
+    }
+    for (auto& [k, v] : labels->items()) {
+      if (!v.is_string()) {
+        return invalidArg("path", "config.Labels of " + what + " holds a non-string");
+      }
+      out.labels[k] = v.get<std::string>();
     }
   }
   return out;
@@ -312,15 +331,20 @@ Result<ImportedImage> importImage(const std::string& path, ArchiveFormat format,
   // of layer building.
   ASSIGN_OR_RETURN(std::string configText, readFile(parts.config));
   ASSIGN_OR_RETURN(out.config, parseImageConfig(configText, parts.config.substr(root.size() + 1)));
+  // Each layer streams from its (compressed) tar into EROFS: nothing is
+  // extracted (layer_converter.h).
+  TarLayerOptions topts;
+  topts.ownerWidth = ownerWidth;
   for (size_t i = 0; i < parts.layers.size(); ++i) {
-    std::string tree = workDir + "/tree" + std::to_string(i);
-    RETURN_IF_ERROR(extractArchive(parts.layers[i], tree, true));
-    RETURN_IF_ERROR(translateWhiteouts(tree).withContext("layer " + std::to_string(i)));
-    auto built = buildLayer(tree, workDir + "/layer" + std::to_string(i), ownerWidth);
-    (void)removeTree(tree);
-    if (!built.isOk()) return std::move(built).takeStatus();
-    out.owners.add(built->owners);
-    out.layers.push_back(std::move(built).value());
+    auto built = convertTarFile(parts.layers[i], std::nullopt,
+                                workDir + "/layer" + std::to_string(i), topts);
+    if (!built.isOk()) {
+      Status st = built.status();
+      return Status(st.code(), "layer " + std::to_string(i) + ": " + st.message(), st.sysErrno(),
+                    st.field() == "layer" ? "path" : st.field());
+    }
+    out.owners.add(built->layer.owners);
+    out.layers.push_back(std::move(built->layer));
   }
   if (root != path) (void)removeTree(root);
   return out;

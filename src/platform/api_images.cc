@@ -32,6 +32,13 @@ bool validDigest(const std::string& d) {
   return true;
 }
 
+
+bool validKind(const std::string& k) {
+  return k == "base" || k == "workspace" || k == "toolkit" || k == "diff" || k == "disk";
+}
+
+}  // namespace
+
 json imageToApi(const ImageRecord& r) {
   json j = {{"name", r.name}, {"tag", r.tag},   {"ref", r.name + ":" + r.tag},
             {"kind", r.kind}, {"layers", r.layers}, {"size", r.size},
@@ -41,14 +48,10 @@ json imageToApi(const ImageRecord& r) {
   j["config"] = imageConfigToApi(r.config);
   j["owner"] = r.owner.empty() ? kAdminTenant : r.owner;
   j["visibility"] = r.visibility;
+  json source = r.source.empty() ? json(nullptr) : json::parse(r.source, nullptr, false);
+  j["source"] = source.is_discarded() ? json(nullptr) : source;
   return j;
 }
-
-bool validKind(const std::string& k) {
-  return k == "base" || k == "workspace" || k == "toolkit" || k == "diff" || k == "disk";
-}
-
-}  // namespace
 
 void Platform::putBlob(const std::string& digest, http::Request& req, http::Response& res) {
   if (!validDigest(digest)) {
@@ -413,8 +416,18 @@ Result<std::vector<std::string>> Platform::collectGarbage(double graceS) {
   ASSIGN_OR_RETURN(auto blobs, store_->listBlobs());
   ASSIGN_OR_RETURN(auto images, store_->listImages());
   std::set<std::string> keep = layersInUse();
+  // Layers pulls in flight made or found, not yet in an image.
+  if (pulls_) keep.merge(pulls_->heldLayers());
   for (auto& i : images) keep.insert(i.layers.begin(), i.layers.end());
   double now = nowSeconds();
+  // The build cache's layers (api_build.cc) stay while their entries are
+  // used: a week after the last build that hit them.
+  constexpr double kBuildCacheKeepS = 7 * 86400;
+  ASSIGN_OR_RETURN(auto cached, store_->buildCacheLayers(now - kBuildCacheKeepS));
+  keep.merge(cached);
+  if (auto pruned = store_->deleteBuildCacheBefore(now - kBuildCacheKeepS); !pruned.isOk()) {
+    log::warn("gc: build cache: " + pruned.status().toString());
+  }
   // A layer's data blob lives as long as the layer.
   std::set<std::string> keepData;
   for (auto& b : blobs) {
@@ -554,12 +567,36 @@ void Platform::listImages(http::Response& res) {
   sendJson(res, 200, json{{"images", arr}}.dump());
 }
 
+Result<Platform::ImageBytes> Platform::imageBytes(const ImageRecord& img) {
+  ImageBytes b;
+  std::set<std::string> seen;
+  auto add = [&](const std::string& digest, int64_t size) {
+    b.logical += size;
+    if (seen.insert(digest).second) b.stored += size;
+  };
+  for (auto& d : img.layers) {
+    ASSIGN_OR_RETURN(BlobRecord meta, store_->getBlob(d));
+    add(meta.digest, meta.size);
+    if (meta.data.empty()) continue;
+    ASSIGN_OR_RETURN(BlobRecord data, store_->getBlob(meta.data));
+    add(data.digest, data.size);
+  }
+  return b;
+}
+
 void Platform::getImage(const std::string& ref, http::Response& res) {
   std::string name, tag;
   if (Status st = parseImageRef(ref, name, tag); !st.isOk()) return sendError(res, st);
   auto img = visibleImage(name, tag);
   if (!img.isOk()) return sendError(res, img.status());
-  sendJson(res, 200, imageToApi(*img).dump());
+  json j = imageToApi(*img);
+  // What the image's layers hold (metadata and data, each layer as if alone)
+  // and what its distinct blobs take in the store.
+  if (auto b = imageBytes(*img); b.isOk()) {
+    j["logical_bytes"] = b->logical;
+    j["stored_bytes"] = b->stored;
+  }
+  sendJson(res, 200, j.dump());
 }
 
 void Platform::deleteImage(const std::string& ref, http::Response& res) {

@@ -257,6 +257,7 @@ Result<SandboxRecord> Platform::checkCreate(const json& j) {
         return (invalidArg("image", st.message()));
       }
       auto img = visibleImage(name, tag);
+      if (!img.isOk() && img.status().code() == Code::kNotFound) img = pullOnCreate(name, tag);
       if (!img.isOk()) return withField(img.status(), "image");
       r.layers = img->layers;
       imageConfig = img->config;

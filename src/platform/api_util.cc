@@ -132,7 +132,8 @@ Result<image::ImageConfig> parseImageConfig(const json& config) {
   if (config.is_null()) return c;
   if (!config.is_object()) return invalidArg("config", "config must be an object");
   for (auto& [k, v] : config.items()) {
-    if (k != "user" && k != "env" && k != "working_dir") {
+    if (k != "user" && k != "env" && k != "working_dir" && k != "entrypoint" && k != "cmd" &&
+        k != "labels") {
       return invalidArg("config." + k, "unknown field 'config." + k + "'");
     }
   }
@@ -174,11 +175,45 @@ Result<image::ImageConfig> parseImageConfig(const json& config) {
     }
   }
   c.workingDir = *dir;
+
+  for (auto [key, out] : {std::pair{"entrypoint", &c.entrypoint}, std::pair{"cmd", &c.cmd}}) {
+    auto a = config.find(key);
+    if (a == config.end() || a->is_null()) continue;
+    const std::string field = std::string("config.") + key;
+    if (!a->is_array() || a->size() > kMaxConfigArgs) {
+      return invalidArg(field, field + " must be a list of at most " +
+                                   std::to_string(kMaxConfigArgs) + " strings");
+    }
+    for (auto& x : *a) {
+      if (!x.is_string() || x.get<std::string>().size() > kMaxConfigString ||
+          x.get<std::string>().find('\0') != std::string::npos) {
+        return invalidArg(field, field + " items must be strings of at most " +
+                                     std::to_string(kMaxConfigString) + " bytes, without NUL");
+      }
+      out->push_back(x.get<std::string>());
+    }
+  }
+  if (auto l = config.find("labels"); l != config.end() && !l->is_null()) {
+    if (!l->is_object() || l->size() > kMaxConfigArgs) {
+      return invalidArg("config.labels", "config.labels must be an object of at most " +
+                                             std::to_string(kMaxConfigArgs) + " strings");
+    }
+    for (auto& [k, v] : l->items()) {
+      if (k.empty() || k.size() > 256 || !v.is_string() ||
+          v.get<std::string>().size() > kMaxConfigString) {
+        return invalidArg("config.labels", "config.labels maps names of 1 to 256 bytes to "
+                                           "strings of at most " +
+                                               std::to_string(kMaxConfigString) + " bytes");
+      }
+      c.labels[k] = v.get<std::string>();
+    }
+  }
   return c;
 }
 
 json imageConfigToApi(const image::ImageConfig& c) {
-  return {{"user", c.user}, {"env", c.env}, {"working_dir", c.workingDir}};
+  return {{"user", c.user},       {"env", c.env},   {"working_dir", c.workingDir},
+          {"entrypoint", c.entrypoint}, {"cmd", c.cmd}, {"labels", c.labels}};
 }
 
 std::map<std::string, std::string> envMap(const std::vector<std::string>& env) {

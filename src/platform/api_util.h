@@ -48,13 +48,18 @@ Status validateUserSpec(const std::string& user, const std::string& field);
 
 constexpr size_t kMaxConfigEnv = 256;
 constexpr size_t kMaxWorkingDir = 1024;
+constexpr size_t kMaxConfigArgs = 256;      // entrypoint, cmd items; labels
+constexpr size_t kMaxConfigString = 65536;  // one of those items or label values
 
 // The "config" of POST /v1/images: an object with only "user" (as
 // validateUserSpec), "env" (a list of at most 256 "K=V" strings, K as
-// validateEnv) and "working_dir" (absolute, normalised, at most 1024 bytes),
-// each optional. Errors name "config" or "config.<key>".
+// validateEnv), "working_dir" (absolute, normalised, at most 1024 bytes),
+// "entrypoint" and "cmd" (lists of at most 256 strings) and "labels" (an
+// object of at most 256 strings), each optional. Errors name "config" or
+// "config.<key>".
 Result<image::ImageConfig> parseImageConfig(const json& config);
-// {"user","env","working_dir"}, all present (empty when unset).
+// {"user","env","working_dir","entrypoint","cmd","labels"}, all present
+// (empty when unset).
 json imageConfigToApi(const image::ImageConfig& c);
 // The image config's Env as a map; a later entry of a key wins (as in Docker).
 std::map<std::string, std::string> envMap(const std::vector<std::string>& env);

@@ -1,4 +1,5 @@
 #include "platform/api_util.h"
+#include "platform/platform.h"
 
 #include <gtest/gtest.h>
 
@@ -17,6 +18,31 @@ TEST(ApiUtilTest, UserSpecs) {
     EXPECT_EQ(st.field(), "user") << bad;
   }
   EXPECT_TRUE(validateUserSpec(std::string(64, 'a'), "user").isOk());
+}
+
+TEST(ApiUtilTest, ImageRefsMayNameARegistryHostWithAPort) {
+  struct Case {
+    const char* ref;
+    const char* name;
+    const char* tag;
+  };
+  for (auto c : {Case{"debian", "debian", "latest"}, Case{"debian:12", "debian", "12"},
+                 Case{"a/b/c:v1.2", "a/b/c", "v1.2"},
+                 Case{"127.0.0.1:5000/app", "127.0.0.1:5000/app", "latest"},
+                 Case{"127.0.0.1:5000/app:1", "127.0.0.1:5000/app", "1"},
+                 Case{"localhost:80/x/y:t", "localhost:80/x/y", "t"},
+                 Case{"ghcr.io/org/img:2", "ghcr.io/org/img", "2"}}) {
+    std::string name, tag;
+    ASSERT_TRUE(parseImageRef(c.ref, name, tag).isOk()) << c.ref;
+    EXPECT_EQ(name, c.name) << c.ref;
+    EXPECT_EQ(tag, c.tag) << c.ref;
+  }
+  for (const char* bad : {"", ":1", "host:port/x", "a:b:c", ":5000/x", "h:123456/x",
+                          "h:50:00/x", "a/h:5000/x", "x@sha256:ab", ".x", "x:", "a b"}) {
+    std::string name, tag;
+    Status st = parseImageRef(bad, name, tag);
+    EXPECT_EQ(st.code(), Code::kInvalidArgument) << bad;
+  }
 }
 
 TEST(ApiUtilTest, ImageConfigs) {

@@ -62,6 +62,15 @@ constexpr const char* kMigrations[] = {
     "FOR EACH ROW EXECUTE FUNCTION dsec_sandbox_changed();",
     // 4: batch creations (POST /v1/batches).
     "CREATE TABLE batches(id TEXT PRIMARY KEY, doc TEXT NOT NULL);",
+    // 5: registry pulls: where an image and a layer came from.
+    "ALTER TABLE images ADD COLUMN source TEXT NOT NULL DEFAULT '';"
+    "ALTER TABLE blobs ADD COLUMN source TEXT NOT NULL DEFAULT '';"
+    "CREATE INDEX blobs_source ON blobs(source) WHERE source <> '';",
+    // 6: the build step cache (POST /v1/images/build).
+    "CREATE TABLE build_cache(key TEXT PRIMARY KEY, layer TEXT NOT NULL, "
+    "config TEXT NOT NULL DEFAULT '', created_at DOUBLE PRECISION NOT NULL, "
+    "used_at DOUBLE PRECISION NOT NULL);"
+    "CREATE INDEX build_cache_used ON build_cache(used_at);",
 };
 constexpr int kSchemaVersion = int(std::size(kMigrations));
 // pg_advisory_xact_lock key serializing migrations ("dsec" "schema").
@@ -569,10 +578,10 @@ Result<int64_t> PostgresStore::blobSize(const std::string& digest) {
 }
 
 namespace {
-constexpr const char* kBlobColumns = "digest, size, created_at, kind, data, chunks";
+constexpr const char* kBlobColumns = "digest, size, created_at, kind, data, chunks, source";
 BlobRecord blobFromRow(const Rows& r, int i) {
-  return BlobRecord{r.text(i, 0), r.i64(i, 1),  r.dbl(i, 2),
-                    r.text(i, 3), r.text(i, 4), r.text(i, 5)};
+  return BlobRecord{r.text(i, 0), r.i64(i, 1),  r.dbl(i, 2), r.text(i, 3),
+                    r.text(i, 4), r.text(i, 5), r.text(i, 6)};
 }
 }  // namespace
 
@@ -616,16 +625,31 @@ Status PostgresStore::deleteBlob(const std::string& digest) {
       .takeStatus();
 }
 
+Status PostgresStore::setBlobSource(const std::string& digest, const std::string& source) {
+  return Query::run(this, "setBlobSource", "UPDATE blobs SET source=$2 WHERE digest=$1",
+                    Params().add(digest).add(source), kRetry)
+      .takeStatus();
+}
+
+Result<std::string> PostgresStore::findLayerBySource(const std::string& source) {
+  ASSIGN_OR_RETURN(Rows rows, Query::run(this, "findLayerBySource",
+                                         "SELECT digest FROM blobs WHERE source=$1 "
+                                         "ORDER BY created_at DESC LIMIT 1",
+                                         Params().add(source), kRetry));
+  if (rows.size() == 0) return notFound("no layer converted from " + source);
+  return rows.text(0, 0);
+}
+
 // ---------------------------------------------------------------- images
 
 Status PostgresStore::putImage(const ImageRecord& r) {
   return Query::run(this, "putImage",
                     "INSERT INTO images(name, tag, layers, size, created_at, kind, parent, config, "
-                    "owner, visibility) VALUES($1, $2, $3, $4::bigint, $5::float8, $6, $7, $8, "
-                    "$9, $10) ON CONFLICT(name, tag) DO UPDATE SET layers=excluded.layers, "
+                    "owner, visibility, source) VALUES($1, $2, $3, $4::bigint, $5::float8, $6, $7, "
+                    "$8, $9, $10, $11) ON CONFLICT(name, tag) DO UPDATE SET layers=excluded.layers, "
                     "size=excluded.size, created_at=excluded.created_at, kind=excluded.kind, "
                     "parent=excluded.parent, config=excluded.config, owner=excluded.owner, "
-                    "visibility=excluded.visibility",
+                    "visibility=excluded.visibility, source=excluded.source",
                     Params()
                         .add(r.name)
                         .add(r.tag)
@@ -636,17 +660,19 @@ Status PostgresStore::putImage(const ImageRecord& r) {
                         .add(r.parent)
                         .add(imageConfigToColumn(r.config))
                         .add(r.owner)
-                        .add(r.visibility),
+                        .add(r.visibility)
+                        .add(r.source),
                     kRetry)
       .takeStatus();
 }
 
 namespace {
 constexpr const char* kImageColumns =
-    "name, tag, layers, size, created_at, kind, parent, config, owner, visibility";
+    "name, tag, layers, size, created_at, kind, parent, config, owner, visibility, source";
 ImageRecord imageFromRow(const Rows& r, int i) {
   return imageFromColumns(r.text(i, 0), r.text(i, 1), r.text(i, 2), r.i64(i, 3), r.dbl(i, 4),
-                          r.text(i, 5), r.text(i, 6), r.text(i, 7), r.text(i, 8), r.text(i, 9));
+                          r.text(i, 5), r.text(i, 6), r.text(i, 7), r.text(i, 8), r.text(i, 9),
+                          r.text(i, 10));
 }
 }  // namespace
 
@@ -675,6 +701,53 @@ Status PostgresStore::deleteImage(const std::string& name, const std::string& ta
                               Params().add(name).add(tag), kNoRetry));
   if (rows.affected() == 0) return notFound("image " + name + ":" + tag + " not found");
   return Status::ok();
+}
+
+// ---------------------------------------------------------------- build cache
+
+Status PostgresStore::putBuildCache(const BuildCacheEntry& e) {
+  return Query::run(this, "putBuildCache",
+                    "INSERT INTO build_cache(key, layer, config, created_at, used_at) "
+                    "VALUES($1, $2, $3, $4::float8, $5::float8) ON CONFLICT(key) DO UPDATE SET "
+                    "layer=excluded.layer, config=excluded.config, "
+                    "created_at=excluded.created_at, used_at=excluded.used_at",
+                    Params().add(e.key).add(e.layer).add(e.config).add(e.createdAt).add(e.usedAt),
+                    kRetry)
+      .takeStatus();
+}
+
+Result<BuildCacheEntry> PostgresStore::getBuildCache(const std::string& key) {
+  ASSIGN_OR_RETURN(Rows rows, Query::run(this, "getBuildCache",
+                                         "SELECT key, layer, config, created_at, used_at "
+                                         "FROM build_cache WHERE key=$1",
+                                         Params().add(key), kRetry));
+  if (rows.size() == 0) return notFound("no build cache entry " + key);
+  return BuildCacheEntry{rows.text(0, 0), rows.text(0, 1), rows.text(0, 2), rows.dbl(0, 3),
+                         rows.dbl(0, 4)};
+}
+
+Status PostgresStore::touchBuildCache(const std::string& key, double at) {
+  return Query::run(this, "touchBuildCache",
+                    "UPDATE build_cache SET used_at=GREATEST(used_at, $2::float8) WHERE key=$1",
+                    Params().add(key).add(at), kRetry)
+      .takeStatus();
+}
+
+Result<std::set<std::string>> PostgresStore::buildCacheLayers(double since) {
+  ASSIGN_OR_RETURN(Rows rows, Query::run(this, "buildCacheLayers",
+                                         "SELECT DISTINCT layer FROM build_cache "
+                                         "WHERE used_at >= $1::float8",
+                                         Params().add(since), kRetry));
+  std::set<std::string> out;
+  for (int i = 0; i < rows.size(); ++i) out.insert(rows.text(i, 0));
+  return out;
+}
+
+Result<int64_t> PostgresStore::deleteBuildCacheBefore(double t) {
+  ASSIGN_OR_RETURN(Rows rows, Query::run(this, "deleteBuildCacheBefore",
+                                         "DELETE FROM build_cache WHERE used_at < $1::float8",
+                                         Params().add(t), kRetry));
+  return rows.affected();
 }
 
 // ---------------------------------------------------------------- policies

@@ -70,10 +70,17 @@ class PostgresStore : public Store {
   Status setBlobData(const std::string& digest, const std::string& data) override;
   Status setBlobChunks(const std::string& digest, const std::string& chunks) override;
   Status deleteBlob(const std::string& digest) override;
+  Status setBlobSource(const std::string& digest, const std::string& source) override;
+  Result<std::string> findLayerBySource(const std::string& source) override;
   Status putImage(const ImageRecord& r) override;
   Result<ImageRecord> getImage(const std::string& name, const std::string& tag) override;
   Result<std::vector<ImageRecord>> listImages() override;
   Status deleteImage(const std::string& name, const std::string& tag) override;
+  Status putBuildCache(const BuildCacheEntry& e) override;
+  Result<BuildCacheEntry> getBuildCache(const std::string& key) override;
+  Status touchBuildCache(const std::string& key, double at) override;
+  Result<std::set<std::string>> buildCacheLayers(double since) override;
+  Result<int64_t> deleteBuildCacheBefore(double t) override;
   Status putPolicy(const std::string& name, const std::string& doc) override;
   Status deletePolicy(const std::string& name) override;
   Result<std::vector<std::string>> loadPolicies() override;

@@ -60,7 +60,19 @@ Status parseImageRef(const std::string& ref, std::string& name, std::string& tag
     }
     return s.front() != '.' && s.front() != '-' && s.front() != '/';
   };
-  if (!validPart(name, 200)) return invalidArg("image", "invalid image name '" + ref + "'");
+  // A name pulled from a registry starts with its host, which may carry a
+  // port ("127.0.0.1:5000/app"): the one ':' a name may hold.
+  std::string checked = name;
+  if (size_t slash = name.find('/'), colon = name.find(':');
+      colon != std::string::npos && slash != std::string::npos && colon < slash) {
+    std::string port = name.substr(colon + 1, slash - colon - 1);
+    bool digits = !port.empty() && port.size() <= 5 &&
+                  std::all_of(port.begin(), port.end(), [](char c) { return isdigit(c) != 0; });
+    if (digits && colon > 0) checked = name.substr(0, colon) + name.substr(slash);
+  }
+  if (!validPart(checked, 200) || name.size() > 200) {
+    return invalidArg("image", "invalid image name '" + ref + "'");
+  }
   if (!validPart(tag, 128) || tag.find('/') != std::string::npos) {
     return invalidArg("image", "invalid image tag in '" + ref + "'");
   }
@@ -158,6 +170,7 @@ Result<std::unique_ptr<Platform>> Platform::start(PlatformOptions opts, Store* s
     p->growBatchWorkersLocked();
   }
   p->runPool_ = std::make_unique<RunPool>(cluster, p->opts_.runPool);
+  p->startPulls();
   if (!p->opts_.registry) p->opts_.registry = &metrics::Registry::global();
   p->metricsId_ =
       p->opts_.registry->add([raw = p.get()](metrics::Writer& w) { raw->writeMetrics(w); });
@@ -186,6 +199,7 @@ Platform::~Platform() {
   janitorCv_.notify_all();
   if (janitorThread_.joinable()) janitorThread_.join();
   stopBatches();
+  pulls_.reset();  // its workers call back into the platform
 }
 
 void Platform::shutdown() {
@@ -646,6 +660,8 @@ void Platform::handle(http::Request& req, http::Response& res) {
     if (m == "POST") return runGc(req, res);
     return methodNotAllowed();
   } else if (coll == "images") {
+    if (n == 4 && parts[3] == "pull" && m == "POST") return pullImage(req, res);  // api_pull.cc
+    if (n == 4 && parts[3] == "build" && m == "POST") return buildImage(req, res);  // api_build.cc
     if (n == 3) {
       if (m == "POST") return createImage(req, res);
       if (m == "GET") return listImages(res);

@@ -28,6 +28,7 @@
 #include "platform/chronus.h"
 #include "platform/cluster.h"
 #include "platform/policy.h"
+#include "platform/pull_manager.h"
 #include "platform/run_pool.h"
 #include "platform/store.h"
 #include "platform/tenants.h"
@@ -74,6 +75,19 @@ struct PlatformOptions {
   // parts of the process may add theirs. Not owned; outlives the Platform.
   // One Platform per registry (the API error counter is the process's).
   metrics::Registry* registry = &metrics::Registry::global();
+  // Registry pulls (api_pull.cc): layers fetched and converted at once over
+  // all pulls; registries reached over plain http (host[:port] as in refs);
+  // a PEM bundle trusted instead of the system CAs; a Docker-style
+  // config.json (its text) whose credentials are used when a pull brings
+  // none.
+  int pullWorkers = 4;
+  std::vector<std::string> insecureRegistries;
+  // Registries (host[:port]) tenants other than admins may pull from even
+  // though they resolve to loopback, private or link-local addresses; those
+  // in insecureRegistries count too. Admins may pull from anywhere.
+  std::vector<std::string> registryAllow;
+  std::string registryCa;
+  std::string registryAuth;
 };
 
 class Platform {
@@ -268,6 +282,48 @@ class Platform {
   void getLayer(const std::string& digest, http::Response& res);
   void deleteLayer(const std::string& digest, http::Response& res);
   void runGc(http::Request& req, http::Response& res);
+  // Registry pulls (api_pull.cc).
+  void pullImage(http::Request& req, http::Response& res);
+  void startPulls();
+  // PullHooks: a downloaded layer made a dsec layer, moved into the store,
+  // and found again by its registry digest.
+  Result<image::ConvertedLayer> convertPulledLayer(const std::string& spool,
+                                                   const image::RegistryLayer& layer,
+                                                   const std::string& work);
+  Status commitPulledLayer(const image::ConvertedLayer& layer, const std::string& source);
+  std::optional<std::string> pulledLayer(const std::string& source);
+  // The registry options of pulls the platform starts itself (dsec up's
+  // --insecure-registry, --registry-ca, --registry-auth).
+  image::RegistryOptions registryOptions(const image::RegistryRef& ref) const;
+  // name:tag if it was pulled from manifest `manifestDigest` and is whole.
+  std::optional<ImageRecord> pulledAlready(const std::string& name, const std::string& tag,
+                                           const std::string& manifestDigest);
+  // Resolves `ref` and, unless `target` (name, tag, owner, visibility) is
+  // already that manifest, fetches what is missing and stores the image.
+  // Blocks the calling thread until done; errors as POST /v1/images/pull's.
+  Result<ImageRecord> pullAndWait(const image::RegistryRef& ref,
+                                  const image::ImagePlatform& platform, ImageRecord target,
+                                  const image::RegistryOptions& ro);
+  // A sandbox create naming an image that is not here: pulled when its name
+  // starts with a registry host (127.0.0.1:5000/app, ghcr.io/org/app); else
+  // kNotFound.
+  Result<ImageRecord> pullOnCreate(const std::string& name, const std::string& tag);
+  // Bytes of an image's layers: logical (metadata and data of each layer,
+  // repeats counted again) and stored (each distinct blob once).
+  struct ImageBytes {
+    int64_t logical = 0;
+    int64_t stored = 0;
+  };
+  Result<ImageBytes> imageBytes(const ImageRecord& img);
+  void writeImageMetrics(metrics::Writer& w);
+  // The image of a pull whose layers are all there, stored.
+  Result<ImageRecord> finishPull(ImageRecord r, const image::ResolvedImage& resolved,
+                                 const std::vector<std::string>& layers);
+  // Builds (api_build.cc): POST /v1/images/build. ImageBuild runs one build
+  // on the request's thread, driving sandboxes and the store as a caller
+  // would.
+  void buildImage(http::Request& req, http::Response& res);
+  friend class ImageBuild;
   // The node: its loader, cache and per-layer counters (api_node.cc).
   void getNode(http::Response& res);
   // GET /v1/metrics: opts_.registry rendered.
@@ -389,6 +445,7 @@ class Platform {
   std::mutex tenantsMu_;        // serializes changes to tenants (api_tenants.cc)
   Cluster* cluster_ = nullptr;  // not owned: the nodes, and the router to them
   std::unique_ptr<RunPool> runPool_;  // fncall one-shot calls (api_run.cc)
+  std::unique_ptr<PullManager> pulls_;  // registry pulls (api_pull.cc)
   uint64_t metricsId_ = 0;            // the collector in opts_.registry (0: none yet)
   std::mutex gcMu_;  // one collection at a time; held while images and layers are deleted
 
@@ -451,6 +508,8 @@ void sendError(http::Deferred& d, const Status& st);
 // The API's answer to an error: its HTTP status and JSON body, counted.
 std::pair<int, std::string> errorAnswer(const Status& st);
 void sendJson(http::Response& res, int status, const std::string& body);
+// An image as the API shows it (api_images.cc).
+nlohmann::json imageToApi(const ImageRecord& r);
 void sendJson(http::Deferred& d, int status, const std::string& body);
 // The in-process node's figures (api_node.cc): its layers, cache, denials,
 // leftovers removed (`orphanSandboxes` added to the node's own count of

@@ -283,7 +283,10 @@ Result<std::unique_ptr<SqliteStore>> SqliteStore::open(const std::string& path) 
       "CREATE TABLE IF NOT EXISTS tenants(id TEXT PRIMARY KEY, doc TEXT NOT NULL);"
       "CREATE TABLE IF NOT EXISTS api_keys(id TEXT PRIMARY KEY, tenant TEXT NOT NULL, "
       "doc TEXT NOT NULL);"
-      "CREATE TABLE IF NOT EXISTS batches(id TEXT PRIMARY KEY, doc TEXT NOT NULL);"));
+      "CREATE TABLE IF NOT EXISTS batches(id TEXT PRIMARY KEY, doc TEXT NOT NULL);"
+      "CREATE TABLE IF NOT EXISTS build_cache(key TEXT PRIMARY KEY, layer TEXT NOT NULL, "
+      "config TEXT NOT NULL DEFAULT '', created_at REAL NOT NULL, used_at REAL NOT NULL);"
+      "CREATE INDEX IF NOT EXISTS build_cache_used ON build_cache(used_at);"));
   // Columns added after the first release of the schema; "duplicate column"
   // means the database already has them.
   for (const char* alter : {"ALTER TABLE images ADD COLUMN kind TEXT NOT NULL DEFAULT 'base'",
@@ -296,10 +299,14 @@ Result<std::unique_ptr<SqliteStore>> SqliteStore::open(const std::string& path) 
                             "DEFAULT ''",
                             "ALTER TABLE images ADD COLUMN owner TEXT NOT NULL DEFAULT ''",
                             "ALTER TABLE images ADD COLUMN visibility TEXT NOT NULL DEFAULT "
-                            "'public'"}) {
+                            "'public'",
+                            "ALTER TABLE images ADD COLUMN source TEXT NOT NULL DEFAULT ''",
+                            "ALTER TABLE blobs ADD COLUMN source TEXT NOT NULL DEFAULT ''"}) {
     Status st = s->exec(alter);
     if (!st.isOk() && st.message().find("duplicate column") == std::string::npos) return st;
   }
+  RETURN_IF_ERROR(
+      s->exec("CREATE INDEX IF NOT EXISTS blobs_source ON blobs(source) WHERE source <> ''"));
   RETURN_IF_ERROR(s->openNodeTables());
   return s;
 }
@@ -464,21 +471,27 @@ Result<int64_t> SqliteStore::blobSize(const std::string& digest) {
 
 Result<BlobRecord> SqliteStore::getBlob(const std::string& digest) {
   std::lock_guard lk(mu_);
-  Stmt st(db_, "SELECT digest, size, created_at, kind, data, chunks FROM blobs WHERE digest=?1");
+  Stmt st(db_,
+          "SELECT digest, size, created_at, kind, data, chunks, source FROM blobs WHERE digest=?1");
   st.bind(1, digest);
   int rc = st.step();
-  if (rc == SQLITE_ROW) return BlobRecord{st.text(0), st.i64(1), st.dbl(2), st.text(3), st.text(4), st.text(5)};
+  if (rc == SQLITE_ROW) {
+    return BlobRecord{st.text(0), st.i64(1),  st.dbl(2), st.text(3),
+                      st.text(4), st.text(5), st.text(6)};
+  }
   if (rc == SQLITE_DONE) return notFound("layer " + digest + " not found");
   return sqlError(db_, "getBlob");
 }
 
 Result<std::vector<BlobRecord>> SqliteStore::listBlobs() {
   std::lock_guard lk(mu_);
-  Stmt st(db_, "SELECT digest, size, created_at, kind, data, chunks FROM blobs ORDER BY digest");
+  Stmt st(db_,
+          "SELECT digest, size, created_at, kind, data, chunks, source FROM blobs ORDER BY digest");
   std::vector<BlobRecord> out;
   int rc;
   while ((rc = st.step()) == SQLITE_ROW) {
-    out.push_back(BlobRecord{st.text(0), st.i64(1), st.dbl(2), st.text(3), st.text(4), st.text(5)});
+    out.push_back(BlobRecord{st.text(0), st.i64(1), st.dbl(2), st.text(3), st.text(4), st.text(5),
+                             st.text(6)});
   }
   if (rc != SQLITE_DONE) return sqlError(db_, "listBlobs");
   return out;
@@ -516,10 +529,33 @@ Status SqliteStore::deleteBlob(const std::string& digest) {
   return Status::ok();
 }
 
-// The config column: '' when the image has none, else {"user","env","working_dir"}.
+Status SqliteStore::setBlobSource(const std::string& digest, const std::string& source) {
+  std::lock_guard lk(mu_);
+  Stmt st(db_, "UPDATE blobs SET source=?2 WHERE digest=?1");
+  st.bind(1, digest).bind(2, source);
+  if (st.step() != SQLITE_DONE) return sqlError(db_, "setBlobSource");
+  return Status::ok();
+}
+
+Result<std::string> SqliteStore::findLayerBySource(const std::string& source) {
+  std::lock_guard lk(mu_);
+  Stmt st(db_, "SELECT digest FROM blobs WHERE source=?1 ORDER BY created_at DESC LIMIT 1");
+  st.bind(1, source);
+  int rc = st.step();
+  if (rc == SQLITE_ROW) return st.text(0);
+  if (rc == SQLITE_DONE) return notFound("no layer converted from " + source);
+  return sqlError(db_, "findLayerBySource");
+}
+
+// The config column: '' when the image has none, else {"user","env","working_dir"}
+// and, when set, "entrypoint", "cmd" and "labels".
 std::string imageConfigToColumn(const image::ImageConfig& c) {
   if (c.empty()) return "";
-  return json{{"user", c.user}, {"env", c.env}, {"working_dir", c.workingDir}}.dump();
+  json j = {{"user", c.user}, {"env", c.env}, {"working_dir", c.workingDir}};
+  if (!c.entrypoint.empty()) j["entrypoint"] = c.entrypoint;
+  if (!c.cmd.empty()) j["cmd"] = c.cmd;
+  if (!c.labels.empty()) j["labels"] = c.labels;
+  return j.dump(-1, ' ', false, json::error_handler_t::replace);
 }
 
 namespace {
@@ -534,6 +570,18 @@ image::ImageConfig configFromColumn(const std::string& text) {
       if (kv.is_string()) c.env.push_back(kv);
     }
   }
+  for (auto [key, out] : {std::pair{"entrypoint", &c.entrypoint}, std::pair{"cmd", &c.cmd}}) {
+    if (auto a = j.find(key); a != j.end() && a->is_array()) {
+      for (auto& x : *a) {
+        if (x.is_string()) out->push_back(x);
+      }
+    }
+  }
+  if (auto l = j.find("labels"); l != j.end() && l->is_object()) {
+    for (auto& [k, v] : l->items()) {
+      if (v.is_string()) c.labels[k] = v;
+    }
+  }
   return c;
 }
 }  // namespace
@@ -542,10 +590,11 @@ Status SqliteStore::putImage(const ImageRecord& r) {
   std::lock_guard lk(mu_);
   Stmt st(db_,
           "INSERT OR REPLACE INTO images(name, tag, layers, size, created_at, kind, parent, "
-          "config, owner, visibility) VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)");
+          "config, owner, visibility, source) VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, "
+          "?11)");
   st.bind(1, r.name).bind(2, r.tag).bind(3, json(r.layers).dump()).bind(4, r.size);
   st.bind(5, r.createdAt).bind(6, r.kind).bind(7, r.parent).bind(8, imageConfigToColumn(r.config));
-  st.bind(9, r.owner).bind(10, r.visibility);
+  st.bind(9, r.owner).bind(10, r.visibility).bind(11, r.source);
   if (st.step() != SQLITE_DONE) return sqlError(db_, "putImage");
   return Status::ok();
 }
@@ -554,9 +603,10 @@ ImageRecord imageFromColumns(const std::string& name, const std::string& tag,
                              const std::string& layers, int64_t size, double created,
                              const std::string& kind, const std::string& parent,
                              const std::string& config, const std::string& owner,
-                             const std::string& visibility) {
+                             const std::string& visibility, const std::string& source) {
   ImageRecord r{name, tag, {}, size, created, kind, parent, configFromColumn(config)};
   r.owner = owner;
+  r.source = source;
   r.visibility = visibility.empty() ? "public" : visibility;
   json j = json::parse(layers, nullptr, false);
   if (j.is_array()) {
@@ -570,14 +620,14 @@ ImageRecord imageFromColumns(const std::string& name, const std::string& tag,
 Result<ImageRecord> SqliteStore::getImage(const std::string& name, const std::string& tag) {
   std::lock_guard lk(mu_);
   Stmt st(db_,
-          "SELECT name, tag, layers, size, created_at, kind, parent, config, owner, visibility "
-          "FROM images "
+          "SELECT name, tag, layers, size, created_at, kind, parent, config, owner, visibility, "
+          "source FROM images "
           "WHERE name=?1 AND tag=?2");
   st.bind(1, name).bind(2, tag);
   int rc = st.step();
   if (rc == SQLITE_ROW) {
     return imageFromColumns(st.text(0), st.text(1), st.text(2), st.i64(3), st.dbl(4), st.text(5),
-                            st.text(6), st.text(7), st.text(8), st.text(9));
+                            st.text(6), st.text(7), st.text(8), st.text(9), st.text(10));
   }
   if (rc == SQLITE_DONE) return notFound("image " + name + ":" + tag + " not found");
   return sqlError(db_, "getImage");
@@ -586,14 +636,15 @@ Result<ImageRecord> SqliteStore::getImage(const std::string& name, const std::st
 Result<std::vector<ImageRecord>> SqliteStore::listImages() {
   std::lock_guard lk(mu_);
   Stmt st(db_,
-          "SELECT name, tag, layers, size, created_at, kind, parent, config, owner, visibility "
-          "FROM images "
+          "SELECT name, tag, layers, size, created_at, kind, parent, config, owner, visibility, "
+          "source FROM images "
           "ORDER BY name, tag");
   std::vector<ImageRecord> out;
   int rc;
   while ((rc = st.step()) == SQLITE_ROW) {
     out.push_back(imageFromColumns(st.text(0), st.text(1), st.text(2), st.i64(3), st.dbl(4),
-                                   st.text(5), st.text(6), st.text(7), st.text(8), st.text(9)));
+                                   st.text(5), st.text(6), st.text(7), st.text(8), st.text(9),
+                                   st.text(10)));
   }
   if (rc != SQLITE_DONE) return sqlError(db_, "listImages");
   return out;
@@ -606,6 +657,53 @@ Status SqliteStore::deleteImage(const std::string& name, const std::string& tag)
   if (st.step() != SQLITE_DONE) return sqlError(db_, "deleteImage");
   if (sqlite3_changes(db_) == 0) return notFound("image " + name + ":" + tag + " not found");
   return Status::ok();
+}
+
+Status SqliteStore::putBuildCache(const BuildCacheEntry& e) {
+  std::lock_guard lk(mu_);
+  Stmt st(db_,
+          "INSERT OR REPLACE INTO build_cache(key, layer, config, created_at, used_at) "
+          "VALUES(?1, ?2, ?3, ?4, ?5)");
+  st.bind(1, e.key).bind(2, e.layer).bind(3, e.config).bind(4, e.createdAt).bind(5, e.usedAt);
+  if (st.step() != SQLITE_DONE) return sqlError(db_, "putBuildCache");
+  return Status::ok();
+}
+
+Result<BuildCacheEntry> SqliteStore::getBuildCache(const std::string& key) {
+  std::lock_guard lk(mu_);
+  Stmt st(db_, "SELECT key, layer, config, created_at, used_at FROM build_cache WHERE key=?1");
+  st.bind(1, key);
+  int rc = st.step();
+  if (rc == SQLITE_DONE) return notFound("no build cache entry " + key);
+  if (rc != SQLITE_ROW) return sqlError(db_, "getBuildCache");
+  return BuildCacheEntry{st.text(0), st.text(1), st.text(2), st.dbl(3), st.dbl(4)};
+}
+
+Status SqliteStore::touchBuildCache(const std::string& key, double at) {
+  std::lock_guard lk(mu_);
+  Stmt st(db_, "UPDATE build_cache SET used_at=MAX(used_at, ?2) WHERE key=?1");
+  st.bind(1, key).bind(2, at);
+  if (st.step() != SQLITE_DONE) return sqlError(db_, "touchBuildCache");
+  return Status::ok();
+}
+
+Result<std::set<std::string>> SqliteStore::buildCacheLayers(double since) {
+  std::lock_guard lk(mu_);
+  Stmt st(db_, "SELECT DISTINCT layer FROM build_cache WHERE used_at >= ?1");
+  st.bind(1, since);
+  std::set<std::string> out;
+  int rc;
+  while ((rc = st.step()) == SQLITE_ROW) out.insert(st.text(0));
+  if (rc != SQLITE_DONE) return sqlError(db_, "buildCacheLayers");
+  return out;
+}
+
+Result<int64_t> SqliteStore::deleteBuildCacheBefore(double t) {
+  std::lock_guard lk(mu_);
+  Stmt st(db_, "DELETE FROM build_cache WHERE used_at < ?1");
+  st.bind(1, t);
+  if (st.step() != SQLITE_DONE) return sqlError(db_, "deleteBuildCacheBefore");
+  return int64_t(sqlite3_changes(db_));
 }
 
 Status SqliteStore::putPolicy(const std::string& name, const std::string& doc) {

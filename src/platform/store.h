@@ -128,6 +128,10 @@ struct ImageRecord {
   // "private" (its owner and admins).
   std::string owner;
   std::string visibility = "public";
+  // Pulled from a registry (POST /v1/images/pull): where from, as JSON
+  // {"ref","repository","index_digest","manifest_digest","config_digest",
+  // "platform"}; empty for images made otherwise.
+  std::string source;
 };
 
 // A layer blob in the store. Its kind is set when an image first names it.
@@ -138,6 +142,20 @@ struct BlobRecord {
   std::string kind;  // empty until an image names it; "data" for a layer's data blob
   std::string data;  // for a layer's metadata image: the digest of its data blob
   std::string chunks;  // for a data blob: the digest of its chunk index (image/chunk_index.h)
+  // For a layer converted from a registry layer: that layer's digest (of its
+  // compressed tar), so the same registry layer is never fetched twice.
+  std::string source;
+};
+
+// A step of `dsec image build` (api_build.cc) whose result is kept for the
+// next build: the layer it made, found by the step's cache key
+// (image::stepCacheKey).
+struct BuildCacheEntry {
+  std::string key;     // "sha256:<hex>"
+  std::string layer;   // the layer digest
+  std::string config;  // JSON the builder keeps with it (what the step was)
+  double createdAt = 0;
+  double usedAt = 0;  // last hit (or creation)
 };
 
 // One step of a trajectory (Chronus): a call made once, its result kept so
@@ -269,11 +287,26 @@ class Store {
   // Records the chunk index of data blob `digest`.
   virtual Status setBlobChunks(const std::string& digest, const std::string& chunks) = 0;
   virtual Status deleteBlob(const std::string& digest) = 0;
+  // Marks layer `digest` as converted from registry layer `source`.
+  virtual Status setBlobSource(const std::string& digest, const std::string& source) = 0;
+  // The layer converted from registry layer `source`; kNotFound if none.
+  virtual Result<std::string> findLayerBySource(const std::string& source) = 0;
 
   virtual Status putImage(const ImageRecord& r) = 0;
   virtual Result<ImageRecord> getImage(const std::string& name, const std::string& tag) = 0;
   virtual Result<std::vector<ImageRecord>> listImages() = 0;
   virtual Status deleteImage(const std::string& name, const std::string& tag) = 0;
+
+  // The build step cache (api_build.cc). putBuildCache inserts or replaces;
+  // getBuildCache is kNotFound when absent; touchBuildCache sets used_at (an
+  // absent key is fine); buildCacheLayers lists the layers of the entries
+  // used at or after `since`; deleteBuildCacheBefore drops the entries used
+  // before `t` and returns how many.
+  virtual Status putBuildCache(const BuildCacheEntry& e) = 0;
+  virtual Result<BuildCacheEntry> getBuildCache(const std::string& key) = 0;
+  virtual Status touchBuildCache(const std::string& key, double at) = 0;
+  virtual Result<std::set<std::string>> buildCacheLayers(double since) = 0;
+  virtual Result<int64_t> deleteBuildCacheBefore(double t) = 0;
 
   // User-defined security policies (platform/policy.h), as JSON documents.
   virtual Status putPolicy(const std::string& name, const std::string& doc) = 0;
@@ -379,10 +412,17 @@ class SqliteStore : public Store {
   Status setBlobData(const std::string& digest, const std::string& data) override;
   Status setBlobChunks(const std::string& digest, const std::string& chunks) override;
   Status deleteBlob(const std::string& digest) override;
+  Status setBlobSource(const std::string& digest, const std::string& source) override;
+  Result<std::string> findLayerBySource(const std::string& source) override;
   Status putImage(const ImageRecord& r) override;
   Result<ImageRecord> getImage(const std::string& name, const std::string& tag) override;
   Result<std::vector<ImageRecord>> listImages() override;
   Status deleteImage(const std::string& name, const std::string& tag) override;
+  Status putBuildCache(const BuildCacheEntry& e) override;
+  Result<BuildCacheEntry> getBuildCache(const std::string& key) override;
+  Status touchBuildCache(const std::string& key, double at) override;
+  Result<std::set<std::string>> buildCacheLayers(double since) override;
+  Result<int64_t> deleteBuildCacheBefore(double t) override;
   Status putPolicy(const std::string& name, const std::string& doc) override;
   Status deletePolicy(const std::string& name) override;
   Result<std::vector<std::string>> loadPolicies() override;
@@ -452,7 +492,8 @@ ImageRecord imageFromColumns(const std::string& name, const std::string& tag,
                              const std::string& layers, int64_t size, double created,
                              const std::string& kind, const std::string& parent,
                              const std::string& config, const std::string& owner = "",
-                             const std::string& visibility = "public");
+                             const std::string& visibility = "public",
+                             const std::string& source = "");
 std::string trajectoryToDoc(const TrajectoryRecord& r);
 Result<TrajectoryRecord> trajectoryFromDoc(const std::string& id, const std::string& doc);
 

@@ -235,6 +235,49 @@ TEST_P(StoreTest, ImageConfigsPersist) {
   ASSERT_TRUE(s->putImage(r).isOk());
   EXPECT_EQ(s->getImage("app", "1")->layers, r.layers);
   EXPECT_EQ(s->listImages()->size(), 2u);
+  // A built image's entrypoint, cmd and labels go in the same column.
+  r.config.entrypoint = {"/bin/app", "--serve"};
+  r.config.cmd = {"x"};
+  r.config.labels = {{"org.opencontainers.image.title", "app"}, {"k", ""}};
+  ASSERT_TRUE(s->putImage(r).isOk());
+  EXPECT_EQ(s->getImage("app", "1")->config, r.config);
+}
+
+TEST_P(StoreTest, BuildCacheEntriesAreFoundTouchedAndPruned) {
+  {
+    auto s = open();
+    ASSERT_TRUE(s);
+    EXPECT_EQ(s->getBuildCache("sha256:k1").status().code(), Code::kNotFound);
+    ASSERT_TRUE(s->putBuildCache({"sha256:k1", "sha256:l1", R"({"line":3})", 10, 10}).isOk());
+    ASSERT_TRUE(s->putBuildCache({"sha256:k2", "sha256:l2", "", 20, 20}).isOk());
+    ASSERT_TRUE(s->putBuildCache({"sha256:k3", "sha256:l1", "", 5, 5}).isOk());
+  }
+  auto s = open();  // they survive a reopen
+  ASSERT_TRUE(s);
+  auto e = s->getBuildCache("sha256:k1");
+  ASSERT_TRUE(e.isOk());
+  EXPECT_EQ(e->layer, "sha256:l1");
+  EXPECT_EQ(e->config, R"({"line":3})");
+  EXPECT_EQ(e->createdAt, 10);
+  EXPECT_EQ(e->usedAt, 10);
+  ASSERT_TRUE(s->touchBuildCache("sha256:k1", 30).isOk());
+  ASSERT_TRUE(s->touchBuildCache("sha256:k1", 25).isOk());  // never back in time
+  ASSERT_TRUE(s->touchBuildCache("sha256:none", 30).isOk());
+  EXPECT_EQ(s->getBuildCache("sha256:k1")->usedAt, 30);
+  EXPECT_EQ(s->getBuildCache("sha256:k1")->createdAt, 10);
+  EXPECT_EQ(*s->buildCacheLayers(15), (std::set<std::string>{"sha256:l1", "sha256:l2"}));
+  EXPECT_EQ(*s->buildCacheLayers(21), (std::set<std::string>{"sha256:l1"}));
+  EXPECT_EQ(*s->buildCacheLayers(0), (std::set<std::string>{"sha256:l1", "sha256:l2"}));
+  // Replaced whole by a put of the same key.
+  ASSERT_TRUE(s->putBuildCache({"sha256:k2", "sha256:l9", "", 40, 40}).isOk());
+  EXPECT_EQ(s->getBuildCache("sha256:k2")->layer, "sha256:l9");
+  auto gone = s->deleteBuildCacheBefore(30);
+  ASSERT_TRUE(gone.isOk());
+  EXPECT_EQ(*gone, 1);  // k3
+  EXPECT_EQ(s->getBuildCache("sha256:k3").status().code(), Code::kNotFound);
+  EXPECT_TRUE(s->getBuildCache("sha256:k1").isOk());
+  EXPECT_EQ(*s->deleteBuildCacheBefore(100), 2);
+  EXPECT_TRUE(s->buildCacheLayers(0)->empty());
 }
 
 TEST(SqliteStoreTest, OldDatabasesUpgrade) {
@@ -504,6 +547,30 @@ TEST_P(StoreTest, BlobsKindsAndDeletes) {
   EXPECT_EQ(s->getBlob("sha256:m").status().code(), Code::kNotFound);
   EXPECT_EQ(s->blobSize("sha256:m").status().code(), Code::kNotFound);
   ASSERT_TRUE(s->deleteSandbox("never-there").isOk());
+}
+
+TEST_P(StoreTest, PulledImagesAndLayersRecordTheirSource) {
+  auto s = open();
+  ASSERT_TRUE(s);
+  ASSERT_TRUE(s->putBlob("sha256:m1", 10).isOk());
+  ASSERT_TRUE(s->putBlob("sha256:m2", 10).isOk());
+  EXPECT_EQ(s->findLayerBySource("sha256:gz").status().code(), Code::kNotFound);
+  ASSERT_TRUE(s->setBlobSource("sha256:m1", "sha256:gz").isOk());
+  EXPECT_EQ(*s->findLayerBySource("sha256:gz"), "sha256:m1");
+  EXPECT_EQ(s->getBlob("sha256:m1")->source, "sha256:gz");
+  EXPECT_EQ(s->getBlob("sha256:m2")->source, "");
+  EXPECT_EQ((*s->listBlobs())[0].source, "sha256:gz");
+  // Gone with its blob.
+  ASSERT_TRUE(s->deleteBlob("sha256:m1").isOk());
+  EXPECT_EQ(s->findLayerBySource("sha256:gz").status().code(), Code::kNotFound);
+
+  ImageRecord r{"127.0.0.1:5000/app", "1", {"sha256:m2"}, 10, 1};
+  r.source = R"({"manifest_digest":"sha256:mm"})";
+  ASSERT_TRUE(s->putImage(r).isOk());
+  ASSERT_TRUE(s->putImage(ImageRecord{"local", "latest", {"sha256:m2"}, 10, 1}).isOk());
+  EXPECT_EQ(s->getImage("127.0.0.1:5000/app", "1")->source, r.source);
+  EXPECT_EQ(s->getImage("local", "latest")->source, "");
+  EXPECT_EQ((*s->listImages())[0].source, r.source);
 }
 
 TEST_P(StoreTest, PoliciesPutReplaceDelete) {

@@ -21,6 +21,7 @@ exist only here; HTTP/1.1 framing only in _http.py.
 from __future__ import annotations
 
 import base64
+import contextlib
 import email.utils
 import functools
 import hashlib
@@ -28,6 +29,7 @@ import io
 import json
 import os
 import random
+import re
 import socket
 import stat as _stat
 import sys
@@ -37,7 +39,8 @@ from typing import (TYPE_CHECKING, Any, BinaryIO, Callable, Dict, Generator, Ite
                     List, Optional, Sequence, Tuple, Union)
 
 from ._http import LAST_CHUNK, NoResponse, ProtocolError, chunk, request_head
-from .errors import DeadlineExceeded, DsecError, NotFound, Unavailable, error_from_response
+from .errors import (DeadlineExceeded, DsecError, NotFound, Unavailable, error_from_code,
+                     error_from_response)
 from .models import ExecEvent, ExecResult, FileEntry, Image
 
 if TYPE_CHECKING:  # the results' types as the sync client names them
@@ -585,6 +588,40 @@ def _iter_ndjson(resp: Any) -> Iterator[Dict[str, Any]]:
             yield doc
 
 
+def _image_events(client: "ClientOps", req: Request,
+                  progress: Optional[Callable[[Dict[str, Any]], None]], what: str) -> Op:
+    """Reads the NDJSON events of an image pull or build: each goes to
+    ``progress``; an ``error`` event raises its typed error (with ``line``
+    for a build's); ``done`` carries the image returned."""
+    image: Optional[Image] = None
+    buf = b""
+    while True:
+        piece = yield from _read(client, req)
+        buf += piece
+        lines = buf.split(b"\n")
+        buf = lines.pop() if piece else b""
+        for line in lines if piece else lines + [buf]:
+            doc = _ndjson_doc(line)
+            if doc is None:
+                continue
+            if doc.get("type") == "error":
+                err = doc.get("error") or {}
+                exc = error_from_code(err.get("code"), err.get("message", what + " failed"),
+                                      None, err.get("field"))
+                if "line" in err:
+                    exc.line = err.get("line")
+                raise exc
+            if progress is not None:
+                progress(doc)
+            if doc.get("type") == "done":
+                image = Image(doc.get("image") or {})
+        if not piece:
+            break
+    if image is None:
+        raise Unavailable("unavailable", f"POST /v1/images/{what}: stream ended without a result")
+    return image
+
+
 def _hash_file(path: Union[str, os.PathLike]) -> Tuple[str, int]:
     h = hashlib.sha256()
     size = 0
@@ -596,6 +633,115 @@ def _hash_file(path: Union[str, os.PathLike]) -> Tuple[str, int]:
             h.update(chunk)
             size += len(chunk)
     return "sha256:" + h.hexdigest(), size
+
+
+def _error_line(body: Optional[bytes]) -> Optional[int]:
+    """The Dockerfile line an error answer names ({"error": {"line": N}}), if any."""
+    try:
+        line = json.loads(body or b"{}").get("error", {}).get("line")
+    except (ValueError, AttributeError):
+        return None
+    return line if isinstance(line, int) else None
+
+
+def _ignore_regex(pattern: str) -> "re.Pattern[str]":
+    """A .dockerignore pattern (Go filepath.Match plus ``**``) as a regex."""
+    out, i = [], 0
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "*":
+            if pattern.startswith("**", i):
+                out.append(".*")
+                i += 2
+                if pattern.startswith("/", i):
+                    out[-1] = "(?:.*/)?"
+                    i += 1
+                continue
+            out.append("[^/]*")
+        elif c == "?":
+            out.append("[^/]")
+        elif c == "[":
+            j = pattern.find("]", i + 1)
+            if j < 0:
+                out.append(re.escape(c))
+            else:
+                cls = pattern[i + 1:j]
+                out.append("[" + ("^" + cls[1:] if cls.startswith("^") else cls) + "]")
+                i = j
+        elif c == "\\" and i + 1 < len(pattern):
+            i += 1
+            out.append(re.escape(pattern[i]))
+        else:
+            out.append(re.escape(c))
+        i += 1
+    return re.compile("".join(out) + r"\Z")
+
+
+def _pack_context(context_dir: str) -> str:
+    """Tars ``context_dir`` into a temporary file (PAX, names in byte order,
+    owners 0:0, whole-second mtimes) and returns its path. What the context's
+    .dockerignore excludes is left out when it has no ``!`` exceptions (the
+    server applies it exactly either way)."""
+    import tarfile
+    import tempfile
+    patterns: List["re.Pattern[str]"] = []
+    ignore = os.path.join(context_dir, ".dockerignore")
+    if os.path.isfile(ignore):
+        with open(ignore, "r", encoding="utf-8", errors="replace") as f:
+            lines = [ln.strip() for ln in f.read().lstrip("\ufeff").splitlines()]
+        lines = [ln for ln in lines if ln and not ln.startswith("#")]
+        if not any(ln.startswith("!") for ln in lines):
+            for ln in lines:
+                p = os.path.normpath(ln).lstrip("/")
+                if p and p != ".":
+                    patterns.append(_ignore_regex(p))
+
+    def excluded(rel: str) -> bool:
+        parts = rel.split("/")
+        for n in range(1, len(parts) + 1):
+            prefix = "/".join(parts[:n])
+            if any(p.match(prefix) for p in patterns):
+                return True
+        return False
+
+    fd, tmp = tempfile.mkstemp(prefix="dsec-context-", suffix=".tar")
+    os.close(fd)
+    try:
+        with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as tf:
+            def add(abs_path: str, rel: str) -> None:
+                st = os.lstat(abs_path)
+                ti = tarfile.TarInfo(rel)
+                ti.mode = _stat.S_IMODE(st.st_mode)
+                ti.mtime = int(st.st_mtime)
+                ti.uid = ti.gid = 0
+                ti.uname = ti.gname = ""
+                if _stat.S_ISDIR(st.st_mode):
+                    ti.type = tarfile.DIRTYPE
+                    tf.addfile(ti)
+                elif _stat.S_ISLNK(st.st_mode):
+                    ti.type = tarfile.SYMTYPE
+                    ti.linkname = os.readlink(abs_path)
+                    tf.addfile(ti)
+                elif _stat.S_ISREG(st.st_mode):
+                    ti.size = st.st_size
+                    with open(abs_path, "rb") as f:
+                        tf.addfile(ti, f)
+
+            def walk(abs_dir: str, rel_dir: str) -> None:
+                for name in sorted(os.listdir(abs_dir)):
+                    abs_path = os.path.join(abs_dir, name)
+                    rel = f"{rel_dir}/{name}" if rel_dir else name
+                    if patterns and excluded(rel):
+                        continue
+                    add(abs_path, rel)
+                    if os.path.isdir(abs_path) and not os.path.islink(abs_path):
+                        walk(abs_path, rel)
+
+            walk(context_dir, "")
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return tmp
 
 
 def _read(client: "ClientOps", req: Request) -> Op:
@@ -1208,6 +1354,135 @@ class ClientOps(_Driven):
         if visibility is not None:
             body["visibility"] = visibility
         return Image((yield from self._call("POST", "/v1/images", json_body=body)))
+
+    @op
+    def pull_image(self, ref: str, *, platform: Optional[str] = None,
+                   name: Optional[str] = None, tag: Optional[str] = None,
+                   insecure_registry: bool = False,
+                   auth: Optional[Union[Tuple[str, str], Dict[str, str]]] = None,
+                   visibility: Optional[str] = None,
+                   progress: Optional[Callable[[Dict[str, Any]], None]] = None,
+                   timeout: Optional[float] = None) -> Image:
+        """``POST /v1/images/pull``: pulls ``ref`` (``debian:12``,
+        ``ghcr.io/org/app@sha256:...``, ``127.0.0.1:5000/x:1``) from its OCI
+        registry and returns the image, named ``HOST/REPO:TAG`` unless ``name``
+        / ``tag`` say otherwise. The platform fetches and converts each layer
+        once: layers it has are not fetched again, and pulling a digest it
+        holds under that name is a no-op.
+
+        ``platform`` picks from a multi-platform index (default
+        ``linux/amd64``); ``insecure_registry`` reaches the registry over plain
+        http; ``auth`` is ``(username, password)`` or
+        ``{"identity_token": ...}`` (else the platform's ``--registry-auth``).
+        ``progress`` is called with each event as it comes: ``{"type":
+        "resolved", "layers": [...]}``, then ``{"type": "layer", "digest",
+        "status": "exists"|"waiting"|"downloading"|"converting"|"done",
+        "bytes", "total"}``. Errors before the first event raise with their
+        HTTP status (NotFound for a missing tag, Unauthenticated for bad
+        credentials); errors after it raise the same typed errors. ``timeout``
+        bounds each silence (default: the client's, at least 600 s). Not
+        retried.
+        """
+        body: Dict[str, Any] = {"ref": ref}
+        if platform is not None:
+            body["platform"] = platform
+        if name is not None:
+            body["name"] = name
+        if tag is not None:
+            body["tag"] = tag
+        if insecure_registry:
+            body["insecure_registry"] = True
+        if visibility is not None:
+            body["visibility"] = visibility
+        if isinstance(auth, (tuple, list)):
+            body["auth"] = {"username": auth[0], "password": auth[1]}
+        elif auth is not None:
+            body["auth"] = dict(auth)
+        t = timeout if timeout is not None else max(self.timeout, 600.0)
+        req = self._request("POST", "/v1/images/pull", json_body=body,
+                            headers={"Accept": "application/x-ndjson"},
+                            timeout=t, retry=False, stream=True)
+        yield from self._exchange(req)
+        return (yield from _image_events(self, req, progress, "pull"))
+
+    @op
+    def build_image(self, context_dir: Optional[Union[str, os.PathLike]] = None,
+                    dockerfile: str = "Dockerfile", *, tag: str,
+                    dockerfile_text: Optional[str] = None,
+                    build_args: Optional[Dict[str, str]] = None, target: Optional[str] = None,
+                    network: bool = False, no_cache: bool = False,
+                    platform: Optional[str] = None, insecure_registry: bool = False,
+                    visibility: Optional[str] = None,
+                    progress: Optional[Callable[[Dict[str, Any]], None]] = None,
+                    timeout: Optional[float] = None) -> Image:
+        """``POST /v1/images/build``: builds ``tag`` (``name[:tag]``) from a
+        Dockerfile and returns the image (docs/images.md, "Building from a
+        Dockerfile").
+
+        ``context_dir`` is tarred here (PAX, names in order, owners 0:0),
+        leaving out what its ``.dockerignore`` excludes (the server applies it
+        again, exactly), uploaded as a blob and sent by digest; None sends no
+        context (COPY then has nothing to copy). ``dockerfile`` is a path in
+        the context directory (or, without one, a path), ``dockerfile_text``
+        the Dockerfile itself. ``build_args`` are ``--build-arg``s;
+        ``target`` the stage to build; ``network`` lets RUN reach what the
+        ``setup`` policy allows (no egress otherwise); ``no_cache`` runs
+        every step again. FROM images missing here are pulled (``platform``,
+        ``insecure_registry`` as for :meth:`pull_image`).
+
+        ``progress`` is called with each event as it comes: ``{"type":
+        "step", "stage", "line", "instruction", "cached"?}``, ``{"type":
+        "output", "line", "stream", "data"}`` (RUN output), ``{"type":
+        "layer", "line", "layer", "cached"}``, ``{"type": "pull"|"pulled",
+        "ref", "image"}``. A Dockerfile that does not parse raises
+        InvalidArgument (HTTP 400) with ``field`` ``"dockerfile"``; a step
+        that fails raises the typed error of its code, ``field``
+        ``"dockerfile"``; either has ``.line``, the Dockerfile line, when
+        there is one. A failed build stores no image. ``timeout`` bounds each
+        silence (default: the client's, at least 3600 s). Not retried.
+        """
+        if dockerfile_text is None:
+            path = dockerfile
+            if context_dir is not None and not os.path.isabs(path):
+                path = os.path.join(os.fspath(context_dir), path)
+            with open(path, "r", encoding="utf-8") as f:
+                dockerfile_text = f.read()
+        name, _, tag_part = tag.rpartition(":")
+        if not name or "/" in tag_part:
+            name, tag_part = tag, "latest"
+        body: Dict[str, Any] = {"dockerfile": dockerfile_text, "name": name, "tag": tag_part}
+        if context_dir is not None:
+            tmp = yield Blocking(_pack_context, os.fspath(context_dir))
+            try:
+                body["context"] = yield from ClientOps.upload_blob(self, tmp, skip_existing=True,
+                                                                   timeout=timeout)
+            finally:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+        if build_args:
+            body["build_args"] = {str(k): str(v) for k, v in build_args.items()}
+        if target is not None:
+            body["target"] = target
+        if network:
+            body["network"] = True
+        if no_cache:
+            body["no_cache"] = True
+        if platform is not None:
+            body["platform"] = platform
+        if insecure_registry:
+            body["insecure_registry"] = True
+        if visibility is not None:
+            body["visibility"] = visibility
+        t = timeout if timeout is not None else max(self.timeout, 3600.0)
+        req = self._request("POST", "/v1/images/build", json_body=body,
+                            headers={"Accept": "application/x-ndjson"},
+                            timeout=t, retry=False, stream=True)
+        try:
+            yield from self._exchange(req)
+        except DsecError as e:
+            e.line = _error_line(e.body)
+            raise
+        return (yield from _image_events(self, req, progress, "build"))
 
     @op
     def tag_image(self, source: str, name: str, tag: str = "latest") -> Image:

@@ -34,6 +34,8 @@ class DsecError(Exception):
         self.status = status
         self.field = field
         self.body = body
+        # `build_image`: the Dockerfile line at fault, when there is one.
+        self.line: Optional[int] = None
         super().__init__(self.__str__())
 
     def __str__(self) -> str:

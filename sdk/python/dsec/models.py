@@ -76,9 +76,11 @@ class Image(Record):
 
     @property
     def config(self) -> Dict[str, Any]:
-        """``{"user": str, "env": ["K=V", ...], "working_dir": str}`` from the
-        OCI/Docker image it was imported from (empty values when it had none):
-        the defaults of sandboxes created from it."""
+        """``{"user": str, "env": ["K=V", ...], "working_dir": str,
+        "entrypoint": [...], "cmd": [...], "labels": {...}}`` from the
+        OCI/Docker image it was imported, pulled or built from (empty values
+        when it had none). user, env and working_dir are the defaults of
+        sandboxes created from it; entrypoint, cmd and labels are recorded."""
         return self.raw.get("config") or {"user": "", "env": [], "working_dir": ""}
 
 
