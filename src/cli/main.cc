@@ -617,13 +617,18 @@ Result<std::unique_ptr<http::Client>> connectClient(const Args& a) {
 }
 
 // Prints an API error and returns the exit code for it.
+// Prints an API error object ({code, message, field}); returns 1.
+int printError(const json& e) {
+  std::string field = e.value("field", "");
+  std::cerr << "dsec: " << e.value("code", "error") << ": " << e.value("message", "")
+            << (field.empty() ? "" : " (field " + field + ")") << "\n";
+  return 1;
+}
+
 int apiError(const http::ClientResponse& r) {
   json j = json::parse(r.body, nullptr, false);
   if (!j.is_discarded() && j.contains("error")) {
-    std::string field = j["error"].value("field", "");
-    std::cerr << "dsec: " << j["error"].value("code", "error") << ": "
-              << j["error"].value("message", "") << (field.empty() ? "" : " (field " + field + ")")
-              << "\n";
+    printError(j["error"]);
   } else {
     std::cerr << "dsec: HTTP " << r.status << ": " << r.body << "\n";
   }
@@ -773,11 +778,7 @@ int cmdPull(const Args& a, http::Client& c) {
                   << "\n";
         code = 0;
       } else if (type == "error") {
-        std::string field = ev["error"].value("field", "");
-        std::cerr << "dsec: " << ev["error"].value("code", "error") << ": "
-                  << ev["error"].value("message", "")
-                  << (field.empty() ? "" : " (field " + field + ")") << "\n";
-        code = 1;
+        code = printError(ev["error"]);
       }
     }
   };
@@ -925,11 +926,7 @@ int cmdBuild(const Args& a) {
         code = 0;
       } else if (type == "error") {
         if (!atLineStart) std::cerr << "\n";
-        std::string field = ev["error"].value("field", "");
-        std::cerr << "dsec: " << ev["error"].value("code", "error") << ": "
-                  << ev["error"].value("message", "")
-                  << (field.empty() ? "" : " (field " + field + ")") << "\n";
-        code = 1;
+        code = printError(ev["error"]);
       }
     }
   };

@@ -16,7 +16,7 @@
 
 #include "common/sha256.h"
 #include "common/util.h"
-#include "image/c_locale.h"
+#include "image/libarchive_input.h"
 
 namespace dsec::image {
 
@@ -231,23 +231,6 @@ std::unique_ptr<ByteSource> FileSet::open(const BuildFile& f) const {
 // ---- archives -------------------------------------------------------------------
 
 namespace {
-
-struct ArchiveInput {
-  ByteSource* src = nullptr;
-  std::vector<char> buf;
-  Status err;
-};
-
-la_ssize_t archiveRead(struct archive*, void* p, const void** out) {
-  auto* in = static_cast<ArchiveInput*>(p);
-  auto got = in->src->read(in->buf.data(), in->buf.size());
-  if (!got.isOk()) {
-    in->err = got.status();
-    return -1;
-  }
-  *out = in->buf.data();
-  return la_ssize_t(*got);
-}
 
 // An entry's bytes, as libarchive hands them over (holes as zeros).
 class EntrySource final : public ByteSource {

@@ -24,7 +24,7 @@
 #include <vector>
 
 #include "common/sha256.h"
-#include "image/c_locale.h"
+#include "image/libarchive_input.h"
 
 namespace dsec::image {
 
@@ -467,27 +467,6 @@ class BlobWriter {
   size_t sliceFill_ = 0;
   ChunkIndex index_;
 };
-
-// ---- tar input --------------------------------------------------------------
-
-struct ArchiveInput {
-  ByteSource* src = nullptr;
-  std::vector<char> buf;
-  Status err;  // what the source failed with, kept over libarchive's copy
-};
-
-la_ssize_t archiveRead(struct archive* a, void* ud, const void** out) {
-  auto* in = static_cast<ArchiveInput*>(ud);
-  auto got = in->src->read(in->buf.data(), in->buf.size());
-  if (!got.isOk()) {
-    in->err = std::move(got).takeStatus();
-    archive_set_error(a, EIO, "%s", in->err.message().c_str());
-    return -1;
-  }
-  *out = in->buf.data();
-  return la_ssize_t(*got);
-}
-
 
 // ---- the converter ----------------------------------------------------------
 

@@ -211,6 +211,9 @@ class ImageBuild {
   std::string stackIdentity(const std::vector<std::string>& layers);
 
   std::optional<std::string> cacheHit(const std::string& key);
+  // Takes a RUN/COPY/ADD step from the cache if it is there: its layer goes
+  // on the stack and the events say so. False: the step must run.
+  Result<bool> fromCache(int stage, State& s, const Instruction& i, const std::string& key);
   void remember(const std::string& key, const std::string& layer, const Instruction& i);
   Status pushLayer(State& s, const std::string& layer, int line);
 
@@ -440,13 +443,8 @@ Status ImageBuild::stepRun(int stage, State& s, const Instruction& i) {
   k.workdir = s.config.workingDir;
   k.network = network;
   const std::string key = image::stepCacheKey(k);
-  if (auto hit = cacheHit(key)) {
-    stepEvent(stage, i, true);
-    RETURN_IF_ERROR(pushLayer(s, *hit, i.line));
-    s.key = key;
-    emit({{"type", "layer"}, {"line", i.line}, {"layer", *hit}, {"cached", true}});
-    return Status::ok();
-  }
+  ASSIGN_OR_RETURN(bool cached, fromCache(stage, s, i, key));
+  if (cached) return Status::ok();
   stepEvent(stage, i, false);
   if (s.layers.empty()) {
     return invalidArg("dockerfile",
@@ -557,13 +555,8 @@ Status ImageBuild::stepCopy(int stage, State& s, const Instruction& i) {
   if (sel) k.files = sel->items;
   k.source = source;
   const std::string key = image::stepCacheKey(k);
-  if (auto hit = cacheHit(key)) {
-    stepEvent(stage, i, true);
-    RETURN_IF_ERROR(pushLayer(s, *hit, i.line));
-    s.key = key;
-    emit({{"type", "layer"}, {"line", i.line}, {"layer", *hit}, {"cached", true}});
-    return Status::ok();
-  }
+  ASSIGN_OR_RETURN(bool cached, fromCache(stage, s, i, key));
+  if (cached) return Status::ok();
   stepEvent(stage, i, false);
 
   image::FileSet fromSet;
@@ -804,6 +797,17 @@ std::string ImageBuild::stackIdentity(const std::vector<std::string>& layers) {
 }
 
 // ---- the cache ----------------------------------------------------------------------
+
+Result<bool> ImageBuild::fromCache(int stage, State& s, const Instruction& i,
+                                   const std::string& key) {
+  auto hit = cacheHit(key);
+  if (!hit) return false;
+  stepEvent(stage, i, true);
+  RETURN_IF_ERROR(pushLayer(s, *hit, i.line));
+  s.key = key;
+  emit({{"type", "layer"}, {"line", i.line}, {"layer", *hit}, {"cached", true}});
+  return true;
+}
 
 std::optional<std::string> ImageBuild::cacheHit(const std::string& key) {
   if (o_.noCache) return std::nullopt;
