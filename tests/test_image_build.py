@@ -134,6 +134,29 @@ def test_building_again_is_all_cache_hits(client, busybox, tmp_path):
     assert run_in(client, ref, ["cat", "/b.txt"]) == salt
 
 
+def test_a_copied_file_another_layer_holds_is_stored_once(client, server, busybox, tmp_path):
+    """COPY goes through the streaming converter with the chunk table: the
+    same 2 MiB copied by a second build (to another path, so another layer)
+    points into the first build's data blob instead of storing it again."""
+    import hashlib
+    payload = os.urandom(2 << 20)
+    ctx1 = write_tree(tmp_path / "c1", {"Dockerfile": f"FROM {busybox}\nCOPY p.bin /one/p.bin\n",
+                                        "p.bin": payload})
+    ctx2 = write_tree(tmp_path / "c2", {"Dockerfile": f"FROM {busybox}\nCOPY p.bin /two/again.bin\n",
+                                        "p.bin": payload})
+    first, _ = build(client, ctx1, unique("dd1") + ":1")
+    second, _ = build(client, ctx2, unique("dd2") + ":1")
+    st, _, _, l1 = server.raw("GET", f"/v1/layers/{first.layers[-1]}")
+    st2, _, _, l2 = server.raw("GET", f"/v1/layers/{second.layers[-1]}")
+    assert st == 200 and st2 == 200, (l1, l2)
+    assert [x["digest"] for x in l2["extra_data"]] == [l1["data"]["digest"]], l2
+    assert l2["data"]["size"] < 64 << 10, l2
+    out = run_in(client, second.raw["ref"], ["sha256sum", "/two/again.bin"])
+    assert out.split()[0] == hashlib.sha256(payload).hexdigest()
+    for img in (first, second):
+        client.delete_image(img.raw["ref"])
+
+
 def test_editing_one_copied_file_rebuilds_that_step_and_the_later_ones(client, busybox, tmp_path):
     salt = unique("salt")
     ctx = write_tree(tmp_path / "ctx", {

@@ -24,8 +24,10 @@ import pytest
 
 import dsec
 from conftest import Server, dsec_bin, _check_prerequisites
-from helpers import cgroup_dirs_named, mounts_containing, wait_until
+from dedup_images import DedupPair, shas_in
+from helpers import cgroup_dirs_named, mounts_containing, unique, wait_until
 from nginx_store import Nginx
+from oci_registry import Registry
 
 MiB = 1 << 20
 
@@ -351,6 +353,39 @@ def test_metrics_per_layer_and_node(lazy):
     conforms(lazy.srv.raw("GET", "/v1/node"), "/v1/node", "GET")
     totals = lazy.node()["totals"]
     assert totals["bytes_fetched"] > 0 and totals["read_requests"] > 0
+
+
+def test_a_layer_reading_another_layers_blob_gets_exact_bytes(lazy, tmp_path):
+    """A pulled layer whose chunks lie in an earlier layer's data blob (chunk
+    deduplication across layers): the node fetches and verifies both blobs
+    on demand, and two sandboxes, one on each image, read exact bytes."""
+    pair = DedupPair(tmp_path, Path("/var/cache/dsec/test-images/busybox.tar").read_bytes(),
+                     unique("lazy-dedup"))
+    repo = unique("lazy-dedup")
+    with Registry(tmp_path) as reg:
+        pair.push(reg, repo)
+        ref_a, ref_b = f"{reg.host}/{repo}-a:v1", f"{reg.host}/{repo}-b:v1"
+        lazy.client.pull_image(ref_a, insecure_registry=True)
+        img_b = lazy.client.pull_image(ref_b, insecure_registry=True)
+    st, _, _, lb = lazy.srv.raw("GET", f"/v1/layers/{img_b.layers[-1]}")
+    assert st == 200 and len(lb["extra_data"]) == 1, lb
+    sb_b = lazy.client.create(image=ref_b)
+    try:
+        assert shas_in(sb_b, pair.files_b) == pair.files_b
+        sb_a = lazy.client.create(image=ref_a)
+        try:
+            assert shas_in(sb_a, pair.files_a) == pair.files_a
+        finally:
+            sb_a.destroy()
+        # A's sandbox and its layer's mount are gone; the blob they shared
+        # still serves B's reads.
+        r = sb_b.exec(["sh", "-c", "echo 3 > /proc/sys/vm/drop_caches 2>/dev/null; "
+                                   "sha256sum /opt/copy.bin"])
+        assert r.exit_code == 0 and r.stdout.split()[0] == pair.files_b["/opt/copy.bin"], r
+    finally:
+        sb_b.destroy()
+    for ref in (ref_a, ref_b):
+        lazy.client.delete_image(ref)
 
 
 def test_cache_survives_restart_then_limit_evicts_and_prefetch_refills(lazy):

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import dsec
+from dedup_images import DedupPair, shas_in
 from helpers import unique
 from oci_build import (OciLayout, chardev, directory, file, hardlink, opaque, symlink,
                        whiteout)
@@ -285,6 +286,44 @@ def test_cli_pull_shows_progress_and_names_the_image(server, reg, tmp_path):
     assert "not_found" in p.stderr or "unavailable" in p.stderr
 
 
+def test_cli_takes_credentials_from_a_docker_credential_helper(server, tmp_path):
+    """config.json's credsStore names docker-credential-<name>, run as the
+    Docker CLI runs it (`get`, the registry on stdin); a helper missing from
+    PATH fails the pull naming it."""
+    import subprocess
+    from conftest import dsec_bin
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    asked = tmp_path / "asked"
+    helper = bindir / "docker-credential-dsectest"
+    helper.write_text("#!/bin/sh\nread s\necho \"$s\" >> %s\n"
+                      "case \"$s\" in *127.0.0.1*) echo '{\"Username\":\"alice\",\"Secret\":\"secret\"}';;\n"
+                      "*) echo 'credentials not found in native keychain'; exit 1;; esac\n" % asked)
+    helper.chmod(0o755)
+    cfg = tmp_path / "docker"
+    cfg.mkdir()
+    with Registry(tmp_path, auth="htpasswd") as reg:
+        lay = app_layout(tmp_path / "oci")
+        lay.write("v1")
+        repo = unique("helper")
+        reg.push_oci(tmp_path / "oci", repo, "v1", src_tag="v1")
+        env = dict(os.environ, PATH=f"{bindir}:{os.environ['PATH']}", DOCKER_CONFIG=str(cfg))
+
+        def pull(store):
+            (cfg / "config.json").write_text('{"credsStore": "%s"}' % store)
+            return subprocess.run([str(dsec_bin()), "image", "pull", "--data-dir",
+                                   str(server.data_dir), "--insecure-registry", reg.host,
+                                   f"{reg.host}/{repo}:v1"],
+                                  capture_output=True, text=True, timeout=300, env=env,
+                                  stdin=subprocess.DEVNULL)
+        p = pull("dsectest")
+        assert p.returncode == 0, p.stderr
+        assert asked.read_text().split() == [reg.host]
+        p = pull("nosuchhelper")
+        assert p.returncode != 0 and "docker-credential-nosuchhelper" in p.stderr, p.stderr
+    server.client.delete_image(f"{reg.host}/{repo}:v1")
+
+
 def test_a_registry_that_dies_mid_blob_then_a_pull_resumes_from_the_spool(client, reg, tmp_path):
     lay = OciLayout(tmp_path / "oci")
     lay.add_layer(busybox_tar(), compression="gzip")
@@ -457,3 +496,81 @@ def test_two_gib_files_sparse_and_streamed_zeros_take_no_space(client, reg, tmp_
             assert "head tail middle " in out.replace("\n", ""), out
     finally:
         sb.destroy()
+
+
+def _metric(server, name) -> float:
+    st, _, body, _ = server.raw("GET", "/v1/metrics")
+    assert st == 200
+    m = re.search(rb"^%s(?:\{[^}]*\})? ([0-9.e+-]+)$" % name.encode(), body, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_identical_files_in_different_layers_are_stored_once(client, server, reg, tmp_path):
+    """Two images whose top layers differ (names, times, compression) but hold
+    the same 4 MiB of files: the second pull stores only its own MiB, its
+    layer points into the first's data blob (an extra EROFS device), reads
+    give exact bytes, and gc keeps that blob while the second layer needs
+    it even after the first image is gone."""
+    pair = DedupPair(tmp_path, busybox_tar(), unique("dedup"))
+    repo = unique("dedup")
+    pair.push(reg, repo)
+    ref_a, ref_b = f"{reg.host}/{repo}-a:v1", f"{reg.host}/{repo}-b:v1"
+    img_a = client.pull_image(ref_a, insecure_registry=True)
+    before = _metric(server, "dsec_blobs_stored_bytes")
+    img_b = client.pull_image(ref_b, insecure_registry=True)
+    grown = _metric(server, "dsec_blobs_stored_bytes") - before
+    assert pair.own_bytes <= grown < pair.own_bytes + (256 << 10), grown
+    top_a, top_b = img_a.layers[-1], img_b.layers[-1]
+    st, _, _, la = server.raw("GET", f"/v1/layers/{top_a}")
+    assert st == 200, la
+    st, _, _, lb = server.raw("GET", f"/v1/layers/{top_b}")
+    assert st == 200, lb
+    assert [x["digest"] for x in lb["extra_data"]] == [la["data"]["digest"]], lb
+    assert lb["data"]["size"] < pair.own_bytes + (64 << 10), lb
+    info = client.image(ref_b).raw
+    assert info["stored_bytes"] <= info["logical_bytes"], info
+
+    sb = client.create(image=ref_b)
+    try:
+        assert shas_in(sb, pair.files_b) == pair.files_b
+    finally:
+        sb.destroy()
+
+    # A goes; its layer is collected, its data blob stays for B's layer.
+    client.delete_image(ref_a)
+    removed = client.gc(grace_s=0)
+    assert top_a in removed and la["data"]["digest"] not in removed, removed
+    sb = client.create(image=ref_b)
+    try:
+        assert shas_in(sb, pair.files_b) == pair.files_b
+    finally:
+        sb.destroy()
+    client.delete_image(ref_b)
+    removed = client.gc(grace_s=0)
+    assert {top_b, la["data"]["digest"], lb["data"]["digest"]} <= set(removed), removed
+
+
+def test_work_a_crash_left_is_swept_at_start_but_not_another_replicas(tmp_path):
+    """Conversion and build-step directories in the (shared) blob directory
+    carry their replica's tag: a platform starting removes its own that a
+    crash left, and the build context spools of its data dir, never another
+    replica's work in progress."""
+    import hashlib
+    from conftest import Server
+    data = tmp_path / "data"
+    (data / "blobs").mkdir(parents=True, mode=0o700)
+    tag = hashlib.sha256(b"t1").hexdigest()[:8]
+    other = hashlib.sha256(b"t2").hexdigest()[:8]
+    for n in (f"pull-{tag}-dead", f"build-{tag}-b1-1", f"pull-{other}-live"):
+        (data / "blobs" / n).mkdir()
+        (data / "blobs" / n / "layer.data").write_bytes(b"x")
+    (data / "build" / "ctx").mkdir(parents=True)
+    srv = Server(data, ["--replica-id", "t1"])
+    srv.start()
+    try:
+        left = sorted(p.name for p in (data / "blobs").iterdir()
+                      if p.name.startswith(("pull-", "build-")))
+        assert left == [f"pull-{other}-live"], left
+        assert not (data / "build").exists()
+    finally:
+        srv.stop()

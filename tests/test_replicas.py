@@ -492,3 +492,58 @@ def test_batch_resumed_by_one_replica_only(pg, root):
     finally:
         problems = rep.shutdown()
     assert not problems, problems
+
+
+def test_one_pull_per_cluster_the_other_replica_waits(pg, root, tmp_path):
+    """Both replicas asked to pull one image at once fetch each registry layer
+    once between them: the replica that claimed a layer (a `pull-layer:`
+    lease in the store) fetches and converts it, the other waits and takes
+    its layer (dsec_pull_layers_total{result="awaited"})."""
+    import dsec
+    import re
+    import threading
+    from oci_build import OciLayout, file
+    from oci_registry import Registry
+    from registry_proxy import RegistryProxy
+
+    rep = Replicas(root, fresh_db(pg), 0)
+    try:
+        rep.start()
+        lay = OciLayout(tmp_path / "oci")
+        for i in range(3):
+            lay.add_layer([file(f"l{i}.bin", os.urandom(2 << 20))])
+        lay.write("v1")
+        with Registry(tmp_path) as reg, RegistryProxy(reg) as proxy:
+            repo = "rep-" + uuid.uuid4().hex[:8]
+            reg.push_oci(tmp_path / "oci", repo, "v1")
+            for d in lay.layers:  # slow enough for the two pulls to meet
+                proxy.stall(1.0, digest=d["digest"], after=1 << 20)
+            ref = f"{proxy.host}/{repo}:v1"
+            got, errs = {}, []
+
+            def pull(p):
+                try:
+                    c = dsec.Client(rep.url(p), rep.token, timeout=120)
+                    got[p] = c.pull_image(ref, insecure_registry=True).layers
+                except Exception as e:  # noqa: BLE001
+                    errs.append(e)
+
+            ts = [threading.Thread(target=pull, args=(p,)) for p in "AB"]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+            assert not errs, errs
+            assert got["A"] == got["B"] and len(got["A"]) == 3
+            for d in lay.layers:
+                assert proxy.count(blob=d["digest"], method="GET") == 1, d["digest"]
+        awaited = 0
+        for p in "AB":
+            st, data, _ = raw(rep.url(p), "GET", "/v1/metrics", token=rep.token)
+            assert st == 200
+            text = data.decode()
+            m = re.search(r'dsec_pull_layers_total\{result="awaited"\} (\d+)', text)
+            awaited += int(m.group(1)) if m else 0
+        assert awaited >= 1
+    finally:
+        assert not rep.shutdown()

@@ -24,6 +24,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -101,7 +102,7 @@ std::map<std::string, std::string> kernelParams() {
   return out;
 }
 
-// virtio-blk disks by serial ("l<i>m", "l<i>d", "rw") -> /dev/vdX, waiting
+// virtio-blk disks by serial ("l<i>m", "l<i>d", "x<k>", "rw") -> /dev/vdX, waiting
 // (the drivers probe asynchronously) until `want` of them are there.
 Result<std::map<std::string, std::string>> findDisks(size_t want) {
   std::map<std::string, std::string> disks;
@@ -210,31 +211,54 @@ Status setupGuest(const std::map<std::string, std::string>& params, UniqueFd* up
   RETURN_IF_ERROR(loadModules(params.count("vsock") > 0));
   int layers = 0;
   if (auto it = params.find("layers"); it != params.end()) layers = std::atoi(it->second.c_str());
-  size_t want = 1;
-  std::vector<bool> hasData(size_t(layers), false);
-  if (auto it = params.find("data"); it != params.end()) {
-    // Which layers have a separate data blob: their indexes, comma separated.
+  layers = std::max(layers, 0);
+  auto split = [](const std::string& s, char sep) {
+    std::vector<std::string> out;
     size_t pos = 0;
-    const std::string& s = it->second;
     while (pos < s.size()) {
-      size_t c = s.find(',', pos);
-      int i = std::atoi(s.substr(pos, c == std::string::npos ? std::string::npos : c - pos).c_str());
-      if (i >= 0 && i < layers) hasData[size_t(i)] = true;
+      size_t c = s.find(sep, pos);
+      out.push_back(s.substr(pos, c == std::string::npos ? std::string::npos : c - pos));
       pos = c == std::string::npos ? s.size() : c + 1;
     }
+    return out;
+  };
+  // The serials of each layer's EROFS devices 1, 2, ... (microvm_backend.cc,
+  // GuestDisks): dsec.data=I,J,... names the layers whose one device is
+  // their own disk l<i>d; dsec.devs=I:S+S+...,J:... gives those of the others
+  // (a disk may serve several layers).
+  std::vector<std::vector<std::string>> devices(static_cast<size_t>(layers));
+  if (auto it = params.find("data"); it != params.end()) {
+    for (auto& w : split(it->second, ',')) {
+      int i = std::atoi(w.c_str());
+      if (i >= 0 && i < layers) devices[size_t(i)] = {"l" + std::to_string(i) + "d"};
+    }
   }
-  for (int i = 0; i < layers; ++i) want += hasData[size_t(i)] ? 2 : 1;
-  ASSIGN_OR_RETURN(auto disks, findDisks(want));
+  if (auto it = params.find("devs"); it != params.end()) {
+    for (auto& w : split(it->second, ',')) {
+      size_t colon = w.find(':');
+      int i = std::atoi(w.substr(0, colon).c_str());
+      if (colon == std::string::npos || i < 0 || i >= layers) {
+        return invalidArg("dsec.devs", "bad entry " + w + " (LAYER:SERIAL+SERIAL...)");
+      }
+      devices[size_t(i)] = split(w.substr(colon + 1), '+');
+    }
+  }
+  std::set<std::string> serials = {"rw"};
+  for (int i = 0; i < layers; ++i) {
+    serials.insert("l" + std::to_string(i) + "m");
+    serials.insert(devices[size_t(i)].begin(), devices[size_t(i)].end());
+  }
+  ASSIGN_OR_RETURN(auto disks, findDisks(serials.size()));
   std::string lower;
   for (int i = 0; i < layers; ++i) {
     std::string id = "l" + std::to_string(i);
     auto meta = disks.find(id + "m");
     if (meta == disks.end()) return notFound("no disk with serial " + id + "m");
     std::string opts;
-    if (hasData[size_t(i)]) {
-      auto data = disks.find(id + "d");
-      if (data == disks.end()) return notFound("no disk with serial " + id + "d");
-      opts = "device=" + data->second;
+    for (auto& serial : devices[size_t(i)]) {
+      auto dev = disks.find(serial);
+      if (dev == disks.end()) return notFound("no disk with serial " + serial);
+      opts += (opts.empty() ? "device=" : ",device=") + dev->second;
     }
     std::string target = "/layers/" + std::to_string(i);
     RETURN_IF_ERROR(mountOrFail(meta->second.c_str(), target, "erofs", MS_RDONLY, opts));

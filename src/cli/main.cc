@@ -33,6 +33,7 @@
 #include "image/build_context.h"
 #include "image/layer_builder.h"
 #include "image/oci_import.h"
+#include "image/credential_helper.h"
 #include "image/registry_client.h"
 #include "platform/platform.h"
 #include "platform/store.h"
@@ -689,6 +690,13 @@ Result<std::optional<image::RegistryCredentials>> dockerCredentials(const Args& 
   if (!text.isOk()) {
     if (a.get("auth-file").empty()) return std::optional<image::RegistryCredentials>();
     return std::move(text).takeStatus();
+  }
+  // A helper named for the registry (or for all) holds the credentials, as
+  // for the Docker CLI; "auths" is read when it has none.
+  ASSIGN_OR_RETURN(auto helper, image::credentialHelperFor(*text, host));
+  if (helper) {
+    ASSIGN_OR_RETURN(auto fromHelper, image::runCredentialHelper(*helper, host));
+    if (fromHelper) return fromHelper;
   }
   return image::credentialsFromDockerConfig(*text, host);
 }

@@ -348,6 +348,19 @@ class TreeRemover {
 
 }  // namespace
 
+Result<std::vector<std::string>> dirEntries(const std::string& dir) {
+  DIR* d = ::opendir(dir.c_str());
+  if (!d) return sysError("opendir " + dir);
+  std::vector<std::string> out;
+  while (dirent* e = ::readdir(d)) {
+    std::string n = e->d_name;
+    if (n != "." && n != "..") out.push_back(std::move(n));
+  }
+  ::closedir(d);
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
 Status removeTree(const std::string& path) {
   // A trailing slash would make the kernel follow a final symlink.
   std::string p = path;

@@ -35,6 +35,9 @@ Status makeDirs(const std::string& path, int mode = 0755);
 // the failure, and returns the first error with its errno and path (EXDEV for
 // a mount inside the tree). kInvalidArgument for "" and "/".
 Status removeTree(const std::string& path);
+// The names in directory `dir` ("." and ".." left out), sorted bytewise.
+// Errors: sysError("opendir <dir>") (ENOENT for a missing one).
+Result<std::vector<std::string>> dirEntries(const std::string& dir);
 
 std::vector<std::string> splitString(std::string_view s, char sep);
 bool startsWith(std::string_view s, std::string_view prefix);

@@ -370,12 +370,8 @@ Result<LayerDesc> EdgeAgent::lookupLayer(const std::string& digest) {
   if (r->status != 200) return proto::statusFromBody(r->status, r->body);
   json j = json::parse(r->body, nullptr, false);
   if (j.is_discarded()) return internalError("platform: bad layer answer");
-  LayerDesc d;
-  d.digest = j.value("digest", "");
-  d.size = j.value("size", int64_t(0));
-  d.dataDigest = j.value("data_digest", "");
-  d.dataSize = j.value("data_size", int64_t(0));
-  d.chunksDigest = j.value("chunks_digest", "");
+  auto d = proto::layerDescFromJson(j);
+  if (!d.isOk()) return internalError("platform: bad layer answer: " + d.status().message());
   return d;
 }
 

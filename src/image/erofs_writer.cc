@@ -26,10 +26,10 @@ constexpr uint32_t kMagic = 0xE0F5E1E2;
 constexpr uint64_t kSuperOffset = 1024;
 constexpr uint64_t kSuperSize = 128;
 constexpr uint64_t kDevtSlotSize = 128;
-// The device table's one slot right after the superblock (where mkfs.erofs
-// 1.5 puts it), the inodes right after that.
+// The device table right after the superblock (where mkfs.erofs 1.5 puts
+// its one slot), a slot per data blob, the inodes right after that.
 constexpr uint16_t kDevtSlotOff = (kSuperOffset + kSuperSize) / kDevtSlotSize;
-constexpr uint64_t kFirstInodeOffset = (kDevtSlotOff + 1) * kDevtSlotSize;
+uint64_t firstInodeOffset(size_t devices) { return (kDevtSlotOff + devices) * kDevtSlotSize; }
 constexpr uint32_t kNullAddr = 0xffffffff;
 constexpr uint32_t kCompatSbChksum = 0x1;
 constexpr uint32_t kCompatMtime = 0x2;
@@ -310,6 +310,7 @@ class ImageWriter {
 // waste little.
 class InodeArea {
  public:
+  explicit InodeArea(uint64_t start) : pos_(start) {}
   uint64_t place(uint64_t len, bool withinBlock) {
     uint64_t need = roundUp(len, kNidUnit);
     for (size_t k = 0; k < gaps_.size(); ++k) {
@@ -333,7 +334,7 @@ class InodeArea {
   uint64_t end() const { return pos_; }
 
  private:
-  uint64_t pos_ = kFirstInodeOffset;
+  uint64_t pos_;
   std::vector<std::pair<uint64_t, uint64_t>> gaps_;  // {offset, length}, within one block
 };
 
@@ -439,15 +440,29 @@ Status planInode(const FsTree& tree, uint32_t i, const ErofsWriterOptions& opts,
                         std::to_string(in.chunks.size()) + " chunks for " +
                             std::to_string(in.size) + " bytes, want " + std::to_string(want));
       }
-      const uint64_t blobEnd = roundUp(tree.dataSize, kBlockSize);
+      if (!in.chunkDevices.empty() && in.chunkDevices.size() != in.chunks.size()) {
+        return badInode(i, "chunkDevices",
+                        std::to_string(in.chunkDevices.size()) + " devices for " +
+                            std::to_string(in.chunks.size()) + " chunks");
+      }
       for (size_t k = 0; k < in.chunks.size(); ++k) {
         if (in.chunks[k] == kHoleChunk) continue;
+        const uint8_t dev = in.chunkDevices.empty() ? 0 : in.chunkDevices[k];
+        if (dev > tree.extraBlobs.size()) {
+          return badInode(i, "chunkDevices",
+                          "chunk " + std::to_string(k) + " names blob " + std::to_string(dev) +
+                              " of " + std::to_string(tree.extraBlobs.size()) + " extra blobs");
+        }
+        const uint64_t blobSize = dev == 0 ? tree.dataSize : tree.extraBlobs[dev - 1].size;
         uint64_t len = std::min<uint64_t>(opts.chunkSize, in.size - k * opts.chunkSize);
-        if (static_cast<uint64_t>(in.chunks[k]) * kBlockSize + roundUp(len, kBlockSize) > blobEnd) {
+        if (static_cast<uint64_t>(in.chunks[k]) * kBlockSize + roundUp(len, kBlockSize) >
+            roundUp(blobSize, kBlockSize)) {
           return badInode(i, "chunks",
                           "chunk " + std::to_string(k) + " at block " +
-                              std::to_string(in.chunks[k]) + " lies beyond the data blob's " +
-                              std::to_string(tree.dataSize) + " bytes");
+                              std::to_string(in.chunks[k]) + " lies beyond the " +
+                              (dev == 0 ? std::string("data blob's ")
+                                        : "extra blob " + std::to_string(dev) + "'s ") +
+                              std::to_string(blobSize) + " bytes");
         }
       }
       p.size = in.size;
@@ -567,10 +582,13 @@ void encodeRecord(const FsTree& tree, const std::vector<Plan>& plan, uint32_t i,
   }
   if (p.layout == kLayoutChunkBased) {
     pos = roundUp(pos, kChunkIndexSize);
-    for (uint32_t blk : in.chunks) {
-      // {startblk_hi (mkfs 1.5: advise) 0, device_id 1, startblk_lo}
+    for (size_t k = 0; k < in.chunks.size(); ++k) {
+      const uint32_t blk = in.chunks[k];
+      // {startblk_hi (mkfs 1.5: advise) 0, device_id, startblk_lo}: device 1
+      // is the layer's own data blob, 2.. the extra blobs.
+      const uint16_t dev = 1 + (in.chunkDevices.empty() ? 0 : in.chunkDevices[k]);
       put16(r + pos, 0);
-      put16(r + pos + 2, 1);
+      put16(r + pos + 2, blk == kHoleChunk ? 1 : dev);
       put32(r + pos + 4, blk == kHoleChunk ? kNullAddr : blk);
       pos += kChunkIndexSize;
     }
@@ -614,8 +632,9 @@ Status writeDataBlocks(const FsTree& tree, const std::vector<Plan>& plan,
   return Status::ok();
 }
 
-void encodeSuperblock(char* b0, const ErofsWriterOptions& opts, uint64_t rootNid, uint64_t inodes,
-                      std::pair<int64_t, uint32_t> epoch, uint32_t blocks, uint32_t dataBlocks) {
+void encodeSuperblock(char* b0, const FsTree& tree, const ErofsWriterOptions& opts,
+                      uint64_t rootNid, uint64_t inodes, std::pair<int64_t, uint32_t> epoch,
+                      uint32_t blocks, uint32_t dataBlocks) {
   char* sb = b0 + kSuperOffset;
   std::memset(sb, 0, kSuperSize);
   put32(sb + 0, kMagic);
@@ -629,12 +648,22 @@ void encodeSuperblock(char* b0, const ErofsWriterOptions& opts, uint64_t rootNid
   // 40: meta_blkaddr 0, 44: xattr_blkaddr 0
   std::memcpy(sb + 48, opts.uuid.data(), opts.uuid.size());
   put32(sb + 80, kIncompatChunkedFile | kIncompatDeviceTable);
-  put16(sb + 86, 1);  // extra_devices
+  put16(sb + 86, static_cast<uint16_t>(1 + tree.extraBlobs.size()));  // extra_devices
   put16(sb + 88, kDevtSlotOff);
-  char* slot = b0 + kDevtSlotOff * kDevtSlotSize;
-  std::memset(slot, 0, kDevtSlotSize);
-  std::memcpy(slot, opts.deviceTag.data(), opts.deviceTag.size());
-  put32(slot + 64, dataBlocks);
+  // {tag[64], blocks, mapped_blkaddr 0, reserved}: the own blob, then the
+  // extra blobs, each tagged with its digest's hex.
+  auto slot = [&](size_t k, std::string_view tag, uint64_t blobBlocks) {
+    char* p = b0 + (kDevtSlotOff + k) * kDevtSlotSize;
+    std::memset(p, 0, kDevtSlotSize);
+    std::memcpy(p, tag.data(), tag.size());
+    put32(p + 64, static_cast<uint32_t>(blobBlocks));
+  };
+  slot(0, opts.deviceTag, dataBlocks);
+  for (size_t k = 0; k < tree.extraBlobs.size(); ++k) {
+    const auto& x = tree.extraBlobs[k];
+    slot(k + 1, std::string_view(x.digest).substr(x.digest.find(':') + 1),
+         roundUp(x.size, kBlockSize) / kBlockSize);
+  }
   put32(sb + 4, erofsCrc32c(~0u, sb, kBlockSize - kSuperOffset));
 }
 
@@ -668,6 +697,20 @@ Result<ErofsImageInfo> writeErofs(const FsTree& tree, const std::string& metaPat
   }
   const uint64_t dataBlocks = roundUp(tree.dataSize, kBlockSize) / kBlockSize;
   if (dataBlocks >= kNullAddr) return invalidArg("dataSize", "data blob over 16 TiB");
+  if (tree.extraBlobs.size() > kMaxExtraBlobs) {
+    return invalidArg("extraBlobs", std::to_string(tree.extraBlobs.size()) +
+                                        " extra blobs, more than " +
+                                        std::to_string(kMaxExtraBlobs));
+  }
+  for (const auto& x : tree.extraBlobs) {
+    std::string_view hex = std::string_view(x.digest).substr(x.digest.find(':') + 1);
+    if (x.digest.find(':') == std::string::npos || hex.size() > 64) {
+      return invalidArg("extraBlobs", "extra blob \"" + x.digest + "\" is not sha256:<hex>");
+    }
+    if (roundUp(x.size, kBlockSize) / kBlockSize >= kNullAddr) {
+      return invalidArg("extraBlobs", "extra blob " + x.digest + " over 16 TiB");
+    }
+  }
 
   // Walk, check and lay out. Breadth first from the root, which comes first
   // so its nid fits the superblock's 16 bits.
@@ -675,7 +718,7 @@ Result<ErofsImageInfo> writeErofs(const FsTree& tree, const std::string& metaPat
   std::vector<uint32_t> order;
   RETURN_IF_ERROR(walkTree(tree, plan, order));
   const auto epoch = opts.compactInodes ? pickEpoch(tree, order) : std::pair<int64_t, uint32_t>{};
-  InodeArea area;
+  InodeArea area(firstInodeOffset(1 + tree.extraBlobs.size()));
   for (uint32_t i : order) {
     Plan& p = plan[i];
     RETURN_IF_ERROR(planInode(tree, i, opts, epoch, p));
@@ -716,7 +759,7 @@ Result<ErofsImageInfo> writeErofs(const FsTree& tree, const std::string& metaPat
       return sysError("truncate " + tmp);
     }
     char* b0 = out.block0().data();
-    encodeSuperblock(b0, opts, plan[0].nid(), order.size(), epoch,
+    encodeSuperblock(b0, tree, opts, plan[0].nid(), order.size(), epoch,
                      static_cast<uint32_t>(totalBlocks), static_cast<uint32_t>(dataBlocks));
     if (::pwrite(fd.get(), b0, kBlockSize, 0) != static_cast<ssize_t>(kBlockSize)) {
       return sysError("write " + tmp);

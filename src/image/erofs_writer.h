@@ -7,17 +7,21 @@
 // them too):
 //  - 4 KiB blocks; the superblock at 1024 with SB_CHKSUM (crc32c of the rest
 //    of block 0) and MTIME compat flags and CHUNKED_FILE | DEVICE_TABLE
-//    incompat flags, as mkfs.erofs 1.5 sets them for --blobdev; a one-slot
-//    device table (the data blob, its size in blocks, `deviceTag`) at 1152.
-//  - Inodes from byte 1280 of block 0 (meta_blkaddr 0), 32-byte aligned, the
-//    root first (nid 40, or 128 when its inline data does not fit block 0),
+//    incompat flags, as mkfs.erofs 1.5 sets them for --blobdev; the device
+//    table at 1152: the data blob (its size in blocks, `deviceTag`), then one
+//    slot per FsTree::extraBlobs entry (tagged with its digest's hex).
+//  - Inodes right after the device table (byte 1280 of block 0 for a layer
+//    with no extra blobs; meta_blkaddr 0), 32-byte aligned, the root first
+//    (nid 40 there, or 128 when its inline data does not fit block 0),
 //    the rest in breadth-first order so a directory's entries lie together.
 //    An inode is compact (32 bytes) when its owner ids and link count fit 16
 //    bits, its size 32 bits, and its mtime equals the image's epoch (the most
 //    common mtime in the tree), else extended (64 bytes). Files keep mtime to
 //    the nanosecond either way.
 //  - Regular files: EROFS_INODE_CHUNK_BASED with 8-byte chunk indexes
-//    {0, device 1, block} (0xffffffff for a hole); empty files FLAT_PLAIN.
+//    {0, device, block} (0xffffffff for a hole): device 1 is the data blob,
+//    device k + 1 FsTree::extraBlobs[k - 1] (FsInode::chunkDevices); empty
+//    files FLAT_PLAIN. Mounted with one device= per blob, in that order.
 //  - Directories ('.' and '..' included, names sorted bytewise across blocks)
 //    and symlinks: FLAT_INLINE, their last partial block packed right after
 //    the inode when inode, xattrs and tail fit one block, the full blocks (or
@@ -72,8 +76,10 @@ struct ErofsImageInfo {
 //    bits beyond 07777; a directory entry named "", "." or "..", with '/' or
 //    NUL, longer than 255 bytes, out of order or duplicated, naming the root,
 //    a missing inode or a directory already named elsewhere; a regular file
-//    whose chunk count is not ceil(size / chunkSize) or whose chunk lies
-//    beyond dataSize; a symlink target empty or over 4095 bytes; an xattr
+//    whose chunk count is not ceil(size / chunkSize), whose chunkDevices is
+//    neither empty nor one per chunk or names a blob beyond extraBlobs, or
+//    whose chunk lies beyond its blob's size; more than kMaxExtraBlobs extra
+//    blobs, or one not named sha256:<hex>; a symlink target empty or over 4095 bytes; an xattr
 //    whose name has no EROFS prefix (user., trusted., security.,
 //    system.posix_acl_access/default), whose name after the prefix is over
 //    255 bytes or whose value is over 65535 bytes, duplicated names; bad

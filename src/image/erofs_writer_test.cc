@@ -610,6 +610,23 @@ TEST(ErofsWriterTest, RejectsBadTrees) {
   t.inodes[1].mode = S_IFLNK | 0777;
   t.inodes[1].chunks.clear();
   expectBad(t, "symlink");  // empty target
+  // Chunks in other layers' blobs (devices 2..).
+  t = good;
+  t.inodes[1].chunkDevices = {1};  // no extra blob 1
+  expectBad(t, "chunkDevices");
+  t.extraBlobs = {{"sha256:" + std::string(64, 'e'), 4096}};
+  t.inodes[1].chunks[0] = 1;  // beyond the extra blob's one block
+  expectBad(t, "chunks");
+  t.inodes[1].chunks[0] = 0;
+  t.inodes[1].chunkDevices = {1, 0};  // not one per chunk
+  expectBad(t, "chunkDevices");
+  t.inodes[1].chunkDevices = {1};
+  ASSERT_TRUE(writeErofs(t, tmp / "good.erofs").isOk());
+  ASSERT_EQ(::unlink((tmp / "good.erofs").c_str()), 0);
+  t.extraBlobs.assign(kMaxExtraBlobs + 1, t.extraBlobs[0]);
+  expectBad(t, "extraBlobs");
+  t.extraBlobs = {{"e", 4096}};
+  expectBad(t, "extraBlobs");
   ErofsWriterOptions o;
   o.chunkSize = 3000;
   expectBad(good, "chunkSize", o);

@@ -45,6 +45,11 @@ struct FsInode {
   // first byte in the data blob, or kHoleChunk. A chunk's bytes lie
   // contiguously from that address (the last chunk may be short).
   std::vector<uint32_t> chunks;
+  // Regular files: where each chunk lies. Empty: every chunk is in the
+  // layer's own data blob (EROFS device 1). Otherwise one entry per chunk: 0
+  // for the own blob, k for FsTree::extraBlobs[k - 1] (EROFS device k + 1),
+  // a chunk deduplicated against another layer's blob.
+  std::vector<uint8_t> chunkDevices;
   // Directories: entries by name (no "." or ".."), sorted by name in byte
   // order, each the index of an inode in FsTree::inodes. Several entries (in
   // one directory or several) naming the same non-directory inode are hard
@@ -58,6 +63,18 @@ struct FsTree {
   // Bytes written to the data blob so far: every chunk address lies below.
   // The data blob is padded to a multiple of kFsBlockSize.
   uint64_t dataSize = 0;
+  // Data blobs of other layers that some chunks point into (chunkDevices),
+  // in device order: EROFS devices 2, 3, ... each mounted with a further
+  // device=. At most kMaxExtraBlobs.
+  struct ExtraBlob {
+    std::string digest;  // "sha256:<hex>", also the device slot's tag
+    uint64_t size = 0;   // bytes (a multiple of kFsBlockSize)
+  };
+  std::vector<ExtraBlob> extraBlobs;
 };
+
+// Other layers' blobs one layer may point into: each is one more device to
+// mount (and one more disk for a microvm).
+inline constexpr size_t kMaxExtraBlobs = 8;
 
 }  // namespace dsec::image

@@ -32,6 +32,8 @@ Result<ConvertedLayer> convertTarLayer(ByteSource& in, std::optional<LayerCompre
   l.dataSize = int64_t(tar.tree.dataSize);
   l.owners = std::move(tar.owners);
   out.chunkIndex = tar.chunks.serialize();
+  for (auto& x : tar.tree.extraBlobs) out.extraData.push_back(x.digest);
+  out.stored = std::move(tar.stored);
   out.sourceDigest = tar.digest;
   out.diffId = tar.diffId;
   out.compression = tar.compression;

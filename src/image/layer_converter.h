@@ -11,8 +11,10 @@
 // the data blob and the metadata image, nothing else.
 #pragma once
 
+#include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "common/status.h"
 #include "image/layer_builder.h"
@@ -24,6 +26,13 @@ namespace dsec::image {
 struct ConvertedLayer {
   BuiltLayer layer;        // layer.erofs and layer.data in the work directory
   std::string chunkIndex;  // the data blob's ChunkIndex, serialized
+  // Other layers' data blobs its chunks point into (TarLayerOptions::shared),
+  // in device order: the layer must be recorded with them (LayerDesc::extraData).
+  std::vector<std::string> extraData;
+  std::vector<StoredChunk> stored;  // chunks stored in layer.data (TarLayer::stored)
+  // The source extraData came from, kept as long as this (it holds those
+  // blobs from garbage collection until the layer is recorded).
+  std::shared_ptr<ChunkSource> sharedFrom;
   std::string sourceDigest;  // sha256 of the bytes read (the registry blob)
   std::string diffId;        // sha256 of the uncompressed tar
   LayerCompression compression = LayerCompression::kNone;

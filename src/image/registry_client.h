@@ -81,7 +81,7 @@ struct RegistryCredentials {
 // password, "identitytoken"}). Keys may be written "host", "https://host" or
 // "https://host/v1/" (scheme and path are ignored); an exact key wins. nullopt
 // when it names none, or only an empty entry (credentials kept by a
-// credsStore helper, which this does not run). kInvalidArgument (field
+// credsStore helper: credential_helper.h runs those). kInvalidArgument (field
 // "auth") for malformed JSON or auth; the message never quotes a secret.
 Result<std::optional<RegistryCredentials>> credentialsFromDockerConfig(std::string_view json,
                                                                        std::string_view host);

@@ -504,7 +504,23 @@ class Converter {
   size_t curChunkLen() const {
     return size_t(std::min<uint64_t>(kChunkSize, fileSize_ - fileChunkStart()));
   }
-  uint64_t fileChunkStart() const { return uint64_t(fileChunks_->size()) * kChunkSize; }
+  uint64_t fileChunkStart() const { return uint64_t(file_->chunks.size()) * kChunkSize; }
+  // Appends the current file's next chunk: at `block` of the own blob (dev
+  // 0) or of extra blob `dev`.
+  void pushChunk(uint32_t block, uint8_t dev) {
+    if (dev != 0 && file_->chunkDevices.empty()) file_->chunkDevices.assign(file_->chunks.size(), 0);
+    if (dev != 0 || !file_->chunkDevices.empty()) file_->chunkDevices.push_back(dev);
+    file_->chunks.push_back(block);
+  }
+  // A chunk of another layer's blob (opts_.shared), as {block, device}, or
+  // nullopt to store it here.
+  Result<std::optional<std::pair<uint32_t, uint8_t>>> findShared(const Digest& d, size_t len);
+
+ public:
+  std::vector<FsTree::ExtraBlob> takeExtraBlobs() { return std::move(extraBlobs_); }
+  std::vector<StoredChunk> takeStored() { return std::move(storedList_); }
+
+ private:
 
   const TarLayerOptions& opts_;
   BlobWriter& blob_;
@@ -515,12 +531,18 @@ class Converter {
   int64_t metadataBytes_ = 0;                  // counted against maxMetadataBytes
 
   // The regular file being read.
-  std::vector<uint32_t>* fileChunks_ = nullptr;
+  FsInode* file_ = nullptr;
   uint64_t fileSize_ = 0;
   uint64_t filePos_ = 0;
   size_t chunkFill_ = 0;  // bytes in chunk_ of the current chunk
   std::vector<char> chunk_;
-  std::unordered_map<Digest, uint32_t, DigestHash> stored_;  // chunk digest -> blob block
+  struct Where {
+    uint32_t block;
+    uint8_t dev;  // 0: this layer's blob; k: extraBlobs_[k - 1]
+  };
+  std::unordered_map<Digest, Where, DigestHash> stored_;  // chunk digest -> where it is
+  std::vector<FsTree::ExtraBlob> extraBlobs_;
+  std::vector<StoredChunk> storedList_;
 };
 
 Status Converter::countEntry() {
@@ -835,8 +857,8 @@ Status Converter::readFile(struct archive* a, ArchiveInput& input, uint32_t idx,
   fileSize_ = ino.size;
   filePos_ = 0;
   chunkFill_ = 0;
-  fileChunks_ = &ino.chunks;
-  fileChunks_->reserve(size_t((fileSize_ + kChunkSize - 1) / kChunkSize));
+  file_ = &ino;
+  file_->chunks.reserve(size_t((fileSize_ + kChunkSize - 1) / kChunkSize));
   for (;;) {
     const void* buf = nullptr;
     size_t len = 0;
@@ -858,7 +880,7 @@ Status Converter::readFile(struct archive* a, ArchiveInput& input, uint32_t idx,
     RETURN_IF_ERROR(fileBytes(static_cast<const char*>(buf), len));
   }
   RETURN_IF_ERROR(fileZeros(fileSize_));  // a trailing hole
-  fileChunks_ = nullptr;
+  file_ = nullptr;
   return Status::ok();
 }
 
@@ -866,7 +888,7 @@ Status Converter::fileZeros(uint64_t target) {
   while (filePos_ < target) {
     size_t len = curChunkLen();
     if (chunkFill_ == 0 && target - filePos_ >= len) {  // a whole chunk of hole
-      fileChunks_->push_back(kHoleChunk);
+      pushChunk(kHoleChunk, 0);
       ++stats_.holeChunks;
       filePos_ += len;
       continue;
@@ -907,21 +929,51 @@ Status Converter::fileBytes(const char* p, size_t n) {
   return Status::ok();
 }
 
+Result<std::optional<std::pair<uint32_t, uint8_t>>> Converter::findShared(const Digest& d,
+                                                                            size_t len) {
+  ASSIGN_OR_RETURN(auto loc, opts_.shared->find(hexOf(d), len));
+  if (!loc) return std::optional<std::pair<uint32_t, uint8_t>>();
+  size_t k = 0;
+  while (k < extraBlobs_.size() && extraBlobs_[k].digest != loc->data) ++k;
+  if (k == extraBlobs_.size()) {
+    // One more device to mount; past the limit, the chunk is stored here.
+    if (extraBlobs_.size() >= kMaxExtraBlobs) return std::optional<std::pair<uint32_t, uint8_t>>();
+    extraBlobs_.push_back({loc->data, loc->dataSize});
+  }
+  return std::optional{std::pair{loc->block, uint8_t(k + 1)}};
+}
+
 Status Converter::emitChunk(const char* p, size_t len) {
   if (std::memcmp(p, kZeros, len) == 0) {
-    fileChunks_->push_back(kHoleChunk);
+    pushChunk(kHoleChunk, 0);
     ++stats_.holeChunks;
     return Status::ok();
   }
   bool full = len == size_t(kChunkSize);
+  const bool hashed = opts_.dedup || opts_.shared || full;
   Digest d{};
-  if (opts_.dedup || full) d = sha256Of(p, len);
+  if (hashed) d = sha256Of(p, len);
   if (opts_.dedup) {
     auto it = stored_.find(d);
     if (it != stored_.end()) {
-      fileChunks_->push_back(it->second);
-      ++stats_.chunksDeduplicated;
-      stats_.bytesDeduplicated += int64_t(len);
+      pushChunk(it->second.block, it->second.dev);
+      if (it->second.dev == 0) {
+        ++stats_.chunksDeduplicated;
+        stats_.bytesDeduplicated += int64_t(len);
+      } else {
+        ++stats_.chunksShared;
+        stats_.bytesShared += int64_t(len);
+      }
+      return Status::ok();
+    }
+  }
+  if (opts_.shared && len >= opts_.minSharedChunk) {
+    ASSIGN_OR_RETURN(auto hit, findShared(d, len));
+    if (hit) {
+      if (opts_.dedup) stored_.emplace(d, Where{hit->first, hit->second});
+      pushChunk(hit->first, hit->second);
+      ++stats_.chunksShared;
+      stats_.bytesShared += int64_t(len);
       return Status::ok();
     }
   }
@@ -934,8 +986,9 @@ Status Converter::emitChunk(const char* p, size_t len) {
   } else {
     RETURN_IF_ERROR(blob_.append(p, len));
   }
-  if (opts_.dedup) stored_.emplace(d, uint32_t(block));
-  fileChunks_->push_back(uint32_t(block));
+  if (opts_.dedup) stored_.emplace(d, Where{uint32_t(block), 0});
+  if (opts_.dedup || opts_.shared) storedList_.push_back({hexOf(d), uint32_t(len), uint32_t(block)});
+  pushChunk(uint32_t(block), 0);
   ++stats_.chunksWritten;
   return Status::ok();
 }
@@ -1142,6 +1195,8 @@ Result<TarLayer> convert(ByteSource& in, std::optional<LayerCompression> c,
   out.tree.dataSize = blob.size();
   out.dataDigest = "sha256:" + blob.hexDigest();
   out.chunks = blob.takeIndex();
+  out.tree.extraBlobs = conv.takeExtraBlobs();
+  out.stored = conv.takeStored();
   out.stats = std::move(conv.stats());
   out.stats.dataBytes = int64_t(blob.size());
   out.digest = compressed->digest();

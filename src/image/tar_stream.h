@@ -36,6 +36,7 @@
 #include <optional>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "common/fd.h"
 #include "common/status.h"
@@ -130,6 +131,30 @@ Result<std::unique_ptr<ByteSource>> decompressing(std::unique_ptr<ByteSource> in
                                                   std::optional<LayerCompression> c,
                                                   LayerCompression* used = nullptr);
 
+// Chunks other layers stored already, found by content: the converter's way
+// to deduplicate across layers and images (docs/images.md). The platform's
+// implementation asks its chunk table and keeps every blob it answered with
+// from garbage collection until it is destroyed.
+class ChunkSource {
+ public:
+  struct Location {
+    std::string data;   // the data blob holding the chunk, "sha256:<hex>"
+    uint64_t dataSize;  // its size in bytes
+    uint32_t block;     // the chunk's first byte, in kFsBlockSize blocks
+  };
+  virtual ~ChunkSource() = default;
+  // Where a chunk of `length` bytes whose sha256 is `sha` (64 lower-case hex)
+  // is stored, if anywhere. An error fails the conversion.
+  virtual Result<std::optional<Location>> find(const std::string& sha, uint64_t length) = 0;
+};
+
+// A chunk the converter stored in the layer's own blob (TarLayer::stored).
+struct StoredChunk {
+  std::string sha;  // 64 lower-case hex of its bytes
+  uint32_t length = 0;
+  uint32_t block = 0;
+};
+
 struct TarLayerOptions {
   // Owners are judged against ids 0..ownerWidth-1 (OwnerReport); 0 skips the
   // report (its width stays 0).
@@ -152,6 +177,14 @@ struct TarLayerOptions {
   int64_t maxFileBytes = int64_t(1) << 42;  // 4 TiB
   // Store identical chunks once (see the top of this file).
   bool dedup = true;
+  // Asked for each chunk not stored in this layer yet (after the in-layer
+  // check): a hit points the chunk at that blob, one of at most
+  // kMaxExtraBlobs (FsTree::extraBlobs); past that, chunks are stored here.
+  // Borrowed; null: no deduplication across layers.
+  ChunkSource* shared = nullptr;
+  // Chunks shorter than this are not looked up in `shared` (where a lookup
+  // costs more than the block it would save).
+  uint32_t minSharedChunk = 0;
   // Hash the bytes read (TarLayer::digest) and the uncompressed tar
   // (TarLayer::diffId). A caller that verified the blob already (a registry
   // pull checks every blob against its digest as it downloads) and has no
@@ -174,6 +207,8 @@ struct TarLayerStats {
   int64_t chunksDeduplicated = 0;
   int64_t bytesDeduplicated = 0;
   int64_t holeChunks = 0;  // chunks of zeros (written or sparse) given no space
+  int64_t chunksShared = 0;  // chunks found in other layers' blobs (ChunkSource)
+  int64_t bytesShared = 0;
   // libarchive warnings other than names it could not convert to the locale
   // (which are expected: names are taken as raw bytes, below), and xattrs
   // dropped because EROFS cannot store their namespace.
@@ -190,6 +225,9 @@ struct TarLayer {
   int64_t uncompressedSize = 0;
   std::string dataDigest;  // "sha256:<hex>" of the data blob
   ChunkIndex chunks;       // of the data blob, kChunkSize slices
+  // Every chunk stored in the data blob (not those found in this layer or
+  // elsewhere already): what the platform records for later layers to find.
+  std::vector<StoredChunk> stored;
   // Owners of the final tree (whiteout devices and implicit directories
   // included, each name counted once, hard links once per name), judged as
   // scanOwners judges the extracted tree: breadth first, names in byte order

@@ -1228,6 +1228,168 @@ TEST_F(TarStreamTest, TheConvertedLayerMountsAsTheExtraction) {
   }
 }
 
+// ---- chunks shared with other layers ---------------------------------------------------
+
+// A chunk table over other layers' stored chunks, as the platform keeps one.
+class FakeChunkSource : public ChunkSource {
+ public:
+  void add(const TarLayer& l) {
+    for (const auto& c : l.stored) {
+      table.emplace(c.sha + "/" + std::to_string(c.length),
+                    Location{l.dataDigest, l.tree.dataSize, c.block});
+    }
+  }
+  Result<std::optional<Location>> find(const std::string& sha, uint64_t length) override {
+    ++lookups;
+    if (!fail.isOk()) return fail;
+    auto it = table.find(sha + "/" + std::to_string(length));
+    if (it == table.end()) return std::optional<Location>();
+    return std::optional{it->second};
+  }
+  std::map<std::string, Location> table;
+  int lookups = 0;
+  Status fail;
+};
+
+TEST_F(TarStreamTest, SharesChunksWithOtherLayersAndMountsWithTheirBlobs) {
+  std::string big = randomBytes(300 << 10, 40), small = randomBytes(5000, 41),
+              fresh = randomBytes(200 << 10, 42);
+  std::string tarA = dir_ + "/a.tar", tarB = dir_ + "/b.tar";
+  writeTar(tarA, {file("big", big), file("small", small), file("tiny", "hi")});
+  // B: the same bytes under other names and times, so no layer is shared.
+  Ent bigB = file("copy/big", big);
+  bigB.mtime = 1;
+  writeTar(tarB, {bigB, file("copy/small", small), file("copy/tiny", "hi"), file("fresh", fresh),
+                  file("twice", big)});
+  auto a = read(tarA);
+  ASSERT_TRUE(a.isOk()) << a.status().toString();
+  EXPECT_EQ(a->stored.size(), 5u);  // big x3, small, tiny
+  std::string dataA = dir_ + "/a.data";
+  ASSERT_EQ(::rename(data_.c_str(), dataA.c_str()), 0);
+  FakeChunkSource src;
+  src.add(*a);
+
+  TarLayerOptions opts;
+  opts.shared = &src;
+  auto b = read(tarB, kDetectCompression, opts);
+  ASSERT_TRUE(b.isOk()) << b.status().toString();
+  const FsTree& t = b->tree;
+  ASSERT_EQ(t.extraBlobs.size(), 1u);
+  EXPECT_EQ(t.extraBlobs[0].digest, a->dataDigest);
+  EXPECT_EQ(t.extraBlobs[0].size, a->tree.dataSize);
+  const FsInode* bigA = at(a->tree, "big");
+  for (const char* n : {"copy/big", "twice"}) {
+    SCOPED_TRACE(n);
+    EXPECT_EQ(at(t, n)->chunks, bigA->chunks);
+    EXPECT_EQ(at(t, n)->chunkDevices, (std::vector<uint8_t>{1, 1, 1}));
+  }
+  EXPECT_EQ(at(t, "copy/small")->chunks, at(a->tree, "small")->chunks);
+  EXPECT_EQ(at(t, "copy/tiny")->chunkDevices, std::vector<uint8_t>{1});
+  EXPECT_TRUE(at(t, "fresh")->chunkDevices.empty());
+  // Only `fresh` is stored; `twice` is found in this layer's own map, not
+  // looked up again.
+  EXPECT_EQ(b->stats.chunksWritten, 2);
+  EXPECT_EQ(b->stats.chunksShared, 8);
+  EXPECT_EQ(b->stats.bytesShared, int64_t(2 * big.size() + small.size() + 2));
+  EXPECT_EQ(src.lookups, 7);  // big x3, small, tiny, fresh x2
+  EXPECT_EQ(t.dataSize, 200u << 10);  // fresh: 128K + 72K
+  EXPECT_EQ(b->stored.size(), 2u);
+
+  // The kernel reads B with A's blob as its second device.
+  std::string meta = dir_ + "/b.erofs";
+  auto img = writeErofs(t, meta);
+  ASSERT_TRUE(img.isOk()) << img.status().toString();
+  std::string mnt = dir_ + "/mnt";
+  ASSERT_TRUE(makeDirs(mnt).isOk());
+  std::string mopts = "device=" + data_ + ",device=" + dataA;
+  if (::mount(meta.c_str(), mnt.c_str(), "erofs", MS_RDONLY, mopts.c_str()) != 0) {
+    int err = errno;
+    if (err == EPERM || err == ENODEV || err == ENOTBLK) {
+      GTEST_SKIP() << "cannot mount erofs here: " << strerror(err);
+    }
+    FAIL() << "mount erofs: " << strerror(err);
+  }
+  std::map<std::string, std::string> want = {{"copy/big", big},    {"copy/small", small},
+                                             {"copy/tiny", "hi"},  {"fresh", fresh},
+                                             {"twice", big}};
+  for (auto& [n, w] : want) EXPECT_TRUE(slurp(mnt + "/" + n) == w) << n;
+  ::umount2(mnt.c_str(), MNT_DETACH);
+
+  // Without the second device the mount is refused (or its reads fail):
+  // the layer names the blob it needs.
+  if (::mount(meta.c_str(), mnt.c_str(), "erofs", MS_RDONLY, ("device=" + data_).c_str()) == 0) {
+    int fd = ::open((mnt + "/copy/big").c_str(), O_RDONLY | O_CLOEXEC);
+    char c;
+    EXPECT_TRUE(fd < 0 || ::pread(fd, &c, 1, 0) < 0);
+    if (fd >= 0) ::close(fd);
+    ::umount2(mnt.c_str(), MNT_DETACH);
+  }
+
+  // C reads from both: device 2 is B's blob (found first), device 3 A's.
+  std::string dataB = dir_ + "/b.data";
+  ASSERT_EQ(::rename(data_.c_str(), dataB.c_str()), 0);
+  src.add(*b);
+  std::string tarC = dir_ + "/c.tar", mine = randomBytes(10000, 43);
+  writeTar(tarC, {file("x/fresh", fresh), file("x/big", big), file("x/mine", mine)});
+  auto c = read(tarC, kDetectCompression, opts);
+  ASSERT_TRUE(c.isOk()) << c.status().toString();
+  ASSERT_EQ(c->tree.extraBlobs.size(), 2u);
+  EXPECT_EQ(c->tree.extraBlobs[0].digest, b->dataDigest);
+  EXPECT_EQ(c->tree.extraBlobs[1].digest, a->dataDigest);
+  EXPECT_EQ(at(c->tree, "x/fresh")->chunkDevices, (std::vector<uint8_t>{1, 1}));
+  EXPECT_EQ(at(c->tree, "x/big")->chunkDevices, (std::vector<uint8_t>{2, 2, 2}));
+  std::string metaC = dir_ + "/c.erofs";
+  ASSERT_TRUE(writeErofs(c->tree, metaC).isOk());
+  std::string optsC = "device=" + data_ + ",device=" + dataB + ",device=" + dataA;
+  ASSERT_EQ(::mount(metaC.c_str(), mnt.c_str(), "erofs", MS_RDONLY, optsC.c_str()), 0)
+      << strerror(errno);
+  EXPECT_TRUE(slurp(mnt + "/x/fresh") == fresh);
+  EXPECT_TRUE(slurp(mnt + "/x/big") == big);
+  EXPECT_TRUE(slurp(mnt + "/x/mine") == mine);
+  ::umount2(mnt.c_str(), MNT_DETACH);
+}
+
+TEST_F(TarStreamTest, SharedChunksStopAtTheDeviceLimitAndErrorsFailTheLayer) {
+  // Each file's bytes live in a blob of their own elsewhere: past
+  // kMaxExtraBlobs distinct blobs, chunks are stored here.
+  std::vector<Ent> ents;
+  FakeChunkSource src;
+  for (size_t i = 0; i < kMaxExtraBlobs + 2; ++i) {
+    std::string bytes = randomBytes(8192, uint32_t(50 + i));
+    ents.push_back(file("f" + std::to_string(i), bytes));
+    src.table.emplace(sha256Hex(bytes) + "/8192",
+                      ChunkSource::Location{"sha256:" + std::string(63, 'a') + char('a' + i),
+                                            1 << 20, uint32_t(i)});
+  }
+  std::string tar = dir_ + "/t.tar";
+  writeTar(tar, ents);
+  TarLayerOptions opts;
+  opts.shared = &src;
+  auto l = read(tar, kDetectCompression, opts);
+  ASSERT_TRUE(l.isOk()) << l.status().toString();
+  EXPECT_EQ(l->tree.extraBlobs.size(), kMaxExtraBlobs);
+  EXPECT_EQ(l->stats.chunksShared, int64_t(kMaxExtraBlobs));
+  EXPECT_EQ(l->stats.chunksWritten, 2);
+  EXPECT_EQ(at(l->tree, "f0")->chunks, std::vector<uint32_t>{0});
+  EXPECT_EQ(at(l->tree, "f0")->chunkDevices, std::vector<uint8_t>{1});
+  EXPECT_TRUE(at(l->tree, "f9")->chunkDevices.empty());
+  auto img = writeErofs(l->tree, dir_ + "/l.erofs");
+  EXPECT_TRUE(img.isOk()) << img.status().toString();
+
+  // Short chunks below minSharedChunk are not looked up.
+  src.lookups = 0;
+  opts.minSharedChunk = 16384;
+  ASSERT_TRUE(read(tar, kDetectCompression, opts).isOk());
+  EXPECT_EQ(src.lookups, 0);
+
+  src.fail = Status(Code::kUnavailable, "chunk table down");
+  opts.minSharedChunk = 0;
+  auto bad = read(tar, kDetectCompression, opts);
+  ASSERT_FALSE(bad.isOk());
+  EXPECT_EQ(bad.status().code(), Code::kUnavailable);
+  EXPECT_NE(::access(data_.c_str(), F_OK), 0);
+}
+
 // ---- limits and bad input ----------------------------------------------------------------
 
 TEST_F(TarStreamTest, BadTarsAndLimits) {

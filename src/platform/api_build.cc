@@ -231,7 +231,8 @@ class ImageBuild {
   Result<std::string> commitPacked(const image::BuiltLayer& l);
   Result<std::string> commitConverted(const image::ConvertedLayer& c);
   std::string workDir() {
-    return p_.opts_.dataDir + "/blobs/build-" + id_ + "-" + std::to_string(++seq_);
+    return p_.opts_.dataDir + "/blobs/build-" + p_.workTag() + "-" + id_ + "-" +
+           std::to_string(++seq_);
   }
 
   Platform& p_;
@@ -696,12 +697,16 @@ Status ImageBuild::stepCopy(int stage, State& s, const Instruction& i) {
   }
   const std::string work = workDir();
   auto tar = image::tarOf(std::move(entries));
-  auto converted = image::convertTarLayer(*tar, image::LayerCompression::kNone, work);
+  // Chunks earlier layers (pulled or built) stored are pointed at.
+  image::TarLayerOptions topts;
+  std::shared_ptr<image::ChunkSource> shared = p_.chunkSource();
+  topts.shared = shared.get();
+  auto converted = image::convertTarLayer(*tar, image::LayerCompression::kNone, work, topts);
   if (!converted.isOk()) {
     (void)removeTree(work);
     return Status(converted.status()).withContext(what + ": make its layer");
   }
-  auto layer = commitConverted(*converted);
+  auto layer = commitConverted(*converted);  // `shared` holds its extra blobs until recorded
   (void)removeTree(work);
   if (!layer.isOk()) return layer.status();
   RETURN_IF_ERROR(pushLayer(s, *layer, i.line));
@@ -1091,20 +1096,8 @@ Result<std::string> ImageBuild::commitPacked(const image::BuiltLayer& l) {
 }
 
 Result<std::string> ImageBuild::commitConverted(const image::ConvertedLayer& c) {
-  // As commitPulledLayer: the chunk index made while converting is kept.
-  const image::BuiltLayer& l = c.layer;
-  const std::string dataPath = Platform::blobPath(p_.opts_.dataDir, l.dataDigest);
-  if (::rename(l.dataPath.c_str(), dataPath.c_str()) != 0 ||
-      ::rename(l.path.c_str(), Platform::blobPath(p_.opts_.dataDir, l.digest).c_str()) != 0) {
-    return sysError("move a build layer into the blob store");
-  }
-  RETURN_IF_ERROR(p_.linkBlob(l.dataDigest, l.dataSize, ""));
-  if (auto rec = p_.store_->getBlob(l.dataDigest); rec.isOk() && rec->chunks.empty()) {
-    RETURN_IF_ERROR(writeFileAtomic(dataPath + ".chunks", c.chunkIndex, 0600));
-    RETURN_IF_ERROR(p_.store_->setBlobChunks(l.dataDigest, "sha256:" + sha256Hex(c.chunkIndex)));
-  }
-  RETURN_IF_ERROR(p_.linkBlob(l.digest, l.size, l.dataDigest));
-  return l.digest;
+  RETURN_IF_ERROR(p_.storeConvertedLayer(c));
+  return c.layer.digest;
 }
 
 // ---- the handler ---------------------------------------------------------------------

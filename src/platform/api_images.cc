@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <map>
 #include <optional>
 #include <set>
@@ -105,8 +106,31 @@ void Platform::putBlob(const std::string& digest, http::Request& req, http::Resp
   sendJson(res, 201, json{{"digest", digest}, {"size", size}}.dump());
 }
 
-Status Platform::linkBlob(const std::string& digest, int64_t size, const std::string& data) {
+Status Platform::linkBlob(const std::string& digest, int64_t size, const std::string& data,
+                          const std::vector<std::string>& extraData) {
   std::lock_guard gc(gcMu_);
+  // The extras are checked before anything is written. Under gcMu_ no
+  // collection runs, so what is checked here stays until the layer keeps it.
+  if (!extraData.empty() && data.empty()) {
+    return invalidArg("extra_data", "layer " + digest + " has extra data blobs but no data blob");
+  }
+  std::set<std::string> seen{data};
+  for (auto& x : extraData) {
+    if (x == digest || !seen.insert(x).second) {
+      return invalidArg("extra_data", "layer " + digest + " names " + x +
+                                          " twice among its data blobs (or as itself)");
+    }
+    auto blob = store_->getBlob(x);
+    if (!blob.isOk() && blob.status().code() == Code::kNotFound) {
+      return notFound("extra data blob " + x + " of layer " + digest + " is not stored");
+    }
+    if (!blob.isOk()) return blob.status();
+    if (blob->kind != "data") {
+      return Status(Code::kFailedPrecondition,
+                    "extra data blob " + x + " of layer " + digest + " is not a data blob (kind " +
+                        (blob->kind.empty() ? std::string("unset") : blob->kind) + ")");
+    }
+  }
   RETURN_IF_ERROR(store_->putBlob(digest, size));
   if (data.empty()) return Status::ok();
   auto blob = store_->getBlob(data);
@@ -116,7 +140,80 @@ Status Platform::linkBlob(const std::string& digest, int64_t size, const std::st
   }
   RETURN_IF_ERROR(store_->setBlobKind(data, "data"));
   RETURN_IF_ERROR(ensureChunkIndex(store_, opts_.dataDir, data).status());
+  // The extras before the data: a layer found with its data has its extras.
+  if (!extraData.empty()) RETURN_IF_ERROR(store_->setBlobExtraData(digest, extraData));
   return store_->setBlobData(digest, data);
+}
+
+namespace {
+// On a store shared with other replicas, a hold is also a lease, so that
+// their collectors see it: one per (blob, replica), taken with the
+// replica's first hold on the blob and given up with its last. A replica
+// that dies leaves it to lapse.
+constexpr double kChunkHoldLeaseTtlS = 6 * 3600;
+const std::string kChunkHoldLeasePrefix = "chunk-hold:";
+}  // namespace
+
+Result<std::optional<ChunkLoc>> Platform::lookupChunkAndHold(const std::string& sha,
+                                                             int64_t length) {
+  ASSIGN_OR_RETURN(std::optional<ChunkLoc> loc, store_->findChunk(sha, length));
+  if (!loc) return loc;
+  {
+    std::lock_guard lk(chunkHoldMu_);
+    // The lease is in the store before this hold counts: a second lookup of
+    // the same blob cannot go ahead of it.
+    if (store_->shared() && !chunkHolds_.count(loc->data)) {
+      ASSIGN_OR_RETURN(bool mine,
+                       store_->acquireLease(kChunkHoldLeasePrefix + loc->data + "/" + opts_.replicaId,
+                                            opts_.replicaId, kChunkHoldLeaseTtlS));
+      if (!mine) return internalError("chunk hold on " + loc->data + " taken by another holder");
+    }
+    chunkHolds_.insert(loc->data);
+  }
+  // Held, then seen again: see collectGarbage for why this order is safe.
+  auto again = store_->findChunk(sha, length);
+  if (again.isOk() && *again && (*again)->data == loc->data && (*again)->block == loc->block) {
+    return loc;
+  }
+  releaseChunkHolds({loc->data});
+  if (!again.isOk()) return std::move(again).takeStatus();
+  return std::optional<ChunkLoc>();
+}
+
+void Platform::releaseChunkHolds(const std::vector<std::string>& blobs) {
+  std::lock_guard lk(chunkHoldMu_);
+  for (auto& b : blobs) {
+    auto it = chunkHolds_.find(b);
+    if (it == chunkHolds_.end()) continue;
+    chunkHolds_.erase(it);
+    if (store_->shared() && !chunkHolds_.count(b)) {
+      if (Status st = store_->releaseLease(kChunkHoldLeasePrefix + b + "/" + opts_.replicaId,
+                                           opts_.replicaId);
+          !st.isOk()) {
+        log::warn("chunk hold on " + b + ": " + st.toString() + " (it lapses by itself)");
+      }
+    }
+  }
+}
+
+Result<bool> Platform::deleteBlobUnlessHeld(const std::string& digest) {
+  RETURN_IF_ERROR(store_->deleteChunksOf(digest));
+  {
+    std::lock_guard lk(chunkHoldMu_);
+    if (chunkHolds_.count(digest)) return false;
+  }
+  if (store_->shared()) {
+    // Another replica's converter may hold it.
+    ASSIGN_OR_RETURN(auto leases, store_->listLeases());
+    for (auto& l : leases) {
+      if (l.live && startsWith(l.name, kChunkHoldLeasePrefix + digest + "/")) return false;
+    }
+  }
+  RETURN_IF_ERROR(store_->deleteBlob(digest));
+  std::string path = blobPath(opts_.dataDir, digest);
+  if (::unlink(path.c_str()) != 0 && errno != ENOENT) log::warn("unlink " + path);
+  ::unlink((path + ".chunks").c_str());
+  return true;
 }
 
 Result<std::string> Platform::ensureChunkIndex(Store* store, const std::string& dataDir,
@@ -143,6 +240,20 @@ Result<proto::LayerDesc> Platform::describeLayer(Store* store, const std::string
   d.dataDigest = rec.data;
   d.dataSize = data.size;
   ASSIGN_OR_RETURN(d.chunksDigest, ensureChunkIndex(store, dataDir, rec.data));
+  for (auto& x : rec.extraData) {
+    auto blob = store->getBlob(x);
+    if (!blob.isOk() && blob.status().code() == Code::kNotFound) {
+      // The layer's chunks point into it: without it the layer cannot be read.
+      return Status(Code::kDataLoss,
+                    "layer " + digest + " points into data blob " + x + ", which is not stored");
+    }
+    if (!blob.isOk()) return blob.status();
+    proto::DataBlobDesc xd;
+    xd.digest = x;
+    xd.size = blob->size;
+    ASSIGN_OR_RETURN(xd.chunksDigest, ensureChunkIndex(store, dataDir, x));
+    d.extraData.push_back(std::move(xd));
+  }
   return d;
 }
 
@@ -428,22 +539,41 @@ Result<std::vector<std::string>> Platform::collectGarbage(double graceS) {
   if (auto pruned = store_->deleteBuildCacheBefore(now - kBuildCacheKeepS); !pruned.isOk()) {
     log::warn("gc: build cache: " + pruned.status().toString());
   }
-  // A layer's data blob lives as long as the layer.
+  // A layer's data blob, and the other layers' data blobs its chunks point
+  // into (extraData), live as long as the layer.
   std::set<std::string> keepData;
   for (auto& b : blobs) {
     bool young = b.createdAt + graceS > now;
-    if (!b.data.empty() && (keep.count(b.digest) || young)) keepData.insert(b.data);
+    if (!keep.count(b.digest) && !young) continue;
+    if (!b.data.empty()) keepData.insert(b.data);
+    keepData.insert(b.extraData.begin(), b.extraData.end());
   }
-  std::vector<std::string> removed;
+  // Unmounted first: a layer still mounted for a sandbox is in use after all,
+  // and so are its data and extra data blobs.
+  std::vector<const BlobRecord*> doomed;
   for (auto& b : blobs) {
     if (keep.count(b.digest) || keepData.count(b.digest) || b.createdAt + graceS > now) continue;
-    // Unmounted first: a layer still mounted for a sandbox is in use after all.
-    if (!cluster_->evictLayer(b.digest).isOk()) continue;
-    RETURN_IF_ERROR(store_->deleteBlob(b.digest));
-    std::string path = blobPath(opts_.dataDir, b.digest);
-    if (::unlink(path.c_str()) != 0 && errno != ENOENT) log::warn("gc: unlink " + path);
-    ::unlink((path + ".chunks").c_str());
-    removed.push_back(b.digest);
+    if (cluster_->evictLayer(b.digest).isOk()) {
+      doomed.push_back(&b);
+      continue;
+    }
+    if (!b.data.empty()) keepData.insert(b.data);
+    keepData.insert(b.extraData.begin(), b.extraData.end());
+  }
+  // Why a converter's chunk hold protects a blob (lookupChunkAndHold): the
+  // converter (1) finds chunk row R in blob D, (2) holds D, (3) finds R again;
+  // the collector (a) deletes D's rows, (b) checks for holds on D, (c) deletes
+  // D only if there is none. If the converter uses D, (3) saw R, so (3) came
+  // before (a): then (2) came before (b) and the collector sees the hold and
+  // keeps D. If (a) came first, (3) finds no R and the converter does not use
+  // D. The hold is released only after linkBlob (which waits for gcMu_) has
+  // recorded the layer naming D, which keeps D from then on. A blob kept for
+  // a hold has lost its rows: only later chunks do not find it, which is fine.
+  std::vector<std::string> removed;
+  for (const BlobRecord* b : doomed) {
+    if (keepData.count(b->digest)) continue;
+    ASSIGN_OR_RETURN(bool deleted, deleteBlobUnlessHeld(b->digest));
+    if (deleted) removed.push_back(b->digest);
   }
   if (!removed.empty()) log::info("gc: removed " + std::to_string(removed.size()) + " blobs");
   // Bytes of write steps live apart from layers (stepBytesPath); those no
@@ -475,20 +605,26 @@ json imagesNaming(const std::vector<ImageRecord>& images, const std::string& dig
   return refs;
 }
 
+// `sizes`: of the layer's data and extra data blobs (one missing: no size).
 json layerToApi(const BlobRecord& b, const std::vector<ImageRecord>& images, bool inUse,
-                std::optional<int64_t> dataSize) {
-  json data = nullptr;
-  if (!b.data.empty()) {
-    data = {{"digest", b.data}};
-    if (dataSize) data["size"] = *dataSize;
-  }
+                const std::map<std::string, int64_t>& sizes) {
+  auto blobToApi = [&](const std::string& digest) {
+    json j = {{"digest", digest}};
+    if (auto it = sizes.find(digest); it != sizes.end()) j["size"] = it->second;
+    return j;
+  };
+  json data = b.data.empty() ? json(nullptr) : blobToApi(b.data);
+  // Data blobs of other layers its chunks point into, in EROFS device order.
+  json extra = json::array();
+  for (auto& x : b.extraData) extra.push_back(blobToApi(x));
   return {{"digest", b.digest},
           {"kind", b.kind.empty() ? json(nullptr) : json(b.kind)},
           {"size", b.size},
           {"created_at", isoTime(b.createdAt)},
           {"images", imagesNaming(images, b.digest)},
           {"in_use", inUse},
-          {"data", data}};
+          {"data", data},
+          {"extra_data", extra}};
 }
 }  // namespace
 
@@ -503,7 +639,7 @@ void Platform::listLayers(http::Response& res) {
   json arr = json::array();
   for (auto& b : *blobs) {
     if (b.kind == "data") continue;  // shown with its layer
-    arr.push_back(layerToApi(b, *images, inUse.count(b.digest) > 0, sizes[b.data]));
+    arr.push_back(layerToApi(b, *images, inUse.count(b.digest) > 0, sizes));
   }
   sendJson(res, 200, json{{"layers", arr}}.dump());
 }
@@ -516,12 +652,13 @@ void Platform::getLayer(const std::string& digest, http::Response& res) {
   if (!blob.isOk()) return sendError(res, blob.status());
   auto images = store_->listImages();
   if (!images.isOk()) return sendError(res, images.status());
-  std::optional<int64_t> dataSize;
-  if (!blob->data.empty()) {
-    if (auto sz = store_->blobSize(blob->data); sz.isOk()) dataSize = *sz;
+  std::map<std::string, int64_t> sizes;
+  std::vector<std::string> blobs = blob->extraData;
+  if (!blob->data.empty()) blobs.push_back(blob->data);
+  for (auto& d : blobs) {
+    if (auto sz = store_->blobSize(d); sz.isOk()) sizes[d] = *sz;
   }
-  sendJson(res, 200,
-           layerToApi(*blob, *images, layersInUse().count(digest) > 0, dataSize).dump());
+  sendJson(res, 200, layerToApi(*blob, *images, layersInUse().count(digest) > 0, sizes).dump());
 }
 
 void Platform::deleteLayer(const std::string& digest, http::Response& res) {
@@ -542,16 +679,35 @@ void Platform::deleteLayer(const std::string& digest, http::Response& res) {
     return sendError(res, Status(Code::kFailedPrecondition,
                                  "layer " + digest + " is in use by a sandbox"));
   }
-  if (Status st = store_->deleteBlob(digest); !st.isOk()) return sendError(res, st);
-  ::unlink(blobPath(opts_.dataDir, digest).c_str());
-  if (!blob->data.empty()) {
-    bool shared = false;
-    if (auto all = store_->listBlobs(); all.isOk()) {
-      for (auto& b : *all) shared = shared || b.data == blob->data;
+  auto all = store_->listBlobs();
+  if (!all.isOk()) return sendError(res, all.status());
+  // Whether a layer other than `except` reads its chunks from data blob `d`.
+  auto namedByLayer = [&](const std::string& d, const std::string& except) {
+    for (auto& b : *all) {
+      if (b.digest == except) continue;
+      if (b.data == d ||
+          std::find(b.extraData.begin(), b.extraData.end(), d) != b.extraData.end()) {
+        return true;
+      }
     }
-    if (!shared && store_->deleteBlob(blob->data).isOk()) {
-      ::unlink(blobPath(opts_.dataDir, blob->data).c_str());
-      ::unlink((blobPath(opts_.dataDir, blob->data) + ".chunks").c_str());
+    return false;
+  };
+  if (namedByLayer(digest, "")) {
+    return sendError(
+        res, Status(Code::kFailedPrecondition, digest + " holds the data of another layer"));
+  }
+  auto gone = deleteBlobUnlessHeld(digest);
+  if (!gone.isOk()) return sendError(res, gone.status());
+  if (!*gone) {
+    return sendError(res, Status(Code::kFailedPrecondition,
+                                 digest + " is being pointed into by a layer in conversion"));
+  }
+  // Its data blob goes with it unless another layer reads from it, or a
+  // converter is about to (a chunk hold). Its extra data blobs belong to
+  // other layers, or to none any more: the collector removes those.
+  if (!blob->data.empty() && !namedByLayer(blob->data, digest)) {
+    if (auto gone = deleteBlobUnlessHeld(blob->data); !gone.isOk()) {
+      log::warn("delete layer " + digest + ": data blob: " + gone.status().toString());
     }
   }
   sendJson(res, 200, "{}");
@@ -574,12 +730,18 @@ Result<Platform::ImageBytes> Platform::imageBytes(const ImageRecord& img) {
     b.logical += size;
     if (seen.insert(digest).second) b.stored += size;
   };
+  // A layer whose chunks point into other layers' data blobs (extraData)
+  // needs those blobs whole to be read: they count as its own, like its data.
   for (auto& d : img.layers) {
     ASSIGN_OR_RETURN(BlobRecord meta, store_->getBlob(d));
     add(meta.digest, meta.size);
     if (meta.data.empty()) continue;
     ASSIGN_OR_RETURN(BlobRecord data, store_->getBlob(meta.data));
     add(data.digest, data.size);
+    for (auto& x : meta.extraData) {
+      ASSIGN_OR_RETURN(int64_t size, store_->blobSize(x));
+      add(x, size);
+    }
   }
   return b;
 }

@@ -62,6 +62,37 @@ json errorEvent(const Status& st) {
 
 }  // namespace
 
+std::shared_ptr<image::ChunkSource> Platform::chunkSource() {
+  // Every blob answered is held (lookupChunkAndHold) until the source goes,
+  // after the layer pointing into it is recorded with it as an extra blob.
+  class Source final : public image::ChunkSource {
+   public:
+    explicit Source(Platform* p) : p_(p) {}
+    ~Source() override { p_->releaseChunkHolds(held_); }
+    Result<std::optional<Location>> find(const std::string& sha, uint64_t length) override {
+      ASSIGN_OR_RETURN(auto loc, p_->lookupChunkAndHold(sha, int64_t(length)));
+      if (!loc) return std::optional<Location>();
+      held_.push_back(loc->data);
+      auto size = sizes_.find(loc->data);
+      if (size == sizes_.end()) {
+        auto rec = p_->store_->getBlob(loc->data);
+        if (!rec.isOk()) {
+          if (rec.status().code() == Code::kNotFound) return std::optional<Location>();
+          return rec.status();
+        }
+        size = sizes_.emplace(loc->data, uint64_t(rec->size)).first;
+      }
+      return std::optional{Location{loc->data, size->second, loc->block}};
+    }
+
+   private:
+    Platform* p_;
+    std::vector<std::string> held_;
+    std::map<std::string, uint64_t> sizes_;
+  };
+  return std::make_shared<Source>(this);
+}
+
 Result<image::ConvertedLayer> Platform::convertPulledLayer(const std::string& spool,
                                                           const image::RegistryLayer& layer,
                                                           const std::string& work) {
@@ -71,16 +102,20 @@ Result<image::ConvertedLayer> Platform::convertPulledLayer(const std::string& sp
   image::TarLayerOptions topts;
   topts.hashInput = false;
   topts.hashDiffId = false;
+  // Chunks any earlier layer stored are pointed at, not stored again.
+  std::shared_ptr<image::ChunkSource> shared = chunkSource();
+  topts.shared = shared.get();
   auto c = image::convertTarFile(spool, layer.compression, work, topts);
   if (!c.isOk()) {
     Status st = c.status();
     return Status(st.code(), st.message(), st.sysErrno(), st.field() == "layer" ? "ref" : st.field());
   }
   c->sourceDigest = layer.digest;
+  c->sharedFrom = std::move(shared);
   return c;
 }
 
-Status Platform::commitPulledLayer(const image::ConvertedLayer& c, const std::string& source) {
+Status Platform::storeConvertedLayer(const image::ConvertedLayer& c) {
   // Renamed into the store as pack_diff's layers are; the same bytes made
   // again by another pull are simply the same blob. The chunk index made
   // while converting saves reading the data blob again.
@@ -88,15 +123,24 @@ Status Platform::commitPulledLayer(const image::ConvertedLayer& c, const std::st
   const std::string dataPath = blobPath(opts_.dataDir, layer.dataDigest);
   if (::rename(layer.dataPath.c_str(), dataPath.c_str()) != 0 ||
       ::rename(layer.path.c_str(), blobPath(opts_.dataDir, layer.digest).c_str()) != 0) {
-    return sysError("move a pulled layer into the blob store");
+    return sysError("move a converted layer into the blob store");
   }
   RETURN_IF_ERROR(linkBlob(layer.dataDigest, layer.dataSize, ""));
   if (auto rec = store_->getBlob(layer.dataDigest); rec.isOk() && rec->chunks.empty()) {
     RETURN_IF_ERROR(writeFileAtomic(dataPath + ".chunks", c.chunkIndex, 0600));
     RETURN_IF_ERROR(store_->setBlobChunks(layer.dataDigest, "sha256:" + sha256Hex(c.chunkIndex)));
   }
-  RETURN_IF_ERROR(linkBlob(layer.digest, layer.size, layer.dataDigest));
-  return store_->setBlobSource(layer.digest, source);
+  // Where its chunks are, for the layers converted after it.
+  std::vector<ChunkLoc> chunks;
+  chunks.reserve(c.stored.size());
+  for (const auto& s : c.stored) chunks.push_back({s.sha, s.length, layer.dataDigest, s.block});
+  RETURN_IF_ERROR(store_->putChunks(layer.dataDigest, chunks));
+  return linkBlob(layer.digest, layer.size, layer.dataDigest, c.extraData);
+}
+
+Status Platform::commitPulledLayer(const image::ConvertedLayer& c, const std::string& source) {
+  RETURN_IF_ERROR(storeConvertedLayer(c));
+  return store_->setBlobSource(c.layer.digest, source);
 }
 
 std::optional<std::string> Platform::pulledLayer(const std::string& source) {
@@ -113,6 +157,11 @@ std::optional<std::string> Platform::pulledLayer(const std::string& source) {
   return *digest;
 }
 
+std::string Platform::workTag() const {
+  // Per replica (its id), in a form no other id's tag starts with.
+  return sha256Hex(opts_.replicaId).substr(0, 8);
+}
+
 void Platform::startPulls() {
   PullHooks hooks;
   hooks.knownLayer = [this](const std::string& source) { return pulledLayer(source); };
@@ -121,8 +170,30 @@ void Platform::startPulls() {
   hooks.commit = [this](const image::ConvertedLayer& b, const std::string& source) {
     return commitPulledLayer(b, source);
   };
-  pulls_ = std::make_unique<PullManager>(opts_.dataDir + "/pull", opts_.dataDir + "/blobs",
+  // Replicas on one store fetch each registry layer once between them.
+  std::string holder = (opts_.replicaId.empty() ? "platform" : opts_.replicaId) + "/" + randomHex(4);
+  hooks.claim = [this, holder](const std::string& source, double ttlS) {
+    return store_->acquireLease("pull-layer:" + source, holder, ttlS);
+  };
+  hooks.unclaim = [this, holder](const std::string& source) {
+    if (Status st = store_->releaseLease("pull-layer:" + source, holder); !st.isOk()) {
+      log::warn("pull: releasing the claim on " + source + ": " + st.toString());
+    }
+  };
+  pulls_ = std::make_unique<PullManager>(opts_.dataDir + "/pull",
+                                         opts_.dataDir + "/blobs/pull-" + workTag(),
                                          std::move(hooks), opts_.pullWorkers);
+  // Builds a crash cut short: their context spools (this data dir's own) and
+  // step work directories (this replica's, in the shared blob directory).
+  (void)removeTree(opts_.dataDir + "/build");
+  const std::string blobs = opts_.dataDir + "/blobs", mine = "build-" + workTag() + "-";
+  if (auto names = dirEntries(blobs); names.isOk()) {
+    for (auto& n : *names) {
+      if (startsWith(n, mine) && removeTree(blobs + "/" + n).isOk()) {
+        log::info("build: removed " + blobs + "/" + n + " (a step a crash left)");
+      }
+    }
+  }
 }
 
 Result<ImageRecord> Platform::finishPull(ImageRecord r, const image::ResolvedImage& resolved,
@@ -360,6 +431,10 @@ void Platform::writeImageMetrics(metrics::Writer& w) {
         if (auto data = byDigest.find(it->second->data); data != byDigest.end()) {
           logical += double(data->second->size);
         }
+        // Blobs of other layers it reads chunks from, as imageBytes counts them.
+        for (auto& x : it->second->extraData) {
+          if (auto e = byDigest.find(x); e != byDigest.end()) logical += double(e->second->size);
+        }
       }
     }
     w.gauge("dsec_blobs_stored_bytes", "Bytes of every blob in the platform's blob store.", stored);
@@ -373,10 +448,12 @@ void Platform::writeImageMetrics(metrics::Writer& w) {
   PullStats s = pulls_->stats();
   const char* help =
       "Registry layers a pull needed, by how they were had: fetched (downloaded and converted), "
-      "reused (converted before), joined (another pull was fetching it), failed.";
+      "reused (converted before), joined (another pull was fetching it), awaited (another "
+      "replica fetched it while this one waited), failed.";
   w.counter("dsec_pull_layers_total", help, double(s.layersFetched), {{"result", "fetched"}});
   w.counter("dsec_pull_layers_total", help, double(s.layersReused), {{"result", "reused"}});
   w.counter("dsec_pull_layers_total", help, double(s.layersJoined), {{"result", "joined"}});
+  w.counter("dsec_pull_layers_total", help, double(s.layersAwaited), {{"result", "awaited"}});
   w.counter("dsec_pull_layers_total", help, double(s.failures), {{"result", "failed"}});
   w.counter("dsec_pull_bytes_total", "Bytes downloaded from registries (compressed layers).",
             double(s.bytesFetched));

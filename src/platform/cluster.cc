@@ -928,12 +928,7 @@ void Cluster::handleInternal(http::Request& req, http::Response& res) {
     if (!opts_.lookup) return sendErr(res, notFound("no layer lookup here"));
     auto d = opts_.lookup(parts[4]);
     if (!d.isOk()) return sendErr(res, d.status());
-    return sendJsonBody(res, 200,
-                        {{"digest", d->digest},
-                         {"size", d->size},
-                         {"data_digest", d->dataDigest},
-                         {"data_size", d->dataSize},
-                         {"chunks_digest", d->chunksDigest}});
+    return sendJsonBody(res, 200, proto::toJson(*d));
   }
   sendErr(res, notFound("no such endpoint: " + req.method + " " + req.path));
 }

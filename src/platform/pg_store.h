@@ -72,6 +72,10 @@ class PostgresStore : public Store {
   Status deleteBlob(const std::string& digest) override;
   Status setBlobSource(const std::string& digest, const std::string& source) override;
   Result<std::string> findLayerBySource(const std::string& source) override;
+  Status setBlobExtraData(const std::string& layer, const std::vector<std::string>& blobs) override;
+  Status putChunks(const std::string& data, const std::vector<ChunkLoc>& chunks) override;
+  Result<std::optional<ChunkLoc>> findChunk(const std::string& sha, int64_t length) override;
+  Status deleteChunksOf(const std::string& data) override;
   Status putImage(const ImageRecord& r) override;
   Result<ImageRecord> getImage(const std::string& name, const std::string& tag) override;
   Result<std::vector<ImageRecord>> listImages() override;

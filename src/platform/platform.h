@@ -291,6 +291,16 @@ class Platform {
                                                    const image::RegistryLayer& layer,
                                                    const std::string& work);
   Status commitPulledLayer(const image::ConvertedLayer& layer, const std::string& source);
+  // Moves a layer the streaming converter made (pull, build COPY) into the
+  // blob store and records it: its data blob and chunk index, the chunks it
+  // stored (for later layers to find), and the layer with its extra blobs.
+  Status storeConvertedLayer(const image::ConvertedLayer& c);
+  // The chunk table (Store::findChunk) as the converter's ChunkSource: the
+  // blobs it answers with stay out of gc's reach while it lives.
+  std::shared_ptr<image::ChunkSource> chunkSource();
+  // Names this replica's work directories in the shared blob directory
+  // (pull and build steps), so that it sweeps only its own after a crash.
+  std::string workTag() const;
   std::optional<std::string> pulledLayer(const std::string& source);
   // The registry options of pulls the platform starts itself (dsec up's
   // --insecure-registry, --registry-ca, --registry-auth).
@@ -357,17 +367,47 @@ class Platform {
 
  public:
   // Deletes layer blobs that no image names and no live sandbox stacks, once
-  // they are older than graceS (an upload waits that long for its image).
-  // Returns the digests removed. Thread-safe.
+  // they are older than graceS (an upload waits that long for its image),
+  // with the data blobs only they name (as data or extra data), except data
+  // blobs a converter holds (lookupChunkAndHold). Returns the digests
+  // removed. Thread-safe.
   Result<std::vector<std::string>> collectGarbage(double graceS);
+
+  // Chunks deduplicated across layers (Store::putChunks). A converter about
+  // to store a chunk asks where it is already; on a hit it points its layer
+  // at that data blob (an extra data blob, linkBlob) instead of storing it.
+  // The blob found is held: collectGarbage will not delete it until the
+  // converter calls releaseChunkHolds with it, which it does once linkBlob
+  // has recorded the layer with its extra data (the layer then keeps the
+  // blob), or when it gives the layer up. One release per hit. On a store
+  // shared by replicas a blob held here is also held by a lease
+  // ("chunk-hold:<blob>/<replica>", taken with the first hold, given up
+  // with the last, lapsing after 6 h if this replica dies), which every
+  // replica's collector checks.
+  // nullopt: not stored anywhere (or its blob is being collected). Errors
+  // are the store's. Thread-safe; never waits for a collection.
+  Result<std::optional<ChunkLoc>> lookupChunkAndHold(const std::string& sha, int64_t length);
+  // Releases one hold on each of `blobs` (each as returned in
+  // ChunkLoc::data by lookupChunkAndHold; a blob not held is ignored).
+  void releaseChunkHolds(const std::vector<std::string>& blobs);
 
  private:
   // Resolves "name[:tag]" or "sha256:…" to layers, checking they are of `kind`
   // (any kind when empty); `field` names the request field in errors.
   Result<std::vector<std::string>> resolveLayers(const std::string& ref, const std::string& kind,
                                                  const std::string& field);
-  // Records an uploaded blob, and for a layer's metadata image its data blob.
-  Status linkBlob(const std::string& digest, int64_t size, const std::string& data);
+  // Records an uploaded blob, and for a layer's metadata image its data blob
+  // (kind set to "data", chunk index made) and the data blobs of other
+  // layers its chunks point into, in EROFS device order (Store::setBlobExtraData).
+  // Each extra must be stored already with kind "data" (kNotFound,
+  // kFailedPrecondition), differ from `data` and the others, and needs a
+  // `data` (kInvalidArgument); nothing is recorded when one fails.
+  Status linkBlob(const std::string& digest, int64_t size, const std::string& data,
+                  const std::vector<std::string>& extraData = {});
+  // Deletes blob `digest` (row, file, chunk index) unless a converter holds
+  // it: its chunk rows go first, then the holds are checked (collectGarbage
+  // says why in that order). Whether it was deleted. gcMu_ held.
+  Result<bool> deleteBlobUnlessHeld(const std::string& digest);
   // Digests of layers stacked by sandboxes that are not stopped or failed.
   std::set<std::string> layersInUse();
 
@@ -448,6 +488,11 @@ class Platform {
   std::unique_ptr<PullManager> pulls_;  // registry pulls (api_pull.cc)
   uint64_t metricsId_ = 0;            // the collector in opts_.registry (0: none yet)
   std::mutex gcMu_;  // one collection at a time; held while images and layers are deleted
+  // Data blobs converters are about to point chunks into
+  // (lookupChunkAndHold), one entry per hold. Taken alone or under gcMu_,
+  // never the other way round.
+  std::mutex chunkHoldMu_;
+  std::multiset<std::string> chunkHolds_;  // guarded by chunkHoldMu_
 
   std::mutex mu_;  // guards sandboxes_, deleteRequested_, stopping_
   std::map<std::string, SandboxRecord> sandboxes_;

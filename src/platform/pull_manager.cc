@@ -56,9 +56,68 @@ struct PullManager::Task {
   }
 };
 
-PullManager::PullManager(std::string workRoot, std::string convertRoot, PullHooks hooks,
+// The cluster-wide claim on fetching one registry layer (PullHooks::claim):
+// renewed every third of its time to live while held, given up when
+// destroyed.
+class LayerClaim {
+ public:
+  static constexpr double kTtlS = 30;
+  LayerClaim(const PullHooks& hooks, std::string source)
+      : hooks_(hooks), source_(std::move(source)) {}
+  ~LayerClaim() {
+    {
+      std::lock_guard lk(mu_);
+      done_ = true;
+    }
+    cv_.notify_all();
+    if (renewer_.joinable()) renewer_.join();
+    if (held_ && hooks_.unclaim) hooks_.unclaim(source_);
+  }
+  Result<bool> take() {
+    ASSIGN_OR_RETURN(bool mine, hooks_.claim(source_, kTtlS));
+    if (mine && !held_) {
+      held_ = true;
+      renewer_ = std::thread([this] {
+        std::unique_lock lk(mu_);
+        while (!cv_.wait_for(lk, std::chrono::duration<double>(kTtlS / 3), [&] { return done_; })) {
+          lk.unlock();
+          auto r = hooks_.claim(source_, kTtlS);
+          if (!r.isOk() || !*r) {
+            log::warn("pull: renewing the claim on layer " + source_ + ": " +
+                      (r.isOk() ? "taken by another replica" : r.status().toString()));
+          }
+          lk.lock();
+        }
+      });
+    }
+    return mine;
+  }
+
+ private:
+  const PullHooks& hooks_;
+  const std::string source_;
+  bool held_ = false;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  std::thread renewer_;
+};
+
+PullManager::PullManager(std::string workRoot, std::string convertPrefix, PullHooks hooks,
                          int workers)
-    : workRoot_(std::move(workRoot)), convertRoot_(std::move(convertRoot)), hooks_(std::move(hooks)) {
+    : workRoot_(std::move(workRoot)), convertPrefix_(std::move(convertPrefix)), hooks_(std::move(hooks)) {
+  // Conversions a crash left behind (never those of another replica sharing
+  // the directory: they have prefixes of their own).
+  std::string dir = convertPrefix_.substr(0, convertPrefix_.rfind('/'));
+  std::string base = convertPrefix_.substr(convertPrefix_.rfind('/') + 1) + "-";
+  if (auto names = dirEntries(dir); names.isOk()) {
+    for (auto& n : *names) {
+      if (!startsWith(n, base)) continue;
+      if (Status st = removeTree(dir + "/" + n); st.isOk()) {
+        log::info("pull: removed " + dir + "/" + n + " (a conversion a crash left)");
+      }
+    }
+  }
   for (int i = 0; i < std::max(1, workers); ++i) workers_.emplace_back([this] { worker(); });
 }
 
@@ -239,6 +298,8 @@ void PullManager::runTask(const std::shared_ptr<Task>& t) {
     }
     for (auto& j : t->jobs(mu_)) j->report({t->layer.digest, phase, bytes, t->layer.size, ""});
   };
+  LayerClaim claim(hooks_, t->layer.digest);
+  if (!claimOrAwait(t, claim, tell)) return;
   struct stat st;
   int64_t start = ::stat(spool.c_str(), &st) == 0 ? st.st_size : 0;
   tell(LayerPhase::kDownloading, start);
@@ -260,7 +321,7 @@ void PullManager::runTask(const std::shared_ptr<Task>& t) {
       &t->cancel);
   if (!fetched.isOk()) return finishTask(t, fetched);
   tell(LayerPhase::kConverting, t->layer.size);
-  const std::string work = convertRoot_ + "/pull-" + randomHex(6);
+  const std::string work = convertPrefix_ + "-" + randomHex(6);
   std::string taskHold;
   auto convertAndCommit = [&]() -> Result<std::string> {
     ASSIGN_OR_RETURN(image::ConvertedLayer built, hooks_.convert(spool, t->layer, work));
@@ -280,15 +341,47 @@ void PullManager::runTask(const std::shared_ptr<Task>& t) {
   release({taskHold});
 }
 
-void PullManager::finishTask(const std::shared_ptr<Task>& t, Result<std::string> r) {
+bool PullManager::claimOrAwait(const std::shared_ptr<Task>& t, LayerClaim& claim,
+                               const std::function<void(LayerPhase, int64_t)>& tell) {
+  if (!hooks_.claim) return true;
+  bool told = false;
+  for (;;) {
+    auto mine = claim.take();
+    if (!mine.isOk()) {
+      finishTask(t, mine.status());
+      return false;
+    }
+    // Taken or not, the layer may be there already: the replica that held
+    // the claim made it and let go.
+    if (auto known = hooks_.knownLayer ? hooks_.knownLayer(t->layer.digest) : std::nullopt) {
+      finishTask(t, *known, /*here=*/false);
+      return false;
+    }
+    if (*mine) return true;
+    if (!told) {
+      tell(LayerPhase::kWaiting, 0);
+      told = true;
+    }
+    std::unique_lock lk(mu_);
+    if (cv_.wait_for(lk, std::chrono::milliseconds(250), [&] { return stopping_ || t->cancel; })) {
+      lk.unlock();
+      finishTask(t, Status(Code::kUnavailable, "the platform is stopping"));
+      return false;
+    }
+  }
+}
+
+void PullManager::finishTask(const std::shared_ptr<Task>& t, Result<std::string> r, bool here) {
   std::vector<std::pair<std::shared_ptr<Job>, size_t>> waiters;
   {
     std::lock_guard lk(mu_);
     auto it = inflight_.find(t->layer.digest);
     if (it != inflight_.end() && it->second == t) inflight_.erase(it);
     waiters.swap(t->waiters);
-    if (r.isOk()) {
+    if (r.isOk() && here) {
       ++stats_.layersFetched;
+    } else if (r.isOk()) {
+      ++stats_.layersAwaited;
     } else {
       ++stats_.failures;
     }

@@ -37,6 +37,8 @@
 
 namespace dsec::platform {
 
+class LayerClaim;  // pull_manager.cc
+
 enum class LayerPhase { kExists, kWaiting, kDownloading, kConverting, kDone };
 const char* layerPhaseName(LayerPhase p);
 
@@ -62,12 +64,19 @@ struct PullHooks {
   // Moves a converted layer into the blob store and records that it came
   // from registry layer `source`.
   std::function<Status(const image::ConvertedLayer& built, const std::string& source)> commit;
+  // One fetch per cluster: takes or renews, for ttlS seconds, this replica's
+  // claim on fetching registry layer `source`; false while another replica
+  // holds it (this one then waits for knownLayer to find that replica's
+  // layer, or for the claim to lapse). Null: this replica is alone.
+  std::function<Result<bool>(const std::string& source, double ttlS)> claim;
+  std::function<void(const std::string& source)> unclaim;
 };
 
 struct PullStats {
   int64_t layersFetched = 0;    // downloaded and converted
   int64_t layersReused = 0;     // known already (no fetch)
   int64_t layersJoined = 0;     // in flight for another pull, joined
+  int64_t layersAwaited = 0;    // fetched by another replica while this one waited
   int64_t bytesFetched = 0;     // from registries (compressed)
   int64_t failures = 0;         // layers that failed
   int64_t inFlight = 0;         // layers being fetched or converted now
@@ -77,7 +86,10 @@ class PullManager {
  public:
   // `workRoot`: a directory on the blob store's filesystem; `workers`:
   // layers fetched and converted at once, over all pulls.
-  PullManager(std::string workRoot, std::string convertRoot, PullHooks hooks, int workers);
+  // `convertPrefix`: conversions run in fresh directories named
+  // <convertPrefix>-<random>; those of an earlier process with the same
+  // prefix (a crash) are removed first.
+  PullManager(std::string workRoot, std::string convertPrefix, PullHooks hooks, int workers);
   // Stops the workers: layers not started yet fail with kUnavailable; those
   // running are cancelled (their spools stay for a later pull).
   ~PullManager();
@@ -108,13 +120,19 @@ class PullManager {
   struct Task;
   void worker();
   void runTask(const std::shared_ptr<Task>& t);
-  void finishTask(const std::shared_ptr<Task>& t, Result<std::string> r);
+  // `here`: this replica fetched the layer (else another did, or it failed).
+  void finishTask(const std::shared_ptr<Task>& t, Result<std::string> r, bool here = true);
+  // Until this replica holds the claim on t's layer (PullHooks::claim):
+  // true to go on fetching; false when t is finished (another replica's
+  // layer found, an error, the platform stopping).
+  bool claimOrAwait(const std::shared_ptr<Task>& t, LayerClaim& claim,
+                    const std::function<void(LayerPhase, int64_t)>& tell);
   void settle(const std::shared_ptr<Job>& job, size_t index, const Result<std::string>& r);
   void hold(const std::string& layer);
   void release(const std::vector<std::string>& layers);
 
   const std::string workRoot_;
-  const std::string convertRoot_;
+  const std::string convertPrefix_;
   const PullHooks hooks_;
 
   mutable std::mutex mu_;  // guards everything below

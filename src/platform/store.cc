@@ -6,6 +6,7 @@
 #include <optional>
 
 #include "common/json_writer.h"
+#include "common/util.h"
 
 namespace dsec::platform {
 
@@ -301,12 +302,19 @@ Result<std::unique_ptr<SqliteStore>> SqliteStore::open(const std::string& path) 
                             "ALTER TABLE images ADD COLUMN visibility TEXT NOT NULL DEFAULT "
                             "'public'",
                             "ALTER TABLE images ADD COLUMN source TEXT NOT NULL DEFAULT ''",
-                            "ALTER TABLE blobs ADD COLUMN source TEXT NOT NULL DEFAULT ''"}) {
+                            "ALTER TABLE blobs ADD COLUMN source TEXT NOT NULL DEFAULT ''",
+                            "ALTER TABLE blobs ADD COLUMN extra_data TEXT NOT NULL DEFAULT ''"}) {
     Status st = s->exec(alter);
     if (!st.isOk() && st.message().find("duplicate column") == std::string::npos) return st;
   }
   RETURN_IF_ERROR(
       s->exec("CREATE INDEX IF NOT EXISTS blobs_source ON blobs(source) WHERE source <> ''"));
+  // The chunk table (Store::putChunks): one row per distinct chunk.
+  RETURN_IF_ERROR(
+      s->exec("CREATE TABLE IF NOT EXISTS chunks(sha TEXT NOT NULL, length INTEGER NOT NULL, "
+              "data TEXT NOT NULL, block INTEGER NOT NULL, PRIMARY KEY(sha, length)) "
+              "WITHOUT ROWID;"
+              "CREATE INDEX IF NOT EXISTS chunks_data ON chunks(data);"));
   RETURN_IF_ERROR(s->openNodeTables());
   return s;
 }
@@ -472,12 +480,13 @@ Result<int64_t> SqliteStore::blobSize(const std::string& digest) {
 Result<BlobRecord> SqliteStore::getBlob(const std::string& digest) {
   std::lock_guard lk(mu_);
   Stmt st(db_,
-          "SELECT digest, size, created_at, kind, data, chunks, source FROM blobs WHERE digest=?1");
+          "SELECT digest, size, created_at, kind, data, chunks, source, extra_data FROM blobs "
+          "WHERE digest=?1");
   st.bind(1, digest);
   int rc = st.step();
   if (rc == SQLITE_ROW) {
     return BlobRecord{st.text(0), st.i64(1),  st.dbl(2), st.text(3),
-                      st.text(4), st.text(5), st.text(6)};
+                      st.text(4), st.text(5), st.text(6), digestsFromColumn(st.text(7))};
   }
   if (rc == SQLITE_DONE) return notFound("layer " + digest + " not found");
   return sqlError(db_, "getBlob");
@@ -486,12 +495,13 @@ Result<BlobRecord> SqliteStore::getBlob(const std::string& digest) {
 Result<std::vector<BlobRecord>> SqliteStore::listBlobs() {
   std::lock_guard lk(mu_);
   Stmt st(db_,
-          "SELECT digest, size, created_at, kind, data, chunks, source FROM blobs ORDER BY digest");
+          "SELECT digest, size, created_at, kind, data, chunks, source, extra_data FROM blobs "
+          "ORDER BY digest");
   std::vector<BlobRecord> out;
   int rc;
   while ((rc = st.step()) == SQLITE_ROW) {
     out.push_back(BlobRecord{st.text(0), st.i64(1), st.dbl(2), st.text(3), st.text(4), st.text(5),
-                             st.text(6)});
+                             st.text(6), digestsFromColumn(st.text(7))});
   }
   if (rc != SQLITE_DONE) return sqlError(db_, "listBlobs");
   return out;
@@ -523,10 +533,22 @@ Status SqliteStore::setBlobChunks(const std::string& digest, const std::string& 
 
 Status SqliteStore::deleteBlob(const std::string& digest) {
   std::lock_guard lk(mu_);
-  Stmt st(db_, "DELETE FROM blobs WHERE digest=?1");
-  st.bind(1, digest);
-  if (st.step() != SQLITE_DONE) return sqlError(db_, "deleteBlob");
-  return Status::ok();
+  RETURN_IF_ERROR(exec("BEGIN IMMEDIATE"));
+  Status s;
+  for (const char* sql :
+       {"DELETE FROM chunks WHERE data=?1", "DELETE FROM blobs WHERE digest=?1"}) {
+    Stmt st(db_, sql);
+    st.bind(1, digest);
+    if (st.step() != SQLITE_DONE) {
+      s = sqlError(db_, "deleteBlob");
+      break;
+    }
+  }
+  if (!s.isOk()) {
+    (void)exec("ROLLBACK");
+    return s;
+  }
+  return exec("COMMIT");
 }
 
 Status SqliteStore::setBlobSource(const std::string& digest, const std::string& source) {
@@ -545,6 +567,106 @@ Result<std::string> SqliteStore::findLayerBySource(const std::string& source) {
   if (rc == SQLITE_ROW) return st.text(0);
   if (rc == SQLITE_DONE) return notFound("no layer converted from " + source);
   return sqlError(db_, "findLayerBySource");
+}
+
+Status SqliteStore::setBlobExtraData(const std::string& layer,
+                                     const std::vector<std::string>& blobs) {
+  RETURN_IF_ERROR(checkExtraData(blobs));
+  std::lock_guard lk(mu_);
+  Stmt st(db_, "UPDATE blobs SET extra_data=?2 WHERE digest=?1");
+  st.bind(1, layer).bind(2, digestsToColumn(blobs));
+  if (st.step() != SQLITE_DONE) return sqlError(db_, "setBlobExtraData");
+  return Status::ok();
+}
+
+Status SqliteStore::putChunks(const std::string& data, const std::vector<ChunkLoc>& chunks) {
+  RETURN_IF_ERROR(checkChunks(data, chunks));
+  if (chunks.empty()) return Status::ok();
+  std::lock_guard lk(mu_);
+  RETURN_IF_ERROR(exec("BEGIN IMMEDIATE"));
+  Stmt st(db_,
+          "INSERT INTO chunks(sha, length, data, block) VALUES(?1, ?2, ?3, ?4) "
+          "ON CONFLICT(sha, length) DO NOTHING");
+  Status s = st.ok() ? Status::ok() : sqlError(db_, "prepare putChunks");
+  for (size_t i = 0; s.isOk() && i < chunks.size(); ++i) {
+    st.bind(1, chunks[i].sha).bind(2, chunks[i].length).bind(3, data);
+    st.bind(4, int64_t(chunks[i].block));
+    if (st.step() != SQLITE_DONE) s = sqlError(db_, "putChunks");
+    st.reset();
+  }
+  if (!s.isOk()) {
+    (void)exec("ROLLBACK");
+    return s;
+  }
+  return exec("COMMIT");
+}
+
+Result<std::optional<ChunkLoc>> SqliteStore::findChunk(const std::string& sha, int64_t length) {
+  std::lock_guard lk(mu_);
+  Stmt st(db_, "SELECT data, block FROM chunks WHERE sha=?1 AND length=?2");
+  st.bind(1, sha).bind(2, length);
+  int rc = st.step();
+  if (rc == SQLITE_ROW) {
+    return std::optional<ChunkLoc>(ChunkLoc{sha, length, st.text(0), uint32_t(st.i64(1))});
+  }
+  if (rc == SQLITE_DONE) return std::optional<ChunkLoc>();
+  return sqlError(db_, "findChunk");
+}
+
+Status SqliteStore::deleteChunksOf(const std::string& data) {
+  std::lock_guard lk(mu_);
+  Stmt st(db_, "DELETE FROM chunks WHERE data=?1");
+  st.bind(1, data);
+  if (st.step() != SQLITE_DONE) return sqlError(db_, "deleteChunksOf");
+  return Status::ok();
+}
+
+namespace {
+bool isLowerHex(std::string_view s) {
+  for (char c : s) {
+    if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'))) return false;
+  }
+  return true;
+}
+}  // namespace
+
+std::string digestsToColumn(const std::vector<std::string>& digests) {
+  std::string out;
+  for (auto& d : digests) {
+    if (!out.empty()) out += ' ';
+    out += d;
+  }
+  return out;
+}
+
+std::vector<std::string> digestsFromColumn(const std::string& column) {
+  std::vector<std::string> out;
+  for (auto& d : splitString(column, ' ')) {
+    if (!d.empty()) out.push_back(std::move(d));
+  }
+  return out;
+}
+
+Status checkExtraData(const std::vector<std::string>& blobs) {
+  for (auto& d : blobs) {
+    if (d.empty() || d.find_first_of(" \t\n") != std::string::npos) {
+      return invalidArg("extra_data", "bad data blob digest \"" + d + "\"");
+    }
+  }
+  return Status::ok();
+}
+
+Status checkChunks(const std::string& data, const std::vector<ChunkLoc>& chunks) {
+  if (data.empty()) return invalidArg("data", "a chunk's data blob must be named");
+  for (auto& c : chunks) {
+    if (c.sha.size() != 64 || !isLowerHex(c.sha)) {
+      return invalidArg("sha", "chunk sha must be 64 lower-case hex, not \"" + c.sha + "\"");
+    }
+    if (c.length <= 0) {
+      return invalidArg("length", "chunk " + c.sha + " has length " + std::to_string(c.length));
+    }
+  }
+  return Status::ok();
 }
 
 // The config column: '' when the image has none, else {"user","env","working_dir"}

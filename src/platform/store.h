@@ -145,6 +145,19 @@ struct BlobRecord {
   // For a layer converted from a registry layer: that layer's digest (of its
   // compressed tar), so the same registry layer is never fetched twice.
   std::string source;
+  // For a layer's metadata image: the data blobs of other layers that some
+  // of its chunks point into (chunks deduplicated across layers), in EROFS
+  // device order (devices 2, 3, ...; device 1 is `data`). Empty for most.
+  std::vector<std::string> extraData;
+};
+
+// Where a chunk's bytes are stored (the platform-wide chunk table a converter
+// consults to point at an existing chunk instead of storing it again).
+struct ChunkLoc {
+  std::string sha;     // 64 lower-case hex: SHA-256 of the chunk's bytes
+  int64_t length = 0;  // its bytes (at most image::kChunkSize)
+  std::string data;    // the data blob holding it, "sha256:<hex>"
+  uint32_t block = 0;  // its 4 KiB block address in that blob
 };
 
 // A step of `dsec image build` (api_build.cc) whose result is kept for the
@@ -286,11 +299,32 @@ class Store {
   virtual Status setBlobData(const std::string& digest, const std::string& data) = 0;
   // Records the chunk index of data blob `digest`.
   virtual Status setBlobChunks(const std::string& digest, const std::string& chunks) = 0;
+  // Deletes the blob's row and, in the same transaction, the chunk rows of
+  // chunks stored in it (deleteChunksOf).
   virtual Status deleteBlob(const std::string& digest) = 0;
   // Marks layer `digest` as converted from registry layer `source`.
   virtual Status setBlobSource(const std::string& digest, const std::string& source) = 0;
   // The layer converted from registry layer `source`; kNotFound if none.
   virtual Result<std::string> findLayerBySource(const std::string& source) = 0;
+  // Records the data blobs of other layers that layer `layer`'s chunks point
+  // into (BlobRecord::extraData), replacing any; {} clears them. A digest
+  // holds no space, so each is stored as given (callers check they exist).
+  virtual Status setBlobExtraData(const std::string& layer,
+                                  const std::vector<std::string>& blobs) = 0;
+
+  // ---- The chunk table: where each distinct chunk (by SHA-256 and length)
+  // was first stored. Rows name their data blob but are not checked against
+  // the blobs table; deleteBlob(D) removes D's rows, and a collector that
+  // must stop new references to D before deciding to delete it calls
+  // deleteChunksOf(D) first (Platform::collectGarbage).
+  // Records that `chunks` are stored in data blob `data` (each chunk's `data`
+  // is ignored), in one transaction. The first location recorded for a
+  // (sha, length) wins: a chunk already known keeps its row.
+  virtual Status putChunks(const std::string& data, const std::vector<ChunkLoc>& chunks) = 0;
+  // The recorded location of the chunk, or nullopt when none is.
+  virtual Result<std::optional<ChunkLoc>> findChunk(const std::string& sha, int64_t length) = 0;
+  // Removes every row whose chunk is in data blob `data` (none: ok).
+  virtual Status deleteChunksOf(const std::string& data) = 0;
 
   virtual Status putImage(const ImageRecord& r) = 0;
   virtual Result<ImageRecord> getImage(const std::string& name, const std::string& tag) = 0;
@@ -414,6 +448,10 @@ class SqliteStore : public Store {
   Status deleteBlob(const std::string& digest) override;
   Status setBlobSource(const std::string& digest, const std::string& source) override;
   Result<std::string> findLayerBySource(const std::string& source) override;
+  Status setBlobExtraData(const std::string& layer, const std::vector<std::string>& blobs) override;
+  Status putChunks(const std::string& data, const std::vector<ChunkLoc>& chunks) override;
+  Result<std::optional<ChunkLoc>> findChunk(const std::string& sha, int64_t length) override;
+  Status deleteChunksOf(const std::string& data) override;
   Status putImage(const ImageRecord& r) override;
   Result<ImageRecord> getImage(const std::string& name, const std::string& tag) override;
   Result<std::vector<ImageRecord>> listImages() override;
@@ -494,6 +532,14 @@ ImageRecord imageFromColumns(const std::string& name, const std::string& tag,
                              const std::string& config, const std::string& owner = "",
                              const std::string& visibility = "public",
                              const std::string& source = "");
+// BlobRecord::extraData as a column: digests separated by one space ("" for none).
+std::string digestsToColumn(const std::vector<std::string>& digests);
+std::vector<std::string> digestsFromColumn(const std::string& column);
+// The checks both stores make before a write: kInvalidArgument for an empty
+// digest or one holding white space (setBlobExtraData), an empty `data`, a sha
+// that is not 64 lower-case hex or a length <= 0 (putChunks).
+Status checkExtraData(const std::vector<std::string>& blobs);
+Status checkChunks(const std::string& data, const std::vector<ChunkLoc>& chunks);
 std::string trajectoryToDoc(const TrajectoryRecord& r);
 Result<TrajectoryRecord> trajectoryFromDoc(const std::string& id, const std::string& doc);
 

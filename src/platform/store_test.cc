@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <thread>
 
 #include "common/util.h"
@@ -571,6 +572,132 @@ TEST_P(StoreTest, PulledImagesAndLayersRecordTheirSource) {
   EXPECT_EQ(s->getImage("127.0.0.1:5000/app", "1")->source, r.source);
   EXPECT_EQ(s->getImage("local", "latest")->source, "");
   EXPECT_EQ((*s->listImages())[0].source, r.source);
+}
+
+TEST_P(StoreTest, LayersRecordTheExtraDataBlobsTheirChunksPointInto) {
+  auto s = open();
+  ASSERT_TRUE(s);
+  for (const char* d : {"sha256:m", "sha256:d", "sha256:x1", "sha256:x2"}) {
+    ASSERT_TRUE(s->putBlob(d, 10).isOk());
+  }
+  ASSERT_TRUE(s->setBlobData("sha256:m", "sha256:d").isOk());
+  EXPECT_TRUE(s->getBlob("sha256:m")->extraData.empty());
+  // Device order is kept (x2 before x1), not sorted.
+  ASSERT_TRUE(s->setBlobExtraData("sha256:m", {"sha256:x2", "sha256:x1"}).isOk());
+  EXPECT_EQ(s->getBlob("sha256:m")->extraData,
+            (std::vector<std::string>{"sha256:x2", "sha256:x1"}));
+  EXPECT_EQ(s->getBlob("sha256:m")->data, "sha256:d");
+  EXPECT_TRUE(s->getBlob("sha256:d")->extraData.empty());
+  auto all = s->listBlobs();
+  ASSERT_TRUE(all.isOk());
+  ASSERT_EQ(all->size(), 4u);
+  EXPECT_EQ((*all)[1].digest, "sha256:m");
+  EXPECT_EQ((*all)[1].extraData, (std::vector<std::string>{"sha256:x2", "sha256:x1"}));
+  // Replaced, then cleared.
+  ASSERT_TRUE(s->setBlobExtraData("sha256:m", {"sha256:x1"}).isOk());
+  EXPECT_EQ(s->getBlob("sha256:m")->extraData, (std::vector<std::string>{"sha256:x1"}));
+  ASSERT_TRUE(s->setBlobExtraData("sha256:m", {}).isOk());
+  EXPECT_TRUE(s->getBlob("sha256:m")->extraData.empty());
+  // A digest that would not survive the column's encoding is refused.
+  EXPECT_EQ(s->setBlobExtraData("sha256:m", {"sha256:a b"}).code(), Code::kInvalidArgument);
+  EXPECT_EQ(s->setBlobExtraData("sha256:m", {""}).code(), Code::kInvalidArgument);
+  EXPECT_TRUE(s->getBlob("sha256:m")->extraData.empty());
+  // And it survives a reopen.
+  ASSERT_TRUE(s->setBlobExtraData("sha256:m", {"sha256:x1", "sha256:x2"}).isOk());
+  s.reset();
+  s = open();
+  ASSERT_TRUE(s);
+  EXPECT_EQ(s->getBlob("sha256:m")->extraData,
+            (std::vector<std::string>{"sha256:x1", "sha256:x2"}));
+}
+
+std::string shaOf(int i) {
+  char buf[65];
+  snprintf(buf, sizeof buf, "%064x", i);
+  return buf;
+}
+
+TEST_P(StoreTest, ChunkTableFirstLocationWinsAndGoesWithItsBlob) {
+  auto s = open();
+  ASSERT_TRUE(s);
+  auto none = s->findChunk(shaOf(1), 4096);
+  ASSERT_TRUE(none.isOk()) << none.status().toString();
+  EXPECT_FALSE(none->has_value());
+  ASSERT_TRUE(s->putChunks("sha256:d1", {}).isOk());
+  // `data` of each ChunkLoc is ignored: the argument names the blob. A chunk
+  // repeated within one call keeps its first location.
+  ASSERT_TRUE(s->putChunks("sha256:d1", {{shaOf(1), 4096, "ignored", 0},
+                                         {shaOf(2), 131072, "", 1},
+                                         {shaOf(2), 131072, "", 33},
+                                         {shaOf(3), 100, "", 0xfffffffe}})
+                  .isOk());
+  auto c1 = s->findChunk(shaOf(1), 4096);
+  ASSERT_TRUE(c1.isOk());
+  ASSERT_TRUE(c1->has_value());
+  EXPECT_EQ((*c1)->sha, shaOf(1));
+  EXPECT_EQ((*c1)->length, 4096);
+  EXPECT_EQ((*c1)->data, "sha256:d1");
+  EXPECT_EQ((*c1)->block, 0u);
+  EXPECT_EQ((*s->findChunk(shaOf(2), 131072))->block, 1u);
+  EXPECT_EQ((*s->findChunk(shaOf(3), 100))->block, 0xfffffffeu);  // the whole uint32_t range
+  // The same bytes at another length are another chunk.
+  EXPECT_FALSE(s->findChunk(shaOf(1), 4095)->has_value());
+  // The first location recorded wins; new chunks of a later call are added.
+  ASSERT_TRUE(s->putChunks("sha256:d2", {{shaOf(1), 4096, "", 7}, {shaOf(4), 4096, "", 8}}).isOk());
+  EXPECT_EQ((*s->findChunk(shaOf(1), 4096))->data, "sha256:d1");
+  EXPECT_EQ((*s->findChunk(shaOf(4), 4096))->data, "sha256:d2");
+  EXPECT_EQ((*s->findChunk(shaOf(4), 4096))->block, 8u);
+  // Bad rows are refused, and nothing of the call is kept.
+  EXPECT_EQ(s->putChunks("sha256:d3", {{shaOf(5), 10, "", 0}, {"ABC", 10, "", 0}}).code(),
+            Code::kInvalidArgument);
+  EXPECT_EQ(s->putChunks("sha256:d3", {{shaOf(5), 0, "", 0}}).code(), Code::kInvalidArgument);
+  EXPECT_EQ(s->putChunks("", {{shaOf(5), 10, "", 0}}).code(), Code::kInvalidArgument);
+  EXPECT_FALSE(s->findChunk(shaOf(5), 10)->has_value());
+  // deleteChunksOf removes that blob's rows only; the chunks can then be
+  // recorded elsewhere.
+  ASSERT_TRUE(s->deleteChunksOf("sha256:d1").isOk());
+  ASSERT_TRUE(s->deleteChunksOf("sha256:never").isOk());
+  EXPECT_FALSE(s->findChunk(shaOf(1), 4096)->has_value());
+  EXPECT_FALSE(s->findChunk(shaOf(2), 131072)->has_value());
+  EXPECT_TRUE(s->findChunk(shaOf(4), 4096)->has_value());
+  ASSERT_TRUE(s->putChunks("sha256:d2", {{shaOf(1), 4096, "", 9}}).isOk());
+  EXPECT_EQ((*s->findChunk(shaOf(1), 4096))->data, "sha256:d2");
+  // deleteBlob of a data blob takes its rows with it.
+  ASSERT_TRUE(s->putBlob("sha256:d2", 10).isOk());
+  ASSERT_TRUE(s->deleteBlob("sha256:d2").isOk());
+  EXPECT_FALSE(s->findChunk(shaOf(1), 4096)->has_value());
+  EXPECT_FALSE(s->findChunk(shaOf(4), 4096)->has_value());
+  EXPECT_EQ(s->getBlob("sha256:d2").status().code(), Code::kNotFound);
+}
+
+// A layer's worth of chunks (8,192: 1 GiB of 128 KiB chunks) goes in one
+// call, twice (the second all conflicts), and survives a reopen.
+TEST_P(StoreTest, ChunkTableTakesAGigabyteOfChunksInOneCall) {
+  auto s = open();
+  ASSERT_TRUE(s);
+  std::vector<ChunkLoc> chunks;
+  for (int i = 0; i < 8192; ++i) chunks.push_back({shaOf(i), 131072, "", uint32_t(i * 32)});
+  auto t0 = std::chrono::steady_clock::now();
+  Status st = s->putChunks("sha256:big", chunks);
+  ASSERT_TRUE(st.isOk()) << st.toString();
+  auto t1 = std::chrono::steady_clock::now();
+  st = s->putChunks("sha256:other", chunks);
+  ASSERT_TRUE(st.isOk()) << st.toString();
+  auto t2 = std::chrono::steady_clock::now();
+  auto ms = [](auto d) { return std::chrono::duration_cast<std::chrono::milliseconds>(d).count(); };
+  std::printf("putChunks of 8192 rows: %lld ms new, %lld ms all known\n", (long long)ms(t1 - t0),
+              (long long)ms(t2 - t1));
+  s.reset();
+  s = open();
+  ASSERT_TRUE(s);
+  for (int i : {0, 4095, 8191}) {
+    auto c = s->findChunk(shaOf(i), 131072);
+    ASSERT_TRUE(c.isOk() && c->has_value()) << i;
+    EXPECT_EQ((*c)->data, "sha256:big");
+    EXPECT_EQ((*c)->block, uint32_t(i * 32));
+  }
+  ASSERT_TRUE(s->deleteChunksOf("sha256:big").isOk());
+  EXPECT_FALSE(s->findChunk(shaOf(8191), 131072)->has_value());
 }
 
 TEST_P(StoreTest, PoliciesPutReplaceDelete) {

@@ -339,6 +339,49 @@ Result<image::BuiltLayer> builtLayerFromJson(const json& j) {
   }
 }
 
+json toJson(const LayerDesc& d) {
+  json extra = json::array();
+  for (auto& x : d.extraData) {
+    extra.push_back({{"digest", x.digest}, {"size", x.size}, {"chunks_digest", x.chunksDigest}});
+  }
+  return {{"digest", d.digest},
+          {"size", d.size},
+          {"data_digest", d.dataDigest},
+          {"data_size", d.dataSize},
+          {"chunks_digest", d.chunksDigest},
+          {"extra_data", std::move(extra)}};
+}
+
+Result<LayerDesc> layerDescFromJson(const json& j) {
+  try {
+    LayerDesc d;
+    d.digest = req<std::string>(j, "digest");
+    d.size = nonNeg(j, "size", int64_t(0));
+    d.dataDigest = opt(j, "data_digest", std::string());
+    d.dataSize = nonNeg(j, "data_size", int64_t(0));
+    d.chunksDigest = opt(j, "chunks_digest", std::string());
+    bool found;
+    const json& extra = member(j, "extra_data", found);
+    if (found && !extra.is_null()) {
+      if (!extra.is_array()) throw BadField("extra_data: not an array");
+      for (size_t i = 0; i < extra.size(); ++i) {
+        try {
+          DataBlobDesc x;
+          x.digest = req<std::string>(extra[i], "digest");
+          x.size = nonNeg(extra[i], "size", int64_t(0));
+          x.chunksDigest = opt(extra[i], "chunks_digest", std::string());
+          d.extraData.push_back(std::move(x));
+        } catch (const BadField& e) {
+          throw BadField("extra_data[" + std::to_string(i) + "]." + e.what());
+        }
+      }
+    }
+    return d;
+  } catch (const std::exception& e) {
+    return invalidArg("layer", std::string("bad layer: ") + e.what());
+  }
+}
+
 std::string fncallInitJson(int64_t scratchBytes,
                            const std::map<std::string, std::vector<std::string>>& languages,
                            int64_t zygoteMaxCalls) {

@@ -36,6 +36,12 @@ Result<EgressDenials> denialsFromJson(const json& j);
 // A built layer's digests and sizes (not its local paths).
 json toJson(const image::BuiltLayer& l);
 Result<image::BuiltLayer> builtLayerFromJson(const json& j);
+// What a node needs to fetch and mount a layer (GET /internal/v1/layers/…):
+// {digest, size, data_digest, data_size, chunks_digest,
+//  extra_data: [{digest, size, chunks_digest}]} (extra_data in EROFS device
+// order; absent or [] for a layer with none).
+json toJson(const LayerDesc& d);
+Result<LayerDesc> layerDescFromJson(const json& j);
 
 // The init frame's "fncall" object of a fncall sandbox with a scratch of
 // `scratchBytes`: the node's languages besides python and bash, and the calls

@@ -195,6 +195,32 @@ TEST(EdgeWire, BuiltLayerRoundTripsWithoutPaths) {
   EXPECT_EQ(back->dataPath, "");
 }
 
+TEST(EdgeWire, LayerDescRoundTripsWithItsExtraDataInOrder) {
+  LayerDesc d;
+  d.digest = "sha256:aa";
+  d.size = 4096;
+  d.dataDigest = "sha256:bb";
+  d.dataSize = 1ll << 33;
+  d.chunksDigest = "sha256:cc";
+  d.extraData = {{"sha256:x2", 10, "sha256:i2"}, {"sha256:x1", 1ll << 40, "sha256:i1"}};
+  json j = toJson(d);
+  EXPECT_EQ(j["extra_data"][0]["chunks_digest"], "sha256:i2");
+  auto back = layerDescFromJson(json::parse(j.dump()));
+  ASSERT_TRUE(back.isOk()) << back.status().toString();
+  EXPECT_EQ(back->digest, d.digest);
+  EXPECT_EQ(back->size, d.size);
+  EXPECT_EQ(back->dataDigest, d.dataDigest);
+  EXPECT_EQ(back->dataSize, d.dataSize);
+  EXPECT_EQ(back->chunksDigest, d.chunksDigest);
+  ASSERT_EQ(back->extraData.size(), 2u);
+  for (size_t i = 0; i < 2; ++i) {
+    EXPECT_EQ(back->extraData[i].digest, d.extraData[i].digest);
+    EXPECT_EQ(back->extraData[i].size, d.extraData[i].size);
+    EXPECT_EQ(back->extraData[i].chunksDigest, d.extraData[i].chunksDigest);
+  }
+  EXPECT_EQ(toJson(LayerDesc{})["extra_data"], json::array());
+}
+
 // What a decoder fills in for what the sender left out: the struct's defaults.
 TEST(EdgeWire, MinimalObjectsDecodeToDefaults) {
   auto s = specFromJson(json{{"id", "sb-1"}});
@@ -258,6 +284,14 @@ TEST(EdgeWire, MinimalObjectsDecodeToDefaults) {
   EXPECT_EQ(b->dataDigest, "");
   EXPECT_EQ(b->dataSize, 0);
   EXPECT_EQ(b->kind, "");
+
+  // A platform from before extra data sends none.
+  auto ld = layerDescFromJson(json{{"digest", "sha256:aa"}});
+  ASSERT_TRUE(ld.isOk()) << ld.status().toString();
+  EXPECT_EQ(ld->size, 0);
+  EXPECT_EQ(ld->dataDigest, "");
+  EXPECT_EQ(ld->chunksDigest, "");
+  EXPECT_TRUE(ld->extraData.empty());
 }
 
 // Bad input is kInvalidArgument with the decoder's field and, in the message,
@@ -273,6 +307,7 @@ TEST(EdgeWire, MalformedInputNamesTheKey) {
   Decode stats = [](const json& j) { return statsFromJson(j).status(); };
   Decode denials = [](const json& j) { return denialsFromJson(j).status(); };
   Decode layer = [](const json& j) { return builtLayerFromJson(j).status(); };
+  Decode desc = [](const json& j) { return layerDescFromJson(j).status(); };
   // A valid v4 rule with one key replaced.
   auto ruleWith = [](const char* k, json v) {
     EgressRule r;
@@ -376,6 +411,27 @@ TEST(EdgeWire, MalformedInputNamesTheKey) {
        "layer",
        "data_size"},
       {"layer: kind a number", layer, {{"digest", "sha256:aa"}, {"kind", 3}}, "layer", "kind"},
+      {"desc: no digest", desc, {{"size", 1}}, "layer", "digest"},
+      {"desc: data_size negative",
+       desc,
+       {{"digest", "sha256:aa"}, {"data_size", -1}},
+       "layer",
+       "data_size"},
+      {"desc: extra_data an object",
+       desc,
+       {{"digest", "sha256:aa"}, {"extra_data", json::object()}},
+       "layer",
+       "extra_data"},
+      {"desc: extra blob without digest",
+       desc,
+       {{"digest", "sha256:aa"}, {"extra_data", {{{"digest", "sha256:x"}}, {{"size", 1}}}}},
+       "layer",
+       "extra_data[1].digest"},
+      {"desc: extra blob size a string",
+       desc,
+       {{"digest", "sha256:aa"}, {"extra_data", {{{"digest", "sha256:x"}, {"size", "1"}}}}},
+       "layer",
+       "extra_data[0].size"},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.what);

@@ -202,12 +202,24 @@ struct EgressDenials {
 // ----- layers and nodes --------------------------------------------------------
 
 // What a node needs to fetch and mount a layer (from the platform).
+// A chunked data blob and its chunk index (image/chunk_index.h).
+struct DataBlobDesc {
+  std::string digest;
+  int64_t size = 0;
+  std::string chunksDigest;
+};
+
 struct LayerDesc {
   std::string digest;        // the EROFS metadata image: the layer's identity
   int64_t size = 0;
   std::string dataDigest;    // its chunked data blob; empty for a single-file layer
   int64_t dataSize = 0;
   std::string chunksDigest;  // the data blob's chunk index
+  // Data blobs of other layers that some of this layer's chunks point into
+  // (chunks deduplicated across layers, docs/images.md): EROFS devices 2, 3,
+  // ... in this order (device 1 is dataDigest). Mounted with one `device=`
+  // per blob, after dataDigest's. Empty for most layers.
+  std::vector<DataBlobDesc> extraData;
 };
 using LayerLookup = std::function<Result<LayerDesc>(const std::string& digest)>;
 

@@ -41,6 +41,27 @@ constexpr uint32_t kLayerLoopFlags = LO_FLAGS_READ_ONLY | LO_FLAGS_AUTOCLEAR;
 std::string hexOf(const std::string& digest) {
   return startsWith(digest, "sha256:") ? digest.substr(7) : digest;
 }
+
+// mount(2) takes at most a page of options: with at most 1 + kMaxExtraBlobs
+// devices (image/fs_tree.h) of cache paths, far more than a layer needs.
+constexpr size_t kMountDataMax = 4095;
+
+// Mounts EROFS `source` read-only at `target` with one device= per entry of
+// `devices`, in order (each adds the next device). The error keeps the errno.
+Status mountErofs(const std::string& source, const std::vector<std::string>& devices,
+                  const std::string& target) {
+  std::string opts;
+  for (auto& d : devices) opts += (opts.empty() ? "device=" : ",device=") + d;
+  std::string what = "mount erofs " + source + (opts.empty() ? "" : " (" + opts + ")");
+  if (opts.size() > kMountDataMax) {
+    return Status(Code::kInvalidArgument, what + ": options over a page", E2BIG);
+  }
+  if (::mount(source.c_str(), target.c_str(), "erofs", MS_RDONLY | MS_NODEV | MS_NOSUID,
+              opts.c_str()) != 0) {
+    return sysError(what);
+  }
+  return Status::ok();
+}
 }  // namespace
 
 std::vector<std::string> mountsUnder(const std::string& prefix) {
@@ -93,32 +114,40 @@ Status LayerCache::cleanupStale() {
 }
 
 Status LayerCache::mountLayer(const LayerFiles& files, const std::string& target) {
-  unsigned long flags = MS_RDONLY | MS_NODEV | MS_NOSUID;
+  // EROFS devices 1, 2, ... in order: the layer's data blob, then its extras.
+  std::vector<std::string> blobs;
+  if (!files.data.empty()) blobs.push_back(files.data);
+  blobs.insert(blobs.end(), files.extraData.begin(), files.extraData.end());
   if (method_ == "file") {
-    std::string opts = files.data.empty() ? "" : "device=" + files.data;
-    if (::mount(files.meta.c_str(), target.c_str(), "erofs", flags, opts.c_str()) == 0) {
-      return Status::ok();
-    }
+    Status st = mountErofs(files.meta, blobs, target);
+    if (st.isOk()) return st;
     // Kernels before 6.12 want block devices for EROFS.
-    if (errno != ENOTBLK && errno != EINVAL) return sysError("mount erofs " + files.meta);
-    log::info("file-backed EROFS refused (" + std::string(strerror(errno)) +
-              "); using loop devices");
+    if (st.sysErrno() != ENOTBLK && st.sysErrno() != EINVAL) return st;
+    log::info("file-backed EROFS refused (" + st.message() + "); using loop devices");
     method_ = "loop";
   }
-  UniqueFd metaLoop, dataLoop;
-  ASSIGN_OR_RETURN(std::string metaDev, attachLoop(files.meta, kLayerLoopFlags, metaLoop));
-  std::string opts;
-  if (!files.data.empty()) {
-    ASSIGN_OR_RETURN(std::string dataDev, attachLoop(files.data, kLayerLoopFlags, dataLoop));
-    opts = "device=" + dataDev;
+  // One loop device per file; each goes with the mount (autoclear), or at
+  // once if the mount fails.
+  std::vector<UniqueFd> loops;
+  auto clear = [&] {
+    for (auto& l : loops) ::ioctl(l.get(), LOOP_CLR_FD, 0);
+  };
+  std::vector<std::string> devs;
+  std::vector<std::string> all = {files.meta};
+  all.insert(all.end(), blobs.begin(), blobs.end());
+  for (auto& f : all) {
+    UniqueFd held;
+    auto dev = attachLoop(f, kLayerLoopFlags, held);
+    if (!dev.isOk()) {
+      clear();
+      return dev.status();
+    }
+    loops.push_back(std::move(held));
+    devs.push_back(*dev);
   }
-  if (::mount(metaDev.c_str(), target.c_str(), "erofs", flags, opts.c_str()) != 0) {
-    Status st = sysError("mount erofs " + metaDev);
-    ::ioctl(metaLoop.get(), LOOP_CLR_FD, 0);
-    if (dataLoop) ::ioctl(dataLoop.get(), LOOP_CLR_FD, 0);
-    return st;
-  }
-  return Status::ok();
+  Status st = mountErofs(devs[0], std::vector<std::string>(devs.begin() + 1, devs.end()), target);
+  if (!st.isOk()) clear();
+  return st;
 }
 
 Result<LayerCache::Mounted> LayerCache::acquireMount(const std::string& digest) {

@@ -1,9 +1,11 @@
 // Node-wide EROFS layer mounts: each layer is mounted once, read-only, and
 // shared by every sandbox that stacks it (one page cache for all). Thread-safe.
 //
-// Mount strategy, detected per node: the blob file is given straight to
-// mount(2) (file-backed EROFS, kernel >= 6.12); where the kernel refuses that,
-// a read-only loop device is attached (LOOP_CONFIGURE, autoclear).
+// Mount strategy, detected per node: the blob files are given straight to
+// mount(2) (file-backed EROFS, kernel >= 6.12): the metadata image as the
+// source, then one device= per data blob (the layer's own, then its extras);
+// where the kernel refuses that, a read-only loop device is attached for each
+// file (LOOP_CONFIGURE, autoclear).
 #pragma once
 
 #include <functional>

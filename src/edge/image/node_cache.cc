@@ -22,15 +22,55 @@ namespace {
 std::string hexOf(const std::string& digest) {
   return startsWith(digest, "sha256:") ? digest.substr(7) : digest;
 }
+
+// Counters of different data blobs add up (LayerStats::+= merges those of
+// one blob over time).
+void addBlobStats(LayerStats& into, const LayerStats& b) {
+  into.chunks += b.chunks;
+  into.chunksCached += b.chunksCached;
+  into.chunksFetched += b.chunksFetched;
+  into.bytesFetched += b.bytesFetched;
+  into.cacheHits += b.cacheHits;
+  into.readRequests += b.readRequests;
+  into.bytesRead += b.bytesRead;
+}
+
+// What Loader::attach reads of a layer: its data blob's fields.
+LayerDesc loaderDesc(const proto::DataBlobDesc& b) {
+  LayerDesc d;
+  d.dataDigest = b.digest;
+  d.dataSize = b.size;
+  d.chunksDigest = b.chunksDigest;
+  return d;
+}
+
+// EROFS numbers the extra devices after the layer's own data blob.
+Status checkDevices(const LayerDesc& d) {
+  if (d.dataDigest.empty() && !d.extraData.empty()) {
+    return Status(Code::kDataLoss,
+                  "layer " + d.digest + " has extra data blobs but no data blob of its own");
+  }
+  return Status::ok();
+}
 }  // namespace
 
 Result<std::unique_ptr<NodeCache>> NodeCache::open(NodeCacheOptions opts, LayerLookup lookup) {
+  return openWith(std::move(opts), std::move(lookup), nullptr);
+}
+
+Result<std::unique_ptr<NodeCache>> NodeCache::openForTest(NodeCacheOptions opts, LayerLookup lookup,
+                                                          std::unique_ptr<Loader> loader) {
+  return openWith(std::move(opts), std::move(lookup), std::move(loader));
+}
+
+Result<std::unique_ptr<NodeCache>> NodeCache::openWith(NodeCacheOptions opts, LayerLookup lookup,
+                                                       std::unique_ptr<Loader> loader) {
   std::unique_ptr<NodeCache> c(new NodeCache());
   c->opts_ = std::move(opts);
   c->lookup_ = std::move(lookup);
   RETURN_IF_ERROR(makeDirs(c->opts_.dir, 0700));
   ASSIGN_OR_RETURN(c->store_, image::BlobStore::open(c->opts_.storeUri, c->opts_.storeOptions));
-  std::string want = c->opts_.loader;
+  std::string want = loader ? "given" : c->opts_.loader;
   if (want == "auto") {
     // A POSIX store is read in place; a remote one is filled on demand by the
     // best loader this kernel and cache file system allow.
@@ -43,7 +83,9 @@ Result<std::unique_ptr<NodeCache>> NodeCache::open(NodeCacheOptions opts, LayerL
       want = "fuse";
     }
   }
-  if (want == "direct") {
+  if (want == "given") {
+    c->loader_ = std::move(loader);
+  } else if (want == "direct") {
     if (std::string(c->store_->scheme()) != "file") {
       return invalidArg("loader", "the direct loader needs a file:// blob store, not " +
                                       c->opts_.storeUri);
@@ -101,6 +143,23 @@ std::string NodeCache::pathOf(const std::string& digest, const char* suffix) con
   return opts_.dir + "/" + hexOf(digest) + suffix;
 }
 
+std::vector<proto::DataBlobDesc> NodeCache::blobsOf(const LayerDesc& d) {
+  std::vector<proto::DataBlobDesc> out;
+  if (!d.dataDigest.empty()) out.push_back({d.dataDigest, d.dataSize, d.chunksDigest});
+  out.insert(out.end(), d.extraData.begin(), d.extraData.end());
+  return out;
+}
+
+Status NodeCache::writeBlobList(const LayerDesc& d) {
+  // A layer's digest names its metadata image, which names its devices: the
+  // list never changes.
+  std::string path = pathOf(d.digest, ".blobs");
+  if (::access(path.c_str(), F_OK) == 0) return Status::ok();
+  std::string text;
+  for (auto& b : blobsOf(d)) text += b.digest + "\n";
+  return writeFileAtomic(path, text, 0600);
+}
+
 Status NodeCache::fetchWhole(const std::string& name, const std::string& digest,
                              const std::string& dest, int64_t* fetched) {
   if (::access(dest.c_str(), F_OK) == 0) return Status::ok();
@@ -108,6 +167,19 @@ Status NodeCache::fetchWhole(const std::string& name, const std::string& digest,
   struct stat st;
   if (::stat(dest.c_str(), &st) == 0) *fetched += st.st_size;
   return Status::ok();
+}
+
+Result<image::ChunkIndex> NodeCache::loadIndex(const proto::DataBlobDesc& b, int64_t* fetched) {
+  std::string chunks = pathOf(b.digest, ".chunks");
+  RETURN_IF_ERROR(fetchWhole(image::chunkIndexName(b.digest), b.chunksDigest, chunks, fetched));
+  ASSIGN_OR_RETURN(std::string bytes, readFile(chunks));
+  ASSIGN_OR_RETURN(image::ChunkIndex idx, image::ChunkIndex::parse(bytes));
+  if (idx.dataSize != b.size) {
+    return Status(Code::kDataLoss, "chunk index of " + b.digest + " is for " +
+                                       std::to_string(idx.dataSize) + " bytes, not " +
+                                       std::to_string(b.size));
+  }
+  return idx;
 }
 
 Result<LayerFiles> NodeCache::prepare(const std::string& digest) {
@@ -128,23 +200,21 @@ Result<LayerFiles> NodeCache::prepare(const std::string& digest) {
 
 Status NodeCache::prestage(const std::string& digest) {
   ASSIGN_OR_RETURN(LayerDesc d, lookup_(digest));
+  RETURN_IF_ERROR(checkDevices(d));
   if (!loader_) {
-    for (auto& name : {d.digest, d.dataDigest}) {
-      if (name.empty()) continue;
+    std::vector<std::string> names = {d.digest};
+    for (auto& b : blobsOf(d)) names.push_back(b.digest);
+    for (auto& name : names) {
       std::string p = store_->localPath(image::blobName(name));
-      if (::access(p.c_str(), R_OK) != 0) return notFound("blob of layer " + digest + " not in the store: " + p);
+      if (::access(p.c_str(), R_OK) != 0) {
+        return notFound("blob of layer " + digest + " not in the store: " + p);
+      }
     }
     return Status::ok();
   }
   {
     std::lock_guard lk(mu_);
-    bool inUse = preparing_.count(digest) || staging_.count(digest);
-    for (auto& [other, e] : entries_) {
-      // This layer, or another on the same data blob, is attached.
-      inUse = inUse || (e.attached && (other == digest ||
-                                       (!d.dataDigest.empty() && e.desc.dataDigest == d.dataDigest)));
-    }
-    if (inUse) return Status::ok();  // its loader fills it as it is read
+    if (preparing_.count(digest) || staging_.count(digest)) return Status::ok();
     staging_.insert(digest);
   }
   int64_t fetched = 0;
@@ -163,108 +233,192 @@ Status NodeCache::prestage(const std::string& digest) {
 }
 
 Status NodeCache::stageFiles(const LayerDesc& d, int64_t* fetched) {
-  RETURN_IF_ERROR(fetchWhole(image::blobName(d.digest), d.digest, pathOf(d.digest, ".meta"), fetched));
-  if (d.dataDigest.empty()) return Status::ok();
-  std::string chunks = pathOf(d.dataDigest, ".chunks");
-  RETURN_IF_ERROR(fetchWhole(image::chunkIndexName(d.dataDigest), d.chunksDigest, chunks, fetched));
-  ASSIGN_OR_RETURN(std::string bytes, readFile(chunks));
-  ASSIGN_OR_RETURN(image::ChunkIndex idx, image::ChunkIndex::parse(bytes));
-  if (idx.dataSize != d.dataSize) {
-    return Status(Code::kDataLoss, "chunk index of " + d.dataDigest + " is for " +
-                                       std::to_string(idx.dataSize) + " bytes, not " +
-                                       std::to_string(d.dataSize));
-  }
-  std::string data = pathOf(d.dataDigest, ".data");
-  if (::access(data.c_str(), F_OK) != 0) {
-    // Whole, verified against the data blob's digest, renamed into place.
-    RETURN_IF_ERROR(store_->fetchVerified(image::blobName(d.dataDigest), hexOf(d.dataDigest), data));
-    *fetched += d.dataSize;
-    return Status::ok();
-  }
-  // A sparse copy from earlier use: its holes, chunk by chunk, each verified.
-  UniqueFd fd(::open(data.c_str(), O_RDWR | O_CLOEXEC));
-  if (!fd) return sysError("open " + data);
-  struct stat sb;
-  if (::fstat(fd.get(), &sb) != 0) return sysError("stat " + data);
-  if (sb.st_size != d.dataSize) {
-    return Status(Code::kDataLoss, data + " is " + std::to_string(sb.st_size) + " bytes, not " +
-                                       std::to_string(d.dataSize));
-  }
-  for (int64_t i = 0; i < idx.chunkCount(); ++i) {
-    int64_t off = i * idx.chunkSize;
-    if (chunkPresent(fd.get(), off, off + idx.chunkLength(i))) continue;
-    RETURN_IF_ERROR(fetchChunkInto(store_.get(), d.dataDigest, idx, i, fd.get(), data));
-    *fetched += idx.chunkLength(i);
-  }
-  if (::fsync(fd.get()) != 0) return sysError("fsync " + data);
+  RETURN_IF_ERROR(
+      fetchWhole(image::blobName(d.digest), d.digest, pathOf(d.digest, ".meta"), fetched));
+  RETURN_IF_ERROR(writeBlobList(d));
+  for (auto& b : blobsOf(d)) RETURN_IF_ERROR(stageBlob(b));
   return Status::ok();
+}
+
+Status NodeCache::stageBlob(const proto::DataBlobDesc& b) {
+  {
+    std::unique_lock lk(mu_);
+    cv_.wait(lk, [&] { return !blobBusy_.count(b.digest); });
+    Blob& blob = blobs_[b.digest];
+    blob.desc = b;
+    if (blob.users > 0) return Status::ok();  // its loader fills it as it is read
+    blobBusy_.insert(b.digest);
+  }
+  int64_t fetched = 0;
+  auto stage = [&]() -> Status {
+    ASSIGN_OR_RETURN(image::ChunkIndex idx, loadIndex(b, &fetched));
+    std::string data = pathOf(b.digest, ".data");
+    if (::access(data.c_str(), F_OK) != 0) {
+      // Whole, verified against the data blob's digest, renamed into place.
+      RETURN_IF_ERROR(store_->fetchVerified(image::blobName(b.digest), hexOf(b.digest), data));
+      fetched += b.size;
+      return Status::ok();
+    }
+    // A sparse copy from earlier use: its holes, chunk by chunk, each verified.
+    UniqueFd fd(::open(data.c_str(), O_RDWR | O_CLOEXEC));
+    if (!fd) return sysError("open " + data);
+    struct stat sb;
+    if (::fstat(fd.get(), &sb) != 0) return sysError("stat " + data);
+    if (sb.st_size != b.size) {
+      return Status(Code::kDataLoss, data + " is " + std::to_string(sb.st_size) + " bytes, not " +
+                                         std::to_string(b.size));
+    }
+    for (int64_t i = 0; i < idx.chunkCount(); ++i) {
+      int64_t off = i * idx.chunkSize;
+      if (chunkPresent(fd.get(), off, off + idx.chunkLength(i))) continue;
+      RETURN_IF_ERROR(fetchChunkInto(store_.get(), b.digest, idx, i, fd.get(), data));
+      fetched += idx.chunkLength(i);
+    }
+    if (::fsync(fd.get()) != 0) return sysError("fsync " + data);
+    return Status::ok();
+  };
+  Status st = stage();
+  {
+    std::lock_guard lk(mu_);
+    blobBusy_.erase(b.digest);
+    blobs_[b.digest].bytesFetched += fetched;
+  }
+  cv_.notify_all();
+  return st;
 }
 
 Result<LayerFiles> NodeCache::prepareFiles(const std::string& digest) {
   ASSIGN_OR_RETURN(LayerDesc d, lookup_(digest));
+  RETURN_IF_ERROR(checkDevices(d));
   if (!loader_) {
-    LayerFiles files{store_->localPath(image::blobName(d.digest)), ""};
+    LayerFiles files{store_->localPath(image::blobName(d.digest)), "", {}};
     if (!d.dataDigest.empty()) files.data = store_->localPath(image::blobName(d.dataDigest));
-    for (auto* p : {&files.meta, &files.data}) {
-      if (!p->empty() && ::access(p->c_str(), R_OK) != 0) {
-        return notFound("blob of layer " + digest + " not in the store: " + *p);
+    for (auto& b : d.extraData) {
+      files.extraData.push_back(store_->localPath(image::blobName(b.digest)));
+    }
+    std::vector<std::string> all = {files.meta, files.data};
+    all.insert(all.end(), files.extraData.begin(), files.extraData.end());
+    for (auto& p : all) {
+      if (!p.empty() && ::access(p.c_str(), R_OK) != 0) {
+        return notFound("blob of layer " + digest + " not in the store: " + p);
       }
     }
     return files;
   }
-  LayerFiles files{pathOf(d.digest, ".meta"), ""};
+  LayerFiles files{pathOf(d.digest, ".meta"), "", {}};
   int64_t whole = 0;
   RETURN_IF_ERROR(fetchWhole(image::blobName(d.digest), d.digest, files.meta, &whole));
   ::utimensat(AT_FDCWD, files.meta.c_str(), nullptr, 0);  // LRU clock for trim()
-  auto account = [&] {
+  {
     std::lock_guard lk(mu_);
     entries_[digest].desc = d;
     entries_[digest].wholeBytesFetched += whole;
-    whole = 0;
-  };
-  account();
-  if (d.dataDigest.empty()) return files;
-  std::string chunks = pathOf(d.dataDigest, ".chunks");
-  Status ci = fetchWhole(image::chunkIndexName(d.dataDigest), d.chunksDigest, chunks, &whole);
-  account();
-  RETURN_IF_ERROR(ci);
-  ASSIGN_OR_RETURN(std::string bytes, readFile(chunks));
-  ASSIGN_OR_RETURN(image::ChunkIndex idx, image::ChunkIndex::parse(bytes));
-  if (idx.dataSize != d.dataSize) {
-    return Status(Code::kDataLoss, "chunk index of " + d.dataDigest + " is for " +
-                                       std::to_string(idx.dataSize) + " bytes, not " +
-                                       std::to_string(d.dataSize));
   }
-  auto index = std::make_shared<const image::ChunkIndex>(std::move(idx));
-  std::string data = pathOf(d.dataDigest, ".data");
-  bool cold = ::access(data.c_str(), F_OK) != 0;
-  if (cold) {
-    std::string tmp = data + ".new";
-    UniqueFd fd(::open(tmp.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
-    if (!fd) return sysError("create " + tmp);
-    if (::ftruncate(fd.get(), d.dataSize) != 0) return sysError("truncate " + tmp);
-    if (::rename(tmp.c_str(), data.c_str()) != 0) return sysError("rename " + data);
-  }
-  ASSIGN_OR_RETURN(files.data, loader_->attach(d, data, index));
-  uint64_t generation = loader_->generation();
-  std::vector<int64_t> order;
-  if (auto list = readFile(pathOf(d.dataDigest, ".order")); list.isOk()) {
-    std::istringstream in(*list);
-    for (int64_t i; in >> i;) {
-      if (i >= 0 && i < index->chunkCount()) order.push_back(i);
+  RETURN_IF_ERROR(writeBlobList(d));
+  std::vector<std::string> held;  // data digests this call holds a use of
+  for (auto& b : blobsOf(d)) {
+    auto device = acquireBlob(b);
+    if (!device.isOk()) {
+      for (auto& h : held) releaseBlob(h);
+      return device.status();
     }
+    // Device 1 is the layer's own blob (checkDevices), the extras follow.
+    if (held.empty()) {
+      files.data = *device;
+    } else {
+      files.extraData.push_back(*device);
+    }
+    held.push_back(b.digest);
   }
-  std::lock_guard lk(mu_);
-  Entry& e = entries_[digest];
-  e.attached = true;
-  e.loaderGeneration = generation;
-  e.attachedAt = monoSeconds();
-  e.recorded = !order.empty();
-  if (cold && !order.empty() && !stopping_) {
-    prefetchQueue_.push_back({files.data, std::move(order), index->chunkSize, e.prefetched});
-    cv_.notify_all();
+  uint64_t generation = loader_->generation();
+  bool again;
+  {
+    std::lock_guard lk(mu_);
+    Entry& e = entries_[digest];
+    again = e.attached;
+    e.attached = true;
+    e.loaderGeneration = generation;
+  }
+  // Prepared again before unmounted(): the layer holds one use of each blob.
+  if (again) {
+    for (auto& h : held) releaseBlob(h);
   }
   return files;
+}
+
+Result<std::string> NodeCache::acquireBlob(const proto::DataBlobDesc& b) {
+  {
+    std::unique_lock lk(mu_);
+    cv_.wait(lk, [&] { return !blobBusy_.count(b.digest); });
+    Blob& blob = blobs_[b.digest];
+    blob.desc = b;
+    if (blob.users > 0) {
+      ++blob.users;
+      return blob.device;
+    }
+    blobBusy_.insert(b.digest);
+  }
+  int64_t fetched = 0;
+  bool cold = false;
+  std::shared_ptr<const image::ChunkIndex> index;
+  std::vector<int64_t> order;
+  auto attach = [&]() -> Result<std::string> {
+    ASSIGN_OR_RETURN(image::ChunkIndex idx, loadIndex(b, &fetched));
+    index = std::make_shared<const image::ChunkIndex>(std::move(idx));
+    std::string data = pathOf(b.digest, ".data");
+    cold = ::access(data.c_str(), F_OK) != 0;
+    if (cold) {
+      std::string tmp = data + ".new";
+      UniqueFd fd(::open(tmp.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
+      if (!fd) return sysError("create " + tmp);
+      if (::ftruncate(fd.get(), b.size) != 0) return sysError("truncate " + tmp);
+      if (::rename(tmp.c_str(), data.c_str()) != 0) return sysError("rename " + data);
+    }
+    ASSIGN_OR_RETURN(std::string device, loader_->attach(loaderDesc(b), data, index));
+    if (auto list = readFile(pathOf(b.digest, ".order")); list.isOk()) {
+      std::istringstream in(*list);
+      for (int64_t i; in >> i;) {
+        if (i >= 0 && i < index->chunkCount()) order.push_back(i);
+      }
+    }
+    return device;
+  };
+  auto device = attach();
+  {
+    std::lock_guard lk(mu_);
+    blobBusy_.erase(b.digest);
+    Blob& blob = blobs_[b.digest];
+    blob.bytesFetched += fetched;
+    if (device.isOk()) {
+      blob.users = 1;
+      blob.device = *device;
+      blob.attachedAt = monoSeconds();
+      blob.recorded = !order.empty();
+      if (cold && !order.empty() && !stopping_) {
+        prefetchQueue_.push_back({*device, std::move(order), index->chunkSize, blob.prefetched});
+      }
+    }
+  }
+  cv_.notify_all();
+  return device;
+}
+
+void NodeCache::releaseBlob(const std::string& dataDigest) {
+  {
+    std::unique_lock lk(mu_);
+    cv_.wait(lk, [&] { return !blobBusy_.count(dataDigest); });
+    auto it = blobs_.find(dataDigest);
+    if (it == blobs_.end() || it->second.users == 0 || --it->second.users > 0) return;
+    it->second.past += loader_->stats(dataDigest);
+    it->second.device.clear();
+    blobBusy_.insert(dataDigest);
+  }
+  loader_->detach(dataDigest);
+  {
+    std::lock_guard lk(mu_);
+    blobBusy_.erase(dataDigest);
+  }
+  cv_.notify_all();
 }
 
 void NodeCache::prefetchLoop() {
@@ -308,18 +462,14 @@ void NodeCache::recorder() {
   while (!stopping_) {
     cv_.wait_for(lk, std::chrono::seconds(1));
     double now = monoSeconds();
-    for (auto& [digest, e] : entries_) {
-      if (!e.attached || e.recorded || e.desc.dataDigest.empty() ||
-          now - e.attachedAt < opts_.recordWindowS) {
-        continue;
-      }
-      auto order = loader_->readOrder(e.desc.dataDigest);
+    for (auto& [digest, b] : blobs_) {
+      if (b.users == 0 || b.recorded || now - b.attachedAt < opts_.recordWindowS) continue;
+      auto order = loader_->readOrder(digest);
       if (order.empty()) continue;  // nothing read yet: record once something is
-      e.recorded = true;
+      b.recorded = true;
       std::string text;
       for (int64_t i : order) text += std::to_string(i) + "\n";
-      if (Status st = writeFileAtomic(pathOf(e.desc.dataDigest, ".order"), text, 0600);
-          !st.isOk()) {
+      if (Status st = writeFileAtomic(pathOf(digest, ".order"), text, 0600); !st.isOk()) {
         log::warn("prefetch list: " + st.toString());
       }
     }
@@ -332,27 +482,28 @@ bool NodeCache::broken(const std::string& digest) {
   {
     std::lock_guard lk(mu_);
     auto it = entries_.find(digest);
-    if (it == entries_.end() || !it->second.attached || it->second.desc.dataDigest.empty()) {
+    if (it == entries_.end() || !it->second.attached || blobsOf(it->second.desc).empty()) {
       return false;
     }
     attachedAt = it->second.loaderGeneration;
   }
   // Per layer, not per data blob: two layers sharing a blob were mounted
-  // separately, and remounting one does not heal the other.
+  // separately, and remounting one does not heal the other. (A restarted
+  // loader serves every blob still attached again, under the same paths.)
   return loader_->generation() != attachedAt;
 }
 
 void NodeCache::unmounted(const std::string& digest) {
-  std::string data;
+  std::vector<proto::DataBlobDesc> blobs;
   {
     std::lock_guard lk(mu_);
     auto it = entries_.find(digest);
     if (it == entries_.end() || !it->second.attached) return;
     it->second.attached = false;
-    data = it->second.desc.dataDigest;
-    if (loader_ && !data.empty()) it->second.past += loader_->stats(data);
+    blobs = blobsOf(it->second.desc);
   }
-  if (loader_ && !data.empty()) loader_->detach(data);
+  if (!loader_) return;
+  for (auto& b : blobs) releaseBlob(b.digest);
 }
 
 int64_t NodeCache::usedBytes() const {
@@ -377,14 +528,21 @@ std::vector<std::string> NodeCache::trim(const std::set<std::string>& mounted) {
   if (opts_.limitBytes <= 0 || !loader_) return removed;
   int64_t used = usedBytes();
   if (used <= opts_.limitBytes) return removed;
-  // Cached layers by last use (the mtime of their metadata image).
+  // Cached layers by last use (the mtime of their metadata image), and the
+  // data blobs each reads (its <hex>.blobs; those in memory are the same).
   std::vector<std::pair<timespec, std::string>> lru;
+  std::map<std::string, std::vector<std::string>> readers;  // layer -> data digests
   DIR* d = ::opendir(opts_.dir.c_str());
   if (!d) return removed;
   while (dirent* e = ::readdir(d)) {
     std::string name = e->d_name;
     if (name.size() != 64 + 5 || name.substr(64) != ".meta") continue;
     std::string digest = "sha256:" + name.substr(0, 64);
+    if (auto list = readFile(opts_.dir + "/" + name.substr(0, 64) + ".blobs"); list.isOk()) {
+      for (auto& b : splitString(*list, '\n')) {
+        if (!b.empty()) readers[digest].push_back(b);
+      }
+    }
     struct stat st;
     {
       std::lock_guard lk(mu_);
@@ -394,39 +552,56 @@ std::vector<std::string> NodeCache::trim(const std::set<std::string>& mounted) {
     lru.push_back({st.st_mtim, digest});
   }
   ::closedir(d);
+  {
+    std::lock_guard lk(mu_);
+    for (auto& [digest, e] : entries_) {
+      auto& list = readers[digest];
+      list.clear();
+      for (auto& b : blobsOf(e.desc)) list.push_back(b.digest);
+    }
+  }
   std::sort(lru.begin(), lru.end(), [](auto& a, auto& b) {
     return a.first.tv_sec != b.first.tv_sec ? a.first.tv_sec < b.first.tv_sec
                                             : a.first.tv_nsec < b.first.tv_nsec;
   });
   for (auto& [_, digest] : lru) {
     if (used <= opts_.limitBytes) break;
-    std::string data;
     {
       std::lock_guard lk(mu_);
       auto it = entries_.find(digest);
       if (it != entries_.end()) {
         if (it->second.attached) continue;
-        data = it->second.desc.dataDigest;
         entries_.erase(it);
       }
     }
-    if (data.empty()) {
-      if (auto desc = lookup_(digest); desc.isOk()) data = desc->dataDigest;
+    std::vector<std::string> data;
+    if (auto r = readers.find(digest); r != readers.end()) {
+      data = std::move(r->second);
+      readers.erase(r);
+    } else if (auto desc = lookup_(digest); desc.isOk()) {
+      // Cached by an edge that kept no list.
+      for (auto& b : blobsOf(*desc)) data.push_back(b.digest);
     }
-    std::vector<std::string> files = {pathOf(digest, ".meta")};
-    if (!data.empty()) {
-      // A data blob shared by another cached layer stays.
-      bool shared = false;
-      {
-        std::lock_guard lk(mu_);
-        for (auto& [d2, e] : entries_) shared = shared || e.desc.dataDigest == data;
+    std::vector<std::string> files = {pathOf(digest, ".meta"), pathOf(digest, ".blobs")};
+    {
+      // Under mu_: no acquireBlob() starts on a blob between the check and
+      // the unlink.
+      std::lock_guard lk(mu_);
+      for (auto& dg : data) {
+        // A data blob another cached layer reads (as its own or an extra),
+        // or one in use, stays.
+        auto b = blobs_.find(dg);
+        bool read = blobBusy_.count(dg) || (b != blobs_.end() && b->second.users > 0);
+        for (auto& [other, list] : readers) {
+          read = read || std::find(list.begin(), list.end(), dg) != list.end();
+        }
+        if (read) continue;
+        if (b != blobs_.end()) blobs_.erase(b);
+        files.push_back(pathOf(dg, ".data"));
+        files.push_back(pathOf(dg, ".chunks"));
       }
-      if (!shared) {
-        files.push_back(pathOf(data, ".data"));
-        files.push_back(pathOf(data, ".chunks"));
-      }
+      for (auto& f : files) ::unlink(f.c_str());  // .order stays: it is the prefetch list
     }
-    for (auto& f : files) ::unlink(f.c_str());  // .order stays: it is the prefetch list
     removed.push_back(digest);
     used = usedBytes();
   }
@@ -441,12 +616,25 @@ std::vector<NodeCache::LayerInfo> NodeCache::layers() {
   std::vector<LayerInfo> out;
   std::lock_guard lk(mu_);
   for (auto& [digest, e] : entries_) {
-    LayerInfo li{digest, e.desc.dataDigest, e.desc.dataSize, e.attached, *e.prefetched, e.past};
-    li.stats.bytesFetched += e.wholeBytesFetched;
-    if (loader_ && e.attached && !e.desc.dataDigest.empty()) {
-      li.stats += loader_->stats(e.desc.dataDigest);
+    LayerInfo li;
+    li.digest = digest;
+    li.dataDigest = e.desc.dataDigest;
+    li.dataSize = e.desc.dataSize;
+    li.attached = e.attached;
+    li.stats.bytesFetched = e.wholeBytesFetched;
+    std::set<std::string> seen;
+    for (auto& b : blobsOf(e.desc)) {
+      if (!seen.insert(b.digest).second) continue;
+      if (b.digest != e.desc.dataDigest) li.extraData.push_back(b.digest);
+      auto it = blobs_.find(b.digest);
+      if (it == blobs_.end()) continue;
+      LayerStats s = it->second.past;
+      s.bytesFetched += it->second.bytesFetched;
+      if (it->second.users > 0) s += loader_->stats(b.digest);
+      addBlobStats(li.stats, s);
+      li.chunksPrefetched += it->second.prefetched->load();
     }
-    out.push_back(li);
+    out.push_back(std::move(li));
   }
   return out;
 }

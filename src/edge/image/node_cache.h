@@ -1,11 +1,16 @@
 // The node's layer cache: gets a layer's files ready to mount from the blob
 // store. Metadata images and chunk indexes are fetched whole and verified;
 // data blobs are read in place (`direct`) or filled on demand into sparse
-// copies by a Loader (`fanotify`, `fuse`). Cached layers survive an edge
-// restart; past a size limit, layers no sandbox has mounted are evicted, least
-// recently used first. Records which chunks a layer's sandboxes read in the
-// first seconds after it is attached and, when the layer is attached again with
-// a cold cache, fetches those chunks first in the background (prefetch).
+// copies by a Loader (`fanotify`, `fuse`). A layer reads its own data blob and
+// possibly extra ones (chunks deduplicated across layers: other layers' data
+// blobs, LayerDesc::extraData); each data blob is one cache entity, attached
+// to the loader once while any attached layer reads it (reference counted)
+// and detached when the last such layer is unmounted. Cached layers survive
+// an edge restart; past a size limit, layers no sandbox has mounted are
+// evicted, least recently used first (a data blob another cached layer still
+// reads stays). Records which chunks of a data blob the sandboxes read in the
+// first seconds after it is attached and, when it is attached again with a
+// cold cache, fetches those chunks first in the background (prefetch).
 // Thread-safe.
 #pragma once
 
@@ -39,33 +44,48 @@ struct NodeCacheOptions {
 struct LayerFiles {
   std::string meta;  // the EROFS metadata image
   std::string data;  // its data blob (device=), empty for a single-file layer
+  // The extra data blobs (LayerDesc::extraData), in that order: EROFS devices
+  // 2, 3, ... (one device= each, after `data`'s).
+  std::vector<std::string> extraData;
 };
 
 class NodeCache {
  public:
   static Result<std::unique_ptr<NodeCache>> open(NodeCacheOptions opts, LayerLookup lookup);
+  // With `loader` (a fake) in place of the one opts.loader names.
+  static Result<std::unique_ptr<NodeCache>> openForTest(NodeCacheOptions opts, LayerLookup lookup,
+                                                        std::unique_ptr<Loader> loader);
   ~NodeCache();
 
-  // Fetches what is missing and attaches the data blob to the loader.
+  // Fetches what is missing and attaches the layer's data blobs (its own and
+  // extras) to the loader; a blob some attached layer already reads is
+  // shared, not attached again. The layer holds its blobs until unmounted().
+  // Errors: the lookup's, the store's (kDataLoss for bad bytes; a layer with
+  // extra data blobs but none of its own), the loader's; on error the layer
+  // holds nothing.
   Result<LayerFiles> prepare(const std::string& digest);
   // Pre-stages layer `digest` (docs/cluster.md, node pools): fetches its
-  // metadata image, chunk index and every chunk of its data blob into the
-  // cache, verified, so sandboxes that stack it later fetch nothing; it is
-  // listed by layers() from then on. A layer some sandbox mounts (or is
-  // mounting) is left to its loader. With the direct loader the blobs are
-  // read in place: it only checks they are there (nothing to fetch; not
-  // listed). Errors: the lookup's, the store's (kDataLoss for bad bytes).
+  // metadata image, and the chunk index and every chunk of each of its data
+  // blobs (own and extras) into the cache, verified, so sandboxes that stack
+  // it later fetch nothing; it is listed by layers() from then on. A data
+  // blob some mounted layer reads is left to its loader. With the direct
+  // loader the blobs are read in place: it only checks they are there
+  // (nothing to fetch; not listed). Errors: the lookup's, the store's
+  // (kDataLoss for bad bytes).
   Status prestage(const std::string& digest);
   // True when the layer's mount can no longer read its data (the loader
-  // process serving it died): unmount it, then prepare() it again.
+  // process serving any of its blobs died since it was prepared): unmount
+  // it, then prepare() it again.
   bool broken(const std::string& digest);
-  // The layer's mount is gone: the loader stops serving its data blob.
+  // The layer's mount is gone: it lets go of its data blobs; the loader stops
+  // serving each one no other attached layer reads.
   void unmounted(const std::string& digest);
   // Bytes the cache holds on disk (allocated, so sparse copies count what they hold).
   int64_t usedBytes() const;
   int64_t limitBytes() const { return opts_.limitBytes; }
   // Deletes cached layers outside `mounted`, least recently used first, until
-  // the cache is within its limit. Returns the digests deleted.
+  // the cache is within its limit, with each data blob no other cached layer
+  // reads (as its own or an extra). Returns the layer digests deleted.
   std::vector<std::string> trim(const std::set<std::string>& mounted);
 
   struct LayerInfo {
@@ -73,8 +93,12 @@ class NodeCache {
     std::string dataDigest;
     int64_t dataSize = 0;
     bool attached = false;
-    int64_t chunksPrefetched = 0;
+    int64_t chunksPrefetched = 0;  // of all its data blobs
+    // Counters of everything the layer's mount reads: its metadata image and
+    // its data blobs, own and extras, summed (a blob several layers read
+    // counts in each of them).
     LayerStats stats;
+    std::vector<std::string> extraData;  // digests of its extra data blobs
   };
   std::vector<LayerInfo> layers();
   const char* loaderName() const { return loader_ ? loader_->name() : "direct"; }
@@ -90,22 +114,46 @@ class NodeCache {
   bool staleLoaderServesAdopted() const { return loader_ && loader_->staleHelperServesAdopted(); }
 
  private:
-  struct Entry {
-    LayerDesc desc;
-    bool attached = false;
+  // A data blob: one layer's own, read by others as an extra, or both.
+  struct Blob {
+    proto::DataBlobDesc desc;
+    int users = 0;       // attached layers reading it; attached to the loader while > 0
+    std::string device;  // the loader's path for it, while attached
     double attachedAt = 0;
     bool recorded = false;
-    uint64_t loaderGeneration = 0;  // of the loader when attached
-    LayerStats past;  // counters of earlier attachments
-    int64_t wholeBytesFetched = 0;  // metadata image and chunk index
+    LayerStats past;           // counters of earlier attachments
+    int64_t bytesFetched = 0;  // fetched outside the loader: chunk index, prestaged chunks
     std::shared_ptr<std::atomic<int64_t>> prefetched = std::make_shared<std::atomic<int64_t>>(0);
   };
+  struct Entry {
+    LayerDesc desc;
+    bool attached = false;          // holds a use of each of its data blobs
+    uint64_t loaderGeneration = 0;  // of the loader when prepared
+    int64_t wholeBytesFetched = 0;  // metadata image
+  };
   NodeCache() = default;
+  // open(), with `loader` when not null.
+  static Result<std::unique_ptr<NodeCache>> openWith(NodeCacheOptions opts, LayerLookup lookup,
+                                                     std::unique_ptr<Loader> loader);
   std::string pathOf(const std::string& digest, const char* suffix) const;
+  // The layer's data blobs: its own, then its extras (EROFS device order).
+  static std::vector<proto::DataBlobDesc> blobsOf(const LayerDesc& d);
+  // Records the layer's data blobs beside its metadata image (<hex>.blobs),
+  // so trim() knows what every cached layer reads, across edge restarts.
+  Status writeBlobList(const LayerDesc& d);
   // prepare() once no prestage() of the layer runs.
   Result<LayerFiles> prepareFiles(const std::string& digest);
+  // A use of blob b: attached (fetching its chunk index, making its sparse
+  // copy) unless some layer uses it already. Returns the loader's path.
+  Result<std::string> acquireBlob(const proto::DataBlobDesc& b);
+  // Lets go of a use; the last one detaches the blob from the loader.
+  void releaseBlob(const std::string& dataDigest);
+  // Fetches and verifies b's chunk index; adds the bytes fetched.
+  Result<image::ChunkIndex> loadIndex(const proto::DataBlobDesc& b, int64_t* fetched);
   // prestage(): the files of `d`, all verified; adds the bytes fetched.
   Status stageFiles(const LayerDesc& d, int64_t* fetched);
+  // prestage() of one data blob (left alone while attached).
+  Status stageBlob(const proto::DataBlobDesc& b);
   // Fetches name to dest unless it is there; adds the bytes fetched to *fetched.
   Status fetchWhole(const std::string& name, const std::string& digest, const std::string& dest,
                     int64_t* fetched);
@@ -124,8 +172,11 @@ class NodeCache {
   std::unique_ptr<image::BlobStore> store_;
   std::unique_ptr<Loader> loader_;  // null: direct
 
-  std::mutex mu_;  // guards entries_, stopping_, prefetchQueue_
+  std::mutex mu_;  // guards the maps and sets below, stopping_ and prefetchQueue_
   std::map<std::string, Entry> entries_;  // by layer digest
+  std::map<std::string, Blob> blobs_;     // by data digest
+  // Data digests being fetched, attached, detached or staged: others wait.
+  std::set<std::string> blobBusy_;
   std::map<std::string, int> preparing_;  // digests prepare() is working on (count)
   std::set<std::string> staging_;         // digests prestage() is working on
   bool stopping_ = false;

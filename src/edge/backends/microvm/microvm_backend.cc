@@ -16,9 +16,11 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <utility>
@@ -42,6 +44,71 @@ namespace {
 constexpr int64_t kQemuOverheadBytes = 256ll << 20;
 constexpr int kTbSizeMb = 64;
 constexpr int64_t kMinGuestMemory = 128ll << 20;
+// virtio-mmio transports of `-M microvm` with ACPI (the default), which puts
+// them on its second IOAPIC: one per virtio device (disks, the agent
+// channel, the NIC). Without ACPI there would be 8.
+constexpr size_t kMicroVmTransports = 24;
+// x86's COMMAND_LINE_SIZE, with the terminating NUL.
+constexpr size_t kMaxKernelCmdline = 2047;
+
+// The image's read-only virtio-blk disks and what the guest's init needs to
+// find and mount them (guest_init.cc). Per layer i (bottom first), `l<i>m`
+// for its metadata image and `l<i>d` for its own data blob; then `x<k>` for
+// extra data blobs. Each distinct file is one disk (microvm has few
+// transports): a blob several layers read, as their own or as an extra, is
+// given once. Except in an image without extra blobs: there every layer
+// with a data blob has its `l<i>d`, shared or not, as earlier edges gave
+// them, so that a VM one of them hibernated restores with the same devices.
+// Kernel parameters: dsec.layers=N; dsec.data=I,J,... the layers whose one
+// device is their own disk l<i>d; dsec.devs=I:S+S+...,J:... the serials of
+// the devices 1, 2, ... of every other layer that has any.
+struct GuestDisks {
+  std::vector<std::pair<std::string, std::string>> disks;  // serial, file
+  std::string params;  // " dsec.layers=..." for the kernel command line
+};
+
+GuestDisks guestDisks(const std::vector<std::pair<std::string, LayerFiles>>& files) {
+  GuestDisks g;
+  bool extras = std::any_of(files.begin(), files.end(),
+                            [](auto& f) { return !f.second.extraData.empty(); });
+  std::map<std::string, std::string> serialOf;  // file -> the serial of its disk
+  std::vector<std::vector<std::string>> devices(files.size());  // serials, by layer
+  for (size_t i = 0; i < files.size(); ++i) {
+    std::string l = "l" + std::to_string(i);
+    g.disks.push_back({l + "m", files[i].second.meta});
+    const std::string& data = files[i].second.data;
+    if (data.empty()) continue;
+    auto [it, added] = serialOf.emplace(data, l + "d");
+    if (added || !extras) g.disks.push_back({l + "d", data});
+    devices[i].push_back(added || !extras ? l + "d" : it->second);
+  }
+  size_t x = 0;
+  for (size_t i = 0; i < files.size(); ++i) {
+    for (auto& f : files[i].second.extraData) {
+      auto [it, added] = serialOf.emplace(f, "x" + std::to_string(x));
+      if (added) {
+        g.disks.push_back({it->second, f});
+        ++x;
+      }
+      devices[i].push_back(it->second);
+    }
+  }
+  std::string data, devs;
+  for (size_t i = 0; i < files.size(); ++i) {
+    std::string own = "l" + std::to_string(i) + "d";
+    if (devices[i] == std::vector<std::string>{own}) {
+      data += (data.empty() ? "" : ",") + std::to_string(i);
+    } else if (!devices[i].empty()) {
+      std::string serials;
+      for (auto& d : devices[i]) serials += (serials.empty() ? "" : "+") + d;
+      devs += (devs.empty() ? "" : ",") + std::to_string(i) + ":" + serials;
+    }
+  }
+  g.params = " dsec.layers=" + std::to_string(files.size());
+  if (!data.empty()) g.params += " dsec.data=" + data;
+  if (!devs.empty()) g.params += " dsec.devs=" + devs;
+  return g;
+}
 
 using qemu::connectUnix;
 using qemu::exited;
@@ -381,14 +448,9 @@ std::vector<std::string> microvmArgs(const MicroVmOptions& opts, const MicroVmPr
   int vcpus = std::max(1, int(std::ceil(spec.cpu - 1e-9)));
   std::string accel =
       probe.accelerator == "kvm" ? "kvm" : "tcg,tb-size=" + std::to_string(kTbSizeMb);
-  std::string dataIdx;
-  for (size_t i = 0; i < files.size(); ++i) {
-    if (files[i].second.data.empty()) continue;
-    dataIdx += (dataIdx.empty() ? "" : ",") + std::to_string(i);
-  }
-  std::string append = "console=ttyS0 reboot=t panic=-1 quiet loglevel=4 dsec.hostname=" + spec.id +
-                       " dsec.layers=" + std::to_string(files.size());
-  if (!dataIdx.empty()) append += " dsec.data=" + dataIdx;
+  GuestDisks g = guestDisks(files);
+  std::string append =
+      "console=ttyS0 reboot=t panic=-1 quiet loglevel=4 dsec.hostname=" + spec.id + g.params;
   // The guest's init configures the NIC it finds from these (guest_init.cc).
   if (spec.network) {
     append += std::string(" dsec.ip=") + qemu::kGuestAddr + "/" +
@@ -430,16 +492,43 @@ std::vector<std::string> microvmArgs(const MicroVmOptions& opts, const MicroVmPr
     args.push_back("-device");
     args.push_back("virtio-blk-device,drive=" + id + ",serial=" + id);
   };
-  for (size_t i = 0; i < files.size(); ++i) {
-    std::string l = "l" + std::to_string(i);
-    disk(l + "m", files[i].second.meta, true);
-    if (!files[i].second.data.empty()) disk(l + "d", files[i].second.data, true);
-  }
+  for (auto& [serial, file] : g.disks) disk(serial, file, true);
   disk("rw", "disk.img", false);
   if (spec.network) {
     for (auto& a : qemu::nicArgs("virtio-net-device")) args.push_back(a);
   }
   return args;
+}
+
+Status checkMicrovmArgs(const std::vector<std::string>& args,
+                        const std::vector<std::pair<std::string, LayerFiles>>& files) {
+  // Every -device but the port on the virtio-serial bus takes a transport.
+  size_t transports = 0, disks = 0;
+  for (size_t i = 0; i + 1 < args.size(); ++i) {
+    if (args[i] != "-device" || startsWith(args[i + 1], "virtserialport")) continue;
+    ++transports;
+    if (startsWith(args[i + 1], "virtio-blk-device")) ++disks;
+  }
+  std::string image = std::to_string(files.size()) + " layers" +
+                      (files.empty() ? "" : ", top layer " + files.back().first);
+  if (transports > kMicroVmTransports) {
+    size_t others = transports - disks + 1;  // the agent channel, a NIC, the writable disk
+    return invalidArg("image", "the image (" + image + ") needs " + std::to_string(disks - 1) +
+                                   " read-only disks in a microvm (metadata images and distinct "
+                                   "data blobs), more than the " +
+                                   std::to_string(kMicroVmTransports - others) +
+                                   " its virtio-mmio transports leave; use fewer layers or the "
+                                   "container backend");
+  }
+  auto append = std::find(args.begin(), args.end(), "-append");
+  if (append != args.end() && append + 1 != args.end() &&
+      (append + 1)->size() > kMaxKernelCmdline) {
+    return invalidArg("image", "the image (" + image + ") needs a kernel command line of " +
+                                   std::to_string((append + 1)->size()) +
+                                   " bytes in a microvm, more than " +
+                                   std::to_string(kMaxKernelCmdline));
+  }
+  return Status::ok();
 }
 
 Status MicroVmBackend::bootOnce(const SandboxSpec& spec, Boot& b, bool* hung) {
@@ -570,6 +659,10 @@ Result<std::unique_ptr<Instance>> MicroVmBackend::create(const SandboxSpec& spec
     if (!m.isOk()) return fail(std::move(m).takeStatus());
     inst->layers_.push_back(d);
     b.files.push_back({d, m->files});
+  }
+  if (Status st = checkMicrovmArgs(microvmArgs(opts_, probe_, spec, b.files, inst->cid_), b.files);
+      !st.isOk()) {
+    return fail(st);
   }
   laps.lap("layers");
   CgroupLimits limits{spec.cpu, spec.memoryBytes + kQemuOverheadBytes, spec.pids};

@@ -63,12 +63,20 @@ MicroVmProbe probeMicroVm(const MicroVmOptions& opts);
 
 // QEMU's command line for a microvm of `spec` with these layer files
 // (bottom first), on the accelerator of `probe`; the agent channel is vsock
-// to guest CID `cid`, or virtio-serial when `cid` is 0. The backend's, and
-// its tests'.
+// to guest CID `cid`, or virtio-serial when `cid` is 0. Each distinct file is
+// one read-only virtio-blk disk (a data blob several layers read is given
+// once), and the kernel command line tells the guest's init which disks each
+// layer mounts (microvm_backend.cc, GuestDisks). The backend's, and its
+// tests'.
 std::vector<std::string> microvmArgs(const MicroVmOptions& opts, const MicroVmProbe& probe,
                                      const SandboxSpec& spec,
                                      const std::vector<std::pair<std::string, LayerFiles>>& files,
                                      uint32_t cid);
+// kInvalidArgument (field image) when `args` (microvmArgs of `files`) need
+// more virtio devices than `-M microvm` has transports (24), or a longer
+// kernel command line than x86 takes.
+Status checkMicrovmArgs(const std::vector<std::string>& args,
+                        const std::vector<std::pair<std::string, LayerFiles>>& files);
 
 class MicroVmBackend : public Backend {
  public:

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <fstream>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -133,6 +134,106 @@ TEST(MicroVmArgs, TheAgentChannelIsVsockToTheGuestsCidOrAVirtioSerialPort) {
   // Everything else is the same.
   EXPECT_EQ(after(vsock, "-kernel"), "/g/vmlinux");
   EXPECT_TRUE(anyHas(vsock, "file=/cache/m,format=raw"));
+}
+
+// The -drive files of args, by the serial of their disk.
+std::map<std::string, std::string> disksOf(const std::vector<std::string>& args) {
+  std::map<std::string, std::string> out;
+  for (auto& a : args) {
+    if (a.rfind("id=", 0) != 0 || a.find(",file=") == std::string::npos) continue;
+    std::string id = a.substr(3, a.find(',') - 3);
+    size_t f = a.find(",file=") + 6;
+    out[id] = a.substr(f, a.find(',', f) - f);
+  }
+  return out;
+}
+
+MicroVmProbe tcgProbe() {
+  MicroVmProbe p;
+  p.qemu = "/usr/bin/qemu-system-x86_64";
+  p.accelerator = "tcg";
+  return p;
+}
+
+TEST(MicroVmArgs, LayersWithoutExtraDataBlobsKeepTheirDisks) {
+  // As earlier edges gave them, a blob two layers share included: a VM
+  // hibernated by one restores.
+  SandboxSpec spec;
+  spec.id = "sb-0123456789abcdef";
+  std::vector<std::pair<std::string, LayerFiles>> files(3);
+  files[0].second = {"/c/m0", "/c/d0", {}};
+  files[1].second = {"/c/m1", "", {}};
+  files[2].second = {"/c/m2", "/c/d0", {}};
+  auto args = microvmArgs(MicroVmOptions{}, tcgProbe(), spec, files, 0);
+  std::map<std::string, std::string> want = {{"l0m", "/c/m0"}, {"l0d", "/c/d0"},
+                                             {"l1m", "/c/m1"}, {"l2m", "/c/m2"},
+                                             {"l2d", "/c/d0"}, {"rw", "disk.img"}};
+  EXPECT_EQ(disksOf(args), want);
+  std::string append = after(args, "-append");
+  EXPECT_NE(append.find(" dsec.layers=3 dsec.data=0,2"), std::string::npos) << append;
+  EXPECT_EQ(append.find("dsec.devs"), std::string::npos) << append;
+  EXPECT_TRUE(checkMicrovmArgs(args, files).isOk());
+}
+
+TEST(MicroVmArgs, ExtraDataBlobsShareOneDiskPerFile) {
+  SandboxSpec spec;
+  spec.id = "sb-0123456789abcdef";
+  std::vector<std::pair<std::string, LayerFiles>> files(4);
+  files[0].second = {"/c/m0", "/c/d0", {}};
+  // Layer 1 reads layer 0's blob and one no layer of the image owns; layer 2
+  // the same two the other way round, and one more; layer 3's own blob is
+  // layer 0's.
+  files[1].second = {"/c/m1", "/c/d1", {"/c/d0", "/c/e"}};
+  files[2].second = {"/c/m2", "/c/d2", {"/c/e", "/c/d0", "/c/f"}};
+  files[3].second = {"/c/m3", "/c/d0", {"/c/f"}};
+  auto args = microvmArgs(MicroVmOptions{}, tcgProbe(), spec, files, 0);
+  std::map<std::string, std::string> want = {
+      {"l0m", "/c/m0"}, {"l0d", "/c/d0"}, {"l1m", "/c/m1"}, {"l1d", "/c/d1"},
+      {"l2m", "/c/m2"}, {"l2d", "/c/d2"}, {"l3m", "/c/m3"}, {"x0", "/c/e"},
+      {"x1", "/c/f"},   {"rw", "disk.img"}};
+  EXPECT_EQ(disksOf(args), want);
+  std::string append = after(args, "-append");
+  EXPECT_NE(append.find(" dsec.layers=4 dsec.data=0 "
+                        "dsec.devs=1:l1d+l0d+x0,2:l2d+x0+l0d+x1,3:l0d+x1"),
+            std::string::npos)
+      << append;
+  // The extra disks come after the layers' (whose order stays as it was).
+  auto pos = [&](const std::string& part) {
+    return std::find_if(args.begin(), args.end(),
+                        [&](auto& a) { return a.find(part) != std::string::npos; }) -
+           args.begin();
+  };
+  EXPECT_LT(pos("serial=l3m"), pos("serial=x0"));
+  EXPECT_LT(pos("serial=x1"), pos("serial=rw"));
+  EXPECT_TRUE(checkMicrovmArgs(args, files).isOk());
+}
+
+TEST(MicroVmArgs, MoreDisksThanMicrovmTransportsIsRefusedNamingTheImage) {
+  SandboxSpec spec;
+  spec.id = "sb-0123456789abcdef";
+  // 11 layers of two disks, the writable disk and the agent channel: all 24
+  // virtio-mmio transports.
+  std::vector<std::pair<std::string, LayerFiles>> files(11);
+  for (size_t i = 0; i < files.size(); ++i) {
+    files[i].first = "sha256:layer" + std::to_string(i);
+    files[i].second = {"/c/m" + std::to_string(i), "/c/d" + std::to_string(i), {}};
+  }
+  EXPECT_TRUE(checkMicrovmArgs(microvmArgs(MicroVmOptions{}, tcgProbe(), spec, files, 0), files)
+                  .isOk());
+  // A NIC takes one more.
+  spec.network = true;
+  Status st = checkMicrovmArgs(microvmArgs(MicroVmOptions{}, tcgProbe(), spec, files, 0), files);
+  EXPECT_EQ(st.code(), Code::kInvalidArgument) << st.toString();
+  EXPECT_EQ(st.field(), "image");
+  EXPECT_NE(st.message().find("sha256:layer10"), std::string::npos) << st.message();
+  EXPECT_NE(st.message().find("22 read-only disks"), std::string::npos) << st.message();
+  // Without it, an extra blob the layers share takes one disk, not ten.
+  spec.network = false;
+  files[0].second.data.clear();  // room for one disk
+  for (size_t i = 1; i < files.size(); ++i) files[i].second.extraData = {"/c/shared"};
+  auto args = microvmArgs(MicroVmOptions{}, tcgProbe(), spec, files, 0);
+  EXPECT_TRUE(checkMicrovmArgs(args, files).isOk()) << checkMicrovmArgs(args, files).toString();
+  EXPECT_EQ(disksOf(args).size(), 24u - 1);  // all but the agent channel's transport
 }
 
 }  // namespace
