@@ -319,7 +319,10 @@ Result<std::unique_ptr<SqliteStore>> SqliteStore::open(const std::string& path) 
   return s;
 }
 
-SqliteStore::~SqliteStore() { sqlite3_close(db_); }
+SqliteStore::~SqliteStore() {
+  sqlite3_finalize(findChunkStmt_);
+  sqlite3_close(db_);
+}
 
 Status SqliteStore::exec(const std::string& sql) {
   char* err = nullptr;
@@ -603,14 +606,29 @@ Status SqliteStore::putChunks(const std::string& data, const std::vector<ChunkLo
 
 Result<std::optional<ChunkLoc>> SqliteStore::findChunk(const std::string& sha, int64_t length) {
   std::lock_guard lk(mu_);
-  Stmt st(db_, "SELECT data, block FROM chunks WHERE sha=?1 AND length=?2");
-  st.bind(1, sha).bind(2, length);
-  int rc = st.step();
-  if (rc == SQLITE_ROW) {
-    return std::optional<ChunkLoc>(ChunkLoc{sha, length, st.text(0), uint32_t(st.i64(1))});
+  if (!findChunkStmt_ &&
+      sqlite3_prepare_v2(db_, "SELECT data, block FROM chunks WHERE sha=?1 AND length=?2", -1,
+                         &findChunkStmt_, nullptr) != SQLITE_OK) {
+    return sqlError(db_, "findChunk");
   }
-  if (rc == SQLITE_DONE) return std::optional<ChunkLoc>();
-  return sqlError(db_, "findChunk");
+  sqlite3_stmt* st = findChunkStmt_;
+  sqlite3_bind_text(st, 1, sha.data(), int(sha.size()), SQLITE_TRANSIENT);
+  sqlite3_bind_int64(st, 2, length);
+  int rc = sqlite3_step(st);
+  std::optional<ChunkLoc> out;
+  if (rc == SQLITE_ROW) {
+    auto* data = sqlite3_column_text(st, 0);
+    out = ChunkLoc{sha, length,
+                   data ? std::string(reinterpret_cast<const char*>(data),
+                                      size_t(sqlite3_column_bytes(st, 0)))
+                        : std::string(),
+                   uint32_t(sqlite3_column_int64(st, 1))};
+  }
+  Status err = rc == SQLITE_ROW || rc == SQLITE_DONE ? Status::ok() : sqlError(db_, "findChunk");
+  sqlite3_reset(st);
+  sqlite3_clear_bindings(st);
+  if (!err.isOk()) return err;
+  return out;
 }
 
 Status SqliteStore::deleteChunksOf(const std::string& data) {

@@ -19,6 +19,7 @@
 #include "proto/types.h"
 
 struct sqlite3;
+struct sqlite3_stmt;
 
 namespace dsec::platform {
 
@@ -507,6 +508,9 @@ class SqliteStore : public Store {
 
   std::mutex mu_;  // guards db_
   sqlite3* db_ = nullptr;
+  // findChunk's statement, prepared once: a converter asks for every chunk
+  // it would store (guarded by mu_).
+  sqlite3_stmt* findChunkStmt_ = nullptr;
 };
 
 std::string sandboxToJson(const SandboxRecord& r);
