@@ -814,6 +814,9 @@ struct RegistryClient::Impl {
     curl_easy_setopt(c, CURLOPT_XFERINFODATA, &t);
     curl_easy_setopt(c, CURLOPT_NOPROGRESS, 0L);
     t.allow = &opts.allowAddress;
+    // Checked addresses must be the registry's, not a proxy's: the
+    // environment's http_proxy/https_proxy/all_proxy are not used then.
+    if (opts.allowAddress) curl_easy_setopt(c, CURLOPT_PROXY, "");
     curl_easy_setopt(c, CURLOPT_OPENSOCKETFUNCTION, &Transfer::onOpenSocket);
     curl_easy_setopt(c, CURLOPT_OPENSOCKETDATA, &t);
     if (!call.range.empty()) curl_easy_setopt(c, CURLOPT_RANGE, call.range.c_str());
@@ -828,6 +831,7 @@ struct RegistryClient::Impl {
     for (int hop = 0;; ++hop) {
       reply = HttpReply();
       reply.url = url;
+      t.refused.clear();
       curl_slist* list = nullptr;
       for (const std::string& hd : call.headers) list = curl_slist_append(list, hd.c_str());
       std::string authHeader;
@@ -848,7 +852,7 @@ struct RegistryClient::Impl {
                       "answer larger than " + std::to_string(call.maxBody) + " bytes", 0, "ref");
       }
       if (t.sinkAborted) return Status(Code::kUnavailable, "transfer aborted");
-      if (!t.refused.empty()) {
+      if (!t.refused.empty() && rc != CURLE_OK) {
         return Status(Code::kPermissionDenied,
                       method + " " + redact(url) + ": address " + t.refused +
                           " is not one this caller may reach (loopback, private and link-local "
@@ -879,6 +883,10 @@ struct RegistryClient::Impl {
           if (method == "POST" && reply.status <= 303) {
             method = "GET";
             curl_easy_setopt(c, CURLOPT_HTTPGET, 1L);
+          } else if (method == "POST" && originOf(next) != originOf(url)) {
+            // 307/308 would re-send the body (a refresh token) elsewhere.
+            return Status(Code::kUnavailable,
+                          method + " " + redact(url) + ": redirect of a POST to another origin");
           }
           url = std::move(next);
           continue;
@@ -1112,6 +1120,9 @@ struct RegistryClient::Impl {
       call.authOrigin = t.origin;
       ASSIGN_OR_RETURN(HttpReply r, perform(call, retryable));
       if (r.status != 401 || round >= 2) return r;
+      // Only the registry's own challenge is answered: a 401 from where it
+      // redirected to (storage) must not steer credentials to its realm.
+      if (originOf(r.url) != t.origin) return r;
       std::vector<AuthChallenge> chs = parseWwwAuthenticate(r.header("www-authenticate"));
       const AuthChallenge* pick = nullptr;
       for (const char* want : {"bearer", "basic"}) {

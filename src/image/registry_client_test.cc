@@ -296,6 +296,7 @@ class FakeRegistry {
   std::string redirectBase;     // blob GETs redirect to redirectBase + "/storage/<digest>"
   std::string badDigestHeader;  // a Docker-Content-Digest to lie with
   bool slowBlob = false;        // blob bodies trickle out in pieces
+  std::string storageChallenge;  // storage only: answer 401 with this WWW-Authenticate
 
   std::mutex mu;
   std::map<std::string, std::pair<std::string, std::string>> manifests;  // "repo@ref"
@@ -418,6 +419,11 @@ class FakeRegistry {
       std::string bytes;
       {
         std::lock_guard lk(mu);
+        if (!storageChallenge.empty()) {
+          res.setHeader("WWW-Authenticate", storageChallenge);
+          (void)res.send(401, "text/plain", "unauthorized");
+          return;
+        }
         if (!startsWith(req.path, "/storage/") || !blobs.count(digest)) {
           (void)res.send(404, "text/plain", "no such object");
           return;
@@ -1242,6 +1248,29 @@ TEST(RegistryClientTest, RedirectToStorageDropsAuthorization) {
   size_t n = storage.requests().size();
   EXPECT_TRUE(client.checkBlob(f.ref, f.layer.digest).isOk());
   EXPECT_EQ(storage.requests().size(), n);
+}
+
+TEST(RegistryClientTest, AChallengeFromWhereABlobRedirectsGetsNoCredentials) {
+  // Storage answering the redirect with a 401 naming a realm of its own must
+  // not get the registry's credentials sent there.
+  BlobFixture f;
+  FakeRegistry attacker;
+  FakeRegistry storage(/*storageOnly=*/true);
+  storage.putBlob(f.data);
+  storage.storageChallenge = "Bearer realm=\"http://" + attacker.hostPort() + "/token\",service=x";
+  f.reg.auth = FakeRegistry::Auth::kBasic;
+  f.reg.redirectBase = "http://" + storage.hostPort();
+  RegistryOptions o = fastOpts(f.reg);
+  o.credentials = RegistryCredentials{"alice", "s3cret-pw", ""};
+  o.insecureHosts.push_back(attacker.hostPort());
+  RegistryClient client(o);
+  Status st = client.fetchBlob(f.ref, f.layer, f.spool);
+  EXPECT_FALSE(st.isOk());
+  bool registryAuthed = false;
+  for (const Seen& s : f.reg.requests()) registryAuthed |= startsWith(s.authorization, "Basic ");
+  EXPECT_TRUE(registryAuthed);  // the redirect was reached with credentials in hand
+  EXPECT_TRUE(attacker.requests().empty()) << "credentials went to the storage's realm";
+  for (const Seen& s : storage.requests()) EXPECT_EQ(s.authorization, "");
 }
 
 TEST(RegistryClientTest, ConcurrentFetchesShareOneToken) {
