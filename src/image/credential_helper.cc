@@ -32,15 +32,6 @@ std::string lowerOf(std::string_view s) {
   return out;
 }
 
-// "https://host/v1/" -> "host", as config keys are written.
-std::string keyHost(std::string_view k) {
-  std::string l = lowerOf(k);
-  for (std::string_view scheme : {"https://", "http://"}) {
-    if (startsWith(l, scheme)) l = l.substr(scheme.size());
-  }
-  return l.substr(0, l.find('/'));
-}
-
 bool plainWord(const std::string& s) {
   if (s.empty() || s.size() > 100) return false;
   for (char c : s) {
@@ -72,11 +63,9 @@ Result<std::optional<std::string>> credentialHelperFor(std::string_view configJs
   };
   if (auto h = j.find("credHelpers"); h != j.end() && !h->is_null()) {
     if (!h->is_object()) return invalidArg("auth", "docker config: \"credHelpers\" is not an object");
-    for (auto it = h->begin(); it != h->end(); ++it) {
-      std::string k = keyHost(it.key());
-      bool hub = want == kDockerHub && (k == "index.docker.io" || k == "registry-1.docker.io");
-      if (k == want || hub) return named(it.value(), "credHelpers of " + want);
-    }
+    std::vector<std::string> keys;
+    for (auto it = h->begin(); it != h->end(); ++it) keys.push_back(it.key());
+    if (auto key = dockerConfigKeyFor(keys, host)) return named((*h)[*key], "credHelpers of " + want);
   }
   if (auto s = j.find("credsStore"); s != j.end() && !s->is_null()) {
     if (s->is_string() && s->get<std::string>().empty()) return std::optional<std::string>();

@@ -397,6 +397,33 @@ Result<ImagePlatform> parseImagePlatform(std::string_view text) {
   return p;
 }
 
+std::optional<std::string> dockerConfigKeyFor(const std::vector<std::string>& keys,
+                                              std::string_view host) {
+  for (const std::string& k : keys) {
+    if (k == host) return k;
+  }
+  std::string want = lower(host);
+  std::vector<std::string> names{want};
+  if (want == kDockerHub) {
+    names.push_back("index.docker.io");
+    names.push_back(std::string(kDockerHubApi));
+  }
+  // "https://host/v1/" -> "host".
+  auto keyHost = [](std::string_view k) {
+    std::string l = lower(k);
+    for (std::string_view scheme : {"https://", "http://"}) {
+      if (startsWith(l, scheme)) l = l.substr(scheme.size());
+    }
+    return l.substr(0, l.find('/'));
+  };
+  for (const std::string& n : names) {
+    for (const std::string& k : keys) {
+      if (keyHost(k) == n) return k;
+    }
+  }
+  return std::nullopt;
+}
+
 Result<std::optional<RegistryCredentials>> credentialsFromDockerConfig(std::string_view json,
                                                                        std::string_view host) {
   // nlohmann's parse errors quote the text they choked on, which may be a
@@ -416,26 +443,10 @@ Result<std::optional<RegistryCredentials>> credentialsFromDockerConfig(std::stri
     if (auths == j.end() || auths->is_null()) return std::optional<RegistryCredentials>();
     if (!auths->is_object()) return invalidArg("auth", "docker config: \"auths\" is not an object");
     std::string want = lower(host);
-    std::vector<std::string> names{want};
-    if (want == kDockerHub) {
-      names.push_back("index.docker.io");
-      names.push_back(std::string(kDockerHubApi));
-    }
-    // "https://host/v1/" -> "host".
-    auto keyHost = [](std::string_view k) {
-      std::string l = lower(k);
-      for (std::string_view scheme : {"https://", "http://"}) {
-        if (startsWith(l, scheme)) l = l.substr(scheme.size());
-      }
-      return l.substr(0, l.find('/'));
-    };
+    std::vector<std::string> keys;
+    for (auto it = auths->begin(); it != auths->end(); ++it) keys.push_back(it.key());
     const Json* entry = nullptr;
-    if (auths->contains(std::string(host))) entry = &(*auths)[std::string(host)];
-    for (const std::string& n : names) {
-      for (auto it = auths->begin(); !entry && it != auths->end(); ++it) {
-        if (keyHost(it.key()) == n) entry = &it.value();
-      }
-    }
+    if (auto key = dockerConfigKeyFor(keys, host)) entry = &(*auths)[*key];
     if (!entry) return std::optional<RegistryCredentials>();
     if (!entry->is_object()) {
       return invalidArg("auth", "docker config: the auths entry for " + want + " is not an object");

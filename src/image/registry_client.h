@@ -83,6 +83,13 @@ struct RegistryCredentials {
 // when it names none, or only an empty entry (credentials kept by a
 // credsStore helper: credential_helper.h runs those). kInvalidArgument (field
 // "auth") for malformed JSON or auth; the message never quotes a secret.
+// Of the keys of a Docker config's "auths" or "credHelpers", the one for
+// registry `host`: an exact match, else the first naming it once scheme and
+// path are dropped ("https://host/v1/"), case-insensitively; for docker.io,
+// "index.docker.io" and "registry-1.docker.io" after it. nullopt: none.
+std::optional<std::string> dockerConfigKeyFor(const std::vector<std::string>& keys,
+                                              std::string_view host);
+
 Result<std::optional<RegistryCredentials>> credentialsFromDockerConfig(std::string_view json,
                                                                        std::string_view host);
 

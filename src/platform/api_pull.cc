@@ -180,20 +180,21 @@ void Platform::startPulls() {
       log::warn("pull: releasing the claim on " + source + ": " + st.toString());
     }
   };
-  pulls_ = std::make_unique<PullManager>(opts_.dataDir + "/pull",
-                                         opts_.dataDir + "/blobs/pull-" + workTag(),
-                                         std::move(hooks), opts_.pullWorkers);
-  // Builds a crash cut short: their context spools (this data dir's own) and
-  // step work directories (this replica's, in the shared blob directory).
+  // Work a crash cut short, before any starts: build context spools (this
+  // data dir's own), and conversion and build-step directories (this
+  // replica's, in the shared blob directory; never another replica's).
+  const std::string tag = workTag(), blobs = opts_.dataDir + "/blobs";
   (void)removeTree(opts_.dataDir + "/build");
-  const std::string blobs = opts_.dataDir + "/blobs", mine = "build-" + workTag() + "-";
   if (auto names = dirEntries(blobs); names.isOk()) {
     for (auto& n : *names) {
-      if (startsWith(n, mine) && removeTree(blobs + "/" + n).isOk()) {
-        log::info("build: removed " + blobs + "/" + n + " (a step a crash left)");
+      if ((startsWith(n, "pull-" + tag + "-") || startsWith(n, "build-" + tag + "-")) &&
+          removeTree(blobs + "/" + n).isOk()) {
+        log::info("removed " + blobs + "/" + n + " (work a crash left)");
       }
     }
   }
+  pulls_ = std::make_unique<PullManager>(opts_.dataDir + "/pull", blobs + "/pull-" + tag,
+                                         std::move(hooks), opts_.pullWorkers);
 }
 
 Result<ImageRecord> Platform::finishPull(ImageRecord r, const image::ResolvedImage& resolved,

@@ -106,18 +106,6 @@ class LayerClaim {
 PullManager::PullManager(std::string workRoot, std::string convertPrefix, PullHooks hooks,
                          int workers)
     : workRoot_(std::move(workRoot)), convertPrefix_(std::move(convertPrefix)), hooks_(std::move(hooks)) {
-  // Conversions a crash left behind (never those of another replica sharing
-  // the directory: they have prefixes of their own).
-  std::string dir = convertPrefix_.substr(0, convertPrefix_.rfind('/'));
-  std::string base = convertPrefix_.substr(convertPrefix_.rfind('/') + 1) + "-";
-  if (auto names = dirEntries(dir); names.isOk()) {
-    for (auto& n : *names) {
-      if (!startsWith(n, base)) continue;
-      if (Status st = removeTree(dir + "/" + n); st.isOk()) {
-        log::info("pull: removed " + dir + "/" + n + " (a conversion a crash left)");
-      }
-    }
-  }
   for (int i = 0; i < std::max(1, workers); ++i) workers_.emplace_back([this] { worker(); });
 }
 

@@ -87,8 +87,8 @@ class PullManager {
   // `workRoot`: a directory on the blob store's filesystem; `workers`:
   // layers fetched and converted at once, over all pulls.
   // `convertPrefix`: conversions run in fresh directories named
-  // <convertPrefix>-<random>; those of an earlier process with the same
-  // prefix (a crash) are removed first.
+  // <convertPrefix>-<random> (Platform::startPulls removes those a crash
+  // left).
   PullManager(std::string workRoot, std::string convertPrefix, PullHooks hooks, int workers);
   // Stops the workers: layers not started yet fail with kUnavailable; those
   // running are cancelled (their spools stay for a later pull).
