@@ -13,7 +13,7 @@ PKGS=(
   # registry pulls and the streaming layer converter: ISA-L's igzip for gzip
   # layers (about twice zlib's speed, src/image/tar_stream.cc), zstd, and
   # libarchive for tar (PAX, GNU long names, sparse files)
-  libisal-dev libzstd-dev libarchive-dev
+  libisal-dev libzstd-dev libarchive-dev zlib1g-dev
   # the PostgreSQL state store (libpq), and the server the tests run a
   # throwaway cluster of (initdb, pg_ctl; no system-wide service is used)
   libpq-dev postgresql

@@ -78,6 +78,7 @@ from sdk_flavors import ASYNC, SYNC  # noqa: E402
 BOTH_CLIENTS = frozenset({
     "test_sandbox", "test_exec", "test_files", "test_trajectory", "test_batches",
     "test_pause", "test_errors", "test_tenants", "test_lifecycle", "test_pack_diff",
+    "test_pty",
 })
 
 

@@ -53,7 +53,8 @@ class _LoopThread:
 
 
 _LOOP = _LoopThread()
-_ASYNC_TYPES = (dsec.AsyncClient, dsec.AsyncSandbox, dsec.AsyncBatch, dsec.AsyncTrajectory)
+_ASYNC_TYPES = (dsec.AsyncClient, dsec.AsyncSandbox, dsec.AsyncBatch, dsec.AsyncTrajectory,
+                dsec.AsyncProcess)
 
 
 async def _invoke(fn, args, kwargs):

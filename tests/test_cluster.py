@@ -282,6 +282,52 @@ def test_placement_spreads_and_calls_cross_the_hop(real_cluster):
             cl.api("DELETE", f"/v1/sandboxes/{d['id']}")
 
 
+def test_terminal_on_a_joined_edge_takes_input_resize_and_signals(real_cluster):
+    """A process session on a remote node: the platform's session drives
+    the exec over the link (input, resize and signals in the call's body,
+    the pid in a started event)."""
+    cl = real_cluster
+    d = create(cl)
+    try:
+        sb = cl.client.get(d["id"])
+        term = sb.pty(["sh", "-i"], rows=20, cols=70, env={"PS1": "$ "})
+        assert term.pid > 0
+
+        def until(want: bytes) -> bytes:
+            got = b""
+            deadline = time.monotonic() + 30
+            for ev in term.events():  # keepalives every 15 s bound the wait
+                got += ev.data
+                if want in got or ev.type in ("exit", "error") or time.monotonic() > deadline:
+                    break
+            assert want in got, got
+            return got
+
+        until(b"$ ")
+        term.send("stty size\n")
+        until(b"20 70")
+        term.resize(45, 99)
+        term.send("stty size\n")
+        until(b"45 99")
+        # SIGINT goes to the foreground job only, as a typed ^C would (a
+        # shell abandons the rest of a command line whose job died of it).
+        term.send("sleep 100\n")
+        time.sleep(0.5)
+        term.signal("INT")
+        term.send("echo rc=$?\n")
+        until(b"rc=130")
+        term.send("exit 4\n")
+        info = term.wait()
+        assert info["exit_code"] == 4 and info["running"] is False, info
+        bg = sb.start_process(["sh", "-c", "cat; echo end"], stdin=True)
+        bg.send("over the hop\n")
+        bg.close_stdin()
+        out = b"".join(ev.data for ev in bg.events())
+        assert out == b"over the hop\nend\n"
+    finally:
+        cl.api("DELETE", f"/v1/sandboxes/{d['id']}")
+
+
 def test_fncall_on_joined_edges_runs_as_the_platform_says(real_cluster):
     """`dsec platform --fncall-language ... --fncall-zygote-max-calls 4`: a
     fncall sandbox on any joined edge runs the platform's languages and

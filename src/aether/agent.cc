@@ -471,6 +471,9 @@ void Agent::dispatch(Frame& f) {
     case FrameType::kSignal:
       handleSignal(f);
       return;
+    case FrameType::kResize:
+      handleResize(f);
+      return;
     case FrameType::kCancel:
       handleCancel(f);
       return;
@@ -576,10 +579,13 @@ void Agent::handleExec(const Frame& f) {
   }
   if (!pipes_paused_) {
     for (int which = 0; which < 2; ++which) {
+      if (!e->out[which].fd) continue;  // a PTY exec has no stderr
       watch(e->out[which].fd.get(), tag(which == 0 ? kStdoutKind : kStderrKind, f.stream), EPOLLIN);
       e->out[which].watched = true;
     }
   }
+  // Before any output: the pid names the process to the edge's callers.
+  sendFrame(f.stream, FrameType::kStarted, dumpJson(Json{{"pid", e->proc.pid}}));
   pid_streams_[e->proc.pid] = f.stream;
   execs_[f.stream] = std::move(e);
   for (auto& [pid, status] : exits) onReaped(pid, status);
@@ -750,7 +756,27 @@ void Agent::handleSignal(const Frame& f) {
   Status st = j.isOk() ? readInt(*j, "signal", 1, 64, sig) : j.status();
   if (st.isOk() && sig == 0) st = invalidArg("signal", "signal is required");
   if (!st.isOk()) return logError("signal", st);
-  killGroup(*it->second, static_cast<int>(sig));
+  Exec& e = *it->second;
+  // On a terminal, a signal goes where a typed ^C would: to its foreground
+  // process group only (the job the shell runs, or the shell at its prompt).
+  // A shell that got SIGINT too would abandon the rest of its command line.
+  if (e.proc.pty_master && !e.reaped && sig != SIGKILL) {
+    pid_t fg = ::tcgetpgrp(e.proc.pty_master.get());
+    if (fg > 0 && ::kill(-fg, static_cast<int>(sig)) == 0) return;
+  }
+  killGroup(e, static_cast<int>(sig));
+}
+
+void Agent::handleResize(const Frame& f) {
+  auto it = execs_.find(f.stream);
+  if (it == execs_.end()) return;
+  // As with signal: a result would end the stream, so errors are logged.
+  Exec& e = *it->second;
+  if (!e.proc.pty_master) return logError("resize", invalidArg("pty", "the exec has no terminal"));
+  Result<PtySize> size = parsePtySize(f.payload);
+  if (!size.isOk()) return logError("resize", size.status());
+  Status st = setWindowSize(e.proc.pty_master.get(), *size);
+  if (!st.isOk()) logError("resize", st);
 }
 
 void Agent::handleCancel(const Frame& f) {
@@ -936,6 +962,12 @@ void Agent::killGroup(const Exec& e, int sig) {
   if (e.reaped) return;
   // Before the child's setsid() there is no group yet.
   if (::kill(-e.proc.pid, sig) < 0 && errno == ESRCH) ::kill(e.proc.pid, sig);
+  // A terminal's shell runs its jobs in groups of their own: a kill takes
+  // the one in the foreground too.
+  if (sig == SIGKILL && e.proc.pty_master) {
+    pid_t fg = ::tcgetpgrp(e.proc.pty_master.get());
+    if (fg > 0 && fg != e.proc.pid) ::kill(-fg, SIGKILL);
+  }
 }
 
 void Agent::reapChildren() {

@@ -132,6 +132,7 @@ class Agent {
   void handleExec(const proto::Frame& f);
   void handleStdin(const proto::Frame& f);
   void handleSignal(const proto::Frame& f);
+  void handleResize(const proto::Frame& f);
   void handleCancel(const proto::Frame& f);
   bool acceptRequest(const proto::Frame& f);
   void handleFileWrite(const proto::Frame& f);

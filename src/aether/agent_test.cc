@@ -20,6 +20,7 @@
 #include <fstream>
 #include <map>
 #include <random>
+#include <sstream>
 #include <thread>
 
 #include "aether/files.h"
@@ -154,9 +155,20 @@ class AgentHarness {
       }
       Frame f;
       if (!readAny(f, deadline)) return false;
+      if (f.type == FrameType::kStarted) {
+        // Every exec's first frame: kept aside for startedPid().
+        started_[f.stream] = Json::parse(f.payload)["pid"].get<int>();
+        continue;
+      }
       order_.push_back(f.stream);
       inbox_[f.stream].push_back(std::move(f));
     }
+  }
+
+  // The pid an exec's started frame gave (0: none seen yet).
+  int startedPid(uint32_t stream) const {
+    auto it = started_.find(stream);
+    return it == started_.end() ? 0 : it->second;
   }
 
   // True once the agent closed its end.
@@ -307,6 +319,7 @@ class AgentHarness {
   proto::FrameDecoder decoder_;
   std::map<uint32_t, std::deque<Frame>> inbox_;
   std::vector<uint32_t> order_;
+  std::map<uint32_t, int> started_;
 };
 
 Json shExec(const std::string& script) { return Json{{"argv", {"/bin/sh", "-c", script}}}; }
@@ -482,6 +495,138 @@ std::vector<std::pair<pid_t, char>> childrenOf(pid_t pid) {
   ::closedir(d);
   return out;
 }
+
+// Reads stream's stdout until `want` appears in it (or the exec ends).
+std::string readUntil(AgentHarness& a, uint32_t stream, std::string_view want,
+                      int timeout_ms = 10000) {
+  std::string got;
+  Frame f;
+  while (got.find(want) == std::string::npos && a.next(stream, f, timeout_ms)) {
+    if (f.type != FrameType::kStdout) {
+      ADD_FAILURE() << "frame " << int(f.type) << " before " << want << ": " << f.payload;
+      break;
+    }
+    got += f.payload;
+  }
+  return got;
+}
+
+TEST(AgentExecTest, StartedFrameGivesThePid) {
+  AgentHarness a;
+  a.startForked();
+  auto o = a.exec(1, shExec("echo $$"));
+  EXPECT_EQ(o.exit["exit_code"], 0);
+  EXPECT_EQ(o.out, std::to_string(a.startedPid(1)) + "\n");
+}
+
+TEST(AgentPtyTest, TerminalSizeResizeAndControllingTty) {
+  AgentHarness a;
+  a.startForked();
+  // stdin, stdout and stderr are one terminal, the session's controlling one.
+  auto o = a.exec(1, Json{{"argv", {"sh", "-c",
+                                    "tty; stty size; echo err >&2; "
+                                    "test -t 0 && test -t 2 && echo all-tty; "
+                                    "ps -o tty= -p $$ >/dev/null 2>&1; cat /proc/self/stat"}},
+                          {"pty", {{"rows", 33}, {"cols", 101}}}});
+  ASSERT_TRUE(o.exit.is_object()) << o.result;
+  EXPECT_EQ(o.exit["exit_code"], 0);
+  EXPECT_EQ(o.err, "");  // stderr arrives on the terminal, as stdout
+  EXPECT_NE(o.out.find("/dev/pts/"), std::string::npos) << o.out;
+  EXPECT_NE(o.out.find("33 101\r\n"), std::string::npos) << o.out;  // onlcr: \n becomes \r\n
+  EXPECT_NE(o.out.find("err\r\n"), std::string::npos) << o.out;
+  EXPECT_NE(o.out.find("all-tty"), std::string::npos) << o.out;
+  // /proc/self/stat field 7 (tty_nr) is nonzero: cat has a controlling terminal.
+  size_t paren = o.out.rfind(')');
+  ASSERT_NE(paren, std::string::npos);
+  std::istringstream fields(o.out.substr(paren + 2));
+  std::string state, ppid, pgrp, session, tty_nr;
+  fields >> state >> ppid >> pgrp >> session >> tty_nr;
+  EXPECT_NE(tty_nr, "0") << o.out;
+
+  // Resize: the shell's foreground job sees SIGWINCH and the new size.
+  a.sendJson(2, FrameType::kExec,
+             Json{{"argv", {"sh", "-c",
+                            "trap 'stty size; exit 0' WINCH; echo ready; "
+                            "while :; do sleep 0.05; done"}},
+                  {"pty", {{"rows", 24}, {"cols", 80}}}});
+  EXPECT_NE(readUntil(a, 2, "ready").find("ready"), std::string::npos);
+  a.sendJson(2, FrameType::kResize, Json{{"rows", 50}, {"cols", 132}});
+  o = a.collect(2);
+  EXPECT_NE(o.out.find("50 132"), std::string::npos) << o.out;
+  EXPECT_EQ(o.exit["exit_code"], 0);
+
+  // A resize of an exec without a terminal, or a malformed one, is dropped
+  // (the exec goes on and ends as usual).
+  a.sendJson(3, FrameType::kExec, shExec("read x; echo got $x"));
+  // stdin is /dev/null here: read fails at once; the frames race the exit.
+  a.sendJson(3, FrameType::kResize, Json{{"rows", 0}, {"cols", 10}});
+  o = a.collect(3);
+  EXPECT_TRUE(o.exit.is_object()) << o.result;
+}
+
+TEST(AgentPtyTest, InputEchoAndInterruptReachTheForegroundJob) {
+  AgentHarness a;
+  a.startForked();
+  a.sendJson(1, FrameType::kExec,
+             Json{{"argv", {"sh", "-i"}}, {"env", {"PS1=$ ", "PATH=/usr/bin:/bin"}},
+                  {"pty", {{"rows", 24}, {"cols", 80}}}});
+  readUntil(a, 1, "$ ");
+  // Typed input is echoed by the terminal and runs.
+  a.send(1, FrameType::kStdin, "echo hel''lo\n");
+  EXPECT_NE(readUntil(a, 1, "hello\r\n").find("hello\r\n"), std::string::npos);
+  readUntil(a, 1, "$ ");
+  // ^C (the terminal's VINTR) interrupts the foreground job, not the shell.
+  a.send(1, FrameType::kStdin, "sleep 100\n");
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  a.send(1, FrameType::kStdin, "\x03");
+  a.send(1, FrameType::kStdin, "echo after $?\n");
+  EXPECT_NE(readUntil(a, 1, "after 130").find("after 130"), std::string::npos);
+  // A signal frame goes to the foreground job too.
+  readUntil(a, 1, "$ ");
+  a.send(1, FrameType::kStdin, "sleep 100; echo rc=$?\n");
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  a.sendJson(1, FrameType::kSignal, Json{{"signal", SIGTERM}});
+  EXPECT_NE(readUntil(a, 1, "rc=143").find("rc=143"), std::string::npos);
+  // exit ends the exec with the shell's status.
+  a.send(1, FrameType::kStdin, "exit 7\n");
+  auto o = a.collect(1);
+  ASSERT_TRUE(o.exit.is_object()) << o.result;
+  EXPECT_EQ(o.exit["exit_code"], 7);
+}
+
+TEST(AgentPtyTest, CancelKillsTheShellAndItsForegroundJob) {
+  AgentHarness a;
+  a.startForked();
+  a.sendJson(1, FrameType::kExec,
+             Json{{"argv", {"sh", "-i"}}, {"env", {"PS1=$ ", "PATH=/usr/bin:/bin"}},
+                  {"pty", {{"rows", 24}, {"cols", 80}}}});
+  readUntil(a, 1, "$ ");
+  a.send(1, FrameType::kStdin, "sleep 1000\n");
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  a.send(1, FrameType::kCancel, {});
+  auto t0 = Clock::now();
+  auto o = a.collect(1);
+  ASSERT_TRUE(o.exit.is_object()) << o.result;
+  EXPECT_EQ(o.exit["signal"], 9);
+  EXPECT_LT(Clock::now() - t0, std::chrono::seconds(3));
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  for (auto [pid, state] : childrenOf(a.pid())) {
+    ADD_FAILURE() << "left behind: " << pid << " " << state;
+  }
+}
+
+TEST(AgentPtyTest, BadPtyFieldsAreInvalidArgument) {
+  AgentHarness a;
+  a.startForked();
+  auto o = a.exec(1, Json{{"argv", {"true"}}, {"pty", {{"rows", 0}, {"cols", 80}}}});
+  EXPECT_EQ(o.result["code"], "invalid_argument");
+  EXPECT_EQ(o.result["field"], "rows");
+  o = a.exec(2, Json{{"argv", {"true"}}, {"pty", 5}});
+  EXPECT_EQ(o.result["field"], "pty");
+  o = a.exec(3, Json{{"argv", {"true"}}, {"pty", {{"rows", 10}, {"cols", 70000}}}});
+  EXPECT_EQ(o.result["field"], "cols");
+}
+
 
 TEST(AgentExecTest, BackgroundProcessesNeitherHoldTheExecNorLinger) {
   AgentHarness a;

@@ -9,7 +9,9 @@
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/ioctl.h>
 #include <sys/syscall.h>
+#include <termios.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -68,6 +70,7 @@ enum ChildStage : int32_t {
   kStageSeccomp,
   kStageExec,
   kStageRlimit,
+  kStageTty,
 };
 
 struct ChildReport {
@@ -103,6 +106,7 @@ struct ChildPlan {
   std::vector<std::pair<int, struct rlimit>> rlimits;
   struct sock_fprog filter;
   int stdin_fd = -1, stdout_fd = -1, stderr_fd = -1, status_fd = -1;
+  bool controlling_tty = false;  // stdin is a PTY slave to make the session's terminal
   sigset_t empty_mask;
 };
 
@@ -156,6 +160,9 @@ void setDefaultDisposition(int sig) {
   if (!moveFd(p.stdin_fd, 0) || !moveFd(p.stdout_fd, 1) || !moveFd(p.stderr_fd, 2)) {
     childFail(p, kStageStdio, errno);
   }
+  // A session leader's first terminal would become its controlling one on
+  // open; a slave opened before setsid() must be made so explicitly.
+  if (p.controlling_tty && ::ioctl(0, TIOCSCTTY, 0) < 0) childFail(p, kStageTty, errno);
   // Anything aether (or a test harness) left without CLOEXEC stays out of the
   // sandboxed program. The status pipe stays usable until execve closes it.
   ::syscall(SYS_close_range, 3u, ~0u, CLOSE_RANGE_CLOEXEC);
@@ -344,6 +351,8 @@ const char* stageName(int32_t stage) {
       return "exec";
     case kStageRlimit:
       return "setrlimit";
+    case kStageTty:
+      return "set controlling terminal";
   }
   return "start";
 }
@@ -372,7 +381,37 @@ Result<ExecRequest> parseExecRequest(std::string_view payload) {
   RETURN_IF_ERROR(readInt(j, "max_output", 0, INT64_MAX, max_output));
   r.max_output = static_cast<uint64_t>(max_output);
   RETURN_IF_ERROR(readBool(j, "stdin", r.stdin_pipe));
+  if (j.contains("pty") && !j["pty"].is_null()) {
+    const Json& pty = j["pty"];
+    if (!pty.is_object()) return invalidArg("pty", "pty must be an object {rows, cols}");
+    PtySize size;
+    int64_t rows = size.rows, cols = size.cols;
+    RETURN_IF_ERROR(readInt(pty, "rows", 1, 65535, rows));
+    RETURN_IF_ERROR(readInt(pty, "cols", 1, 65535, cols));
+    size.rows = static_cast<uint16_t>(rows);
+    size.cols = static_cast<uint16_t>(cols);
+    r.pty = size;
+    r.stdin_pipe = true;
+  }
   return r;
+}
+
+Result<PtySize> parsePtySize(std::string_view payload) {
+  ASSIGN_OR_RETURN(Json j, parseObject(payload));
+  int64_t rows = 0, cols = 0;
+  RETURN_IF_ERROR(readInt(j, "rows", 1, 65535, rows));
+  RETURN_IF_ERROR(readInt(j, "cols", 1, 65535, cols));
+  if (rows == 0) return invalidArg("rows", "rows is required");
+  if (cols == 0) return invalidArg("cols", "cols is required");
+  return PtySize{static_cast<uint16_t>(rows), static_cast<uint16_t>(cols)};
+}
+
+Status setWindowSize(int master, PtySize size) {
+  struct winsize ws {};
+  ws.ws_row = size.rows;
+  ws.ws_col = size.cols;
+  if (::ioctl(master, TIOCSWINSZ, &ws) < 0) return sysError("TIOCSWINSZ");
+  return Status::ok();
 }
 
 namespace {
@@ -474,7 +513,26 @@ Result<SpawnedExec> spawnExec(const ExecRequest& req, const ExecSettings& settin
   SpawnedExec out;
   UniqueFd child_in, child_out, child_err, child_status;
   int given_stdin = -1;
-  if (req.stdin_fd >= 0) {
+  UniqueFd slave;
+  if (req.pty) {
+    // The sandbox's own devpts instance (container_init, guest_init).
+    out.pty_master.reset(::posix_openpt(O_RDWR | O_NOCTTY | O_CLOEXEC));
+    if (!out.pty_master) return sysError("posix_openpt");
+    if (::grantpt(out.pty_master.get()) < 0) return sysError("grantpt");
+    if (::unlockpt(out.pty_master.get()) < 0) return sysError("unlockpt");
+    RETURN_IF_ERROR(setWindowSize(out.pty_master.get(), *req.pty));
+    // TIOCGPTPEER opens the slave through the master itself: no path lookup
+    // in a /dev the sandbox may have changed.
+    slave.reset(::ioctl(out.pty_master.get(), TIOCGPTPEER, O_RDWR | O_NOCTTY | O_CLOEXEC));
+    if (!slave) return sysError("TIOCGPTPEER");
+    out.stdout_r.reset(::fcntl(out.pty_master.get(), F_DUPFD_CLOEXEC, 0));
+    out.stdin_w.reset(::fcntl(out.pty_master.get(), F_DUPFD_CLOEXEC, 0));
+    if (!out.stdout_r || !out.stdin_w) return sysError("dup");
+    // One open file description: O_NONBLOCK on one is on all of them.
+    RETURN_IF_ERROR(setNonblocking(out.pty_master.get()));
+    plan.stdin_fd = plan.stdout_fd = plan.stderr_fd = slave.get();
+    plan.controlling_tty = true;
+  } else if (req.stdin_fd >= 0) {
     given_stdin = req.stdin_fd;
   } else if (req.stdin_pipe) {
     RETURN_IF_ERROR(makePipe(child_in, out.stdin_w));
@@ -487,8 +545,15 @@ Result<SpawnedExec> spawnExec(const ExecRequest& req, const ExecSettings& settin
       RETURN_IF_ERROR(makePipe(child_in, unused));
     }
   }
-  RETURN_IF_ERROR(makePipe(out.stdout_r, child_out));
-  RETURN_IF_ERROR(makePipe(out.stderr_r, child_err));
+  if (!req.pty) {
+    RETURN_IF_ERROR(makePipe(out.stdout_r, child_out));
+    RETURN_IF_ERROR(makePipe(out.stderr_r, child_err));
+    RETURN_IF_ERROR(setNonblocking(out.stdout_r.get()));
+    RETURN_IF_ERROR(setNonblocking(out.stderr_r.get()));
+    plan.stdin_fd = given_stdin >= 0 ? given_stdin : child_in.get();
+    plan.stdout_fd = child_out.get();
+    plan.stderr_fd = child_err.get();
+  }
   {
     // A socket, not a pipe: the child may pass its seccomp listener over it.
     int sv[2];
@@ -498,12 +563,7 @@ Result<SpawnedExec> spawnExec(const ExecRequest& req, const ExecSettings& settin
     out.status_r.reset(sv[0]);
     child_status.reset(sv[1]);
   }
-  RETURN_IF_ERROR(setNonblocking(out.stdout_r.get()));
-  RETURN_IF_ERROR(setNonblocking(out.stderr_r.get()));
   RETURN_IF_ERROR(setNonblocking(out.status_r.get()));
-  plan.stdin_fd = given_stdin >= 0 ? given_stdin : child_in.get();
-  plan.stdout_fd = child_out.get();
-  plan.stderr_fd = child_err.get();
   plan.status_fd = child_status.get();
 
   ::clock_gettime(CLOCK_MONOTONIC, &out.started);

@@ -22,6 +22,12 @@ namespace dsec::aether {
 constexpr uint64_t kDefaultMaxOutput = 1u << 20;
 constexpr const char* kDefaultPath = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 
+// A pseudo-terminal's window, in character cells.
+struct PtySize {
+  uint16_t rows = 24;
+  uint16_t cols = 80;
+};
+
 // An `exec` frame's JSON (docs/agent-protocol.md, "Exec").
 struct ExecRequest {
   std::vector<std::string> argv;                // non-empty
@@ -31,6 +37,10 @@ struct ExecRequest {
   int64_t timeout_ms = 0;                       // 0 = none
   uint64_t max_output = kDefaultMaxOutput;      // per stream
   bool stdin_pipe = false;
+  // Run on a fresh pseudo-terminal of this size: stdin, stdout and stderr
+  // are its slave (stderr arrives as stdout), which is the child's
+  // controlling terminal; input goes to the master (implies stdin_pipe).
+  std::optional<PtySize> pty;
   // Not from the frame (fncall.h sets them): a descriptor to give the child
   // as its stdin instead of /dev/null or a pipe (not taken over), and
   // resource limits the child sets (soft and hard) before exec.
@@ -40,6 +50,11 @@ struct ExecRequest {
 
 // kInvalidArgument (with the field) on anything malformed.
 Result<ExecRequest> parseExecRequest(std::string_view payload);
+// A `resize` frame's {"rows":R,"cols":C} (each 1..65535).
+Result<PtySize> parsePtySize(std::string_view payload);
+// TIOCSWINSZ on a PTY master: the kernel sends SIGWINCH to the terminal's
+// foreground process group when the size changes.
+Status setWindowSize(int master, PtySize size);
 
 // Agent-wide settings that shape every exec.
 struct ExecSettings {
@@ -83,6 +98,9 @@ struct SpawnedExec {
   UniqueFd stdout_r;        // nonblocking
   UniqueFd stderr_r;        // nonblocking
   UniqueFd status_r;        // nonblocking; for spawnFailureMessage()
+  // A PTY exec: the master (stdout_r and stdin_w are duplicates of it, and
+  // stderr_r is invalid), for resizing and its foreground process group.
+  UniqueFd pty_master;
   UniqueFd seccomp_listener;  // notifications of refused syscalls (settings.seccomp_notify)
   int32_t fail_stage = 0;     // a failure the child reported before exec (0: none)
   int32_t fail_errno = 0;

@@ -2,9 +2,12 @@
 // the other subcommands are thin clients of the REST API.
 #include <fcntl.h>
 #include <signal.h>
+#include <poll.h>
 #include <sys/file.h>
+#include <sys/ioctl.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <termios.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -185,6 +188,9 @@ const char* kUsage = R"(usage: dsec COMMAND [OPTIONS]
   sandbox phase ID POLICY [--readonly PATH]... [--hide PATH]...   Switch its security policy
   sandbox audit ID                       Syscalls it tried and was refused
   sandbox exec ID [--timeout S] [--user U] [--cwd DIR] -- CMD [ARG...]
+  sandbox shell ID [--user U] [--cwd DIR] [--env K=V]... [-- CMD [ARG...]]
+                                         An interactive terminal (default: bash, else sh);
+                                         the shell's exit ends it
   exec ID ... -- CMD [ARG...]            (same as sandbox exec)
   tenant create [ID] [--name N] [--role user|admin] [--max-sandboxes N] [--max-cpu N]
                 [--max-memory-mb N] [--creates-per-s N] [--create-burst N]
@@ -1160,12 +1166,153 @@ int cmdExec(const Args& a, const std::string& id) {
   return code;
 }
 
+// `dsec sandbox shell`: a process session on a pseudo-terminal
+// (docs/processes.md), with this terminal in raw mode: keystrokes go to it
+// as typed (^C included), its output comes back as written, a resize of
+// this window resizes it. Two connections: one streams the output, the
+// other carries input and resizes (an http::Client is not thread-safe).
+struct RawTerminal {
+  bool active = false;
+  struct termios saved {};
+  void enter() {
+    if (!::isatty(0) || ::tcgetattr(0, &saved) < 0) return;
+    struct termios raw = saved;
+    ::cfmakeraw(&raw);
+    if (::tcsetattr(0, TCSADRAIN, &raw) == 0) active = true;
+  }
+  void restore() {
+    if (active) ::tcsetattr(0, TCSADRAIN, &saved);
+    active = false;
+  }
+  ~RawTerminal() { restore(); }
+};
+
+int g_winchPipe = -1;
+void onWinch(int) {
+  char c = 'w';
+  [[maybe_unused]] ssize_t n = ::write(g_winchPipe, &c, 1);
+}
+
+proto::TermSize terminalSize() {
+  struct winsize ws {};
+  if (::ioctl(0, TIOCGWINSZ, &ws) == 0 && ws.ws_row > 0 && ws.ws_col > 0) {
+    return proto::TermSize{ws.ws_row, ws.ws_col};
+  }
+  return proto::TermSize{24, 80};
+}
+
+int cmdShell(const Args& a, const std::string& id) {
+  auto ctl = connectClient(a);
+  if (!ctl.isOk()) return die(ctl.status().toString());
+  auto out = connectClient(a);
+  if (!out.isOk()) return die(out.status().toString());
+  proto::TermSize size = terminalSize();
+  json body = {{"pty", {{"rows", size.rows}, {"cols", size.cols}}}};
+  body["cmd"] = a.rest.empty()
+                    ? json{"/bin/sh", "-c", "[ -x /bin/bash ] && exec /bin/bash -i; exec /bin/sh -i"}
+                    : json(a.rest);
+  auto envs = keyValues(a.all("env"), "env");
+  if (!envs.isOk()) return die(envs.status().message());
+  json env = *envs;
+  if (!env.contains("TERM")) env["TERM"] = getenv("TERM") ? getenv("TERM") : "xterm-256color";
+  body["env"] = env;
+  if (!a.get("user").empty()) body["user"] = a.get("user");
+  if (!a.get("cwd").empty()) body["cwd"] = a.get("cwd");
+  auto r = (*ctl)->request("POST", "/v1/sandboxes/" + id + "/processes", body.dump());
+  if (!r.isOk()) return die(r.status().toString());
+  if (r->status != 201) return apiError(*r);
+  json info = json::parse(r->body, nullptr, false);
+  if (info.is_discarded() || !info.contains("pid")) return die("bad answer: " + r->body);
+  const std::string base = "/v1/sandboxes/" + id + "/processes/" + std::to_string(info["pid"].get<int>());
+
+  int wake[2], winch[2];
+  if (::pipe2(wake, O_CLOEXEC) < 0 || ::pipe2(winch, O_CLOEXEC | O_NONBLOCK) < 0) {
+    return die("pipe: " + std::string(strerror(errno)));
+  }
+  g_winchPipe = winch[1];
+  struct sigaction sa {};
+  sa.sa_handler = onWinch;
+  sa.sa_flags = SA_RESTART;
+  ::sigaction(SIGWINCH, &sa, nullptr);
+
+  RawTerminal term;
+  term.enter();
+  int code = 1;
+  std::string failure;
+  std::thread reader([&] {
+    std::string pending;
+    auto onData = [&](std::string_view d) {
+      pending.append(d);
+      size_t nl;
+      while ((nl = pending.find('\n')) != std::string::npos) {
+        json ev = json::parse(pending.substr(0, nl), nullptr, false);
+        pending.erase(0, nl + 1);
+        if (!ev.is_object()) continue;
+        std::string type = ev.value("type", "");
+        if (type == "stdout" || type == "stderr") {
+          auto data = base64Decode(ev.value("data_b64", ""));
+          if (data.isOk()) {
+            fwrite(data->data(), 1, data->size(), stdout);
+            fflush(stdout);
+          }
+        } else if (type == "exit") {
+          code = ev.value("exit_code", -1);
+          if (code < 0) code = 128 + ev.value("signal", 0);
+        } else if (type == "error") {
+          failure = ev["error"].value("message", "the session failed");
+        }
+      }
+    };
+    auto rr = (*out)->requestStreaming("GET", base + "/output?offset=0&follow=true", "", onData);
+    if (!rr.isOk()) failure = rr.status().toString();
+    char c = 'x';
+    [[maybe_unused]] ssize_t n = ::write(wake[1], &c, 1);
+  });
+  bool stdinOpen = true;
+  for (;;) {
+    struct pollfd fds[3] = {{wake[0], POLLIN, 0}, {winch[0], POLLIN, 0}, {0, POLLIN, 0}};
+    int n = ::poll(fds, stdinOpen ? 3 : 2, -1);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 || fds[0].revents) break;
+    if (fds[1].revents) {
+      char drain[64];
+      while (::read(winch[0], drain, sizeof drain) > 0) {
+      }
+      proto::TermSize now = terminalSize();
+      (void)(*ctl)->request("POST", base + "/resize",
+                            json{{"rows", now.rows}, {"cols", now.cols}}.dump());
+    }
+    if (stdinOpen && fds[2].revents) {
+      char buf[4096];
+      ssize_t got = ::read(0, buf, sizeof buf);
+      if (got < 0 && errno == EINTR) continue;
+      if (got <= 0) {
+        stdinOpen = false;  // the output (and the shell's exit) still come
+        continue;
+      }
+      auto sent = (*ctl)->request(
+          "POST", base + "/input",
+          json{{"data_b64", base64Encode(std::string_view(buf, size_t(got)))}}.dump());
+      if (!sent.isOk() || sent->status != 200) break;  // it ended
+    }
+  }
+  reader.join();
+  ::signal(SIGWINCH, SIG_DFL);
+  term.restore();
+  if (!failure.empty()) std::cerr << "dsec: " << failure << "\n";
+  return code;
+}
+
 int cmdSandbox(const Args& a) {
-  if (a.positional.size() < 2) return die("usage: dsec sandbox create|ls|rm|exec|phase|audit");
+  if (a.positional.size() < 2) return die("usage: dsec sandbox create|ls|rm|exec|shell|phase|audit");
   const std::string& sub = a.positional[1];
   if (sub == "exec") {
     if (a.positional.size() != 3) return die("usage: dsec sandbox exec ID -- CMD [ARG...]");
     return cmdExec(a, a.positional[2]);
+  }
+  if (sub == "shell") {
+    if (a.positional.size() != 3) return die("usage: dsec sandbox shell ID [-- CMD [ARG...]]");
+    return cmdShell(a, a.positional[2]);
   }
   auto client = connectClient(a);
   if (!client.isOk()) return die(client.status().toString());

@@ -27,6 +27,8 @@ const char* frameTypeName(FrameType type) {
     case FrameType::kStderr: return "stderr";
     case FrameType::kExit: return "exit";
     case FrameType::kSignal: return "signal";
+    case FrameType::kResize: return "resize";
+    case FrameType::kStarted: return "started";
     case FrameType::kFileWrite: return "file_write";
     case FrameType::kFileRead: return "file_read";
     case FrameType::kData: return "data";

@@ -30,6 +30,8 @@ enum class FrameType : uint8_t {
   kStderr = 0x13,     // aether -> edge: stderr bytes
   kExit = 0x14,       // aether -> edge: process ended (JSON); ends the stream
   kSignal = 0x15,     // edge -> aether: signal the exec's process group (JSON)
+  kResize = 0x16,     // edge -> aether: a PTY exec's new window size (JSON)
+  kStarted = 0x17,    // aether -> edge: the exec's process started ({"pid": N})
   kFileWrite = 0x20,  // edge -> aether: begin writing a file (JSON), then kData
   kFileRead = 0x21,   // edge -> aether: read a file range (JSON)
   kData = 0x22,       // file bytes, either way; empty payload ends the transfer

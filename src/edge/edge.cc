@@ -7,6 +7,7 @@
 #include <climits>
 #include <cstdio>
 #include <cstdlib>
+#include <deque>
 #include <nlohmann/json.hpp>
 
 #include "common/log.h"
@@ -769,7 +770,12 @@ class AgentExec : public proto::ExecCall, public std::enable_shared_from_this<Ag
                 {"env", spec.env},
                 {"timeout_ms", spec.timeoutMs},
                 {"max_output", spec.maxOutput},
-                {"stdin", spec.stdinData.has_value()}};
+                {"stdin", spec.stdinData.has_value() || spec.interactive}};
+    if (spec.pty) req["pty"] = {{"rows", spec.pty->rows}, {"cols", spec.pty->cols}};
+    {
+      std::lock_guard lk(mu_);
+      interactive_ = spec.interactive || spec.pty.has_value();
+    }
     if (!spec.cwd.empty()) req["cwd"] = spec.cwd;
     if (!spec.user.empty()) req["user"] = spec.user;
     if (!spec.fncallJson.empty()) req["fncall"] = json::parse(spec.fncallJson, nullptr, false);
@@ -802,6 +808,12 @@ class AgentExec : public proto::ExecCall, public std::enable_shared_from_this<Ag
       if (st.isOk()) st = conn_->send(sid, proto::FrameType::kStdin, "");
     }
     if (!st.isOk()) return finish(st);
+    {
+      // Input queued before the exec frame went out follows it now.
+      std::lock_guard lk(mu_);
+      started_ = true;
+    }
+    pumpInput();
     // The agent enforces the timeout; this only guards against a wedged agent.
     if (spec.timeoutMs > 0) {
       auto g = Runtime::global().after(double(spec.timeoutMs) / 1000 + 30, [weak] {
@@ -816,6 +828,18 @@ class AgentExec : public proto::ExecCall, public std::enable_shared_from_this<Ag
         guard_ = std::move(g);
       }
     }
+  }
+
+  Status sendInput(std::string_view bytes) override {
+    return queue(proto::FrameType::kStdin, std::string(bytes));
+  }
+  Status resize(proto::TermSize size) override {
+    return queue(proto::FrameType::kResize,
+                 json{{"rows", size.rows}, {"cols", size.cols}}.dump());
+  }
+  Status signal(int sig) override {
+    if (sig < 1 || sig > 64) return invalidArg("signal", "signal must be from 1 to 64");
+    return queue(proto::FrameType::kSignal, json{{"signal", sig}}.dump());
   }
 
   void cancel() override {
@@ -849,6 +873,57 @@ class AgentExec : public proto::ExecCall, public std::enable_shared_from_this<Ag
     return Status(Code::kUnavailable, "exec cancelled: client went away");
   }
 
+  // Interactive frames go out in call order from one blocking-pool task at
+  // a time (a send may block on a full agent socket; callers must not).
+  Status queue(proto::FrameType type, std::string payload) {
+    {
+      std::lock_guard lk(mu_);
+      // Signals serve every exec; input and resizes interactive ones.
+      if ((!interactive_ && type != proto::FrameType::kSignal) || done_ || cancelled_) {
+        return Status(Code::kFailedPrecondition, "the exec is not interactive, or has ended", 0,
+                      "interactive");
+      }
+      // Frames hold at most kDataChunk; an empty stdin frame closes stdin.
+      size_t off = 0;
+      do {
+        outq_.emplace_back(type, payload.substr(off, proto::kDataChunk));
+        off += proto::kDataChunk;
+      } while (off < payload.size());
+    }
+    pumpInput();
+    return Status::ok();
+  }
+
+  void pumpInput() {
+    {
+      std::lock_guard lk(mu_);
+      if (!started_ || pumping_ || outq_.empty()) return;
+      pumping_ = true;
+    }
+    std::weak_ptr<AgentExec> weak = shared_from_this();
+    Runtime::global().runBlocking([weak] {
+      auto self = weak.lock();
+      if (!self) return;
+      for (;;) {
+        std::pair<proto::FrameType, std::string> f;
+        uint32_t sid;
+        {
+          std::lock_guard lk(self->mu_);
+          if (self->outq_.empty() || self->done_) {
+            self->outq_.clear();
+            self->pumping_ = false;
+            return;
+          }
+          f = std::move(self->outq_.front());
+          self->outq_.pop_front();
+          sid = self->stream_;
+        }
+        // A failure here is the connection's: the exec ends with it.
+        (void)self->conn_->send(sid, f.first, f.second);
+      }
+    });
+  }
+
   void onFrame(proto::Frame& f) {
     switch (f.type) {
       case proto::FrameType::kStdout:
@@ -860,6 +935,15 @@ class AgentExec : public proto::ExecCall, public std::enable_shared_from_this<Ag
           if (!isCancelled()) cb_.onOutput(isErr, f.payload);
         } else {
           (isErr ? res_.err : res_.out).append(f.payload);
+        }
+        return;
+      }
+      case proto::FrameType::kStarted: {
+        json j = json::parse(f.payload, nullptr, false);
+        auto pid = j.is_object() ? j.find("pid") : j.end();
+        if (j.is_object() && pid != j.end() && pid->is_number_integer()) {
+          std::lock_guard dl(deliverMu_);
+          if (!isDone() && cb_.onStarted) cb_.onStarted(pid->get<int>());
         }
         return;
       }
@@ -944,10 +1028,14 @@ class AgentExec : public proto::ExecCall, public std::enable_shared_from_this<Ag
   std::mutex deliverMu_;  // held while a callback runs; guards cb_, res_
   proto::ExecCallbacks cb_;
   ExecResult res_;  // output collected when there is no onOutput
-  std::mutex mu_;   // guards stream_, done_, cancelled_, guard_, cancelGuard_, self_
+  std::mutex mu_;   // guards stream_, done_, cancelled_, the input queue, guards, self_
   uint32_t stream_ = 0;  // the agent stream, once opened
   bool done_ = false;
   bool cancelled_ = false;
+  bool interactive_ = false;  // sendInput, resize and signal are served
+  bool started_ = false;      // the exec frame was sent: queued frames may follow
+  bool pumping_ = false;      // a pool task is sending outq_
+  std::deque<std::pair<proto::FrameType, std::string>> outq_;
   std::shared_ptr<Runtime::Timer> guard_, cancelGuard_;
   std::shared_ptr<AgentExec> self_;
 };

@@ -73,6 +73,16 @@ class ExecRelay : public std::enable_shared_from_this<ExecRelay> {
     flush();
   }
 
+  // The process's pid, as an event 'p' {"pid": N} (asked for with
+  // "started": true in the call's args; older platforms would take it for output).
+  void started(int pid) {
+    {
+      std::lock_guard lk(mu_);
+      pending_.push_back("p" + json{{"pid", pid}}.dump());
+    }
+    flush();
+  }
+
   void done(Result<proto::ExecResult> r) {
     {
       std::lock_guard lk(mu_);
@@ -311,9 +321,24 @@ void LinkService::serveExec(const std::shared_ptr<proto::ServerCall>& call, cons
     if (!r.isOk()) countError(r.status());
     relay->done(std::move(r));
   };
+  if (args.value("started", false)) cb.onStarted = [relay](int pid) { relay->started(pid); };
   auto exec = link_->startExec(*id, *spec, std::move(cb));
   // The platform's caller went away (or the link dropped): kill it.
   call->onCancel([exec](const Status&) { exec->cancel(); });
+  {
+    // The call's body carries the exec's input, resizes and signals as
+    // records (proto::ExecControlDecoder).
+    auto decoder = std::make_shared<proto::ExecControlDecoder>();
+    call->onData(
+        [exec, decoder](std::string_view bytes) {
+          Status st = decoder->feed(bytes, *exec);
+          if (!st.isOk()) {
+            log::warn("link exec: bad control record: " + st.toString());
+            exec->cancel();
+          }
+        },
+        [] {});
+  }
 }
 
 Status LinkService::serveWriteFile(proto::ServerCall& call, const json& args) {

@@ -891,6 +891,16 @@ struct RegistryClient::Impl {
             return Status(Code::kUnavailable,
                           method + " " + redact(call.url) + ": more than 10 redirects");
           }
+          // TLS, once asked for, is not given up on a server's say-so: only
+          // a host the caller named insecure is reached over plain http.
+          if (startsWith(lower(url.substr(0, 8)), "https://") && startsWith(l, "http://") &&
+              !insecure(authorityOf(next))) {
+            return Status(Code::kPermissionDenied,
+                          method + " " + redact(url) + ": redirect from https to plain http (" +
+                              redact(next) + ") refused: " + authorityOf(next) +
+                              " is not an insecure registry (--insecure-registry)",
+                          0, "ref");
+          }
           if (method == "POST" && reply.status <= 303) {
             method = "GET";
             curl_easy_setopt(c, CURLOPT_HTTPGET, 1L);
@@ -947,26 +957,30 @@ struct RegistryClient::Impl {
   }
 
   // The registry's answer as an error (for anything but the success codes).
+  // It names the server that answered: the registry, or the blob storage it
+  // redirected to.
   Status errorFor(const HttpReply& r, const Target& t, const std::string& what) const {
     std::vector<std::string> codes;
     std::string msg = registryErrors(r.body, &codes);
     std::string detail = "HTTP " + std::to_string(r.status) + (msg.empty() ? "" : ": " + msg);
+    const std::string server =
+        r.url.empty() || originOf(r.url) == t.origin ? t.apiHost : authorityOf(r.url);
     if (r.status == 403 || hasCode(codes, "DENIED")) {
       return Status(Code::kPermissionDenied,
-                    what + ": access denied by " + t.apiHost + " (" + detail + ")", 0, "auth");
+                    what + ": access denied by " + server + " (" + detail + ")", 0, "auth");
     }
     if (r.status == 401) {
       return Status(
           Code::kUnauthenticated,
-          what + ": " + t.apiHost + " requires credentials or refused those given (" + detail + ")",
-          0, "auth");
+          what + ": " + server + " requires credentials or refused those given (" + detail + ")", 0,
+          "auth");
     }
     if (r.status == 404 || r.status == 410) {
       std::string subject = hasCode(codes, "NAME_UNKNOWN") ? "repository " + t.name : what;
       return Status(Code::kNotFound, subject + " not found (" + detail + ")", 0, "ref");
     }
     if (r.status == 408 || r.status == 429 || r.status >= 500) {
-      return Status(Code::kUnavailable, what + ": " + t.apiHost + " unavailable (" + detail +
+      return Status(Code::kUnavailable, what + ": " + server + " unavailable (" + detail +
                                             ", after " + std::to_string(opts.attempts) +
                                             " attempts)");
     }
@@ -975,7 +989,7 @@ struct RegistryClient::Impl {
       return invalidArg("ref", what + ": " + detail);
     }
     return Status(Code::kFailedPrecondition,
-                  what + ": unexpected answer from " + t.apiHost + " (" + detail + ")");
+                  what + ": unexpected answer from " + server + " (" + detail + ")");
   }
 
   static std::string tokenKey(const KnownAuth& a, const std::string& scope) {
@@ -1061,7 +1075,24 @@ struct RegistryClient::Impl {
                         " (HTTP 401" + (msg.empty() ? "" : ": " + msg) + ")",
                     0, "auth");
     }
-    if (rep.status != 200) return errorFor(rep, t, what);
+    if (rep.status != 200) {
+      // The token service's answer, not the registry's: named as such, and
+      // never "not found" (that would blame the reference).
+      std::string msg = registryErrors(rep.body, nullptr);
+      std::string server = "token service " + authorityOf(rep.url.empty() ? realm : rep.url);
+      std::string detail = "HTTP " + std::to_string(rep.status) + (msg.empty() ? "" : ": " + msg);
+      if (rep.status == 403) {
+        return Status(Code::kPermissionDenied,
+                      what + ": access denied by " + server + " (" + detail + ")", 0, "auth");
+      }
+      if (rep.status == 408 || rep.status == 429 || rep.status >= 500) {
+        return Status(Code::kUnavailable, what + ": " + server + " unavailable (" + detail +
+                                              ", after " + std::to_string(opts.attempts) +
+                                              " attempts)");
+      }
+      return Status(Code::kUnauthenticated,
+                    what + ": no token from " + server + " (" + detail + ")", 0, "auth");
+    }
     Json j = Json::parse(rep.body, nullptr, false);
     CachedToken out;
     double expiresIn = 60;
@@ -1177,8 +1208,10 @@ struct RegistryClient::Impl {
         [&](bool* retryable) { return authed(t, call, retryable); }, call.cancel);
   }
 
+  // declaredSize: what the index pointing here says (-1: unknown); no more
+  // is read.
   Result<Manifest> getManifest(const Target& t, const RegistryRef& ref,
-                               const std::string& reference) {
+                               const std::string& reference, int64_t declaredSize = -1) {
     bool byDigest = startsWith(reference, "sha256:");
     std::string what =
         (byDigest ? "manifest " + reference : "tag \"" + reference + "\"") + " of " + t.name;
@@ -1186,11 +1219,19 @@ struct RegistryClient::Impl {
     call.url = t.base() + "/manifests/" + reference;
     call.headers = {"Accept: " + std::string(kOciIndex) + ", " + std::string(kDockerList) + ", " +
                     std::string(kOciManifest) + ", " + std::string(kDockerManifest)};
-    call.maxBody = size_t(std::max<int64_t>(opts.maxManifestBytes, 0));
+    const bool capIsDeclared = declaredSize >= 0 && declaredSize < opts.maxManifestBytes;
+    call.maxBody =
+        size_t(std::max<int64_t>(capIsDeclared ? declaredSize : opts.maxManifestBytes, 0));
     call.overflowIsError = true;
     Result<HttpReply> rr = request(t, call);
     if (!rr.isOk()) {
       Status st = std::move(rr).takeStatus();
+      if (st.code() == Code::kPayloadTooLarge && capIsDeclared) {
+        return Status(
+            Code::kDataLoss,
+            what + ": more than the " + std::to_string(declaredSize) + " bytes the index declares",
+            0, "ref");
+      }
       if (st.code() == Code::kPayloadTooLarge) {
         return Status(
             Code::kPayloadTooLarge,
@@ -1362,7 +1403,7 @@ Result<ResolvedImage> RegistryClient::resolve(const RegistryRef& ref,
                           "; it has: " + (list.empty() ? "none" : list),
                       0, "platform");
       }
-      ASSIGN_OR_RETURN(Manifest child, im.getManifest(t, ref, chosen->digest));
+      ASSIGN_OR_RETURN(Manifest child, im.getManifest(t, ref, chosen->digest, chosen->size));
       if (child.digest != chosen->digest) {
         return Status(Code::kDataLoss,
                       ref.str() + ": manifest " + chosen->digest + " has sha256 " + child.digest, 0,
@@ -1427,11 +1468,18 @@ Result<ResolvedImage> RegistryClient::resolve(const RegistryRef& ref,
     }
     HttpCall call;
     call.url = t.base() + "/blobs/" + cfg.digest;
-    call.maxBody = size_t(std::max<int64_t>(im.opts.maxConfigBytes, 0));
+    // No further than the manifest says it goes.
+    call.maxBody = size_t(std::max<int64_t>(cfg.size >= 0 ? cfg.size : im.opts.maxConfigBytes, 0));
     call.overflowIsError = true;
     Result<HttpReply> cr = im.request(t, call);
     if (!cr.isOk()) {
       Status st = std::move(cr).takeStatus();
+      if (st.code() == Code::kPayloadTooLarge && cfg.size >= 0) {
+        return Status(
+            Code::kDataLoss,
+            what + ": more than the " + std::to_string(cfg.size) + " bytes the manifest declares",
+            0, "ref");
+      }
       if (st.code() == Code::kPayloadTooLarge) {
         return Status(Code::kPayloadTooLarge,
                       what + ": larger than " + std::to_string(im.opts.maxConfigBytes) + " bytes",
@@ -1480,13 +1528,30 @@ Status RegistryClient::checkBlob(const RegistryRef& ref, const std::string& dige
   HttpCall call;
   call.method = "HEAD";
   call.url = t.base() + "/blobs/" + digest;
-  // The registry's redirect to storage says the blob is there and ours to
-  // read; a presigned storage URL may well refuse HEAD.
-  call.followRedirects = false;
+  // Redirects are followed as a blob GET's are: a 3xx alone says nothing
+  // (it may lead to storage without the blob, or to a login page).
   Result<HttpReply> r = impl_->request(t, call);
   if (!r.isOk()) return std::move(r).takeStatus().withContext(what);
-  if (r->status == 200 || isRedirect(r->status)) return Status::ok();
-  return impl_->errorFor(*r, t, what);
+  if (r->status >= 200 && r->status < 300) return Status::ok();
+  const long s = r->status;
+  if (originOf(r->url) == t.origin || s < 400 || s >= 500 || s == 404 || s == 410) {
+    return impl_->errorFor(*r, t, what);
+  }
+  // Storage the registry redirected to refused HEAD (a URL presigned for
+  // GET only): read the blob's first byte instead.
+  HttpCall get;
+  get.url = call.url;
+  get.range = "0-0";
+  bool there = false;
+  get.sink = [&](const HttpReply&, const char*, size_t) {
+    there = true;
+    return false;  // one chunk is proof enough
+  };
+  Result<HttpReply> g = impl_->request(t, get);
+  if (there) return Status::ok();
+  if (!g.isOk()) return std::move(g).takeStatus().withContext(what);
+  if (g->status == 200 || g->status == 206) return Status::ok();  // an empty blob
+  return impl_->errorFor(*g, t, what);
 }
 
 Status RegistryClient::fetchBlob(const RegistryRef& ref, const RegistryLayer& layer,
@@ -1565,6 +1630,8 @@ Status RegistryClient::fetchBlob(const RegistryRef& ref, const RegistryLayer& la
           }
         }
       }
+      // Never past the declared size: a registry must not fill the disk
+      // before the digest can be checked.
       if (off + int64_t(n) > layer.size) {
         tooLong = true;
         return false;
@@ -1586,7 +1653,10 @@ Status RegistryClient::fetchBlob(const RegistryRef& ref, const RegistryLayer& la
     bool retryable = false;
     Result<HttpReply> r = im.authed(t, call, &retryable);
     if (!writeErr.isOk()) return writeErr;
-    if (tooLong) return dataLoss("more bytes than the " + std::to_string(layer.size) + " expected");
+    if (tooLong) {
+      return dataLoss("the registry sent more bytes than the " + std::to_string(layer.size) +
+                      " the manifest declares; transfer cut");
+    }
     if (cancelled()) return cancelledStatus();
     std::string why;
     if (restartAsked) {
@@ -1598,14 +1668,23 @@ Status RegistryClient::fetchBlob(const RegistryRef& ref, const RegistryLayer& la
     } else if (r->status == 200 || r->status == 206) {
       if (off == layer.size) break;
       // The answer ended cleanly, short: the blob is shorter than the manifest
-      // says, unless a 206 says the whole is as long.
+      // says, unless it was a 206, which may hold a part only, and whose total
+      // is as long or unknown ("bytes a-b/*").
       long long total = -1;
       std::string cr = r->header("content-range");
       size_t slash = cr.rfind('/');
-      if (slash != std::string::npos) total = atoll(cr.c_str() + slash + 1);
-      if (r->status == 200 || total != layer.size) {
+      if (slash != std::string::npos && slash + 1 < cr.size() && isDigit(cr[slash + 1])) {
+        total = atoll(cr.c_str() + slash + 1);
+      }
+      if (r->status == 200 || (total >= 0 && total != layer.size)) {
         return dataLoss("the registry has " + std::to_string(r->status == 200 ? off : total) +
                         " bytes, the manifest says " + std::to_string(layer.size));
+      }
+      // A part that brought bytes: ask for the rest at once.
+      if (off > startOff) {
+        failures = 0;
+        backoff = im.opts.backoffS;
+        continue;
       }
       why = "GET " + redact(call.url) + ": short read";
     } else if (r->status == 416) {

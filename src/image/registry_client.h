@@ -7,8 +7,12 @@
 // Security: credentials (and bearer tokens) go only to the registry's own
 // origin (scheme, host, port) and its token realm; a redirect elsewhere (blob
 // storage) is followed without the Authorization header, and credentials are
-// never sent over plain http unless the host is one of insecureHosts. Neither
-// credentials nor tokens appear in an error message or a log line.
+// never sent over plain http unless the host is one of insecureHosts. A
+// request made over https never follows a redirect to plain http, unless the
+// redirect's host is one of insecureHosts (kPermissionDenied, field "ref",
+// naming it). Nothing is read past the size its descriptor declares (the
+// config, a manifest an index points at, a layer). Neither credentials nor
+// tokens appear in an error message or a log line.
 #pragma once
 
 #include <sys/socket.h>
@@ -181,24 +185,45 @@ class RegistryClient {
   //     media type not understood, a malformed manifest or digest; other
   //     4xx answers are kFailedPrecondition with the registry's message
   //   kDataLoss (ref): a manifest or config whose bytes fail their digest
-  //     (the reference's, Docker-Content-Digest's, the index entry's)
+  //     (the reference's, Docker-Content-Digest's, the index entry's), or
+  //     longer than the size the index or manifest declares (the transfer
+  //     is cut as soon as it passes it; the message names the digest)
   //   kPayloadTooLarge (ref): a manifest or config over its cap
   //   kUnavailable: the registry unreachable, 5xx, or TLS failure, once the
   //     attempts are spent (the message names host and cause)
+  //   kPermissionDenied (ref): a redirect from https to plain http; an
+  //     address allowAddress refuses
+  // An error the bearer token service (the challenge's realm) caused names
+  // that service's URL and host, not the registry's: kUnauthenticated (auth)
+  // for a 401 or an answer without a token, kPermissionDenied (auth) for a
+  // 403, kUnavailable for 408, 429 and 5xx, kUnauthenticated (auth) for any
+  // other status.
   Result<ResolvedImage> resolve(const RegistryRef& ref, const ImagePlatform& platform);
 
   // HEAD of a blob with this client's credentials: OK when it exists and may
-  // be read (a redirect from the registry to blob storage counts, and is not
-  // followed: presigned storage URLs often refuse HEAD). Errors as resolve's;
-  // kInvalidArgument (ref) for a digest not "sha256:<64 hex>".
+  // be read, that is when the answer, after redirects followed as
+  // fetchBlob's are (to blob storage, without the Authorization header), is
+  // 2xx; a 3xx alone proves nothing. Storage that refuses HEAD with a 4xx
+  // other than 404 and 410 (a URL presigned for GET only) is asked for the
+  // blob's first byte instead (GET, Range bytes=0-0). Errors as resolve's,
+  // naming the server that answered; kInvalidArgument (ref) for a digest not
+  // "sha256:<64 hex>".
   Status checkBlob(const RegistryRef& ref, const std::string& digest);
 
   // Downloads blob `layer.digest` of `ref`'s repository into `spoolPath`,
   // appending: if the file exists, asks only for the bytes after its length
   // (Range), as again after a transfer cut mid-way. Verifies the sha256 of the
   // whole file against the digest and the length against layer.size.
+  // layer.size is also a hard cap: the transfer is cut as soon as the spool
+  // would pass it (kDataLoss naming the digest, the spool deleted), so a
+  // registry cannot fill the disk before the digest is checked. There is no
+  // unknown-size mode: resolve refuses a layer without a size and a negative
+  // one here is kInvalidArgument, so no download is unbounded.
   // A 200 answer to a Range request restarts the spool from empty, as does a
-  // spool longer than layer.size. The spool is fsynced before OK.
+  // spool longer than layer.size. A 206 may hold a part only, and its
+  // Content-Range total may be "*" (unknown): if it starts at the spool's
+  // length, its bytes are kept and the rest asked for at once; one starting
+  // elsewhere restarts the spool. The spool is fsynced before OK.
   // `progress(bytesInFile)` is called as bytes land (after they are written),
   // on the calling thread, and once first with what a resumed spool holds.
   // `cancel` is checked as bytes arrive, while waiting for them and between
@@ -209,8 +234,10 @@ class RegistryClient {
   //   kInvalidArgument (ref): layer.digest not "sha256:<64 hex>", or a
   //     negative layer.size
   //   kDataLoss: the bytes fail the digest, or the length is not layer.size
-  //     (the spool is deleted)
+  //     (more bytes than that, or a 200 or a 206 whose total says fewer; the
+  //     spool is deleted)
   //   kNotFound, kUnauthenticated, kPermissionDenied: as resolve's
+  //     (kPermissionDenied (ref) for a redirect from https to plain http)
   //   kUnavailable: retries spent (the spool is kept)
   //   errno-carrying codes (sysError) for the spool's own I/O
   Status fetchBlob(const RegistryRef& ref, const RegistryLayer& layer, const std::string& spoolPath,

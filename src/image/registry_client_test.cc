@@ -1,7 +1,11 @@
 #include "image/registry_client.h"
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <poll.h>
+#include <signal.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -293,10 +297,15 @@ class FakeRegistry {
   int cutAfter = -1;  // blob answers cut after this many bytes...
   int cuts = 0;       // ...this many times
   bool ignoreRange = false;
-  std::string redirectBase;     // blob GETs redirect to redirectBase + "/storage/<digest>"
-  std::string badDigestHeader;  // a Docker-Content-Digest to lie with
-  bool slowBlob = false;        // blob bodies trickle out in pieces
+  std::string redirectBase;      // blob GETs redirect to redirectBase + "/storage/<digest>"
+  std::string badDigestHeader;   // a Docker-Content-Digest to lie with
+  bool slowBlob = false;         // blob bodies trickle out in pieces
   std::string storageChallenge;  // storage only: answer 401 with this WWW-Authenticate
+  bool refuseHead = false;       // storage only: HEAD is 403 (a URL presigned for GET)
+  bool unknownTotal = false;     // 206 answers say "bytes a-b/*"
+  size_t rangeCap = 0;           // a 206 answer carries at most this many bytes (0: the rest)
+  std::string realm;             // the Bearer challenge's realm ("" = this server's /token)
+  int tokenStatus = 0;           // the token endpoint answers this HTTP status (0: as it should)
 
   std::mutex mu;
   std::map<std::string, std::pair<std::string, std::string>> manifests;  // "repo@ref"
@@ -357,7 +366,7 @@ class FakeRegistry {
 
   void serveBlob(http::Request& req, http::Response& res, const std::string& bytes) {
     int status = 200;
-    size_t start = 0;
+    size_t start = 0, end = bytes.size();
     std::string range = req.header("range");
     bool cut = false;
     size_t cutAt = 0;
@@ -373,9 +382,10 @@ class FakeRegistry {
           }
           start = size_t(a);
           status = 206;
+          if (rangeCap > 0) end = std::min(end, start + rangeCap);
           res.setHeader("Content-Range", "bytes " + std::to_string(a) + "-" +
-                                             std::to_string(bytes.size() - 1) + "/" +
-                                             std::to_string(bytes.size()));
+                                             std::to_string(end - 1) + "/" +
+                                             (unknownTotal ? "*" : std::to_string(bytes.size())));
         }
       }
       if (cuts > 0 && cutAfter >= 0) {
@@ -385,7 +395,7 @@ class FakeRegistry {
       }
       slow = slowBlob;
     }
-    std::string body = bytes.substr(start);
+    std::string body = bytes.substr(start, end - start);
     if (req.method == "HEAD") {
       (void)res.send(status, "application/octet-stream", "");
       return;
@@ -424,6 +434,10 @@ class FakeRegistry {
           (void)res.send(401, "text/plain", "unauthorized");
           return;
         }
+        if (refuseHead && req.method == "HEAD") {
+          (void)res.send(403, "application/xml", "<Error>SignatureDoesNotMatch</Error>");
+          return;
+        }
         if (!startsWith(req.path, "/storage/") || !blobs.count(digest)) {
           (void)res.send(404, "text/plain", "no such object");
           return;
@@ -453,9 +467,10 @@ class FakeRegistry {
       bool ok = startsWith(authz, "Bearer ") && validTokens.count(authz.substr(7));
       if (!ok) {
         ++unauthorized;
-        res.setHeader("WWW-Authenticate", "Bearer realm=\"http://" + hostPort() +
-                                              "/token\",service=\"fake-registry\"," +
-                                              "scope=\"repository:" + repo + ":pull\"");
+        res.setHeader("WWW-Authenticate",
+                      "Bearer realm=\"" +
+                          (realm.empty() ? "http://" + hostPort() + "/token" : realm) +
+                          "\",service=\"fake-registry\",scope=\"repository:" + repo + ":pull\"");
         lk.unlock();
         sendError(res, 401, "UNAUTHORIZED", "authentication required");
         return;
@@ -520,6 +535,11 @@ class FakeRegistry {
 
   void handleToken(http::Request& req, http::Response& res) {
     std::lock_guard lk(mu);
+    if (tokenStatus != 0) {
+      sendError(res, tokenStatus, tokenStatus == 403 ? "DENIED" : "UNAVAILABLE",
+                "no token for you");
+      return;
+    }
     bool ok = true;
     bool post = req.method == "POST";
     if (post) {
@@ -620,6 +640,100 @@ int64_t fileSize(const std::string& p) {
   struct stat st;
   return ::stat(p.c_str(), &st) == 0 ? int64_t(st.st_size) : -1;
 }
+
+// An https server that answers every GET and HEAD with a 307 to the same
+// path under `target`: Python's http.server behind its ssl module, with a
+// self-signed certificate for 127.0.0.1 that openssl makes. The tree's HTTP
+// server has no TLS, and the test links no libssl. skipReason says why it
+// could not start.
+class TlsRedirector {
+ public:
+  explicit TlsRedirector(const std::string& target) : dir_(tempPath()) {
+    if (std::system("command -v openssl >/dev/null 2>&1 && command -v python3 >/dev/null 2>&1") !=
+        0) {
+      skipReason = "no openssl and python3 to serve https";
+      return;
+    }
+    if (!makeDirs(dir_, 0700).isOk()) {
+      skipReason = "cannot make " + dir_;
+      return;
+    }
+    std::string gen =
+        "openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes "
+        "-days 1 -subj /CN=127.0.0.1 -addext subjectAltName=IP:127.0.0.1 -keyout " +
+        dir_ + "/key.pem -out " + dir_ + "/cert.pem >/dev/null 2>&1";
+    if (std::system(gen.c_str()) != 0) {
+      skipReason = "openssl req could not make a certificate";
+      return;
+    }
+    const std::string script = R"(
+import http.server, ssl, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(307)
+        self.send_header("Location", sys.argv[3] + self.path)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+    do_HEAD = do_GET
+    def log_message(self, *a):
+        pass
+s = http.server.HTTPServer(("127.0.0.1", 0), H)
+ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+ctx.load_cert_chain(sys.argv[1], sys.argv[2])
+s.socket = ctx.wrap_socket(s.socket, server_side=True)
+print(s.server_address[1], flush=True)
+s.serve_forever()
+)";
+    int out[2];
+    if (::pipe2(out, O_CLOEXEC) != 0) {
+      skipReason = "pipe failed";
+      return;
+    }
+    std::string cert = caFile(), key = dir_ + "/key.pem";
+    const char* argv[] = {"python3",   "-c",           script.c_str(), cert.c_str(),
+                          key.c_str(), target.c_str(), nullptr};
+    pid_ = ::fork();
+    if (pid_ == 0) {
+      int null = ::open("/dev/null", O_RDWR);
+      ::dup2(null, 0);
+      ::dup2(out[1], 1);
+      ::dup2(null, 2);
+      ::execvp("python3", const_cast<char**>(argv));
+      ::_exit(127);
+    }
+    ::close(out[1]);
+    out_ = out[0];
+    std::string got;  // the port, on a line of its own once it listens
+    while (got.find('\n') == std::string::npos) {
+      pollfd p{out_, POLLIN, 0};
+      char buf[64];
+      ssize_t n = ::poll(&p, 1, 10000) == 1 ? ::read(out_, buf, sizeof buf) : 0;
+      if (n <= 0) {
+        skipReason = "the python3 https server did not start";
+        return;
+      }
+      got.append(buf, size_t(n));
+    }
+    port_ = got.substr(0, got.find('\n'));
+  }
+  ~TlsRedirector() {
+    if (pid_ > 0) {
+      ::kill(pid_, SIGTERM);
+      ::waitpid(pid_, nullptr, 0);
+    }
+    if (out_ >= 0) ::close(out_);
+    (void)removeTree(dir_);
+  }
+  std::string hostPort() const { return "127.0.0.1:" + port_; }
+  std::string caFile() const { return dir_ + "/cert.pem"; }
+  std::string skipReason;
+
+ private:
+  std::string dir_;
+  pid_t pid_ = -1;
+  int out_ = -1;
+  std::string port_;
+};
 
 // ---------------------------------------------------------------------------
 // resolve()
@@ -875,6 +989,37 @@ TEST(RegistryClientTest, CapsManifestAndConfigSizes) {
   EXPECT_EQ(reg.count("/v2/x/blobs/"), 0);  // refused from the manifest's size, not fetched
 }
 
+TEST(RegistryClientTest, ConfigAndManifestAreCutAtTheirDeclaredSize) {
+  FakeRegistry reg;
+  TestImage img = makeImage(reg, "amd64", 1);
+  // The config is read no further than the manifest says it goes.
+  Json m = Json::parse(img.manifest);
+  m["config"]["size"] = 10;
+  reg.putManifest("x", "1", kOciManifestType, m.dump());
+  RegistryClient client(fastOpts(reg));
+  auto r = client.resolve(refFor(reg, "x:1"), plat("linux/amd64"));
+  ASSERT_FALSE(r.isOk());
+  EXPECT_EQ(r.status().code(), Code::kDataLoss) << r.status().toString();
+  EXPECT_NE(r.status().message().find(img.configDigest), std::string::npos);
+  EXPECT_NE(r.status().message().find("more than the 10 bytes"), std::string::npos)
+      << r.status().message();
+  // The manifest an index points at, no further than the index says.
+  reg.putManifest("x", "2", kOciManifestType, img.manifest);
+  Json entry = indexEntry(img, "linux", "amd64");
+  entry["size"] = 20;
+  reg.putManifest(
+      "x", "i", kOciIndexType,
+      Json(
+          {{"schemaVersion", 2}, {"mediaType", kOciIndexType}, {"manifests", Json::array({entry})}})
+          .dump());
+  r = client.resolve(refFor(reg, "x:i"), plat("linux/amd64"));
+  ASSERT_FALSE(r.isOk());
+  EXPECT_EQ(r.status().code(), Code::kDataLoss) << r.status().toString();
+  EXPECT_NE(r.status().message().find(img.manifestDigest), std::string::npos);
+  EXPECT_NE(r.status().message().find("more than the 20 bytes"), std::string::npos)
+      << r.status().message();
+}
+
 TEST(RegistryClientTest, MissingThingsAreNotFound) {
   FakeRegistry reg;
   TestImage img = makeImage(reg, "amd64", 1);
@@ -1032,6 +1177,42 @@ TEST(RegistryClientTest, IdentityTokenIsPostedAsRefreshToken) {
   EXPECT_EQ(r.status().message().find("refresh-stale"), std::string::npos);
 }
 
+TEST(RegistryClientTest, TokenServiceErrorsNameTheTokenService) {
+  FakeRegistry reg, tokens;
+  reg.auth = FakeRegistry::Auth::kBearer;
+  reg.realm = "http://" + tokens.hostPort() + "/token";
+  TestImage img = makeImage(reg, "amd64", 1);
+  reg.putManifest("x", "1", kOciManifestType, img.manifest);
+  RegistryClient client(fastOpts(reg));
+  tokens.tokenStatus = 403;
+  auto r = client.resolve(refFor(reg, "x:1"), plat("linux/amd64"));
+  ASSERT_FALSE(r.isOk());
+  EXPECT_EQ(r.status().code(), Code::kPermissionDenied) << r.status().toString();
+  EXPECT_EQ(r.status().field(), "auth");
+  EXPECT_NE(r.status().message().find("denied by token service " + tokens.hostPort()),
+            std::string::npos)
+      << r.status().message();
+  EXPECT_EQ(r.status().message().find("by " + reg.hostPort()), std::string::npos)
+      << r.status().message();
+  tokens.tokenStatus = 503;
+  r = client.resolve(refFor(reg, "x:1"), plat("linux/amd64"));
+  ASSERT_FALSE(r.isOk());
+  EXPECT_EQ(r.status().code(), Code::kUnavailable) << r.status().toString();
+  EXPECT_NE(r.status().message().find("token service " + tokens.hostPort() + " unavailable"),
+            std::string::npos)
+      << r.status().message();
+  EXPECT_EQ(r.status().message().find(reg.hostPort() + " unavailable"), std::string::npos)
+      << r.status().message();
+  // A token endpoint that is not there is no missing image.
+  tokens.tokenStatus = 404;
+  r = client.resolve(refFor(reg, "x:1"), plat("linux/amd64"));
+  ASSERT_FALSE(r.isOk());
+  EXPECT_EQ(r.status().code(), Code::kUnauthenticated) << r.status().toString();
+  EXPECT_EQ(r.status().field(), "auth");
+  EXPECT_NE(r.status().message().find("token service " + tokens.hostPort()), std::string::npos)
+      << r.status().message();
+}
+
 TEST(RegistryClientTest, BasicAuth) {
   FakeRegistry reg;
   reg.auth = FakeRegistry::Auth::kBasic;
@@ -1183,6 +1364,110 @@ TEST(RegistryClientTest, DigestOrLengthMismatchDeletesSpool) {
   EXPECT_EQ(client.fetchBlob(f.ref, bad, f.spool).code(), Code::kInvalidArgument);
 }
 
+TEST(RegistryClientTest, BlobLargerThanDeclaredIsCutAtItsSize) {
+  BlobFixture f;
+  RegistryClient client(fastOpts(f.reg));
+  RegistryLayer small = f.layer;
+  small.size = 1000;  // the registry sends 300000
+  int64_t most = 0;
+  Status st = client.fetchBlob(f.ref, small, f.spool, [&](int64_t n) { most = std::max(most, n); });
+  EXPECT_EQ(st.code(), Code::kDataLoss) << st.toString();
+  EXPECT_NE(st.message().find(small.digest), std::string::npos) << st.message();
+  EXPECT_NE(st.message().find("more bytes than the 1000"), std::string::npos) << st.message();
+  EXPECT_LE(most, 1000);
+  EXPECT_EQ(fileSize(f.spool), -1);
+}
+
+TEST(RegistryClientTest, ResumesAfter206OfUnknownTotal) {
+  // "bytes a-b/*" is a legal Content-Range; a server may also answer a range
+  // in parts.
+  BlobFixture f;
+  f.reg.unknownTotal = true;
+  f.reg.rangeCap = 100000;
+  ASSERT_TRUE(writeFileAtomic(f.spool, f.data.substr(0, 1000)).isOk());
+  RegistryClient client(fastOpts(f.reg));
+  Status st = client.fetchBlob(f.ref, f.layer, f.spool);
+  ASSERT_TRUE(st.isOk()) << st.toString();
+  EXPECT_TRUE(f.spooled() == f.data);
+  std::vector<std::string> ranges;
+  for (const Seen& s : f.reg.requests()) {
+    if (startsWith(s.path, "/v2/blobs/blobs/")) ranges.push_back(s.range);
+  }
+  EXPECT_EQ(ranges, (std::vector<std::string>{"bytes=1000-", "bytes=101000-", "bytes=201000-"}));
+  // A known total that disagrees with the manifest is still data loss.
+  f.reg.unknownTotal = false;
+  RegistryLayer longer = f.layer;
+  longer.size += 100;
+  ASSERT_TRUE(writeFileAtomic(f.spool, f.data.substr(0, 1000)).isOk());
+  st = client.fetchBlob(f.ref, longer, f.spool);
+  EXPECT_EQ(st.code(), Code::kDataLoss) << st.toString();
+}
+
+TEST(RegistryClientTest, HttpsRedirectToPlainHttpIsRefused) {
+  // The https registry sends each request to the same path on a plain http one.
+  FakeRegistry plain;
+  TlsRedirector tls("http://" + plain.hostPort());
+  if (!tls.skipReason.empty()) GTEST_SKIP() << tls.skipReason;
+  TestImage img = makeImage(plain, "amd64", 1);
+  plain.putManifest("x", "1", kOciManifestType, img.manifest);
+  RegistryLayer layer{img.layers[0]["digest"].get<std::string>(), int64_t(img.layerBytes[0].size()),
+                      kOciGzip, LayerCompression::kGzip};
+  RegistryOptions o;
+  o.caFile = tls.caFile();
+  o.attempts = 2;
+  o.backoffS = 0.001;
+  RegistryRef ref = *parseRegistryRef(tls.hostPort() + "/x:1");
+  std::string spool = tempPath();
+  {
+    RegistryClient client(o);
+    auto r = client.resolve(ref, plat("linux/amd64"));
+    ASSERT_FALSE(r.isOk()) << "a manifest came over plain http";
+    EXPECT_EQ(r.status().code(), Code::kPermissionDenied) << r.status().toString();
+    EXPECT_NE(r.status().message().find("plain http"), std::string::npos) << r.status().message();
+    EXPECT_NE(r.status().message().find(plain.hostPort()), std::string::npos);
+    Status st = client.fetchBlob(ref, layer, spool);
+    EXPECT_EQ(st.code(), Code::kPermissionDenied) << st.toString();
+    EXPECT_NE(st.message().find("plain http"), std::string::npos) << st.message();
+    EXPECT_EQ(plain.count("/v2/"), 0);
+  }
+  // Unless the caller named that host insecure.
+  o.insecureHosts = {plain.hostPort()};
+  RegistryClient client(o);
+  auto r = client.resolve(ref, plat("linux/amd64"));
+  ASSERT_TRUE(r.isOk()) << r.status().toString();
+  Status st = client.fetchBlob(ref, layer, spool);
+  EXPECT_TRUE(st.isOk()) << st.toString();
+  ::unlink(spool.c_str());
+}
+
+TEST(RegistryClientTest, CheckBlobFollowsRedirects) {
+  BlobFixture f;
+  FakeRegistry storage(/*storageOnly=*/true);
+  f.reg.redirectBase = "http://" + storage.hostPort();
+  RegistryClient client(fastOpts(f.reg));
+  // A redirect alone says nothing: storage without the blob is "not found".
+  Status st = client.checkBlob(f.ref, f.layer.digest);
+  EXPECT_EQ(st.code(), Code::kNotFound) << st.toString();
+  storage.putBlob(f.data);
+  st = client.checkBlob(f.ref, f.layer.digest);
+  EXPECT_TRUE(st.isOk()) << st.toString();
+  ASSERT_FALSE(storage.requests().empty());
+  EXPECT_EQ(storage.requests().back().method, "HEAD");
+  // Storage that refuses HEAD (a URL presigned for GET): its first byte is
+  // read instead.
+  storage.refuseHead = true;
+  st = client.checkBlob(f.ref, f.layer.digest);
+  EXPECT_TRUE(st.isOk()) << st.toString();
+  EXPECT_EQ(storage.requests().back().method, "GET");
+  EXPECT_EQ(storage.requests().back().range, "bytes=0-0");
+  {
+    std::lock_guard lk(f.reg.mu);
+    f.reg.blobs[digestOf("absent")] = "x";  // the registry has it, storage not
+  }
+  st = client.checkBlob(f.ref, digestOf("absent"));
+  EXPECT_EQ(st.code(), Code::kNotFound) << st.toString();
+}
+
 TEST(RegistryClientTest, CancelKeepsSpoolForResume) {
   BlobFixture f;
   f.reg.slowBlob = true;
@@ -1244,10 +1529,10 @@ TEST(RegistryClientTest, RedirectToStorageDropsAuthorization) {
   EXPECT_TRUE(f.spooled() == f.data);
   EXPECT_EQ(storage.requests().back().range, "bytes=777-");
   EXPECT_EQ(storage.requests().back().authorization, "");
-  // checkBlob takes the registry's redirect as "there" without following it.
-  size_t n = storage.requests().size();
+  // checkBlob follows the redirect as a GET does, without Authorization.
   EXPECT_TRUE(client.checkBlob(f.ref, f.layer.digest).isOk());
-  EXPECT_EQ(storage.requests().size(), n);
+  EXPECT_EQ(storage.requests().back().method, "HEAD");
+  EXPECT_EQ(storage.requests().back().authorization, "");
 }
 
 TEST(RegistryClientTest, AChallengeFromWhereABlobRedirectsGetsNoCredentials) {

@@ -156,6 +156,12 @@ const std::string kChunkHoldLeasePrefix = "chunk-hold:";
 
 Result<std::optional<ChunkLoc>> Platform::lookupChunkAndHold(const std::string& sha,
                                                              int64_t length) {
+  // Most chunks a conversion asks for are new: the set answers those with no
+  // store query. Its "maybe" goes on to the store, the truth. A set missing
+  // chunks another replica stored since it was loaded only loses this
+  // dedup chance (the converter stores the bytes itself); keys of chunks gc
+  // has since forgotten only cost the query (chunk_keys.h).
+  if (!chunkKeys_.mayContain(sha, length)) return std::optional<ChunkLoc>();
   ASSIGN_OR_RETURN(std::optional<ChunkLoc> loc, store_->findChunk(sha, length));
   if (!loc) return loc;
   {

@@ -3,11 +3,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
-
 #include <algorithm>
-#include <cstring>
 #include <future>
 #include <map>
 
@@ -135,6 +131,8 @@ Status Platform::storeConvertedLayer(const image::ConvertedLayer& c) {
   chunks.reserve(c.stored.size());
   for (const auto& s : c.stored) chunks.push_back({s.sha, s.length, layer.dataDigest, s.block});
   RETURN_IF_ERROR(store_->putChunks(layer.dataDigest, chunks));
+  // Known here from now on (another replica learns them at its next start).
+  chunkKeys_.add(chunks);
   return linkBlob(layer.digest, layer.size, layer.dataDigest, c.extraData);
 }
 
@@ -217,33 +215,6 @@ Result<ImageRecord> Platform::finishPull(ImageRecord r, const image::ResolvedIma
   RETURN_IF_ERROR(store_->putImage(r));
   return r;
 }
-
-namespace {
-// An address on the public internet: not loopback, private (RFC 1918, ULA,
-// CGNAT), link-local, unspecified or multicast.
-bool publicAddress(const sockaddr* a) {
-  if (a->sa_family == AF_INET) {
-    uint32_t ip = ntohl(reinterpret_cast<const sockaddr_in*>(a)->sin_addr.s_addr);
-    auto in = [ip](uint32_t net, int bits) { return (ip >> (32 - bits)) == (net >> (32 - bits)); };
-    return !(in(0x00000000, 8) || in(0x0a000000, 8) || in(0x7f000000, 8) ||
-             in(0x64400000, 10) || in(0xa9fe0000, 16) || in(0xac100000, 12) ||
-             in(0xc0a80000, 16) || in(0xe0000000, 4) || ip == 0xffffffff);
-  }
-  if (a->sa_family == AF_INET6) {
-    const in6_addr& ip = reinterpret_cast<const sockaddr_in6*>(a)->sin6_addr;
-    if (IN6_IS_ADDR_V4MAPPED(&ip)) {
-      sockaddr_in v4{};
-      v4.sin_family = AF_INET;
-      std::memcpy(&v4.sin_addr, ip.s6_addr + 12, 4);
-      return publicAddress(reinterpret_cast<const sockaddr*>(&v4));
-    }
-    return !(IN6_IS_ADDR_LOOPBACK(&ip) || IN6_IS_ADDR_UNSPECIFIED(&ip) ||
-             IN6_IS_ADDR_LINKLOCAL(&ip) || IN6_IS_ADDR_MULTICAST(&ip) ||
-             (ip.s6_addr[0] & 0xfe) == 0xfc);
-  }
-  return false;
-}
-}  // namespace
 
 image::RegistryOptions Platform::registryOptions(const image::RegistryRef& ref) const {
   image::RegistryOptions ro;
@@ -445,6 +416,18 @@ void Platform::writeImageMetrics(metrics::Writer& w) {
             logical);
     w.gauge("dsec_images", "Images (name:tag) in the store.", double(images->size()));
   }
+  ChunkKeys::Stats ck = chunkKeys_.stats();
+  const char* lookupsHelp =
+      "Chunk lookups of layer conversions (pulls, build steps), by who answered: the in-memory "
+      "chunk key set (absent: known new, no store query) or the store.";
+  w.counter("dsec_chunk_lookups_total", lookupsHelp, double(ck.absent), {{"answer", "absent"}});
+  w.counter("dsec_chunk_lookups_total", lookupsHelp, double(ck.passed), {{"answer", "store"}});
+  w.gauge("dsec_chunk_keys",
+          "Chunk keys held in memory (chunks stored, as far as this replica knows).",
+          double(ck.keys));
+  w.gauge("dsec_chunk_keys_loaded",
+          "1 once the chunk keys are loaded from the store (before: every lookup asks the store).",
+          ck.loaded ? 1 : 0);
   if (!pulls_) return;
   PullStats s = pulls_->stats();
   const char* help =

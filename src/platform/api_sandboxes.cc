@@ -1,4 +1,5 @@
 // /v1/sandboxes: create, list, get, destroy, exec, files.
+#include <cmath>
 #include <charconv>
 #include <cstring>
 #include <regex>
@@ -1192,39 +1193,43 @@ void Platform::pauseSandbox(const std::string& id, bool pause, http::Request& re
     }
     toDisk = *memory == "disk";
   }
+  auto r = pauseOrResume(id, pause, toDisk);
+  if (!r.isOk()) return sendError(res, r.status());
+  sendJson(res, 200, dumpJson(toApi(*r)));
+}
+
+Result<SandboxRecord> Platform::pauseOrResume(const std::string& id, bool pause, bool toDisk) {
   SandboxRecord r;
   {
     std::lock_guard lk(mu_);
     auto it = sandboxes_.find(id);
-    if (it == sandboxes_.end()) return sendError(res, notFound("sandbox " + id + " not found"));
+    if (it == sandboxes_.end()) return notFound("sandbox " + id + " not found");
     const SandboxState st = it->second.state;
     // The VM backends, whose whole state can go to a file.
     if (toDisk && !proto::isVm(it->second.backend)) {
-      return sendError(res, Status(Code::kFailedPrecondition,
-                                   "memory \"disk\" needs a VM sandbox (backend microvm or vm); "
-                                   "sandbox " +
-                                       id + " is backend " + proto::backendName(it->second.backend),
-                                   0, "memory"));
+      return Status(Code::kFailedPrecondition,
+                    "memory \"disk\" needs a VM sandbox (backend microvm or vm); sandbox " + id +
+                        " is backend " + proto::backendName(it->second.backend),
+                    0, "memory");
     }
     // Paused to disk already, or paused and asked for RAM: nothing to do. A
     // sandbox paused in RAM may still go to disk.
     bool done = pause ? st == SandboxState::kPaused && (!toDisk || it->second.pausedTo == "disk")
                       : st == SandboxState::kRunning;
-    if (done) return sendJson(res, 200, dumpJson(toApi(it->second)));
+    if (done) return it->second;
     if (!proto::isUp(st)) {
-      return sendError(res, Status(Code::kFailedPrecondition,
-                                   "sandbox " + id + " is " + proto::stateName(st) +
-                                       ", not running"));
+      return Status(Code::kFailedPrecondition,
+                    "sandbox " + id + " is " + proto::stateName(st) + ", not running");
     }
   }
   // A resume of a sandbox paused to disk restores its VM; if that fails the
   // edge reports the sandbox dead (recorded failed, onSandboxDeath).
   Status edgeSt = toDisk ? cluster_->hibernate(id) : cluster_->pause(id, pause);
-  if (!edgeSt.isOk()) return sendError(res, edgeSt);
+  if (!edgeSt.isOk()) return edgeSt;
   {
     std::lock_guard lk(mu_);
     auto it = sandboxes_.find(id);
-    if (it == sandboxes_.end()) return sendError(res, notFound("sandbox " + id + " not found"));
+    if (it == sandboxes_.end()) return notFound("sandbox " + id + " not found");
     if (it->second.state == SandboxState::kRunning || it->second.state == SandboxState::kPaused) {
       it->second.state = pause ? SandboxState::kPaused : SandboxState::kRunning;
       it->second.pausedTo = toDisk ? "disk" : "";
@@ -1234,9 +1239,29 @@ void Platform::pauseSandbox(const std::string& id, bool pause, http::Request& re
     r = it->second;
   }
   // Recorded before it is acknowledged.
-  if (Status st = store_->putSandbox(r); !st.isOk()) return sendError(res, st);
+  RETURN_IF_ERROR(store_->putSandbox(r));
   log::info("sandbox " + id + (pause ? (toDisk ? " paused to disk" : " paused") : " resumed"));
-  sendJson(res, 200, dumpJson(toApi(r)));
+  return r;
+}
+
+Result<SandboxRecord> Platform::expireIn(const std::string& id, double seconds) {
+  SandboxRecord r;
+  {
+    std::lock_guard lk(mu_);
+    auto it = sandboxes_.find(id);
+    if (it == sandboxes_.end() || isFinal(it->second.state)) {
+      return notFound("sandbox " + id + " not found");
+    }
+    SandboxRecord& rec = it->second;
+    rec.expiresAt = nowSeconds() + seconds;
+    rec.ttlS = std::max<int64_t>(0, int64_t(std::ceil(rec.expiresAt - rec.createdAt)));
+    rec.updatedAt = nowSeconds();
+    indexLocked(rec);
+    r = rec;
+  }
+  // Recorded before it is acknowledged.
+  RETURN_IF_ERROR(store_->putSandbox(r));
+  return r;
 }
 
 }  // namespace dsec::platform

@@ -1,7 +1,12 @@
 #include "platform/api_util.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+
+#include <algorithm>
 #include <cctype>
 #include <cmath>
+#include <cstring>
 
 #include "common/util.h"
 
@@ -242,6 +247,67 @@ Result<std::map<std::string, std::string>> labelFilter(const http::Request& req)
     want[it->second.substr(0, eq)] = it->second.substr(eq + 1);
   }
   return want;
+}
+
+namespace {
+
+bool publicIpv4(uint32_t ip) {
+  auto in = [ip](uint32_t net, int bits) { return (ip >> (32 - bits)) == (net >> (32 - bits)); };
+  return !(in(0x00000000, 8) ||   // "this network", 0.0.0.0
+           in(0x0a000000, 8) ||   // RFC 1918
+           in(0x64400000, 10) ||  // CGNAT
+           in(0x7f000000, 8) ||   // loopback
+           in(0xa9fe0000, 16) ||  // link-local (cloud metadata services)
+           in(0xac100000, 12) ||  // RFC 1918
+           in(0xc0000000, 24) ||  // IETF protocol assignments
+           in(0xc0000200, 24) ||  // TEST-NET-1
+           in(0xc0a80000, 16) ||  // RFC 1918
+           in(0xc6120000, 15) ||  // benchmarking
+           in(0xc6336400, 24) ||  // TEST-NET-2
+           in(0xcb007100, 24) ||  // TEST-NET-3
+           in(0xe0000000, 4) ||   // multicast
+           in(0xf0000000, 4));    // reserved, and the broadcast address
+}
+
+uint32_t ipv4At(const in6_addr& ip, size_t offset) {
+  uint32_t v;
+  std::memcpy(&v, ip.s6_addr + offset, 4);
+  return ntohl(v);
+}
+
+}  // namespace
+
+bool publicAddress(const sockaddr* a) {
+  if (a->sa_family == AF_INET) {
+    return publicIpv4(ntohl(reinterpret_cast<const sockaddr_in*>(a)->sin_addr.s_addr));
+  }
+  if (a->sa_family != AF_INET6) return false;
+  const in6_addr& ip = reinterpret_cast<const sockaddr_in6*>(a)->sin6_addr;
+  const uint8_t* b = ip.s6_addr;
+  auto zeros = [b](size_t from, size_t to) {
+    return std::all_of(b + from, b + to, [](uint8_t x) { return x == 0; });
+  };
+  // Forms that carry an IPv4 address reach it (the kernel for mapped and
+  // compatible ones, a NAT64 gateway or 6to4 relay for the others): judge
+  // that address. :: and ::1 are compatible ones of 0.0.0.0 and 0.0.0.1.
+  if (zeros(0, 10) && b[10] == 0xff && b[11] == 0xff) return publicIpv4(ipv4At(ip, 12));
+  if (zeros(0, 12)) return publicIpv4(ipv4At(ip, 12));
+  if (b[0] == 0x00 && b[1] == 0x64 && b[2] == 0xff && b[3] == 0x9b && zeros(4, 12)) {
+    return publicIpv4(ipv4At(ip, 12));
+  }
+  if (b[0] == 0x20 && b[1] == 0x02) return publicIpv4(ipv4At(ip, 2));
+  // Only 2000::/3 is global unicast: everything else (ULA, link- and
+  // site-local, multicast, discard-only, local-use NAT64, the reserved rest)
+  // is refused wholesale rather than range by range.
+  if ((b[0] & 0xe0) != 0x20) return false;
+  if (b[0] == 0x20 && b[1] == 0x01 && (b[2] & 0xfe) == 0) {
+    return false;  // 2001::/23: IETF protocol assignments, Teredo among them
+  }
+  if (b[0] == 0x20 && b[1] == 0x01 && b[2] == 0x0d && b[3] == 0xb8) {
+    return false;  // 2001:db8::/32, documentation
+  }
+  if (b[0] == 0x3f && b[1] == 0xff && (b[2] & 0xf0) == 0) return false;  // 3fff::/20, documentation
+  return true;
 }
 
 }  // namespace dsec::platform

@@ -2,6 +2,8 @@
 // (unknown fields rejected), typed getters that name the offending field.
 #pragma once
 
+#include <sys/socket.h>
+
 #include <initializer_list>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -73,5 +75,17 @@ Status methodNotAllowed(const http::Request& req);
 // The request's `label=key=value` query parameters (all must match), or 400
 // naming "label".
 Result<std::map<std::string, std::string>> labelFilter(const http::Request& req);
+
+// Whether a tenant's pull may connect to `a` (RegistryOptions::allowAddress):
+// an address on the public internet. Refused: IPv4 0/8, 10/8, 100.64/10
+// (CGNAT), 127/8, 169.254/16, 172.16/12, 192.0.0/24, 192.0.2/24,
+// 192.168/16, 198.18/15 (benchmarking), 198.51.100/24, 203.0.113/24,
+// 224/4 (multicast), 240/4 (reserved, with 255.255.255.255); IPv6 outside
+// 2000::/3 (so ::, ::1, fc00::/7, fe80::/10, ff00::/8), 2001::/23 (IETF
+// protocols, Teredo), 2001:db8::/32 and 3fff::/20 (documentation). IPv6 that
+// carries an IPv4 address is judged by it: ::ffff:0:0/96 (mapped), ::/96
+// (compatible), 64:ff9b::/96 (NAT64), 2002::/16 (6to4). Families other than
+// AF_INET and AF_INET6 are refused.
+bool publicAddress(const sockaddr* a);
 
 }  // namespace dsec::platform

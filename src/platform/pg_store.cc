@@ -700,6 +700,25 @@ Status PostgresStore::deleteChunksOf(const std::string& data) {
       .takeStatus();
 }
 
+Result<std::vector<ChunkKey>> PostgresStore::listChunkKeys(const ChunkKey& after, size_t limit) {
+  if (limit == 0) return invalidArg("limit", "a page of chunk keys needs a limit above 0");
+  // A range scan of the primary key's index from `after` (the row comparison
+  // and the ORDER BY use the column's collation alike, so pages never skip or
+  // repeat a row whatever it is): a page costs one round trip and `limit`
+  // rows, never a sort of the table.
+  ASSIGN_OR_RETURN(Rows rows,
+                   Query::run(this, "listChunkKeys",
+                              "SELECT sha, length FROM chunks "
+                              "WHERE (sha, length) > ($1, $2::bigint) "
+                              "ORDER BY sha, length LIMIT $3::bigint",
+                              Params().add(after.sha).add(after.length).add(int64_t(limit)),
+                              kRetry));
+  std::vector<ChunkKey> out;
+  out.reserve(size_t(rows.size()));
+  for (int i = 0; i < rows.size(); ++i) out.push_back({rows.text(i, 0), rows.i64(i, 1)});
+  return out;
+}
+
 // ---------------------------------------------------------------- images
 
 Status PostgresStore::putImage(const ImageRecord& r) {

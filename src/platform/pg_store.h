@@ -76,6 +76,7 @@ class PostgresStore : public Store {
   Status putChunks(const std::string& data, const std::vector<ChunkLoc>& chunks) override;
   Result<std::optional<ChunkLoc>> findChunk(const std::string& sha, int64_t length) override;
   Status deleteChunksOf(const std::string& data) override;
+  Result<std::vector<ChunkKey>> listChunkKeys(const ChunkKey& after, size_t limit) override;
   Status putImage(const ImageRecord& r) override;
   Result<ImageRecord> getImage(const std::string& name, const std::string& tag) override;
   Result<std::vector<ImageRecord>> listImages() override;

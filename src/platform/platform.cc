@@ -170,6 +170,9 @@ Result<std::unique_ptr<Platform>> Platform::start(PlatformOptions opts, Store* s
     p->growBatchWorkersLocked();
   }
   p->runPool_ = std::make_unique<RunPool>(cluster, p->opts_.runPool);
+  // Conversions may start before the chunk keys are in: until then every
+  // lookup asks the store, as with no set at all.
+  p->chunkKeys_.startLoading(store);
   p->startPulls();
   if (!p->opts_.registry) p->opts_.registry = &metrics::Registry::global();
   p->metricsId_ =
@@ -256,6 +259,7 @@ Result<SandboxRecord> Platform::destroy(const std::string& id, SandboxState fina
   }
   Status edgeSt = cluster_->destroy(id);
   if (!edgeSt.isOk()) log::error("destroy " + id + ": " + edgeSt.toString());
+  processes_->dropSandbox(id);
   SandboxRecord rec;
   {
     std::lock_guard lk(mu_);
@@ -517,6 +521,13 @@ void Platform::handle(http::Request& req, http::Response& res) {
     sendJson(res, 200, R"({"status":"ok","version":"0.1.0"})");
     return;
   }
+  // E2B's SDKs (docs/e2b.md): their own credentials and error shapes.
+  if (startsWith(req.path, "/e2b/api/") || startsWith(req.path, "/e2b/envd/")) {
+    auto parts = splitString(req.path, '/');  // "", "e2b", "api"|"envd", ...
+    std::vector<std::string> rest(parts.begin() + 3, parts.end());
+    if (parts[2] == "api") return e2bControl(rest, req, res);
+    return e2bEnvd(rest, req, res);
+  }
   std::string auth = req.header("authorization");
   auto caller =
       startsWith(auth, "Bearer ")
@@ -587,6 +598,9 @@ void Platform::handle(http::Request& req, http::Response& res) {
     if (n == 5 && parts[4] == "exec") {
       if (m == "POST") return execSandbox(id, req, res, std::move(activity));
       return methodNotAllowed();
+    }
+    if (parts[4] == "processes" && n <= 7) {  // api_processes.cc
+      return processesApi(id, parts, req, res, std::move(activity));
     }
     if (n == 5 && (parts[4] == "pause" || parts[4] == "resume")) {
       if (m == "POST") return pauseSandbox(id, parts[4] == "pause", req, res);

@@ -26,8 +26,10 @@
 #include "common/metrics.h"
 #include "common/status.h"
 #include "platform/chronus.h"
+#include "platform/chunk_keys.h"
 #include "platform/cluster.h"
 #include "platform/policy.h"
+#include "platform/processes.h"
 #include "platform/pull_manager.h"
 #include "platform/run_pool.h"
 #include "platform/store.h"
@@ -173,6 +175,49 @@ class Platform {
   // keeps).
   void execSandbox(const std::string& id, http::Request& req, http::Response& res,
                    std::shared_ptr<void> activity);
+  // Process sessions (api_processes.cc): /v1/sandboxes/{id}/processes[/{pid}[/op]].
+  void processesApi(const std::string& id, const std::vector<std::string>& parts,
+                    http::Request& req, http::Response& res, std::shared_ptr<void> activity);
+  void startProcess(const std::string& id, http::Request& req, http::Response& res,
+                    std::shared_ptr<void> activity);
+  // A process session from a POST /processes body (the REST API's and
+  // E2B's), running once this returns.
+  Result<std::shared_ptr<ProcessSession>> startSession(const std::string& id,
+                                                       const nlohmann::json& body,
+                                                       http::Request& req,
+                                                       std::shared_ptr<void> activity);
+  // A sandbox's session by pid, else the newest (running first) with `tag`.
+  std::shared_ptr<ProcessSession> findSession(const std::string& id, int pid,
+                                              const std::string& tag);
+  // Pauses (toDisk: a VM to disk) or resumes a sandbox, recorded.
+  Result<SandboxRecord> pauseOrResume(const std::string& id, bool pause, bool toDisk);
+  // Moves the sandbox's end to `seconds` from now (longer or shorter), recorded.
+  Result<SandboxRecord> expireIn(const std::string& id, double seconds);
+  // A sandbox the caller may see and that is running or paused; kNotFound
+  // (field sandboxID) otherwise.
+  Result<SandboxRecord> visibleSandbox(const std::string& id);
+
+  // E2B compatibility (docs/e2b.md): its control API under /e2b/api
+  // (api_e2b.cc) and its in-sandbox API under /e2b/envd (api_e2b_envd.cc).
+  void e2bControl(const std::vector<std::string>& p, http::Request& req, http::Response& res);
+  void e2bCreate(http::Request& req, http::Response& res);
+  void e2bList(http::Request& req, http::Response& res);
+  nlohmann::json e2bSandbox(const SandboxRecord& r) const;
+  nlohmann::json e2bListed(const SandboxRecord& r) const;
+  // The per-sandbox envd token: HMAC-SHA256(the platform's token, id).
+  std::string envdToken(const std::string& sandboxId) const;
+  void e2bEnvd(const std::vector<std::string>& p, http::Request& req, http::Response& res);
+  void e2bProcess(const SandboxRecord& rec, const std::string& method, const nlohmann::json& j,
+                  const std::string& user, bool stream, http::Request& req, http::Response& res);
+  void e2bFilesystem(const SandboxRecord& rec, const std::string& method,
+                     const nlohmann::json& j, const std::string& user, bool stream,
+                     http::Request& req, http::Response& res);
+  void e2bWatch(const SandboxRecord& rec, const std::string& path, bool recursive,
+                http::Request& req, http::Response& res);
+  void e2bFiles(const SandboxRecord& rec, http::Request& req, http::Response& res);
+  Result<std::string> e2bPath(const SandboxRecord& rec, const std::string& user,
+                              const std::string& path);
+  bool validFileSignature(const std::string& id, http::Request& req);
   // fncall (api_run.cc): POST /v1/run (a one-shot call in a warm pool) and
   // POST /v1/sandboxes/{id}/run (a call in a fncall sandbox's /scratch).
   void runCode(http::Request& req, http::Response& res);
@@ -481,6 +526,8 @@ class Platform {
   Store* store_ = nullptr;     // not owned
   std::unique_ptr<Policies> policies_;
   std::unique_ptr<Chronus> chronus_;
+  // Process sessions by sandbox (processes.h).
+  std::unique_ptr<ProcessTable> processes_ = std::make_unique<ProcessTable>();
   std::unique_ptr<Tenants> tenants_;
   std::mutex tenantsMu_;        // serializes changes to tenants (api_tenants.cc)
   Cluster* cluster_ = nullptr;  // not owned: the nodes, and the router to them
@@ -493,6 +540,11 @@ class Platform {
   // never the other way round.
   std::mutex chunkHoldMu_;
   std::multiset<std::string> chunkHolds_;  // guarded by chunkHoldMu_
+  // The chunk table's keys (chunk_keys.h): loaded from the store at start on
+  // a thread of its own, added to by storeConvertedLayer's putChunks; a
+  // lookup of a chunk not in it costs no store query (lookupChunkAndHold).
+  // Thread-safe on its own. Its destructor stops the load, before store_ goes.
+  ChunkKeys chunkKeys_;
 
   std::mutex mu_;  // guards sandboxes_, deleteRequested_, stopping_
   std::map<std::string, SandboxRecord> sandboxes_;

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <mutex>
 
 #include "common/fd.h"
 #include "common/sha256.h"
@@ -74,13 +75,36 @@ Status outcomeOf(proto::ClientCall& call, const Status& transfer) {
 
 class LinkExec : public proto::ExecCall {
  public:
-  explicit LinkExec(std::shared_ptr<proto::ClientCall> call) : call_(std::move(call)) {}
+  LinkExec(std::shared_ptr<proto::ClientCall> call, bool interactive)
+      : call_(std::move(call)), interactive_(interactive) {}
   void cancel() override {
     call_->cancel(Status(Code::kUnavailable, "exec cancelled: client went away"));
   }
+  // Records on the call's body (proto::ExecControlDecoder on the edge). A
+  // full send buffer is the caller's kResourceExhausted: input pushes back.
+  Status sendInput(std::string_view bytes) override {
+    return control(proto::execInputRecord(bytes));
+  }
+  Status resize(proto::TermSize size) override { return control(proto::execResizeRecord(size)); }
+  Status signal(int sig) override {
+    if (sig < 1 || sig > 64) return invalidArg("signal", "signal must be from 1 to 64");
+    return control(proto::execSignalRecord(sig), true);
+  }
 
  private:
+  // Signals serve every exec; input and resizes interactive ones.
+  Status control(const std::string& rec, bool anyExec = false) {
+    if ((!interactive_ && !anyExec) || call_->done()) {
+      return Status(Code::kFailedPrecondition, "the exec is not interactive, or has ended", 0,
+                    "interactive");
+    }
+    std::lock_guard lk(mu_);  // one record whole before the next
+    return call_->send(rec);
+  }
+
   std::shared_ptr<proto::ClientCall> call_;
+  const bool interactive_;
+  std::mutex mu_;
 };
 
 }  // namespace
@@ -219,6 +243,13 @@ std::shared_ptr<proto::ExecCall> RemoteEdge::startExec(const std::string& id,
   proto::CallHandler h;
   h.onEvent = [st](std::string_view ev) {
     if (ev.empty()) return;
+    if (ev[0] == 'p') {
+      json j = json::parse(ev.substr(1), nullptr, false);
+      if (st->cb.onStarted && j.is_object() && j.contains("pid") && j["pid"].is_number_integer()) {
+        st->cb.onStarted(j["pid"].get<int>());
+      }
+      return;
+    }
     bool isErr = ev[0] == 'e';
     std::string_view data = ev.substr(1);
     if (st->cb.onOutput) {
@@ -240,9 +271,10 @@ std::shared_ptr<proto::ExecCall> RemoteEdge::startExec(const std::string& id,
     cb.onDone(std::move(r));
   };
   json args = {{"id", id}, {"spec", proto::toJson(spec)}};
+  if (st->cb.onStarted) args["started"] = true;
   auto call = client()->start("exec", args.dump(-1, ' ', false, json::error_handler_t::replace),
                               std::move(h));
-  return std::make_shared<LinkExec>(std::move(call));
+  return std::make_shared<LinkExec>(std::move(call), spec.interactive || spec.pty.has_value());
 }
 
 Result<uint64_t> RemoteEdge::writeFile(const std::string& id, const std::string& path, int mode,

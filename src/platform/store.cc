@@ -639,6 +639,23 @@ Status SqliteStore::deleteChunksOf(const std::string& data) {
   return Status::ok();
 }
 
+Result<std::vector<ChunkKey>> SqliteStore::listChunkKeys(const ChunkKey& after, size_t limit) {
+  if (limit == 0) return invalidArg("limit", "a page of chunk keys needs a limit above 0");
+  // A range of the primary key (the table is WITHOUT ROWID: the key is its
+  // b-tree), in its BINARY order: each page one seek and `limit` rows.
+  std::lock_guard lk(mu_);
+  Stmt st(db_,
+          "SELECT sha, length FROM chunks WHERE (sha, length) > (?1, ?2) "
+          "ORDER BY sha, length LIMIT ?3");
+  if (!st.ok()) return sqlError(db_, "prepare listChunkKeys");
+  st.bind(1, after.sha).bind(2, after.length).bind(3, int64_t(limit));
+  std::vector<ChunkKey> out;
+  int rc;
+  while ((rc = st.step()) == SQLITE_ROW) out.push_back({st.text(0), st.i64(1)});
+  if (rc != SQLITE_DONE) return sqlError(db_, "listChunkKeys");
+  return out;
+}
+
 namespace {
 bool isLowerHex(std::string_view s) {
   for (char c : s) {

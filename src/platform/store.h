@@ -161,6 +161,12 @@ struct ChunkLoc {
   uint32_t block = 0;  // its 4 KiB block address in that blob
 };
 
+// A chunk table row's key (Store::listChunkKeys).
+struct ChunkKey {
+  std::string sha;     // 64 lower-case hex
+  int64_t length = 0;
+};
+
 // A step of `dsec image build` (api_build.cc) whose result is kept for the
 // next build: the layer it made, found by the step's cache key
 // (image::stepCacheKey).
@@ -326,6 +332,15 @@ class Store {
   virtual Result<std::optional<ChunkLoc>> findChunk(const std::string& sha, int64_t length) = 0;
   // Removes every row whose chunk is in data blob `data` (none: ok).
   virtual Status deleteChunksOf(const std::string& data) = 0;
+  // One page of the chunk table's keys, for a reader that wants them all
+  // (platform/chunk_keys.h) without holding the table, or the whole of it in
+  // memory, at once: at most `limit` keys, in an order of the store's own,
+  // each strictly after `after` in that order (after.sha empty: from the
+  // first). Pass the last key of a page to get the next; a page shorter than
+  // `limit` is the last. Rows put or deleted between pages may or may not be
+  // seen; no row there throughout is missed or repeated. kInvalidArgument
+  // (field "limit") when `limit` is 0.
+  virtual Result<std::vector<ChunkKey>> listChunkKeys(const ChunkKey& after, size_t limit) = 0;
 
   virtual Status putImage(const ImageRecord& r) = 0;
   virtual Result<ImageRecord> getImage(const std::string& name, const std::string& tag) = 0;
@@ -453,6 +468,7 @@ class SqliteStore : public Store {
   Status putChunks(const std::string& data, const std::vector<ChunkLoc>& chunks) override;
   Result<std::optional<ChunkLoc>> findChunk(const std::string& sha, int64_t length) override;
   Status deleteChunksOf(const std::string& data) override;
+  Result<std::vector<ChunkKey>> listChunkKeys(const ChunkKey& after, size_t limit) override;
   Status putImage(const ImageRecord& r) override;
   Result<ImageRecord> getImage(const std::string& name, const std::string& tag) override;
   Result<std::vector<ImageRecord>> listImages() override;

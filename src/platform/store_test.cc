@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <set>
 #include <cstdio>
 #include <thread>
 
@@ -698,6 +699,62 @@ TEST_P(StoreTest, ChunkTableTakesAGigabyteOfChunksInOneCall) {
   }
   ASSERT_TRUE(s->deleteChunksOf("sha256:big").isOk());
   EXPECT_FALSE(s->findChunk(shaOf(8191), 131072)->has_value());
+}
+
+// listChunkKeys: every row once, page by page, whatever the page size.
+TEST_P(StoreTest, ChunkKeysPageThroughEveryRowOnce) {
+  auto s = open();
+  ASSERT_TRUE(s);
+  auto empty = s->listChunkKeys({}, 10);
+  ASSERT_TRUE(empty.isOk()) << empty.status().toString();
+  EXPECT_TRUE(empty->empty());
+  EXPECT_EQ(s->listChunkKeys({}, 0).status().code(), Code::kInvalidArgument);
+  EXPECT_EQ(s->listChunkKeys({}, 0).status().field(), "limit");
+  // 20 chunks in one blob, 5 in another; the same bytes at two lengths are
+  // two keys.
+  std::set<std::pair<std::string, int64_t>> want;
+  std::vector<ChunkLoc> d1, d2;
+  for (int i = 0; i < 20; ++i) d1.push_back({shaOf(i * 7919), 4096 + i, "", uint32_t(i)});
+  d1.push_back({shaOf(0), 100, "", 99});
+  for (int i = 0; i < 4; ++i) d2.push_back({shaOf(1000000 + i), 131072, "", uint32_t(i)});
+  ASSERT_TRUE(s->putChunks("sha256:d1", d1).isOk());
+  ASSERT_TRUE(s->putChunks("sha256:d2", d2).isOk());
+  for (auto* cs : {&d1, &d2}) {
+    for (auto& c : *cs) want.insert({c.sha, c.length});
+  }
+  ASSERT_EQ(want.size(), 25u);
+  auto all = [&](size_t limit, std::vector<size_t>* pages) {
+    std::set<std::pair<std::string, int64_t>> got;
+    ChunkKey after;
+    for (int guard = 0; guard < 100; ++guard) {
+      auto page = s->listChunkKeys(after, limit);
+      EXPECT_TRUE(page.isOk()) << page.status().toString();
+      if (!page.isOk()) break;
+      pages->push_back(page->size());
+      for (auto& k : *page) {
+        EXPECT_TRUE(got.insert({k.sha, k.length}).second) << "repeated " << k.sha;
+      }
+      if (page->size() < limit) break;
+      after = page->back();
+    }
+    return got;
+  };
+  std::vector<size_t> pages;
+  EXPECT_EQ(all(7, &pages), want);
+  EXPECT_EQ(pages, (std::vector<size_t>{7, 7, 7, 4}));
+  // A last page exactly full: the next one is empty.
+  pages.clear();
+  EXPECT_EQ(all(25, &pages), want);
+  EXPECT_EQ(pages, (std::vector<size_t>{25, 0}));
+  pages.clear();
+  EXPECT_EQ(all(1, &pages), want);
+  EXPECT_EQ(pages.size(), 26u);
+  // The rows of a blob deleteChunksOf removed are gone from the listing.
+  ASSERT_TRUE(s->deleteChunksOf("sha256:d1").isOk());
+  pages.clear();
+  std::set<std::pair<std::string, int64_t>> left;
+  for (auto& c : d2) left.insert({c.sha, c.length});
+  EXPECT_EQ(all(3, &pages), left);
 }
 
 TEST_P(StoreTest, PoliciesPutReplaceDelete) {

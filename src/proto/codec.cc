@@ -110,7 +110,23 @@ json toJson(const ExecSpec& s) {
             {"max_output", s.maxOutput},
             {"fncall", s.fncallJson}};
   if (s.stdinData) j["stdin_b64"] = base64Encode(*s.stdinData);
+  if (s.interactive) j["interactive"] = true;
+  if (s.pty) j["pty"] = {{"rows", s.pty->rows}, {"cols", s.pty->cols}};
   return j;
+}
+
+Result<TermSize> termSizeFromJson(const json& j, const std::string& field) {
+  if (!j.is_object()) return invalidArg(field, field + " must be an object {rows, cols}");
+  TermSize t;
+  for (auto [key, out] : {std::pair{"rows", &t.rows}, std::pair{"cols", &t.cols}}) {
+    auto it = j.find(key);
+    if (it == j.end() || !it->is_number_integer() || it->get<int64_t>() < 1 ||
+        it->get<int64_t>() > 65535) {
+      return invalidArg(key, std::string(key) + " must be an integer from 1 to 65535");
+    }
+    *out = static_cast<uint16_t>(it->get<int64_t>());
+  }
+  return t;
 }
 
 Result<ExecSpec> execFromJson(const json& j) {
@@ -127,6 +143,10 @@ Result<ExecSpec> execFromJson(const json& j) {
       auto d = base64Decode(req<std::string>(j, "stdin_b64"));
       if (!d.isOk()) return invalidArg("stdin_b64", "not base64");
       s.stdinData = *d;
+    }
+    s.interactive = opt(j, "interactive", false);
+    if (j.contains("pty") && !j["pty"].is_null()) {
+      ASSIGN_OR_RETURN(s.pty, termSizeFromJson(j["pty"], "pty"));
     }
     return s;
   } catch (const std::exception& e) {

@@ -21,6 +21,9 @@ json toJson(const SandboxSpec& s);
 Result<SandboxSpec> specFromJson(const json& j);
 json toJson(const ExecSpec& s);
 Result<ExecSpec> execFromJson(const json& j);
+// {"rows": R, "cols": C}; kInvalidArgument naming `field` (not an object)
+// or "rows"/"cols" (missing or out of 1..65535).
+Result<TermSize> termSizeFromJson(const json& j, const std::string& field);
 json toJson(const ExecResult& r);
 Result<ExecResult> resultFromJson(const json& j);
 json toJson(const EgressRule& r);

@@ -1,4 +1,5 @@
 #include "proto/codec.h"
+#include "proto/edge_link.h"
 
 #include <gtest/gtest.h>
 #include <sys/socket.h>
@@ -82,6 +83,75 @@ TEST(EdgeWire, InputActionEveryFieldRoundTrips) {
 }
 
 // Output and stdin are bytes, not text: NULs and invalid UTF-8 survive.
+TEST(EdgeWire, InteractiveExecSpecRoundTrips) {
+  ExecSpec s;
+  s.argv = {"/bin/bash", "-i"};
+  s.interactive = true;
+  s.pty = TermSize{33, 101};
+  auto back = execFromJson(json::parse(toJson(s).dump()));
+  ASSERT_TRUE(back.isOk()) << back.status().toString();
+  EXPECT_TRUE(back->interactive);
+  ASSERT_TRUE(back->pty);
+  EXPECT_EQ(back->pty->rows, 33);
+  EXPECT_EQ(back->pty->cols, 101);
+  // Plain execs stay as they were on the wire.
+  ExecSpec plain;
+  plain.argv = {"true"};
+  json pj = toJson(plain);
+  EXPECT_FALSE(pj.contains("pty"));
+  EXPECT_FALSE(pj.contains("interactive"));
+  json bad = toJson(s);
+  bad["pty"] = {{"rows", 0}, {"cols", 5}};
+  EXPECT_EQ(execFromJson(bad).status().field(), "rows");
+  bad["pty"] = "x";
+  EXPECT_EQ(execFromJson(bad).status().field(), "pty");
+}
+
+// What the edge's link service does with an interactive exec's body.
+class RecordingCall : public ExecCall {
+ public:
+  void cancel() override {}
+  Status sendInput(std::string_view b) override {
+    log.push_back("i:" + std::string(b));
+    return Status::ok();
+  }
+  Status resize(TermSize s) override {
+    log.push_back("r:" + std::to_string(s.rows) + "x" + std::to_string(s.cols));
+    return Status::ok();
+  }
+  Status signal(int sig) override {
+    log.push_back("s:" + std::to_string(sig));
+    return Status::ok();
+  }
+  std::vector<std::string> log;
+};
+
+TEST(EdgeWire, ExecControlRecordsSurviveAnySplit) {
+  std::string body = execInputRecord("ls\n") + execResizeRecord({50, 132}) +
+                     execSignalRecord(2) + execInputRecord(std::string("\0\xff", 2)) +
+                     execInputRecord("");
+  const std::vector<std::string> want = {"i:ls\n", "r:50x132", "s:2",
+                                         "i:" + std::string("\0\xff", 2), "i:"};
+  for (size_t step : {size_t(1), size_t(3), size_t(7), body.size()}) {
+    RecordingCall call;
+    ExecControlDecoder d;
+    for (size_t off = 0; off < body.size(); off += step) {
+      ASSERT_TRUE(d.feed(std::string_view(body).substr(off, step), call).isOk());
+    }
+    EXPECT_EQ(call.log, want) << "step " << step;
+  }
+  RecordingCall call;
+  ExecControlDecoder d;
+  EXPECT_EQ(d.feed(std::string("x\0\0\0\0", 5), call).code(), Code::kInvalidArgument);
+  ExecControlDecoder big;
+  EXPECT_FALSE(big.feed(std::string("i\xff\xff\xff\x7f", 5), call).isOk());
+  ExecControlDecoder badSize;
+  std::string r = execResizeRecord({1, 1});
+  r.replace(5, std::string::npos, "{\"rows\":0,\"cols\":1}");
+  r[1] = static_cast<char>(r.size() - 5);
+  EXPECT_EQ(badSize.feed(r, call).field(), "rows");
+}
+
 TEST(EdgeWire, ExecSpecRoundTrips) {
   ExecSpec s;
   s.argv = {"/bin/sh", "-c", "cat"};

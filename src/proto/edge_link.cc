@@ -8,7 +8,79 @@
 #include <optional>
 #include <thread>
 
+#include <nlohmann/json.hpp>
+
+#include "proto/codec.h"
+
 namespace dsec::proto {
+
+namespace {
+Status notInteractive() {
+  return Status(Code::kFailedPrecondition, "the exec is not interactive, or has ended", 0,
+                "interactive");
+}
+}  // namespace
+
+namespace {
+constexpr size_t kMaxControlRecord = 1u << 20;
+
+std::string record(char kind, std::string_view payload) {
+  std::string r(1, kind);
+  uint32_t n = static_cast<uint32_t>(payload.size());
+  for (int i = 0; i < 4; ++i) r.push_back(static_cast<char>((n >> (8 * i)) & 0xff));
+  r.append(payload);
+  return r;
+}
+}  // namespace
+
+std::string execInputRecord(std::string_view bytes) { return record('i', bytes); }
+std::string execResizeRecord(TermSize size) {
+  return record('r', "{\"rows\":" + std::to_string(size.rows) +
+                         ",\"cols\":" + std::to_string(size.cols) + "}");
+}
+std::string execSignalRecord(int sig) {
+  return record('s', "{\"signal\":" + std::to_string(sig) + "}");
+}
+
+Status ExecControlDecoder::feed(std::string_view bytes, ExecCall& to) {
+  buf_.append(bytes);
+  size_t off = 0;
+  while (buf_.size() - off >= 5) {
+    const auto* u = reinterpret_cast<const unsigned char*>(buf_.data() + off + 1);
+    uint32_t n = uint32_t(u[0]) | uint32_t(u[1]) << 8 | uint32_t(u[2]) << 16 | uint32_t(u[3]) << 24;
+    if (n > kMaxControlRecord) return invalidArg("body", "exec control record too large");
+    if (buf_.size() - off - 5 < n) break;
+    char kind = buf_[off];
+    std::string_view payload(buf_.data() + off + 5, n);
+    off += 5 + n;
+    Status st;
+    if (kind == 'i') {
+      st = to.sendInput(payload);
+    } else if (kind == 'r' || kind == 's') {
+      auto j = nlohmann::json::parse(payload, nullptr, false);
+      if (!j.is_object()) return invalidArg("body", "exec control record is not a JSON object");
+      if (kind == 'r') {
+        auto size = termSizeFromJson(j, "pty");
+        if (!size.isOk()) return size.status();
+        st = to.resize(*size);
+      } else {
+        auto sig = j.find("signal");
+        if (sig == j.end() || !sig->is_number_integer()) return invalidArg("signal", "bad signal");
+        st = to.signal(sig->get<int>());
+      }
+    } else {
+      return invalidArg("body", "unknown exec control record");
+    }
+    // An exec that ended meanwhile refuses: not the stream's fault.
+    (void)st;
+  }
+  buf_.erase(0, off);
+  return Status::ok();
+}
+
+Status ExecCall::sendInput(std::string_view) { return notInteractive(); }
+Status ExecCall::resize(TermSize) { return notInteractive(); }
+Status ExecCall::signal(int) { return notInteractive(); }
 
 std::vector<Status> EdgeLink::createMany(BackendKind backend,
                                          const std::vector<SandboxSpec>& specs) {

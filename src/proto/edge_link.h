@@ -36,12 +36,46 @@ class ExecCall {
   // to all of it) and the exec ends with kUnavailable "exec cancelled".
   // Thread-safe, non-blocking, idempotent; after the end it does nothing.
   virtual void cancel() = 0;
+
+  // Non-blocking and thread-safe: each is queued, in call order, for the
+  // process. kFailedPrecondition once the exec has ended, and for input or
+  // a resize of an exec that is not interactive (ExecSpec::interactive, pty).
+  //
+  // Bytes for its stdin (a terminal's input); empty closes stdin (on a
+  // terminal: no more input, the terminal stays).
+  virtual Status sendInput(std::string_view bytes);
+  // A terminal's new window size (SIGWINCH to its foreground job).
+  virtual Status resize(TermSize size);
+  // A signal (1..64) for the exec's process group; on a terminal, for its
+  // foreground process group instead (as a typed ^C).
+  virtual Status signal(int sig);
+};
+
+// An interactive exec's control on the platform-edge link: the exec call's
+// body is a sequence of records, u8 kind ('i' input bytes, empty closing
+// stdin; 'r' resize {"rows","cols"}; 's' signal {"signal"}), u32 little-endian
+// payload length (at most 1 MiB), payload.
+std::string execInputRecord(std::string_view bytes);
+std::string execResizeRecord(TermSize size);
+std::string execSignalRecord(int sig);
+// The receiving side: turns the body's bytes, however split, back into
+// calls on `to`. kInvalidArgument for an unknown kind, an oversized record
+// or a malformed payload (the stream cannot be trusted after it).
+class ExecControlDecoder {
+ public:
+  Status feed(std::string_view bytes, ExecCall& to);
+
+ private:
+  std::string buf_;
 };
 
 struct ExecCallbacks {
   // Output as it arrives, in order. Null: the output is collected into the
   // result's out and err instead (up to the spec's maxOutput per stream).
   std::function<void(bool isStderr, std::string_view data)> onOutput;
+  // The process started, with this pid (in the sandbox's pid namespace),
+  // before any output. Optional: nodes that cannot tell never call it.
+  std::function<void(int pid)> onStarted;
   // Called exactly once with the result or the error.
   std::function<void(Result<ExecResult>)> onDone;
 };

@@ -106,6 +106,12 @@ struct SandboxSpec {
   bool burstable = false;  // may go to the burst pool when its pool is busy
 };
 
+// A terminal's window in character cells (each 1..65535).
+struct TermSize {
+  uint16_t rows = 24;
+  uint16_t cols = 80;
+};
+
 struct ExecSpec {
   std::vector<std::string> argv;
   std::vector<std::string> env;  // "K=V", the whole environment
@@ -114,6 +120,11 @@ struct ExecSpec {
   int64_t timeoutMs = 60000;     // 0 = none
   int64_t maxOutput = 1 << 20;   // per stream
   std::optional<std::string> stdinData;
+  // Its stdin stays open for ExecCall::sendInput (stdinData must be unset).
+  bool interactive = false;
+  // Run on a fresh pseudo-terminal of this size (implies interactive):
+  // stdout and stderr are the terminal's output, one stream.
+  std::optional<TermSize> pty;
   // fncall sandboxes: the exec frame's "fncall" object (language, code,
   // fresh_dir, files, limits; docs/fncall.md); empty: run argv as the call.
   std::string fncallJson;

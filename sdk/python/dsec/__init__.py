@@ -18,9 +18,9 @@ generator, a bounded pool of kept-alive connections):
             r = await sb.exec(["python3", "-c", "print(6*7)"])
 """
 
-from ._core import DEFAULT_RETRY, Retry
-from .aio import AsyncBatch, AsyncClient, AsyncSandbox, AsyncTrajectory
-from .client import DEFAULT_URL, Batch, Client, Sandbox, Trajectory
+from ._core import DEFAULT_RETRY, ProcessEvent, Retry
+from .aio import AsyncBatch, AsyncClient, AsyncProcess, AsyncSandbox, AsyncTrajectory
+from .client import DEFAULT_URL, Batch, Client, Process, Sandbox, Trajectory
 from .errors import (Conflict, DeadlineExceeded, DsecError, InternalError, InvalidArgument,
                      NotFound, PayloadTooLarge, PermissionDenied, QuotaExceeded, RateLimited,
                      ResourceExhausted, Unauthenticated, Unavailable, error_from_code,
@@ -32,6 +32,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Client", "Sandbox", "Batch", "Trajectory",
     "AsyncClient", "AsyncSandbox", "AsyncBatch", "AsyncTrajectory", "Retry", "DEFAULT_RETRY",
+    "Process", "AsyncProcess", "ProcessEvent",
     "ExecResult", "ExecEvent", "FileEntry", "Image", "Record",
     "DsecError", "InvalidArgument", "Unauthenticated", "PermissionDenied", "NotFound",
     "Conflict", "PayloadTooLarge", "ResourceExhausted", "Unavailable", "DeadlineExceeded",

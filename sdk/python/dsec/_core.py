@@ -577,6 +577,30 @@ def _ndjson_doc(line: bytes) -> Optional[Dict[str, Any]]:
     return doc
 
 
+class _NdjsonReader:
+    """The events of a streamed NDJSON answer, a piece of the body at a time
+    (``yield from rd.next_docs()`` inside an operation)."""
+
+    def __init__(self, client: "ClientOps", req: "Request"):
+        self.client = client
+        self.req = req
+        self.buf = b""
+        self.done = False
+
+    def next_docs(self) -> Op:
+        """The events the next piece completes (maybe none); sets ``done`` at
+        the end of the body."""
+        piece = yield from _read(self.client, self.req)
+        if piece:
+            self.buf += piece
+            *lines, self.buf = self.buf.split(b"\n")
+            return [d for d in map(_ndjson_doc, lines) if d is not None]
+        self.done = True
+        doc = _ndjson_doc(self.buf)  # a last line without its newline
+        self.buf = b""
+        return [] if doc is None else [doc]
+
+
 def _iter_ndjson(resp: Any) -> Iterator[Dict[str, Any]]:
     """Parses newline-delimited JSON from any object with readline."""
     while True:
@@ -1631,6 +1655,172 @@ class BatchOps(_Driven):
         return int(doc.get("destroyed", 0))
 
 
+# ----- process sessions ------------------------------------------------------------
+
+# An interactive shell: bash where the image has it, else sh.
+_DEFAULT_SHELL = ["/bin/sh", "-c", "[ -x /bin/bash ] && exec /bin/bash -i; exec /bin/sh -i"]
+
+
+class ProcessEvent:
+    """One event of a process session's output (``GET .../processes/{pid}/output``):
+    ``type`` is ``stdout`` or ``stderr`` (``data`` holds the bytes; a
+    terminal's output is all ``stdout``), ``gap`` (output that left the
+    server's 1 MiB window before it was read: ``next`` is where reading goes
+    on), ``keepalive``, ``exit`` (``exit_code``, ``signal``, ``timed_out``,
+    ``duration_ms``) or ``error``. ``offset`` counts bytes of both streams."""
+
+    def __init__(self, doc: Dict[str, Any]):
+        self.raw = doc
+        self.type: str = doc.get("type", "")
+        self.offset: Optional[int] = doc.get("offset")
+        if "data_b64" in doc:
+            self.data = base64.b64decode(doc["data_b64"])
+        else:
+            self.data = str(doc.get("data", "")).encode("utf-8")
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_") or name in ("raw", "type", "offset", "data"):
+            raise AttributeError(name)
+        try:
+            return self.raw[name]
+        except KeyError:
+            raise AttributeError(f"ProcessEvent has no field {name!r}") from None
+
+    def __repr__(self) -> str:
+        return f"ProcessEvent({self.raw!r})"
+
+
+class ProcessOps(_Driven):
+    """What Process and AsyncProcess share: a command that runs apart from
+    any one request (``Sandbox.pty``, ``Sandbox.start_process``), with or
+    without a terminal. Its output stays on the server (the latest 1 MiB),
+    so iterating again, from this object or another one made by
+    ``Sandbox.process(pid)`` after a dropped connection, goes on where the
+    last reader stopped. ``info`` is the last Process object the server
+    returned; ``pid`` names it."""
+
+    def __init__(self, sandbox: "SandboxOps", info: Dict[str, Any]):
+        self.sandbox = sandbox
+        self.client = sandbox.client
+        self.info: Dict[str, Any] = dict(info)
+        self.pid: int = int(self.info["pid"])
+        self.offset = 0  # where the next read of output starts
+        self.exit: Optional[ProcessEvent] = None
+
+    @property
+    def _driver(self) -> "ClientOps":
+        return self.client
+
+    def _p(self, suffix: str = "") -> str:
+        return self.sandbox._p(f"/processes/{self.pid}{suffix}")
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(pid={self.pid}, sandbox={self.sandbox.id!r}, "
+                f"running={self.info.get('running')!r})")
+
+    @property
+    def running(self) -> bool:
+        return bool(self.info.get("running"))
+
+    @property
+    def exit_code(self) -> Optional[int]:
+        return self.info.get("exit_code")
+
+    @op
+    def refresh(self) -> "ProcessOps":
+        self.info = yield from self.client._call("GET", self._p())
+        return self
+
+    @op
+    def send(self, data: Union[str, bytes]) -> None:
+        """Input for the process (a terminal's keystrokes: ``"\\x03"`` is ^C)."""
+        raw = data.encode("utf-8") if isinstance(data, str) else bytes(data)
+        yield from self.client._call("POST", self._p("/input"),
+                                     json_body={"data_b64": base64.b64encode(raw).decode()})
+
+    @op
+    def close_stdin(self) -> None:
+        """No more input (the program reads end of file; a terminal stays)."""
+        yield from self.client._call("POST", self._p("/input"), json_body={"eof": True})
+
+    @op
+    def resize(self, rows: int, cols: int) -> None:
+        """A terminal's new size: its foreground program gets SIGWINCH."""
+        yield from self.client._call("POST", self._p("/resize"),
+                                     json_body={"rows": int(rows), "cols": int(cols)})
+
+    @op
+    def signal(self, sig: Union[int, str]) -> None:
+        """Sends ``sig`` (a number or a name such as ``"SIGINT"``) to its process
+        group; on a terminal, as a typed ^C would, to its foreground process
+        group (the job its shell runs, or the shell at its prompt)."""
+        yield from self.client._call("POST", self._p("/signal"), json_body={"signal": sig})
+
+    @op
+    def kill(self) -> "ProcessOps":
+        """SIGKILL to its process group (and a terminal's foreground job)."""
+        self.info = yield from self.client._call("DELETE", self._p())
+        return self
+
+    @stream_op
+    def events(self, offset: Optional[int] = None, follow: bool = True) -> Iterator[ProcessEvent]:
+        """Its output as :class:`ProcessEvent` objects from ``offset`` (default:
+        where this object's last read stopped), then its ``exit``; with
+        ``follow=False`` only what is there now. A quiet process sends a
+        ``keepalive`` event every 15 s (a loop can check its own deadline).
+        Leaving early just stops reading: the process goes on."""
+        start = self.offset if offset is None else int(offset)
+        c = self.client
+        req = c._request("GET", self._p("/output"),
+                         query=[("offset", str(start)), ("follow", "true" if follow else "false")],
+                         headers={"Accept": "application/x-ndjson"},
+                         timeout=max(c.timeout, 60.0), retry=True, stream=True)
+        yield from c._exchange(req)
+        final = False
+        rd = _NdjsonReader(c, req)
+        while not rd.done:
+            for doc in (yield from rd.next_docs()):
+                ev = ProcessEvent(doc)
+                if ev.type in ("stdout", "stderr") and ev.offset is not None:
+                    self.offset = ev.offset + len(ev.data)
+                elif ev.type == "gap":
+                    self.offset = int(doc.get("next", self.offset))
+                elif ev.type in ("exit", "error"):
+                    final = True
+                    self.exit = ev
+                    self.info["running"] = False
+                    if ev.type == "exit":
+                        self.info["exit_code"] = ev.raw.get("exit_code")
+                yield Emit(ev)
+        if follow and not final:
+            raise Unavailable("unavailable",
+                              f"GET {req.target}: stream ended without an exit event")
+
+    @op
+    def wait(self) -> Dict[str, Any]:
+        """Reads its output to the end (from where the last read stopped) and
+        returns the process's final info (``exit_code``, ``signal``...)."""
+        c = self.client
+        while True:
+            req = c._request("GET", self._p("/output"),
+                             query=[("offset", str(self.offset)), ("follow", "true")],
+                             headers={"Accept": "application/x-ndjson"},
+                             timeout=max(c.timeout, 60.0), retry=True, stream=True)
+            yield from c._exchange(req)
+            rd = _NdjsonReader(c, req)
+            while not rd.done:
+                for doc in (yield from rd.next_docs()):
+                    ev = ProcessEvent(doc)
+                    if ev.type in ("stdout", "stderr") and ev.offset is not None:
+                        self.offset = ev.offset + len(ev.data)
+                    elif ev.type == "gap":
+                        self.offset = int(doc.get("next", self.offset))
+                    elif ev.type in ("exit", "error"):
+                        self.exit = ev
+                        self.info = yield from c._call("GET", self._p())
+                        return self.info
+
+
 # ----- sandboxes ------------------------------------------------------------------
 
 class SandboxOps(_Driven):
@@ -1640,6 +1830,7 @@ class SandboxOps(_Driven):
     reachable as attributes (``sb.memory_mb``, ``sb.stats``)."""
 
     _trajectory_class: type
+    _process_class: type
 
     def __init__(self, client: ClientOps, info: Dict[str, Any]):
         self.client = client
@@ -1887,34 +2078,72 @@ class SandboxOps(_Driven):
             yield Emit(ExecEvent(ev))
             return
         final = False
-        buf = b""
-        while True:
-            piece = yield from _read(c, req)
-            if piece:
-                buf += piece
-                start = 0
-                while True:
-                    i = buf.find(b"\n", start)
-                    if i < 0:
-                        break
-                    doc = _ndjson_doc(buf[start:i])
-                    start = i + 1
-                    if doc is not None:
-                        ev = ExecEvent(doc)
-                        if ev.type in ("exit", "error"):
-                            final = True
-                        yield Emit(ev)
-                buf = buf[start:]
-                continue
-            doc = _ndjson_doc(buf)  # a last line without its newline
-            if doc is not None:
+        rd = _NdjsonReader(c, req)
+        while not rd.done:
+            for doc in (yield from rd.next_docs()):
                 ev = ExecEvent(doc)
                 final = final or ev.type in ("exit", "error")
                 yield Emit(ev)
-            if not final:
-                raise Unavailable("unavailable",
-                                  f"POST {req.target}: stream ended without an exit event")
-            return
+        if not final:
+            raise Unavailable("unavailable",
+                              f"POST {req.target}: stream ended without an exit event")
+
+    # ----- process sessions --------------------------------------------
+
+    def _process_body(self, cmd: Union[None, str, Sequence[str]], env: Optional[Dict[str, str]],
+                      cwd: Optional[str], user: Optional[Union[str, int]],
+                      timeout: Optional[float], tag: Optional[str]) -> Dict[str, Any]:
+        if cmd is None:
+            cmd = _DEFAULT_SHELL
+        body = _exec_body(cmd, timeout, env, cwd, user, None, None, None, False)
+        if tag is not None:
+            body["tag"] = tag
+        return body
+
+    @op
+    def pty(self, cmd: Union[None, str, Sequence[str]] = None, rows: int = 24, cols: int = 80,
+            *, env: Optional[Dict[str, str]] = None, cwd: Optional[str] = None,
+            user: Optional[Union[str, int]] = None, timeout: Optional[float] = None,
+            tag: Optional[str] = None) -> "ProcessOps":
+        """Starts ``cmd`` (default: an interactive shell, ``$SHELL`` or
+        ``/bin/sh``) on a new pseudo-terminal of ``rows`` x ``cols`` and
+        returns its :class:`Process` at once: ``send`` keystrokes, ``resize``,
+        iterate its output (bytes), ``kill``. It runs until it exits or is
+        killed (or for ``timeout`` seconds), whoever is reading; set
+        ``TERM`` in ``env`` for programs that need one (default
+        ``xterm-256color``)."""
+        body = self._process_body(cmd, env, cwd, user, timeout, tag)
+        body.setdefault("env", {})
+        body["env"] = dict(body["env"])
+        body["env"].setdefault("TERM", "xterm-256color")
+        body["pty"] = {"rows": int(rows), "cols": int(cols)}
+        doc = yield from self.client._call("POST", self._p("/processes"), json_body=body)
+        return self._process_class(self, doc)
+
+    @op
+    def start_process(self, cmd: Union[str, Sequence[str]], *, stdin: bool = False,
+                      env: Optional[Dict[str, str]] = None, cwd: Optional[str] = None,
+                      user: Optional[Union[str, int]] = None, timeout: Optional[float] = None,
+                      tag: Optional[str] = None) -> "ProcessOps":
+        """Starts ``cmd`` in the background, without a terminal, and returns its
+        :class:`Process` (stdout and stderr apart in its events; ``stdin=True``
+        keeps its input open for ``send``)."""
+        body = self._process_body(cmd, env, cwd, user, timeout, tag)
+        body["stdin"] = bool(stdin)
+        doc = yield from self.client._call("POST", self._p("/processes"), json_body=body)
+        return self._process_class(self, doc)
+
+    @op
+    def processes(self) -> List["ProcessOps"]:
+        """The sandbox's process sessions, running and recently ended."""
+        doc = yield from self.client._call("GET", self._p("/processes"))
+        return [self._process_class(self, p) for p in doc.get("processes", [])]
+
+    @op
+    def process(self, pid: int) -> "ProcessOps":
+        """Reconnects to process session ``pid`` (NotFound when there is none)."""
+        doc = yield from self.client._call("GET", self._p(f"/processes/{int(pid)}"))
+        return self._process_class(self, doc)
 
     # ----- files ----------------------------------------------------------
 

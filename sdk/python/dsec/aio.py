@@ -26,7 +26,8 @@ import ssl
 from typing import Any, AsyncIterator, List, Optional, Sequence, Tuple, Union
 
 from ._core import (DEFAULT_RETRY, DEFAULT_TIMEOUT, READ, BatchOps, Blocking, Body, Call,
-                    ClientOps, Emit, Op, Request, Response, Retry, SandboxOps, Sleep, TrajectoryOps,
+                    ClientOps, Emit, Op, ProcessOps, Request, Response, Retry, SandboxOps, Sleep,
+                    TrajectoryOps,
                     TransportFailure, as_bytes, request_pieces)
 from ._http import END, LAST_CHUNK, NEED_DATA, ProtocolError, ResponseParser, chunk
 from .errors import DsecError
@@ -448,6 +449,16 @@ class AsyncSandbox(SandboxOps, driver="async"):
                 raise
 
 
+class AsyncProcess(ProcessOps, driver="async"):
+    """A process session, as :class:`dsec.Process` with coroutines; ``async
+    for chunk in proc`` yields its output as bytes until it ends."""
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        async for ev in self.events():
+            if ev.data:
+                yield ev.data
+
+
 class AsyncTrajectory(TrajectoryOps):
     """As :class:`dsec.Trajectory` on an AsyncSandbox: each method takes its
     step number when called and returns the coroutine of the call
@@ -457,3 +468,4 @@ class AsyncTrajectory(TrajectoryOps):
 AsyncClient._sandbox_class = AsyncSandbox
 AsyncClient._batch_class = AsyncBatch
 AsyncSandbox._trajectory_class = AsyncTrajectory
+AsyncSandbox._process_class = AsyncProcess

@@ -30,7 +30,7 @@ from typing import Any, Iterator, Optional, Sequence, Tuple, Union
 
 from ._core import (DEFAULT_DATA_DIR, DEFAULT_RETRY, DEFAULT_TIMEOUT, DEFAULT_URL, READ,
                     BatchOps, Blocking, Body, Call, ClientOps, Emit, Op, Request, Response, Retry,
-                    SandboxOps, Sleep, TrajectoryOps, TransportFailure, _iter_ndjson,
+                    ProcessOps, SandboxOps, Sleep, TrajectoryOps, TransportFailure, _iter_ndjson,
                     request_pieces)
 from ._http import END, NEED_DATA, ProtocolError, ResponseParser
 from .errors import DsecError
@@ -349,6 +349,19 @@ class Sandbox(SandboxOps, driver="sync"):
                 raise
 
 
+class Process(ProcessOps, driver="sync"):
+    """A process session (``Sandbox.pty``, ``Sandbox.start_process``,
+    ``Sandbox.process``). Iterating it yields its output as bytes, from
+    where the last read stopped, until it ends."""
+
+    __doc__ = (__doc__ or "") + "\n\n" + (ProcessOps.__doc__ or "")
+
+    def __iter__(self) -> Iterator[bytes]:
+        for ev in self.events():
+            if ev.data:
+                yield ev.data
+
+
 class Trajectory(TrajectoryOps):
     __doc__ = TrajectoryOps.__doc__
 
@@ -356,3 +369,4 @@ class Trajectory(TrajectoryOps):
 Client._sandbox_class = Sandbox
 Client._batch_class = Batch
 Sandbox._trajectory_class = Trajectory
+Sandbox._process_class = Process

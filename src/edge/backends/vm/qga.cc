@@ -307,6 +307,12 @@ void QgaBridge::dispatch(proto::Frame f) {
     case T::kExec: {
       auto j = parse();
       if (!j.isOk()) return sendResult(s, j.status());
+      // guest-exec has no terminal, and its stdin is whole up front.
+      if (j->contains("pty") && !(*j)["pty"].is_null()) {
+        return sendResult(s, invalidArg("pty", "terminals need dsec-aether in the guest "
+                                               "(backend microvm or container); the vm "
+                                               "backend's qemu-guest-agent has none"));
+      }
       if (j->value("stdin", false)) {
         std::lock_guard lk(mu_);
         pending_[s] = std::make_shared<Pending>(Pending{T::kExec, std::move(*j), "", false});

@@ -1,0 +1,105 @@
+"""E2B compatibility: the unmodified `e2b` npm SDK (pinned in tests/e2b/package.json)
+drives dsec sandboxes through the server's E2B surface.
+
+Each tests/e2b/*.test.mjs file runs under Node's test runner as one pytest
+test, against the session's `dsec up`, with the SDK configured only by the
+environment: E2B_API_URL, E2B_SANDBOX_URL, E2B_API_KEY (the server's token)
+and DSEC_E2B_TEMPLATE (the debian test image). Needs `node` (>= 20.18.1, as
+e2b@2.51.0 requires) and, the first time, `npm ci` from the npm registry.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import unavailable
+
+# Where the server serves the E2B control API and the envd gateway, relative
+# to server.url (the SDK appends /v2/sandboxes, /process.Process/Start, ...).
+E2B_PREFIXES = {"api": "/e2b/api", "envd": "/e2b/envd"}
+
+E2B_DIR = Path(__file__).resolve().parent / "e2b"
+TEST_FILES = sorted(p.name for p in E2B_DIR.glob("*.test.mjs"))
+NPM_CI_TIMEOUT_S = 300
+FILE_TIMEOUT_S = 600
+MIN_NODE = (20, 18, 1)  # e2b@2.51.0: "node": ">=20.18.1 <21 || >=22"
+
+
+def _node_version(node: str):
+    r = subprocess.run([node, "--version"], capture_output=True, text=True, timeout=30)
+    m = re.match(r"v(\d+)\.(\d+)\.(\d+)", r.stdout.strip())
+    return tuple(int(x) for x in m.groups()) if m else None
+
+
+@pytest.fixture(scope="module")
+def node() -> str:
+    """Path of a usable node, with tests/e2b/node_modules installed."""
+    node = shutil.which("node")
+    if node is None:
+        unavailable("node is not installed (the E2B compatibility tests run the e2b npm SDK)")
+    version = _node_version(node)
+    if version is None or version < MIN_NODE or version[0] == 21:
+        unavailable(f"{node} is version {version}; e2b@2.51.0 needs >= 20.18.1 (not 21)")
+    if not (E2B_DIR / "node_modules" / "e2b" / "package.json").is_file():
+        npm = shutil.which("npm")
+        if npm is None:
+            unavailable(f"npm is not installed and {E2B_DIR}/node_modules is missing")
+        try:
+            r = subprocess.run([npm, "ci", "--no-audit", "--no-fund"], cwd=E2B_DIR,
+                               capture_output=True, text=True, timeout=NPM_CI_TIMEOUT_S,
+                               stdin=subprocess.DEVNULL)
+        except subprocess.TimeoutExpired as e:
+            pytest.fail(f"`npm ci` in {E2B_DIR} took over {NPM_CI_TIMEOUT_S} s\n"
+                        f"stdout:\n{_text(e.stdout)}\nstderr:\n{_text(e.stderr)}", pytrace=False)
+        if r.returncode != 0:
+            pytest.fail(f"`npm ci` in {E2B_DIR} exited {r.returncode}\n"
+                        f"stdout:\n{r.stdout}\nstderr:\n{r.stderr}", pytrace=False)
+    return node
+
+
+def _text(b) -> str:
+    if b is None:
+        return ""
+    return b.decode(errors="replace") if isinstance(b, bytes) else b
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("test_file", TEST_FILES)
+def test_e2b_sdk(node, server, debian, test_file):
+    env = dict(os.environ)
+    for name in list(env):
+        if name.startswith("E2B_"):  # nothing from the caller's environment
+            del env[name]
+    env.update({
+        "E2B_API_URL": server.url.rstrip("/") + E2B_PREFIXES["api"],
+        "E2B_SANDBOX_URL": server.url.rstrip("/") + E2B_PREFIXES["envd"],
+        "E2B_API_KEY": server.client.token,
+        "DSEC_E2B_TEMPLATE": debian,
+        "NO_COLOR": "1",
+    })
+    cmd = [node, "--test", "--test-concurrency=1", "--test-reporter=spec", test_file]
+    # A session of its own: on a timeout the runner and the test process it
+    # spawned for the file are killed together.
+    proc = subprocess.Popen(cmd, cwd=E2B_DIR, env=env, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=FILE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{test_file} did not finish within {FILE_TIMEOUT_S} s\n"
+                    f"stdout:\n{out}\nstderr:\n{err}", pytrace=False)
+    print(out)  # shown with pytest -s or -rP
+    if proc.returncode != 0:
+        pytest.fail(f"`{' '.join(cmd[1:])}` in {E2B_DIR} exited {proc.returncode}\n"
+                    f"stdout:\n{out}\nstderr:\n{err}", pytrace=False)
