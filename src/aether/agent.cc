@@ -505,6 +505,7 @@ void Agent::dispatch(Frame& f) {
     case FrameType::kStat:
     case FrameType::kMkdir:
     case FrameType::kRemove:
+    case FrameType::kSetMeta:
       handleSimpleFileOp(f);
       return;
     case FrameType::kInit:
@@ -939,6 +940,22 @@ void Agent::handleSimpleFileOp(const Frame& f) {
       if (st.isOk()) st = readInt(*j, "mode", 0, 07777, mode);
       if (st.isOk()) st = fncallWritable(path);
       if (st.isOk()) st = withPathField(makeDir(path, parents, static_cast<mode_t>(mode)));
+      if (!st.isOk()) return sendError(f.stream, st);
+      return sendFrame(f.stream, FrameType::kResult, kOk);
+    }
+    case FrameType::kSetMeta: {
+      auto meta = j->find("meta");
+      std::map<std::string, std::string> kv;
+      if (meta == j->end() || !meta->is_object()) {
+        st = invalidArg("meta", "meta must be an object of strings");
+      } else {
+        for (auto it = meta->begin(); it != meta->end() && st.isOk(); ++it) {
+          if (!it->is_string()) st = invalidArg("meta", "meta values must be strings");
+          else kv[it.key()] = it->get<std::string>();
+        }
+      }
+      if (st.isOk()) st = fncallWritable(path);
+      if (st.isOk()) st = withPathField(setMeta(path, kv));
       if (!st.isOk()) return sendError(f.stream, st);
       return sendFrame(f.stream, FrameType::kResult, kOk);
     }

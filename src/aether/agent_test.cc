@@ -10,6 +10,7 @@
 #include <sched.h>
 #include <signal.h>
 #include <sys/socket.h>
+#include <sys/xattr.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
@@ -1091,6 +1092,39 @@ TEST(AgentFilesTest, ListStatMkdirRemove) {
   EXPECT_EQ(r["ok"], true);
   r = a.request(16, FrameType::kRemove, Json{{"path", "/"}, {"recursive", true}});
   EXPECT_EQ(r["code"], "invalid_argument");
+}
+
+TEST(AgentFilesTest, MetadataIsKeptAsUserXattrsAndListed) {
+  TempDir dir;
+  AgentHarness a;
+  a.startForked();
+  const std::string f = dir.path() + "/f";
+  ASSERT_EQ(a.writeFile(1, Json{{"path", f}}, "x")["ok"], true);
+  Json r = a.request(2, FrameType::kSetMeta, Json{{"path", f}, {"meta", {{"owner", "agent-7"}, {"k.v-1_", "a b"}}}});
+  if (r["code"] == "failed_precondition") GTEST_SKIP() << "no user xattrs here: " << r;
+  ASSERT_EQ(r["ok"], true) << r;
+  Json st = a.request(3, FrameType::kStat, Json{{"path", f}});
+  EXPECT_EQ(st["meta"], (Json{{"owner", "agent-7"}, {"k.v-1_", "a b"}})) << st;
+  Json list = a.request(4, FrameType::kList, Json{{"path", dir.path()}});
+  ASSERT_EQ(list["entries"].size(), 1u);
+  EXPECT_EQ(list["entries"][0]["meta"]["owner"], "agent-7");
+  // An empty value removes a key; other xattrs are not metadata.
+  ASSERT_EQ(::setxattr(f.c_str(), "user.other", "1", 1, 0), 0);
+  r = a.request(5, FrameType::kSetMeta, Json{{"path", f}, {"meta", {{"owner", ""}}}});
+  ASSERT_EQ(r["ok"], true) << r;
+  st = a.request(6, FrameType::kStat, Json{{"path", f}});
+  EXPECT_EQ(st["meta"], (Json{{"k.v-1_", "a b"}})) << st;
+  // Bad keys and values name the field; nothing is set.
+  for (const Json& bad : {Json{{"Upper", "v"}}, Json{{"", "v"}}, Json{{"k", "\n"}},
+                          Json{{"k", std::string(4097, 'v')}}}) {
+    r = a.request(7, FrameType::kSetMeta, Json{{"path", f}, {"meta", bad}});
+    EXPECT_EQ(r["code"], "invalid_argument") << bad;
+    EXPECT_EQ(r["field"], "meta") << bad;
+  }
+  r = a.request(8, FrameType::kSetMeta, Json{{"path", f}, {"meta", "x"}});
+  EXPECT_EQ(r["field"], "meta");
+  r = a.request(9, FrameType::kSetMeta, Json{{"path", dir.path() + "/none"}, {"meta", {{"k", "v"}}}});
+  EXPECT_EQ(r["code"], "not_found");
 }
 
 TEST(AgentFilesTest, Errors) {

@@ -3,6 +3,7 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/xattr.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -160,12 +161,59 @@ Status removeTree(const std::string& path) {
 
 }  // namespace
 
+namespace {
+constexpr std::string_view kMetaPrefix = "user.meta.";
+constexpr size_t kMaxMetaValue = 4096;
+}  // namespace
+
+Json metaOf(const std::string& path) {
+  Json out = Json::object();
+  char names[8192];
+  ssize_t n = ::llistxattr(path.c_str(), names, sizeof names);
+  if (n <= 0) return out;
+  for (ssize_t off = 0; off < n;) {
+    std::string name(names + off);
+    off += static_cast<ssize_t>(name.size()) + 1;
+    if (name.compare(0, kMetaPrefix.size(), kMetaPrefix) != 0) continue;
+    char value[kMaxMetaValue];
+    ssize_t v = ::lgetxattr(path.c_str(), name.c_str(), value, sizeof value);
+    if (v >= 0) out[name.substr(kMetaPrefix.size())] = std::string(value, static_cast<size_t>(v));
+  }
+  return out;
+}
+
+Status setMeta(const std::string& path, const std::map<std::string, std::string>& meta) {
+  for (const auto& [k, v] : meta) {
+    bool keyOk = !k.empty() && k.size() <= 128 &&
+                 k.find_first_not_of("abcdefghijklmnopqrstuvwxyz0123456789._-") == std::string::npos;
+    if (!keyOk) return invalidArg("meta", "metadata key '" + k + "': 1-128 of [a-z0-9._-]");
+    bool valueOk = v.size() <= kMaxMetaValue;
+    for (char c : v) valueOk = valueOk && c >= 0x20 && c < 0x7f;
+    if (!valueOk) return invalidArg("meta", "metadata value of '" + k + "': up to 4096 printable ASCII");
+  }
+  for (const auto& [k, v] : meta) {
+    std::string name = std::string(kMetaPrefix) + k;
+    int rc = v.empty() ? ::lremovexattr(path.c_str(), name.c_str())
+                       : ::lsetxattr(path.c_str(), name.c_str(), v.data(), v.size(), 0);
+    if (rc < 0 && !(v.empty() && errno == ENODATA)) {
+      if (errno == ENOTSUP) {
+        return Status(Code::kFailedPrecondition,
+                      "the file system of " + path + " has no user extended attributes", ENOTSUP,
+                      "meta");
+      }
+      return sysError("setxattr " + path);
+    }
+  }
+  return Status::ok();
+}
+
 Result<Json> statPath(const std::string& path) {
   struct stat st;
   if (::lstat(path.c_str(), &st) < 0) return sysError("stat " + path);
   Json j = statJson(st);
   j["name"] = baseName(path);
   j["path"] = path;
+  if (Json meta = metaOf(path); !meta.empty()) j["meta"] = std::move(meta);
   if (S_ISLNK(st.st_mode)) {
     char buf[PATH_MAX];
     ssize_t n = ::readlink(path.c_str(), buf, sizeof buf);
@@ -228,6 +276,7 @@ Result<std::string> listDir(const std::string& path, size_t max_payload) {
   for (const auto& [name, st] : entries) {
     Json j = statJson(st);
     j["name"] = name;
+    if (Json meta = metaOf(path + "/" + name); !meta.empty()) j["meta"] = std::move(meta);
     std::string item = dumpJson(j);
     if (out.size() + item.size() + 1 + tail_truncated.size() > max_payload) {
       out += tail_truncated;

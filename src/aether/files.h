@@ -8,6 +8,7 @@
 #include <sys/types.h>
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -29,6 +30,15 @@ Result<std::string> listDir(const std::string& path, size_t max_payload);
 // mkdir, or mkdir -p with `parents` (an existing directory is then fine). New
 // directories get exactly `mode` (umask does not apply); intermediate ones 0755.
 Status makeDir(const std::string& path, bool parents, mode_t mode);
+
+// A path's metadata: its "user.meta.<key>" extended attributes (not
+// following a symlink), set key by key (an empty value removes the key).
+// Keys are 1-128 of [a-z0-9._-], values at most 4096 printable ASCII bytes
+// (kInvalidArgument, field "meta"); a file system without user xattrs is
+// kFailedPrecondition.
+Status setMeta(const std::string& path, const std::map<std::string, std::string>& meta);
+// What setMeta set: key -> value (empty when none, or unreadable).
+Json metaOf(const std::string& path);
 
 // unlink / rmdir; with `recursive`, a whole tree without following symlinks.
 // "/" is refused (kInvalidArgument); a non-empty directory without

@@ -40,6 +40,7 @@ const char* frameTypeName(FrameType type) {
     case FrameType::kPolicy: return "policy";
     case FrameType::kDenied: return "denied";
     case FrameType::kPackUpper: return "pack_upper";
+    case FrameType::kSetMeta: return "set_meta";
     case FrameType::kResult: return "result";
     case FrameType::kCancel: return "cancel";
   }

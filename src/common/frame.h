@@ -43,6 +43,7 @@ enum class FrameType : uint8_t {
   kPolicy = 0x28,     // edge -> aether: file rules of the policy in force (JSON)
   kDenied = 0x29,     // aether -> edge, stream 0, unasked: {"denied_total": N} (rate-limited)
   kPackUpper = 0x2A,  // edge -> aether: stream a microvm guest's upper dir as tar (kData)
+  kSetMeta = 0x2B,    // edge -> aether: set a path's metadata (user.meta.* xattrs; JSON)
   kResult = 0x2F,     // aether -> edge: outcome of a request (JSON)
   kCancel = 0x31,     // edge -> aether: abandon the stream's request
 };

@@ -1170,6 +1170,9 @@ Result<std::string> Edge::agentOp(const std::string& id, proto::AgentOp op,
     case proto::AgentOp::kAudit:
       type = proto::FrameType::kAudit;
       break;
+    case proto::AgentOp::kSetMeta:
+      type = proto::FrameType::kSetMeta;
+      break;
   }
   return agentCall(*inst->agent(), type, body, kAgentCallTimeoutS);
 }

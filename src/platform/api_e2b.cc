@@ -18,7 +18,7 @@ namespace {
 
 // The envd version dsec's envd surface answers as: the SDK's feature gates
 // (docs/e2b.md, "Versions") turn on what dsec serves.
-constexpr const char* kEnvdVersion = "0.5.7";
+constexpr const char* kEnvdVersion = "0.6.4";
 // E2B's default sandbox timeout when create names none.
 constexpr int64_t kDefaultTimeoutS = 300;
 constexpr int64_t kMaxListLimit = 1000;

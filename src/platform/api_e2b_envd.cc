@@ -113,6 +113,7 @@ json entryInfo(const json& e, const std::string& path, const Names& names) {
             {"group", names.group(e.value("gid", int64_t(0)))},
             {"modifiedTime", isoTime(e.value("mtime", 0.0))}};
   if (e.contains("target")) j["symlinkTarget"] = e["target"];
+  if (e.contains("meta") && e["meta"].is_object() && !e["meta"].empty()) j["metadata"] = e["meta"];
   return j;
 }
 
@@ -444,7 +445,9 @@ void Platform::e2bFilesystem(const SandboxRecord& rec, const std::string& method
     if (!stream) return unaryError(res, invalidArg("content-type", "WatchDir is a stream"));
     auto path = e2bPath(rec, user, j.value("path", ""));
     if (!path.isOk()) return streamError(res, path.status());
-    return e2bWatch(rec, *path, j.value("recursive", false), req, res);
+    // allowNetworkMounts asks nothing of a poll: any file system is watched.
+    return e2bWatch(rec, *path, j.value("recursive", false), j.value("includeEntry", false), req,
+                    res);
   }
   if (stream) return streamError(res, Status(Code::kNotFound, "no such stream: " + method));
   auto reply = [&](const Result<json>& r) {
@@ -548,7 +551,7 @@ struct Seen {
 // up to kWatchPollS of latency and of missing a change undone within one
 // interval.
 void Platform::e2bWatch(const SandboxRecord& rec, const std::string& path, bool recursive,
-                        http::Request& req, http::Response& res) {
+                        bool includeEntry, http::Request& req, http::Response& res) {
   constexpr double kWatchPollS = 0.2;
   constexpr size_t kWatchMaxEntries = 10000;
   const std::string id = rec.id;
@@ -567,6 +570,9 @@ void Platform::e2bWatch(const SandboxRecord& rec, const std::string& path, bool 
     double keepaliveS = kDefaultKeepaliveS;
     double lastWrite = monoSeconds();
     std::map<std::string, Seen> seen;
+    std::map<std::string, json> entries;  // includeEntry: the listing's entries
+    bool includeEntry = false;
+    Names names;
     bool primed = false;
     std::shared_ptr<std::function<void()>> self;  // the polls, until the end
   };
@@ -575,6 +581,8 @@ void Platform::e2bWatch(const SandboxRecord& rec, const std::string& path, bool 
   w->path = path;
   w->recursive = recursive;
   w->keepaliveS = keepaliveOf(req);
+  w->includeEntry = includeEntry;
+  if (includeEntry) w->names = readNames(*cluster_, id);
   if (*t > 0) w->deadline = monoSeconds() + double(*t) / 1000;
   w->d = res.defer();
   (void)w->d->beginChunked(200, "application/connect+json");
@@ -598,6 +606,7 @@ void Platform::e2bWatch(const SandboxRecord& rec, const std::string& path, bool 
         Seen s{e.value("type", ""), e.value("size", int64_t(0)), e.value("mtime", 0.0)};
         if (w.recursive && s.type == "dir") todo.push_back(name);
         now[name] = s;
+        if (w.includeEntry) w.entries[name] = entryInfo(e, joinPath(w.path, name), w.names);
       }
     }
     return now;
@@ -617,6 +626,7 @@ void Platform::e2bWatch(const SandboxRecord& rec, const std::string& path, bool 
       w->self.reset();  // the last poll
       return;
     }
+    w->entries.clear();
     auto now = scan(*w);
     if (!now.isOk()) {
       // The directory went, or the sandbox: the watch is over.
@@ -631,8 +641,11 @@ void Platform::e2bWatch(const SandboxRecord& rec, const std::string& path, bool 
     std::string out;
     if (w->primed) {
       auto event = [&](const std::string& name, const char* type) {
-        out += connect::envelope(
-            json{{"filesystem", {{"name", name}, {"type", type}}}}.dump());
+        json fs = {{"name", name}, {"type", type}};
+        if (auto it = w->entries.find(name); w->includeEntry && it != w->entries.end()) {
+          fs["entry"] = it->second;
+        }
+        out += connect::envelope(json{{"filesystem", fs}}.dump());
       };
       for (auto& [name, s] : *now) {
         auto old = w->seen.find(name);
@@ -784,23 +797,18 @@ void Platform::e2bFiles(const SandboxRecord& rec, http::Request& req, http::Resp
     if (!asked) return envdRestError(res, invalidArg("path", "path is required"));
     auto path = e2bPath(rec, user, *asked);
     if (!path.isOk()) return envdRestError(res, path.status());
-    auto onSize = [&](std::optional<uint64_t> size) {
-      return size ? res.beginFixed(200, "application/octet-stream", *size)
-                  : res.beginChunked(200, "application/octet-stream");
-    };
-    auto sink = [&](std::string_view d) { return res.write(d); };
-    Status st = cluster_->readFile(id, *path, onSize, sink);
-    if (!st.isOk()) {
-      if (res.started()) {
-        (void)res.finish();
-      } else {
-        if (st.code() == Code::kNotFound) st = Status(Code::kNotFound, "path '" + *path + "' does not exist");
-        envdRestError(res, st);
-      }
-    }
+    Status st = sendSandboxFile(id, *path, res);
+    if (st.code() == Code::kNotFound) st = Status(Code::kNotFound, "path '" + *path + "' does not exist");
+    if (!st.isOk()) envdRestError(res, st);
     return;
   }
   if (req.method != "POST") return envdRestError(res, methodNotAllowed(req));
+  // X-Metadata-<key>: <value> headers, kept as the file's metadata (keys
+  // lower-case, as envd has them).
+  json meta = json::object();
+  for (auto& [name, value] : req.headers) {
+    if (startsWith(name, "x-metadata-") && name.size() > 11) meta[name.substr(11)] = value;
+  }
   // Writes one file: parents made, then the bytes (replacing it whole).
   auto writeOne = [&](const std::string& p, const proto::ByteSource& src) -> Result<json> {
     ASSIGN_OR_RETURN(std::string path, e2bPath(rec, user, p));
@@ -811,6 +819,11 @@ void Platform::e2bFiles(const SandboxRecord& rec, http::Request& req, http::Resp
                           .status());
     }
     RETURN_IF_ERROR(cluster_->writeFile(id, path, 0644, src).status());
+    if (!meta.empty()) {
+      RETURN_IF_ERROR(cluster_->agentOp(id, proto::AgentOp::kSetMeta,
+                                        json{{"path", path}, {"meta", meta}}.dump())
+                          .status());
+    }
     if (!user.empty() && user != "root") {
       // Owned by the user who wrote it, as envd does.
       proto::ExecSpec spec;
@@ -820,7 +833,9 @@ void Platform::e2bFiles(const SandboxRecord& rec, http::Request& req, http::Resp
       if (!r.isOk()) return r.status();
       if (r->exitCode != 0) return invalidArg("username", "chown " + user + ": " + r->err);
     }
-    return json{{"name", path.substr(path.rfind('/') + 1)}, {"path", path}, {"type", "file"}};
+    json entry = {{"name", path.substr(path.rfind('/') + 1)}, {"path", path}, {"type", "file"}};
+    if (!meta.empty()) entry["metadata"] = meta;
+    return entry;
   };
   std::string ctype = req.header("content-type");
   json written = json::array();

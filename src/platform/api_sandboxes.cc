@@ -1160,19 +1160,8 @@ void Platform::files(const std::string& id, const std::string& op, http::Request
     return sendJson(res, 200, dumpJson(json{{"path", *path}, {"size", *r}}));
   }
   if (m == "GET") {
-    auto onSize = [&](std::optional<uint64_t> size) {
-      return size ? res.beginFixed(200, "application/octet-stream", *size)
-                  : res.beginChunked(200, "application/octet-stream");
-    };
-    auto sink = [&](std::string_view d) { return res.write(d); };
-    Status st = cluster_->readFile(id, *path, onSize, sink);
-    if (!st.isOk()) {
-      if (res.started()) {
-        (void)res.finish();  // drops the connection: the body is short
-      } else {
-        sendError(res, st);
-      }
-    }
+    Status st = sendSandboxFile(id, *path, res);
+    if (!st.isOk()) sendError(res, st);
     return;
   }
   sendError(res, invalidArg("method", "method " + m + " not allowed on files"));
@@ -1196,6 +1185,21 @@ void Platform::pauseSandbox(const std::string& id, bool pause, http::Request& re
   auto r = pauseOrResume(id, pause, toDisk);
   if (!r.isOk()) return sendError(res, r.status());
   sendJson(res, 200, dumpJson(toApi(*r)));
+}
+
+Status Platform::sendSandboxFile(const std::string& id, const std::string& path,
+                                 http::Response& res) {
+  auto onSize = [&](std::optional<uint64_t> size) {
+    return size ? res.beginFixed(200, "application/octet-stream", *size)
+                : res.beginChunked(200, "application/octet-stream");
+  };
+  auto sink = [&](std::string_view d) { return res.write(d); };
+  Status st = cluster_->readFile(id, path, onSize, sink);
+  if (!st.isOk() && res.started()) {
+    (void)res.finish();  // drops the connection: the body is short
+    return Status::ok();
+  }
+  return st;
 }
 
 Result<SandboxRecord> Platform::pauseOrResume(const std::string& id, bool pause, bool toDisk) {

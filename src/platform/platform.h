@@ -189,6 +189,10 @@ class Platform {
   // A sandbox's session by pid, else the newest (running first) with `tag`.
   std::shared_ptr<ProcessSession> findSession(const std::string& id, int pid,
                                               const std::string& tag);
+  // A sandbox's file as the response's body (octet-stream); an error before
+  // the body began is returned for the caller to answer with, one after it
+  // cuts the response short.
+  Status sendSandboxFile(const std::string& id, const std::string& path, http::Response& res);
   // Pauses (toDisk: a VM to disk) or resumes a sandbox, recorded.
   Result<SandboxRecord> pauseOrResume(const std::string& id, bool pause, bool toDisk);
   // Moves the sandbox's end to `seconds` from now (longer or shorter), recorded.
@@ -213,7 +217,7 @@ class Platform {
                      const nlohmann::json& j, const std::string& user, bool stream,
                      http::Request& req, http::Response& res);
   void e2bWatch(const SandboxRecord& rec, const std::string& path, bool recursive,
-                http::Request& req, http::Response& res);
+                bool includeEntry, http::Request& req, http::Response& res);
   void e2bFiles(const SandboxRecord& rec, http::Request& req, http::Response& res);
   Result<std::string> e2bPath(const SandboxRecord& rec, const std::string& user,
                               const std::string& path);

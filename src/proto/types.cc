@@ -64,6 +64,8 @@ const char* agentOpName(AgentOp op) {
       return "remove";
     case AgentOp::kPolicy:
       return "policy";
+    case AgentOp::kSetMeta:
+      return "set_meta";
     case AgentOp::kAudit:
       return "audit";
   }
@@ -72,7 +74,7 @@ const char* agentOpName(AgentOp op) {
 
 std::optional<AgentOp> parseAgentOp(std::string_view name) {
   for (AgentOp op : {AgentOp::kList, AgentOp::kStat, AgentOp::kMkdir, AgentOp::kRemove,
-                     AgentOp::kPolicy, AgentOp::kAudit}) {
+                     AgentOp::kPolicy, AgentOp::kAudit, AgentOp::kSetMeta}) {
     if (name == agentOpName(op)) return op;
   }
   return std::nullopt;

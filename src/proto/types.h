@@ -157,7 +157,7 @@ using ByteSink = std::function<Status(std::string_view data)>;
 // A small request to a sandbox's agent answered with one JSON result
 // (docs/agent-protocol.md): file metadata calls, the policy frame of a phase
 // switch, the audit counters.
-enum class AgentOp : uint8_t { kList, kStat, kMkdir, kRemove, kPolicy, kAudit };
+enum class AgentOp : uint8_t { kList, kStat, kMkdir, kRemove, kPolicy, kAudit, kSetMeta };
 const char* agentOpName(AgentOp op);
 std::optional<AgentOp> parseAgentOp(std::string_view name);
 

@@ -1771,6 +1771,878 @@ class ProcessOps(_Driven):
         Leaving early just stops reading: the process goes on."""
         start = self.offset if offset is None else int(offset)
         c = self.client
+        req = self._output_request(start, follow)
+        yield from c._exchange(req)
+        final = False
+        rd = _NdjsonReader(c, req)
+        while not rd.done:
+            for doc in (yield from rd.next_docs()):
+                ev = self._track(ProcessEvent(doc))
+                final = final or ev.type in ("exit", "error")
+                yield Emit(ev)
+        if follow and not final:
+            raise Unavailable("unavailable",
+                              f"GET {req.target}: stream ended without an exit event")
+
+    def _output_request(self, start: int, follow: bool) -> "Request":
+        c = self.client
+        return c._request("GET", self._p("/output"),
+                          query=[("offset", str(start)), ("follow", "true" if follow else "false")],
+                          headers={"Accept": "application/x-ndjson"},
+                          timeout=max(c.timeout, 60.0), retry=True, stream=True)
+
+    def _track(self, ev: ProcessEvent) -> ProcessEvent:
+        """Moves ``offset`` past ``ev`` and records an end."""
+        if ev.type in ("stdout", "stderr") and ev.offset is not None:
+            self.offset = ev.offset + len(ev.data)
+        elif ev.type == "gap":
+            self.offset = int(ev.raw.get("next", self.offset))
+        elif ev.type in ("exit", "error"):
+            self.exit = ev
+            self.info["running"] = False
+            if ev.type == "exit":
+                self.info["exit_code"] = ev.raw.get("exit_code")
+        return ev
+
+    @op
+    def wait(self) -> Dict[str, Any]:
+        """Reads its output to the end (from where the last read stopped) and
+        returns the process's final info (``exit_code``, ``signal``...)."""
+        c = self.client
+        while True:  # a stream that broke off is read again from its offset
+            req = self._output_request(self.offset, True)
+            yield from c._exchange(req)
+            rd = _NdjsonReader(c, req)
+            while not rd.done:
+                for doc in (yield from rd.next_docs()):
+                    if self._track(ProcessEvent(doc)).type in ("exit", "error"):
+                        self.info = yield from c._call("GET", self._p())
+                        return self.info
+
+
+# ----- sandboxes ----------------------------------------------------------
+
+    @op
+    def create(self, image: Optional[str] = None, backend: str = "container",
+               cpu: Optional[float] = None,
+               memory_mb: Optional[int] = None, disk_mb: Optional[int] = None,
+               pids: Optional[int] = None, ttl_s: Optional[int] = None,
+               env: Optional[Dict[str, str]] = None,
+               labels: Optional[Dict[str, str]] = None,
+               workspaces: Optional[Sequence[str]] = None,
+               toolkits: Optional[Sequence[str]] = None,
+               diffs: Optional[Sequence[str]] = None,
+               snapshot: Optional[str] = None,
+               policy: Optional[str] = None,
+               user: Optional[Union[str, int]] = None,
+               idle_timeout_s: Optional[int] = None, auto_pause_s: Optional[int] = None,
+               pool: Optional[str] = None, burstable: Optional[bool] = None,
+               timeout: Optional[float] = None, **extra: Any) -> "Sandbox":
+        """Creates a sandbox and returns it (a Sandbox; an AsyncSandbox from
+        AsyncClient) once it is running (or failed).
+
+        ``workspaces``, ``toolkits`` and ``diffs`` stack more layers on the
+        image, in that order (each an image ref of that kind or a layer digest),
+        so a toolkit can change without rebuilding the base. ``snapshot`` (an
+        image made by ``Sandbox.pack_diff``) restores that sandbox's files on
+        the stack it was made on; ``image`` may then be omitted. ``policy``
+        names the security policy it starts under (``client.policies()``;
+        default ``"default"``); ``Sandbox.set_phase`` switches it later.
+
+        The image's config (``Image.config``, from an imported OCI or Docker
+        image) gives the defaults: execs run as its ``user`` in its
+        ``working_dir`` (made if missing) with its ``env``. ``user`` (a name,
+        uid, ``"name:group"`` or ``"uid:gid"``; ``"root"`` or ``0`` for root)
+        replaces the image's user, and ``env`` overrides its variables key by
+        key; an exec's own ``user``/``cwd``/``env`` win over both.
+        The sandbox belongs to the platform, not to this client: it runs
+        until deleted, its ``ttl_s`` passes, or it has had no call for
+        ``idle_timeout_s``; ``auto_pause_s`` pauses it (frozen: no CPU, memory
+        kept) after that long without a call, and the next call resumes it.
+        ``backend="fncall"`` makes a function-call sandbox (docs/fncall.md):
+        the image's layers read-only, a tmpfs ``/scratch`` of ``disk_mb`` as the
+        only writable place, a warm python zygote; every ``exec`` is a call
+        (per-call rlimits, default cwd ``/scratch``, its processes killed when
+        it ends), :meth:`Sandbox.run` runs code, and file calls may change
+        only ``/scratch``, whose files persist for the sandbox's lifetime.
+        ``backend="vm"`` boots a ``disk`` image (``dsec image import --kind
+        disk``) as a full QEMU machine (docs/vm.md): exec and files through
+        qemu-guest-agent, and :meth:`Sandbox.screenshot`, :meth:`Sandbox.type`,
+        :meth:`Sandbox.key`, :meth:`Sandbox.mouse` for computer use.
+        ``pool`` names the node pool to place it in (default ``"default"``);
+        ``burstable=True`` lets it go to the platform's burst pool while that
+        pool is busy (docs/cluster.md).
+        Raises NotFound for an unknown image, InvalidArgument (with ``field``)
+        for a bad parameter. ``extra`` keys are sent as they are.
+        A create is never retried (see :class:`Retry`).
+        """
+        req: Dict[str, Any] = {"backend": backend}
+        if image:
+            req["image"] = image
+        if snapshot is not None:
+            req["snapshot"] = snapshot
+        for k, v in (("cpu", cpu), ("memory_mb", memory_mb), ("disk_mb", disk_mb),
+                     ("pids", pids), ("ttl_s", ttl_s), ("env", env), ("labels", labels),
+                     ("workspaces", list(workspaces) if workspaces is not None else None),
+                     ("toolkits", list(toolkits) if toolkits is not None else None),
+                     ("diffs", list(diffs) if diffs is not None else None),
+                     ("policy", policy), ("user", str(user) if user is not None else None),
+                     ("idle_timeout_s", idle_timeout_s), ("auto_pause_s", auto_pause_s),
+                     ("pool", pool), ("burstable", burstable)):
+            if v is not None:
+                req[k] = v
+        req.update(extra)
+        info = yield from self._call(
+            "POST", "/v1/sandboxes", json_body=req,
+            timeout=timeout if timeout is not None else max(self.timeout, 120.0))
+        return self._sandbox_class(self, info)
+
+    @op
+    def run(self, code: str, language: str = "python", *, image: Optional[str] = None,
+            stdin: Union[None, str, bytes] = None,
+            files: Optional[Dict[str, Union[str, bytes]]] = None,
+            timeout: Optional[float] = None, limits: Optional[Dict[str, int]] = None,
+            env: Optional[Dict[str, str]] = None, max_output_bytes: Optional[int] = None,
+            encoding: Optional[str] = None) -> ExecResult:
+        """Runs ``code`` once as a function call and returns its ExecResult
+        (``POST /v1/run``, docs/fncall.md); no sandbox handle is needed.
+
+        The call runs in a warm ``fncall`` sandbox of ``image`` (default: the
+        server's, ``debian:latest``) from a per-node pool: python in a fresh
+        fork of a pre-imported interpreter, bash (or a language the node
+        configures) exec'd afresh, in a new directory holding ``files``
+        (relative path -> text or bytes) that is removed afterwards; nothing a
+        call leaves (files, processes, environment, globals) reaches the next.
+        ``timeout`` (seconds, default 10) is the wall clock; ``limits`` sets
+        rlimits: ``cpu_s``, ``memory_mb``, ``processes``, ``file_size_mb``,
+        ``open_files``. The result's ``limit`` says which limit stopped it.
+        Errors: InvalidArgument (unknown language, bad field; ``field`` names
+        it), PayloadTooLarge (code over 256 KiB, files over 384 KiB, stdin over
+        1 MiB), ResourceExhausted (every pool sandbox of the node busy).
+        Not retried. With AsyncClient, cancelling the awaiting task closes the
+        connection: the server takes that as the caller going away.
+        """
+        body = _run_body(code, language, stdin, timeout, limits, env, max_output_bytes,
+                         encoding)
+        if image is not None:
+            body["image"] = image
+        if files:
+            text: Dict[str, str] = {}
+            binary: Dict[str, str] = {}
+            for name, data in files.items():
+                if isinstance(data, bytes):
+                    binary[name] = base64.b64encode(data).decode("ascii")
+                else:
+                    text[name] = data
+            if text:
+                body["files"] = text
+            if binary:
+                body["files_b64"] = binary
+        t = (10.0 if timeout is None else float(timeout)) + self.timeout
+        doc = yield from self._call("POST", "/v1/run", json_body=body, timeout=t)
+        return ExecResult.from_json(doc, base64_output=(encoding == "base64"))
+
+    @op
+    def create_batch(self, count: int, image: Optional[str] = None, *,
+                     all_or_nothing: bool = False, wait: bool = False,
+                     progress: bool = False, timeout: Optional[float] = None,
+                     **spec: Any) -> "Batch":
+        """``POST /v1/batches``: ``count`` sandboxes (1..32768) of one spec.
+
+        ``spec`` takes the keyword arguments of :meth:`create` (``backend``,
+        ``cpu``, ``memory_mb``, ``labels``, ...). The call returns at once with
+        the batch stored (its sandboxes ``pending``); the platform creates them
+        in the background and a restart of it resumes the batch.
+        ``all_or_nothing=True`` reserves room for all of them first and refuses
+        the batch (ResourceExhausted, field ``count``) when not all fit; a
+        sandbox failing later destroys the rest. A batch past the tenant's
+        quota is refused whole (QuotaExceeded). ``wait=True`` returns after
+        :meth:`Batch.wait` (``timeout`` s, a progress bar on stderr with
+        ``progress=True``). Bad spec fields raise InvalidArgument with
+        ``field`` ``spec.<name>``. Returns a Batch (AsyncBatch from AsyncClient).
+        """
+        body: Dict[str, Any] = {"backend": spec.pop("backend", "container")}
+        if image:
+            body["image"] = image
+        if "user" in spec and spec["user"] is not None:
+            spec["user"] = str(spec["user"])
+        for k in ("workspaces", "toolkits", "diffs", "readonly_paths", "hidden_paths"):
+            if spec.get(k) is not None:
+                spec[k] = list(spec[k])
+        body.update({k: v for k, v in spec.items() if v is not None})
+        doc = yield from self._call("POST", "/v1/batches",
+                                    json_body={"count": count, "spec": body,
+                                               "all_or_nothing": all_or_nothing})
+        b = self._batch_class(self, doc)
+        if wait:
+            yield from BatchOps.wait(b, timeout=timeout, progress=progress)
+        return b
+
+    @op
+    def batch(self, batch_id: str) -> "Batch":
+        """``GET /v1/batches/{id}``; unknown id → NotFound."""
+        info = yield from self._call("GET", "/v1/batches/" + _q(batch_id))
+        return self._batch_class(self, info)
+
+    @op
+    def batches(self) -> List["Batch"]:
+        """``GET /v1/batches``: this tenant's batches (every tenant's for an admin)."""
+        doc = yield from self._call("GET", "/v1/batches")
+        return [self._batch_class(self, b) for b in doc.get("batches", [])]
+
+    @op
+    def destroy_where(self, labels: Optional[Dict[str, str]] = None,
+                      batch: Optional[str] = None) -> int:
+        """``DELETE /v1/sandboxes?label=k=v&batch=ID``: destroys every live
+        sandbox matching all filters (at least one needed); how many."""
+        query: List[Tuple[str, str]] = [("label", f"{k}={v}") for k, v in (labels or {}).items()]
+        if batch:
+            query.append(("batch", batch))
+        doc = yield from self._call("DELETE", "/v1/sandboxes", query=query,
+                                    timeout=max(self.timeout, 300.0))
+        return int(doc.get("destroyed", 0))
+
+    @op
+    def get(self, sandbox_id: str) -> "Sandbox":
+        """``GET /v1/sandboxes/{id}``; unknown id → NotFound."""
+        info = yield from self._call("GET", "/v1/sandboxes/" + _q(sandbox_id))
+        return self._sandbox_class(self, info)
+
+    @op
+    def list(self, labels: Optional[Dict[str, str]] = None,
+             state: Optional[str] = None, batch: Optional[str] = None) -> List["Sandbox"]:
+        """Sandboxes whose labels include all of ``labels`` (and in ``state``,
+        and made by batch ``batch``)."""
+        query: List[Tuple[str, str]] = [("label", f"{k}={v}") for k, v in (labels or {}).items()]
+        if state:
+            query.append(("state", state))
+        if batch:
+            query.append(("batch", batch))
+        doc = yield from self._call("GET", "/v1/sandboxes", query=query)
+        return [self._sandbox_class(self, s) for s in doc.get("sandboxes", [])]
+
+    @op
+    def destroy(self, sandbox_id: str) -> "Sandbox":
+        """``DELETE /v1/sandboxes/{id}`` → the sandbox in state ``stopped``."""
+        info = yield from self._call("DELETE", "/v1/sandboxes/" + _q(sandbox_id),
+                                     timeout=max(self.timeout, 60.0))
+        return self._sandbox_class(self, info)
+
+    # ----- trajectories (Chronus) -------------------------------------------
+
+    @op
+    def trajectories(self) -> List[Dict[str, Any]]:
+        """``[{"id","steps","first_at","last_at"}]`` of the stored trajectories."""
+        return (yield from self._call("GET", "/v1/trajectories"))["trajectories"]
+
+    @op
+    def export_trajectory(self, trajectory_id: str) -> List[Dict[str, Any]]:
+        """Every step of a trajectory, in order, as the server's JSON lines:
+        request, result (or ``result_b64`` for file bytes), status, timings."""
+        data = yield from self._call("GET", "/v1/trajectories/" + _q(trajectory_id), raw=True,
+                                     headers={"Accept": "application/x-ndjson"})
+        return [json.loads(line) for line in data.decode("utf-8").splitlines() if line]
+
+    @op
+    def recover(self, trajectory_id: str, force: bool = False,
+                timeout: Optional[float] = None) -> "Sandbox":
+        """Rebuilds a trajectory whose sandbox was lost (its node died; it is
+        ``failed``, ``stopped`` or unknown): a new sandbox made as the last one
+        was, from the trajectory's latest checkpoint (else from the image),
+        with every logged exec, write, mkdir and remove after it re-executed in
+        order. It becomes the trajectory's sandbox: steps sent to the old one
+        run there. Stored results do not change, so a trainer that replays its
+        code through ``new.trajectory(trajectory_id)`` gets them (replayed),
+        then goes live.
+
+        Returns the new Sandbox; its ``recovery`` attribute holds the report:
+        ``checkpoint_step`` (or None), ``reexecuted_steps``, ``diverged``
+        (re-executed steps whose exit status differs from the log, or that
+        failed) and ``previous_sandbox``. NotFound for an unknown trajectory;
+        Conflict (field ``force``) while its sandbox still runs, unless
+        ``force``; FailedPrecondition when it cannot be rebuilt (nothing is
+        left behind then)."""
+        body: Dict[str, Any] = {"force": True} if force else {}
+        report = yield from self._call(
+            "POST", "/v1/trajectories/" + _q(trajectory_id) + "/recover", json_body=body,
+            timeout=timeout if timeout is not None else max(self.timeout, 600.0))
+        sb = self._sandbox_class(self, report["sandbox"])
+        sb.recovery = report
+        return sb
+
+    @op
+    def delete_trajectory(self, trajectory_id: str) -> int:
+        """Deletes a trajectory's steps; returns how many. Unknown → NotFound."""
+        doc = yield from self._call("DELETE", "/v1/trajectories/" + _q(trajectory_id))
+        return doc["deleted_steps"]
+
+    # ----- tenants, keys, quotas (docs/tenants.md) ---------------------------
+
+    @op
+    def whoami(self) -> Dict[str, Any]:
+        """``{"tenant","role","key_id","quota","usage"}`` of this client's key."""
+        return (yield from self._call("GET", "/v1/whoami"))
+
+    @op
+    def create_tenant(self, tenant_id: Optional[str] = None, *, name: Optional[str] = None,
+                      role: str = "user", quota: Optional[Dict[str, Any]] = None
+                      ) -> Dict[str, Any]:
+        """Creates a tenant (admin only): ``tenant_id`` is 1-40 of [a-z0-9-]
+        (generated when None); ``role`` is user or admin; ``quota`` any of
+        max_sandboxes, max_cpu, max_memory_mb, creates_per_s, create_burst (0:
+        no limit). Conflict when the id exists."""
+        body: Dict[str, Any] = {"role": role}
+        if tenant_id is not None:
+            body["id"] = tenant_id
+        if name is not None:
+            body["name"] = name
+        if quota is not None:
+            body["quota"] = quota
+        return (yield from self._call("POST", "/v1/tenants", json_body=body))
+
+    @op
+    def list_tenants(self) -> List[Dict[str, Any]]:
+        """Every tenant with its quota and usage (admin only)."""
+        return (yield from self._call("GET", "/v1/tenants"))["tenants"]
+
+    @op
+    def tenant(self, tenant_id: str) -> Dict[str, Any]:
+        """One tenant with its quota and usage (admin only); unknown → NotFound."""
+        return (yield from self._call("GET", "/v1/tenants/" + _q(tenant_id)))
+
+    @op
+    def update_tenant(self, tenant_id: str, *, name: Optional[str] = None,
+                      role: Optional[str] = None,
+                      quota: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+        """Changes a tenant's name, role or quota (the quota fields given; the
+        others stay). Admin only."""
+        body: Dict[str, Any] = {}
+        if name is not None:
+            body["name"] = name
+        if role is not None:
+            body["role"] = role
+        if quota is not None:
+            body["quota"] = quota
+        return (yield from self._call("PATCH", "/v1/tenants/" + _q(tenant_id), json_body=body))
+
+    def set_quota(self, tenant_id: str, **quota: Any) -> Dict[str, Any]:
+        """``set_quota("acme", max_sandboxes=10, max_memory_mb=8192)``: sets
+        those quota fields (0: no limit). Admin only."""
+        return self.update_tenant(tenant_id, quota=quota)
+
+    @op
+    def delete_tenant(self, tenant_id: str) -> Dict[str, Any]:
+        """Deletes a tenant and its keys (admin only). Conflict while it has
+        live sandboxes; the built-in ``admin`` tenant cannot be deleted."""
+        return (yield from self._call("DELETE", "/v1/tenants/" + _q(tenant_id)))
+
+    @op
+    def create_key(self, tenant_id: str, name: str = "") -> Dict[str, Any]:
+        """A new API key for the tenant (admin only). The returned ``key`` is
+        shown this once (the server keeps only its hash); ``id`` names it for
+        listing and revoking."""
+        return (yield from self._call("POST", "/v1/tenants/" + _q(tenant_id) + "/keys",
+                                      json_body={"name": name}))
+
+    @op
+    def list_keys(self, tenant_id: str) -> List[Dict[str, Any]]:
+        """The tenant's keys (id, prefix, name, created_at, revoked_at), never
+        the keys themselves. Admin only."""
+        return (yield from self._call("GET", "/v1/tenants/" + _q(tenant_id) + "/keys"))["keys"]
+
+    @op
+    def revoke_key(self, tenant_id: str, key_id: str) -> Dict[str, Any]:
+        """Revokes a key at once (admin only); idempotent."""
+        return (yield from self._call(
+            "DELETE", "/v1/tenants/" + _q(tenant_id) + "/keys/" + _q(key_id)))
+
+    # ----- policies -----------------------------------------------------------
+
+    @op
+    def policies(self) -> List[Dict[str, Any]]:
+        """The security policies sandboxes can run under: the built-ins
+        (default, setup, rollout, eval) and the user's own, each with name,
+        description, readonly_paths, hidden_paths, egress, dns, builtin."""
+        return (yield from self._call("GET", "/v1/policies"))["policies"]
+
+    @op
+    def policy(self, name: str) -> Dict[str, Any]:
+        """``GET /v1/policies/{name}``; unknown → NotFound."""
+        return (yield from self._call("GET", "/v1/policies/" + _q(name)))
+
+    @op
+    def create_policy(self, name: str, *, description: str = "",
+                      egress: Optional[Sequence[str]] = None,
+                      dns: Optional[Sequence[str]] = None,
+                      readonly_paths: Optional[Sequence[str]] = None,
+                      hidden_paths: Optional[Sequence[str]] = None,
+                      limits: Optional[Dict[str, float]] = None,
+                      syscalls: Optional[str] = None) -> Dict[str, Any]:
+        """Stores a policy of your own. ``egress`` is an allow-list of
+        ``"10.0.0.0/8"``, ``"192.0.2.7:80,443"``, ``"[2001:db8::/32]:443"``
+        or ``"mirror.example:80"`` (names resolved by the platform when a
+        sandbox switches to the policy); ``dns`` the resolvers written to the
+        sandbox's /etc/resolv.conf (allowed on port 53). ``limits`` are
+        ceilings while a sandbox runs under the policy: ``cpu``,
+        ``memory_mb``, ``pids`` (the lower of these and the sandbox's own
+        apply) and ``max_output_bytes``, ``max_exec_timeout_s`` per exec.
+        ``syscalls`` is the seccomp profile of execs under it: ``"default"``
+        or ``"strict"`` (no ptrace, only unix/inet/inet6/netlink sockets). A
+        name in use → Conflict (409)."""
+        body: Dict[str, Any] = {"name": name}
+        if description:
+            body["description"] = description
+        for key, val in (("egress", egress), ("dns", dns), ("readonly_paths", readonly_paths),
+                         ("hidden_paths", hidden_paths)):
+            if val is not None:
+                body[key] = list(val)
+        if limits is not None:
+            body["limits"] = dict(limits)
+        if syscalls is not None:
+            body["syscalls"] = syscalls
+        return (yield from self._call("POST", "/v1/policies", json_body=body))
+
+    @op
+    def delete_policy(self, name: str) -> None:
+        """Deletes one of your policies; refused (409) while a live sandbox
+        runs under it, and for built-ins."""
+        yield from self._call("DELETE", "/v1/policies/" + _q(name))
+
+    # ----- images, layers and blobs -----------------------------------------
+
+    @op
+    def images(self) -> List[Image]:
+        """``GET /v1/images``: every image this tenant can see."""
+        doc = yield from self._call("GET", "/v1/images")
+        return [Image(i) for i in doc.get("images", [])]
+
+    @op
+    def image(self, ref: str) -> Image:
+        """``GET /v1/images/{name}[:tag]``; unknown → NotFound."""
+        return Image((yield from self._call("GET", "/v1/images/" + _q(ref, safe=":"))))
+
+    @op
+    def delete_image(self, ref: str) -> Dict[str, Any]:
+        """Deletes a tag; Conflict while a running sandbox uses it."""
+        return (yield from self._call("DELETE", "/v1/images/" + _q(ref, safe=":")))
+
+    @op
+    def create_image(self, name: str, tag: str, layers: Sequence[str],
+                     kind: str = "base", config: Optional[Dict[str, Any]] = None,
+                     visibility: Optional[str] = None) -> Image:
+        """Creates (or replaces) ``name:tag`` from uploaded layer digests, bottom first.
+
+        ``kind`` is base, workspace, toolkit, diff or disk (one bootable blob
+        for backend vm, docs/vm.md); a layer keeps the kind of the first image
+        that names it (Conflict otherwise). ``config``
+        (``{"user": ..., "env": ["K=V", ...], "working_dir": ...}``, each key
+        optional) sets the defaults of sandboxes created from the image; a bad
+        value raises InvalidArgument with ``field`` ``config.<key>``.
+
+        ``visibility`` is ``"public"`` (every tenant may see and stack it; an
+        admin's default, and only admins may publish) or ``"private"`` (its
+        tenant only; a user tenant's default, whose image names must start
+        with ``"<tenant>/"``).
+        """
+        body: Dict[str, Any] = {"name": name, "tag": tag, "layers": list(layers), "kind": kind}
+        if config is not None:
+            body["config"] = config
+        if visibility is not None:
+            body["visibility"] = visibility
+        return Image((yield from self._call("POST", "/v1/images", json_body=body)))
+
+    @op
+    def pull_image(self, ref: str, *, platform: Optional[str] = None,
+                   name: Optional[str] = None, tag: Optional[str] = None,
+                   insecure_registry: bool = False,
+                   auth: Optional[Union[Tuple[str, str], Dict[str, str]]] = None,
+                   visibility: Optional[str] = None,
+                   progress: Optional[Callable[[Dict[str, Any]], None]] = None,
+                   timeout: Optional[float] = None) -> Image:
+        """``POST /v1/images/pull``: pulls ``ref`` (``debian:12``,
+        ``ghcr.io/org/app@sha256:...``, ``127.0.0.1:5000/x:1``) from its OCI
+        registry and returns the image, named ``HOST/REPO:TAG`` unless ``name``
+        / ``tag`` say otherwise. The platform fetches and converts each layer
+        once: layers it has are not fetched again, and pulling a digest it
+        holds under that name is a no-op.
+
+        ``platform`` picks from a multi-platform index (default
+        ``linux/amd64``); ``insecure_registry`` reaches the registry over plain
+        http; ``auth`` is ``(username, password)`` or
+        ``{"identity_token": ...}`` (else the platform's ``--registry-auth``).
+        ``progress`` is called with each event as it comes: ``{"type":
+        "resolved", "layers": [...]}``, then ``{"type": "layer", "digest",
+        "status": "exists"|"waiting"|"downloading"|"converting"|"done",
+        "bytes", "total"}``. Errors before the first event raise with their
+        HTTP status (NotFound for a missing tag, Unauthenticated for bad
+        credentials); errors after it raise the same typed errors. ``timeout``
+        bounds each silence (default: the client's, at least 600 s). Not
+        retried.
+        """
+        body: Dict[str, Any] = {"ref": ref}
+        if platform is not None:
+            body["platform"] = platform
+        if name is not None:
+            body["name"] = name
+        if tag is not None:
+            body["tag"] = tag
+        if insecure_registry:
+            body["insecure_registry"] = True
+        if visibility is not None:
+            body["visibility"] = visibility
+        if isinstance(auth, (tuple, list)):
+            body["auth"] = {"username": auth[0], "password": auth[1]}
+        elif auth is not None:
+            body["auth"] = dict(auth)
+        t = timeout if timeout is not None else max(self.timeout, 600.0)
+        req = self._request("POST", "/v1/images/pull", json_body=body,
+                            headers={"Accept": "application/x-ndjson"},
+                            timeout=t, retry=False, stream=True)
+        yield from self._exchange(req)
+        return (yield from _image_events(self, req, progress, "pull"))
+
+    @op
+    def build_image(self, context_dir: Optional[Union[str, os.PathLike]] = None,
+                    dockerfile: str = "Dockerfile", *, tag: str,
+                    dockerfile_text: Optional[str] = None,
+                    build_args: Optional[Dict[str, str]] = None, target: Optional[str] = None,
+                    network: bool = False, no_cache: bool = False,
+                    platform: Optional[str] = None, insecure_registry: bool = False,
+                    visibility: Optional[str] = None,
+                    progress: Optional[Callable[[Dict[str, Any]], None]] = None,
+                    timeout: Optional[float] = None) -> Image:
+        """``POST /v1/images/build``: builds ``tag`` (``name[:tag]``) from a
+        Dockerfile and returns the image (docs/images.md, "Building from a
+        Dockerfile").
+
+        ``context_dir`` is tarred here (PAX, names in order, owners 0:0),
+        leaving out what its ``.dockerignore`` excludes (the server applies it
+        again, exactly), uploaded as a blob and sent by digest; None sends no
+        context (COPY then has nothing to copy). ``dockerfile`` is a path in
+        the context directory (or, without one, a path), ``dockerfile_text``
+        the Dockerfile itself. ``build_args`` are ``--build-arg``s;
+        ``target`` the stage to build; ``network`` lets RUN reach what the
+        ``setup`` policy allows (no egress otherwise); ``no_cache`` runs
+        every step again. FROM images missing here are pulled (``platform``,
+        ``insecure_registry`` as for :meth:`pull_image`).
+
+        ``progress`` is called with each event as it comes: ``{"type":
+        "step", "stage", "line", "instruction", "cached"?}``, ``{"type":
+        "output", "line", "stream", "data"}`` (RUN output), ``{"type":
+        "layer", "line", "layer", "cached"}``, ``{"type": "pull"|"pulled",
+        "ref", "image"}``. A Dockerfile that does not parse raises
+        InvalidArgument (HTTP 400) with ``field`` ``"dockerfile"``; a step
+        that fails raises the typed error of its code, ``field``
+        ``"dockerfile"``; either has ``.line``, the Dockerfile line, when
+        there is one. A failed build stores no image. ``timeout`` bounds each
+        silence (default: the client's, at least 3600 s). Not retried.
+        """
+        if dockerfile_text is None:
+            path = dockerfile
+            if context_dir is not None and not os.path.isabs(path):
+                path = os.path.join(os.fspath(context_dir), path)
+            with open(path, "r", encoding="utf-8") as f:
+                dockerfile_text = f.read()
+        name, _, tag_part = tag.rpartition(":")
+        if not name or "/" in tag_part:
+            name, tag_part = tag, "latest"
+        body: Dict[str, Any] = {"dockerfile": dockerfile_text, "name": name, "tag": tag_part}
+        if context_dir is not None:
+            tmp = yield Blocking(_pack_context, os.fspath(context_dir))
+            try:
+                body["context"] = yield from ClientOps.upload_blob(self, tmp, skip_existing=True,
+                                                                   timeout=timeout)
+            finally:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+        if build_args:
+            body["build_args"] = {str(k): str(v) for k, v in build_args.items()}
+        if target is not None:
+            body["target"] = target
+        if network:
+            body["network"] = True
+        if no_cache:
+            body["no_cache"] = True
+        if platform is not None:
+            body["platform"] = platform
+        if insecure_registry:
+            body["insecure_registry"] = True
+        if visibility is not None:
+            body["visibility"] = visibility
+        t = timeout if timeout is not None else max(self.timeout, 3600.0)
+        req = self._request("POST", "/v1/images/build", json_body=body,
+                            headers={"Accept": "application/x-ndjson"},
+                            timeout=t, retry=False, stream=True)
+        try:
+            yield from self._exchange(req)
+        except DsecError as e:
+            e.line = _error_line(e.body)
+            raise
+        return (yield from _image_events(self, req, progress, "build"))
+
+    @op
+    def tag_image(self, source: str, name: str, tag: str = "latest") -> Image:
+        """Points ``name:tag`` at the layers (kind and config) of the image ``source``."""
+        return Image((yield from self._call("POST", "/v1/images",
+                                            json_body={"name": name, "tag": tag,
+                                                       "from": source})))
+
+    @op
+    def layers(self) -> List[Dict[str, Any]]:
+        """``GET /v1/layers``: digest, kind, size, created_at, images, in_use."""
+        return (yield from self._call("GET", "/v1/layers")).get("layers", [])
+
+    @op
+    def layer(self, digest: str) -> Dict[str, Any]:
+        """``GET /v1/layers/{digest}``; unknown → NotFound."""
+        return (yield from self._call("GET", "/v1/layers/" + _q(digest, safe=":")))
+
+    @op
+    def delete_layer(self, digest: str) -> Dict[str, Any]:
+        """Deletes a layer no image names; Conflict while named or in use."""
+        return (yield from self._call("DELETE", "/v1/layers/" + _q(digest, safe=":")))
+
+    @op
+    def gc(self, grace_s: Optional[float] = None) -> List[str]:
+        """Deletes layers no image names and no live sandbox stacks that are
+        older than ``grace_s`` (server default 600 s); returns their digests."""
+        body = {} if grace_s is None else {"grace_s": grace_s}
+        return (yield from self._call("POST", "/v1/gc", json_body=body)).get("removed", [])
+
+    @op
+    def has_blob(self, digest: str) -> bool:
+        """``HEAD /v1/blobs/{digest}``."""
+        try:
+            yield from self._call("HEAD", "/v1/blobs/" + _q(digest, safe=":"))
+            return True
+        except DsecError as e:
+            if e.status == 404:
+                return False
+            raise
+
+    @op
+    def upload_blob(self, path: Union[str, os.PathLike, bytes], skip_existing: bool = False,
+                    timeout: Optional[float] = None) -> str:
+        """Uploads a layer blob and returns its digest ``sha256:<hex>``.
+
+        ``path`` is a file (hashed first, then streamed) or the blob's bytes.
+        With ``skip_existing`` a blob the server already has is not sent again.
+        """
+        if isinstance(path, (bytes, bytearray, memoryview)):
+            data = bytes(path)
+            digest = "sha256:" + hashlib.sha256(data).hexdigest()
+            if skip_existing and (yield from ClientOps.has_blob(self, digest)):
+                return digest
+            yield from self._put_blob(digest, data, timeout)
+            return digest
+        digest, size = yield Blocking(_hash_file, path)
+        if skip_existing and (yield from ClientOps.has_blob(self, digest)):
+            return digest
+        with open(path, "rb") as f:
+            yield from self._put_blob(digest, f, timeout)
+        return digest
+
+    def _put_blob(self, digest: str, data: Any, timeout: Optional[float]) -> Op:
+        t = timeout if timeout is not None else max(self.timeout, 600.0)
+        yield from self._call("PUT", "/v1/blobs/" + _q(digest, safe=":"), body=Body.of(data),
+                              timeout=t, headers={"Content-Type": "application/octet-stream"})
+
+
+# ----- batches --------------------------------------------------------------------
+
+class BatchOps(_Driven):
+    """What Batch and AsyncBatch share: a batch creation
+    (``Client.create_batch``) and its last known progress in ``info``
+    (``state``, ``requested``, ``pending``, ``running``, ``failed``, ``errors``
+    by code, ...)."""
+
+    def __init__(self, client: ClientOps, info: Dict[str, Any]):
+        self._client = client
+        self.info = info
+        self.id: str = info["id"]
+
+    @property
+    def _driver(self) -> ClientOps:
+        return self._client
+
+    def __getattr__(self, name: str) -> Any:
+        info = self.__dict__.get("info", {})
+        if name in info:
+            return info[name]
+        raise AttributeError(name)
+
+    def __repr__(self) -> str:
+        i = self.info
+        return (f"{type(self).__name__}({self.id!r}, state={i.get('state')!r}, "
+                f"running={i.get('running')}, pending={i.get('pending')}, "
+                f"failed={i.get('failed')}/{i.get('requested')})")
+
+    @op
+    def status(self) -> Dict[str, Any]:
+        """``GET /v1/batches/{id}``: progress now (also kept in ``info``)."""
+        self.info = yield from self._client._call("GET", "/v1/batches/" + _q(self.id))
+        return self.info
+
+    @op
+    def wait(self, timeout: Optional[float] = None, progress: bool = True,
+             interval: float = 0.25) -> "Batch":
+        """Polls until no sandbox of the batch is pending; with ``progress``
+        draws a bar on stderr. DeadlineExceeded after ``timeout`` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        tty = progress and sys.stderr.isatty()
+        last = ""
+        while True:
+            i = yield from BatchOps.status(self)
+            n = max(1, int(i.get("requested", 1)))
+            done = n - int(i.get("pending", 0))
+            if progress:
+                width = 30
+                fill = width * done // n
+                line = (f"batch {self.id} [{'#' * fill}{'.' * (width - fill)}] {done}/{n} "
+                        f"running {i.get('running', 0)} failed {i.get('failed', 0)} "
+                        f"{i.get('state')}")
+                if line != last:
+                    sys.stderr.write(("\r" + line) if tty else (line + "\n"))
+                    sys.stderr.flush()
+                    last = line
+            if i.get("pending", 0) == 0 and i.get("state") != "running":
+                if progress and tty:
+                    sys.stderr.write("\n")
+                return self
+            if deadline is not None and time.monotonic() > deadline:
+                raise DeadlineExceeded(message=f"batch {self.id}: {i.get('pending')} of {n} "
+                                               f"still pending after {timeout} s")
+            yield Sleep(interval)
+
+    def sandboxes(self, state: Optional[str] = None):
+        """The batch's sandboxes (``GET /v1/sandboxes?batch=ID``)."""
+        return self._client.list(state=state, batch=self.id)
+
+    @op
+    def destroy(self) -> int:
+        """``DELETE /v1/batches/{id}``: destroys its sandboxes; how many."""
+        doc = yield from self._client._call("DELETE", "/v1/batches/" + _q(self.id),
+                                            timeout=max(self._client.timeout, 300.0))
+        self.info = doc
+        return int(doc.get("destroyed", 0))
+
+
+# ----- process sessions ------------------------------------------------------------
+
+# An interactive shell: bash where the image has it, else sh.
+_DEFAULT_SHELL = ["/bin/sh", "-c", "[ -x /bin/bash ] && exec /bin/bash -i; exec /bin/sh -i"]
+
+
+class ProcessEvent:
+    """One event of a process session's output (``GET .../processes/{pid}/output``):
+    ``type`` is ``stdout`` or ``stderr`` (``data`` holds the bytes; a
+    terminal's output is all ``stdout``), ``gap`` (output that left the
+    server's 1 MiB window before it was read: ``next`` is where reading goes
+    on), ``keepalive``, ``exit`` (``exit_code``, ``signal``, ``timed_out``,
+    ``duration_ms``) or ``error``. ``offset`` counts bytes of both streams."""
+
+    def __init__(self, doc: Dict[str, Any]):
+        self.raw = doc
+        self.type: str = doc.get("type", "")
+        self.offset: Optional[int] = doc.get("offset")
+        if "data_b64" in doc:
+            self.data = base64.b64decode(doc["data_b64"])
+        else:
+            self.data = str(doc.get("data", "")).encode("utf-8")
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_") or name in ("raw", "type", "offset", "data"):
+            raise AttributeError(name)
+        try:
+            return self.raw[name]
+        except KeyError:
+            raise AttributeError(f"ProcessEvent has no field {name!r}") from None
+
+    def __repr__(self) -> str:
+        return f"ProcessEvent({self.raw!r})"
+
+
+class ProcessOps(_Driven):
+    """What Process and AsyncProcess share: a command that runs apart from
+    any one request (``Sandbox.pty``, ``Sandbox.start_process``), with or
+    without a terminal. Its output stays on the server (the latest 1 MiB),
+    so iterating again, from this object or another one made by
+    ``Sandbox.process(pid)`` after a dropped connection, goes on where the
+    last reader stopped. ``info`` is the last Process object the server
+    returned; ``pid`` names it."""
+
+    def __init__(self, sandbox: "SandboxOps", info: Dict[str, Any]):
+        self.sandbox = sandbox
+        self.client = sandbox.client
+        self.info: Dict[str, Any] = dict(info)
+        self.pid: int = int(self.info["pid"])
+        self.offset = 0  # where the next read of output starts
+        self.exit: Optional[ProcessEvent] = None
+
+    @property
+    def _driver(self) -> "ClientOps":
+        return self.client
+
+    def _p(self, suffix: str = "") -> str:
+        return self.sandbox._p(f"/processes/{self.pid}{suffix}")
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(pid={self.pid}, sandbox={self.sandbox.id!r}, "
+                f"running={self.info.get('running')!r})")
+
+    @property
+    def running(self) -> bool:
+        return bool(self.info.get("running"))
+
+    @property
+    def exit_code(self) -> Optional[int]:
+        return self.info.get("exit_code")
+
+    @op
+    def refresh(self) -> "ProcessOps":
+        self.info = yield from self.client._call("GET", self._p())
+        return self
+
+    @op
+    def send(self, data: Union[str, bytes]) -> None:
+        """Input for the process (a terminal's keystrokes: ``"\\x03"`` is ^C)."""
+        raw = data.encode("utf-8") if isinstance(data, str) else bytes(data)
+        yield from self.client._call("POST", self._p("/input"),
+                                     json_body={"data_b64": base64.b64encode(raw).decode()})
+
+    @op
+    def close_stdin(self) -> None:
+        """No more input (the program reads end of file; a terminal stays)."""
+        yield from self.client._call("POST", self._p("/input"), json_body={"eof": True})
+
+    @op
+    def resize(self, rows: int, cols: int) -> None:
+        """A terminal's new size: its foreground program gets SIGWINCH."""
+        yield from self.client._call("POST", self._p("/resize"),
+                                     json_body={"rows": int(rows), "cols": int(cols)})
+
+    @op
+    def signal(self, sig: Union[int, str]) -> None:
+        """Sends ``sig`` (a number or a name such as ``"SIGINT"``) to its process
+        group; on a terminal, as a typed ^C would, to its foreground process
+        group (the job its shell runs, or the shell at its prompt)."""
+        yield from self.client._call("POST", self._p("/signal"), json_body={"signal": sig})
+
+    @op
+    def kill(self) -> "ProcessOps":
+        """SIGKILL to its process group (and a terminal's foreground job)."""
+        self.info = yield from self.client._call("DELETE", self._p())
+        return self
+
+    @stream_op
+    def events(self, offset: Optional[int] = None, follow: bool = True) -> Iterator[ProcessEvent]:
+        """Its output as :class:`ProcessEvent` objects from ``offset`` (default:
+        where this object's last read stopped), then its ``exit``; with
+        ``follow=False`` only what is there now. A quiet process sends a
+        ``keepalive`` event every 15 s (a loop can check its own deadline).
+        Leaving early just stops reading: the process goes on."""
+        start = self.offset if offset is None else int(offset)
+        c = self.client
         req = c._request("GET", self._p("/output"),
                          query=[("offset", str(start)), ("follow", "true" if follow else "false")],
                          headers={"Accept": "application/x-ndjson"},
