@@ -11,6 +11,7 @@ e2b@2.51.0 requires) and, the first time, `npm ci` from the npm registry.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -103,3 +104,56 @@ def test_e2b_sdk(node, server, debian, test_file):
     if proc.returncode != 0:
         pytest.fail(f"`{' '.join(cmd[1:])}` in {E2B_DIR} exited {proc.returncode}\n"
                     f"stdout:\n{out}\nstderr:\n{err}", pytrace=False)
+
+
+def test_polled_watchers_of_the_python_sdk(server, debian):
+    """E2B's Python SDK watches directories with CreateWatcher /
+    GetWatcherEvents / RemoveWatcher (its sync watch_dir); PyPI is out of
+    reach here, so the calls are made raw, as that SDK sends them (Connect
+    unary, JSON codec, pretty-printed)."""
+    key = {"X-API-Key": server.client.token}
+    st, _, _, sb = server.raw("POST", E2B_PREFIXES["api"] + "/v2/sandboxes",
+                              {"templateID": debian, "timeout": 120}, token=None, headers=key)
+    assert st == 201, sb
+    envd = {"E2b-Sandbox-Id": sb["sandboxID"], "X-Access-Token": sb["envdAccessToken"],
+            "Content-Type": "application/json"}
+
+    def rpc(method, msg):
+        body = json.dumps(msg, indent=2).encode()  # MessageToJson pretty-prints
+        return server.raw("POST", f"{E2B_PREFIXES['envd']}/filesystem.Filesystem/{method}",
+                          body, token=None, headers=envd)
+
+    try:
+        assert rpc("MakeDir", {"path": "/tmp/w"})[0] == 200
+        st, _, _, j = rpc("CreateWatcher", {"path": "/tmp/w", "recursive": True})
+        assert st == 200 and j["watcherId"], j
+        wid = j["watcherId"]
+        st, _, _, j = rpc("GetWatcherEvents", {"watcherId": wid})
+        assert st == 200 and j["events"] == [], j  # nothing since the first look
+        st, _, _, _ = server.raw("POST", f"{E2B_PREFIXES['envd']}/files?path=/tmp/w/sub/a.txt",
+                                 b"hello", token=None,
+                                 headers={**envd, "Content-Type": "application/octet-stream"})
+        assert st == 200
+        st, _, _, j = rpc("GetWatcherEvents", {"watcherId": wid})
+        got = {(e["name"], e["type"]) for e in j["events"]}
+        assert ("sub", "EVENT_TYPE_CREATE") in got and ("sub/a.txt", "EVENT_TYPE_CREATE") in got, j
+        assert rpc("Remove", {"path": "/tmp/w/sub/a.txt"})[0] == 200
+        st, _, _, j = rpc("GetWatcherEvents", {"watcherId": wid})
+        assert [(e["name"], e["type"]) for e in j["events"]] == [("sub/a.txt", "EVENT_TYPE_REMOVE")], j
+        assert rpc("RemoveWatcher", {"watcherId": wid})[0] == 200
+        st, _, _, j = rpc("GetWatcherEvents", {"watcherId": wid})
+        assert st == 404 and j["code"] == "not_found", j
+        # A path that is no directory, or none at all.
+        st, _, _, j = rpc("CreateWatcher", {"path": "/tmp/w/none"})
+        assert st == 404 and j["code"] == "not_found", j
+        st, _, _, j = rpc("CreateWatcher", {"path": "/etc/hostname"})
+        assert st == 400 and j["code"] == "invalid_argument", j
+        # Another sandbox's token is no access.
+        st, _, _, j = server.raw("POST", f"{E2B_PREFIXES['envd']}/filesystem.Filesystem/Stat",
+                                 b'{"path":"/"}', token=None,
+                                 headers={**envd, "X-Access-Token": "ea_" + "0" * 64})
+        assert st == 401 and j["code"] == "unauthenticated", j
+    finally:
+        st, _, _, _ = server.raw("DELETE", f"{E2B_PREFIXES['api']}/sandboxes/{sb['sandboxID']}",
+                                 token=None, headers=key)
+        assert st == 204

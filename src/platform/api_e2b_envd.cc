@@ -13,6 +13,7 @@
 #include <charconv>
 #include <deque>
 #include <map>
+#include <mutex>
 #include <set>
 
 #include "common/base64.h"
@@ -450,6 +451,9 @@ void Platform::e2bFilesystem(const SandboxRecord& rec, const std::string& method
                     res);
   }
   if (stream) return streamError(res, Status(Code::kNotFound, "no such stream: " + method));
+  if (method == "CreateWatcher" || method == "GetWatcherEvents" || method == "RemoveWatcher") {
+    return e2bWatcher(rec, method, j, user, res);
+  }
   auto reply = [&](const Result<json>& r) {
     if (!r.isOk()) return unaryError(res, r.status());
     sendJson(res, 200, dumpJson(*r));
@@ -532,135 +536,150 @@ void Platform::e2bFilesystem(const SandboxRecord& rec, const std::string& method
   unaryError(res, Status(Code::kNotFound, "no such method: filesystem.Filesystem/" + method));
 }
 
-// ---- filesystem watch (WatchDir) ----
+// ---- filesystem watch (WatchDir, and the Python SDK's CreateWatcher) ----
 
+// A tree's state, polled: each poll() lists it (on the caller's thread: a
+// worker) and tells what changed since the last one, as E2B's
+// FilesystemEvent objects: created, written (size or mtime), removed. A
+// poll, not inotify: it works on every backend and file system, including
+// the lazily loaded image layers, at the price of latency (the polling
+// interval) and of missing a change undone between two polls.
 namespace {
-
 struct Seen {
   std::string type;
   int64_t size = 0;
   double mtime = 0;
 };
-
 }  // namespace
 
-// Polls the directory (every kWatchPollS, each poll a listing on the blocking
-// pool) and tells what changed since the last look: created, written
-// (size or mtime), removed. A poll, not inotify: it works on every backend
-// and file system, including the lazily loaded image layers, at the price of
-// up to kWatchPollS of latency and of missing a change undone within one
-// interval.
-void Platform::e2bWatch(const SandboxRecord& rec, const std::string& path, bool recursive,
-                        bool includeEntry, http::Request& req, http::Response& res) {
-  constexpr double kWatchPollS = 0.2;
-  constexpr size_t kWatchMaxEntries = 10000;
-  const std::string id = rec.id;
-  auto t = connect::timeoutMs(req.header("connect-timeout-ms"));
-  if (!t.isOk()) return streamError(res, t.status());
-  auto first = cluster_->agentOp(id, proto::AgentOp::kStat, json{{"path", path}}.dump());
-  if (!first.isOk()) return streamError(res, first.status());
-  if (json::parse(*first, nullptr, false).value("type", "") != "dir") {
-    return streamError(res, invalidArg("path", path + " is not a directory"));
-  }
-  struct Watch {
-    std::string id, path;
-    bool recursive = false;
-    std::shared_ptr<http::Deferred> d;
-    double deadline = 0;  // monoSeconds; 0: none
-    double keepaliveS = kDefaultKeepaliveS;
-    double lastWrite = monoSeconds();
-    std::map<std::string, Seen> seen;
-    std::map<std::string, json> entries;  // includeEntry: the listing's entries
-    bool includeEntry = false;
-    Names names;
-    bool primed = false;
-    std::shared_ptr<std::function<void()>> self;  // the polls, until the end
-  };
-  auto w = std::make_shared<Watch>();
-  w->id = id;
-  w->path = path;
-  w->recursive = recursive;
-  w->keepaliveS = keepaliveOf(req);
-  w->includeEntry = includeEntry;
-  if (includeEntry) w->names = readNames(*cluster_, id);
-  if (*t > 0) w->deadline = monoSeconds() + double(*t) / 1000;
-  w->d = res.defer();
-  (void)w->d->beginChunked(200, "application/connect+json");
-  (void)w->d->write(connect::envelope(R"({"start":{}})"));
-  // One snapshot of the tree: relative name -> what it was.
-  auto scan = [this](Watch& w) -> Result<std::map<std::string, Seen>> {
+struct E2bWatcher {
+  static constexpr size_t kMaxEntries = 10000;
+  std::mutex mu;  // one poll at a time (GetWatcherEvents)
+  std::string sandbox, path;
+  bool recursive = false;
+  bool includeEntry = false;
+  std::string owner;  // the tenant that made it (CreateWatcher)
+  Names names;
+
+  Result<json> poll(proto::EdgeLink& node) {
     std::map<std::string, Seen> now;
+    std::map<std::string, json> entries;
     std::deque<std::string> todo = {""};
-    while (!todo.empty() && now.size() < kWatchMaxEntries) {
+    while (!todo.empty() && now.size() < kMaxEntries) {
       std::string rel = todo.front();
       todo.pop_front();
-      std::string dir = rel.empty() ? w.path : joinPath(w.path, rel);
-      auto r = cluster_->agentOp(w.id, proto::AgentOp::kList, json{{"path", dir}}.dump());
+      std::string dir = rel.empty() ? path : joinPath(path, rel);
+      auto r = node.agentOp(sandbox, proto::AgentOp::kList, json{{"path", dir}}.dump());
       if (!r.isOk()) {
         if (rel.empty()) return r.status();
-        continue;
+        continue;  // a subdirectory that went or is unreadable
       }
       json l = json::parse(*r, nullptr, false);
       for (auto& e : l.value("entries", json::array())) {
         std::string name = rel.empty() ? e.value("name", "") : rel + "/" + e.value("name", "");
-        Seen s{e.value("type", ""), e.value("size", int64_t(0)), e.value("mtime", 0.0)};
-        if (w.recursive && s.type == "dir") todo.push_back(name);
-        now[name] = s;
-        if (w.includeEntry) w.entries[name] = entryInfo(e, joinPath(w.path, name), w.names);
+        Seen st{e.value("type", ""), e.value("size", int64_t(0)), e.value("mtime", 0.0)};
+        if (recursive && st.type == "dir") todo.push_back(name);
+        now[name] = st;
+        if (includeEntry) entries[name] = entryInfo(e, joinPath(path, name), names);
       }
     }
-    return now;
-  };
-  // poll runs on the blocking pool; it schedules the next one.
-  auto poll = std::make_shared<std::function<void()>>();
-  std::weak_ptr<std::function<void()>> weakPoll = poll;
-  *poll = [this, w, scan, weakPoll]() {
-    if (w->d->gone()) {
-      w->self.reset();  // the last poll
-      return;
-    }
-    if (w->deadline > 0 && monoSeconds() >= w->deadline) {
-      (void)w->d->write(connect::endStream(
-          Status(Code::kDeadlineExceeded, "the watch ran to its timeout")));
-      (void)w->d->finish();
-      w->self.reset();  // the last poll
-      return;
-    }
-    w->entries.clear();
-    auto now = scan(*w);
-    if (!now.isOk()) {
-      // The directory went, or the sandbox: the watch is over.
-      Status st = now.status().code() == Code::kNotFound
-                      ? Status::ok()
-                      : Status(Code::kUnavailable, now.status().message());
-      (void)w->d->write(connect::endStream(st));
-      (void)w->d->finish();
-      w->self.reset();  // the last poll
-      return;
-    }
-    std::string out;
-    if (w->primed) {
+    json events = json::array();
+    if (primed_) {
       auto event = [&](const std::string& name, const char* type) {
         json fs = {{"name", name}, {"type", type}};
-        if (auto it = w->entries.find(name); w->includeEntry && it != w->entries.end()) {
-          fs["entry"] = it->second;
-        }
-        out += connect::envelope(json{{"filesystem", fs}}.dump());
+        if (auto it = entries.find(name); it != entries.end()) fs["entry"] = it->second;
+        events.push_back(std::move(fs));
       };
-      for (auto& [name, s] : *now) {
-        auto old = w->seen.find(name);
-        if (old == w->seen.end()) {
+      for (auto& [name, st] : now) {
+        auto old = seen_.find(name);
+        if (old == seen_.end()) {
           event(name, "EVENT_TYPE_CREATE");
-        } else if (old->second.size != s.size || old->second.mtime != s.mtime) {
+        } else if (st.type != "dir" &&
+                   (old->second.size != st.size || old->second.mtime != st.mtime)) {
+          // A directory's mtime moves with its entries, which get events of
+          // their own (as inotify reports them).
           event(name, "EVENT_TYPE_WRITE");
         }
       }
-      for (auto& [name, s] : w->seen) {
-        if (!now->count(name)) event(name, "EVENT_TYPE_REMOVE");
+      for (auto& [name, st] : seen_) {
+        if (!now.count(name)) event(name, "EVENT_TYPE_REMOVE");
       }
     }
-    w->seen = std::move(*now);
-    w->primed = true;
+    seen_ = std::move(now);
+    primed_ = true;
+    return events;
+  }
+
+ private:
+  std::map<std::string, Seen> seen_;
+  bool primed_ = false;
+};
+
+namespace {
+
+// The watched path must be a directory of the sandbox.
+Status checkWatchable(proto::EdgeLink& node, const std::string& id, const std::string& path) {
+  ASSIGN_OR_RETURN(std::string r,
+                   node.agentOp(id, proto::AgentOp::kStat, json{{"path", path}}.dump()));
+  if (json::parse(r, nullptr, false).value("type", "") != "dir") {
+    return invalidArg("path", path + " is not a directory");
+  }
+  return Status::ok();
+}
+
+}  // namespace
+
+void Platform::e2bWatch(const SandboxRecord& rec, const std::string& path, bool recursive,
+                        bool includeEntry, http::Request& req, http::Response& res) {
+  constexpr double kWatchPollS = 0.2;
+  const std::string id = rec.id;
+  auto t = connect::timeoutMs(req.header("connect-timeout-ms"));
+  if (!t.isOk()) return streamError(res, t.status());
+  if (Status st = checkWatchable(*cluster_, id, path); !st.isOk()) return streamError(res, st);
+  struct Watch {
+    E2bWatcher tree;
+    std::shared_ptr<http::Deferred> d;
+    double deadline = 0;  // monoSeconds; 0: none
+    double keepaliveS = kDefaultKeepaliveS;
+    double lastWrite = monoSeconds();
+    std::shared_ptr<std::function<void()>> self;  // the polls, until the end
+  };
+  auto w = std::make_shared<Watch>();
+  w->tree.sandbox = id;
+  w->tree.path = path;
+  w->tree.recursive = recursive;
+  w->tree.includeEntry = includeEntry;
+  if (includeEntry) w->tree.names = readNames(*cluster_, id);
+  w->keepaliveS = keepaliveOf(req);
+  if (*t > 0) w->deadline = monoSeconds() + double(*t) / 1000;
+  w->d = res.defer();
+  (void)w->d->beginChunked(200, "application/connect+json");
+  (void)w->d->write(connect::envelope(R"({"start":{}})"));
+  // poll runs on the blocking pool; it schedules the next one.
+  auto poll = std::make_shared<std::function<void()>>();
+  std::weak_ptr<std::function<void()>> weakPoll = poll;
+  *poll = [this, w, weakPoll]() {
+    auto end = [&](const Status& st) {
+      (void)w->d->write(connect::endStream(st));
+      (void)w->d->finish();
+      w->self.reset();  // the last poll
+    };
+    if (w->d->gone()) {
+      w->self.reset();
+      return;
+    }
+    if (w->deadline > 0 && monoSeconds() >= w->deadline) {
+      return end(Status(Code::kDeadlineExceeded, "the watch ran to its timeout"));
+    }
+    auto events = w->tree.poll(*cluster_);
+    if (!events.isOk()) {
+      // The directory went (the watch is over), or the sandbox did.
+      return end(events.status().code() == Code::kNotFound
+                     ? Status::ok()
+                     : Status(Code::kUnavailable, events.status().message()));
+    }
+    std::string out;
+    for (auto& ev : *events) out += connect::envelope(json{{"filesystem", ev}}.dump());
     if (out.empty() && monoSeconds() - w->lastWrite >= w->keepaliveS) {
       out = connect::envelope(R"({"keepalive":{}})");
     }
@@ -676,6 +695,67 @@ void Platform::e2bWatch(const SandboxRecord& rec, const std::string& path, bool 
   // ends or sees its client gone.
   w->self = poll;
   Runtime::global().runBlocking(*poll);
+}
+
+// The polled watchers of E2B's Python SDK: CreateWatcher takes the first
+// look, each GetWatcherEvents tells what changed since the one before.
+void Platform::e2bWatcher(const SandboxRecord& rec, const std::string& method, const json& j,
+                          const std::string& user, http::Response& res) {
+  constexpr size_t kMaxWatchersPerSandbox = 64;
+  if (method == "CreateWatcher") {
+    auto path = e2bPath(rec, user, j.value("path", ""));
+    if (!path.isOk()) return unaryError(res, path.status());
+    if (Status st = checkWatchable(*cluster_, rec.id, *path); !st.isOk()) return unaryError(res, st);
+    auto w = std::make_shared<E2bWatcher>();
+    w->sandbox = rec.id;
+    w->path = *path;
+    w->recursive = j.value("recursive", false);
+    w->includeEntry = j.value("includeEntry", false);
+    w->owner = rec.owner;
+    if (w->includeEntry) w->names = readNames(*cluster_, rec.id);
+    if (auto first = w->poll(*cluster_); !first.isOk()) return unaryError(res, first.status());
+    std::string wid = "w-" + randomHex(16);
+    {
+      std::lock_guard lk(e2bWatchersMu_);
+      // Watchers of sandboxes that are gone go with them.
+      size_t mine = 0;
+      for (auto it = e2bWatchers_.begin(); it != e2bWatchers_.end();) {
+        bool up = false;
+        {
+          std::lock_guard l2(mu_);
+          auto sb = sandboxes_.find(it->second->sandbox);
+          up = sb != sandboxes_.end() && proto::isUp(sb->second.state);
+        }
+        if (!up) {
+          it = e2bWatchers_.erase(it);
+          continue;
+        }
+        mine += it->second->sandbox == rec.id;
+        ++it;
+      }
+      if (mine >= kMaxWatchersPerSandbox) {
+        return unaryError(res, Status(Code::kResourceExhausted,
+                                      "the sandbox has 64 watchers; remove one first"));
+      }
+      e2bWatchers_[wid] = w;
+    }
+    return sendJson(res, 200, dumpJson(json{{"watcherId", wid}}));
+  }
+  std::string wid = j.value("watcherId", "");
+  std::shared_ptr<E2bWatcher> w;
+  {
+    std::lock_guard lk(e2bWatchersMu_);
+    auto it = e2bWatchers_.find(wid);
+    if (it != e2bWatchers_.end() && it->second->sandbox == rec.id) w = it->second;
+    if (w && method == "RemoveWatcher") e2bWatchers_.erase(it);
+  }
+  if (!w) return unaryError(res, Status(Code::kNotFound, "watcher " + wid + " not found"));
+  if (method == "RemoveWatcher") return sendJson(res, 200, "{}");
+  // One poll at a time per watcher: its state is the last look.
+  std::lock_guard lk(w->mu);
+  auto events = w->poll(*cluster_);
+  if (!events.isOk()) return unaryError(res, events.status());
+  sendJson(res, 200, dumpJson(json{{"events", *events}}));
 }
 
 // ---- /files ----

@@ -38,6 +38,8 @@
 
 namespace dsec::platform {
 
+struct E2bWatcher;  // api_e2b_envd.cc
+
 struct PlatformOptions {
   std::string dataDir;
   std::string token;
@@ -219,6 +221,8 @@ class Platform {
   void e2bWatch(const SandboxRecord& rec, const std::string& path, bool recursive,
                 bool includeEntry, http::Request& req, http::Response& res);
   void e2bFiles(const SandboxRecord& rec, http::Request& req, http::Response& res);
+  void e2bWatcher(const SandboxRecord& rec, const std::string& method, const nlohmann::json& j,
+                  const std::string& user, http::Response& res);
   Result<std::string> e2bPath(const SandboxRecord& rec, const std::string& user,
                               const std::string& path);
   bool validFileSignature(const std::string& id, http::Request& req);
@@ -530,6 +534,9 @@ class Platform {
   Store* store_ = nullptr;     // not owned
   std::unique_ptr<Policies> policies_;
   std::unique_ptr<Chronus> chronus_;
+  // E2B's polled watchers by id (api_e2b_envd.cc); lock order: this, then mu_.
+  std::mutex e2bWatchersMu_;
+  std::map<std::string, std::shared_ptr<E2bWatcher>> e2bWatchers_;
   // Process sessions by sandbox (processes.h).
   std::unique_ptr<ProcessTable> processes_ = std::make_unique<ProcessTable>();
   std::unique_ptr<Tenants> tenants_;
