@@ -41,6 +41,10 @@ PKGS=(
   # and to compare against, zstd layers, bcrypt for htpasswd, JWTs for the
   # token server the tests run
   docker-registry skopeo zstd python3-bcrypt python3-jwt python3-cryptography
+  # the web console's browser tests (tests/console: playwright-core drives Debian's
+  # chromium; fonts so pages and screenshots render text). The console itself is
+  # built with node and npm (ui/, docs/console.md)
+  chromium fonts-dejavu-core
 )
 
 missing=()

@@ -328,6 +328,57 @@ def test_terminal_on_a_joined_edge_takes_input_resize_and_signals(real_cluster):
         cl.api("DELETE", f"/v1/sandboxes/{d['id']}")
 
 
+def test_exposed_port_on_a_joined_edge(real_cluster):
+    """An exposed port of a sandbox on a remote node: the proxy's upstream is
+    a link call (port_open) relayed both ways; unexpose cuts it on the node."""
+    import http.client
+    import socket
+    cl = real_cluster
+    d = create(cl)
+    try:
+        sb = cl.client.get(d["id"])
+        sb.exec(["sh", "-c", "mkdir -p /tmp/www && head -c 3000000 /dev/zero | tr '\\0' x "
+                 "> /tmp/www/big.txt && echo hello-from-$HOSTNAME > /tmp/www/index.html"])
+        sb.start_process(["busybox", "httpd", "-f", "-p", "127.0.0.1:8000", "-h", "/tmp/www"])
+        e = sb.expose(8000)
+        host, port = cl.platform.url.split("//")[1].split(":")
+        path = e.path_url[e.path_url.index("/ports/"):]
+        deadline = time.monotonic() + 20
+        while True:
+            c = http.client.HTTPConnection(host, int(port), timeout=10)
+            c.request("GET", path, headers={"Dsec-Port-Token": e.token})
+            r = c.getresponse()
+            body = r.read()
+            c.close()
+            if r.status == 200 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)  # httpd still starting: 502
+        assert r.status == 200 and body == f"hello-from-{d['id']}\n".encode(), (r.status, body)
+        c = http.client.HTTPConnection(host, int(port), timeout=10)
+        c.request("GET", path + "big.txt", headers={"Dsec-Port-Token": e.token})
+        r = c.getresponse()
+        assert r.status == 200 and r.read() == b"x" * 3000000
+        c.close()
+        # A slow download is cut by unexpose, through the node.
+        s = socket.create_connection((host, int(port)), timeout=10)
+        s.sendall(f"GET {path}big.txt HTTP/1.1\r\nHost: x\r\nDsec-Port-Token: {e.token}"
+                  "\r\n\r\n".encode())
+        s.recv(1000)
+        sb.unexpose(8000)
+        s.settimeout(5)
+        got = 0
+        t0 = time.monotonic()
+        while True:
+            chunk = s.recv(1 << 16)
+            if not chunk:
+                break
+            got += len(chunk)
+        s.close()
+        assert got < 3000000 and time.monotonic() - t0 < 5, got
+    finally:
+        cl.api("DELETE", f"/v1/sandboxes/{d['id']}")
+
+
 def test_fncall_on_joined_edges_runs_as_the_platform_says(real_cluster):
     """`dsec platform --fncall-language ... --fncall-zygote-max-calls 4`: a
     fncall sandbox on any joined edge runs the platform's languages and

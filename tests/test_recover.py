@@ -136,6 +136,17 @@ def test_recover_rebuilds_a_lost_sandbox_and_replays(make_sandbox, busybox, clie
     again, flags = rollout(new.trajectory(t), checkpoint)
     assert again == first
     assert all(f for f in flags if f is not None)
+    # What the console shows of it (GET /v1/trajectories/{id}/info).
+    st, _, _, info = server.raw("GET", f"/v1/trajectories/{t}/info")
+    assert st == 200, info
+    assert info["sandbox"] == new.id and info["replaced"] == [sb.id], info
+    assert info["steps"] == steps and len(info["recoveries"]) == 1, info
+    assert info["recoveries"][0]["checkpoint_step"] == ckpt_step
+    assert [c["step"] for c in info["checkpoints"]] == ([5] if checkpoint else [])
+    replayed_steps = [i for i, f in enumerate(flags) if f]
+    assert all(info["replays"].get(str(i), 0) >= 1 for i in replayed_steps), info["replays"]
+    st, _, _, doc = server.raw("GET", "/v1/trajectories/no-such-trajectory/info")
+    assert st == 404, doc
     live = new.trajectory(t, start=steps).exec(f"echo live >> /root/w/log; {COUNT}")
     assert not live.replayed and live.exit_code == 0 and live.stdout.strip() == "8"
     # A step sent to the lost sandbox runs in the trajectory's new one.

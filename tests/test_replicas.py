@@ -416,6 +416,7 @@ def test_real_edges_create_through_one_replica_use_through_the_other(pg, root):
         assert st == 201, e
         st, _, doc = rep.api("A", "POST", f"/v1/sandboxes/{e['id']}/exec", {"cmd": ["true"]})
         assert st == 200 and doc["exit_code"] == 0, doc
+        exposed_through_one_replica_cut_through_the_other(rep, d["id"])
         for sid in (d["id"], e["id"]):
             st, _, doc = rep.api("B" if sid == d["id"] else "A", "DELETE", f"/v1/sandboxes/{sid}")
             assert st == 200 and doc["state"] == "stopped", doc
@@ -430,6 +431,48 @@ def test_real_edges_create_through_one_replica_use_through_the_other(pg, root):
         if mounts_containing(str(root)):
             problems.append(f"mounts left: {mounts_containing(str(root))[:5]}")
     assert not problems, problems
+
+
+def exposed_through_one_replica_cut_through_the_other(rep, sid):
+    """Exposed ports (docs/ports.md): B serves A's exposure with the same
+    token (an HMAC of the shared platform token, nothing stored), and an
+    unexpose through A cuts B's connection on the node."""
+    import socket
+    st, _, doc = rep.api("A", "POST", f"/v1/sandboxes/{sid}/exec", {"cmd": [
+        "sh", "-c", "mkdir -p /tmp/www && head -c 4000000 /dev/zero | tr '\\0' y > /tmp/www/big "
+        "&& echo hi > /tmp/www/index.html"]})
+    assert st == 200 and doc["exit_code"] == 0, doc
+    st, _, doc = rep.api("A", "POST", f"/v1/sandboxes/{sid}/processes",
+                         {"cmd": ["busybox", "httpd", "-f", "-p", "127.0.0.1:8000", "-h", "/tmp/www"]})
+    assert st == 201, doc
+    st, _, exp = rep.api("A", "POST", f"/v1/sandboxes/{sid}/ports", {"port": 8000})
+    assert st == 201, exp
+    path = f"/ports/{sid}/8000/"
+
+    def get_b(p):
+        s = socket.create_connection(("127.0.0.1", rep.ports["B"]), timeout=10)
+        s.sendall(f"GET {p} HTTP/1.1\r\nHost: x\r\nDsec-Port-Token: {exp['token']}\r\n\r\n"
+                  .encode())
+        return s
+
+    def whole(s):
+        out = b""
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                return out
+            out += chunk
+    assert wait_until(lambda: b"200 OK" in whole(get_b(path)), 10)
+    s = get_b(path + "big")
+    assert b" 200 " in s.recv(100)
+    st, _, doc = rep.api("A", "DELETE", f"/v1/sandboxes/{sid}/ports/8000")
+    assert st == 204, doc
+    s.settimeout(5)
+    t0 = time.monotonic()
+    got = len(whole(s))
+    assert got < 4000000 and time.monotonic() - t0 < 5, got
+    # And the token no longer opens anything on B.
+    assert b" 401 " in whole(get_b(path)).split(b"\r\n", 1)[0] + b" "
 
 
 def test_batch_resumed_by_one_replica_only(pg, root):

@@ -310,7 +310,10 @@ def test_trajectories_are_per_tenant(ab, busybox, client):
         b.client.recover(only_a, force=True)
     # A's file steps and checkpoints are A's too.
     sa.write_file("/tmp/f", b"a", trajectory_id=only_a, step=1)
-    assert len(a.client.export_trajectory(only_a)) == 2
+    # A checkpoint with the SDK's default name lands under A's own prefix.
+    img = sa.trajectory(only_a, start=2).checkpoint()
+    assert img.name == f"{a.id}/chronus/{only_a}" and img.tag == "step-2", img.raw
+    assert len(a.client.export_trajectory(only_a)) == 3
     # The admin sees both, each under its tenant.
     ids = {t["id"] for t in client.trajectories()}
     assert {f"{tid}@{a.id}", f"{tid}@{b.id}", f"{only_a}@{a.id}"} <= ids
@@ -325,6 +328,7 @@ def test_trajectories_are_per_tenant(ab, busybox, client):
     assert rec.read_file("/tmp/f") == b"a"
     rec.destroy()
     a.client.delete_trajectory(only_a)
+    a.client.delete_image(f"{img.name}:{img.tag}")
     sa.destroy()
     sb.destroy()
 

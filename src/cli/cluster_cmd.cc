@@ -495,6 +495,11 @@ int cmdEdge(const ArgGet& get) {
     eo.liveRestore = get("live-restore", "no") == "yes";
     eo.microvmAccel = get("microvm-accel", "auto");
     eo.microvmAgentChannel = get("microvm-agent-channel", "auto");
+    auto statsEvery = num("stats-interval-s", eo.statsIntervalS);
+    if (!statsEvery.isOk() || !(*statsEvery == 0 || (*statsEvery >= 0.1 && *statsEvery <= 3600))) {
+      return fail("--stats-interval-s must be 0 (off) or 0.1..3600");
+    }
+    eo.statsIntervalS = *statsEvery;
     eo.lookup = [&agent](const std::string& digest) { return agent.lookupLayer(digest); };
     eo.cache.storeUri = get("blob-store", "");
     if (eo.cache.storeUri.empty()) {

@@ -40,6 +40,7 @@
 #include "image/registry_client.h"
 #include "platform/platform.h"
 #include "platform/store.h"
+#include "ui/ui_assets.h"
 
 using json = nlohmann::json;
 using namespace dsec;
@@ -67,6 +68,17 @@ const char* kUsage = R"(usage: dsec COMMAND [OPTIONS]
         none), --pull-workers N (layers fetched and converted at once; default 4),
         --registry-allow HOST (repeatable: tenants may pull from it though it is on a
         loopback, private or link-local address; admins always may)
+     --expose-domain D: exposed ports' host-form URLs are http://PORT-ID.D[:port]/
+        (default localhost, which browsers resolve to loopback; empty: path form only),
+        --expose-scheme http|https, --expose-port P (default the listener's; -1 none),
+        --public-url URL (the platform as clients reach it, for path-form URLs)
+     --ui-dir DIR: serve the web console (/ui) from DIR, the output of
+        `node ui/build.mjs --out DIR --watch`, instead of the copy built in (development)
+     --metrics-history-interval-s S: the console's charts sample metrics this often
+        (default 10; the last hour is kept in memory: GET /v1/metrics/history)
+     --stats-interval-s S: the node reads each sandbox's CPU, memory and task figures
+        this often into its last 240 readings (default 15: an hour; 0: off;
+        GET /v1/sandboxes/ID/stats). Also for edge
      --stopped-retention-max N: stopped sandboxes stay listed for an hour, and at
         most N of them (the longest stopped go first; default 10000)
      --blob-store URI: where the node reads layer blobs: file:///DIR or http(s)://HOST/PREFIX
@@ -187,6 +199,8 @@ const char* kUsage = R"(usage: dsec COMMAND [OPTIONS]
   sandbox batch ls | show ID | rm ID     Batches and their progress; rm destroys its sandboxes
   sandbox phase ID POLICY [--readonly PATH]... [--hide PATH]...   Switch its security policy
   sandbox audit ID                       Syscalls it tried and was refused
+  sandbox expose ID PORT [--ttl-s S] [--rotate]   Reach a port of it through the platform
+  sandbox unexpose ID PORT | sandbox ports ID      End an exposure | list them
   sandbox exec ID [--timeout S] [--user U] [--cwd DIR] -- CMD [ARG...]
   sandbox shell ID [--user U] [--cwd DIR] [--env K=V]... [-- CMD [ARG...]]
                                          An interactive terminal (default: bash, else sh);
@@ -475,6 +489,14 @@ int cmdUp(const Args& a) {
     eo.vmBootTimeoutS = std::atof(a.get("vm-boot-timeout-s").c_str());
     if (eo.vmBootTimeoutS <= 0) return die("--vm-boot-timeout-s must be positive");
   }
+  if (std::string v = a.get("stats-interval-s"); !v.empty()) {
+    char* end = nullptr;
+    eo.statsIntervalS = std::strtod(v.c_str(), &end);
+    if (*end != '\0' ||
+        !(eo.statsIntervalS == 0 || (eo.statsIntervalS >= 0.1 && eo.statsIntervalS <= 3600))) {
+      return die("--stats-interval-s must be 0 (off) or 0.1..3600");
+    }
+  }
   platform::Store* st = store->get();
   eo.lookup = [dataDir, st](const std::string& digest) {
     return platform::Platform::describeLayer(st, dataDir, digest);
@@ -544,19 +566,43 @@ int cmdUp(const Args& a) {
       if (!x.empty()) out->push_back(x);
     }
   }
+  if (a.opts.count("expose-domain")) po.exposeDomain = a.get("expose-domain");
+  if (!a.get("expose-scheme").empty()) {
+    po.exposeScheme = a.get("expose-scheme");
+    if (po.exposeScheme != "http" && po.exposeScheme != "https") {
+      return die("--expose-scheme must be http or https");
+    }
+  }
+  if (!a.get("expose-port").empty()) {
+    po.exposePort = std::atoi(a.get("expose-port").c_str());
+    if (po.exposePort < -1 || po.exposePort > 65535) return die("--expose-port must be -1..65535");
+  }
+  po.publicUrl = a.get("public-url");
+  if (!a.get("metrics-history-interval-s").empty()) {
+    po.metricsHistoryIntervalS = std::atof(a.get("metrics-history-interval-s").c_str());
+    if (!(po.metricsHistoryIntervalS >= 0.1 && po.metricsHistoryIntervalS <= 3600)) {
+      return die("--metrics-history-interval-s must be 0.1..3600");
+    }
+  }
   auto plat = platform::Platform::start(po, store->get(), cluster->get());
   if (!plat.isOk()) return die("platform: " + plat.status().toString());
 
-  // Health answers on the event loop: never queued behind blocking work.
+  // Health and the console's files (/, /ui/...: in memory, docs/console.md)
+  // answer on the event loop: never queued behind blocking work.
+  if (!a.get("ui-dir").empty()) ui::setUiDir(a.get("ui-dir"));
   so.inlineHandler = [](http::Request& req, http::Response& res) {
+    if (ui::serveUi(req, res)) return true;
     if (req.path != "/v1/health" || req.method != "GET") return false;
     (void)res.send(200, "application/json", R"({"status":"ok","version":"0.1.0"})");
     return true;
   };
+  // Requests for exposed ports go to the reverse proxy (docs/ports.md).
+  so.divert = [p = plat->get()](const http::Request& req) { return p->divertPort(req); };
   http::Server server(so);
   if (Status st = server.listen(); !st.isOk()) return die(st.toString());
   uint64_t serverMetrics = cli::addServerMetrics(server);
   std::string url = "http://" + so.host + ":" + std::to_string(server.port());
+  (*plat)->setListenUrl(url);
   json up = {{"url", url}, {"pid", getpid()}};
   if (Status st = writeFileAtomic(dataDir + "/up.json", up.dump() + "\n", 0644); !st.isOk()) {
     return die(st.toString());
@@ -1444,6 +1490,42 @@ int cmdSandbox(const Args& a) {
       std::cout << name << " " << n.get<int64_t>() << "\n";
     }
     std::cout << "total " << s["denied_total"].get<int64_t>() << "\n";
+    return 0;
+  }
+  if (sub == "expose") {
+    // dsec sandbox expose ID PORT [--ttl-s S] [--rotate] (docs/ports.md)
+    if (a.positional.size() != 4) {
+      return die("usage: dsec sandbox expose ID PORT [--ttl-s S] [--rotate]");
+    }
+    int port = std::atoi(a.positional[3].c_str());
+    json body = {{"port", port}};
+    if (!a.get("ttl-s").empty()) body["ttl_s"] = std::atof(a.get("ttl-s").c_str());
+    if (a.opts.count("rotate")) body["rotate"] = true;
+    auto r = c.request("POST", "/v1/sandboxes/" + a.positional[2] + "/ports", body.dump());
+    if (!r.isOk()) return die(r.status().toString());
+    if (r->status != 200 && r->status != 201) return apiError(*r);
+    json p = json::parse(r->body);
+    std::cout << "url       " << p["url"].get<std::string>() << "\n"
+              << "path_url  " << p["path_url"].get<std::string>() << "\n"
+              << "token     " << p["token"].get<std::string>() << "\n";
+    return 0;
+  }
+  if (sub == "unexpose") {
+    if (a.positional.size() != 4) return die("usage: dsec sandbox unexpose ID PORT");
+    auto r = c.request("DELETE", "/v1/sandboxes/" + a.positional[2] + "/ports/" + a.positional[3]);
+    if (!r.isOk()) return die(r.status().toString());
+    if (r->status != 204) return apiError(*r);
+    return 0;
+  }
+  if (sub == "ports") {
+    if (a.positional.size() != 3) return die("usage: dsec sandbox ports ID");
+    auto r = c.request("GET", "/v1/sandboxes/" + a.positional[2] + "/ports");
+    if (!r.isOk()) return die(r.status().toString());
+    if (r->status != 200) return apiError(*r);
+    json s = json::parse(r->body);
+    for (auto& p : s["ports"]) {
+      std::cout << p["port"].get<int>() << " " << p["url"].get<std::string>() << "\n";
+    }
     return 0;
   }
   return die("unknown sandbox command '" + sub + "'");

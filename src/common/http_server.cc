@@ -252,6 +252,7 @@ struct Exchange {
   Request req;
   Response res;
   std::string body;  // the pre-read body
+  std::string rawHead;  // the head's bytes as read (only with ServerOptions::divert)
   size_t bodyOff = 0;
   bool preRead = false;
   std::optional<Status> readErr;  // sticky
@@ -612,6 +613,7 @@ asio::awaitable<Next> Connection::readRequest() {
   for (;;) {
     if (rbuf_.size() > 0) {
       size_t used = x.parser.put(rbuf_.data(), ec);
+      if (o.divert) x.rawHead.append(static_cast<const char*>(rbuf_.data().data()), used);
       rbuf_.consume(used);
       if (x.parser.is_header_done()) break;
       if (ec && ec != bhttp::error::need_more) {
@@ -652,6 +654,32 @@ asio::awaitable<Next> Connection::readRequest() {
     if (!ok) {
       // The body, if any, is unread: close through the lingering close.
       co_return answerAndClose(400, "invalid_argument", "malformed percent-encoding in URL");
+    }
+  }
+
+  if (o.divert) {
+    ServerOptions::Taker take;
+    try {
+      take = o.divert(x.req);
+    } catch (const std::exception& e) {
+      log::error(std::string("http divert threw: ") + e.what());
+      co_return answerAndClose(500, "internal", "internal error");
+    }
+    if (take) {
+      std::string bytes = std::move(x.rawHead);
+      bytes.append(static_cast<const char*>(rbuf_.data().data()), rbuf_.size());
+      endExchange();
+      rbuf_ = beast::flat_buffer();
+      int fd = sock_.release(ec);
+      if (ec || fd < 0) co_return Next::kDrop;
+      handedOff_ = true;
+      --core_->open;
+      try {
+        take(UniqueFd(fd), std::move(bytes));
+      } catch (const std::exception& e) {
+        log::error(std::string("http divert: take threw: ") + e.what());
+      }
+      co_return Next::kHandedOff;
     }
   }
 

@@ -258,6 +258,21 @@ struct ServerOptions {
   // false to hand the request to the blocking Handler. Must not block: for
   // /v1/health, cheap metrics, and calls that defer at once.
   std::function<bool(Request&, Response&)> inlineHandler;
+  // Tried first of all, on the io thread, for every request as soon as its
+  // head is parsed (before its body is read): an empty function to serve the
+  // request as usual, else a taker to which the connection is handed over
+  // (a reverse proxy, common/http_proxy.h). The server then writes nothing,
+  // forgets the connection as after an upgrade (it no longer counts as open,
+  // and stop() does not close it) and calls take(sock, bytes) on the io
+  // thread, which must not block:
+  //  - `sock` is the connected TCP socket, still non-blocking, close-on-exec,
+  //    TCP_NODELAY on; `take` owns it.
+  //  - `bytes` holds every byte read off the socket since this request's
+  //    first byte: its raw head, then whatever followed (body, pipelined
+  //    requests), in order, before anything still to be read.
+  // The Request is valid only during the call. Must not block.
+  using Taker = std::function<void(UniqueFd sock, std::string bytes)>;
+  std::function<Taker(const Request&)> divert;
 };
 
 // A snapshot of a server's counters. Requests are in flight from their last

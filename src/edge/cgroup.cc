@@ -226,12 +226,16 @@ Result<std::unique_ptr<Cgroups>> Cgroups::detectWith(std::shared_ptr<CgroupFs> f
                   "cgroup v1 needs memory, cpu and pids hierarchies under " + root);
   }
   cg->v1Freezer_ = pick({"freezer"});  // optional: without it, freeze() is unavailable
+  // CPU time is cpuacct's: co-mounted with cpu, or a hierarchy of its own
+  // (then each sandbox gets a group there too; without it, no CPU figure).
+  if (!cg->fs_->writable(cg->v1Cpu_ + "/cpuacct.usage")) cg->v1Cpuacct_ = pick({"cpuacct"});
   // Hybrid hosts mount a controller-less v2 hierarchy beside the v1 ones: a
   // group there is what cgroup eBPF programs (egress filters) attach to.
   if (auto t = cg->fs_->fsType(root + "/unified"); t.isOk() && *t == CGROUP2_SUPER_MAGIC) {
     cg->v1Unified_ = root + "/unified";
   }
-  for (auto* base : {&cg->v1Memory_, &cg->v1Cpu_, &cg->v1Pids_, &cg->v1Freezer_, &cg->v1Unified_}) {
+  for (auto* base : {&cg->v1Memory_, &cg->v1Cpu_, &cg->v1Pids_, &cg->v1Freezer_, &cg->v1Unified_,
+                     &cg->v1Cpuacct_}) {
     if (base->empty()) continue;
     std::string cur = *base;
     for (auto& part : splitString(parent, '/')) {
@@ -254,6 +258,7 @@ std::vector<std::string> Cgroups::dirsOf(const std::string& id) const {
                                    v1Pids_ + "/" + parent_ + "/" + id};
   if (!v1Freezer_.empty()) dirs.push_back(v1Freezer_ + "/" + parent_ + "/" + id);
   if (!v1Unified_.empty()) dirs.push_back(v1Unified_ + "/" + parent_ + "/" + id);
+  if (!v1Cpuacct_.empty()) dirs.push_back(v1Cpuacct_ + "/" + parent_ + "/" + id);
   return dirs;
 }
 
@@ -383,9 +388,14 @@ Result<CgroupStats> Cgroups::stats(const std::string& id) const {
   if (mode_ == Mode::kV2) {
     s.pidsLimitHits = readKeyed(*fs_, dirs[0] + "/pids.events", "max");
     s.memoryBytes = readInt(*fs_, dirs[0] + "/memory.current");
+    s.cpuUsec = readKeyed(*fs_, dirs[0] + "/cpu.stat", "usage_usec");
+    s.pids = readInt(*fs_, dirs[0] + "/pids.current");
   } else {
     s.pidsLimitHits = readKeyed(*fs_, dirs[2] + "/pids.events", "max");
     s.memoryBytes = readInt(*fs_, dirs[0] + "/memory.usage_in_bytes");
+    std::string acct = v1Cpuacct_.empty() ? dirs[1] : v1Cpuacct_ + "/" + parent_ + "/" + id;
+    s.cpuUsec = readInt(*fs_, acct + "/cpuacct.usage") / 1000;  // ns
+    s.pids = readInt(*fs_, dirs[2] + "/pids.current");
   }
   return s;
 }
@@ -534,6 +544,7 @@ std::vector<std::string> Cgroups::hierarchies() const {
   std::vector<std::string> out = {v1Memory_, v1Cpu_, v1Pids_};
   if (!v1Freezer_.empty()) out.push_back(v1Freezer_);
   if (!v1Unified_.empty()) out.push_back(v1Unified_);
+  if (!v1Cpuacct_.empty()) out.push_back(v1Cpuacct_);
   return out;
 }
 

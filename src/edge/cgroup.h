@@ -85,6 +85,9 @@ class Cgroups {
   Status setLimits(const std::string& id, const CgroupLimits& limits);
   // Moves pid into every group of the sandbox.
   Status attach(const std::string& id, pid_t pid);
+  // Its figures now: OOM kills, pids-limit hits, memory, CPU time, tasks.
+  // kNotFound when its memory group is gone; a figure whose file cannot be
+  // read is 0 (a sandbox adopted from an edge that made no cpuacct group).
   Result<CgroupStats> stats(const std::string& id) const;
   // Just the OOM-kill count (one file read): what every exec compares.
   Result<int64_t> oomKills(const std::string& id) const;
@@ -154,6 +157,8 @@ class Cgroups {
   std::string v1Memory_, v1Cpu_, v1Pids_, v1Freezer_;
   // Hybrid: the v2 hierarchy without controllers (root/unified), or empty.
   std::string v1Unified_;
+  // cpuacct when it is not co-mounted with cpu (where cpuacct.usage is), or empty.
+  std::string v1Cpuacct_;
   // The hierarchy roots a sandbox has a group in (v2: one).
   std::vector<std::string> hierarchies() const;
 

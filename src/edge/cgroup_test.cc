@@ -8,12 +8,14 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <map>
 #include <set>
 #include <sstream>
 
 #include "common/util.h"
+#include "edge/stats_history.h"
 
 namespace dsec::edge {
 namespace {
@@ -70,8 +72,11 @@ class FakeCgroup2Fs : public CgroupFs {
       knob("memory.events", "low 0\nhigh 0\nmax 0\noom 0\noom_kill 0\noom_group_kill 0\n");
     }
     if (has(on, "cpu")) knob("cpu.max", "max 100000\n");
+    // cpu.stat is there without the cpu controller too (its usage part).
+    knob("cpu.stat", "usage_usec 0\nuser_usec 0\nsystem_usec 0\n");
     if (has(on, "pids")) {
       knob("pids.max", "max\n");
+      knob("pids.current", "0\n");
       knob("pids.events", "max 0\n");
     }
     return Status::ok();
@@ -367,6 +372,59 @@ TEST(CgroupV2FakeTest, CreateLimitsStatsRemove) {
   EXPECT_FALSE(fs->isDir(std::string(kRoot) + "/dsec"));
 }
 
+// CPU time (cpu.stat usage_usec) and tasks (pids.current) as the sampler
+// reads them into a sandbox's ring, and the cores used between readings.
+TEST(CgroupV2FakeTest, CpuAndPidsIntoTheHistoryRing) {
+  auto fs = std::make_shared<FakeCgroup2Fs>(kRoot, kAll, false);
+  auto made = Cgroups::detectForTest(fs, kRoot, "dsec/e-1");
+  ASSERT_TRUE(made.isOk()) << made.status().toString();
+  auto& cg = *made;
+  ASSERT_TRUE(cg->create("sb-1", CgroupLimits{2.0, 64 << 20, 32}).isOk());
+  const std::string d = cg->dirsOf("sb-1")[0];
+  StatsHistory history(4);
+  // t, usage_usec, memory.current, pids.current: 0.5 core, then 2 cores,
+  // then idle, then a counter that went back (the group made anew).
+  struct Tick {
+    double t;
+    int64_t usec, mem, pids;
+  };
+  const Tick ticks[] = {{1000, 0, 4096, 1},
+                        {1015, 7'500'000, 8192, 3},
+                        {1030, 37'500'000, 1 << 20, 7},
+                        {1045, 37'500'000, 1 << 20, 7},
+                        {1060, 100, 4096, 1}};
+  for (auto& k : ticks) {
+    fs->setKnob(d + "/cpu.stat", "usage_usec " + std::to_string(k.usec) +
+                                     "\nuser_usec 1\nsystem_usec 2\nnr_periods 0\n");
+    fs->setKnob(d + "/memory.current", std::to_string(k.mem) + "\n");
+    fs->setKnob(d + "/pids.current", std::to_string(k.pids) + "\n");
+    auto s = cg->stats("sb-1");
+    ASSERT_TRUE(s.isOk()) << s.status().toString();
+    EXPECT_EQ(s->cpuUsec, k.usec);
+    EXPECT_EQ(s->memoryBytes, k.mem);
+    EXPECT_EQ(s->pids, k.pids);
+    history.record("sb-1", {k.t, s->cpuUsec, s->memoryBytes, s->pids});
+  }
+  // A ring of 4: the first reading went.
+  auto all = history.query("sb-1", 3600, 1060);
+  ASSERT_EQ(all.size(), 4u);
+  EXPECT_DOUBLE_EQ(all[0].t, 1015);
+  EXPECT_EQ(all[1].memoryBytes, 1 << 20);
+  EXPECT_EQ(all[1].pids, 7);
+  auto cores = proto::cpuCores(all);
+  ASSERT_EQ(cores.size(), 4u);
+  EXPECT_FALSE(cores[0].has_value()) << "no reading before the first";
+  ASSERT_TRUE(cores[1].has_value());
+  EXPECT_DOUBLE_EQ(*cores[1], 2.0);
+  ASSERT_TRUE(cores[2].has_value());
+  EXPECT_DOUBLE_EQ(*cores[2], 0.0);
+  EXPECT_FALSE(cores[3].has_value()) << "a counter that went back is no rate";
+  // The window counts back from now.
+  EXPECT_EQ(history.query("sb-1", 30, 1060).size(), 3u);
+  EXPECT_TRUE(history.query("sb-1", 30, 5000).empty());
+  ASSERT_TRUE(cg->remove("sb-1").isOk());
+}
+
 TEST(CgroupV2FakeTest, RemoveWithoutCgroupKillFreezesAndKillsListedPids) {
   // Kernels before 5.14 have no cgroup.kill.
   auto fs = std::make_shared<FakeCgroup2Fs>(kRoot, kAll, false, /*hasKill=*/false);
@@ -421,11 +479,31 @@ TEST(CgroupTest, CreateLimitAttachRemove) {
   auto ids = (*cg)->list();
   EXPECT_NE(std::find(ids.begin(), ids.end(), id), ids.end());
   EXPECT_TRUE((*cg)->stats(id).isOk());
+  // A child that burns CPU for 300 ms counts in the group's CPU time (v1:
+  // cpuacct, co-mounted with cpu or a hierarchy of its own) and tasks.
+  pid_t busy = fork();
+  {
+    if (busy == 0) {
+      auto end = std::chrono::steady_clock::now() + std::chrono::milliseconds(300);
+      while (std::chrono::steady_clock::now() < end) {
+      }
+      pause();
+      _exit(0);
+    }
+    ASSERT_TRUE((*cg)->attach(id, busy).isOk());
+    usleep(600 * 1000);
+    auto s = (*cg)->stats(id);
+    ASSERT_TRUE(s.isOk()) << s.status().toString();
+    EXPECT_GT(s->cpuUsec, 50'000) << "the busy child's CPU time (0.5 cores at most)";
+    EXPECT_LT(s->cpuUsec, 5'000'000);
+    EXPECT_EQ(s->pids, 2);
+  }
   // remove() must kill what still runs inside.
   ASSERT_TRUE((*cg)->remove(id).isOk());
   int status = 0;
   ASSERT_EQ(waitpid(child, &status, 0), child);
   EXPECT_TRUE(WIFSIGNALED(status));
+  ASSERT_EQ(waitpid(busy, &status, 0), busy);
   for (auto& d : dirs) EXPECT_NE(stat(d.c_str(), &st), 0) << d;
   EXPECT_EQ((*cg)->stats(id).status().code(), Code::kNotFound);
   (*cg)->removeParent();  // and the memory group the pool kept (v1)

@@ -16,6 +16,7 @@
 #include "common/util.h"
 #include "edge/backends/container/container_backend.h"
 #include "edge/backends/fncall/fncall_backend.h"
+#include "edge/net/netns_socket.h"
 
 namespace dsec::edge {
 
@@ -210,8 +211,49 @@ Result<std::unique_ptr<Edge>> Edge::start(EdgeOptions opts) {
   } else {
     e->staleLoaderHeld_ = true;
   }
+  if (e->opts_.statsIntervalS > 0)
+    e->sampler_ = std::thread([raw = e.get()] { raw->sampleLoop(); });
   log::info("edge: " + e->describe());
   return e;
+}
+
+void Edge::sampleLoop() {
+  std::unique_lock lk(samplerMu_);
+  const auto interval = std::chrono::duration<double>(opts_.statsIntervalS);
+  while (!samplerStop_) {
+    lk.unlock();
+    sampleOnce();
+    lk.lock();
+    samplerCv_.wait_for(lk, interval, [this] { return samplerStop_; });
+  }
+}
+
+void Edge::sampleOnce() {
+  std::vector<std::pair<std::string, std::shared_ptr<Instance>>> live;
+  {
+    std::lock_guard lk(mu_);
+    for (auto& [id, inst] : sandboxes_) {
+      if (inst) live.emplace_back(id, inst);  // not one being created
+    }
+  }
+  std::set<std::string> ids;
+  for (auto& [id, inst] : live) {
+    ids.insert(id);
+    // A VM paused to disk has no process and may have no group: no reading.
+    auto s = inst->stats();
+    if (s.isOk()) history_.record(id, {nowSeconds(), s->cpuUsec, s->memoryBytes, s->pids});
+  }
+  // One destroyed while this ran may have been recorded again after its drop.
+  history_.retain(ids);
+}
+
+void Edge::stopSampler() {
+  {
+    std::lock_guard lk(samplerMu_);
+    samplerStop_ = true;
+  }
+  samplerCv_.notify_all();
+  if (sampler_.joinable()) sampler_.join();
 }
 
 std::function<void()> Edge::deathHandlerFor(const std::string& id) {
@@ -505,6 +547,9 @@ Status Edge::destroy(const std::string& id) {
       staleLoaderHeld_ = false;
     }
   }
+  // Its port connections end now, not when its processes' sockets go.
+  ports_.forget(id);
+  history_.drop(id);
   // A frozen task takes its SIGKILL only once thawed (cgroup v1 freezer).
   if (wasPaused) (void)inst->freeze(false);
   Status st = backend->destroy(*inst);
@@ -635,6 +680,8 @@ Status Edge::hibernate(const std::string& id) {
     std::lock_guard lk(mu_);
     if (sandboxes_.count(id)) paused_.insert(id);
   }
+  // Nothing of it runs: its port connections are cut, its set forgotten.
+  ports_.forget(id);
   // Its netns went with its QEMU; so goes its veth, now rather than with
   // the netns (a lingering socket can keep that alive). A restore plumbs a
   // new one.
@@ -1258,6 +1305,55 @@ Result<image::BuiltLayer> Edge::packDiff(const std::string& id, const std::strin
   return layer;
 }
 
+Result<UniqueFd> Edge::openPort(const std::string& id, int port, uint64_t gen,
+                                double connectTimeoutS) {
+  if (port < 1 || port > 65535) return invalidArg("port", "port must be from 1 to 65535");
+  std::shared_ptr<Instance> inst;
+  BackendKind backend = BackendKind::kContainer;
+  {
+    std::lock_guard lk(mu_);
+    auto it = sandboxes_.find(id);
+    if (it == sandboxes_.end() || !it->second) return notFound("sandbox " + id + " not found");
+    inst = it->second;
+    if (auto st = states_.find(id); st != states_.end()) backend = st->second.backend;
+  }
+  if (backend == BackendKind::kFncall) {
+    return Status(Code::kFailedPrecondition,
+                  "backend fncall keeps no long-lived processes: it cannot expose ports", 0,
+                  "backend");
+  }
+  if (backend != BackendKind::kContainer) {
+    return Status(Code::kFailedPrecondition,
+                  std::string("exposing ports of backend ") + proto::backendName(backend) +
+                      " is not supported yet (container only; microvm and vm come later)",
+                  0, "backend");
+  }
+  RETURN_IF_ERROR(ports_.check(id, port, gen));
+  ASSIGN_OR_RETURN(UniqueFd ns, inst->openNetns());
+  ASSIGN_OR_RETURN(UniqueFd fd, connectLoopback(ns.get(), port, connectTimeoutS));
+  // Recorded (and checked against a set given while it connected) before
+  // anyone else sees it; a destroy meanwhile cuts it: either the destroy's
+  // forget() comes after this add(), or find() below sees it gone.
+  RETURN_IF_ERROR(ports_.add(id, port, gen, fd.get()));
+  if (find(id) != inst) {
+    ports_.forget(id);
+    return notFound("sandbox " + id + " not found");
+  }
+  return fd;
+}
+
+Status Edge::setPorts(const std::string& id, const std::vector<proto::PortGen>& ports) {
+  for (auto& p : ports) {
+    if (p.port < 1 || p.port > 65535) {
+      return invalidArg("ports", "port " + std::to_string(p.port) + " is not from 1 to 65535");
+    }
+  }
+  if (!find(id)) return Status::ok();
+  size_t cut = ports_.set(id, ports);
+  if (cut > 0) log::info("sandbox " + id + ": cut " + std::to_string(cut) + " port connections");
+  return Status::ok();
+}
+
 Result<std::string> Edge::screenshot(const std::string& id) {
   auto inst = find(id);
   if (!inst) return notRunning(id);
@@ -1274,6 +1370,22 @@ Result<CgroupStats> Edge::stats(const std::string& id) {
   auto inst = find(id);
   if (!inst) return notRunning(id);
   return inst->stats();
+}
+
+Result<proto::StatsSeries> Edge::statsHistory(const std::string& id, double windowS) {
+  auto inst = find(id);
+  if (!inst) return notRunning(id);
+  proto::StatsSeries out;
+  out.intervalS = opts_.statsIntervalS;
+  double now = nowSeconds();
+  out.samples = history_.query(id, windowS, now);
+  auto s = inst->stats();
+  if (s.isOk()) {
+    out.samples.push_back({now, s->cpuUsec, s->memoryBytes, s->pids});
+  } else if (out.samples.empty()) {
+    return s.status();
+  }
+  return out;
 }
 
 std::vector<std::string> Edge::sandboxIds() const {
@@ -1328,6 +1440,7 @@ proto::NodeReport Edge::report() {
 }
 
 void Edge::shutdown() {
+  stopSampler();
   if (!reactor_) return;
   // Creates still in flight (placeholders) are stopped first: their groups'
   // processes are killed (a booting VM's QEMU with them), so the backend's

@@ -12,6 +12,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "common/metrics.h"
@@ -24,7 +25,9 @@
 #include "edge/loop_device.h"
 #include "edge/net/egress_filter.h"
 #include "edge/net/egress_net.h"
+#include "edge/port_registry.h"
 #include "edge/sandbox_state.h"
+#include "edge/stats_history.h"
 #include "edge/userns.h"
 #include "image/layer_builder.h"
 #include "proto/edge_link.h"
@@ -91,6 +94,10 @@ struct EdgeOptions {
   metrics::Registry* registry = nullptr;
   // Unbound loop devices kept for reuse (LoopPoolOptions::maxFree).
   size_t loopFreeMax = 16;
+  // Every this often a thread reads each live sandbox's cgroup figures into
+  // its ring of the last StatsHistory::kDefaultPoints readings (an hour at
+  // the default): statsHistory(). 0: no sampling (one reading now only).
+  double statsIntervalS = StatsHistory::kDefaultIntervalS;
 };
 
 // The node: every EdgeLink method is the one below; as a LocalNode it reports
@@ -128,6 +135,12 @@ class Edge : public proto::EdgeLink, public proto::LocalNode {
                               const std::string& json) override;
 
   Result<CgroupStats> stats(const std::string& id) override;
+  // What the sampler recorded of the sandbox over the last windowS seconds
+  // (EdgeOptions::statsIntervalS; a sandbox re-adopted at start has readings
+  // from then on), then a reading now. The failed precondition of stats()
+  // for a sandbox not on this node; stats()'s error when there is neither a
+  // recorded reading nor one now.
+  Result<proto::StatsSeries> statsHistory(const std::string& id, double windowS) override;
   // Freezes (no CPU used, memory kept) or thaws every process of a sandbox.
   // A paused sandbox is thawed before it is destroyed or snapshotted.
   Status pause(const std::string& id, bool paused) override;
@@ -168,6 +181,23 @@ class Edge : public proto::EdgeLink, public proto::LocalNode {
   Result<image::BuiltLayer> packDiff(const std::string& id, const std::string& workDir) override;
   // Drops the node's mount of a layer no sandbox uses (before its blob goes).
   Status evictLayer(const std::string& digest) override { return layers_->evict(digest); }
+  // Exposed ports (EdgeLink::openPort): backend container only; the socket is
+  // made in the sandbox's netns (net/netns_socket.h) and recorded in ports_
+  // under (port, gen) until its holder closes it, setPorts() drops the pair,
+  // or the sandbox is destroyed (or paused to disk): then it is cut. The
+  // holder must keep the descriptor at the number it was returned under
+  // (edge/port_registry.h). Errors as EdgeLink's: kNotFound (no such
+  // sandbox); kFailedPrecondition field "backend" (fncall; microvm and vm
+  // not yet); kInvalidArgument / kPermissionDenied / kResourceExhausted
+  // (4,096 open to one sandbox) field "port"; kUnavailable "nothing listens
+  // on port P"; kDeadlineExceeded; the netns's open/setns errors.
+  Result<UniqueFd> openPort(const std::string& id, int port, uint64_t gen,
+                            double connectTimeoutS = 10) override;
+  // Kept in memory only: after an edge restart a sandbox's set is unknown
+  // (every gen is taken on trust) until the platform gives it again.
+  // kInvalidArgument field "ports" for a port outside 1..65535; an unknown
+  // sandbox is fine (nothing recorded).
+  Status setPorts(const std::string& id, const std::vector<proto::PortGen>& ports) override;
   NodeCache& nodeCache() { return *cache_; }
   std::vector<std::string> sandboxIds() const override;
   // LocalNode: the cache, the loader, what the kernel offers, the counters.
@@ -209,6 +239,11 @@ class Edge : public proto::EdgeLink, public proto::LocalNode {
   // Rewrites a sandbox's state file after `change` (mu_ not held).
   void updateState(const std::string& id, const std::function<void(SandboxState&)>& change);
   void countOrphans(const std::string& kind, int n);
+  // The sampler thread: one reading of every live sandbox into history_,
+  // then every opts_.statsIntervalS until stopSampler().
+  void sampleLoop();
+  void sampleOnce();
+  void stopSampler();
   // Starts egressNet_ if it is not yet (egressMu_ held).
   Status startEgressNetLocked();
   // Gives the sandbox `inst` its veth in its (VM process's) netns now, if
@@ -235,6 +270,14 @@ class Edge : public proto::EdgeLink, public proto::LocalNode {
   VmProbe vm_;                 // probed at start, then read-only
   std::unique_ptr<net::EgressFilter> filter_;  // null when egressWhy_ says why
   std::string egressWhy_;
+
+  PortRegistry ports_;  // exposed sets and open connections (its own lock)
+  StatsHistory history_;  // the sandboxes' resource readings (its own lock)
+
+  std::mutex samplerMu_;  // guards samplerStop_
+  std::condition_variable samplerCv_;
+  bool samplerStop_ = false;
+  std::thread sampler_;  // sampleLoop(), while statsIntervalS > 0
 
   std::mutex egressMu_;  // guards egressNet_, veths_
   std::unique_ptr<EgressNet> egressNet_;  // started with the first veth

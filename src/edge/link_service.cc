@@ -4,12 +4,14 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <deque>
 #include <mutex>
 
 #include "common/log.h"
 #include "common/util.h"
 #include "proto/codec.h"
+#include "proto/port_relay.h"
 
 namespace dsec::edge {
 
@@ -239,6 +241,16 @@ Result<json> LinkService::runJson(const std::string& method, const json& args) {
     return j;
   }
   if (method == "stats") {
+    // With "history": the readings of the last window_s seconds (an older
+    // platform asks without it and gets the figures now).
+    if (args.value("history", false)) {
+      auto w = args.find("window_s");
+      if (w == args.end() || !w->is_number() || !(w->get<double>() > 0)) {
+        return invalidArg("window_s", "window_s must be a positive number");
+      }
+      ASSIGN_OR_RETURN(auto h, link_->statsHistory(id, w->get<double>()));
+      return proto::toJson(h);
+    }
     ASSIGN_OR_RETURN(auto s, link_->stats(id));
     return proto::toJson(s);
   }
@@ -266,6 +278,22 @@ Result<json> LinkService::runJson(const std::string& method, const json& args) {
     ASSIGN_OR_RETURN(auto d, link_->egressDenials(id));
     return proto::toJson(d);
   }
+  if (method == "set_ports") {
+    auto ps = args.find("ports");
+    if (ps == args.end() || !ps->is_array() || ps->size() > 65535) {
+      return invalidArg("ports", "ports must be a list of {port, gen}");
+    }
+    std::vector<proto::PortGen> ports;
+    for (auto& p : *ps) {
+      if (!p.is_object() || !p.contains("port") || !p["port"].is_number_integer() ||
+          !p.contains("gen") || !p["gen"].is_number_unsigned()) {
+        return invalidArg("ports", "ports must be a list of {port, gen}");
+      }
+      ports.push_back({p["port"].get<int>(), p["gen"].get<uint64_t>()});
+    }
+    RETURN_IF_ERROR(link_->setPorts(id, ports));
+    return json::object();
+  }
   if (method == "input") {
     ASSIGN_OR_RETURN(auto a, proto::inputFromJson(args.value("action", json::object())));
     RETURN_IF_ERROR(link_->input(id, a));
@@ -290,6 +318,8 @@ void LinkService::serve(const std::shared_ptr<proto::ServerCall>& call) {
     st = servePackDiff(*call, args);
   } else if (m == "screenshot") {
     st = serveScreenshot(*call, args);
+  } else if (m == "port_open") {
+    return servePortOpen(call, args);
   } else {
     auto r = runJson(m, args);
     if (r.isOk()) {
@@ -372,6 +402,32 @@ Status LinkService::serveScreenshot(proto::ServerCall& call, const json& args) {
   RETURN_IF_ERROR(call.write(png, kBodyStallS));
   RETURN_IF_ERROR(call.end());
   return call.reply("{}");
+}
+
+void LinkService::servePortOpen(const std::shared_ptr<proto::ServerCall>& call,
+                                const json& args) {
+  auto fail = [&](const Status& st) {
+    countError(st);
+    (void)call->fail(st);
+  };
+  auto id = stringArg(args, "id");
+  if (!id.isOk()) return fail(id.status());
+  auto p = args.find("port");
+  if (p == args.end() || !p->is_number_integer() || p->get<int64_t>() < 1 ||
+      p->get<int64_t>() > 65535) {
+    return fail(invalidArg("port", "port must be from 1 to 65535"));
+  }
+  int port = p->get<int>();
+  auto g = args.find("gen");
+  if (g == args.end() || !g->is_number_unsigned()) {
+    return fail(invalidArg("gen", "gen must be a non-negative integer"));
+  }
+  double timeoutS = std::clamp(args.value("timeout_s", 10.0), 0.1, 300.0);
+  auto fd = link_->openPort(*id, port, g->get<uint64_t>(), timeoutS);
+  if (!fd.isOk()) return fail(fd.status());
+  // Cancelled meanwhile: the socket closes here.
+  if (!call->event("o").isOk()) return;
+  proto::PortRelay::serve(rt_, std::move(*fd), call, "port " + std::to_string(port) + " of " + *id);
 }
 
 namespace {

@@ -9,7 +9,7 @@
 //   stats {id} -> stats                     pause {id, paused, memory?} -> {}
 //   set_limits {id, limits} -> {}           set_egress {id, rules} -> {}
 //   egress_denials {id} -> denials          evict_layer {digest} -> {}
-//   input {id, action} -> {}
+//   input {id, action} -> {}                set_ports {id, ports: [{port, gen}]} -> {}
 //   exec {id, spec}: events, each a tag byte ('o' stdout, 'e' stderr) and the
 //     bytes, then the result without its output; cancel kills the process group
 //   write_file {id, path, mode} + body -> {written}
@@ -17,12 +17,18 @@
 //   screenshot {id} -> body: the PNG
 //   pack_diff {id} -> body: a JSON line (digest, size, data_digest, data_size,
 //     kind), then the metadata image's bytes, then the data blob's
+//   port_open {id, port, gen, timeout_s?}: the node connects to the sandbox's
+//     port (EdgeLink::openPort), sends one event 'o', then the call's body
+//     carries the connection both ways (proto/port_relay.h: flow-controlled,
+//     an end frame is a half-close); {} once both directions ended, or the
+//     socket's error; cancel closes the socket
 // A bulk call's {results} holds one entry per id in order: {id} or {id, error}.
 // Errors come back as the link's error frame (a Status: code, message, field).
 //
 // Threads: calls arrive on io threads and are handed to the Runtime's
 // blocking pool (the node's operations block); an exec then holds no thread:
-// its output and exit come back through the agent reactor's callbacks.
+// its output and exit come back through the agent reactor's callbacks, and
+// a port_open holds none once connected (its relay runs on io threads).
 // Thread-safe.
 #pragma once
 
@@ -74,6 +80,7 @@ class LinkService {
   Status serveReadFile(proto::ServerCall& call, const nlohmann::json& args);
   Status servePackDiff(proto::ServerCall& call, const nlohmann::json& args);
   Status serveScreenshot(proto::ServerCall& call, const nlohmann::json& args);
+  void servePortOpen(const std::shared_ptr<proto::ServerCall>& call, const nlohmann::json& args);
 
   Runtime& rt_;
   proto::EdgeLink* link_;

@@ -404,6 +404,12 @@ void Platform::packDiff(const std::string& id, http::Request& req, http::Respons
     img.visibility =
         currentCaller().admin && img.owner == currentCaller().tenant ? "public" : "private";
   }
+  // A checkpoint named by the SDK's default (chronus/<trajectory>) goes under
+  // a user tenant's own prefix, where its images must live: the SDK does not
+  // know the caller's tenant.
+  if (*key && !currentCaller().admin && startsWith(img.name, "chronus/")) {
+    img.name = currentCaller().tenant + "/" + img.name;
+  }
   if (Status st = mayWriteImage(img); !st.isOk()) return sendError(res, st);
   if (!*key) {
     auto made = packDiffImage(id, std::move(img));

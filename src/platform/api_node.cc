@@ -100,6 +100,7 @@ void Platform::writeMetrics(metrics::Writer& w) {
   if (auto* local = cluster_->localNode()) writeNodeMetrics(local->report(), orphanSandboxes_, w);
   if (runPool_) runPool_->writeMetrics(w);
   writeImageMetrics(w);
+  writePortMetrics(w);
 }
 
 void writeNodeMetrics(const proto::NodeReport& node, int orphanSandboxes, metrics::Writer& w) {

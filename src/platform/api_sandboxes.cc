@@ -1,6 +1,8 @@
 // /v1/sandboxes: create, list, get, destroy, exec, files.
+#include <algorithm>
 #include <cmath>
 #include <charconv>
+#include <cstdint>
 #include <cstring>
 #include <regex>
 #include <set>
@@ -494,22 +496,59 @@ void Platform::listSandboxes(http::Request& req, http::Response& res) {
     }
   }
   auto batch = req.param("batch");
+  // At fleet scale (the console's list): the newest N, and how many match.
+  size_t limit = SIZE_MAX;
+  if (auto l = req.param("limit")) {
+    char* end = nullptr;
+    long long v = std::strtoll(l->c_str(), &end, 10);
+    if (l->empty() || *end != '\0' || v < 1 || v > 10000) {
+      return sendError(res, invalidArg("limit", "limit must be an integer from 1 to 10000"));
+    }
+    limit = size_t(v);
+  }
+  int sortBy = 0;  // 0: by id (as ever); 1: oldest first; -1: newest first
+  if (auto s = req.param("sort")) {
+    if (*s == "created") {
+      sortBy = 1;
+    } else if (*s == "-created") {
+      sortBy = -1;
+    } else {
+      return sendError(res,
+                       invalidArg("sort", "sort must be created or -created, not '" + *s + "'"));
+    }
+  }
   json arr = json::array();
+  size_t total = 0;
   {
     std::lock_guard lk(mu_);
+    std::vector<const SandboxRecord*> match;
     for (auto& [id, r] : sandboxes_) {
       if (!mayAccess(currentCaller(), r.owner)) continue;  // another tenant's
       if (state && r.state != *state) continue;
       if (batch && r.batch != *batch) continue;
-      bool match = true;
+      bool ok = true;
       for (auto& [k, v] : want) {
         auto it = r.labels.find(k);
-        match = match && it != r.labels.end() && it->second == v;
+        ok = ok && it != r.labels.end() && it->second == v;
       }
-      if (match) arr.push_back(toApi(r));
+      if (ok) match.push_back(&r);
     }
+    total = match.size();
+    if (sortBy != 0) {
+      // Ties (a batch's sandboxes share a second) by id, so pages are stable.
+      auto older = [](const SandboxRecord* a, const SandboxRecord* b) {
+        return a->createdAt != b->createdAt ? a->createdAt < b->createdAt : a->id < b->id;
+      };
+      size_t keep = std::min(limit, match.size());
+      auto cmp = [&](const SandboxRecord* a, const SandboxRecord* b) {
+        return sortBy > 0 ? older(a, b) : older(b, a);
+      };
+      std::partial_sort(match.begin(), match.begin() + keep, match.end(), cmp);
+    }
+    if (match.size() > limit) match.resize(limit);
+    for (auto* r : match) arr.push_back(toApi(*r));
   }
-  sendJson(res, 200, dumpJson(json{{"sandboxes", arr}}));
+  sendJson(res, 200, dumpJson(json{{"sandboxes", arr}, {"total", total}}));
 }
 
 void Platform::getSandbox(const std::string& id, http::Response& res) {
@@ -527,9 +566,65 @@ void Platform::getSandbox(const std::string& id, http::Response& res) {
     if (auto s = cluster_->stats(id); s.isOk()) {
       j["stats"] = {{"oom_kills", s->oomKills},
                     {"pids_limit_hits", s->pidsLimitHits},
-                    {"memory_bytes", s->memoryBytes}};
+                    {"memory_bytes", s->memoryBytes},
+                    {"cpu_usec", s->cpuUsec},
+                    {"pids", s->pids}};
     }
   }
+  sendJson(res, 200, dumpJson(j));
+}
+
+void Platform::getStats(const std::string& id, http::Request& req, http::Response& res) {
+  double window = 3600;
+  if (auto w = req.param("window_s")) {
+    char* end = nullptr;
+    window = std::strtod(w->c_str(), &end);
+    if (w->empty() || *end != '\0' || !(window >= 1 && window <= 3600)) {
+      return sendError(res, invalidArg("window_s", "window_s must be a number from 1 to 3600"));
+    }
+  }
+  SandboxRecord r;
+  {
+    std::lock_guard lk(mu_);
+    auto it = sandboxes_.find(id);
+    if (it == sandboxes_.end()) return sendError(res, notFound("sandbox " + id + " not found"));
+    r = it->second;
+  }
+  // The limits in force: the sandbox's own under its policy's ceilings.
+  proto::CgroupLimits lim{r.cpu, r.memoryMb << 20, r.pids};
+  if (auto plan = planPolicy(r); plan.isOk()) lim = plan->limits;
+  proto::StatsSeries series;
+  series.intervalS = 0;
+  // Only a live sandbox's node has readings (looking does not resume a
+  // paused one); the rest answer empty series.
+  if (r.state == SandboxState::kRunning || r.state == SandboxState::kPaused) {
+    auto h = cluster_->statsHistory(id, window);
+    if (h.isOk()) {
+      series = std::move(*h);
+    } else if (r.state == SandboxState::kRunning) {
+      return sendError(res, h.status());
+    }  // else a VM paused to disk: no figures now, and none kept (an older node)
+  }
+  json t = json::array(), cpu = json::array(), mem = json::array(), pids = json::array();
+  auto cores = proto::cpuCores(series.samples);
+  for (size_t i = 0; i < series.samples.size(); ++i) {
+    const auto& s = series.samples[i];
+    t.push_back(std::round(s.t * 1000) / 1000);
+    cpu.push_back(cores[i] ? json(std::round(*cores[i] * 10000) / 10000) : json(nullptr));
+    mem.push_back(s.memoryBytes);
+    pids.push_back(s.pids);
+  }
+  json j = {{"id", id},
+            {"state", proto::stateName(r.state)},
+            {"window_s", window},
+            {"interval_s", series.intervalS},
+            {"t", std::move(t)},
+            {"cpu", std::move(cpu)},
+            {"memory_bytes", std::move(mem)},
+            {"pids", std::move(pids)},
+            {"cpu_limit", lim.cpu},
+            {"memory_limit_bytes", lim.memoryBytes},
+            {"pids_limit", lim.pids}};
   sendJson(res, 200, dumpJson(j));
 }
 
@@ -768,6 +863,10 @@ json execResultJson(const proto::ExecResult& r, bool b64) {
 }  // namespace
 
 Platform::StepAnswer Platform::stepAnswer(const StepKey& key, const StepOutcome& o) {
+  if (o.replayed) {
+    std::lock_guard lk(trajMu_);
+    ++replays_[key.trajectory][key.step];
+  }
   StepAnswer a;
   a.headers = {{"Dsec-Replayed", o.replayed ? "true" : "false"}, {"Dsec-Step-Digest", o.digest}};
   a.status = o.status;

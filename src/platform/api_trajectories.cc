@@ -60,6 +60,55 @@ void Platform::exportTrajectory(const std::string& id, http::Response& res) {
   (void)res.send(200, "application/x-ndjson", out);
 }
 
+// What the console shows of a trajectory beside its steps: its sandbox now
+// and the ones it replaced, its recoveries, its checkpoints, and how often
+// each step's answer was replayed from the log (since this replica started).
+void Platform::trajectoryInfo(const std::string& id, http::Response& res) {
+  auto steps = store_->loadTrajectory(id);
+  if (!steps.isOk()) return sendError(res, steps.status());
+  if (steps->empty()) return sendError(res, notFound("trajectory " + id + " not found"));
+  auto rec = store_->getTrajectory(id);
+  json out = {{"trajectory_id", trajectoryAsSeenBy(currentCaller(), id).value_or("")},
+              {"steps", steps->size()},
+              {"first_at", isoTime(steps->front().startedAt)},
+              {"last_at", isoTime(steps->back().finishedAt)}};
+  // The sandbox of the newest step, unless a recovery moved it on.
+  out["sandbox"] = steps->back().sandbox;
+  out["replaced"] = json::array();
+  out["recoveries"] = json::array();
+  if (rec.isOk()) {
+    if (!rec->sandbox.empty()) out["sandbox"] = rec->sandbox;
+    out["replaced"] = rec->replaced;
+    json r = json::parse(rec->recoveries, nullptr, false);
+    if (r.is_array()) out["recoveries"] = r;
+  }
+  json ckpts = json::array();
+  std::map<std::string, int64_t> kinds;
+  for (auto& s : *steps) {
+    ++kinds[s.kind];
+    if (s.kind != "checkpoint") continue;
+    json c = {{"step", s.step}, {"sandbox", s.sandbox}, {"status", s.status}};
+    json body = json::parse(s.body, nullptr, false);
+    if (body.is_object()) {
+      for (const char* k : {"image", "name", "tag", "ref"}) {
+        if (body.contains(k)) c[k] = body[k];
+      }
+    }
+    ckpts.push_back(c);
+  }
+  out["checkpoints"] = ckpts;
+  out["kinds"] = kinds;
+  json replays = json::object();
+  {
+    std::lock_guard lk(trajMu_);
+    if (auto it = replays_.find(id); it != replays_.end()) {
+      for (auto& [step, n] : it->second) replays[std::to_string(step)] = n;
+    }
+  }
+  out["replays"] = replays;
+  sendJson(res, 200, dumpJson(out));
+}
+
 void Platform::deleteTrajectory(const std::string& id, http::Response& res) {
   // The bytes its writes kept go with it, unless another step keeps them too.
   auto steps = store_->loadTrajectory(id);
@@ -72,6 +121,7 @@ void Platform::deleteTrajectory(const std::string& id, http::Response& res) {
   {
     std::lock_guard lk(trajMu_);
     trajectories_.erase(id);
+    replays_.erase(id);
   }
   if (!n.isOk()) return sendError(res, n.status());
   if (*n == 0) return sendError(res, notFound("trajectory " + id + " not found"));

@@ -753,6 +753,10 @@ Result<proto::CgroupStats> Cluster::stats(const std::string& id) {
   ROUTE(id);
   return link->stats(id);
 }
+Result<proto::StatsSeries> Cluster::statsHistory(const std::string& id, double windowS) {
+  ROUTE(id);
+  return link->statsHistory(id, windowS);
+}
 Status Cluster::pause(const std::string& id, bool paused) {
   ROUTE(id);
   return link->pause(id, paused);
@@ -776,6 +780,16 @@ Result<proto::EgressDenials> Cluster::egressDenials(const std::string& id) {
 Result<image::BuiltLayer> Cluster::packDiff(const std::string& id, const std::string& workDir) {
   ROUTE(id);
   return link->packDiff(id, workDir);
+}
+Result<UniqueFd> Cluster::openPort(const std::string& id, int port, uint64_t gen,
+                                   double connectTimeoutS) {
+  ROUTE(id);
+  return link->openPort(id, port, gen, connectTimeoutS);
+}
+Status Cluster::setPorts(const std::string& id, const std::vector<proto::PortGen>& ports) {
+  auto link = route(id);
+  if (!link.isOk()) return link.status().code() == Code::kNotFound ? Status::ok() : link.status();
+  return (*link)->setPorts(id, ports);
 }
 
 Status Cluster::evictLayer(const std::string& digest) {
@@ -1282,9 +1296,26 @@ void Cluster::handleNodes(http::Request& req, http::Response& res) {
   }
   double now = nowSeconds();
   json list = json::array();
+  json pools = json::array();
   {
     std::lock_guard lk(mu_);
     auto views = viewsLocked();
+    // Per pool what the scheduler's bursting looks at (scheduler.h).
+    std::map<std::string, std::pair<int, int>> counts;  // pool -> nodes, up
+    for (auto& v : views) {
+      auto& c = counts[v.pool];
+      ++c.first;
+      if (nodes_.at(v.name)->up) ++c.second;
+    }
+    for (auto& [p, c] : counts) {
+      auto b = bursts_.find(p);
+      pools.push_back({{"name", p},
+                       {"nodes", c.first},
+                       {"up", c.second},
+                       {"utilization", poolUtilization(views, p)},
+                       {"burst_pool", p == opts_.burst.pool},
+                       {"bursts", b == bursts_.end() ? 0 : b->second}});
+    }
     for (auto& v : views) {
       auto& n = *nodes_.at(v.name);
       if (parts.size() == 4 && parts[3] != v.name) continue;
@@ -1309,7 +1340,9 @@ void Cluster::handleNodes(http::Request& req, http::Response& res) {
     return sendJsonBody(res, 200, list[0]);
   }
   if (parts.size() != 3) return sendErr(res, notFound("no such endpoint: " + req.path));
-  sendJsonBody(res, 200, {{"nodes", list}});
+  json burst = {{"pool", opts_.burst.pool.empty() ? json(nullptr) : json(opts_.burst.pool)},
+                {"threshold", opts_.burst.threshold}};
+  sendJsonBody(res, 200, {{"nodes", list}, {"pools", pools}, {"burst", burst}});
 }
 
 void Cluster::writeMetrics(metrics::Writer& w) {

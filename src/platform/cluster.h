@@ -150,12 +150,18 @@ class Cluster : public proto::EdgeLink {
   Result<std::string> agentOp(const std::string& id, proto::AgentOp op,
                               const std::string& json) override;
   Result<proto::CgroupStats> stats(const std::string& id) override;
+  Result<proto::StatsSeries> statsHistory(const std::string& id, double windowS) override;
   Status pause(const std::string& id, bool paused) override;
   Status hibernate(const std::string& id) override;
   Status setLimits(const std::string& id, const proto::CgroupLimits& limits) override;
   Status setEgress(const std::string& id, const std::vector<proto::EgressRule>& rules) override;
   Result<proto::EgressDenials> egressDenials(const std::string& id) override;
   Result<image::BuiltLayer> packDiff(const std::string& id, const std::string& workDir) override;
+  // To the node that holds the sandbox (kUnavailable when it is down).
+  // setPorts of a sandbox on no known node is fine (nothing to cut).
+  Result<UniqueFd> openPort(const std::string& id, int port, uint64_t gen,
+                            double connectTimeoutS = 10) override;
+  Status setPorts(const std::string& id, const std::vector<proto::PortGen>& ports) override;
   // Every node that is up drops its mount of the layer.
   Status evictLayer(const std::string& digest) override;
   Result<std::string> screenshot(const std::string& id) override;

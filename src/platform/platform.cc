@@ -174,9 +174,18 @@ Result<std::unique_ptr<Platform>> Platform::start(PlatformOptions opts, Store* s
   // lookup asks the store, as with no set at all.
   p->chunkKeys_.startLoading(store);
   p->startPulls();
+  {
+    auto po = std::make_shared<http::ProxyOptions>();
+    po->onExchange = [raw = p.get()](int status, uint64_t, uint64_t) {
+      if (status > 0) raw->portResponses_.inc(std::to_string(status));
+    };
+    p->proxyOpts_ = std::move(po);
+  }
   if (!p->opts_.registry) p->opts_.registry = &metrics::Registry::global();
   p->metricsId_ =
       p->opts_.registry->add([raw = p.get()](metrics::Writer& w) { raw->writeMetrics(w); });
+  p->history_ = std::make_unique<MetricsHistory>(
+      [reg = p->opts_.registry] { return reg->render(); }, p->opts_.metricsHistoryIntervalS);
   return p;
 }
 
@@ -194,6 +203,7 @@ void Platform::stopBatches() {
 
 Platform::~Platform() {
   // First: a scrape under way ends before anything it reads goes.
+  history_.reset();
   if (metricsId_) opts_.registry->remove(metricsId_);
   {
     std::lock_guard lk(mu_);
@@ -321,6 +331,11 @@ void Platform::janitor() {
   while (!stopping_) {
     janitorCv_.wait_for(lk, std::chrono::seconds(1));
     if (stopping_) break;
+    if (nowSeconds() >= nextPortExpiry_) {
+      lk.unlock();
+      expirePorts();
+      lk.lock();
+    }
     double now = nowSeconds();
     // A call under way is activity right now (and is shared as such with the
     // other replicas by shareCalls below).
@@ -585,7 +600,8 @@ void Platform::handle(http::Request& req, http::Response& res) {
     };
     // Shared: an exec answered later holds it until it ends.
     std::shared_ptr<Activity> activity;
-    if (n >= 5) activity = std::make_shared<Activity>(this, id);
+    // Reading its figures (a console page open on it) is not using it.
+    if (n >= 5 && !(n == 5 && parts[4] == "stats")) activity = std::make_shared<Activity>(this, id);
     if (n == 4) {
       if (m == "GET") return getSandbox(id, res);
       if (m == "DELETE") return deleteSandbox(id, res);
@@ -614,6 +630,10 @@ void Platform::handle(http::Request& req, http::Response& res) {
       if (m == "GET") return getAudit(id, res);
       return methodNotAllowed();
     }
+    if (n == 5 && parts[4] == "stats") {
+      if (m == "GET") return getStats(id, req, res);
+      return methodNotAllowed();
+    }
     if (n == 5 && parts[4] == "screenshot") {  // backend vm (api_computer.cc)
       if (m == "GET") return screenshot(id, res);
       return methodNotAllowed();
@@ -627,6 +647,7 @@ void Platform::handle(http::Request& req, http::Response& res) {
       return methodNotAllowed();
     }
     if (parts[4] == "files" && n <= 6) return files(id, n == 6 ? parts[5] : "", req, res);
+    if (parts[4] == "ports" && n <= 6) return portsApi(id, parts, req, res);  // api_ports.cc
   } else if (coll == "batches") {  // api_batches.cc
     return batchesApi(parts, req, res);
   } else if (coll == "run" && n == 3) {  // fncall one-shot calls (api_run.cc)
@@ -648,6 +669,9 @@ void Platform::handle(http::Request& req, http::Response& res) {
     if (m == "GET") return exportTrajectory(parts[3], res);
     if (m == "DELETE") return deleteTrajectory(parts[3], res);
     return methodNotAllowed();
+  } else if (coll == "trajectories" && n == 5 && parts[4] == "info") {
+    if (m == "GET") return trajectoryInfo(parts[3], res);
+    return methodNotAllowed();
   } else if (coll == "trajectories" && n == 5 && parts[4] == "recover") {
     if (m == "POST") return recoverTrajectory(parts[3], req, res);
     return methodNotAllowed();
@@ -665,6 +689,17 @@ void Platform::handle(http::Request& req, http::Response& res) {
   } else if (coll == "metrics" && n == 3) {
     if (m == "GET") return getMetrics(res);
     return methodNotAllowed();
+  } else if (coll == "metrics" && n == 4 && parts[3] == "history") {
+    if (m != "GET") return methodNotAllowed();
+    double window = 3600;
+    if (auto w = req.param("window_s")) {
+      char* end = nullptr;
+      window = std::strtod(w->c_str(), &end);
+      if (w->empty() || *end != '\0' || !(window > 0 && window <= 3600)) {
+        return sendError(res, invalidArg("window_s", "window_s must be a number in (0, 3600]"));
+      }
+    }
+    return sendJson(res, 200, dumpJson(history_->query(window)));
   } else if (coll == "tenants") {
     return tenantsApi(parts, req, res);
   } else if (coll == "whoami" && n == 3) {

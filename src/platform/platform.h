@@ -11,6 +11,7 @@
 #include <condition_variable>
 #include <deque>
 #include <functional>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -22,12 +23,14 @@
 #include <thread>
 #include <vector>
 
+#include "common/http_proxy.h"
 #include "common/http_server.h"
 #include "common/metrics.h"
 #include "common/status.h"
 #include "platform/chronus.h"
 #include "platform/chunk_keys.h"
 #include "platform/cluster.h"
+#include "platform/metrics_history.h"
 #include "platform/policy.h"
 #include "platform/processes.h"
 #include "platform/pull_manager.h"
@@ -92,6 +95,18 @@ struct PlatformOptions {
   std::vector<std::string> registryAllow;
   std::string registryCa;
   std::string registryAuth;
+  // Exposed ports (docs/ports.md). The host form's URLs are
+  // {exposeScheme}://{port}-{id}.{exposeDomain}[:{exposePort}]/ (exposePort 0:
+  // the listener's port, -1: none, as behind an ingress on 443); an empty
+  // domain turns the host form off. publicUrl is the platform's URL as
+  // clients reach it, for the path form (empty: the listener's).
+  // The console's charts (GET /v1/metrics/history): a sample of chosen
+  // metrics this often, the last hour kept (platform/metrics_history.h).
+  double metricsHistoryIntervalS = 10;
+  std::string exposeDomain = "localhost";
+  std::string exposeScheme = "http";
+  int exposePort = 0;
+  std::string publicUrl;
 };
 
 class Platform {
@@ -107,6 +122,15 @@ class Platform {
   // ok for an admin's key in `authorization` ("Bearer …"), else
   // kUnauthenticated or kPermissionDenied as the API would answer.
   Status checkAdmin(const std::string& authorization);
+  // Exposed ports (api_ports.cc, docs/ports.md): the server's divert hook
+  // (http::ServerOptions::divert). A request for an exposed port (the path
+  // form /ports/{id}/{port}/..., or a Host {port}-{id}.{exposeDomain}) gets
+  // a taker that hands its connection to the reverse proxy
+  // (common/http_proxy.h); any other request an empty one. Non-blocking.
+  http::ServerOptions::Taker divertPort(const http::Request& req);
+  // The listener's URL ("http://127.0.0.1:7070"), for the URLs expose
+  // answers with; set once the server listens.
+  void setListenUrl(std::string url);
   // Destroys every live sandbox, recording each as stopped. Thread-safe and
   // idempotent; creates still in flight undo themselves.
   void shutdown();
@@ -210,6 +234,23 @@ class Platform {
   void e2bList(http::Request& req, http::Response& res);
   nlohmann::json e2bSandbox(const SandboxRecord& r) const;
   nlohmann::json e2bListed(const SandboxRecord& r) const;
+  // Exposed ports (api_ports.cc).
+  // GET /v1/trajectories/{id}/info (api_trajectories.cc).
+  void trajectoryInfo(const std::string& id, http::Response& res);
+  void portsApi(const std::string& id, const std::vector<std::string>& parts,
+                http::Request& req, http::Response& res);
+  // The URL token of an exposure: HMAC-SHA256(the platform's token,
+  // "dsec-port/1 id port gen"), "dpt_" + hex.
+  std::string portToken(const std::string& id, int port, uint64_t gen) const;
+  nlohmann::json portJson(const SandboxRecord& r, const SandboxRecord::ExposedPort& p);
+  // Tells the sandbox's node its exposures now (it cuts the others).
+  Status pushPorts(const SandboxRecord& r);
+  // Janitor: drops exposures whose ttl ran out.
+  void expirePorts();
+  void writePortMetrics(metrics::Writer& w);
+  http::ProxyDecision routePort(const http::ProxyRequest& r, const std::string& id, int port,
+                                bool hostForm);
+
   // The per-sandbox envd token: HMAC-SHA256(the platform's token, id).
   std::string envdToken(const std::string& sandboxId) const;
   void e2bEnvd(const std::vector<std::string>& p, http::Request& req, http::Response& res);
@@ -265,6 +306,9 @@ class Platform {
   Result<ImageRecord> packDiskImage(const SandboxRecord& sb, const image::BuiltLayer& disk,
                                     const std::string& work, ImageRecord img);
   void getAudit(const std::string& id, http::Response& res);
+  // GET /v1/sandboxes/{id}/stats?window_s=: the node's readings of its CPU,
+  // memory and tasks (EdgeLink::statsHistory) with the limits in force.
+  void getStats(const std::string& id, http::Request& req, http::Response& res);
   // Computer use (api_computer.cc, backend vm): the screen as PNG, and
   // keyboard/mouse input.
   void screenshot(const std::string& id, http::Response& res);
@@ -539,6 +583,13 @@ class Platform {
   std::map<std::string, std::shared_ptr<E2bWatcher>> e2bWatchers_;
   // Process sessions by sandbox (processes.h).
   std::unique_ptr<ProcessTable> processes_ = std::make_unique<ProcessTable>();
+  // Exposed ports: the listener's URL (mu_), the earliest ttl end (mu_), and
+  // the proxy's options (set at start).
+  std::string listenUrl_;
+  double nextPortExpiry_ = std::numeric_limits<double>::infinity();
+  std::shared_ptr<const http::ProxyOptions> proxyOpts_;
+  metrics::CounterVec portResponses_;  // by status code
+  std::unique_ptr<MetricsHistory> history_;
   std::unique_ptr<Tenants> tenants_;
   std::mutex tenantsMu_;        // serializes changes to tenants (api_tenants.cc)
   Cluster* cluster_ = nullptr;  // not owned: the nodes, and the router to them
@@ -576,6 +627,9 @@ class Platform {
   // recover per trajectory at a time) and stepBytesPinned_.
   std::mutex trajMu_;
   std::map<std::string, TrajectoryRecord> trajectories_;
+  // Answers replayed from the log since this replica started, per
+  // trajectory and step (trajMu_): GET /v1/trajectories/{id}/info.
+  std::map<std::string, std::map<int64_t, int64_t>> replays_;
   std::set<std::string> recovering_;
   std::multiset<std::string> stepBytesPinned_;
   std::condition_variable janitorCv_;

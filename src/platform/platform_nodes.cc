@@ -294,6 +294,14 @@ Status Platform::parsePlacement(const json& j, SandboxRecord& r) {
 
 void Platform::writeSandboxStateMetrics(metrics::Writer& w) {
   std::map<std::string, int64_t> byState;
+  int64_t calls = 0;
+  {
+    std::lock_guard lk(mu_);
+    for (auto& [_, n] : callsInFlight_) calls += n;
+  }
+  w.gauge("dsec_sandbox_calls_in_flight",
+          "Calls on sandboxes under way: execs, process sessions' calls, file transfers.",
+          double(calls));
   for (SandboxState s : proto::kAllStates) {
     if (s != SandboxState::kPending) byState[proto::stateName(s)] = 0;
   }

@@ -1,15 +1,20 @@
 #include "platform/remote_edge.h"
 
 #include <fcntl.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
+#include <chrono>
+#include <condition_variable>
 #include <cstdlib>
 #include <mutex>
+#include <optional>
 
 #include "common/fd.h"
 #include "common/sha256.h"
 #include "common/util.h"
 #include "proto/codec.h"
+#include "proto/port_relay.h"
 
 namespace dsec::platform {
 
@@ -347,6 +352,15 @@ Result<proto::CgroupStats> RemoteEdge::stats(const std::string& id) {
   return proto::statsFromJson(j);
 }
 
+Result<proto::StatsSeries> RemoteEdge::statsHistory(const std::string& id, double windowS) {
+  ASSIGN_OR_RETURN(json j, unary("stats", {{"id", id}, {"history", true}, {"window_s", windowS}}));
+  if (j.contains("samples")) return proto::seriesFromJson(j);
+  ASSIGN_OR_RETURN(auto now, proto::statsFromJson(j));
+  proto::StatsSeries s;
+  s.samples.push_back({nowSeconds(), now.cpuUsec, now.memoryBytes, now.pids});
+  return s;
+}
+
 Status RemoteEdge::pause(const std::string& id, bool paused) {
   return unary("pause", {{"id", id}, {"paused", paused}}).status();
 }
@@ -434,6 +448,64 @@ Result<image::BuiltLayer> RemoteEdge::packDiff(const std::string& id, const std:
 
 Status RemoteEdge::evictLayer(const std::string& digest) {
   return unary("evict_layer", {{"digest", digest}}).status();
+}
+
+Result<UniqueFd> RemoteEdge::openPort(const std::string& id, int port, uint64_t gen,
+                                      double connectTimeoutS) {
+  if (port < 1 || port > 65535) return invalidArg("port", "port must be from 1 to 65535");
+  int sp[2];
+  if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0, sp) != 0) {
+    return sysError("socketpair (port " + std::to_string(port) + ")");
+  }
+  UniqueFd mine(sp[0]), theirs(sp[1]);
+  auto relay =
+      proto::PortRelay::client(rt_, std::move(mine), "port " + std::to_string(port) + " of " + id);
+  // Connected (event 'o') or failed: the first of the two wakes the caller.
+  struct Wait {
+    std::mutex mu;  // guards opened, failed
+    std::condition_variable cv;
+    bool opened = false;
+    std::optional<Status> failed;
+  };
+  auto w = std::make_shared<Wait>();
+  auto h = relay->handler(
+      [w](std::string_view ev) {
+        if (ev != "o") return;
+        std::lock_guard lk(w->mu);
+        w->opened = true;
+        w->cv.notify_all();
+      },
+      [w](const Result<std::string>& outcome) {
+        std::lock_guard lk(w->mu);
+        if (w->opened) return;
+        w->failed = outcome.isOk() ? internalError("node: port_open ended before it connected")
+                                   : outcome.status();
+        w->cv.notify_all();
+      });
+  json args = {{"id", id}, {"port", port}, {"gen", gen}, {"timeout_s", connectTimeoutS}};
+  relay->attach(client()->start("port_open", args.dump(), std::move(h)));
+  std::unique_lock lk(w->mu);
+  bool answered = w->cv.wait_for(lk, std::chrono::duration<double>(connectTimeoutS + 10),
+                                 [&] { return w->opened || w->failed.has_value(); });
+  if (!answered) {
+    lk.unlock();
+    Status st(Code::kDeadlineExceeded,
+              "node at " + url() + " did not answer port_open within " +
+                  std::to_string(int(connectTimeoutS + 10)) + " s",
+              0, "port");
+    relay->abort(st);
+    return st;
+  }
+  // The node's own errors as they are (their messages and fields are the
+  // answer); the relay closed its end already.
+  if (!w->opened) return *w->failed;
+  return theirs;
+}
+
+Status RemoteEdge::setPorts(const std::string& id, const std::vector<proto::PortGen>& ports) {
+  json ps = json::array();
+  for (auto& p : ports) ps.push_back({{"port", p.port}, {"gen", p.gen}});
+  return unary("set_ports", {{"id", id}, {"ports", ps}}).status();
 }
 
 Result<std::string> RemoteEdge::screenshot(const std::string& id) {

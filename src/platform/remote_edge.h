@@ -57,6 +57,9 @@ class RemoteEdge : public proto::EdgeLink {
   Result<std::string> agentOp(const std::string& id, proto::AgentOp op,
                               const std::string& json) override;
   Result<proto::CgroupStats> stats(const std::string& id) override;
+  // Link "stats" with history: an edge older than the history answers its
+  // current figures only, taken as one reading now.
+  Result<proto::StatsSeries> statsHistory(const std::string& id, double windowS) override;
   Status pause(const std::string& id, bool paused) override;
   Status hibernate(const std::string& id) override;
   Status setLimits(const std::string& id, const proto::CgroupLimits& limits) override;
@@ -67,6 +70,19 @@ class RemoteEdge : public proto::EdgeLink {
   // otherwise).
   Result<image::BuiltLayer> packDiff(const std::string& id, const std::string& workDir) override;
   Status evictLayer(const std::string& digest) override;
+  // Exposed ports: a `port_open` call carries the connection. The node
+  // connects (its errors come back as they are: kUnavailable "nothing
+  // listens on port P", kPermissionDenied field "port", ...); then one end of
+  // a socketpair is returned and the other relayed with the call on the
+  // Runtime's io threads (proto/port_relay.h: no thread per connection,
+  // flow-controlled both ways, half-closes pass). The caller closing its end
+  // (or shutting it down both ways) cancels the call, which closes the
+  // sandbox's socket; the node ending the call (a cut by setPorts, the
+  // sandbox's reset) closes the relayed end: the caller reads EOF. Waits
+  // connectTimeoutS plus 10 s for the node's answer (kDeadlineExceeded).
+  Result<UniqueFd> openPort(const std::string& id, int port, uint64_t gen,
+                            double connectTimeoutS = 10) override;
+  Status setPorts(const std::string& id, const std::vector<proto::PortGen>& ports) override;
   // Computer use (backend vm) is forwarded as is: the node's errors come back.
   Result<std::string> screenshot(const std::string& id) override;
   Status input(const std::string& id, const proto::InputAction& action) override;

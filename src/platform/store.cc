@@ -125,7 +125,20 @@ std::string sandboxToJson(const SandboxRecord& r) {
   w.key("phases").beginArray();
   for (auto& p : r.phases)
     w.beginObject().member("policy", p.policy).member("at", p.at).endObject();
-  w.endArray().endObject();
+  w.endArray();
+  if (!r.ports.empty()) {
+    w.key("ports").beginArray();
+    for (auto& p : r.ports) {
+      w.beginObject()
+          .member("port", int64_t(p.port))
+          .member("gen", int64_t(p.gen))
+          .member("created_at", p.createdAt)
+          .member("expires_at", p.expiresAt)
+          .endObject();
+    }
+    w.endArray();
+  }
+  w.endObject();
   return out;
 }
 
@@ -243,6 +256,12 @@ Result<SandboxRecord> sandboxFromJson(const std::string& s) {
     r.replica = j.value("replica", "");
     if (auto it = j.find("phases"); it != j.end() && it->is_array()) {
       for (auto& p : *it) r.phases.push_back({p.at("policy"), p.at("at")});
+    }
+    if (auto it = j.find("ports"); it != j.end() && it->is_array()) {
+      for (auto& p : *it) {
+        r.ports.push_back({p.at("port").get<int>(), p.at("gen").get<uint64_t>(),
+                           p.value("created_at", 0.0), p.value("expires_at", 0.0)});
+      }
     }
     return r;
   } catch (const json::exception& e) {

@@ -78,6 +78,15 @@ struct SandboxRecord {
     double at = 0;
   };
   std::vector<Phase> phases;
+  // Its exposed ports (api_ports.cc, docs/ports.md): the generation is part
+  // of the URL token, so a rotation (gen + 1) voids the old one.
+  struct ExposedPort {
+    int port = 0;
+    uint64_t gen = 1;
+    double createdAt = 0;
+    double expiresAt = 0;  // 0: while the sandbox lives
+  };
+  std::vector<ExposedPort> ports;
   // The tenant that owns it (platform/tenants.h); records written before
   // tenants existed belong to the built-in "admin" tenant.
   std::string owner = "admin";

@@ -309,7 +309,9 @@ Result<CgroupLimits> limitsFromJson(const json& j) {
 json toJson(const CgroupStats& s) {
   return {{"oom_kills", s.oomKills},
           {"pids_limit_hits", s.pidsLimitHits},
-          {"memory_bytes", s.memoryBytes}};
+          {"memory_bytes", s.memoryBytes},
+          {"cpu_usec", s.cpuUsec},
+          {"pids", s.pids}};
 }
 
 Result<CgroupStats> statsFromJson(const json& j) {
@@ -318,9 +320,32 @@ Result<CgroupStats> statsFromJson(const json& j) {
     s.oomKills = opt(j, "oom_kills", int64_t(0));
     s.pidsLimitHits = opt(j, "pids_limit_hits", int64_t(0));
     s.memoryBytes = opt(j, "memory_bytes", int64_t(0));
+    s.cpuUsec = opt(j, "cpu_usec", int64_t(0));
+    s.pids = opt(j, "pids", int64_t(0));
     return s;
   } catch (const std::exception& e) {
     return invalidArg("stats", std::string("bad stats: ") + e.what());
+  }
+}
+
+json toJson(const StatsSeries& s) {
+  json samples = json::array();
+  for (auto& x : s.samples) samples.push_back({x.t, x.cpuUsec, x.memoryBytes, x.pids});
+  return {{"interval_s", s.intervalS}, {"samples", std::move(samples)}};
+}
+
+Result<StatsSeries> seriesFromJson(const json& j) {
+  try {
+    StatsSeries s;
+    s.intervalS = opt(j, "interval_s", 0.0);
+    for (auto& x : j.at("samples")) {
+      if (!x.is_array() || x.size() != 4) return invalidArg("samples", "bad stats sample");
+      s.samples.push_back(
+          {x[0].get<double>(), x[1].get<int64_t>(), x[2].get<int64_t>(), x[3].get<int64_t>()});
+    }
+    return s;
+  } catch (const std::exception& e) {
+    return invalidArg("samples", std::string("bad stats history: ") + e.what());
   }
 }
 

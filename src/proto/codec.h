@@ -34,6 +34,10 @@ json toJson(const CgroupLimits& l);
 Result<CgroupLimits> limitsFromJson(const json& j);
 json toJson(const CgroupStats& s);
 Result<CgroupStats> statsFromJson(const json& j);
+// {interval_s, samples: [[t, cpu_usec, memory_bytes, pids], ...]} (compact:
+// an hour is 240 of them per sandbox).
+json toJson(const StatsSeries& s);
+Result<StatsSeries> seriesFromJson(const json& j);
 json toJson(const EgressDenials& d);
 Result<EgressDenials> denialsFromJson(const json& j);
 // A built layer's digests and sizes (not its local paths).

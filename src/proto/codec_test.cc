@@ -239,6 +239,27 @@ TEST(EdgeWire, LimitsStatsDenialsRoundTrip) {
   EXPECT_EQ(sb->oomKills, s.oomKills);
   EXPECT_EQ(sb->pidsLimitHits, s.pidsLimitHits);
   EXPECT_EQ(sb->memoryBytes, s.memoryBytes);
+  s.cpuUsec = 123'456'789'012;
+  s.pids = 17;
+  sb = statsFromJson(toJson(s));
+  ASSERT_TRUE(sb.isOk()) << sb.status().toString();
+  EXPECT_EQ(sb->cpuUsec, s.cpuUsec);
+  EXPECT_EQ(sb->pids, s.pids);
+  // An older edge's figures have neither: 0.
+  sb = statsFromJson(json{{"memory_bytes", 5}});
+  ASSERT_TRUE(sb.isOk());
+  EXPECT_EQ(sb->cpuUsec, 0);
+
+  StatsSeries h{15, {{1700000000.125, 1, 2, 3}, {1700000015.5, 4, 5ll << 40, 6}}};
+  auto hb = seriesFromJson(toJson(h));
+  ASSERT_TRUE(hb.isOk()) << hb.status().toString();
+  EXPECT_EQ(hb->intervalS, 15);
+  ASSERT_EQ(hb->samples.size(), 2u);
+  EXPECT_DOUBLE_EQ(hb->samples[0].t, 1700000000.125);
+  EXPECT_EQ(hb->samples[1].memoryBytes, 5ll << 40);
+  EXPECT_EQ(hb->samples[1].pids, 6);
+  EXPECT_EQ(seriesFromJson(json{{"samples", {{1, 2}}}}).status().field(), "samples");
+  EXPECT_FALSE(seriesFromJson(json::object()).isOk());
 
   EgressDenials d{(uint64_t(1) << 63) + 5, "[::1]:80"};  // above int64's range
   auto db = denialsFromJson(toJson(d));

@@ -10,6 +10,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/util.h"
 #include "proto/codec.h"
 
 namespace dsec::proto {
@@ -152,6 +153,19 @@ Result<ExecResult> EdgeLink::exec(const std::string& id, const ExecSpec& spec,
   }
   if (!sinkError.isOk()) return sinkError;
   return std::move(*w->result);
+}
+
+Result<UniqueFd> EdgeLink::openPort(const std::string&, int, uint64_t, double) {
+  return Status(Code::kFailedPrecondition, "this node cannot open a sandbox's ports", 0, "backend");
+}
+
+Status EdgeLink::setPorts(const std::string&, const std::vector<PortGen>&) { return Status::ok(); }
+
+Result<StatsSeries> EdgeLink::statsHistory(const std::string& id, double) {
+  ASSIGN_OR_RETURN(CgroupStats now, stats(id));
+  StatsSeries s;
+  s.samples.push_back({nowSeconds(), now.cpuUsec, now.memoryBytes, now.pids});
+  return s;
 }
 
 }  // namespace dsec::proto

@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "common/fd.h"
 #include "common/status.h"
 #include "image/layer_builder.h"
 #include "proto/types.h"
@@ -124,6 +125,12 @@ class EdgeLink {
   virtual Result<std::string> agentOp(const std::string& id, AgentOp op,
                                       const std::string& json) = 0;
   virtual Result<CgroupStats> stats(const std::string& id) = 0;
+  // The sandbox's resource readings of the last windowS seconds, oldest
+  // first, the last one taken now: what its node sampled every intervalS
+  // (edge: EdgeOptions::statsIntervalS) while it lived. By default (a node
+  // that keeps no history, SimEdge) one reading now, intervalS 0. Errors as
+  // stats().
+  virtual Result<StatsSeries> statsHistory(const std::string& id, double windowS);
   // Freezes (no CPU used, memory kept) or thaws every process of a sandbox.
   virtual Status pause(const std::string& id, bool paused) = 0;
   // Pause to disk (VM backends); pause(id, false) resumes. Nodes or backends
@@ -138,6 +145,31 @@ class EdgeLink {
   virtual Result<image::BuiltLayer> packDiff(const std::string& id, const std::string& workDir) = 0;
   // Drops the node's mount of a layer no sandbox uses (before its blob goes).
   virtual Status evictLayer(const std::string& digest) = 0;
+  // Exposed ports (docs/ports.md). Opens a TCP connection from the node to
+  // 127.0.0.1:port (then [::1]:port) inside the sandbox's own network
+  // namespace: only its loopback, so no egress rule is involved and nothing
+  // else of the sandbox, the node or the network becomes reachable. Returns a
+  // connected stream socket, close-on-exec, non-blocking: on the platform's
+  // own node the sandbox's socket itself; through a remote node one end of a
+  // socketpair the link relays (flow-controlled both ways; a half-close
+  // passes as a half-close). `gen` is the exposure's generation: the node
+  // keeps every connection it opened under (id, port, gen) and cuts it
+  // (shutdown both ways, so the caller reads EOF) when setPorts() drops that
+  // pair or the sandbox goes. Blocking (worker threads): at most
+  // connectTimeoutS for the connect.
+  // Errors: kNotFound (no such sandbox on the node); kFailedPrecondition
+  // field "backend" (a backend that cannot: fncall, and for now microvm and
+  // vm); kInvalidArgument field "port" (not 1..65535); kPermissionDenied
+  // field "port" (setPorts() was told of this sandbox and (port, gen) is not
+  // in it); kUnavailable "nothing listens on port P" (refused);
+  // kDeadlineExceeded (connect took longer than connectTimeoutS).
+  virtual Result<UniqueFd> openPort(const std::string& id, int port, uint64_t gen,
+                                    double connectTimeoutS = 10);
+  // The sandbox's exposed ports now (empty: none). Cuts every connection
+  // opened under a (port, gen) not in the list; later openPort() calls for
+  // such a pair are refused. Idempotent; an unknown sandbox is fine.
+  virtual Status setPorts(const std::string& id, const std::vector<PortGen>& ports);
+
   // Computer use (backend vm): the screen as PNG, one input action.
   virtual Result<std::string> screenshot(const std::string& id) = 0;
   virtual Status input(const std::string& id, const InputAction& action) = 0;

@@ -23,6 +23,26 @@ std::optional<BackendKind> parseBackend(std::string_view name) {
   return std::nullopt;
 }
 
+std::vector<std::optional<double>> cpuCores(const std::vector<StatsSample>& samples) {
+  std::vector<std::optional<double>> out;
+  out.reserve(samples.size());
+  for (size_t i = 0; i < samples.size(); ++i) {
+    if (i == 0) {
+      out.push_back(std::nullopt);
+      continue;
+    }
+    const StatsSample& a = samples[i - 1];
+    const StatsSample& b = samples[i];
+    double dt = b.t - a.t;
+    if (!(dt > 0) || b.cpuUsec < a.cpuUsec) {
+      out.push_back(std::nullopt);
+      continue;
+    }
+    out.push_back(double(b.cpuUsec - a.cpuUsec) / 1e6 / dt);
+  }
+  return out;
+}
+
 const char* stateName(SandboxState s) {
   switch (s) {
     case SandboxState::kPending:

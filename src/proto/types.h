@@ -171,7 +171,32 @@ struct CgroupStats {
   int64_t oomKills = 0;       // processes killed by the OOM killer in this cgroup
   int64_t pidsLimitHits = 0;  // fork/clone refused by pids.max
   int64_t memoryBytes = 0;    // current usage
+  // CPU time used by the sandbox's processes since its cgroup was made
+  // (v2 cpu.stat usage_usec; v1 cpuacct.usage / 1000): a counter.
+  int64_t cpuUsec = 0;
+  int64_t pids = 0;  // tasks now (pids.current)
 };
+
+// One reading of a sandbox's cgroup figures, kept by its node
+// (EdgeLink::statsHistory).
+struct StatsSample {
+  double t = 0;             // unix seconds
+  int64_t cpuUsec = 0;      // CgroupStats::cpuUsec: a counter
+  int64_t memoryBytes = 0;  // at t
+  int64_t pids = 0;         // at t
+};
+
+// A sandbox's recent readings, oldest first. intervalS is the node's sampling
+// interval (0: a node that keeps no history, whose answer is one reading now).
+struct StatsSeries {
+  double intervalS = 0;
+  std::vector<StatsSample> samples;
+};
+
+// The CPU cores used between each sample and the one before it: cpu time over
+// wall time. nullopt for the first sample, and where the time did not advance
+// or the counter went back (a cgroup made anew, as by a VM restored from disk).
+std::vector<std::optional<double>> cpuCores(const std::vector<StatsSample>& samples);
 
 // One computer-use action on a sandbox's screen (backend vm, docs/vm.md):
 // kind "type" (text), "key" (key: a combination like "ctrl+c"), or "mouse"
@@ -197,6 +222,13 @@ struct PortRange {
 // What a node's egress filter stores: one per distinct (family, masked
 // prefix), with the port ranges that apply there (proto/egress.h compiles a
 // policy's entries into these).
+// An exposed port of a sandbox and its generation (a rotation bumps it).
+struct PortGen {
+  int port = 0;
+  uint64_t gen = 0;
+  bool operator==(const PortGen&) const = default;
+};
+
 struct EgressRule {
   int family = 0;                  // AF_INET or AF_INET6
   std::array<uint8_t, 16> addr{};  // masked to prefixLen

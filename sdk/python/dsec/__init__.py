@@ -25,7 +25,7 @@ from .errors import (Conflict, DeadlineExceeded, DsecError, InternalError, Inval
                      NotFound, PayloadTooLarge, PermissionDenied, QuotaExceeded, RateLimited,
                      ResourceExhausted, Unauthenticated, Unavailable, error_from_code,
                      error_from_response)
-from .models import ExecEvent, ExecResult, FileEntry, Image, Record
+from .models import ExecEvent, ExecResult, Exposure, FileEntry, Image, Record
 
 __version__ = "0.1.0"
 
@@ -33,7 +33,7 @@ __all__ = [
     "Client", "Sandbox", "Batch", "Trajectory",
     "AsyncClient", "AsyncSandbox", "AsyncBatch", "AsyncTrajectory", "Retry", "DEFAULT_RETRY",
     "Process", "AsyncProcess", "ProcessEvent",
-    "ExecResult", "ExecEvent", "FileEntry", "Image", "Record",
+    "ExecResult", "ExecEvent", "Exposure", "FileEntry", "Image", "Record",
     "DsecError", "InvalidArgument", "Unauthenticated", "PermissionDenied", "NotFound",
     "Conflict", "PayloadTooLarge", "ResourceExhausted", "Unavailable", "DeadlineExceeded",
     "InternalError", "QuotaExceeded", "RateLimited", "error_from_code", "error_from_response", "DEFAULT_URL",

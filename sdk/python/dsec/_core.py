@@ -41,7 +41,7 @@ from typing import (TYPE_CHECKING, Any, BinaryIO, Callable, Dict, Generator, Ite
 from ._http import LAST_CHUNK, NoResponse, ProtocolError, chunk, request_head
 from .errors import (DeadlineExceeded, DsecError, NotFound, Unavailable, error_from_code,
                      error_from_response)
-from .models import ExecEvent, ExecResult, FileEntry, Image
+from .models import ExecEvent, ExecResult, Exposure, FileEntry, Image
 
 if TYPE_CHECKING:  # the results' types as the sync client names them
     from .client import Batch, Sandbox
@@ -2143,6 +2143,37 @@ class SandboxOps(_Driven):
         """Reconnects to process session ``pid`` (NotFound when there is none)."""
         doc = yield from self.client._call("GET", self._p(f"/processes/{int(pid)}"))
         return self._process_class(self, doc)
+
+    # ----- exposed ports --------------------------------------------------
+
+    @op
+    def expose(self, port: int, *, ttl_s: Optional[float] = None,
+               rotate: bool = False) -> "Exposure":
+        """Makes ``port`` (a server on the sandbox's loopback or any address)
+        reachable through the platform and returns its :class:`Exposure`:
+        ``url`` for a browser, ``path_url`` plus ``headers`` for a program.
+        Exposing a port again returns the same token; ``rotate=True`` makes a
+        new one (the old one stops working and its connections are cut);
+        ``ttl_s`` ends the exposure after that many seconds."""
+        body: Dict[str, Any] = {"port": int(port)}
+        if ttl_s is not None:
+            body["ttl_s"] = ttl_s
+        if rotate:
+            body["rotate"] = True
+        doc = yield from self.client._call("POST", self._p("/ports"), json_body=body)
+        return Exposure(doc)
+
+    @op
+    def unexpose(self, port: int) -> None:
+        """Ends the exposure of ``port``: its URLs stop working and open
+        connections through them are cut."""
+        yield from self.client._call("DELETE", self._p(f"/ports/{int(port)}"))
+
+    @op
+    def exposures(self) -> List["Exposure"]:
+        """The sandbox's exposed ports."""
+        doc = yield from self.client._call("GET", self._p("/ports"))
+        return [Exposure(p) for p in doc.get("ports", [])]
 
     # ----- files ----------------------------------------------------------
 

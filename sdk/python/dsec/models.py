@@ -68,6 +68,22 @@ class FileEntry(Record):
         return self.raw.get("type") == "file"
 
 
+class Exposure(Record):
+    """An exposed port of a sandbox (``sandbox.expose``): port, gen, token
+    (the URL token, ``dpt_...``), url (the host form, for browsers; it
+    carries the token once, then a cookie does), path_url (the path form,
+    for programs: send the token as ``Dsec-Port-Token`` or ``Authorization:
+    Bearer``, or use your API key), created_at, expires_at (None: while the
+    sandbox lives)."""
+
+    __slots__ = ()
+
+    @property
+    def headers(self) -> Dict[str, str]:
+        """The header that authorises a request to ``path_url``."""
+        return {"Dsec-Port-Token": self.raw.get("token", "")}
+
+
 class Image(Record):
     """An image: name, tag, ref ("name:tag"), kind, layers (bottom first), size,
     created_at, parent, and config."""
