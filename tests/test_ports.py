@@ -424,3 +424,20 @@ def test_fncall_cannot_expose(server, make_sandbox, debian):
     sb = make_sandbox(debian, backend="fncall", disk_mb=16)
     status, _, _, doc = server.raw("POST", f"/v1/sandboxes/{sb.id}/ports", {"port": 80})
     assert status == 409 and doc["error"]["field"] == "backend", doc
+
+
+def test_an_open_websocket_holds_off_the_idle_timeout(make_sandbox, debian, server):
+    sb = make_sandbox(debian, idle_timeout_s=2)
+    sb.write_file("/tmp/port_server.py", (HERE / "port_server.py").read_bytes())
+    sb.start_process(["python3", "/tmp/port_server.py", str(PORT)])
+    wait_listening(sb, PORT)
+    e = sb.expose(PORT)
+    s, buf = ws_open(server, path_of(e, "ws"), {"Dsec-Port-Token": e.token})
+    for i in range(5):  # 5 s of a connection with no new request
+        time.sleep(1)
+        ws_send(s, b"tick%d" % i)
+        data, buf = ws_recv(s, buf)
+        assert data == b"tick%d" % i
+    status, _, _, doc = server.raw("GET", f"/v1/sandboxes/{sb.id}")
+    assert doc["state"] == "running", doc
+    s.close()

@@ -363,6 +363,8 @@ class ProxyConn : public std::enable_shared_from_this<ProxyConn> {
     std::string upgradeProto = pr.header("upgrade");
 
     ProxyDecision d = co_await route(std::move(pr));
+    // Held by this frame until the exchange (or the upgraded relay) is over.
+    std::shared_ptr<void> hold = std::move(d.hold);
     if (closed_) co_return false;
     if (!d.forward) {
       // A body we will not read closes the connection.

@@ -81,6 +81,9 @@ struct ProxyDecision {
   HeaderList responseHeaders;  // set on the response, replacing the upstream's of the same name
   // Both: close the client connection once this exchange is over.
   bool close = false;
+  // Kept until this exchange is over, an upgraded relay's end included
+  // (a sandbox's activity, say).
+  std::shared_ptr<void> hold;
 };
 
 // Runs on the Runtime's blocking pool: may block (a store lookup, a connect).

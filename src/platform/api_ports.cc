@@ -543,10 +543,9 @@ http::ProxyDecision Platform::routePort(const http::ProxyRequest& r, const std::
     // A client's pooled connection must not stay diverted for its next API call.
     d.close = true;
   }
-  {
-    std::lock_guard lk(mu_);
-    if (sandboxes_.count(rid)) lastCall_[rid] = nowSeconds();
-  }
+  // The sandbox is in use while the exchange lasts: a long download, a
+  // WebSocket, an event stream hold off its idle timeout and auto-pause.
+  d.hold = holdActivity(rid);
   return d;
 }
 

@@ -48,6 +48,8 @@ json toApi(const SandboxRecord& r) {
             {"burstable", r.burstable},
             {"created_at", isoTime(r.createdAt)},
             {"expires_at", r.expiresAt > 0 ? json(isoTime(r.expiresAt)) : json(nullptr)},
+            {"stopped_at", r.stoppedAt > 0 && isFinal(r.state) ? json(isoTime(r.stoppedAt))
+                                                                : json(nullptr)},
             {"error", r.error.empty() ? json(nullptr) : json(r.error)},
             {"policy", r.policy},
             {"readonly_paths", r.readonlyPaths},

@@ -531,6 +531,23 @@ Result<SandboxRecord> Platform::runningSandbox(const std::string& id) {
   return r;
 }
 
+std::shared_ptr<void> Platform::holdActivity(const std::string& id) {
+  struct Activity {
+    Platform* p;
+    std::string id;
+    Activity(Platform* p, std::string i) : p(p), id(std::move(i)) {
+      std::lock_guard lk(p->mu_);
+      ++p->callsInFlight_[id];
+    }
+    ~Activity() {
+      std::lock_guard lk(p->mu_);
+      if (--p->callsInFlight_[id] <= 0) p->callsInFlight_.erase(id);
+      if (p->sandboxes_.count(id)) p->lastCall_[id] = nowSeconds();  // not for a purged one
+    }
+  };
+  return std::make_shared<Activity>(this, id);
+}
+
 void Platform::handle(http::Request& req, http::Response& res) {
   if (req.path == "/v1/health" && req.method == "GET") {
     sendJson(res, 200, R"({"status":"ok","version":"0.1.0"})");
@@ -585,23 +602,10 @@ void Platform::handle(http::Request& req, http::Response& res) {
     const std::string& id = parts[3];
     // Every call on a sandbox's sub-resources is activity, from its first byte
     // to its last (idle timeout and auto-pause, platform.h callsInFlight_).
-    struct Activity {
-      Platform* p;
-      std::string id;
-      Activity(Platform* p, std::string i) : p(p), id(std::move(i)) {
-        std::lock_guard lk(p->mu_);
-        ++p->callsInFlight_[id];
-      }
-      ~Activity() {
-        std::lock_guard lk(p->mu_);
-        if (--p->callsInFlight_[id] <= 0) p->callsInFlight_.erase(id);
-        if (p->sandboxes_.count(id)) p->lastCall_[id] = nowSeconds();  // not for a purged one
-      }
-    };
     // Shared: an exec answered later holds it until it ends.
-    std::shared_ptr<Activity> activity;
+    std::shared_ptr<void> activity;
     // Reading its figures (a console page open on it) is not using it.
-    if (n >= 5 && !(n == 5 && parts[4] == "stats")) activity = std::make_shared<Activity>(this, id);
+    if (n >= 5 && !(n == 5 && parts[4] == "stats")) activity = holdActivity(id);
     if (n == 4) {
       if (m == "GET") return getSandbox(id, res);
       if (m == "DELETE") return deleteSandbox(id, res);

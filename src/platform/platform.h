@@ -235,6 +235,9 @@ class Platform {
   nlohmann::json e2bSandbox(const SandboxRecord& r) const;
   nlohmann::json e2bListed(const SandboxRecord& r) const;
   // Exposed ports (api_ports.cc).
+  // Holds the sandbox as in use (callsInFlight_) until the last copy goes:
+  // no idle timeout or auto-pause meanwhile.
+  std::shared_ptr<void> holdActivity(const std::string& id);
   // GET /v1/trajectories/{id}/info (api_trajectories.cc).
   void trajectoryInfo(const std::string& id, http::Response& res);
   void portsApi(const std::string& id, const std::vector<std::string>& parts,

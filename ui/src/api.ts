@@ -186,6 +186,7 @@ export interface Sandbox {
   burstable?: boolean;
   created_at?: string;
   expires_at?: string | null;
+  stopped_at?: string | null;
   error?: string | null;
   policy?: string;
   readonly_paths?: string[];

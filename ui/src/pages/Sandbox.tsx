@@ -229,7 +229,9 @@ function Overview({
             ["node / pool", `${d.node || "–"} / ${d.pool || "–"}${d.burstable ? " (burstable)" : ""}`],
             ["batch", d.batch || ""],
             ["created", `${dateTime(d.created_at)} (${ago(d.created_at)})`],
-            ["expires", d.expires_at ? `${dateTime(d.expires_at)} (${ago(d.expires_at)})` : "never"],
+            d.state === "stopped" || d.state === "failed"
+              ? ["stopped", d.stopped_at ? `${dateTime(d.stopped_at)} (${ago(d.stopped_at)})` : d.state]
+              : ["expires", d.expires_at ? `${dateTime(d.expires_at)} (${ago(d.expires_at)})` : "never"],
             ["user / working dir", `${d.user || "(image's)"} / ${d.working_dir || "(image's)"}`],
             [
               "env",
