@@ -269,3 +269,19 @@ def resume_from_disk(sb, state) -> float:
     assert sb.info["state"] == "running" and sb.info["pause_memory"] is None, sb.info
     assert not state.exists()
     return took
+
+
+def wait_listening(sb, port: int, timeout: float = 30.0) -> None:
+    """Waits until something listens on 127.0.0.1:port inside sandbox `sb`
+    (which has python3): a server just started there (test_ports, the
+    console's browser test)."""
+    probe = ("import socket\n"
+             f"s=socket.socket(); s.settimeout(1); s.connect(('127.0.0.1',{port}))\n")
+    deadline = time.monotonic() + timeout
+    while True:
+        r = sb.exec(["python3", "-c", probe])
+        if r.exit_code == 0:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"nothing listens on {port} in {sb.id}: {r.stderr}")
+        time.sleep(0.2)

@@ -19,23 +19,11 @@ from pathlib import Path
 import pytest
 
 import dsec
+from helpers import wait_listening
 from test_tenants import make_tenant  # noqa: F401  (fixture)
 
 HERE = Path(__file__).parent
 PORT = 8000
-
-
-def wait_listening(sb, port: int, timeout: float = 30.0):
-    probe = ("import socket,sys\n"
-             f"s=socket.socket(); s.settimeout(1); s.connect(('127.0.0.1',{port}))\n")
-    deadline = time.monotonic() + timeout
-    while True:
-        r = sb.exec(["python3", "-c", probe])
-        if r.exit_code == 0:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"nothing listens on {port}: {r.stderr}")
-        time.sleep(0.2)
 
 
 @pytest.fixture(scope="module")
