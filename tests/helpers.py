@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import os
 import re
+import subprocess
 import time
 import uuid
 from pathlib import Path
@@ -285,3 +286,22 @@ def wait_listening(sb, port: int, timeout: float = 30.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"nothing listens on {port} in {sb.id}: {r.stderr}")
         time.sleep(0.2)
+
+
+def npm_ci(npm: str, directory: Path, timeout_s: float) -> None:
+    """`npm ci` in `directory` (a pinned package-lock.json): the test fails,
+    with npm's output, if it errs or takes over timeout_s."""
+    def text(b) -> str:
+        if b is None:
+            return ""
+        return b.decode(errors="replace") if isinstance(b, bytes) else b
+    try:
+        r = subprocess.run([npm, "ci", "--no-audit", "--no-fund"], cwd=directory,
+                           capture_output=True, text=True, timeout=timeout_s,
+                           stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"`npm ci` in {directory} took over {timeout_s} s\n"
+                    f"stdout:\n{text(e.stdout)}\nstderr:\n{text(e.stderr)}", pytrace=False)
+    if r.returncode != 0:
+        pytest.fail(f"`npm ci` in {directory} exited {r.returncode}\n"
+                    f"stdout:\n{r.stdout}\nstderr:\n{r.stderr}", pytrace=False)

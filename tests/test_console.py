@@ -33,6 +33,7 @@ import pytest
 
 import dsec
 from conftest import REPO
+from helpers import npm_ci
 
 CONSOLE_DIR = Path(__file__).resolve().parent / "console"
 CHROMIUM = Path("/usr/bin/chromium")
@@ -44,12 +45,6 @@ MIN_NODE = 18
 def shots_dir() -> Path:
     base = os.environ.get("DSEC_ARTIFACTS")
     return (Path(base) if base else REPO / "tests" / "artifacts") / "console"
-
-
-def _text(b) -> str:
-    if b is None:
-        return ""
-    return b.decode(errors="replace") if isinstance(b, bytes) else b
 
 
 def _chromium_pids(user_dir_marker: str) -> list:
@@ -93,16 +88,7 @@ def node() -> str:
         if npm is None:
             pytest.fail(f"npm is not installed and {CONSOLE_DIR}/node_modules is missing or stale",
                         pytrace=False)
-        try:
-            r = subprocess.run([npm, "ci", "--no-audit", "--no-fund"], cwd=CONSOLE_DIR,
-                               capture_output=True, text=True, timeout=NPM_CI_TIMEOUT_S,
-                               stdin=subprocess.DEVNULL)
-        except subprocess.TimeoutExpired as e:
-            pytest.fail(f"`npm ci` in {CONSOLE_DIR} took over {NPM_CI_TIMEOUT_S} s\n"
-                        f"stdout:\n{_text(e.stdout)}\nstderr:\n{_text(e.stderr)}", pytrace=False)
-        if r.returncode != 0:
-            pytest.fail(f"`npm ci` in {CONSOLE_DIR} exited {r.returncode}\n"
-                        f"stdout:\n{r.stdout}\nstderr:\n{r.stderr}", pytrace=False)
+        npm_ci(npm, CONSOLE_DIR, NPM_CI_TIMEOUT_S)
     return node
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from conftest import unavailable
+from helpers import npm_ci
 
 # Where the server serves the E2B control API and the envd gateway, relative
 # to server.url (the SDK appends /v2/sandboxes, /process.Process/Start, ...).
@@ -53,23 +54,8 @@ def node() -> str:
         npm = shutil.which("npm")
         if npm is None:
             unavailable(f"npm is not installed and {E2B_DIR}/node_modules is missing")
-        try:
-            r = subprocess.run([npm, "ci", "--no-audit", "--no-fund"], cwd=E2B_DIR,
-                               capture_output=True, text=True, timeout=NPM_CI_TIMEOUT_S,
-                               stdin=subprocess.DEVNULL)
-        except subprocess.TimeoutExpired as e:
-            pytest.fail(f"`npm ci` in {E2B_DIR} took over {NPM_CI_TIMEOUT_S} s\n"
-                        f"stdout:\n{_text(e.stdout)}\nstderr:\n{_text(e.stderr)}", pytrace=False)
-        if r.returncode != 0:
-            pytest.fail(f"`npm ci` in {E2B_DIR} exited {r.returncode}\n"
-                        f"stdout:\n{r.stdout}\nstderr:\n{r.stderr}", pytrace=False)
+        npm_ci(npm, E2B_DIR, NPM_CI_TIMEOUT_S)
     return node
-
-
-def _text(b) -> str:
-    if b is None:
-        return ""
-    return b.decode(errors="replace") if isinstance(b, bytes) else b
 
 
 @pytest.mark.slow

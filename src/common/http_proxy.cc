@@ -15,6 +15,7 @@
 
 #include "common/log.h"
 #include "common/runtime.h"
+#include "common/util.h"
 
 namespace dsec::http {
 
@@ -38,26 +39,13 @@ constexpr auto kTuple = asio::as_tuple(asio::use_awaitable);
 std::atomic<int64_t> gOpen{0};
 std::atomic<uint64_t> gConnections{0}, gRequests{0}, gUp{0}, gDown{0};
 
-bool ieq(std::string_view a, std::string_view b) {
-  if (a.size() != b.size()) return false;
-  for (size_t i = 0; i < a.size(); ++i) {
-    if (tolower(static_cast<unsigned char>(a[i])) != tolower(static_cast<unsigned char>(b[i]))) {
-      return false;
-    }
-  }
-  return true;
-}
-
 // Whether a comma-separated header value holds `token` (case-insensitive).
 bool hasToken(std::string_view list, std::string_view token) {
   size_t i = 0;
   while (i <= list.size()) {
     size_t j = list.find(',', i);
     if (j == std::string_view::npos) j = list.size();
-    std::string_view t = list.substr(i, j - i);
-    while (!t.empty() && (t.front() == ' ' || t.front() == '\t')) t.remove_prefix(1);
-    while (!t.empty() && (t.back() == ' ' || t.back() == '\t')) t.remove_suffix(1);
-    if (ieq(t, token)) return true;
+    if (asciiIEquals(trimOws(list.substr(i, j - i)), token)) return true;
     i = j + 1;
   }
   return false;
@@ -110,6 +98,15 @@ bool assign(Sock& s, UniqueFd fd) {
   if (ec) return false;
   (void)fd.release();
   return true;
+}
+
+// An answer of the proxy's own, in the API's error shape.
+ProxyDecision proxyError(int status, std::string_view code, std::string_view message) {
+  ProxyDecision d;
+  d.status = status;
+  d.body = R"({"error":{"code":")" + std::string(code) + R"(","message":")" +
+           std::string(message) + R"("}})";
+  return d;
 }
 
 class ProxyConn : public std::enable_shared_from_this<ProxyConn> {
@@ -190,17 +187,13 @@ class ProxyConn : public std::enable_shared_from_this<ProxyConn> {
               d = self->router_(pr);
             } catch (const std::exception& e) {
               log::error(std::string("http proxy: router threw: ") + e.what());
-              d = ProxyDecision{};
-              d.status = 500;
-              d.body = R"({"error":{"code":"internal","message":"internal error"}})";
+              d = proxyError(500, "internal", "internal error");
               d.close = true;
             }
             done(std::move(d));
           });
           if (!ok) {
-            ProxyDecision d;
-            d.status = 503;
-            d.body = R"({"error":{"code":"unavailable","message":"server stopping"}})";
+            ProxyDecision d = proxyError(503, "unavailable", "server stopping");
             d.close = true;
             done(std::move(d));
           }
@@ -211,6 +204,17 @@ class ProxyConn : public std::enable_shared_from_this<ProxyConn> {
   asio::awaitable<bool> writeAll(Sock& s, std::string_view data) {
     if (data.empty()) co_return true;
     auto [ec, n] = co_await asio::async_write(s, asio::buffer(data.data(), data.size()), kTuple);
+    if (ec) co_return false;
+    touch();
+    co_return true;
+  }
+
+  // Writes the first n bytes of buf_ to out, as one chunk if `chunk`.
+  asio::awaitable<bool> writeBuf(Sock& out, size_t n, bool chunk) {
+    std::string pre = chunk ? hex(n) + "\r\n" : "";
+    std::array<asio::const_buffer, 3> bufs{asio::buffer(pre), asio::buffer(buf_.get(), n),
+                                           asio::buffer("\r\n", chunk ? 2 : 0)};
+    auto [ec, written] = co_await asio::async_write(out, bufs, kTuple);
     if (ec) co_return false;
     touch();
     co_return true;
@@ -253,17 +257,7 @@ class ProxyConn : public std::enable_shared_from_this<ProxyConn> {
       }
       counter += got;
       global += got;
-      if (chunk) {
-        std::string pre = hex(got) + "\r\n";
-        std::array<asio::const_buffer, 3> bufs{asio::buffer(pre), asio::buffer(buf_.get(), got),
-                                               asio::buffer("\r\n", 2)};
-        auto [wec, wn] = co_await asio::async_write(out, bufs, kTuple);
-        if (wec) co_return false;
-      } else {
-        auto [wec, wn] = co_await asio::async_write(out, asio::buffer(buf_.get(), got), kTuple);
-        if (wec) co_return false;
-      }
-      touch();
+      if (!co_await writeBuf(out, got, chunk)) co_return false;
       if (ec) co_return false;
     }
     if (chunk && !co_await writeAll(out, "0\r\n\r\n")) co_return false;
@@ -336,10 +330,9 @@ class ProxyConn : public std::enable_shared_from_this<ProxyConn> {
         if (ec == bhttp::error::end_of_stream || ec == asio::error::eof || closed_) {
           co_return false;
         }
-        ProxyDecision bad;
-        bad.status = ec == bhttp::error::header_limit ? 431 : 400;
-        bad.body = R"({"error":{"code":"invalid_argument","message":"malformed HTTP request"}})";
-        co_await answer(bad, false, false);
+        co_await answer(proxyError(ec == bhttp::error::header_limit ? 431 : 400,
+                                   "invalid_argument", "malformed HTTP request"),
+                        false, false);
         co_return false;
       }
     }
@@ -356,6 +349,8 @@ class ProxyConn : public std::enable_shared_from_this<ProxyConn> {
     pr.currentKey = upOpen_ ? upKey_ : "";
     pr.first = first;
     const bool isHead = req.method() == bhttp::verb::head;
+    const bool upgrade = pr.upgrade;
+    const int version = pr.version;
     const bool clientKeep = rp.keep_alive();
     const bool hasBody = rp.chunked() || (rp.content_length() && *rp.content_length() > 0);
     const bool expect100 = hasToken(pr.header("expect"), "100-continue");
@@ -378,16 +373,14 @@ class ProxyConn : public std::enable_shared_from_this<ProxyConn> {
       upKey_ = d.key;
     }
     if (!upOpen_ || upKey_ != d.key) {
-      ProxyDecision gone;
-      gone.status = 502;
-      gone.body = R"({"error":{"code":"unavailable","message":"upstream connection lost"}})";
-      co_return co_await answer(gone, isHead, false);
+      co_return co_await answer(proxyError(502, "unavailable", "upstream connection lost"), isHead,
+                                false);
     }
 
     // The request head, re-framed.
-    std::string head = pr_method(req) + " " + d.target + " HTTP/1.1\r\n";
+    std::string head = std::string(req.method_string()) + " " + d.target + " HTTP/1.1\r\n";
     for (auto& [k, v] : d.requestHeaders) {
-      if (isHopByHop(k, connHeader) || ieq(k, "content-length")) continue;
+      if (isHopByHop(k, connHeader) || asciiIEquals(k, "content-length")) continue;
       appendHeader(head, k, v);
     }
     bool chunkUp = false;
@@ -397,7 +390,7 @@ class ProxyConn : public std::enable_shared_from_this<ProxyConn> {
     } else if (rp.content_length()) {
       head += "Content-Length: " + std::to_string(*rp.content_length()) + "\r\n";
     }
-    if (pr_upgrade(rp) && !upgradeProto.empty()) {
+    if (upgrade && !upgradeProto.empty()) {
       head += "Connection: Upgrade\r\n";
       appendHeader(head, "Upgrade", upgradeProto);
     }
@@ -426,18 +419,7 @@ class ProxyConn : public std::enable_shared_from_this<ProxyConn> {
         upBytes_ += got;
         gUp += got;
         if (!upOk) continue;  // drain the client's body
-        ErrorCode wec;
-        if (chunkUp) {
-          std::string pre = hex(got) + "\r\n";
-          std::array<asio::const_buffer, 3> bufs{asio::buffer(pre), asio::buffer(buf_.get(), got),
-                                                 asio::buffer("\r\n", 2)};
-          std::tie(wec, std::ignore) = co_await asio::async_write(up_, bufs, kTuple);
-        } else {
-          std::tie(wec, std::ignore) =
-              co_await asio::async_write(up_, asio::buffer(buf_.get(), got), kTuple);
-        }
-        if (wec) upOk = false;
-        touch();
+        upOk = co_await writeBuf(up_, got, chunkUp);
       }
       if (!clientOk) co_return false;
       if (upOk && chunkUp) upOk = co_await writeAll(up_, "0\r\n\r\n");
@@ -455,10 +437,10 @@ class ProxyConn : public std::enable_shared_from_this<ProxyConn> {
       if (ec) {
         upOpen_ = false;
         if (closed_) co_return false;
-        ProxyDecision bad;
-        bad.status = 502;
-        bad.body = R"({"error":{"code":"unavailable","message":"the sandbox's server closed the connection without answering"}})";
-        co_return co_await answer(bad, isHead, false);
+        co_return co_await answer(
+            proxyError(502, "unavailable",
+                       "the sandbox's server closed the connection without answering"),
+            isHead, false);
       }
       touch();
       status = up->get().result_int();
@@ -472,27 +454,26 @@ class ProxyConn : public std::enable_shared_from_this<ProxyConn> {
     auto& res = up->get();
     std::string upConn;
     for (auto& f : res) {
-      if (ieq(f.name_string(), "connection")) upConn += std::string(f.value()) + ",";
+      if (asciiIEquals(f.name_string(), "connection")) upConn += std::string(f.value()) + ",";
     }
     std::string out = headLine(status);
     auto replaced = [&](std::string_view k) {
       for (auto& [rk, rv] : d.responseHeaders) {
-        if (ieq(rk, k)) return true;
+        if (asciiIEquals(rk, k)) return true;
       }
       return false;
     };
 
     if (status == 101) {
-      if (!pr_upgrade(rp)) {
-        ProxyDecision bad;
-        bad.status = 502;
-        bad.body = R"({"error":{"code":"unavailable","message":"the sandbox's server switched protocols unasked"}})";
-        co_return co_await answer(bad, isHead, false);
+      if (!upgrade) {
+        co_return co_await answer(
+            proxyError(502, "unavailable", "the sandbox's server switched protocols unasked"),
+            isHead, false);
       }
       for (auto& f : res) {
         std::string_view k = f.name_string();
         if (replaced(k)) continue;
-        if (isHopByHop(k, upConn) && !ieq(k, "upgrade")) continue;
+        if (isHopByHop(k, upConn) && !asciiIEquals(k, "upgrade")) continue;
         appendHeader(out, k, f.value());
       }
       for (auto& [k, v] : d.responseHeaders) appendHeader(out, k, v);
@@ -517,19 +498,19 @@ class ProxyConn : public std::enable_shared_from_this<ProxyConn> {
 
     const bool noBody = isHead || status == 204 || status == 304 || (status >= 100 && status < 200);
     const bool closeDelimited = !noBody && !up->chunked() && !up->content_length();
-    bool keep = clientKeep && !d.close && pr_version(rp) >= 11;
+    bool keep = clientKeep && !d.close && version >= 11;
     bool chunkDown = false;
     for (auto& f : res) {
       std::string_view k = f.name_string();
       if (replaced(k) || isHopByHop(k, upConn)) continue;
-      if (ieq(k, "content-length") && !noBody) continue;
+      if (asciiIEquals(k, "content-length") && !noBody) continue;
       appendHeader(out, k, f.value());
     }
     for (auto& [k, v] : d.responseHeaders) appendHeader(out, k, v);
     if (!noBody) {
       if (up->content_length()) {
         out += "Content-Length: " + std::to_string(*up->content_length()) + "\r\n";
-      } else if (pr_version(rp) >= 11) {
+      } else if (version >= 11) {
         out += "Transfer-Encoding: chunked\r\n";
         chunkDown = true;
       } else {
@@ -560,14 +541,6 @@ class ProxyConn : public std::enable_shared_from_this<ProxyConn> {
     co_return keep;
   }
 
-  static std::string pr_method(const bhttp::request<bhttp::buffer_body>& req) {
-    return std::string(req.method_string());
-  }
-  static bool pr_upgrade(const bhttp::request_parser<bhttp::buffer_body>& p) { return p.upgrade(); }
-  static int pr_version(const bhttp::request_parser<bhttp::buffer_body>& p) {
-    return p.get().version();
-  }
-
   Runtime& rt_;
   Strand strand_;
   Sock client_;
@@ -594,7 +567,7 @@ class ProxyConn : public std::enable_shared_from_this<ProxyConn> {
 
 std::string ProxyRequest::header(std::string_view name) const {
   for (auto& [k, v] : headers) {
-    if (ieq(k, name)) return v;
+    if (asciiIEquals(k, name)) return v;
   }
   return "";
 }
@@ -604,7 +577,7 @@ bool isHopByHop(std::string_view name, std::string_view connectionHeader) {
       "connection", "keep-alive", "proxy-connection", "te",     "trailer",
       "transfer-encoding", "upgrade", "expect", "proxy-authenticate", "proxy-authorization"};
   for (auto h : kHop) {
-    if (ieq(name, h)) return true;
+    if (asciiIEquals(name, h)) return true;
   }
   return !connectionHeader.empty() && hasToken(connectionHeader, name);
 }

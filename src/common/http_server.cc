@@ -21,6 +21,7 @@
 
 #include "common/log.h"
 #include "common/runtime.h"
+#include "common/util.h"
 
 namespace dsec::http {
 
@@ -642,9 +643,7 @@ asio::awaitable<Next> Connection::readRequest() {
     req.method = std::string(msg.method_string());
     req.target = std::string(msg.target());
     for (auto& f : msg) {
-      std::string name(f.name_string());
-      for (auto& c : name) c = char(tolower(static_cast<unsigned char>(c)));
-      req.headers[name] = std::string(f.value());
+      req.headers[asciiLower(f.name_string())] = std::string(f.value());
     }
     if (auto len = x.parser.content_length()) req.contentLength = *len;
     std::string_view tgt = req.target;

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <openssl/evp.h>
+#include <openssl/hmac.h>
 #include <unistd.h>
 
 #include "common/fd.h"
@@ -54,6 +55,23 @@ Result<std::string> sha256File(const std::string& path) {
     h.update(buf.data(), size_t(n));
   }
   return h.hexDigest();
+}
+
+std::string hmacSha256Hex(std::string_view key, std::string_view msg) {
+  unsigned char mac[EVP_MAX_MD_SIZE];
+  unsigned int len = 0;
+  if (!HMAC(EVP_sha256(), key.data(), int(key.size()),
+            reinterpret_cast<const unsigned char*>(msg.data()), msg.size(), mac, &len)) {
+    return "";
+  }
+  static const char* kHex = "0123456789abcdef";
+  std::string hex;
+  hex.reserve(2 * len);
+  for (unsigned i = 0; i < len; ++i) {
+    hex.push_back(kHex[mac[i] >> 4]);
+    hex.push_back(kHex[mac[i] & 15]);
+  }
+  return hex;
 }
 
 }  // namespace dsec

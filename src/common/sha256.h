@@ -23,6 +23,8 @@ class Sha256 {
 };
 
 std::string sha256Hex(std::string_view data);
+// HMAC-SHA256(key, msg) as lower-case hex (64 characters); "" if OpenSSL fails.
+std::string hmacSha256Hex(std::string_view key, std::string_view msg);
 Result<std::string> sha256File(const std::string& path);
 
 }  // namespace dsec

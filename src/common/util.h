@@ -41,6 +41,12 @@ Result<std::vector<std::string>> dirEntries(const std::string& dir);
 
 std::vector<std::string> splitString(std::string_view s, char sep);
 bool startsWith(std::string_view s, std::string_view prefix);
+// s without HTTP's optional whitespace (spaces and tabs) at either end.
+std::string_view trimOws(std::string_view s);
+// s with its ASCII letters lower-cased (header and host names, media types).
+std::string asciiLower(std::string_view s);
+// Whether a and b are equal but for the case of ASCII letters.
+bool asciiIEquals(std::string_view a, std::string_view b);
 
 // Constant-time comparison for secrets.
 bool secretEquals(std::string_view a, std::string_view b);

@@ -24,6 +24,21 @@ TEST(UtilTest, RandomHexHasLengthAndVaries) {
 
 TEST(UtilTest, IsoTime) { EXPECT_EQ(isoTime(0.5), "1970-01-01T00:00:00.500Z"); }
 
+TEST(UtilTest, AsciiCaseAndOws) {
+  EXPECT_EQ(asciiLower("Content-TYPE: X/Y-9"), "content-type: x/y-9");
+  EXPECT_TRUE(asciiIEquals("Upgrade", "uPGRADE"));
+  EXPECT_FALSE(asciiIEquals("Upgrade", "Upgrades"));
+  EXPECT_FALSE(asciiIEquals("a", "b"));
+  EXPECT_EQ(trimOws(" \t gzip ;q=0 \t"), "gzip ;q=0");
+  EXPECT_EQ(trimOws(" \t "), "");
+}
+
+TEST(UtilTest, HmacSha256Hex) {
+  // RFC 4231, test case 2.
+  EXPECT_EQ(hmacSha256Hex("Jefe", "what do ya want for nothing?"),
+            "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843");
+}
+
 TEST(UtilTest, SecretEquals) {
   EXPECT_TRUE(secretEquals("abc", "abc"));
   EXPECT_FALSE(secretEquals("abc", "abd"));

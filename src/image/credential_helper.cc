@@ -26,11 +26,6 @@ using Json = nlohmann::json;
 constexpr std::string_view kDockerHub = "docker.io";
 constexpr size_t kMaxAnswer = 1 << 20;
 
-std::string lowerOf(std::string_view s) {
-  std::string out(s);
-  for (char& c : out) c = char(std::tolower(static_cast<unsigned char>(c)));
-  return out;
-}
 
 bool plainWord(const std::string& s) {
   if (s.empty() || s.size() > 100) return false;
@@ -54,7 +49,7 @@ Result<std::optional<std::string>> credentialHelperFor(std::string_view configJs
                       "docker config is not valid JSON (at byte " + std::to_string(e.byte) + ")");
   }
   if (!j.is_object()) return invalidArg("auth", "docker config is not a JSON object");
-  const std::string want = lowerOf(host);
+  const std::string want = asciiLower(host);
   auto named = [&](const Json& v, const std::string& where) -> Result<std::optional<std::string>> {
     if (!v.is_string() || !plainWord(v.get<std::string>())) {
       return invalidArg("auth", "docker config: " + where + " is not a helper name");
@@ -80,7 +75,7 @@ Result<std::optional<RegistryCredentials>> runCredentialHelper(const std::string
   if (!plainWord(name)) return invalidArg("auth", "credential helper \"" + name + "\" is not a name");
   const std::string prog = "docker-credential-" + name;
   const std::string server =
-      lowerOf(host) == kDockerHub ? "https://index.docker.io/v1/" : std::string(host);
+      asciiLower(host) == kDockerHub ? "https://index.docker.io/v1/" : std::string(host);
   int in[2], out[2];
   if (::pipe2(in, O_CLOEXEC) != 0) return sysError("pipe");
   UniqueFd inR(in[0]), inW(in[1]);

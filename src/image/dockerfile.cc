@@ -15,6 +15,8 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
+#include "common/util.h"
+
 namespace dsec::image {
 namespace {
 
@@ -42,11 +44,6 @@ std::string_view trimRight(std::string_view s) {
 }
 std::string_view trimSpace(std::string_view s) { return trimRight(trimLeft(s)); }
 
-std::string toLower(std::string_view s) {
-  std::string out(s);
-  for (char& c : out) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  return out;
-}
 std::string toUpper(std::string_view s) {
   std::string out(s);
   for (char& c : out) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
@@ -678,7 +675,7 @@ struct Directives {
                                isDigit(static_cast<unsigned char>(rest[i])))) {
       ++i;
     }
-    std::string key = toLower(rest.substr(0, i));
+    std::string key = asciiLower(rest.substr(0, i));
     while (i < rest.size() && isReSpace(rest[i])) ++i;
     if (i >= rest.size() || rest[i] != '=') {
       done = true;
@@ -1002,7 +999,7 @@ Status parseFlags(const std::vector<std::string>& words, const std::vector<FlagS
         if (hasValue && value.empty()) {
           return Status(Code::kInvalidArgument, "missing a value on flag: " + flagName);
         }
-        std::string v = toLower(value);
+        std::string v = asciiLower(value);
         if (v == "true" || v.empty()) {
           inst->flags[name] = "true";
         } else if (v == "false") {
@@ -1113,7 +1110,7 @@ bool isKnownInstruction(const std::string& lower) {
 // caller adds the line.
 Result<Instruction> parseInstruction(const Split& sp, const std::string& original, int line,
                                      char escape) {
-  const std::string lower = toLower(sp.cmd);
+  const std::string lower = asciiLower(sp.cmd);
   Instruction inst;
   inst.line = line;
   inst.keyword = toUpper(sp.cmd);
@@ -1374,7 +1371,7 @@ Result<Instruction> parseInstruction(const Split& sp, const std::string& origina
     if (trigger == "MAINTAINER" || trigger == "FROM") {
       return fail(trigger + " isn't allowed as an ONBUILD trigger");
     }
-    if (!isKnownInstruction(toLower(sub.cmd))) return fail("unknown instruction: " + sub.cmd);
+    if (!isKnownInstruction(asciiLower(sub.cmd))) return fail("unknown instruction: " + sub.cmd);
     // Check the trigger now: it runs in another build, where errors are late.
     auto checked = parseInstruction(sub, rest, line, escape);
     if (!checked.isOk()) return std::move(checked).takeStatus();
@@ -1482,7 +1479,7 @@ Status normalizePort(const std::string& raw, std::vector<std::string>* out) {
   for (size_t i = 0; i + 2 < parts.size(); ++i) ip += (i ? ":" : "") + parts[i];
   size_t slash = containerPort.find('/');
   std::string rawProto = slash == std::string::npos ? "" : containerPort.substr(slash + 1);
-  std::string proto = toLower(rawProto);
+  std::string proto = asciiLower(rawProto);
   containerPort = containerPort.substr(0, slash);
   if (containerPort.empty()) {
     return Status(Code::kInvalidArgument, "invalid port: " + quote(raw) + ": no port specified");
@@ -1561,7 +1558,7 @@ Platform parsePlatformOpt(const std::string& s) {
 const char* const kProxyArgs[] = {"http_proxy", "https_proxy", "ftp_proxy", "no_proxy",
                                   "all_proxy"};
 bool isProxyArg(const std::string& key) {
-  std::string l = toLower(key);
+  std::string l = asciiLower(key);
   for (const char* p : kProxyArgs) {
     if (l == p) return true;
   }
@@ -1578,7 +1575,7 @@ std::string stageLabel(const Stage& s) {
 }
 
 int findStage(const std::vector<Stage>& stages, std::string_view name) {
-  std::string l = toLower(name);
+  std::string l = asciiLower(name);
   for (const Stage& s : stages) {
     if (!s.name.empty() && s.name == l) return s.index;
   }
@@ -1654,7 +1651,7 @@ Result<std::vector<Instruction>> parseTriggers(
   std::vector<Instruction> out;
   for (const auto& [text, line] : triggers) {
     Split sp = splitCommand(text, '\\');
-    std::string lower = toLower(sp.cmd);
+    std::string lower = asciiLower(sp.cmd);
     if (lower == "from" || lower == "maintainer" || lower == "onbuild") {
       return dfError(line, toUpper(sp.cmd) + " isn't allowed as an ONBUILD trigger");
     }
@@ -1785,7 +1782,7 @@ class Substituter {
       case K::kRun:
         inst->env = st->env;
         for (const auto& [k, v] : proxyEnv_) {
-          for (const std::string& name : {toUpper(k), toLower(k)}) {
+          for (const std::string& name : {toUpper(k), asciiLower(k)}) {
             if (!lookupEnv(inst->env, name)) inst->env.emplace_back(name, v);
           }
         }
@@ -1844,9 +1841,9 @@ Result<Dockerfile> parseDockerfile(std::string_view text, const ParseOptions& op
   std::string targetStage = opts.target;
   if (targetStage.empty()) {
     for (const Split& sp : splits) {
-      if (toLower(sp.cmd) != "from") continue;
+      if (asciiLower(sp.cmd) != "from") continue;
       auto a = splitWhitespace(sp.args);
-      targetStage = a.size() == 3 ? toLower(a[2]) : "";
+      targetStage = a.size() == 3 ? asciiLower(a[2]) : "";
     }
   }
   EnvList globals = {{"BUILDPLATFORM", bp.format()},
@@ -1875,7 +1872,7 @@ Result<Dockerfile> parseDockerfile(std::string_view text, const ParseOptions& op
   for (size_t li = 0; li < lines.size(); ++li) {
     const LogicalLine& ll = lines[li];
     const Split& sp = splits[li];
-    const std::string lower = toLower(sp.cmd);
+    const std::string lower = asciiLower(sp.cmd);
     if (lower == "from") {
       Stage st;
       st.index = static_cast<int>(df.stages.size());
@@ -1883,8 +1880,8 @@ Result<Dockerfile> parseDockerfile(std::string_view text, const ParseOptions& op
       Instruction scratch;
       Status fs = parseFlags(sp.flags, {{"platform", FlagType::kString}}, "FROM", &scratch);
       std::vector<std::string> args = splitWhitespace(sp.args);
-      if (args.size() == 3 && toLower(args[1]) == "as") {
-        st.name = toLower(args[2]);
+      if (args.size() == 3 && asciiLower(args[1]) == "as") {
+        st.name = asciiLower(args[2]);
         if (!isValidStageName(st.name)) {
           return dfError(ll.start, "invalid name for build stage: " + quote(args[2]) +
                                        ", name can't start with a number or contain symbols");

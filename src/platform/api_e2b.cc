@@ -3,11 +3,10 @@
 // A template is a dsec image; the API key (X-API-KEY) is a dsec key, so
 // tenants, quotas and policies apply as to any call. Errors are E2B's
 // {"code": <HTTP status>, "message": ...}: its SDK reads the JSON code.
-#include <openssl/hmac.h>
-
 #include <cmath>
 
 #include "common/log.h"
+#include "common/sha256.h"
 #include "common/util.h"
 #include "platform/api_util.h"
 #include "platform/platform.h"
@@ -69,18 +68,7 @@ Result<std::map<std::string, std::string>> metadataQuery(const std::string& q) {
 std::string Platform::envdToken(const std::string& sandboxId) const {
   // HMAC-SHA256(the platform's token, sandbox id): the same on every replica
   // of one platform, nothing to store, and worth nothing for another sandbox.
-  unsigned char mac[32];
-  unsigned int n = 0;
-  const std::string label = "dsec-e2b-envd/1 " + sandboxId;
-  HMAC(EVP_sha256(), opts_.token.data(), int(opts_.token.size()),
-       reinterpret_cast<const unsigned char*>(label.data()), label.size(), mac, &n);
-  static const char* kHex = "0123456789abcdef";
-  std::string out;
-  for (unsigned i = 0; i < n; ++i) {
-    out.push_back(kHex[mac[i] >> 4]);
-    out.push_back(kHex[mac[i] & 15]);
-  }
-  return "ea_" + out;
+  return "ea_" + hmacSha256Hex(opts_.token, "dsec-e2b-envd/1 " + sandboxId);
 }
 
 json Platform::e2bSandbox(const SandboxRecord& r) const {

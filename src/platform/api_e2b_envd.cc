@@ -843,8 +843,7 @@ Result<std::vector<Part>> multipartFiles(const std::string& body, const std::str
     size_t dataStart = headersEnd + 4;
     size_t next = body.find("\r\n" + delim, dataStart);
     if (next == std::string::npos) return invalidArg("body", "unterminated multipart part");
-    std::string lower = headers;
-    for (char& c : lower) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    std::string lower = asciiLower(headers);
     if (lower.find("name=\"file\"") != std::string::npos) {
       Part p;
       size_t f = lower.find("filename=\"");

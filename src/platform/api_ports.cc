@@ -10,14 +10,11 @@
 // unexposed) as ?dsec_token=, a cookie (host form), Dsec-Port-Token, or
 // Authorization: Bearer; or the API key of the sandbox's tenant or an admin
 // in Authorization. Whatever was ours is stripped before the request goes on.
-#include <openssl/crypto.h>
-#include <openssl/evp.h>
-#include <openssl/hmac.h>
-
 #include <charconv>
 
 #include "common/http_proxy.h"
 #include "common/log.h"
+#include "common/sha256.h"
 #include "common/util.h"
 #include "platform/api_util.h"
 #include "platform/platform.h"
@@ -32,11 +29,6 @@ constexpr const char* kCookie = "dsec_port";
 bool parsePort(std::string_view s, int& out) {
   auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), out);
   return ec == std::errc() && p == s.data() + s.size() && out >= 1 && out <= 65535;
-}
-
-std::string lower(std::string s) {
-  for (auto& c : s) c = char(tolower(static_cast<unsigned char>(c)));
-  return s;
 }
 
 // The target without the dsec_token query parameter; `token` gets its value.
@@ -60,8 +52,7 @@ std::string stripToken(const std::string& target, std::string& token) {
 std::string stripCookie(const std::string& header, std::string& token) {
   std::string kept;
   for (auto part : splitString(header, ';')) {
-    std::string p = part;
-    while (!p.empty() && p.front() == ' ') p.erase(0, 1);
+    std::string p(trimOws(part));
     if (startsWith(p, std::string(kCookie) + "=")) {
       token = p.substr(strlen(kCookie) + 1);
       continue;
@@ -71,12 +62,18 @@ std::string stripCookie(const std::string& header, std::string& token) {
   return kept;
 }
 
+// A Host header's name, lower-cased, without its port.
+std::string hostName(std::string_view header) {
+  std::string host = asciiLower(header);
+  size_t colon = host.rfind(':');
+  if (colon != std::string::npos && host.find(']') == std::string::npos) host.resize(colon);
+  return host;
+}
+
 http::ProxyDecision answer(const Status& st) {
   http::ProxyDecision d;
   d.status = httpStatusFor(st.code());
-  json e = {{"code", codeName(st.code())}, {"message", st.message()}};
-  if (!st.field().empty()) e["field"] = st.field();
-  d.body = dumpJson(json{{"error", e}});
+  d.body = errorBody(st);
   if (st.code() == Code::kUnauthenticated) d.answerHeaders.emplace_back("WWW-Authenticate", "Bearer");
   return d;
 }
@@ -84,19 +81,8 @@ http::ProxyDecision answer(const Status& st) {
 }  // namespace
 
 std::string Platform::portToken(const std::string& id, int port, uint64_t gen) const {
-  unsigned char mac[32];
-  unsigned int n = 0;
-  const std::string label =
-      "dsec-port/1 " + id + " " + std::to_string(port) + " " + std::to_string(gen);
-  HMAC(EVP_sha256(), opts_.token.data(), int(opts_.token.size()),
-       reinterpret_cast<const unsigned char*>(label.data()), label.size(), mac, &n);
-  static const char* kHex = "0123456789abcdef";
-  std::string out = "dpt_";
-  for (unsigned i = 0; i < n; ++i) {
-    out.push_back(kHex[mac[i] >> 4]);
-    out.push_back(kHex[mac[i] & 15]);
-  }
-  return out;
+  return "dpt_" + hmacSha256Hex(opts_.token, "dsec-port/1 " + id + " " + std::to_string(port) +
+                                                 " " + std::to_string(gen));
 }
 
 void Platform::setListenUrl(std::string url) {
@@ -137,7 +123,7 @@ Status Platform::pushPorts(const SandboxRecord& r) {
   std::vector<proto::PortGen> ports;
   double now = nowSeconds();
   for (auto& p : r.ports) {
-    if (p.expiresAt == 0 || p.expiresAt > now) ports.push_back({p.port, p.gen});
+    if (p.liveAt(now)) ports.push_back({p.port, p.gen});
   }
   return cluster_->setPorts(r.id, ports);
 }
@@ -157,7 +143,7 @@ void Platform::portsApi(const std::string& id, const std::vector<std::string>& p
     json list = json::array();
     double now = nowSeconds();
     for (auto& p : r.ports) {
-      if (p.expiresAt == 0 || p.expiresAt > now) list.push_back(portJson(r, p));
+      if (p.liveAt(now)) list.push_back(portJson(r, p));
     }
     return sendJson(res, 200, dumpJson(json{{"ports", list}}));
   }
@@ -195,7 +181,7 @@ void Platform::portsApi(const std::string& id, const std::vector<std::string>& p
       SandboxRecord& rec = it->second;
       double now = nowSeconds();
       // Expired exposures go first: they no longer count.
-      std::erase_if(rec.ports, [&](auto& p) { return p.expiresAt > 0 && p.expiresAt <= now; });
+      std::erase_if(rec.ports, [&](auto& p) { return !p.liveAt(now); });
       auto p = std::find_if(rec.ports.begin(), rec.ports.end(),
                             [&](auto& x) { return x.port == int(*port); });
       if (p == rec.ports.end()) {
@@ -235,7 +221,7 @@ void Platform::portsApi(const std::string& id, const std::vector<std::string>& p
     if (m != "DELETE" && m != "GET") return sendError(res, methodNotAllowed(req));
     if (m == "GET") {
       for (auto& p : r.ports) {
-        if (p.port == port && (p.expiresAt == 0 || p.expiresAt > nowSeconds())) {
+        if (p.port == port && p.liveAt(nowSeconds())) {
           return sendJson(res, 200, dumpJson(portJson(r, p)));
         }
       }
@@ -275,14 +261,14 @@ void Platform::expirePorts() {
     for (auto& [id, r] : sandboxes_) {
       bool any = false;
       for (auto& p : r.ports) {
-        if (p.expiresAt > 0 && p.expiresAt <= now) {
+        if (!p.liveAt(now)) {
           any = true;
         } else if (p.expiresAt > 0) {
           nextPortExpiry_ = std::min(nextPortExpiry_, p.expiresAt);
         }
       }
       if (!any) continue;
-      std::erase_if(r.ports, [&](auto& p) { return p.expiresAt > 0 && p.expiresAt <= now; });
+      std::erase_if(r.ports, [&](auto& p) { return !p.liveAt(now); });
       r.updatedAt = now;
       changed.push_back(r);
     }
@@ -313,21 +299,18 @@ void Platform::writePortMetrics(metrics::Writer& w) {
 // ---------------------------------------------------------------- the proxy
 
 http::ServerOptions::Taker Platform::divertPort(const http::Request& req) {
+  // The host form names its sandbox and port once, in the connection's first
+  // Host; the path form in each request's target, which routePort reads.
   std::string id;
   int port = 0;
-  bool hostForm = false;
-  if (startsWith(req.path, "/ports/")) {
-    // /ports/{id}/{port}[/...]
-    auto parts = splitString(req.path, '/');
-    if (parts.size() < 4) return {};
-    id = parts[2];
-    if (!parsePort(parts[3], port)) port = -1;  // the router answers 400
-  } else if (!opts_.exposeDomain.empty()) {
-    std::string host = lower(req.header("host"));
-    if (size_t colon = host.rfind(':'); colon != std::string::npos && host.find(']') == std::string::npos) {
-      host.resize(colon);
-    }
-    std::string suffix = "." + lower(opts_.exposeDomain);
+  const bool hostForm = !startsWith(req.path, "/ports/");
+  if (!hostForm) {
+    // /ports/{id}/{port}[/...]: anything shorter is the API's 404.
+    if (splitString(req.path, '/').size() < 4) return {};
+  } else {
+    if (opts_.exposeDomain.empty()) return {};
+    std::string host = hostName(req.header("host"));
+    std::string suffix = "." + asciiLower(opts_.exposeDomain);
     if (host.size() <= suffix.size() || host.compare(host.size() - suffix.size(), suffix.size(), suffix) != 0) {
       return {};
     }
@@ -336,9 +319,6 @@ http::ServerOptions::Taker Platform::divertPort(const http::Request& req) {
     if (dash == std::string::npos || label.find('.') != std::string::npos) return {};
     if (!parsePort(label.substr(0, dash), port)) return {};
     id = label.substr(dash + 1);
-    hostForm = true;
-  } else {
-    return {};
   }
   return [this, id, port, hostForm](UniqueFd sock, std::string bytes) {
     http::serveProxy(
@@ -381,16 +361,10 @@ http::ProxyDecision Platform::routePort(const http::ProxyRequest& r, const std::
     }
     rest = b == std::string::npos ? "/" : r.target.substr(b);
     if (!rest.empty() && rest[0] == '?') rest = "/" + rest;
-  } else if (port < 1) {
-    return answer(invalidArg("port", "port must be an integer from 1 to 65535"));
-  }
-  if (hostForm) {
-    std::string host = lower(r.header("host"));
-    if (size_t colon = host.rfind(':'); colon != std::string::npos) host.resize(colon);
-    if (host != std::to_string(port) + "-" + id + "." + lower(opts_.exposeDomain)) {
-      return answer(Status(Code::kNotFound, "this connection serves " + std::to_string(port) +
-                                                "-" + id + " only"));
-    }
+  } else if (hostName(r.header("host")) !=
+             std::to_string(port) + "-" + id + "." + asciiLower(opts_.exposeDomain)) {
+    return answer(Status(Code::kNotFound, "this connection serves " + std::to_string(port) +
+                                              "-" + id + " only"));
   }
 
   // The credential: a URL token in the query, a cookie, a header, or a key.
@@ -437,15 +411,13 @@ http::ProxyDecision Platform::routePort(const http::ProxyRequest& r, const std::
     for (auto& p : rec.ports) {
       if (p.port == rport) {
         exp = &p;
-        expired = p.expiresAt > 0 && p.expiresAt <= now;
+        expired = !p.liveAt(now);
       }
     }
   }
   bool usedBearer = false;
   if (!token.empty()) {
-    std::string want = exp ? portToken(rid, rport, exp->gen) : std::string(68, '\0');
-    bool match = exp && token.size() == want.size() &&
-                 CRYPTO_memcmp(token.data(), want.data(), want.size()) == 0;
+    bool match = exp && secretEquals(token, portToken(rid, rport, exp->gen));
     if (!match) return answer(Status(Code::kUnauthenticated, "invalid url token"));
     if (expired) return answer(Status(Code::kUnauthenticated, "url token expired"));
     usedBearer = token == bearer;

@@ -2,6 +2,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/util.h"
+
 namespace dsec::platform::connect {
 
 using json = nlohmann::json;
@@ -19,9 +21,8 @@ std::string frame(uint8_t flags, std::string_view payload) {
 }
 
 std::string mediaType(std::string_view contentType) {
-  std::string t(contentType.substr(0, contentType.find(';')));
+  std::string t = asciiLower(contentType.substr(0, contentType.find(';')));
   while (!t.empty() && (t.back() == ' ' || t.back() == '\t')) t.pop_back();
-  for (char& c : t) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
   return t;
 }
 

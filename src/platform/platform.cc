@@ -17,12 +17,15 @@ void sendJson(http::Response& res, int status, const std::string& body) {
   (void)res.send(status, "application/json", body);
 }
 
-std::pair<int, std::string> errorAnswer(const Status& st) {
+std::string errorBody(const Status& st) {
   json e = {{"code", codeName(st.code())}, {"message", st.message()}};
   if (!st.field().empty()) e["field"] = st.field();
+  return json{{"error", e}}.dump(-1, ' ', false, json::error_handler_t::replace);
+}
+
+std::pair<int, std::string> errorAnswer(const Status& st) {
   countApiError(st.code());  // dsec_api_errors_total (platform/cluster.h)
-  return {httpStatusFor(st.code()),
-          json{{"error", e}}.dump(-1, ' ', false, json::error_handler_t::replace)};
+  return {httpStatusFor(st.code()), errorBody(st)};
 }
 
 void sendError(http::Response& res, const Status& st) {

@@ -672,6 +672,9 @@ void sendError(http::Response& res, const Status& st);
 void sendError(http::Deferred& d, const Status& st);
 // The API's answer to an error: its HTTP status and JSON body, counted.
 std::pair<int, std::string> errorAnswer(const Status& st);
+// The JSON body alone, {"error": {"code", "message", "field"?}}, not counted
+// (the answers of exposed ports' proxy, which are not API calls).
+std::string errorBody(const Status& st);
 void sendJson(http::Response& res, int status, const std::string& body);
 // An image as the API shows it (api_images.cc).
 nlohmann::json imageToApi(const ImageRecord& r);

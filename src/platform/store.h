@@ -85,6 +85,7 @@ struct SandboxRecord {
     uint64_t gen = 1;
     double createdAt = 0;
     double expiresAt = 0;  // 0: while the sandbox lives
+    bool liveAt(double now) const { return expiresAt == 0 || expiresAt > now; }
   };
   std::vector<ExposedPort> ports;
   // The tenant that owns it (platform/tenants.h); records written before

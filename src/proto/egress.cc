@@ -123,8 +123,7 @@ Result<EgressEntry> parseEgressEntry(const std::string& text, const std::string&
     if (text.front() == '[' || !validHostName(ip)) {
       return bad("not an IPv4/IPv6 address, CIDR or host name");
     }
-    e.host = ip;
-    for (char& c : e.host) c = char(tolower(static_cast<unsigned char>(c)));
+    e.host = asciiLower(ip);
     return e;
   }
   int maxLen = e.family == AF_INET ? 32 : 128;

@@ -3,8 +3,6 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <openssl/crypto.h>
-#include <openssl/evp.h>
-#include <openssl/hmac.h>
 #include <sys/socket.h>
 
 #include <algorithm>
@@ -20,6 +18,7 @@
 
 #include "common/frame.h"
 #include "common/log.h"
+#include "common/sha256.h"
 #include "common/util.h"
 
 namespace dsec::proto {
@@ -94,19 +93,7 @@ std::string proofOf(const std::string& key, std::string_view label, std::string_
   appendLenPrefixed(msg, label);
   appendLenPrefixed(msg, helloC);
   appendLenPrefixed(msg, helloS);
-  unsigned char mac[EVP_MAX_MD_SIZE];
-  unsigned int len = 0;
-  if (!HMAC(EVP_sha256(), key.data(), int(key.size()),
-            reinterpret_cast<const unsigned char*>(msg.data()), msg.size(), mac, &len)) {
-    return "";
-  }
-  static const char* kHex = "0123456789abcdef";
-  std::string hex;
-  for (unsigned i = 0; i < len; ++i) {
-    hex.push_back(kHex[mac[i] >> 4]);
-    hex.push_back(kHex[mac[i] & 15]);
-  }
-  return hex;
+  return hmacSha256Hex(key, msg);
 }
 
 constexpr std::string_view kClientLabel = "dsec-link/1 client";

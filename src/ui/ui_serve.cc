@@ -3,7 +3,6 @@
 // side: routing under /ui, caching headers, conditional requests, gzip.
 #include "ui/ui_assets.h"
 
-#include <cctype>
 #include <string>
 
 #include "common/http_server.h"
@@ -18,23 +17,6 @@ std::string& uiDir() {
   return dir;
 }
 
-std::string_view trim(std::string_view s) {
-  while (!s.empty() && (s.front() == ' ' || s.front() == '\t')) s.remove_prefix(1);
-  while (!s.empty() && (s.back() == ' ' || s.back() == '\t')) s.remove_suffix(1);
-  return s;
-}
-
-bool iequals(std::string_view a, std::string_view b) {
-  if (a.size() != b.size()) return false;
-  for (size_t i = 0; i < a.size(); ++i) {
-    if (std::tolower(static_cast<unsigned char>(a[i])) !=
-        std::tolower(static_cast<unsigned char>(b[i]))) {
-      return false;
-    }
-  }
-  return true;
-}
-
 // Whether Accept-Encoding admits gzip: "gzip" or "*" listed without q=0.
 bool acceptsGzip(std::string_view header) {
   bool gzip = false, star = false, gzipSaid = false;
@@ -43,16 +25,16 @@ bool acceptsGzip(std::string_view header) {
     std::string_view item = header.substr(0, comma);
     header = comma == std::string_view::npos ? std::string_view() : header.substr(comma + 1);
     size_t semi = item.find(';');
-    std::string_view coding = trim(item.substr(0, semi));
+    std::string_view coding = trimOws(item.substr(0, semi));
     bool zero = false;
     if (semi != std::string_view::npos) {
-      std::string_view params = trim(item.substr(semi + 1));
+      std::string_view params = trimOws(item.substr(semi + 1));
       if (params.size() >= 2 && (params[0] == 'q' || params[0] == 'Q') && params[1] == '=') {
-        std::string_view q = trim(params.substr(2));
+        std::string_view q = trimOws(params.substr(2));
         zero = !q.empty() && q.find_first_not_of("0.") == std::string_view::npos;
       }
     }
-    if (iequals(coding, "gzip") || iequals(coding, "x-gzip")) {
+    if (asciiIEquals(coding, "gzip") || asciiIEquals(coding, "x-gzip")) {
       gzipSaid = true;
       gzip = !zero;
     } else if (coding == "*") {
@@ -66,7 +48,7 @@ bool acceptsGzip(std::string_view header) {
 bool matchesEtag(std::string_view header, std::string_view etag) {
   while (!header.empty()) {
     size_t comma = header.find(',');
-    std::string_view tag = trim(header.substr(0, comma));
+    std::string_view tag = trimOws(header.substr(0, comma));
     header = comma == std::string_view::npos ? std::string_view() : header.substr(comma + 1);
     if (tag == "*") return true;
     if (tag.size() > 2 && tag.substr(0, 2) == "W/") tag.remove_prefix(2);

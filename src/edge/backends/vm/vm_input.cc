@@ -3,6 +3,8 @@
 #include <cctype>
 #include <map>
 
+#include "common/util.h"
+
 namespace dsec::edge::vminput {
 
 using json = nlohmann::json;
@@ -112,8 +114,7 @@ Result<json> keyCombo(const std::string& combo) {
   std::vector<std::string> keys;
   std::string cur;
   auto flush = [&]() -> Status {
-    std::string k;
-    for (char c : cur) k += char(std::tolower(static_cast<unsigned char>(c)));
+    std::string k = asciiLower(cur);
     if (auto a = aliases().find(k); a != aliases().end()) k = a->second;
     if (!knownQcode(k)) return invalidArg("key", "unknown key '" + cur + "' in '" + combo + "'");
     keys.push_back(k);
