@@ -550,6 +550,89 @@ def test_identical_files_in_different_layers_are_stored_once(client, server, reg
     assert {top_b, la["data"]["digest"], lb["data"]["digest"]} <= set(removed), removed
 
 
+def _allocated(path: Path) -> int:
+    return path.stat().st_blocks * 512
+
+
+def test_gc_removes_the_chunks_no_layer_reads_any_more(client, server, reg, tmp_path):
+    """A's layer also holds 2 MiB B does not have. Once A is gone, gc keeps
+    A's data blob for B but punches out the chunks no layer reads: the file
+    shrinks on disk, the API says so, B still reads exact bytes from it on a
+    cold node, and A pulled again reads its own bytes from a new blob. The
+    blob uploaded whole again is whole in the record too."""
+    pair = DedupPair(tmp_path, busybox_tar(), unique("reclaim"), a_own=2 * (1 << 20) + 777)
+    repo = unique("reclaim")
+    pair.push(reg, repo)
+    ref_a, ref_b = f"{reg.host}/{repo}-a:v1", f"{reg.host}/{repo}-b:v1"
+    img_a = client.pull_image(ref_a, insecure_registry=True)
+    img_b = client.pull_image(ref_b, insecure_registry=True)
+    top_a, top_b = img_a.layers[-1], img_b.layers[-1]
+    st, _, _, la = server.raw("GET", f"/v1/layers/{top_a}")
+    assert st == 200, la
+    data_a = la["data"]["digest"]
+    st, _, _, lb = server.raw("GET", f"/v1/layers/{top_b}")
+    assert [x["digest"] for x in lb["extra_data"]] == [data_a], lb
+    assert lb["extra_data"][0]["reclaimed_bytes"] == 0, lb
+    path = server.data_dir / "blobs" / "sha256" / data_a[7:]
+    whole = path.read_bytes()
+    alloc_before = _allocated(path)
+    stored_before = client.image(ref_b).raw["stored_bytes"]
+
+    # Nothing to take while A's layer lives.
+    st, _, _, gc = server.raw("POST", "/v1/gc", {"grace_s": 0})
+    assert st == 200 and gc["reclaimed"] == [], gc
+
+    client.delete_image(ref_a)
+    st, _, _, gc = server.raw("POST", "/v1/gc", {"grace_s": 0})
+    assert st == 200, gc
+    assert top_a in gc["removed"] and data_a not in gc["removed"], gc
+    [rec] = gc["reclaimed"]
+    assert rec["digest"] == data_a, gc
+    # All of A's own bytes but the 128 KiB chunk it shares with B's files.
+    own = pair.a_own_bytes
+    assert own - (256 << 10) <= rec["bytes"] <= own + (128 << 10), (rec, own)
+    assert path.stat().st_size == len(whole)
+    assert alloc_before - _allocated(path) >= rec["bytes"] - 4096, (alloc_before, _allocated(path))
+    st, _, _, lb = server.raw("GET", f"/v1/layers/{top_b}")
+    assert lb["extra_data"][0]["reclaimed_bytes"] >= rec["bytes"] - 4096, lb
+    assert client.image(ref_b).raw["stored_bytes"] <= stored_before - rec["bytes"] + 4096
+    # Once is enough: a second pass finds nothing more.
+    st, _, _, gc = server.raw("POST", "/v1/gc", {"grace_s": 0})
+    assert st == 200 and gc["reclaimed"] == [] and data_a not in gc["removed"], gc
+
+    # B's first sandbox: its node fetches from the holed blob what B reads.
+    sb = client.create(image=ref_b)
+    try:
+        assert shas_in(sb, pair.files_b) == pair.files_b
+    finally:
+        sb.destroy()
+
+    # A again: its shared files point into the old blob (their chunks are
+    # still found), its own bytes are stored anew.
+    img_a2 = client.pull_image(ref_a, insecure_registry=True)
+    st, _, _, la2 = server.raw("GET", f"/v1/layers/{img_a2.layers[-1]}")
+    assert st == 200, la2
+    assert la2["data"]["digest"] != data_a, la2
+    sb = client.create(image=ref_a)
+    try:
+        assert shas_in(sb, pair.files_a) == pair.files_a
+    finally:
+        sb.destroy()
+
+    # The blob's whole bytes uploaded again make it whole, in the record too.
+    st, _, _, up = server.raw("PUT", f"/v1/blobs/{data_a}", whole,
+                              headers={"Content-Type": "application/octet-stream"})
+    assert st in (200, 201), up
+    st, _, _, lb = server.raw("GET", f"/v1/layers/{top_b}")
+    assert lb["extra_data"][0]["reclaimed_bytes"] == 0, lb
+    assert path.read_bytes() == whole
+
+    client.delete_image(ref_a)
+    client.delete_image(ref_b)
+    removed = client.gc(grace_s=0)
+    assert {top_b, data_a} <= set(removed), removed
+
+
 def test_work_a_crash_left_is_swept_at_start_but_not_another_replicas(tmp_path):
     """Conversion and build-step directories in the (shared) blob directory
     carry their replica's tag: a platform starting removes its own that a

@@ -1693,7 +1693,13 @@ int main(int argc, char** argv) {
       auto r = (*client)->request("POST", "/v1/gc", body.dump());
       if (!r.isOk()) return die(r.status().toString());
       if (r->status != 200) return apiError(*r);
-      for (auto& d : json::parse(r->body)["removed"]) std::cout << d.get<std::string>() << "\n";
+      json answer = json::parse(r->body);
+      for (auto& d : answer["removed"]) std::cout << d.get<std::string>() << "\n";
+      // Data blobs that lost the chunks no layer reads any more.
+      for (auto& x : answer.value("reclaimed", json::array())) {
+        std::cout << x.value("digest", "") << " reclaimed " << x.value("bytes", int64_t(0))
+                  << " bytes\n";
+      }
       return 0;
     }
     auto r = (*client)->request("GET", "/v1/layers");

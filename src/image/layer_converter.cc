@@ -2,11 +2,26 @@
 
 #include <unistd.h>
 
+#include <algorithm>
+
 #include "common/sha256.h"
 #include "common/util.h"
 #include "image/erofs_writer.h"
 
 namespace dsec::image {
+
+std::vector<BlockRanges> extraReadsOf(const FsTree& tree) {
+  std::vector<BlockRanges> reads(tree.extraBlobs.size());
+  for (const FsInode& n : tree.inodes) {
+    for (size_t j = 0; j < n.chunkDevices.size() && j < n.chunks.size(); ++j) {
+      uint8_t dev = n.chunkDevices[j];
+      if (dev == 0 || dev > reads.size() || n.chunks[j] == kHoleChunk) continue;
+      uint64_t length = std::min<uint64_t>(kChunkSize, n.size - j * uint64_t(kChunkSize));
+      reads[dev - 1].add(n.chunks[j], (length + kFsBlockSize - 1) / kFsBlockSize);
+    }
+  }
+  return reads;
+}
 
 Result<ConvertedLayer> convertTarLayer(ByteSource& in, std::optional<LayerCompression> c,
                                        const std::string& workDir, const TarLayerOptions& opts) {
@@ -33,6 +48,7 @@ Result<ConvertedLayer> convertTarLayer(ByteSource& in, std::optional<LayerCompre
   l.owners = std::move(tar.owners);
   out.chunkIndex = tar.chunks.serialize();
   for (auto& x : tar.tree.extraBlobs) out.extraData.push_back(x.digest);
+  out.extraReads = extraReadsOf(tar.tree);
   out.stored = std::move(tar.stored);
   out.sourceDigest = tar.digest;
   out.diffId = tar.diffId;

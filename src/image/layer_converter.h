@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "common/status.h"
+#include "image/block_ranges.h"
 #include "image/layer_builder.h"
 #include "image/registry_client.h"
 #include "image/tar_stream.h"
@@ -29,6 +30,9 @@ struct ConvertedLayer {
   // Other layers' data blobs its chunks point into (TarLayerOptions::shared),
   // in device order: the layer must be recorded with them (LayerDesc::extraData).
   std::vector<std::string> extraData;
+  // For each of extraData, the blocks of it the final tree's files read
+  // (garbage collection keeps those chunks of a blob whose own layer is gone).
+  std::vector<BlockRanges> extraReads;
   std::vector<StoredChunk> stored;  // chunks stored in layer.data (TarLayer::stored)
   // The source extraData came from, kept as long as this (it holds those
   // blobs from garbage collection until the layer is recorded).
@@ -40,6 +44,10 @@ struct ConvertedLayer {
   int64_t uncompressedSize = 0;
   TarLayerStats stats;
 };
+
+// For each of tree.extraBlobs, the 4 KiB blocks of it that the tree's files
+// read (their chunks deduplicated into that blob).
+std::vector<BlockRanges> extraReadsOf(const FsTree& tree);
 
 // Converts the tar read from `in` (compressed as `c`, or detected) into
 // `workDir` (created). Errors: readTarLayer's and writeErofs's; on error

@@ -16,12 +16,14 @@
 #include <cstring>
 #include <map>
 #include <random>
+#include <set>
 #include <string>
 #include <vector>
 
 #include "common/sha256.h"
 #include "common/util.h"
 #include "image/erofs_writer.h"
+#include "image/layer_converter.h"
 #include "image/oci_import.h"
 
 namespace dsec::image {
@@ -1338,6 +1340,26 @@ TEST_F(TarStreamTest, SharesChunksWithOtherLayersAndMountsWithTheirBlobs) {
   EXPECT_EQ(c->tree.extraBlobs[1].digest, a->dataDigest);
   EXPECT_EQ(at(c->tree, "x/fresh")->chunkDevices, (std::vector<uint8_t>{1, 1}));
   EXPECT_EQ(at(c->tree, "x/big")->chunkDevices, (std::vector<uint8_t>{2, 2, 2}));
+  // What each layer reads of its extra blobs (gc keeps those chunks): B
+  // reads every chunk A stored; C reads B's `fresh` and A's `big`, not
+  // A's `small` or `tiny`.
+  auto blocksOf = [](const TarLayer& l, const std::set<uint32_t>& only) {
+    BlockRanges r;
+    for (const auto& st : l.stored) {
+      if (only.empty() || only.count(st.block)) r.add(st.block, (st.length + 4095) / 4096);
+    }
+    return r;
+  };
+  auto readsB = extraReadsOf(b->tree);
+  ASSERT_EQ(readsB.size(), 1u);
+  EXPECT_EQ(readsB[0], blocksOf(*a, {})) << readsB[0].format();
+  auto readsC = extraReadsOf(c->tree);
+  ASSERT_EQ(readsC.size(), 2u);
+  EXPECT_EQ(readsC[0], blocksOf(*b, {})) << readsC[0].format();
+  std::set<uint32_t> bigChunks(bigA->chunks.begin(), bigA->chunks.end());
+  EXPECT_EQ(readsC[1], blocksOf(*a, bigChunks)) << readsC[1].format();
+  EXPECT_FALSE(readsC[1].intersects(at(a->tree, "small")->chunks[0], 1));
+  EXPECT_TRUE(extraReadsOf(a->tree).empty());
   std::string metaC = dir_ + "/c.erofs";
   ASSERT_TRUE(writeErofs(c->tree, metaC).isOk());
   std::string optsC = "device=" + data_ + ",device=" + dataB + ",device=" + dataA;

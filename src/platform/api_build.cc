@@ -1085,11 +1085,7 @@ Status ImageBuild::readTree(const std::string& sb, const std::string& path,
 
 Result<std::string> ImageBuild::commitPacked(const image::BuiltLayer& l) {
   // As packDiffImage stores its layer, without making an image.
-  if (::rename(l.dataPath.c_str(), Platform::blobPath(p_.opts_.dataDir, l.dataDigest).c_str()) !=
-          0 ||
-      ::rename(l.path.c_str(), Platform::blobPath(p_.opts_.dataDir, l.digest).c_str()) != 0) {
-    return sysError("move a build layer into the blob store");
-  }
+  ASSIGN_OR_RETURN(Platform::BlobHold hold, p_.moveLayerIntoStore(l));
   RETURN_IF_ERROR(p_.linkBlob(l.dataDigest, l.dataSize, ""));
   RETURN_IF_ERROR(p_.linkBlob(l.digest, l.size, l.dataDigest));
   return l.digest;

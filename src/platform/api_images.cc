@@ -1,5 +1,6 @@
 // /v1/blobs and /v1/images.
 #include <fcntl.h>
+#include <linux/falloc.h>
 #include <stdio.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -14,6 +15,7 @@
 #include "common/log.h"
 #include "common/sha256.h"
 #include "common/util.h"
+#include "image/block_ranges.h"
 #include "image/chunk_index.h"
 #include "image/layer_builder.h"
 #include "platform/api_util.h"
@@ -97,7 +99,13 @@ void Platform::putBlob(const std::string& digest, http::Request& req, http::Resp
     std::string got = "sha256:" + h.hexDigest();
     if (got != digest) st = invalidArg("digest", "body hashes to " + got + ", not " + digest);
   }
-  if (st.isOk() && ::rename(tmp.c_str(), final.c_str()) != 0) st = sysError("rename " + tmp);
+  if (st.isOk()) {
+    // Under gcMu_: a data blob an earlier collection left partial is whole
+    // again, and no collection is halfway through removing chunks from it.
+    std::lock_guard gc(gcMu_);
+    if (::rename(tmp.c_str(), final.c_str()) != 0) st = sysError("rename " + tmp);
+    if (st.isOk()) st = markBlobWholeLocked(digest);
+  }
   if (!st.isOk()) {
     ::unlink(tmp.c_str());
     return sendError(res, st);
@@ -107,7 +115,17 @@ void Platform::putBlob(const std::string& digest, http::Request& req, http::Resp
 }
 
 Status Platform::linkBlob(const std::string& digest, int64_t size, const std::string& data,
-                          const std::vector<std::string>& extraData) {
+                          const std::vector<std::string>& extraData,
+                          const std::string& extraReads) {
+  if (!extraReads.empty()) {
+    auto parts = splitString(extraReads, ';');
+    if (parts.size() != extraData.size()) {
+      return invalidArg("extra_reads", "layer " + digest + " has " +
+                                           std::to_string(extraData.size()) + " extra data blobs but " +
+                                           std::to_string(parts.size()) + " read sets");
+    }
+    for (auto& r : parts) RETURN_IF_ERROR(image::BlockRanges::parse(r).status());
+  }
   std::lock_guard gc(gcMu_);
   // The extras are checked before anything is written. Under gcMu_ no
   // collection runs, so what is checked here stays until the layer keeps it.
@@ -141,8 +159,37 @@ Status Platform::linkBlob(const std::string& digest, int64_t size, const std::st
   RETURN_IF_ERROR(store_->setBlobKind(data, "data"));
   RETURN_IF_ERROR(ensureChunkIndex(store_, opts_.dataDir, data).status());
   // The extras before the data: a layer found with its data has its extras.
-  if (!extraData.empty()) RETURN_IF_ERROR(store_->setBlobExtraData(digest, extraData));
+  if (!extraData.empty()) {
+    RETURN_IF_ERROR(store_->setBlobExtraData(digest, extraData));
+    RETURN_IF_ERROR(store_->setBlobExtraReads(digest, extraReads));
+  }
   return store_->setBlobData(digest, data);
+}
+
+Result<Platform::BlobHold> Platform::moveLayerIntoStore(const image::BuiltLayer& l) {
+  std::lock_guard gc(gcMu_);
+  if (l.dataDigest.empty()) {
+    if (::rename(l.path.c_str(), blobPath(opts_.dataDir, l.digest).c_str()) != 0) {
+      return sysError("move a layer into the blob store");
+    }
+    return BlobHold(nullptr, "");
+  }
+  RETURN_IF_ERROR(holdBlob(l.dataDigest));
+  BlobHold hold(this, l.dataDigest);
+  if (::rename(l.dataPath.c_str(), blobPath(opts_.dataDir, l.dataDigest).c_str()) != 0 ||
+      ::rename(l.path.c_str(), blobPath(opts_.dataDir, l.digest).c_str()) != 0) {
+    return sysError("move a layer into the blob store");
+  }
+  RETURN_IF_ERROR(markBlobWholeLocked(l.dataDigest));
+  return hold;
+}
+
+Status Platform::markBlobWholeLocked(const std::string& digest) {
+  auto rec = store_->getBlob(digest);
+  if (!rec.isOk()) return rec.status().code() == Code::kNotFound ? Status::ok() : rec.status();
+  if (rec->reclaimed.empty()) return Status::ok();
+  log::info("blob " + digest + " is whole again (gc had reclaimed " + rec->reclaimed + ")");
+  return store_->setBlobReclaimed(digest, "");
 }
 
 namespace {
@@ -164,18 +211,7 @@ Result<std::optional<ChunkLoc>> Platform::lookupChunkAndHold(const std::string& 
   if (!chunkKeys_.mayContain(sha, length)) return std::optional<ChunkLoc>();
   ASSIGN_OR_RETURN(std::optional<ChunkLoc> loc, store_->findChunk(sha, length));
   if (!loc) return loc;
-  {
-    std::lock_guard lk(chunkHoldMu_);
-    // The lease is in the store before this hold counts: a second lookup of
-    // the same blob cannot go ahead of it.
-    if (store_->shared() && !chunkHolds_.count(loc->data)) {
-      ASSIGN_OR_RETURN(bool mine,
-                       store_->acquireLease(kChunkHoldLeasePrefix + loc->data + "/" + opts_.replicaId,
-                                            opts_.replicaId, kChunkHoldLeaseTtlS));
-      if (!mine) return internalError("chunk hold on " + loc->data + " taken by another holder");
-    }
-    chunkHolds_.insert(loc->data);
-  }
+  RETURN_IF_ERROR(holdBlob(loc->data));
   // Held, then seen again: see collectGarbage for why this order is safe.
   auto again = store_->findChunk(sha, length);
   if (again.isOk() && *again && (*again)->data == loc->data && (*again)->block == loc->block) {
@@ -184,6 +220,35 @@ Result<std::optional<ChunkLoc>> Platform::lookupChunkAndHold(const std::string& 
   releaseChunkHolds({loc->data});
   if (!again.isOk()) return std::move(again).takeStatus();
   return std::optional<ChunkLoc>();
+}
+
+Status Platform::holdBlob(const std::string& data) {
+  std::lock_guard lk(chunkHoldMu_);
+  // The lease is in the store before this hold counts: a second hold of the
+  // same blob cannot go ahead of it.
+  if (store_->shared() && !chunkHolds_.count(data)) {
+    ASSIGN_OR_RETURN(bool mine,
+                     store_->acquireLease(kChunkHoldLeasePrefix + data + "/" + opts_.replicaId,
+                                          opts_.replicaId, kChunkHoldLeaseTtlS));
+    if (!mine) return internalError("chunk hold on " + data + " taken by another holder");
+  }
+  chunkHolds_.insert(data);
+  return Status::ok();
+}
+
+Result<bool> Platform::blobHeld(const std::string& data) {
+  {
+    std::lock_guard lk(chunkHoldMu_);
+    if (chunkHolds_.count(data)) return true;
+  }
+  if (store_->shared()) {
+    // Another replica's converter may hold it.
+    ASSIGN_OR_RETURN(auto leases, store_->listLeases());
+    for (auto& l : leases) {
+      if (l.live && startsWith(l.name, kChunkHoldLeasePrefix + data + "/")) return true;
+    }
+  }
+  return false;
 }
 
 void Platform::releaseChunkHolds(const std::vector<std::string>& blobs) {
@@ -204,17 +269,8 @@ void Platform::releaseChunkHolds(const std::vector<std::string>& blobs) {
 
 Result<bool> Platform::deleteBlobUnlessHeld(const std::string& digest) {
   RETURN_IF_ERROR(store_->deleteChunksOf(digest));
-  {
-    std::lock_guard lk(chunkHoldMu_);
-    if (chunkHolds_.count(digest)) return false;
-  }
-  if (store_->shared()) {
-    // Another replica's converter may hold it.
-    ASSIGN_OR_RETURN(auto leases, store_->listLeases());
-    for (auto& l : leases) {
-      if (l.live && startsWith(l.name, kChunkHoldLeasePrefix + digest + "/")) return false;
-    }
-  }
+  ASSIGN_OR_RETURN(bool held, blobHeld(digest));
+  if (held) return false;
   RETURN_IF_ERROR(store_->deleteBlob(digest));
   std::string path = blobPath(opts_.dataDir, digest);
   if (::unlink(path.c_str()) != 0 && errno != ENOENT) log::warn("unlink " + path);
@@ -257,6 +313,7 @@ Result<proto::LayerDesc> Platform::describeLayer(Store* store, const std::string
     proto::DataBlobDesc xd;
     xd.digest = x;
     xd.size = blob->size;
+    xd.reclaimed = blob->reclaimed;
     ASSIGN_OR_RETURN(xd.chunksDigest, ensureChunkIndex(store, dataDir, x));
     d.extraData.push_back(std::move(xd));
   }
@@ -440,15 +497,11 @@ Result<ImageRecord> Platform::packDiffImage(const std::string& id, ImageRecord i
     return layer.status();
   }
   if (layer->kind == "disk") return packDiskImage(sb, *layer, work, std::move(img));
-  Status st;
-  if (::rename(layer->dataPath.c_str(), blobPath(opts_.dataDir, layer->dataDigest).c_str()) != 0 ||
-      ::rename(layer->path.c_str(), blobPath(opts_.dataDir, layer->digest).c_str()) != 0) {
-    st = sysError("move packed layer into the blob store");
-  }
+  auto hold = moveLayerIntoStore(*layer);
   (void)removeTree(work);
-  if (st.isOk()) st = linkBlob(layer->dataDigest, layer->dataSize, "");
-  if (st.isOk()) st = linkBlob(layer->digest, layer->size, layer->dataDigest);
-  RETURN_IF_ERROR(st);
+  RETURN_IF_ERROR(hold.status());
+  RETURN_IF_ERROR(linkBlob(layer->dataDigest, layer->dataSize, ""));
+  RETURN_IF_ERROR(linkBlob(layer->digest, layer->size, layer->dataDigest));
   // A snapshot is the sandbox's own diffs plus this one, on the same stack.
   img.kind = "diff";
   for (auto& ref : sb.diffs) {
@@ -534,7 +587,7 @@ Result<std::vector<std::string>> Platform::resolveLayers(const std::string& ref,
   return img->layers;
 }
 
-Result<std::vector<std::string>> Platform::collectGarbage(double graceS) {
+Result<Platform::GcResult> Platform::collectGarbage(double graceS) {
   std::lock_guard gc(gcMu_);
   ASSIGN_OR_RETURN(auto blobs, store_->listBlobs());
   ASSIGN_OR_RETURN(auto images, store_->listImages());
@@ -581,18 +634,119 @@ Result<std::vector<std::string>> Platform::collectGarbage(double graceS) {
   // D. The hold is released only after linkBlob (which waits for gcMu_) has
   // recorded the layer naming D, which keeps D from then on. A blob kept for
   // a hold has lost its rows: only later chunks do not find it, which is fine.
-  std::vector<std::string> removed;
+  GcResult out;
+  std::vector<std::string>& removed = out.removed;
   for (const BlobRecord* b : doomed) {
     if (keepData.count(b->digest)) continue;
     ASSIGN_OR_RETURN(bool deleted, deleteBlobUnlessHeld(b->digest));
     if (deleted) removed.push_back(b->digest);
   }
   if (!removed.empty()) log::info("gc: removed " + std::to_string(removed.size()) + " blobs");
+  // Then chunks: what is left of the data blobs that only other layers read.
+  ASSIGN_OR_RETURN(auto left, store_->listBlobs());
+  ASSIGN_OR_RETURN(out.reclaimed, reclaimChunksLocked(left, graceS));
   // Bytes of write steps live apart from layers (stepBytesPath); those no
   // stored step keeps any more (retention, a crash before the step was
   // stored) go here.
   if (Status st = sweepStepBytes(); !st.isOk()) log::warn("gc: step bytes: " + st.toString());
-  return removed;
+  return out;
+}
+
+namespace {
+// What layer `l` reads of its extra blob `data` (BlobRecord::extraReads),
+// nullopt when not recorded or unreadable.
+std::optional<image::BlockRanges> readsOf(const BlobRecord& l, const std::string& data) {
+  if (l.extraReads.empty()) return std::nullopt;
+  auto parts = splitString(l.extraReads, ';');
+  auto at = std::find(l.extraData.begin(), l.extraData.end(), data);
+  if (parts.size() != l.extraData.size() || at == l.extraData.end()) return std::nullopt;
+  auto r = image::BlockRanges::parse(parts[size_t(at - l.extraData.begin())]);
+  if (!r.isOk()) return std::nullopt;
+  return *r;
+}
+}  // namespace
+
+Result<std::vector<std::pair<std::string, int64_t>>> Platform::reclaimChunksLocked(
+    const std::vector<BlobRecord>& blobs, double graceS) {
+  std::set<std::string> owned;  // data blobs some layer has as its own
+  std::map<std::string, std::vector<const BlobRecord*>> readers;  // by extra blob
+  for (auto& b : blobs) {
+    if (!b.data.empty()) owned.insert(b.data);
+    for (auto& x : b.extraData) readers[x].push_back(&b);
+  }
+  const double now = nowSeconds();
+  std::vector<std::pair<std::string, int64_t>> out;
+  for (auto& b : blobs) {
+    if (b.kind != "data" || owned.count(b.digest) || b.createdAt + graceS > now) continue;
+    auto r = readers.find(b.digest);
+    if (r == readers.end()) continue;  // kept for a hold: no layer names it yet
+    // The chunks some layer reads stay (a chunk of the index is 128 KiB of
+    // the blob; a layer's chunk may straddle two of them).
+    image::BlockRanges live;
+    bool known = true;
+    for (const BlobRecord* l : r->second) {
+      auto reads = readsOf(*l, b.digest);
+      if (!reads) {
+        known = false;  // a layer made before reads were recorded: keep it all
+        break;
+      }
+      live.add(*reads);
+    }
+    if (!known) continue;
+    auto reclaim = [&]() -> Result<int64_t> {
+      ASSIGN_OR_RETURN(image::BlockRanges gone, image::BlockRanges::parse(b.reclaimed));
+      const std::string path = blobPath(opts_.dataDir, b.digest);
+      ASSIGN_OR_RETURN(std::string indexBytes, readFile(path + ".chunks"));
+      ASSIGN_OR_RETURN(image::ChunkIndex idx, image::ChunkIndex::parse(indexBytes));
+      UniqueFd fd(::open(path.c_str(), O_RDWR | O_CLOEXEC));
+      if (!fd) return sysError("open " + path);
+      constexpr int64_t kBlock = image::kFsBlockSize;
+      image::BlockRanges dead;
+      for (int64_t i = 0; i < idx.chunkCount(); ++i) {
+        const int64_t off = i * idx.chunkSize, len = idx.chunkLength(i);
+        const uint64_t first = uint64_t(off / kBlock);
+        const uint64_t count = uint64_t((off + len + kBlock - 1) / kBlock) - first;
+        if (live.intersects(first, count) || gone.covers(first, count)) continue;
+        // A chunk that is a hole already (all zeros) holds nothing to free
+        // (and stays readable).
+        off_t data = ::lseek(fd.get(), off, SEEK_DATA);
+        if (data < 0 || data >= off + len) continue;
+        dead.add(first, count);
+      }
+      if (dead.empty()) return int64_t(0);
+      // No new layer finds these chunks from now on; then, as deleteBlobUnlessHeld
+      // does, a converter that found one before holds the blob: not this time.
+      RETURN_IF_ERROR(store_->deleteChunksIn(b.digest, dead.ranges()));
+      ASSIGN_OR_RETURN(bool held, blobHeld(b.digest));
+      if (held) return int64_t(0);
+      // Recorded before the holes are made: a node told a chunk is gone never
+      // asks for it; one not told would find zeros where it expects bytes.
+      image::BlockRanges all = gone;
+      all.add(dead);
+      RETURN_IF_ERROR(store_->setBlobReclaimed(b.digest, all.format()));
+      struct stat before, after;
+      if (::fstat(fd.get(), &before) != 0) return sysError("stat " + path);
+      for (auto& [start, count] : dead.ranges()) {
+        if (::fallocate(fd.get(), FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+                        off_t(start) * kBlock, off_t(count) * kBlock) != 0) {
+          return sysError("punch a hole in " + path);
+        }
+      }
+      if (::fstat(fd.get(), &after) != 0) return sysError("stat " + path);
+      return std::max<int64_t>(0, (int64_t(before.st_blocks) - int64_t(after.st_blocks)) * 512);
+    };
+    auto freed = reclaim();
+    if (!freed.isOk()) {
+      log::warn("gc: chunks of " + b.digest + ": " + freed.status().toString());
+      continue;
+    }
+    if (*freed > 0) {
+      log::info("gc: reclaimed " + std::to_string(*freed) + " bytes of " + b.digest +
+                " (its layer is gone; other layers read the rest)");
+      out.emplace_back(b.digest, *freed);
+    }
+  }
+  return out;
 }
 
 void Platform::runGc(http::Request& req, http::Response& res) {
@@ -600,9 +754,13 @@ void Platform::runGc(http::Request& req, http::Response& res) {
   if (!j.isOk()) return sendError(res, j.status());
   auto grace = getNumber(*j, "grace_s", opts_.gcGraceS, 0, 86400 * 365);
   if (!grace.isOk()) return sendError(res, grace.status());
-  auto removed = collectGarbage(*grace);
-  if (!removed.isOk()) return sendError(res, removed.status());
-  sendJson(res, 200, json{{"removed", *removed}}.dump());
+  auto gc = collectGarbage(*grace);
+  if (!gc.isOk()) return sendError(res, gc.status());
+  json reclaimed = json::array();
+  for (auto& [digest, bytes] : gc->reclaimed) {
+    reclaimed.push_back({{"digest", digest}, {"bytes", bytes}});
+  }
+  sendJson(res, 200, json{{"removed", gc->removed}, {"reclaimed", reclaimed}}.dump());
 }
 
 namespace {
@@ -617,12 +775,16 @@ json imagesNaming(const std::vector<ImageRecord>& images, const std::string& dig
   return refs;
 }
 
-// `sizes`: of the layer's data and extra data blobs (one missing: no size).
+// `records`: of the layer's data and extra data blobs (one missing: no size).
 json layerToApi(const BlobRecord& b, const std::vector<ImageRecord>& images, bool inUse,
-                const std::map<std::string, int64_t>& sizes) {
+                const std::map<std::string, BlobRecord>& records) {
   auto blobToApi = [&](const std::string& digest) {
     json j = {{"digest", digest}};
-    if (auto it = sizes.find(digest); it != sizes.end()) j["size"] = it->second;
+    if (auto it = records.find(digest); it != records.end()) {
+      j["size"] = it->second.size;
+      // What gc removed of it: chunks no layer reads since its own went.
+      j["reclaimed_bytes"] = it->second.size - it->second.storedBytes();
+    }
     return j;
   };
   json data = b.data.empty() ? json(nullptr) : blobToApi(b.data);
@@ -646,12 +808,12 @@ void Platform::listLayers(http::Response& res) {
   auto images = store_->listImages();
   if (!images.isOk()) return sendError(res, images.status());
   std::set<std::string> inUse = layersInUse();
-  std::map<std::string, int64_t> sizes;
-  for (auto& b : *blobs) sizes[b.digest] = b.size;
+  std::map<std::string, BlobRecord> records;
+  for (auto& b : *blobs) records[b.digest] = b;
   json arr = json::array();
   for (auto& b : *blobs) {
     if (b.kind == "data") continue;  // shown with its layer
-    arr.push_back(layerToApi(b, *images, inUse.count(b.digest) > 0, sizes));
+    arr.push_back(layerToApi(b, *images, inUse.count(b.digest) > 0, records));
   }
   sendJson(res, 200, json{{"layers", arr}}.dump());
 }
@@ -664,13 +826,13 @@ void Platform::getLayer(const std::string& digest, http::Response& res) {
   if (!blob.isOk()) return sendError(res, blob.status());
   auto images = store_->listImages();
   if (!images.isOk()) return sendError(res, images.status());
-  std::map<std::string, int64_t> sizes;
+  std::map<std::string, BlobRecord> records;
   std::vector<std::string> blobs = blob->extraData;
   if (!blob->data.empty()) blobs.push_back(blob->data);
   for (auto& d : blobs) {
-    if (auto sz = store_->blobSize(d); sz.isOk()) sizes[d] = *sz;
+    if (auto r = store_->getBlob(d); r.isOk()) records[d] = std::move(*r);
   }
-  sendJson(res, 200, layerToApi(*blob, *images, layersInUse().count(digest) > 0, sizes).dump());
+  sendJson(res, 200, layerToApi(*blob, *images, layersInUse().count(digest) > 0, records).dump());
 }
 
 void Platform::deleteLayer(const std::string& digest, http::Response& res) {
@@ -738,21 +900,22 @@ void Platform::listImages(http::Response& res) {
 Result<Platform::ImageBytes> Platform::imageBytes(const ImageRecord& img) {
   ImageBytes b;
   std::set<std::string> seen;
-  auto add = [&](const std::string& digest, int64_t size) {
-    b.logical += size;
-    if (seen.insert(digest).second) b.stored += size;
+  auto add = [&](const BlobRecord& r) {
+    b.logical += r.size;
+    if (seen.insert(r.digest).second) b.stored += r.storedBytes();
   };
   // A layer whose chunks point into other layers' data blobs (extraData)
-  // needs those blobs whole to be read: they count as its own, like its data.
+  // needs those blobs (what is stored of them) to be read: they count as its
+  // own, like its data.
   for (auto& d : img.layers) {
     ASSIGN_OR_RETURN(BlobRecord meta, store_->getBlob(d));
-    add(meta.digest, meta.size);
+    add(meta);
     if (meta.data.empty()) continue;
     ASSIGN_OR_RETURN(BlobRecord data, store_->getBlob(meta.data));
-    add(data.digest, data.size);
+    add(data);
     for (auto& x : meta.extraData) {
-      ASSIGN_OR_RETURN(int64_t size, store_->blobSize(x));
-      add(x, size);
+      ASSIGN_OR_RETURN(BlobRecord extra, store_->getBlob(x));
+      add(extra);
     }
   }
   return b;

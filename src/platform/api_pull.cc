@@ -117,10 +117,7 @@ Status Platform::storeConvertedLayer(const image::ConvertedLayer& c) {
   // while converting saves reading the data blob again.
   const image::BuiltLayer& layer = c.layer;
   const std::string dataPath = blobPath(opts_.dataDir, layer.dataDigest);
-  if (::rename(layer.dataPath.c_str(), dataPath.c_str()) != 0 ||
-      ::rename(layer.path.c_str(), blobPath(opts_.dataDir, layer.digest).c_str()) != 0) {
-    return sysError("move a converted layer into the blob store");
-  }
+  ASSIGN_OR_RETURN(BlobHold hold, moveLayerIntoStore(layer));
   RETURN_IF_ERROR(linkBlob(layer.dataDigest, layer.dataSize, ""));
   if (auto rec = store_->getBlob(layer.dataDigest); rec.isOk() && rec->chunks.empty()) {
     RETURN_IF_ERROR(writeFileAtomic(dataPath + ".chunks", c.chunkIndex, 0600));
@@ -133,7 +130,11 @@ Status Platform::storeConvertedLayer(const image::ConvertedLayer& c) {
   RETURN_IF_ERROR(store_->putChunks(layer.dataDigest, chunks));
   // Known here from now on (another replica learns them at its next start).
   chunkKeys_.add(chunks);
-  return linkBlob(layer.digest, layer.size, layer.dataDigest, c.extraData);
+  std::string reads;
+  for (size_t i = 0; i < c.extraReads.size(); ++i) {
+    reads += (i ? ";" : "") + c.extraReads[i].format();
+  }
+  return linkBlob(layer.digest, layer.size, layer.dataDigest, c.extraData, reads);
 }
 
 Status Platform::commitPulledLayer(const image::ConvertedLayer& c, const std::string& source) {
@@ -392,7 +393,7 @@ void Platform::writeImageMetrics(metrics::Writer& w) {
     double stored = 0;
     for (auto& b : *blobs) {
       byDigest[b.digest] = &b;
-      stored += double(b.size);
+      stored += double(b.storedBytes());
     }
     double logical = 0;
     for (auto& img : *images) {

@@ -7,7 +7,9 @@
 #include <thread>
 
 #include "common/metrics.h"
+#include "common/sha256.h"
 #include "common/util.h"
+#include "image/chunk_index.h"
 #include "image/build_context.h"
 #include "image/layer_converter.h"
 #include "platform/cluster.h"
@@ -325,6 +327,113 @@ TEST_F(ChunkKeysPlatformTest, AConversionOfNewFilesAsksTheStoreNothing) {
   EXPECT_TRUE(third->stored.empty());
   EXPECT_EQ(metric("dsec_chunk_lookups_total{answer=\"absent\"}"), 0);
   EXPECT_EQ(metric("dsec_chunk_lookups_total{answer=\"store\"}"), kFiles);
+}
+
+// ---------------------------------------------------------------- chunk-granular gc
+
+std::string slurpOrEmpty(const std::string& path) {
+  auto r = readFile(path);
+  return r.isOk() ? *r : std::string();
+}
+
+// A data blob D of 8 chunks whose own layer is gone: layer B (named by an
+// image) reads chunk 0 of it. A converter that found chunk 3 holds D, so the
+// first collection punches nothing (its rows for unread chunks are gone,
+// though); the converter's layer C reads chunk 3. Then chunks 1, 2 and 4-7
+// go: holes, recorded as reclaimed, their rows gone; chunks 0 and 3 read as
+// they were. D made whole again (moveLayerIntoStore) is recorded whole.
+TEST_F(ChunkKeysPlatformTest, GcPunchesTheChunksNoLayerReadsButNotWhileAConverterHoldsTheBlob) {
+  constexpr int64_t kChunk = 128 << 10, kChunks = 8;
+  std::string bytes;
+  for (int i = 0; i < kChunks; ++i) bytes += std::string(size_t(kChunk), char('a' + i));
+  bytes[5] = 'x';  // every chunk differs from an all-zero one
+  const std::string d = "sha256:" + sha256Hex(bytes);
+  const std::string path = Platform::blobPath(dir_, d);
+  ASSERT_TRUE(makeDirs(dir_ + "/blobs/sha256").isOk());
+  ASSERT_TRUE(writeFileAtomic(path, bytes, 0600).isOk());
+  auto idx = image::ChunkIndex::build(path, kChunk);
+  ASSERT_TRUE(idx.isOk());
+  std::string idxBytes = idx->serialize();
+  ASSERT_TRUE(writeFileAtomic(path + ".chunks", idxBytes, 0600).isOk());
+  ASSERT_TRUE(store_->putBlob(d, int64_t(bytes.size())).isOk());
+  ASSERT_TRUE(store_->setBlobKind(d, "data").isOk());
+  ASSERT_TRUE(store_->setBlobChunks(d, "sha256:" + sha256Hex(idxBytes)).isOk());
+  std::vector<ChunkLoc> rows;
+  auto shaOfChunk = [&](int i) { return sha256Hex(bytes.substr(size_t(i * kChunk), kChunk)); };
+  for (int i = 0; i < kChunks; ++i) rows.push_back({shaOfChunk(i), kChunk, d, uint32_t(i * 32)});
+  ASSERT_TRUE(store_->putChunks(d, rows).isOk());
+  ASSERT_NO_FATAL_FAILURE(startPlatform());  // loads the chunk keys
+  // A layer with D as an extra blob, reading `reads` of it, in image `name`.
+  auto addLayer = [&](const std::string& name, const std::string& reads) {
+    std::string meta = "sha256:" + sha256Hex(name + "-meta"), own = "sha256:" + sha256Hex(name);
+    for (auto& b : {meta, own}) ASSERT_TRUE(store_->putBlob(b, 4096).isOk());
+    ASSERT_TRUE(store_->setBlobKind(own, "data").isOk());
+    ASSERT_TRUE(store_->setBlobExtraData(meta, {d}).isOk());
+    ASSERT_TRUE(store_->setBlobExtraReads(meta, reads).isOk());
+    ASSERT_TRUE(store_->setBlobData(meta, own).isOk());
+    ASSERT_TRUE(store_->putImage(ImageRecord{name, "v1", {meta}, 8192, 1}).isOk());
+  };
+  ASSERT_NO_FATAL_FAILURE(addLayer("b", "0+32"));
+
+  auto held = platform_->lookupChunkAndHold(shaOfChunk(3), kChunk);
+  ASSERT_TRUE(held.isOk() && *held) << held.status().toString();
+  EXPECT_EQ((*held)->data, d);
+  auto gc = platform_->collectGarbage(0);
+  ASSERT_TRUE(gc.isOk()) << gc.status().toString();
+  EXPECT_TRUE(gc->reclaimed.empty());
+  EXPECT_EQ(slurpOrEmpty(path), bytes);
+  EXPECT_EQ(store_->getBlob(d)->reclaimed, "");
+  EXPECT_FALSE(store_->findChunk(shaOfChunk(5), kChunk)->has_value());  // no new finds
+  ASSERT_NO_FATAL_FAILURE(addLayer("c", "96+32"));
+  platform_->releaseChunkHolds({d});
+
+  gc = platform_->collectGarbage(0);
+  ASSERT_TRUE(gc.isOk()) << gc.status().toString();
+  EXPECT_TRUE(gc->removed.empty());
+  ASSERT_EQ(gc->reclaimed.size(), 1u);
+  EXPECT_EQ(gc->reclaimed[0].first, d);
+  EXPECT_GE(gc->reclaimed[0].second, 6 * kChunk - 8192);
+  auto rec = store_->getBlob(d);
+  ASSERT_TRUE(rec.isOk());
+  EXPECT_EQ(rec->reclaimed, "32+64,128+128");
+  EXPECT_EQ(rec->storedBytes(), 2 * kChunk);
+  std::string now = slurpOrEmpty(path);
+  ASSERT_EQ(now.size(), bytes.size());
+  for (int i = 0; i < kChunks; ++i) {
+    std::string chunk = now.substr(size_t(i * kChunk), kChunk);
+    if (i == 0 || i == 3) {
+      EXPECT_EQ(chunk, bytes.substr(size_t(i * kChunk), kChunk)) << i;
+    } else {
+      EXPECT_EQ(chunk, std::string(size_t(kChunk), '\0')) << i;
+    }
+  }
+  EXPECT_TRUE(store_->findChunk(shaOfChunk(0), kChunk)->has_value());
+  for (int i : {1, 2, 4, 7}) EXPECT_FALSE(store_->findChunk(shaOfChunk(i), kChunk)->has_value()) << i;
+  // Nothing more to take.
+  gc = platform_->collectGarbage(0);
+  ASSERT_TRUE(gc.isOk());
+  EXPECT_TRUE(gc->reclaimed.empty());
+
+  // The same bytes stored again by a conversion: whole, and recorded so.
+  ASSERT_TRUE(writeFileAtomic(dir_ + "/again.data", bytes, 0600).isOk());
+  ASSERT_TRUE(writeFileAtomic(dir_ + "/again.meta", "meta", 0600).isOk());
+  image::BuiltLayer l;
+  l.path = dir_ + "/again.meta";
+  l.dataPath = dir_ + "/again.data";
+  l.digest = "sha256:" + sha256Hex("meta");
+  l.dataDigest = d;
+  {
+    auto hold = platform_->moveLayerIntoStore(l);
+    ASSERT_TRUE(hold.isOk()) << hold.status().toString();
+    EXPECT_EQ(slurpOrEmpty(path), bytes);
+    EXPECT_EQ(store_->getBlob(d)->reclaimed, "");
+    // Held until the layer is recorded: no collection touches it meanwhile
+    // (B and C alone would leave only chunks 0 and 3).
+    gc = platform_->collectGarbage(0);
+    ASSERT_TRUE(gc.isOk());
+    EXPECT_TRUE(gc->reclaimed.empty());
+    EXPECT_EQ(slurpOrEmpty(path), bytes);
+  }
 }
 
 }  // namespace

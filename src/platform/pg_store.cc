@@ -77,6 +77,10 @@ constexpr const char* kMigrations[] = {
     "CREATE TABLE chunks(sha TEXT NOT NULL, length BIGINT NOT NULL, data TEXT NOT NULL, "
     "block BIGINT NOT NULL, PRIMARY KEY(sha, length));"
     "CREATE INDEX chunks_data ON chunks(data);",
+    // 8: chunk-granular gc: what a layer reads of its extra blobs, and what
+    // gc removed from a data blob.
+    "ALTER TABLE blobs ADD COLUMN extra_reads TEXT NOT NULL DEFAULT '';"
+    "ALTER TABLE blobs ADD COLUMN reclaimed TEXT NOT NULL DEFAULT '';",
 };
 constexpr int kSchemaVersion = int(std::size(kMigrations));
 // pg_advisory_xact_lock key serializing migrations ("dsec" "schema").
@@ -585,10 +589,11 @@ Result<int64_t> PostgresStore::blobSize(const std::string& digest) {
 
 namespace {
 constexpr const char* kBlobColumns =
-    "digest, size, created_at, kind, data, chunks, source, extra_data";
+    "digest, size, created_at, kind, data, chunks, source, extra_data, extra_reads, reclaimed";
 BlobRecord blobFromRow(const Rows& r, int i) {
   return BlobRecord{r.text(i, 0), r.i64(i, 1),  r.dbl(i, 2), r.text(i, 3),
-                    r.text(i, 4), r.text(i, 5), r.text(i, 6), digestsFromColumn(r.text(i, 7))};
+                    r.text(i, 4), r.text(i, 5), r.text(i, 6), digestsFromColumn(r.text(i, 7)),
+                    r.text(i, 8), r.text(i, 9)};
 }
 }  // namespace
 
@@ -658,6 +663,18 @@ Status PostgresStore::setBlobExtraData(const std::string& layer,
       .takeStatus();
 }
 
+Status PostgresStore::setBlobExtraReads(const std::string& layer, const std::string& reads) {
+  return Query::run(this, "setBlobExtraReads", "UPDATE blobs SET extra_reads=$2 WHERE digest=$1",
+                    Params().add(layer).add(reads), kRetry)
+      .takeStatus();
+}
+
+Status PostgresStore::setBlobReclaimed(const std::string& data, const std::string& reclaimed) {
+  return Query::run(this, "setBlobReclaimed", "UPDATE blobs SET reclaimed=$2 WHERE digest=$1",
+                    Params().add(data).add(reclaimed), kRetry)
+      .takeStatus();
+}
+
 Status PostgresStore::putChunks(const std::string& data, const std::vector<ChunkLoc>& chunks) {
   RETURN_IF_ERROR(checkChunks(data, chunks));
   if (chunks.empty()) return Status::ok();
@@ -692,6 +709,27 @@ Result<std::optional<ChunkLoc>> PostgresStore::findChunk(const std::string& sha,
                               Params().add(sha).add(length), kRetry));
   if (rows.size() == 0) return std::optional<ChunkLoc>();
   return std::optional<ChunkLoc>(ChunkLoc{sha, length, rows.text(0, 0), uint32_t(rows.i64(0, 1))});
+}
+
+Status PostgresStore::deleteChunksIn(const std::string& data,
+                                     const std::vector<std::pair<uint64_t, uint64_t>>& ranges) {
+  if (ranges.empty()) return Status::ok();
+  TextArray starts, ends;
+  for (auto& [start, count] : ranges) {
+    starts.push(std::to_string(start));
+    ends.push(std::to_string(start + count));
+  }
+  // One statement over the ranges (a chunk overlapping any goes).
+  return Query::run(this, "deleteChunksIn",
+                    "DELETE FROM chunks c USING unnest($2::text[], $3::text[]) AS r(s, e) "
+                    "WHERE c.data=$1 AND c.block < r.e::bigint "
+                    "AND c.block + (c.length + 4095) / 4096 > r.s::bigint",
+                    Params()
+                        .add(data)
+                        .addTextArray(std::move(starts).take())
+                        .addTextArray(std::move(ends).take()),
+                    kRetry)
+      .takeStatus();
 }
 
 Status PostgresStore::deleteChunksOf(const std::string& data) {

@@ -73,9 +73,13 @@ class PostgresStore : public Store {
   Status setBlobSource(const std::string& digest, const std::string& source) override;
   Result<std::string> findLayerBySource(const std::string& source) override;
   Status setBlobExtraData(const std::string& layer, const std::vector<std::string>& blobs) override;
+  Status setBlobExtraReads(const std::string& layer, const std::string& reads) override;
+  Status setBlobReclaimed(const std::string& data, const std::string& reclaimed) override;
   Status putChunks(const std::string& data, const std::vector<ChunkLoc>& chunks) override;
   Result<std::optional<ChunkLoc>> findChunk(const std::string& sha, int64_t length) override;
   Status deleteChunksOf(const std::string& data) override;
+  Status deleteChunksIn(const std::string& data,
+                        const std::vector<std::pair<uint64_t, uint64_t>>& ranges) override;
   Result<std::vector<ChunkKey>> listChunkKeys(const ChunkKey& after, size_t limit) override;
   Status putImage(const ImageRecord& r) override;
   Result<ImageRecord> getImage(const std::string& name, const std::string& tag) override;

@@ -21,6 +21,7 @@
 #include <string>
 #include <string_view>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "common/http_proxy.h"
@@ -466,12 +467,41 @@ class Platform {
   Usage usageLocked(const std::string& tenant) const;
 
  public:
+  struct GcResult {
+    std::vector<std::string> removed;  // blobs deleted
+    // Data blobs that lost chunks (reclaimChunksLocked), and the bytes freed.
+    std::vector<std::pair<std::string, int64_t>> reclaimed;
+  };
   // Deletes layer blobs that no image names and no live sandbox stacks, once
   // they are older than graceS (an upload waits that long for its image),
   // with the data blobs only they name (as data or extra data), except data
-  // blobs a converter holds (lookupChunkAndHold). Returns the digests
-  // removed. Thread-safe.
-  Result<std::vector<std::string>> collectGarbage(double graceS);
+  // blobs a converter holds (lookupChunkAndHold). Then, in the data blobs
+  // kept only because other layers read some of their chunks, removes the
+  // chunks none of them reads (reclaimChunksLocked). Thread-safe.
+  Result<GcResult> collectGarbage(double graceS);
+
+  // A hold on a data blob (as lookupChunkAndHold takes one), released when
+  // this goes.
+  class BlobHold {
+   public:
+    BlobHold(Platform* p, std::string digest) : p_(p), digest_(std::move(digest)) {}
+    BlobHold(BlobHold&& o) noexcept : p_(std::exchange(o.p_, nullptr)), digest_(std::move(o.digest_)) {}
+    BlobHold& operator=(BlobHold&&) = delete;
+    ~BlobHold() {
+      if (p_) p_->releaseChunkHolds({digest_});
+    }
+
+   private:
+    Platform* p_;
+    std::string digest_;
+  };
+  // Renames a built layer's data blob and metadata image into the blob
+  // store, under gcMu_ (so no collection decides about the data blob in
+  // between), holding the data blob from then until the hold goes: no
+  // collection deletes it or removes chunks from it before the layer naming
+  // it is recorded (linkBlob). A data blob an earlier collection left
+  // partial (Store::setBlobReclaimed) is whole again and recorded so.
+  Result<BlobHold> moveLayerIntoStore(const image::BuiltLayer& l);
 
   // Chunks deduplicated across layers (Store::putChunks). A converter about
   // to store a chunk asks where it is already; on a hit it points its layer
@@ -502,12 +532,32 @@ class Platform {
   // Each extra must be stored already with kind "data" (kNotFound,
   // kFailedPrecondition), differ from `data` and the others, and needs a
   // `data` (kInvalidArgument); nothing is recorded when one fails.
+  // `extraReads`: what the layer reads of each extra (BlobRecord::extraReads;
+  // "" when not known).
   Status linkBlob(const std::string& digest, int64_t size, const std::string& data,
-                  const std::vector<std::string>& extraData = {});
+                  const std::vector<std::string>& extraData = {},
+                  const std::string& extraReads = "");
   // Deletes blob `digest` (row, file, chunk index) unless a converter holds
   // it: its chunk rows go first, then the holds are checked (collectGarbage
   // says why in that order). Whether it was deleted. gcMu_ held.
   Result<bool> deleteBlobUnlessHeld(const std::string& digest);
+  // Takes one hold on data blob `data` (lookupChunkAndHold's, with its lease
+  // on a shared store).
+  Status holdBlob(const std::string& data);
+  // Whether a converter of this replica or (shared store) another holds `data`.
+  Result<bool> blobHeld(const std::string& data);
+  // The file of blob `digest` was just replaced by its whole bytes: forgets
+  // what an earlier collection reclaimed of it. gcMu_ held.
+  Status markBlobWholeLocked(const std::string& digest);
+  // collectGarbage's chunk pass over `blobs` (the store's, after deletions):
+  // a data blob no stored layer has as its own data, older than graceS and
+  // not held, loses (holes punched, Store::setBlobReclaimed) every chunk
+  // that no layer naming it as an extra reads (BlobRecord::extraReads; a
+  // reader whose reads are not recorded keeps the whole blob). Its chunk rows
+  // for those chunks go first, then the holds are checked, as for a delete.
+  // gcMu_ held.
+  Result<std::vector<std::pair<std::string, int64_t>>> reclaimChunksLocked(
+      const std::vector<BlobRecord>& blobs, double graceS);
   // Digests of layers stacked by sandboxes that are not stopped or failed.
   std::set<std::string> layersInUse();
 

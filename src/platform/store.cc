@@ -2,13 +2,22 @@
 
 #include <sqlite3.h>
 
+#include <algorithm>
 #include <nlohmann/json.hpp>
 #include <optional>
 
 #include "common/json_writer.h"
 #include "common/util.h"
+#include "image/block_ranges.h"
 
 namespace dsec::platform {
+
+int64_t BlobRecord::storedBytes() const {
+  if (reclaimed.empty()) return size;
+  auto r = image::BlockRanges::parse(reclaimed);
+  if (!r.isOk()) return size;
+  return std::max<int64_t>(0, size - int64_t(r->blocks()) * 4096);
+}
 
 using json = nlohmann::json;
 
@@ -322,7 +331,9 @@ Result<std::unique_ptr<SqliteStore>> SqliteStore::open(const std::string& path) 
                             "'public'",
                             "ALTER TABLE images ADD COLUMN source TEXT NOT NULL DEFAULT ''",
                             "ALTER TABLE blobs ADD COLUMN source TEXT NOT NULL DEFAULT ''",
-                            "ALTER TABLE blobs ADD COLUMN extra_data TEXT NOT NULL DEFAULT ''"}) {
+                            "ALTER TABLE blobs ADD COLUMN extra_data TEXT NOT NULL DEFAULT ''",
+                            "ALTER TABLE blobs ADD COLUMN extra_reads TEXT NOT NULL DEFAULT ''",
+                            "ALTER TABLE blobs ADD COLUMN reclaimed TEXT NOT NULL DEFAULT ''"}) {
     Status st = s->exec(alter);
     if (!st.isOk() && st.message().find("duplicate column") == std::string::npos) return st;
   }
@@ -502,13 +513,15 @@ Result<int64_t> SqliteStore::blobSize(const std::string& digest) {
 Result<BlobRecord> SqliteStore::getBlob(const std::string& digest) {
   std::lock_guard lk(mu_);
   Stmt st(db_,
-          "SELECT digest, size, created_at, kind, data, chunks, source, extra_data FROM blobs "
+          "SELECT digest, size, created_at, kind, data, chunks, source, extra_data, extra_reads, "
+          "reclaimed FROM blobs "
           "WHERE digest=?1");
   st.bind(1, digest);
   int rc = st.step();
   if (rc == SQLITE_ROW) {
     return BlobRecord{st.text(0), st.i64(1),  st.dbl(2), st.text(3),
-                      st.text(4), st.text(5), st.text(6), digestsFromColumn(st.text(7))};
+                      st.text(4), st.text(5), st.text(6), digestsFromColumn(st.text(7)),
+                      st.text(8), st.text(9)};
   }
   if (rc == SQLITE_DONE) return notFound("layer " + digest + " not found");
   return sqlError(db_, "getBlob");
@@ -517,13 +530,15 @@ Result<BlobRecord> SqliteStore::getBlob(const std::string& digest) {
 Result<std::vector<BlobRecord>> SqliteStore::listBlobs() {
   std::lock_guard lk(mu_);
   Stmt st(db_,
-          "SELECT digest, size, created_at, kind, data, chunks, source, extra_data FROM blobs "
+          "SELECT digest, size, created_at, kind, data, chunks, source, extra_data, extra_reads, "
+          "reclaimed FROM blobs "
           "ORDER BY digest");
   std::vector<BlobRecord> out;
   int rc;
   while ((rc = st.step()) == SQLITE_ROW) {
     out.push_back(BlobRecord{st.text(0), st.i64(1), st.dbl(2), st.text(3), st.text(4), st.text(5),
-                             st.text(6), digestsFromColumn(st.text(7))});
+                             st.text(6), digestsFromColumn(st.text(7)), st.text(8),
+                             st.text(9)});
   }
   if (rc != SQLITE_DONE) return sqlError(db_, "listBlobs");
   return out;
@@ -601,6 +616,22 @@ Status SqliteStore::setBlobExtraData(const std::string& layer,
   return Status::ok();
 }
 
+Status SqliteStore::setBlobExtraReads(const std::string& layer, const std::string& reads) {
+  std::lock_guard lk(mu_);
+  Stmt st(db_, "UPDATE blobs SET extra_reads=?2 WHERE digest=?1");
+  st.bind(1, layer).bind(2, reads);
+  if (st.step() != SQLITE_DONE) return sqlError(db_, "setBlobExtraReads");
+  return Status::ok();
+}
+
+Status SqliteStore::setBlobReclaimed(const std::string& data, const std::string& reclaimed) {
+  std::lock_guard lk(mu_);
+  Stmt st(db_, "UPDATE blobs SET reclaimed=?2 WHERE digest=?1");
+  st.bind(1, data).bind(2, reclaimed);
+  if (st.step() != SQLITE_DONE) return sqlError(db_, "setBlobReclaimed");
+  return Status::ok();
+}
+
 Status SqliteStore::putChunks(const std::string& data, const std::vector<ChunkLoc>& chunks) {
   RETURN_IF_ERROR(checkChunks(data, chunks));
   if (chunks.empty()) return Status::ok();
@@ -648,6 +679,29 @@ Result<std::optional<ChunkLoc>> SqliteStore::findChunk(const std::string& sha, i
   sqlite3_clear_bindings(st);
   if (!err.isOk()) return err;
   return out;
+}
+
+Status SqliteStore::deleteChunksIn(const std::string& data,
+                                   const std::vector<std::pair<uint64_t, uint64_t>>& ranges) {
+  if (ranges.empty()) return Status::ok();
+  std::lock_guard lk(mu_);
+  RETURN_IF_ERROR(exec("BEGIN IMMEDIATE"));
+  Stmt st(db_,
+          "DELETE FROM chunks WHERE data=?1 AND block < ?3 AND block + (length + 4095) / 4096 > ?2");
+  Status s;
+  for (auto& [start, count] : ranges) {
+    st.reset();
+    st.bind(1, data).bind(2, int64_t(start)).bind(3, int64_t(start + count));
+    if (st.step() != SQLITE_DONE) {
+      s = sqlError(db_, "deleteChunksIn");
+      break;
+    }
+  }
+  if (!s.isOk()) {
+    (void)exec("ROLLBACK");
+    return s;
+  }
+  return exec("COMMIT");
 }
 
 Status SqliteStore::deleteChunksOf(const std::string& data) {

@@ -160,6 +160,18 @@ struct BlobRecord {
   // of its chunks point into (chunks deduplicated across layers), in EROFS
   // device order (devices 2, 3, ...; device 1 is `data`). Empty for most.
   std::vector<std::string> extraData;
+  // For a layer's metadata image with extraData: the blocks of each extra
+  // blob its chunks read (image::BlockRanges text, one per extra blob in
+  // extraData's order, joined by ";"). "" when not recorded (layers made
+  // before 2026-12-08): the layer may read anything of its extras.
+  std::string extraReads;
+  // For a data blob: the chunks garbage collection removed (holes punched)
+  // because no layer reads them any more (image::BlockRanges text, 4 KiB
+  // blocks; "" for a whole blob). Platform::collectGarbage.
+  std::string reclaimed;
+
+  // Bytes the blob takes in the store: its size less what gc reclaimed.
+  int64_t storedBytes() const;
 };
 
 // Where a chunk's bytes are stored (the platform-wide chunk table a converter
@@ -328,6 +340,10 @@ class Store {
   // holds no space, so each is stored as given (callers check they exist).
   virtual Status setBlobExtraData(const std::string& layer,
                                   const std::vector<std::string>& blobs) = 0;
+  // Records BlobRecord::extraReads of layer `layer` (text, replacing any).
+  virtual Status setBlobExtraReads(const std::string& layer, const std::string& reads) = 0;
+  // Records BlobRecord::reclaimed of data blob `data` (text, replacing any).
+  virtual Status setBlobReclaimed(const std::string& data, const std::string& reclaimed) = 0;
 
   // ---- The chunk table: where each distinct chunk (by SHA-256 and length)
   // was first stored. Rows name their data blob but are not checked against
@@ -342,6 +358,11 @@ class Store {
   virtual Result<std::optional<ChunkLoc>> findChunk(const std::string& sha, int64_t length) = 0;
   // Removes every row whose chunk is in data blob `data` (none: ok).
   virtual Status deleteChunksOf(const std::string& data) = 0;
+  // Removes the rows of the chunks of data blob `data` that overlap any of
+  // `ranges` (4 KiB blocks: start, count; a chunk spans blocks [block,
+  // block + ceil(length / 4096))), in one transaction.
+  virtual Status deleteChunksIn(const std::string& data,
+                                const std::vector<std::pair<uint64_t, uint64_t>>& ranges) = 0;
   // One page of the chunk table's keys, for a reader that wants them all
   // (platform/chunk_keys.h) without holding the table, or the whole of it in
   // memory, at once: at most `limit` keys, in an order of the store's own,
@@ -475,9 +496,13 @@ class SqliteStore : public Store {
   Status setBlobSource(const std::string& digest, const std::string& source) override;
   Result<std::string> findLayerBySource(const std::string& source) override;
   Status setBlobExtraData(const std::string& layer, const std::vector<std::string>& blobs) override;
+  Status setBlobExtraReads(const std::string& layer, const std::string& reads) override;
+  Status setBlobReclaimed(const std::string& data, const std::string& reclaimed) override;
   Status putChunks(const std::string& data, const std::vector<ChunkLoc>& chunks) override;
   Result<std::optional<ChunkLoc>> findChunk(const std::string& sha, int64_t length) override;
   Status deleteChunksOf(const std::string& data) override;
+  Status deleteChunksIn(const std::string& data,
+                        const std::vector<std::pair<uint64_t, uint64_t>>& ranges) override;
   Result<std::vector<ChunkKey>> listChunkKeys(const ChunkKey& after, size_t limit) override;
   Status putImage(const ImageRecord& r) override;
   Result<ImageRecord> getImage(const std::string& name, const std::string& tag) override;

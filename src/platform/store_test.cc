@@ -575,6 +575,37 @@ TEST_P(StoreTest, PulledImagesAndLayersRecordTheirSource) {
   EXPECT_EQ((*s->listImages())[0].source, r.source);
 }
 
+TEST_P(StoreTest, LayersRecordWhatTheyReadOfExtraBlobsAndDataBlobsWhatGcReclaimed) {
+  auto s = open();
+  ASSERT_TRUE(s);
+  for (const char* d : {"sha256:m", "sha256:d", "sha256:x1"}) ASSERT_TRUE(s->putBlob(d, 10).isOk());
+  ASSERT_TRUE(s->setBlobExtraData("sha256:m", {"sha256:x1"}).isOk());
+  EXPECT_EQ(s->getBlob("sha256:m")->extraReads, "");
+  EXPECT_EQ(s->getBlob("sha256:x1")->reclaimed, "");
+  ASSERT_TRUE(s->setBlobExtraReads("sha256:m", "0+32,96+64").isOk());
+  ASSERT_TRUE(s->setBlobReclaimed("sha256:x1", "32+64").isOk());
+  EXPECT_EQ(s->getBlob("sha256:m")->extraReads, "0+32,96+64");
+  EXPECT_EQ(s->getBlob("sha256:m")->reclaimed, "");
+  EXPECT_EQ(s->getBlob("sha256:x1")->reclaimed, "32+64");
+  EXPECT_EQ(s->getBlob("sha256:x1")->extraReads, "");
+  auto all = s->listBlobs();
+  ASSERT_TRUE(all.isOk());
+  ASSERT_EQ(all->size(), 3u);
+  EXPECT_EQ((*all)[1].digest, "sha256:m");
+  EXPECT_EQ((*all)[1].extraReads, "0+32,96+64");
+  EXPECT_EQ((*all)[2].reclaimed, "32+64");
+  // Other updates leave them alone, a re-upload too; then they survive a reopen.
+  ASSERT_TRUE(s->setBlobKind("sha256:x1", "data").isOk());
+  ASSERT_TRUE(s->putBlob("sha256:x1", 10).isOk());
+  s.reset();
+  s = open();
+  ASSERT_TRUE(s);
+  EXPECT_EQ(s->getBlob("sha256:x1")->reclaimed, "32+64");
+  EXPECT_EQ(s->getBlob("sha256:m")->extraReads, "0+32,96+64");
+  ASSERT_TRUE(s->setBlobReclaimed("sha256:x1", "").isOk());
+  EXPECT_EQ(s->getBlob("sha256:x1")->reclaimed, "");
+}
+
 TEST_P(StoreTest, LayersRecordTheExtraDataBlobsTheirChunksPointInto) {
   auto s = open();
   ASSERT_TRUE(s);
@@ -654,6 +685,21 @@ TEST_P(StoreTest, ChunkTableFirstLocationWinsAndGoesWithItsBlob) {
   EXPECT_EQ(s->putChunks("sha256:d3", {{shaOf(5), 0, "", 0}}).code(), Code::kInvalidArgument);
   EXPECT_EQ(s->putChunks("", {{shaOf(5), 10, "", 0}}).code(), Code::kInvalidArgument);
   EXPECT_FALSE(s->findChunk(shaOf(5), 10)->has_value());
+  // deleteChunksIn removes the rows of that blob's chunks overlapping the
+  // ranges: chunk 6 spans blocks 1-2 (4097 bytes), 7 is block 3, 8 is 10-41.
+  ASSERT_TRUE(s->putChunks("sha256:d3", {{shaOf(6), 4097, "", 1},
+                                         {shaOf(7), 4096, "", 3},
+                                         {shaOf(8), 131072, "", 10}})
+                  .isOk());
+  ASSERT_TRUE(s->deleteChunksIn("sha256:d3", {}).isOk());
+  ASSERT_TRUE(s->deleteChunksIn("sha256:d3", {{0, 1}, {4, 6}, {42, 100}}).isOk());  // touches none
+  for (int i : {6, 7}) EXPECT_TRUE(s->findChunk(shaOf(i), i == 6 ? 4097 : 4096)->has_value()) << i;
+  EXPECT_TRUE(s->findChunk(shaOf(8), 131072)->has_value());
+  ASSERT_TRUE(s->deleteChunksIn("sha256:d3", {{2, 1}, {41, 1}, {0xfffffffe, 1}}).isOk());
+  EXPECT_FALSE(s->findChunk(shaOf(6), 4097)->has_value());  // its second block
+  EXPECT_TRUE(s->findChunk(shaOf(7), 4096)->has_value());
+  EXPECT_FALSE(s->findChunk(shaOf(8), 131072)->has_value());  // its last block
+  EXPECT_EQ((*s->findChunk(shaOf(3), 100))->block, 0xfffffffeu);  // another blob's row
   // deleteChunksOf removes that blob's rows only; the chunks can then be
   // recorded elsewhere.
   ASSERT_TRUE(s->deleteChunksOf("sha256:d1").isOk());

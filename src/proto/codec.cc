@@ -387,7 +387,9 @@ Result<image::BuiltLayer> builtLayerFromJson(const json& j) {
 json toJson(const LayerDesc& d) {
   json extra = json::array();
   for (auto& x : d.extraData) {
-    extra.push_back({{"digest", x.digest}, {"size", x.size}, {"chunks_digest", x.chunksDigest}});
+    json e = {{"digest", x.digest}, {"size", x.size}, {"chunks_digest", x.chunksDigest}};
+    if (!x.reclaimed.empty()) e["reclaimed"] = x.reclaimed;
+    extra.push_back(std::move(e));
   }
   return {{"digest", d.digest},
           {"size", d.size},
@@ -415,6 +417,7 @@ Result<LayerDesc> layerDescFromJson(const json& j) {
           x.digest = req<std::string>(extra[i], "digest");
           x.size = nonNeg(extra[i], "size", int64_t(0));
           x.chunksDigest = opt(extra[i], "chunks_digest", std::string());
+          x.reclaimed = opt(extra[i], "reclaimed", std::string());
           d.extraData.push_back(std::move(x));
         } catch (const BadField& e) {
           throw BadField("extra_data[" + std::to_string(i) + "]." + e.what());

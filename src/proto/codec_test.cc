@@ -312,6 +312,29 @@ TEST(EdgeWire, LayerDescRoundTripsWithItsExtraDataInOrder) {
   EXPECT_EQ(toJson(LayerDesc{})["extra_data"], json::array());
 }
 
+TEST(EdgeWire, LayerDescExtraDataCarriesItsReclaimedChunks) {
+  LayerDesc d;
+  d.digest = "sha256:aa";
+  d.dataDigest = "sha256:bb";
+  d.extraData = {{"sha256:x1", 1 << 20, "sha256:i1", "0+32,64+32"},
+                 {"sha256:x2", 10, "sha256:i2", ""}};
+  json j = toJson(d);
+  EXPECT_EQ(j["extra_data"][0]["reclaimed"], "0+32,64+32");
+  EXPECT_FALSE(j["extra_data"][1].contains("reclaimed"));  // a whole blob says nothing
+  auto back = layerDescFromJson(json::parse(j.dump()));
+  ASSERT_TRUE(back.isOk()) << back.status().toString();
+  ASSERT_EQ(back->extraData.size(), 2u);
+  EXPECT_EQ(back->extraData[0].reclaimed, "0+32,64+32");
+  EXPECT_EQ(back->extraData[0].chunksDigest, "sha256:i1");
+  EXPECT_EQ(back->extraData[1].reclaimed, "");
+  // From a sender that knows no reclaimed chunks.
+  auto old = layerDescFromJson(
+      {{"digest", "sha256:aa"}, {"extra_data", {{{"digest", "sha256:x"}, {"size", 1}}}}});
+  ASSERT_TRUE(old.isOk()) << old.status().toString();
+  ASSERT_EQ(old->extraData.size(), 1u);
+  EXPECT_EQ(old->extraData[0].reclaimed, "");
+}
+
 // What a decoder fills in for what the sender left out: the struct's defaults.
 TEST(EdgeWire, MinimalObjectsDecodeToDefaults) {
   auto s = specFromJson(json{{"id", "sb-1"}});

@@ -250,6 +250,10 @@ struct DataBlobDesc {
   std::string digest;
   int64_t size = 0;
   std::string chunksDigest;
+  // Chunks the platform's gc removed from the blob (image::BlockRanges text,
+  // in 4 KiB blocks; "" for a whole blob): they read as zeros from the store
+  // and no layer reads them, so a node never fetches them.
+  std::string reclaimed;
 };
 
 struct LayerDesc {

@@ -15,6 +15,8 @@
 #include "edge/image/fanotify_loader.h"
 #include "edge/image/fuse_loader.h"
 #include "edge/image/loader_control.h"
+#include "image/block_ranges.h"
+#include "image/fs_tree.h"
 
 namespace dsec::edge {
 
@@ -42,6 +44,40 @@ LayerDesc loaderDesc(const proto::DataBlobDesc& b) {
   d.dataSize = b.size;
   d.chunksDigest = b.chunksDigest;
   return d;
+}
+
+// The chunks of b the platform's gc reclaimed (proto::DataBlobDesc::reclaimed):
+// empty for a whole blob; kInvalidArgument for text BlockRanges does not parse.
+Result<image::BlockRanges> reclaimedOf(const proto::DataBlobDesc& b) {
+  if (b.reclaimed.empty()) return image::BlockRanges();
+  auto r = image::BlockRanges::parse(b.reclaimed);
+  if (!r.isOk()) {
+    Status st = r.status();
+    return st.withContext("reclaimed chunks of " + b.digest);
+  }
+  return r;
+}
+
+// Whether chunk i lies (even in part) in reclaimed blocks: gc reclaims whole
+// chunks, which read as zeros from the store and which no layer reads.
+bool chunkReclaimed(const image::BlockRanges& reclaimed, const image::ChunkIndex& idx, int64_t i) {
+  if (reclaimed.empty()) return false;
+  uint64_t off = uint64_t(i * idx.chunkSize);
+  uint64_t end = off + uint64_t(idx.chunkLength(i));
+  uint64_t first = off / image::kFsBlockSize;
+  uint64_t last = (end + image::kFsBlockSize - 1) / image::kFsBlockSize;
+  return reclaimed.intersects(first, last - first);
+}
+
+// An empty sparse copy of `size` bytes at `path` (made aside, renamed into
+// place): all holes, which loaders and prestage() fill chunk by chunk.
+Status createSparseCopy(const std::string& path, int64_t size) {
+  std::string tmp = path + ".new";
+  UniqueFd fd(::open(tmp.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
+  if (!fd) return sysError("create " + tmp);
+  if (::ftruncate(fd.get(), size) != 0) return sysError("truncate " + tmp);
+  if (::rename(tmp.c_str(), path.c_str()) != 0) return sysError("rename " + path);
+  return Status::ok();
 }
 
 // EROFS numbers the extra devices after the layer's own data blob.
@@ -251,15 +287,22 @@ Status NodeCache::stageBlob(const proto::DataBlobDesc& b) {
   }
   int64_t fetched = 0;
   auto stage = [&]() -> Status {
+    ASSIGN_OR_RETURN(image::BlockRanges reclaimed, reclaimedOf(b));
     ASSIGN_OR_RETURN(image::ChunkIndex idx, loadIndex(b, &fetched));
     std::string data = pathOf(b.digest, ".data");
     if (::access(data.c_str(), F_OK) != 0) {
-      // Whole, verified against the data blob's digest, renamed into place.
-      RETURN_IF_ERROR(store_->fetchVerified(image::blobName(b.digest), hexOf(b.digest), data));
-      fetched += b.size;
-      return Status::ok();
+      if (reclaimed.empty()) {
+        // Whole, verified against the data blob's digest, renamed into place.
+        RETURN_IF_ERROR(store_->fetchVerified(image::blobName(b.digest), hexOf(b.digest), data));
+        fetched += b.size;
+        return Status::ok();
+      }
+      // A partial blob no longer hashes to its digest: an empty sparse copy,
+      // filled below chunk by chunk like one from earlier use.
+      RETURN_IF_ERROR(createSparseCopy(data, b.size));
     }
-    // A sparse copy from earlier use: its holes, chunk by chunk, each verified.
+    // A sparse copy: its holes, chunk by chunk, each verified; reclaimed
+    // chunks stay holes (they would fail verification, and nothing reads them).
     UniqueFd fd(::open(data.c_str(), O_RDWR | O_CLOEXEC));
     if (!fd) return sysError("open " + data);
     struct stat sb;
@@ -270,6 +313,7 @@ Status NodeCache::stageBlob(const proto::DataBlobDesc& b) {
     }
     for (int64_t i = 0; i < idx.chunkCount(); ++i) {
       int64_t off = i * idx.chunkSize;
+      if (chunkReclaimed(reclaimed, idx, i)) continue;
       if (chunkPresent(fd.get(), off, off + idx.chunkLength(i))) continue;
       RETURN_IF_ERROR(fetchChunkInto(store_.get(), b.digest, idx, i, fd.get(), data));
       fetched += idx.chunkLength(i);
@@ -363,22 +407,21 @@ Result<std::string> NodeCache::acquireBlob(const proto::DataBlobDesc& b) {
   std::shared_ptr<const image::ChunkIndex> index;
   std::vector<int64_t> order;
   auto attach = [&]() -> Result<std::string> {
+    ASSIGN_OR_RETURN(image::BlockRanges reclaimed, reclaimedOf(b));
     ASSIGN_OR_RETURN(image::ChunkIndex idx, loadIndex(b, &fetched));
     index = std::make_shared<const image::ChunkIndex>(std::move(idx));
     std::string data = pathOf(b.digest, ".data");
     cold = ::access(data.c_str(), F_OK) != 0;
-    if (cold) {
-      std::string tmp = data + ".new";
-      UniqueFd fd(::open(tmp.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
-      if (!fd) return sysError("create " + tmp);
-      if (::ftruncate(fd.get(), b.size) != 0) return sysError("truncate " + tmp);
-      if (::rename(tmp.c_str(), data.c_str()) != 0) return sysError("rename " + data);
-    }
+    if (cold) RETURN_IF_ERROR(createSparseCopy(data, b.size));
     ASSIGN_OR_RETURN(std::string device, loader_->attach(loaderDesc(b), data, index));
     if (auto list = readFile(pathOf(b.digest, ".order")); list.isOk()) {
+      // The list may predate gc (recorded while the blob's own layer read
+      // it): its reclaimed chunks would only fail verification.
       std::istringstream in(*list);
       for (int64_t i; in >> i;) {
-        if (i >= 0 && i < index->chunkCount()) order.push_back(i);
+        if (i >= 0 && i < index->chunkCount() && !chunkReclaimed(reclaimed, *index, i)) {
+          order.push_back(i);
+        }
       }
     }
     return device;

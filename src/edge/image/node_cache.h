@@ -1,7 +1,11 @@
 // The node's layer cache: gets a layer's files ready to mount from the blob
 // store. Metadata images and chunk indexes are fetched whole and verified;
 // data blobs are read in place (`direct`) or filled on demand into sparse
-// copies by a Loader (`fanotify`, `fuse`). A layer reads its own data blob and
+// copies by a Loader (`fanotify`, `fuse`), each chunk verified against the
+// blob's chunk index. A data blob may be partial (DataBlobDesc::reclaimed:
+// chunks the platform's gc reclaimed, which read as zeros and which no layer
+// reads): it no longer hashes to its digest, so it is only ever fetched chunk
+// by chunk, and its reclaimed chunks never. A layer reads its own data blob and
 // possibly extra ones (chunks deduplicated across layers: other layers' data
 // blobs, LayerDesc::extraData); each data blob is one cache entity, attached
 // to the loader once while any attached layer reads it (reference counted)
@@ -61,17 +65,21 @@ class NodeCache {
   // extras) to the loader; a blob some attached layer already reads is
   // shared, not attached again. The layer holds its blobs until unmounted().
   // Errors: the lookup's, the store's (kDataLoss for bad bytes; a layer with
-  // extra data blobs but none of its own), the loader's; on error the layer
-  // holds nothing.
+  // extra data blobs but none of its own), kInvalidArgument for reclaimed
+  // chunks that do not parse, the loader's; on error the layer holds nothing.
   Result<LayerFiles> prepare(const std::string& digest);
   // Pre-stages layer `digest` (docs/cluster.md, node pools): fetches its
   // metadata image, and the chunk index and every chunk of each of its data
   // blobs (own and extras) into the cache, verified, so sandboxes that stack
-  // it later fetch nothing; it is listed by layers() from then on. A data
-  // blob some mounted layer reads is left to its loader. With the direct
-  // loader the blobs are read in place: it only checks they are there
-  // (nothing to fetch; not listed). Errors: the lookup's, the store's
-  // (kDataLoss for bad bytes).
+  // it later fetch nothing; it is listed by layers() from then on. A whole
+  // data blob the node has no copy of is fetched in one piece and checked
+  // against its digest; a partial one (reclaimed chunks), or the holes of a
+  // sparse copy from earlier use, chunk by chunk, each checked against the
+  // chunk index, reclaimed chunks left as holes. A data blob some mounted
+  // layer reads is left to its loader. With the direct loader the blobs are
+  // read in place: it only checks they are there (nothing to fetch; not
+  // listed). Errors: the lookup's, the store's (kDataLoss for bad bytes),
+  // kInvalidArgument for reclaimed chunks that do not parse.
   Status prestage(const std::string& digest);
   // True when the layer's mount can no longer read its data (the loader
   // process serving any of its blobs died since it was prepared): unmount
@@ -144,7 +152,8 @@ class NodeCache {
   // prepare() once no prestage() of the layer runs.
   Result<LayerFiles> prepareFiles(const std::string& digest);
   // A use of blob b: attached (fetching its chunk index, making its sparse
-  // copy) unless some layer uses it already. Returns the loader's path.
+  // copy) unless some layer uses it already; a cold copy gets the recorded
+  // prefetch list, less b's reclaimed chunks. Returns the loader's path.
   Result<std::string> acquireBlob(const proto::DataBlobDesc& b);
   // Lets go of a use; the last one detaches the blob from the loader.
   void releaseBlob(const std::string& dataDigest);
@@ -152,7 +161,9 @@ class NodeCache {
   Result<image::ChunkIndex> loadIndex(const proto::DataBlobDesc& b, int64_t* fetched);
   // prestage(): the files of `d`, all verified; adds the bytes fetched.
   Status stageFiles(const LayerDesc& d, int64_t* fetched);
-  // prestage() of one data blob (left alone while attached).
+  // prestage() of one data blob (left alone while attached): whole when b is
+  // (no reclaimed chunks) and not cached at all, else chunk by chunk into a
+  // sparse copy, skipping reclaimed chunks.
   Status stageBlob(const proto::DataBlobDesc& b);
   // Fetches name to dest unless it is there; adds the bytes fetched to *fetched.
   Status fetchWhole(const std::string& name, const std::string& digest, const std::string& dest,

@@ -5,6 +5,7 @@
 // a temp dir and a fake loader that records what the cache asks of it.
 #include "edge/image/node_cache.h"
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -14,6 +15,7 @@
 #include <set>
 #include <string>
 
+#include "common/fd.h"
 #include "common/sha256.h"
 #include "common/util.h"
 #include "image/blob_store.h"
@@ -103,6 +105,23 @@ class NodeCacheTest : public ::testing::Test {
     EXPECT_TRUE(idx.isOk());
     d.chunksDigest = put(image::chunkIndexName(d.digest), idx->serialize());
     return d;
+  }
+  // A data blob of 5 chunks of 4 KiB (the last short), each of other bytes,
+  // whose copy in the store then has chunk `hole` zeroed, as the platform's gc
+  // leaves a chunk it reclaimed. `original` gets the bytes before that.
+  proto::DataBlobDesc putPartialData(int64_t hole, std::string* original) {
+    std::string bytes;
+    for (int i = 0; i < 5; ++i) bytes += std::string(i < 4 ? 4096 : 1000, char('a' + i));
+    *original = bytes;
+    proto::DataBlobDesc d = putData(bytes);
+    std::fill_n(bytes.begin() + hole * 4096, 4096, '\0');
+    EXPECT_TRUE(writeFileAtomic(dir_ + "/store/" + image::blobName(d.digest), bytes, 0644).isOk());
+    return d;
+  }
+  int64_t storeSize(const std::string& name) {
+    struct stat st;
+    EXPECT_EQ(::stat((dir_ + "/store/" + name).c_str(), &st), 0) << name;
+    return st.st_size;
   }
   std::string putLayer(const std::string& meta, const proto::DataBlobDesc& own,
                        std::vector<proto::DataBlobDesc> extras) {
@@ -320,6 +339,98 @@ TEST_F(NodeCacheTest, PrestageFetchesEveryBlobButThoseAttached) {
   bool listed = false;
   for (auto& l : cache_->layers()) listed = listed || l.digest == b_;
   EXPECT_TRUE(listed);
+}
+
+TEST_F(NodeCacheTest, PrestageFetchesAPartialBlobChunkByChunkLeavingReclaimedOnesHoles) {
+  std::string original;
+  proto::DataBlobDesc w = putPartialData(2, &original);
+  w.reclaimed = "2+1";  // chunk 2: blocks [2, 3)
+  std::string p = putLayer("meta of P", x_, {w});
+  open();
+  Status st = cache_->prestage(p);
+  ASSERT_TRUE(st.isOk()) << st.toString();
+  std::string path = cached(w.digest, ".data");
+  auto copy = readFile(path);
+  ASSERT_TRUE(copy.isOk()) << copy.status().toString();
+  ASSERT_EQ(copy->size(), original.size());
+  for (int64_t i = 0; i < 5; ++i) {
+    int64_t off = i * 4096, len = i < 4 ? 4096 : 1000;
+    if (i == 2) {
+      EXPECT_EQ(copy->substr(off, len), std::string(4096, '\0'));
+    } else {
+      EXPECT_EQ(copy->substr(off, len), original.substr(off, len)) << "chunk " << i;
+    }
+  }
+  // Chunk 2 was never fetched: a hole, and everything else data.
+  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  ASSERT_TRUE(fd);
+  EXPECT_EQ(::lseek(fd.get(), 0, SEEK_HOLE), 2 * 4096);
+  EXPECT_EQ(::lseek(fd.get(), 2 * 4096, SEEK_DATA), 3 * 4096);
+  EXPECT_EQ(::lseek(fd.get(), 3 * 4096, SEEK_HOLE), off_t(original.size()));
+  // Bytes fetched: the metadata image, X whole, both chunk indexes and the
+  // four chunks of W it has.
+  int64_t want = storeSize(image::blobName(p)) + x_.size +
+                 storeSize(image::chunkIndexName(x_.digest)) +
+                 storeSize(image::chunkIndexName(w.digest)) + w.size - 4096;
+  auto stats = [&] {
+    for (auto& l : cache_->layers()) {
+      if (l.digest == p) return l.stats;
+    }
+    return LayerStats{};
+  };
+  EXPECT_EQ(stats().bytesFetched, want);
+  // Again: the copy from earlier use is complete but for its reclaimed chunk.
+  st = cache_->prestage(p);
+  ASSERT_TRUE(st.isOk()) << st.toString();
+  EXPECT_EQ(::lseek(fd.get(), 2 * 4096, SEEK_DATA), 3 * 4096);
+  EXPECT_EQ(stats().bytesFetched, want);
+}
+
+TEST_F(NodeCacheTest, PrestageOfAZeroedBlobNotSaidToBePartialIsDataLoss) {
+  std::string original;
+  proto::DataBlobDesc w = putPartialData(2, &original);
+  std::string p = putLayer("meta of P", x_, {w});
+  open();
+  EXPECT_EQ(cache_->prestage(p).code(), Code::kDataLoss);
+  // Nor chunk by chunk into a sparse copy from earlier use.
+  ASSERT_TRUE(makeDirs(dir_ + "/cache", 0700).isOk());
+  ASSERT_TRUE(writeFileAtomic(cached(w.digest, ".data"), "", 0600).isOk());
+  ASSERT_EQ(::truncate(cached(w.digest, ".data").c_str(), w.size), 0);
+  EXPECT_EQ(cache_->prestage(p).code(), Code::kDataLoss);
+}
+
+TEST_F(NodeCacheTest, AColdAttachPrefetchesNoReclaimedChunk) {
+  std::string original;
+  proto::DataBlobDesc w = putPartialData(2, &original);
+  w.reclaimed = "2+1";
+  std::string p = putLayer("meta of P", x_, {w});
+  open();
+  // Recorded while W's own layer still read chunk 2, before gc reclaimed it.
+  ASSERT_TRUE(makeDirs(dir_ + "/cache", 0700).isOk());
+  ASSERT_TRUE(writeFileAtomic(cached(w.digest, ".order"), "0\n2\n3\n", 0600).isOk());
+  ASSERT_TRUE(cache_->prepare(p).isOk());
+  auto prefetched = [&] {
+    for (auto& l : cache_->layers()) {
+      if (l.digest == p) return l.chunksPrefetched;
+    }
+    return int64_t(-1);
+  };
+  for (int i = 0; i < 500 && prefetched() < 2; ++i) ::usleep(10000);
+  ::usleep(200000);  // a third read, if any, lands meanwhile
+  EXPECT_EQ(prefetched(), 2);
+  cache_->unmounted(p);
+}
+
+TEST_F(NodeCacheTest, ReclaimedChunksThatDoNotParseAreRefused) {
+  proto::DataBlobDesc w = z_;
+  w.reclaimed = "1+0";
+  std::string p = putLayer("meta of P", x_, {w});
+  open();
+  Status st = cache_->prestage(p);
+  EXPECT_EQ(st.code(), Code::kInvalidArgument) << st.toString();
+  EXPECT_FALSE(exists(cached(z_.digest, ".data")));
+  EXPECT_EQ(cache_->prepare(p).status().code(), Code::kInvalidArgument);
+  EXPECT_TRUE(live().empty());
 }
 
 TEST_F(NodeCacheTest, TheDirectLoaderReadsEveryBlobInPlace) {
