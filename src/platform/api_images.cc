@@ -7,9 +7,11 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <map>
 #include <optional>
 #include <set>
+#include <thread>
 
 #include "common/fd.h"
 #include "common/log.h"
@@ -199,6 +201,13 @@ namespace {
 // that dies leaves it to lapse.
 constexpr double kChunkHoldLeaseTtlS = 6 * 3600;
 const std::string kChunkHoldLeasePrefix = "chunk-hold:";
+// And a collector about to delete a blob or punch chunks out of it takes
+// "blob-collect:<blob>" before it checks for holds, while a holder checks
+// for that lease after taking its hold: whichever comes second sees the
+// other (a holder waits the collection out; a collector skips a held blob).
+const std::string kCollectLeasePrefix = "blob-collect:";
+constexpr double kCollectLeaseTtlS = 120;
+constexpr double kCollectWaitS = 60;
 }  // namespace
 
 Result<std::optional<ChunkLoc>> Platform::lookupChunkAndHold(const std::string& sha,
@@ -223,17 +232,50 @@ Result<std::optional<ChunkLoc>> Platform::lookupChunkAndHold(const std::string& 
 }
 
 Status Platform::holdBlob(const std::string& data) {
-  std::lock_guard lk(chunkHoldMu_);
-  // The lease is in the store before this hold counts: a second hold of the
-  // same blob cannot go ahead of it.
-  if (store_->shared() && !chunkHolds_.count(data)) {
-    ASSIGN_OR_RETURN(bool mine,
-                     store_->acquireLease(kChunkHoldLeasePrefix + data + "/" + opts_.replicaId,
-                                          opts_.replicaId, kChunkHoldLeaseTtlS));
-    if (!mine) return internalError("chunk hold on " + data + " taken by another holder");
+  {
+    std::lock_guard lk(chunkHoldMu_);
+    // The lease is in the store before this hold counts: a second hold of the
+    // same blob cannot go ahead of it.
+    if (store_->shared() && !chunkHolds_.count(data)) {
+      ASSIGN_OR_RETURN(bool mine,
+                       store_->acquireLease(kChunkHoldLeasePrefix + data + "/" + opts_.replicaId,
+                                            opts_.replicaId, kChunkHoldLeaseTtlS));
+      if (!mine) return internalError("chunk hold on " + data + " taken by another holder");
+    }
+    chunkHolds_.insert(data);
   }
-  chunkHolds_.insert(data);
-  return Status::ok();
+  if (!store_->shared()) return Status::ok();
+  // A collector (of any replica) that looked for holds before this one was
+  // visible may be deleting the blob or punching chunks out of it: the hold
+  // counts once it is done.
+  const double deadline = monoSeconds() + kCollectWaitS;
+  for (;;) {
+    auto leases = store_->listLeases();
+    if (!leases.isOk()) {
+      releaseChunkHolds({data});
+      return leases.status();
+    }
+    bool collecting = false;
+    for (auto& l : *leases) collecting |= l.live && l.name == kCollectLeasePrefix + data;
+    if (!collecting) return Status::ok();
+    if (monoSeconds() > deadline) {
+      releaseChunkHolds({data});
+      return Status(Code::kUnavailable, "blob " + data + " is being collected; try again");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+}
+
+Result<bool> Platform::beginCollect(const std::string& data) {
+  if (!store_->shared()) return true;
+  return store_->acquireLease(kCollectLeasePrefix + data, opts_.replicaId, kCollectLeaseTtlS);
+}
+
+void Platform::endCollect(const std::string& data) {
+  if (!store_->shared()) return;
+  if (Status st = store_->releaseLease(kCollectLeasePrefix + data, opts_.replicaId); !st.isOk()) {
+    log::warn("gc: " + data + ": " + st.toString() + " (the lease lapses by itself)");
+  }
 }
 
 Result<bool> Platform::blobHeld(const std::string& data) {
@@ -269,6 +311,13 @@ void Platform::releaseChunkHolds(const std::vector<std::string>& blobs) {
 
 Result<bool> Platform::deleteBlobUnlessHeld(const std::string& digest) {
   RETURN_IF_ERROR(store_->deleteChunksOf(digest));
+  ASSIGN_OR_RETURN(bool mine, beginCollect(digest));
+  if (!mine) return false;  // another replica's collector is at it
+  struct End {
+    Platform* p;
+    const std::string& d;
+    ~End() { p->endCollect(d); }
+  } end{this, digest};
   ASSIGN_OR_RETURN(bool held, blobHeld(digest));
   if (held) return false;
   RETURN_IF_ERROR(store_->deleteBlob(digest));
@@ -717,6 +766,13 @@ Result<std::vector<std::pair<std::string, int64_t>>> Platform::reclaimChunksLock
       // No new layer finds these chunks from now on; then, as deleteBlobUnlessHeld
       // does, a converter that found one before holds the blob: not this time.
       RETURN_IF_ERROR(store_->deleteChunksIn(b.digest, dead.ranges()));
+      ASSIGN_OR_RETURN(bool mine, beginCollect(b.digest));
+      if (!mine) return int64_t(0);  // another replica's collector is at it
+      struct End {
+        Platform* p;
+        const std::string& d;
+        ~End() { p->endCollect(d); }
+      } end{this, b.digest};
       ASSIGN_OR_RETURN(bool held, blobHeld(b.digest));
       if (held) return int64_t(0);
       // Recorded before the holes are made: a node told a chunk is gone never

@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <thread>
@@ -336,73 +337,116 @@ std::string slurpOrEmpty(const std::string& path) {
   return r.isOk() ? *r : std::string();
 }
 
-// A data blob D of 8 chunks whose own layer is gone: layer B (named by an
-// image) reads chunk 0 of it. A converter that found chunk 3 holds D, so the
+// A platform over either store, and a data blob D of 8 chunks in its blob
+// store whose own layer is gone (no layer has it as its data), with a chunk
+// row per chunk.
+class GcPlatformTest : public ::testing::TestWithParam<StoreKind> {
+ protected:
+  static constexpr int64_t kChunk = 128 << 10, kChunks = 8;
+  void SetUp() override {
+    DSEC_MAKE_TEST_STORE_ENV(env_, GetParam());
+    auto opened = env_->open();
+    ASSERT_TRUE(opened.isOk()) << opened.status().toString();
+    store_ = std::move(*opened);
+    dir_ = env_->dir;
+    ClusterOptions co;
+    co.dataDir = dir_;
+    co.store = store_.get();
+    co.replicaId = "r-test";
+    auto c = Cluster::start(co);
+    ASSERT_TRUE(c.isOk()) << c.status().toString();
+    cluster_ = std::move(*c);
+    for (int i = 0; i < kChunks; ++i) bytes_ += std::string(size_t(kChunk), char('a' + i));
+    bytes_[5] = 'x';
+    d_ = "sha256:" + sha256Hex(bytes_);
+    path_ = Platform::blobPath(dir_, d_);
+    ASSERT_TRUE(makeDirs(dir_ + "/blobs/sha256").isOk());
+    ASSERT_TRUE(writeFileAtomic(path_, bytes_, 0600).isOk());
+    auto idx = image::ChunkIndex::build(path_, kChunk);
+    ASSERT_TRUE(idx.isOk());
+    std::string idxBytes = idx->serialize();
+    ASSERT_TRUE(writeFileAtomic(path_ + ".chunks", idxBytes, 0600).isOk());
+    ASSERT_TRUE(store_->putBlob(d_, int64_t(bytes_.size())).isOk());
+    ASSERT_TRUE(store_->setBlobKind(d_, "data").isOk());
+    ASSERT_TRUE(store_->setBlobChunks(d_, "sha256:" + sha256Hex(idxBytes)).isOk());
+    std::vector<ChunkLoc> rows;
+    for (int i = 0; i < kChunks; ++i) rows.push_back({shaOfChunk(i), kChunk, d_, uint32_t(i * 32)});
+    ASSERT_TRUE(store_->putChunks(d_, rows).isOk());
+    PlatformOptions po;
+    po.dataDir = dir_;
+    po.token = "t";
+    po.replicaId = "r-test";
+    po.registry = &registry_;
+    auto p = Platform::start(po, store_.get(), cluster_.get());
+    ASSERT_TRUE(p.isOk()) << p.status().toString();
+    platform_ = std::move(*p);
+    for (int i = 0; i < 500 && metricValue(registry_.render(), "dsec_chunk_keys_loaded") != 1; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+  }
+  void TearDown() override {
+    if (platform_) platform_->shutdown();
+    platform_.reset();
+    cluster_.reset();
+    store_.reset();
+    env_.reset();
+  }
+  std::string shaOfChunk(int i) const { return sha256Hex(bytes_.substr(size_t(i * kChunk), kChunk)); }
+  // A layer with D as an extra blob, reading `reads` of it, in image `name`.
+  void addLayer(const std::string& name, const std::string& reads) {
+    std::string meta = "sha256:" + sha256Hex(name + "-meta"), own = "sha256:" + sha256Hex(name);
+    for (auto& b : {meta, own}) ASSERT_TRUE(store_->putBlob(b, 4096).isOk());
+    ASSERT_TRUE(store_->setBlobKind(own, "data").isOk());
+    ASSERT_TRUE(store_->setBlobExtraData(meta, {d_}).isOk());
+    ASSERT_TRUE(store_->setBlobExtraReads(meta, reads).isOk());
+    ASSERT_TRUE(store_->setBlobData(meta, own).isOk());
+    ASSERT_TRUE(store_->putImage(ImageRecord{name, "v1", {meta}, 8192, 1}).isOk());
+  }
+
+  std::unique_ptr<TestStoreEnv> env_;
+  std::string dir_, bytes_, d_, path_;
+  metrics::Registry registry_;
+  std::unique_ptr<Store> store_;
+  std::unique_ptr<Cluster> cluster_;
+  std::unique_ptr<Platform> platform_;
+};
+DSEC_INSTANTIATE_FOR_BOTH_STORES(GcPlatformTest);
+
+// Layer B reads chunk 0 of D. A converter that found chunk 3 holds D, so the
 // first collection punches nothing (its rows for unread chunks are gone,
 // though); the converter's layer C reads chunk 3. Then chunks 1, 2 and 4-7
 // go: holes, recorded as reclaimed, their rows gone; chunks 0 and 3 read as
 // they were. D made whole again (moveLayerIntoStore) is recorded whole.
-TEST_F(ChunkKeysPlatformTest, GcPunchesTheChunksNoLayerReadsButNotWhileAConverterHoldsTheBlob) {
-  constexpr int64_t kChunk = 128 << 10, kChunks = 8;
-  std::string bytes;
-  for (int i = 0; i < kChunks; ++i) bytes += std::string(size_t(kChunk), char('a' + i));
-  bytes[5] = 'x';  // every chunk differs from an all-zero one
-  const std::string d = "sha256:" + sha256Hex(bytes);
-  const std::string path = Platform::blobPath(dir_, d);
-  ASSERT_TRUE(makeDirs(dir_ + "/blobs/sha256").isOk());
-  ASSERT_TRUE(writeFileAtomic(path, bytes, 0600).isOk());
-  auto idx = image::ChunkIndex::build(path, kChunk);
-  ASSERT_TRUE(idx.isOk());
-  std::string idxBytes = idx->serialize();
-  ASSERT_TRUE(writeFileAtomic(path + ".chunks", idxBytes, 0600).isOk());
-  ASSERT_TRUE(store_->putBlob(d, int64_t(bytes.size())).isOk());
-  ASSERT_TRUE(store_->setBlobKind(d, "data").isOk());
-  ASSERT_TRUE(store_->setBlobChunks(d, "sha256:" + sha256Hex(idxBytes)).isOk());
-  std::vector<ChunkLoc> rows;
-  auto shaOfChunk = [&](int i) { return sha256Hex(bytes.substr(size_t(i * kChunk), kChunk)); };
-  for (int i = 0; i < kChunks; ++i) rows.push_back({shaOfChunk(i), kChunk, d, uint32_t(i * 32)});
-  ASSERT_TRUE(store_->putChunks(d, rows).isOk());
-  ASSERT_NO_FATAL_FAILURE(startPlatform());  // loads the chunk keys
-  // A layer with D as an extra blob, reading `reads` of it, in image `name`.
-  auto addLayer = [&](const std::string& name, const std::string& reads) {
-    std::string meta = "sha256:" + sha256Hex(name + "-meta"), own = "sha256:" + sha256Hex(name);
-    for (auto& b : {meta, own}) ASSERT_TRUE(store_->putBlob(b, 4096).isOk());
-    ASSERT_TRUE(store_->setBlobKind(own, "data").isOk());
-    ASSERT_TRUE(store_->setBlobExtraData(meta, {d}).isOk());
-    ASSERT_TRUE(store_->setBlobExtraReads(meta, reads).isOk());
-    ASSERT_TRUE(store_->setBlobData(meta, own).isOk());
-    ASSERT_TRUE(store_->putImage(ImageRecord{name, "v1", {meta}, 8192, 1}).isOk());
-  };
+TEST_P(GcPlatformTest, PunchesTheChunksNoLayerReadsButNotWhileAConverterHoldsTheBlob) {
   ASSERT_NO_FATAL_FAILURE(addLayer("b", "0+32"));
-
   auto held = platform_->lookupChunkAndHold(shaOfChunk(3), kChunk);
   ASSERT_TRUE(held.isOk() && *held) << held.status().toString();
-  EXPECT_EQ((*held)->data, d);
+  EXPECT_EQ((*held)->data, d_);
   auto gc = platform_->collectGarbage(0);
   ASSERT_TRUE(gc.isOk()) << gc.status().toString();
   EXPECT_TRUE(gc->reclaimed.empty());
-  EXPECT_EQ(slurpOrEmpty(path), bytes);
-  EXPECT_EQ(store_->getBlob(d)->reclaimed, "");
+  EXPECT_EQ(slurpOrEmpty(path_), bytes_);
+  EXPECT_EQ(store_->getBlob(d_)->reclaimed, "");
   EXPECT_FALSE(store_->findChunk(shaOfChunk(5), kChunk)->has_value());  // no new finds
   ASSERT_NO_FATAL_FAILURE(addLayer("c", "96+32"));
-  platform_->releaseChunkHolds({d});
+  platform_->releaseChunkHolds({d_});
 
   gc = platform_->collectGarbage(0);
   ASSERT_TRUE(gc.isOk()) << gc.status().toString();
   EXPECT_TRUE(gc->removed.empty());
   ASSERT_EQ(gc->reclaimed.size(), 1u);
-  EXPECT_EQ(gc->reclaimed[0].first, d);
+  EXPECT_EQ(gc->reclaimed[0].first, d_);
   EXPECT_GE(gc->reclaimed[0].second, 6 * kChunk - 8192);
-  auto rec = store_->getBlob(d);
+  auto rec = store_->getBlob(d_);
   ASSERT_TRUE(rec.isOk());
   EXPECT_EQ(rec->reclaimed, "32+64,128+128");
   EXPECT_EQ(rec->storedBytes(), 2 * kChunk);
-  std::string now = slurpOrEmpty(path);
-  ASSERT_EQ(now.size(), bytes.size());
+  std::string now = slurpOrEmpty(path_);
+  ASSERT_EQ(now.size(), bytes_.size());
   for (int i = 0; i < kChunks; ++i) {
     std::string chunk = now.substr(size_t(i * kChunk), kChunk);
     if (i == 0 || i == 3) {
-      EXPECT_EQ(chunk, bytes.substr(size_t(i * kChunk), kChunk)) << i;
+      EXPECT_EQ(chunk, bytes_.substr(size_t(i * kChunk), kChunk)) << i;
     } else {
       EXPECT_EQ(chunk, std::string(size_t(kChunk), '\0')) << i;
     }
@@ -415,25 +459,83 @@ TEST_F(ChunkKeysPlatformTest, GcPunchesTheChunksNoLayerReadsButNotWhileAConverte
   EXPECT_TRUE(gc->reclaimed.empty());
 
   // The same bytes stored again by a conversion: whole, and recorded so.
-  ASSERT_TRUE(writeFileAtomic(dir_ + "/again.data", bytes, 0600).isOk());
+  ASSERT_TRUE(writeFileAtomic(dir_ + "/again.data", bytes_, 0600).isOk());
   ASSERT_TRUE(writeFileAtomic(dir_ + "/again.meta", "meta", 0600).isOk());
   image::BuiltLayer l;
   l.path = dir_ + "/again.meta";
   l.dataPath = dir_ + "/again.data";
   l.digest = "sha256:" + sha256Hex("meta");
-  l.dataDigest = d;
+  l.dataDigest = d_;
   {
     auto hold = platform_->moveLayerIntoStore(l);
     ASSERT_TRUE(hold.isOk()) << hold.status().toString();
-    EXPECT_EQ(slurpOrEmpty(path), bytes);
-    EXPECT_EQ(store_->getBlob(d)->reclaimed, "");
+    EXPECT_EQ(slurpOrEmpty(path_), bytes_);
+    EXPECT_EQ(store_->getBlob(d_)->reclaimed, "");
     // Held until the layer is recorded: no collection touches it meanwhile
     // (B and C alone would leave only chunks 0 and 3).
     gc = platform_->collectGarbage(0);
     ASSERT_TRUE(gc.isOk());
     EXPECT_TRUE(gc->reclaimed.empty());
-    EXPECT_EQ(slurpOrEmpty(path), bytes);
+    EXPECT_EQ(slurpOrEmpty(path_), bytes_);
   }
+}
+
+// Replicas on one store: another replica's converter holding D (its lease)
+// keeps this collector's hands off; another replica's collector at work on
+// D (its lease) makes a hold here wait until it is done. A store of one
+// platform takes no leases.
+TEST_P(GcPlatformTest, ReplicasOnOneStoreSeeEachOthersHoldsAndCollections) {
+  ASSERT_NO_FATAL_FAILURE(addLayer("b", "0+32"));
+  if (!store_->shared()) {
+    // A store of one platform: no other replicas, no leases taken.
+    auto gc = platform_->collectGarbage(0);
+    ASSERT_TRUE(gc.isOk()) << gc.status().toString();
+    EXPECT_EQ(gc->reclaimed.size(), 1u);
+    auto leases = store_->listLeases();
+    ASSERT_TRUE(leases.isOk());
+    for (auto& x : *leases) {
+      EXPECT_FALSE(startsWith(x.name, "blob-collect:") || startsWith(x.name, "chunk-hold:")) << x.name;
+    }
+    return;
+  }
+  auto lease = store_->acquireLease("chunk-hold:" + d_ + "/r-other", "r-other", 600);
+  ASSERT_TRUE(lease.isOk() && *lease);
+  auto gc = platform_->collectGarbage(0);
+  ASSERT_TRUE(gc.isOk()) << gc.status().toString();
+  EXPECT_TRUE(gc->reclaimed.empty());
+  EXPECT_EQ(slurpOrEmpty(path_), bytes_);
+  ASSERT_TRUE(store_->releaseLease("chunk-hold:" + d_ + "/r-other", "r-other").isOk());
+
+  // The chunk rows gone, a hold comes from moving a conversion's blob in.
+  lease = store_->acquireLease("blob-collect:" + d_, "r-other", 600);
+  ASSERT_TRUE(lease.isOk() && *lease);
+  ASSERT_TRUE(writeFileAtomic(dir_ + "/again.data", bytes_, 0600).isOk());
+  ASSERT_TRUE(writeFileAtomic(dir_ + "/again.meta", "meta", 0600).isOk());
+  image::BuiltLayer l;
+  l.path = dir_ + "/again.meta";
+  l.dataPath = dir_ + "/again.data";
+  l.digest = "sha256:" + sha256Hex("meta");
+  l.dataDigest = d_;
+  std::atomic<bool> moved{false};
+  std::thread t([&] {
+    auto hold = platform_->moveLayerIntoStore(l);
+    EXPECT_TRUE(hold.isOk()) << hold.status().toString();
+    moved = true;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  EXPECT_FALSE(moved.load());  // waits for the other collector
+  ASSERT_TRUE(store_->releaseLease("blob-collect:" + d_, "r-other").isOk());
+  t.join();
+  EXPECT_TRUE(moved.load());
+  EXPECT_EQ(slurpOrEmpty(path_), bytes_);
+
+  // Its own collector takes the lease while it works, and gives it up.
+  gc = platform_->collectGarbage(0);
+  ASSERT_TRUE(gc.isOk()) << gc.status().toString();
+  EXPECT_EQ(gc->reclaimed.size(), 1u);
+  auto leases = store_->listLeases();
+  ASSERT_TRUE(leases.isOk());
+  for (auto& x : *leases) EXPECT_FALSE(x.live && startsWith(x.name, "blob-collect:")) << x.name;
 }
 
 }  // namespace

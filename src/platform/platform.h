@@ -546,6 +546,11 @@ class Platform {
   Status holdBlob(const std::string& data);
   // Whether a converter of this replica or (shared store) another holds `data`.
   Result<bool> blobHeld(const std::string& data);
+  // On a store shared by replicas, a collector about to delete `data` or
+  // punch chunks out of it takes its lease first ("blob-collect:<blob>");
+  // holdBlob waits while one is live. false: another replica has it.
+  Result<bool> beginCollect(const std::string& data);
+  void endCollect(const std::string& data);
   // The file of blob `digest` was just replaced by its whole bytes: forgets
   // what an earlier collection reclaimed of it. gcMu_ held.
   Status markBlobWholeLocked(const std::string& digest);
