@@ -5,6 +5,7 @@ tests/registry_proxy.py. Every pulled image is checked through a sandbox."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import threading
@@ -619,6 +620,20 @@ def test_gc_removes_the_chunks_no_layer_reads_any_more(client, server, reg, tmp_
     finally:
         sb.destroy()
 
+    # An uploader that skips what exists sends it again (HEAD: absent), and a
+    # layer cannot be made on it as it is.
+    st, _, _, _ = server.raw("HEAD", f"/v1/blobs/{data_a}")
+    assert st == 404
+    meta = b"not a layer " + data_a.encode()
+    meta_digest = "sha256:" + hashlib.sha256(meta).hexdigest()
+    st, _, _, err = server.raw("PUT", f"/v1/blobs/{meta_digest}?data={data_a}", meta,
+                               headers={"Content-Type": "application/octet-stream"})
+    assert st == 409 and err["error"]["code"] == "failed_precondition", (st, err)
+    assert err["error"]["field"] == "data", err
+    st, _, _, _ = server.raw("HEAD", f"/v1/blobs/{meta_digest}")
+    assert st == 404
+    assert not (server.data_dir / "blobs" / "sha256" / meta_digest[7:]).exists()
+
     # The blob's whole bytes uploaded again make it whole, in the record too.
     st, _, _, up = server.raw("PUT", f"/v1/blobs/{data_a}", whole,
                               headers={"Content-Type": "application/octet-stream"})
@@ -626,6 +641,8 @@ def test_gc_removes_the_chunks_no_layer_reads_any_more(client, server, reg, tmp_
     st, _, _, lb = server.raw("GET", f"/v1/layers/{top_b}")
     assert lb["extra_data"][0]["reclaimed_bytes"] == 0, lb
     assert path.read_bytes() == whole
+    st, _, _, _ = server.raw("HEAD", f"/v1/blobs/{data_a}")
+    assert st == 200
 
     client.delete_image(ref_a)
     client.delete_image(ref_b)

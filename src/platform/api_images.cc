@@ -69,9 +69,15 @@ void Platform::putBlob(const std::string& digest, http::Request& req, http::Resp
     if (!validDigest(data) || data == digest) {
       return sendError(res, invalidArg("data", "data must be the sha256 digest of another blob"));
     }
-    auto has = store_->hasBlob(data);
-    if (!has.isOk()) return sendError(res, has.status());
-    if (!*has) return sendError(res, invalidArg("data", "data blob " + data + " not uploaded"));
+    auto rec = store_->getBlob(data);
+    if (!rec.isOk() && rec.status().code() != Code::kNotFound) return sendError(res, rec.status());
+    if (!rec.isOk()) return sendError(res, invalidArg("data", "data blob " + data + " not uploaded"));
+    if (!rec->reclaimed.empty()) {
+      return sendError(res, Status(Code::kFailedPrecondition,
+                                   "data blob " + data +
+                                       " is partial (gc reclaimed chunks of it): upload it again",
+                                   0, "data"));
+    }
   }
   std::string final = blobPath(opts_.dataDir, digest);
   std::string tmp = final + ".upload." + randomHex(4);
@@ -101,9 +107,16 @@ void Platform::putBlob(const std::string& digest, http::Request& req, http::Resp
     std::string got = "sha256:" + h.hexDigest();
     if (got != digest) st = invalidArg("digest", "body hashes to " + got + ", not " + digest);
   }
+  // Held from before the rename until it is linked (which starts its grace
+  // period): no collection punches the new bytes in between. Under gcMu_
+  // for the rename: a blob an earlier collection left partial is whole
+  // again, and no collection is halfway through removing chunks from it.
+  std::optional<BlobHold> hold;
   if (st.isOk()) {
-    // Under gcMu_: a data blob an earlier collection left partial is whole
-    // again, and no collection is halfway through removing chunks from it.
+    st = holdBlob(digest);
+    if (st.isOk()) hold.emplace(this, digest);
+  }
+  if (st.isOk()) {
     std::lock_guard gc(gcMu_);
     if (::rename(tmp.c_str(), final.c_str()) != 0) st = sysError("rename " + tmp);
     if (st.isOk()) st = markBlobWholeLocked(digest);
@@ -151,6 +164,16 @@ Status Platform::linkBlob(const std::string& digest, int64_t size, const std::st
                         (blob->kind.empty() ? std::string("unset") : blob->kind) + ")");
     }
   }
+  if (!data.empty()) {
+    // A layer's own data must be whole (gc reclaims chunks only of blobs no
+    // layer owns): one an upload skipped because it existed is sent again.
+    auto blob = store_->getBlob(data);
+    if (blob.isOk() && !blob->reclaimed.empty()) {
+      return Status(Code::kFailedPrecondition,
+                    "data blob " + data + " is partial (gc reclaimed chunks of it): upload it again",
+                    0, "data");
+    }
+  }
   RETURN_IF_ERROR(store_->putBlob(digest, size));
   if (data.empty()) return Status::ok();
   auto blob = store_->getBlob(data);
@@ -169,15 +192,18 @@ Status Platform::linkBlob(const std::string& digest, int64_t size, const std::st
 }
 
 Result<Platform::BlobHold> Platform::moveLayerIntoStore(const image::BuiltLayer& l) {
-  std::lock_guard gc(gcMu_);
   if (l.dataDigest.empty()) {
+    std::lock_guard gc(gcMu_);
     if (::rename(l.path.c_str(), blobPath(opts_.dataDir, l.digest).c_str()) != 0) {
       return sysError("move a layer into the blob store");
     }
     return BlobHold(nullptr, "");
   }
+  // The hold first (it may wait out another replica's collection), then the
+  // rename under gcMu_.
   RETURN_IF_ERROR(holdBlob(l.dataDigest));
   BlobHold hold(this, l.dataDigest);
+  std::lock_guard gc(gcMu_);
   if (::rename(l.dataPath.c_str(), blobPath(opts_.dataDir, l.dataDigest).c_str()) != 0 ||
       ::rename(l.path.c_str(), blobPath(opts_.dataDir, l.digest).c_str()) != 0) {
     return sysError("move a layer into the blob store");
@@ -385,9 +411,14 @@ void Platform::headBlob(const std::string& digest, http::Response& res) {
   if (!validDigest(digest)) {
     return sendError(res, invalidArg("digest", "digest must be sha256:<64 lower-case hex>"));
   }
-  auto size = store_->blobSize(digest);
-  if (!size.isOk()) return sendError(res, size.status());
-  sendJson(res, 200, json{{"digest", digest}, {"size", *size}}.dump());
+  auto rec = store_->getBlob(digest);
+  if (!rec.isOk()) return sendError(res, rec.status());
+  // A data blob gc took chunks out of is not all there: an uploader that
+  // skips what exists sends it again, whole.
+  if (!rec->reclaimed.empty()) {
+    return sendError(res, notFound("blob " + digest + " is partial (gc reclaimed chunks of it)"));
+  }
+  sendJson(res, 200, json{{"digest", digest}, {"size", rec->size}}.dump());
 }
 
 void Platform::createImage(http::Request& req, http::Response& res) {
@@ -717,89 +748,126 @@ std::optional<image::BlockRanges> readsOf(const BlobRecord& l, const std::string
 
 Result<std::vector<std::pair<std::string, int64_t>>> Platform::reclaimChunksLocked(
     const std::vector<BlobRecord>& blobs, double graceS) {
-  std::set<std::string> owned;  // data blobs some layer has as its own
-  std::map<std::string, std::vector<const BlobRecord*>> readers;  // by extra blob
-  for (auto& b : blobs) {
-    if (!b.data.empty()) owned.insert(b.data);
-    for (auto& x : b.extraData) readers[x].push_back(&b);
-  }
-  const double now = nowSeconds();
-  std::vector<std::pair<std::string, int64_t>> out;
-  for (auto& b : blobs) {
-    if (b.kind != "data" || owned.count(b.digest) || b.createdAt + graceS > now) continue;
-    auto r = readers.find(b.digest);
-    if (r == readers.end()) continue;  // kept for a hold: no layer names it yet
-    // The chunks some layer reads stay (a chunk of the index is 128 KiB of
-    // the blob; a layer's chunk may straddle two of them).
+  // What the stored layers read of data blob `data`, when it may lose the
+  // rest: a data blob no stored layer owns, past its grace period, that
+  // layers name as an extra and whose reads are all recorded (a layer made
+  // before they were recorded keeps it whole). nullopt: leave it alone.
+  // `rec` is set to its record.
+  auto liveOf = [&](const std::vector<BlobRecord>& all, const std::string& data,
+                    const BlobRecord** rec) -> std::optional<image::BlockRanges> {
+    *rec = nullptr;
+    bool named = false;
     image::BlockRanges live;
-    bool known = true;
-    for (const BlobRecord* l : r->second) {
-      auto reads = readsOf(*l, b.digest);
-      if (!reads) {
-        known = false;  // a layer made before reads were recorded: keep it all
-        break;
-      }
+    for (auto& b : all) {
+      if (b.digest == data) *rec = &b;
+      if (b.data == data) return std::nullopt;  // some layer's own data
+      if (std::find(b.extraData.begin(), b.extraData.end(), data) == b.extraData.end()) continue;
+      auto reads = readsOf(b, data);
+      if (!reads) return std::nullopt;
       live.add(*reads);
+      named = true;
     }
-    if (!known) continue;
+    if (!*rec || (*rec)->kind != "data" || (*rec)->createdAt + graceS > nowSeconds() || !named) {
+      return std::nullopt;  // not a data blob, young, or only kept for a hold
+    }
+    return live;
+  };
+  std::set<std::string> candidates;
+  for (auto& b : blobs) candidates.insert(b.extraData.begin(), b.extraData.end());
+  constexpr int64_t kBlock = image::kFsBlockSize;
+  std::vector<std::pair<std::string, int64_t>> out;
+  for (const std::string& digest : candidates) {
     auto reclaim = [&]() -> Result<int64_t> {
-      ASSIGN_OR_RETURN(image::BlockRanges gone, image::BlockRanges::parse(b.reclaimed));
-      const std::string path = blobPath(opts_.dataDir, b.digest);
+      const BlobRecord* rec = nullptr;
+      std::optional<image::BlockRanges> live = liveOf(blobs, digest, &rec);
+      if (!live) return int64_t(0);
+      const std::string path = blobPath(opts_.dataDir, digest);
       ASSIGN_OR_RETURN(std::string indexBytes, readFile(path + ".chunks"));
       ASSIGN_OR_RETURN(image::ChunkIndex idx, image::ChunkIndex::parse(indexBytes));
-      UniqueFd fd(::open(path.c_str(), O_RDWR | O_CLOEXEC));
-      if (!fd) return sysError("open " + path);
-      constexpr int64_t kBlock = image::kFsBlockSize;
+      // The chunks none of `reads` touches, not reclaimed already, that hold
+      // bytes (a chunk that is a hole already, all zeros, has nothing to
+      // free and stays readable); only among `within`, when given.
+      auto deadOf = [&](int fd, const image::BlockRanges& reads, const image::BlockRanges& gone,
+                        const image::BlockRanges* within) {
+        image::BlockRanges dead;
+        for (int64_t i = 0; i < idx.chunkCount(); ++i) {
+          const int64_t off = i * idx.chunkSize, len = idx.chunkLength(i);
+          const uint64_t first = uint64_t(off / kBlock);
+          const uint64_t count = uint64_t((off + len + kBlock - 1) / kBlock) - first;
+          if (reads.intersects(first, count) || gone.covers(first, count)) continue;
+          if (within && !within->covers(first, count)) continue;
+          off_t at = ::lseek(fd, off, SEEK_DATA);
+          if (at < 0 || at >= off + len) continue;
+          dead.add(first, count);
+        }
+        return dead;
+      };
+      ASSIGN_OR_RETURN(image::BlockRanges gone, image::BlockRanges::parse(rec->reclaimed));
       image::BlockRanges dead;
-      for (int64_t i = 0; i < idx.chunkCount(); ++i) {
-        const int64_t off = i * idx.chunkSize, len = idx.chunkLength(i);
-        const uint64_t first = uint64_t(off / kBlock);
-        const uint64_t count = uint64_t((off + len + kBlock - 1) / kBlock) - first;
-        if (live.intersects(first, count) || gone.covers(first, count)) continue;
-        // A chunk that is a hole already (all zeros) holds nothing to free
-        // (and stays readable).
-        off_t data = ::lseek(fd.get(), off, SEEK_DATA);
-        if (data < 0 || data >= off + len) continue;
-        dead.add(first, count);
+      {
+        UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+        if (!fd) return sysError("open " + path);
+        dead = deadOf(fd.get(), *live, gone, nullptr);
       }
       if (dead.empty()) return int64_t(0);
-      // No new layer finds these chunks from now on; then, as deleteBlobUnlessHeld
-      // does, a converter that found one before holds the blob: not this time.
-      RETURN_IF_ERROR(store_->deleteChunksIn(b.digest, dead.ranges()));
-      ASSIGN_OR_RETURN(bool mine, beginCollect(b.digest));
-      if (!mine) return int64_t(0);  // another replica's collector is at it
+      // No new layer finds these chunks from now on; then, as
+      // deleteBlobUnlessHeld does, a converter that found one before holds
+      // the blob (not this time), and another replica's collector or holder
+      // is kept out while this one works (beginCollect).
+      RETURN_IF_ERROR(store_->deleteChunksIn(digest, dead.ranges()));
+      ASSIGN_OR_RETURN(bool mine, beginCollect(digest));
+      if (!mine) return int64_t(0);
       struct End {
         Platform* p;
         const std::string& d;
         ~End() { p->endCollect(d); }
-      } end{this, b.digest};
-      ASSIGN_OR_RETURN(bool held, blobHeld(b.digest));
+      } end{this, digest};
+      ASSIGN_OR_RETURN(bool held, blobHeld(digest));
       if (held) return int64_t(0);
+      // Seen again now that nothing can change it: on a store shared with
+      // other replicas, one may have linked a layer that reads (or owns) the
+      // blob, stored it whole again, or reclaimed chunks of it since the
+      // listing. Only chunks whose rows went above may go.
+      ASSIGN_OR_RETURN(auto fresh, store_->listBlobs());
+      std::optional<image::BlockRanges> liveNow = liveOf(fresh, digest, &rec);
+      if (!liveNow) return int64_t(0);
+      ASSIGN_OR_RETURN(image::BlockRanges goneNow, image::BlockRanges::parse(rec->reclaimed));
+      UniqueFd fd(::open(path.c_str(), O_RDWR | O_CLOEXEC));
+      if (!fd) return sysError("open " + path);
+      image::BlockRanges deadNow = deadOf(fd.get(), *liveNow, goneNow, &dead);
+      if (deadNow.empty()) return int64_t(0);
       // Recorded before the holes are made: a node told a chunk is gone never
       // asks for it; one not told would find zeros where it expects bytes.
-      image::BlockRanges all = gone;
-      all.add(dead);
-      RETURN_IF_ERROR(store_->setBlobReclaimed(b.digest, all.format()));
+      image::BlockRanges all = goneNow;
+      all.add(deadNow);
+      RETURN_IF_ERROR(store_->setBlobReclaimed(digest, all.format()));
       struct stat before, after;
       if (::fstat(fd.get(), &before) != 0) return sysError("stat " + path);
-      for (auto& [start, count] : dead.ranges()) {
+      image::BlockRanges punched = goneNow;
+      for (auto& [start, count] : deadNow.ranges()) {
         if (::fallocate(fd.get(), FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
                         off_t(start) * kBlock, off_t(count) * kBlock) != 0) {
-          return sysError("punch a hole in " + path);
+          Status st = sysError("punch a hole in " + path);
+          // What was not punched is still there: the record says so again.
+          if (Status back = store_->setBlobReclaimed(digest, punched.format()); !back.isOk()) {
+            log::warn("gc: " + digest + ": " + back.toString());
+          }
+          return st;
         }
+        punched.add(start, count);
       }
       if (::fstat(fd.get(), &after) != 0) return sysError("stat " + path);
       return std::max<int64_t>(0, (int64_t(before.st_blocks) - int64_t(after.st_blocks)) * 512);
     };
     auto freed = reclaim();
     if (!freed.isOk()) {
-      log::warn("gc: chunks of " + b.digest + ": " + freed.status().toString());
+      log::warn("gc: chunks of " + digest + ": " + freed.status().toString());
       continue;
     }
     if (*freed > 0) {
-      log::info("gc: reclaimed " + std::to_string(*freed) + " bytes of " + b.digest +
+      log::info("gc: reclaimed " + std::to_string(*freed) + " bytes of " + digest +
                 " (its layer is gone; other layers read the rest)");
-      out.emplace_back(b.digest, *freed);
+      out.emplace_back(digest, *freed);
     }
   }
   return out;

@@ -559,7 +559,10 @@ class Platform {
   // not held, loses (holes punched, Store::setBlobReclaimed) every chunk
   // that no layer naming it as an extra reads (BlobRecord::extraReads; a
   // reader whose reads are not recorded keeps the whole blob). Its chunk rows
-  // for those chunks go first, then the holds are checked, as for a delete.
+  // for those chunks go first, then the collection lease is taken and the
+  // holds are checked, as for a delete; then the blob and the layers naming
+  // it are read again (another replica may have linked one since `blobs`
+  // was listed), and only chunks still unread whose rows went are punched.
   // gcMu_ held.
   Result<std::vector<std::pair<std::string, int64_t>>> reclaimChunksLocked(
       const std::vector<BlobRecord>& blobs, double graceS);
