@@ -346,6 +346,11 @@ Result<bool> Platform::deleteBlobUnlessHeld(const std::string& digest) {
   } end{this, digest};
   ASSIGN_OR_RETURN(bool held, blobHeld(digest));
   if (held) return false;
+  // Named again since the listing? Another replica's converter may have
+  // linked a layer pointing into it (its hold already gone); under the
+  // lease with no hold live, no new one can.
+  ASSIGN_OR_RETURN(auto naming, store_->layersNaming(digest));
+  if (!naming.empty()) return false;
   RETURN_IF_ERROR(store_->deleteBlob(digest));
   std::string path = blobPath(opts_.dataDir, digest);
   if (::unlink(path.c_str()) != 0 && errno != ENOENT) log::warn("unlink " + path);
@@ -716,6 +721,10 @@ Result<Platform::GcResult> Platform::collectGarbage(double graceS) {
   // a hold has lost its rows: only later chunks do not find it, which is fine.
   GcResult out;
   std::vector<std::string>& removed = out.removed;
+  // Layers before data blobs: a data blob goes only once no stored layer
+  // names it (deleteBlobUnlessHeld asks the store again).
+  std::stable_partition(doomed.begin(), doomed.end(),
+                        [](const BlobRecord* b) { return b->kind != "data"; });
   for (const BlobRecord* b : doomed) {
     if (keepData.count(b->digest)) continue;
     ASSIGN_OR_RETURN(bool deleted, deleteBlobUnlessHeld(b->digest));

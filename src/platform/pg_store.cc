@@ -663,6 +663,17 @@ Status PostgresStore::setBlobExtraData(const std::string& layer,
       .takeStatus();
 }
 
+Result<std::vector<std::string>> PostgresStore::layersNaming(const std::string& data) {
+  // extra_data is digests separated by one space (digestsToColumn).
+  ASSIGN_OR_RETURN(Rows rows, Query::run(this, "layersNaming",
+                                         "SELECT digest FROM blobs WHERE data=$1 OR "
+                                         "$1 = ANY(string_to_array(extra_data, ' '))",
+                                         Params().add(data), kRetry));
+  std::vector<std::string> out;
+  for (int i = 0; i < rows.size(); ++i) out.push_back(rows.text(i, 0));
+  return out;
+}
+
 Status PostgresStore::setBlobExtraReads(const std::string& layer, const std::string& reads) {
   return Query::run(this, "setBlobExtraReads", "UPDATE blobs SET extra_reads=$2 WHERE digest=$1",
                     Params().add(layer).add(reads), kRetry)

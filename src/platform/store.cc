@@ -616,6 +616,19 @@ Status SqliteStore::setBlobExtraData(const std::string& layer,
   return Status::ok();
 }
 
+Result<std::vector<std::string>> SqliteStore::layersNaming(const std::string& data) {
+  std::lock_guard lk(mu_);
+  // extra_data is digests separated by one space (digestsToColumn).
+  Stmt st(db_,
+          "SELECT digest FROM blobs WHERE data=?1 OR instr(' ' || extra_data || ' ', ' ' || ?1 || ' ') > 0");
+  st.bind(1, data);
+  std::vector<std::string> out;
+  int rc;
+  while ((rc = st.step()) == SQLITE_ROW) out.push_back(st.text(0));
+  if (rc != SQLITE_DONE) return sqlError(db_, "layersNaming");
+  return out;
+}
+
 Status SqliteStore::setBlobExtraReads(const std::string& layer, const std::string& reads) {
   std::lock_guard lk(mu_);
   Stmt st(db_, "UPDATE blobs SET extra_reads=?2 WHERE digest=?1");

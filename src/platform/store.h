@@ -340,6 +340,9 @@ class Store {
   // holds no space, so each is stored as given (callers check they exist).
   virtual Status setBlobExtraData(const std::string& layer,
                                   const std::vector<std::string>& blobs) = 0;
+  // The layers that name data blob `data` as their data or an extra data
+  // blob (BlobRecord::data, extraData), in no particular order.
+  virtual Result<std::vector<std::string>> layersNaming(const std::string& data) = 0;
   // Records BlobRecord::extraReads of layer `layer` (text, replacing any).
   virtual Status setBlobExtraReads(const std::string& layer, const std::string& reads) = 0;
   // Records BlobRecord::reclaimed of data blob `data` (text, replacing any).
@@ -497,6 +500,7 @@ class SqliteStore : public Store {
   Result<std::string> findLayerBySource(const std::string& source) override;
   Status setBlobExtraData(const std::string& layer, const std::vector<std::string>& blobs) override;
   Status setBlobExtraReads(const std::string& layer, const std::string& reads) override;
+  Result<std::vector<std::string>> layersNaming(const std::string& data) override;
   Status setBlobReclaimed(const std::string& data, const std::string& reclaimed) override;
   Status putChunks(const std::string& data, const std::vector<ChunkLoc>& chunks) override;
   Result<std::optional<ChunkLoc>> findChunk(const std::string& sha, int64_t length) override;

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <sqlite3.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <set>
@@ -604,6 +605,31 @@ TEST_P(StoreTest, LayersRecordWhatTheyReadOfExtraBlobsAndDataBlobsWhatGcReclaime
   EXPECT_EQ(s->getBlob("sha256:m")->extraReads, "0+32,96+64");
   ASSERT_TRUE(s->setBlobReclaimed("sha256:x1", "").isOk());
   EXPECT_EQ(s->getBlob("sha256:x1")->reclaimed, "");
+}
+
+TEST_P(StoreTest, LayersNamingADataBlobAsDataOrExtra) {
+  auto s = open();
+  ASSERT_TRUE(s);
+  for (const char* d : {"sha256:m1", "sha256:m2", "sha256:m3", "sha256:d1", "sha256:d2",
+                        "sha256:d11"}) {
+    ASSERT_TRUE(s->putBlob(d, 10).isOk());
+  }
+  ASSERT_TRUE(s->setBlobData("sha256:m1", "sha256:d1").isOk());
+  ASSERT_TRUE(s->setBlobData("sha256:m2", "sha256:d2").isOk());
+  ASSERT_TRUE(s->setBlobExtraData("sha256:m2", {"sha256:d11", "sha256:d1"}).isOk());
+  ASSERT_TRUE(s->setBlobData("sha256:m3", "sha256:d11").isOk());
+  auto sorted = [&](const std::string& d) {
+    auto r = s->layersNaming(d);
+    EXPECT_TRUE(r.isOk()) << r.status().toString();
+    std::vector<std::string> v = r.isOk() ? *r : std::vector<std::string>{};
+    std::sort(v.begin(), v.end());
+    return v;
+  };
+  EXPECT_EQ(sorted("sha256:d1"), (std::vector<std::string>{"sha256:m1", "sha256:m2"}));
+  EXPECT_EQ(sorted("sha256:d11"), (std::vector<std::string>{"sha256:m2", "sha256:m3"}));
+  EXPECT_EQ(sorted("sha256:d2"), (std::vector<std::string>{"sha256:m2"}));
+  EXPECT_TRUE(sorted("sha256:d").empty());  // a prefix of d1 and d11 names nothing
+  EXPECT_TRUE(sorted("sha256:m1").empty());
 }
 
 TEST_P(StoreTest, LayersRecordTheExtraDataBlobsTheirChunksPointInto) {
