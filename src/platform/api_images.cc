@@ -297,6 +297,16 @@ Result<bool> Platform::beginCollect(const std::string& data) {
   return store_->acquireLease(kCollectLeasePrefix + data, opts_.replicaId, kCollectLeaseTtlS);
 }
 
+Result<std::optional<Platform::CollectClaim>> Platform::claimForCollection(
+    const std::string& digest) {
+  ASSIGN_OR_RETURN(bool mine, beginCollect(digest));
+  if (!mine) return std::optional<CollectClaim>();
+  CollectClaim claim(this, digest);
+  ASSIGN_OR_RETURN(bool held, blobHeld(digest));
+  if (held) return std::optional<CollectClaim>();
+  return std::optional<CollectClaim>(std::move(claim));
+}
+
 void Platform::endCollect(const std::string& data) {
   if (!store_->shared()) return;
   if (Status st = store_->releaseLease(kCollectLeasePrefix + data, opts_.replicaId); !st.isOk()) {
@@ -337,15 +347,8 @@ void Platform::releaseChunkHolds(const std::vector<std::string>& blobs) {
 
 Result<bool> Platform::deleteBlobUnlessHeld(const std::string& digest) {
   RETURN_IF_ERROR(store_->deleteChunksOf(digest));
-  ASSIGN_OR_RETURN(bool mine, beginCollect(digest));
-  if (!mine) return false;  // another replica's collector is at it
-  struct End {
-    Platform* p;
-    const std::string& d;
-    ~End() { p->endCollect(d); }
-  } end{this, digest};
-  ASSIGN_OR_RETURN(bool held, blobHeld(digest));
-  if (held) return false;
+  ASSIGN_OR_RETURN(auto claim, claimForCollection(digest));
+  if (!claim) return false;
   // Named again since the listing? Another replica's converter may have
   // linked a layer pointing into it (its hold already gone); under the
   // lease with no hold live, no new one can.
@@ -824,15 +827,8 @@ Result<std::vector<std::pair<std::string, int64_t>>> Platform::reclaimChunksLock
       // the blob (not this time), and another replica's collector or holder
       // is kept out while this one works (beginCollect).
       RETURN_IF_ERROR(store_->deleteChunksIn(digest, dead.ranges()));
-      ASSIGN_OR_RETURN(bool mine, beginCollect(digest));
-      if (!mine) return int64_t(0);
-      struct End {
-        Platform* p;
-        const std::string& d;
-        ~End() { p->endCollect(d); }
-      } end{this, digest};
-      ASSIGN_OR_RETURN(bool held, blobHeld(digest));
-      if (held) return int64_t(0);
+      ASSIGN_OR_RETURN(auto claim, claimForCollection(digest));
+      if (!claim) return int64_t(0);
       // Seen again now that nothing can change it: on a store shared with
       // other replicas, one may have linked a layer that reads (or owns) the
       // blob, stored it whole again, or reclaimed chunks of it since the

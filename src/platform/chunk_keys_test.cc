@@ -220,6 +220,22 @@ class PlatformSource final : public image::ChunkSource {
   std::vector<std::string> held_;
 };
 
+// A platform on `store` and `cluster` with its blob store under `dir`,
+// once it has loaded the chunk keys.
+Result<std::unique_ptr<Platform>> startTestPlatform(const std::string& dir, Store* store,
+                                                    Cluster* cluster, metrics::Registry* registry) {
+  PlatformOptions po;
+  po.dataDir = dir;
+  po.token = "t";
+  po.replicaId = "r-test";
+  po.registry = registry;
+  ASSIGN_OR_RETURN(auto p, Platform::start(po, store, cluster));
+  for (int i = 0; i < 500 && metricValue(registry->render(), "dsec_chunk_keys_loaded") != 1; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return p;
+}
+
 class ChunkKeysPlatformTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -254,17 +270,9 @@ class ChunkKeysPlatformTest : public ::testing::Test {
     (void)removeTree(dir_);
   }
   void startPlatform() {
-    PlatformOptions po;
-    po.dataDir = dir_;
-    po.token = "t";
-    po.replicaId = "r-test";
-    po.registry = &registry_;
-    auto p = Platform::start(po, store_.get(), cluster_.get());
+    auto p = startTestPlatform(dir_, store_.get(), cluster_.get(), &registry_);
     ASSERT_TRUE(p.isOk()) << p.status().toString();
     platform_ = std::move(*p);
-    for (int i = 0; i < 500 && metric("dsec_chunk_keys_loaded") != 1; ++i) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
     ASSERT_EQ(metric("dsec_chunk_keys_loaded"), 1);
   }
   void stopPlatform() {
@@ -372,17 +380,9 @@ class GcPlatformTest : public ::testing::TestWithParam<StoreKind> {
     std::vector<ChunkLoc> rows;
     for (int i = 0; i < kChunks; ++i) rows.push_back({shaOfChunk(i), kChunk, d_, uint32_t(i * 32)});
     ASSERT_TRUE(store_->putChunks(d_, rows).isOk());
-    PlatformOptions po;
-    po.dataDir = dir_;
-    po.token = "t";
-    po.replicaId = "r-test";
-    po.registry = &registry_;
-    auto p = Platform::start(po, store_.get(), cluster_.get());
+    auto p = startTestPlatform(dir_, store_.get(), cluster_.get(), &registry_);
     ASSERT_TRUE(p.isOk()) << p.status().toString();
     platform_ = std::move(*p);
-    for (int i = 0; i < 500 && metricValue(registry_.render(), "dsec_chunk_keys_loaded") != 1; ++i) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
   }
   void TearDown() override {
     if (platform_) platform_->shutdown();

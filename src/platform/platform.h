@@ -551,6 +551,24 @@ class Platform {
   // holdBlob waits while one is live. false: another replica has it.
   Result<bool> beginCollect(const std::string& data);
   void endCollect(const std::string& data);
+  // A collector's claim on a blob: its collection lease with no hold live
+  // (so none can start); the lease ends when the claim goes.
+  class CollectClaim {
+   public:
+    CollectClaim(Platform* p, std::string digest) : p_(p), digest_(std::move(digest)) {}
+    CollectClaim(CollectClaim&& o) noexcept
+        : p_(std::exchange(o.p_, nullptr)), digest_(std::move(o.digest_)) {}
+    CollectClaim& operator=(CollectClaim&&) = delete;
+    ~CollectClaim() {
+      if (p_) p_->endCollect(digest_);
+    }
+
+   private:
+    Platform* p_;
+    std::string digest_;
+  };
+  // nullopt: another replica's collector is at it, or a converter holds it.
+  Result<std::optional<CollectClaim>> claimForCollection(const std::string& digest);
   // The file of blob `digest` was just replaced by its whole bytes: forgets
   // what an earlier collection reclaimed of it. gcMu_ held.
   Status markBlobWholeLocked(const std::string& digest);
