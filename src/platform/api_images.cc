@@ -65,10 +65,16 @@ void Platform::putBlob(const std::string& digest, http::Request& req, http::Resp
   // ?data=sha256:… : this blob is a layer's metadata image whose file data is
   // in that (already uploaded) blob.
   std::string data = req.param("data").value_or("");
+  // The data blob is held from before it is checked until the layer naming
+  // it is linked: no collection (of any replica) deletes it or takes chunks
+  // out of it in between.
+  std::optional<BlobHold> dataHold;
   if (!data.empty()) {
     if (!validDigest(data) || data == digest) {
       return sendError(res, invalidArg("data", "data must be the sha256 digest of another blob"));
     }
+    if (Status st = holdBlob(data); !st.isOk()) return sendError(res, st);
+    dataHold.emplace(this, data);
     auto rec = store_->getBlob(data);
     if (!rec.isOk() && rec.status().code() != Code::kNotFound) return sendError(res, rec.status());
     if (!rec.isOk()) return sendError(res, invalidArg("data", "data blob " + data + " not uploaded"));
@@ -351,9 +357,12 @@ Result<bool> Platform::deleteBlobUnlessHeld(const std::string& digest) {
   if (!claim) return false;
   // Named again since the listing? Another replica's converter may have
   // linked a layer pointing into it (its hold already gone); under the
-  // lease with no hold live, no new one can.
-  ASSIGN_OR_RETURN(auto naming, store_->layersNaming(digest));
-  if (!naming.empty()) return false;
+  // lease with no hold live, no new one can. (One replica alone: linkBlob
+  // waits for gcMu_, so the listing is still true.)
+  if (store_->shared()) {
+    ASSIGN_OR_RETURN(auto naming, store_->layersNaming(digest));
+    if (!naming.empty()) return false;
+  }
   RETURN_IF_ERROR(store_->deleteBlob(digest));
   std::string path = blobPath(opts_.dataDir, digest);
   if (::unlink(path.c_str()) != 0 && errno != ENOENT) log::warn("unlink " + path);
@@ -833,7 +842,15 @@ Result<std::vector<std::pair<std::string, int64_t>>> Platform::reclaimChunksLock
       // other replicas, one may have linked a layer that reads (or owns) the
       // blob, stored it whole again, or reclaimed chunks of it since the
       // listing. Only chunks whose rows went above may go.
-      ASSIGN_OR_RETURN(auto fresh, store_->listBlobs());
+      std::vector<BlobRecord> fresh;
+      ASSIGN_OR_RETURN(BlobRecord self, store_->getBlob(digest));
+      fresh.push_back(std::move(self));
+      ASSIGN_OR_RETURN(auto naming, store_->layersNaming(digest));
+      for (auto& l : naming) {
+        auto r = store_->getBlob(l);
+        if (r.isOk()) fresh.push_back(std::move(*r));
+        if (!r.isOk() && r.status().code() != Code::kNotFound) return r.status();
+      }
       std::optional<image::BlockRanges> liveNow = liveOf(fresh, digest, &rec);
       if (!liveNow) return int64_t(0);
       ASSIGN_OR_RETURN(image::BlockRanges goneNow, image::BlockRanges::parse(rec->reclaimed));
@@ -841,6 +858,9 @@ Result<std::vector<std::pair<std::string, int64_t>>> Platform::reclaimChunksLock
       if (!fd) return sysError("open " + path);
       image::BlockRanges deadNow = deadOf(fd.get(), *liveNow, goneNow, &dead);
       if (deadNow.empty()) return int64_t(0);
+      // Rows a failed conversion wrote after the first delete (its layer
+      // never linked) go too: no converter may find them from here on.
+      RETURN_IF_ERROR(store_->deleteChunksIn(digest, deadNow.ranges()));
       // Recorded before the holes are made: a node told a chunk is gone never
       // asks for it; one not told would find zeros where it expects bytes.
       image::BlockRanges all = goneNow;
@@ -853,7 +873,10 @@ Result<std::vector<std::pair<std::string, int64_t>>> Platform::reclaimChunksLock
         if (::fallocate(fd.get(), FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
                         off_t(start) * kBlock, off_t(count) * kBlock) != 0) {
           Status st = sysError("punch a hole in " + path);
-          // What was not punched is still there: the record says so again.
+          // What was not punched is still there: the record says so again
+          // (the failed range stays recorded: a punch may have freed part of
+          // it, and a chunk recorded gone that is there is harmless).
+          punched.add(start, count);
           if (Status back = store_->setBlobReclaimed(digest, punched.format()); !back.isOk()) {
             log::warn("gc: " + digest + ": " + back.toString());
           }

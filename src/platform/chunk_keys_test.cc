@@ -524,6 +524,13 @@ TEST_P(GcPlatformTest, ReplicasOnOneStoreSeeEachOthersHoldsAndCollections) {
   });
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
   EXPECT_FALSE(moved.load());  // waits for the other collector
+  // Not under gcMu_ while it waits: a collection here goes ahead (and leaves
+  // D to the other replica's collector). Were it under gcMu_, this would
+  // wait for a lease released only below.
+  auto during = platform_->collectGarbage(0);
+  ASSERT_TRUE(during.isOk()) << during.status().toString();
+  EXPECT_TRUE(during->reclaimed.empty());
+  EXPECT_FALSE(moved.load());
   ASSERT_TRUE(store_->releaseLease("blob-collect:" + d_, "r-other").isOk());
   t.join();
   EXPECT_TRUE(moved.load());

@@ -495,11 +495,11 @@ class Platform {
     Platform* p_;
     std::string digest_;
   };
-  // Renames a built layer's data blob and metadata image into the blob
-  // store, under gcMu_ (so no collection decides about the data blob in
-  // between), holding the data blob from then until the hold goes: no
-  // collection deletes it or removes chunks from it before the layer naming
-  // it is recorded (linkBlob). A data blob an earlier collection left
+  // Holds a built layer's data blob, then renames it and the metadata image
+  // into the blob store under gcMu_ (so no collection decides about the
+  // data blob in between); the hold lasts until the returned one goes: no
+  // collection deletes the blob or removes chunks from it before the layer
+  // naming it is recorded (linkBlob). A data blob an earlier collection left
   // partial (Store::setBlobReclaimed) is whole again and recorded so.
   Result<BlobHold> moveLayerIntoStore(const image::BuiltLayer& l);
 
