@@ -305,6 +305,7 @@ Result<ImageRecord> ImageBuild::run() {
   img.config = fin.config;
   img.createdAt = nowSeconds();
   img.size = 0;
+  ASSIGN_OR_RETURN(auto holds, p_.holdLayers(img.layers));  // other replicas' collections too
   {
     std::lock_guard gc(p_.gcMu_);  // a collection must not take the layers meanwhile
     for (auto& d : img.layers) {

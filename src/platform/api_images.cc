@@ -218,6 +218,16 @@ Result<Platform::BlobHold> Platform::moveLayerIntoStore(const image::BuiltLayer&
   return hold;
 }
 
+Result<std::vector<Platform::BlobHold>> Platform::holdLayers(
+    const std::vector<std::string>& layers) {
+  std::vector<BlobHold> holds;
+  for (auto& d : std::set<std::string>(layers.begin(), layers.end())) {
+    RETURN_IF_ERROR(holdBlob(d));
+    holds.emplace_back(this, d);
+  }
+  return holds;
+}
+
 Status Platform::markBlobWholeLocked(const std::string& digest) {
   auto rec = store_->getBlob(digest);
   if (!rec.isOk()) return rec.status().code() == Code::kNotFound ? Status::ok() : rec.status();
@@ -362,6 +372,10 @@ Result<bool> Platform::deleteBlobUnlessHeld(const std::string& digest) {
   if (store_->shared()) {
     ASSIGN_OR_RETURN(auto naming, store_->layersNaming(digest));
     if (!naming.empty()) return false;
+    // And a layer an image another replica stored since names (image
+    // makers hold their layers first: holdLayers).
+    ASSIGN_OR_RETURN(auto images, store_->imagesNaming(digest));
+    if (!images.empty()) return false;
   }
   RETURN_IF_ERROR(store_->deleteBlob(digest));
   std::string path = blobPath(opts_.dataDir, digest);
@@ -520,9 +534,14 @@ void Platform::createImage(http::Request& req, http::Response& res) {
     }
   }
   r.createdAt = nowSeconds();
+  auto holds = holdLayers(r.layers);  // against collections of other replicas too
+  if (!holds.isOk()) return sendError(res, holds.status());
   {
     std::lock_guard gc(gcMu_);  // a collection must not remove the layers meanwhile
     for (auto& d : r.layers) {
+      auto has = store_->hasBlob(d);
+      if (!has.isOk()) return sendError(res, has.status());
+      if (!*has) return sendError(res, invalidArg("layers", "layer " + d + " has not been uploaded"));
       if (Status st = store_->setBlobKind(d, r.kind); !st.isOk()) return sendError(res, st);
     }
     if (Status st = store_->putImage(r); !st.isOk()) return sendError(res, st);
@@ -613,6 +632,7 @@ Result<ImageRecord> Platform::packDiffImage(const std::string& id, ImageRecord i
   img.parent = json{{"image", sb.image}, {"workspaces", sb.workspaces},
                     {"toolkits", sb.toolkits}}.dump();
   img.createdAt = nowSeconds();
+  ASSIGN_OR_RETURN(auto holds, holdLayers(img.layers));
   {
     std::lock_guard gc(gcMu_);
     auto blob = store_->getBlob(layer->digest);
@@ -620,7 +640,10 @@ Result<ImageRecord> Platform::packDiffImage(const std::string& id, ImageRecord i
       return Status(Code::kConflict,
                     "the diff equals an existing " + blob->kind + " layer " + layer->digest);
     }
-    for (auto& d : img.layers) RETURN_IF_ERROR(store_->setBlobKind(d, "diff"));
+    for (auto& d : img.layers) {
+      RETURN_IF_ERROR(store_->getBlob(d).status());  // still stored
+      RETURN_IF_ERROR(store_->setBlobKind(d, "diff"));
+    }
     RETURN_IF_ERROR(store_->putImage(img));
   }
   return img;

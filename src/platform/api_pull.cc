@@ -204,6 +204,8 @@ Result<ImageRecord> Platform::finishPull(ImageRecord r, const image::ResolvedIma
   r.size = 0;
   r.source = sourceJson(resolved).dump();
   r.createdAt = nowSeconds();
+  // Held (against other replicas' collections too), then seen under gcMu_.
+  ASSIGN_OR_RETURN(auto holds, holdLayers(r.layers));
   std::lock_guard gc(gcMu_);  // a collection must not take the layers meanwhile
   for (auto& d : r.layers) {
     ASSIGN_OR_RETURN(BlobRecord blob, store_->getBlob(d));

@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -543,6 +544,25 @@ TEST_P(GcPlatformTest, ReplicasOnOneStoreSeeEachOthersHoldsAndCollections) {
   auto leases = store_->listLeases();
   ASSERT_TRUE(leases.isOk());
   for (auto& x : *leases) EXPECT_FALSE(x.live && startsWith(x.name, "blob-collect:")) << x.name;
+}
+
+// An image about to be stored holds its layers (holdLayers): a collection
+// (of this replica or, on a shared store, another) keeps them meanwhile.
+TEST_P(GcPlatformTest, LayersAnImageIsAboutToNameAreKept) {
+  const std::string l = "sha256:" + sha256Hex("lonely layer");
+  ASSERT_TRUE(store_->putBlob(l, 4096).isOk());
+  {
+    auto holds = platform_->holdLayers({l, l});
+    ASSERT_TRUE(holds.isOk()) << holds.status().toString();
+    EXPECT_EQ(holds->size(), 1u);
+    auto gc = platform_->collectGarbage(0);
+    ASSERT_TRUE(gc.isOk()) << gc.status().toString();
+    EXPECT_EQ(std::count(gc->removed.begin(), gc->removed.end(), l), 0);
+    EXPECT_TRUE(store_->getBlob(l).isOk());
+  }
+  auto gc = platform_->collectGarbage(0);
+  ASSERT_TRUE(gc.isOk()) << gc.status().toString();
+  EXPECT_EQ(std::count(gc->removed.begin(), gc->removed.end(), l), 1);
 }
 
 }  // namespace

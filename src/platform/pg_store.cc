@@ -663,6 +663,17 @@ Status PostgresStore::setBlobExtraData(const std::string& layer,
       .takeStatus();
 }
 
+Result<std::vector<std::string>> PostgresStore::imagesNaming(const std::string& layer) {
+  // layers is a JSON array of digests: the quoted digest is one element.
+  ASSIGN_OR_RETURN(Rows rows, Query::run(this, "imagesNaming",
+                                         "SELECT name, tag FROM images WHERE "
+                                         "strpos(layers, '\"' || $1 || '\"') > 0",
+                                         Params().add(layer), kRetry));
+  std::vector<std::string> out;
+  for (int i = 0; i < rows.size(); ++i) out.push_back(rows.text(i, 0) + ":" + rows.text(i, 1));
+  return out;
+}
+
 Result<std::vector<std::string>> PostgresStore::layersNaming(const std::string& data) {
   // extra_data is digests separated by one space (digestsToColumn).
   ASSIGN_OR_RETURN(Rows rows, Query::run(this, "layersNaming",

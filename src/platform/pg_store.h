@@ -75,6 +75,7 @@ class PostgresStore : public Store {
   Status setBlobExtraData(const std::string& layer, const std::vector<std::string>& blobs) override;
   Status setBlobExtraReads(const std::string& layer, const std::string& reads) override;
   Result<std::vector<std::string>> layersNaming(const std::string& data) override;
+  Result<std::vector<std::string>> imagesNaming(const std::string& layer) override;
   Status setBlobReclaimed(const std::string& data, const std::string& reclaimed) override;
   Status putChunks(const std::string& data, const std::vector<ChunkLoc>& chunks) override;
   Result<std::optional<ChunkLoc>> findChunk(const std::string& sha, int64_t length) override;

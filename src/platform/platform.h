@@ -502,6 +502,11 @@ class Platform {
   // naming it is recorded (linkBlob). A data blob an earlier collection left
   // partial (Store::setBlobReclaimed) is whole again and recorded so.
   Result<BlobHold> moveLayerIntoStore(const image::BuiltLayer& l);
+  // Holds each of `layers` (holdBlob) for an image about to name them: no
+  // collection, of this replica or another, deletes one until the image is
+  // stored and the holds go. Take them before gcMu_, and check under gcMu_
+  // that each is still stored.
+  Result<std::vector<BlobHold>> holdLayers(const std::vector<std::string>& layers);
 
   // Chunks deduplicated across layers (Store::putChunks). A converter about
   // to store a chunk asks where it is already; on a hit it points its layer

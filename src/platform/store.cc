@@ -616,6 +616,18 @@ Status SqliteStore::setBlobExtraData(const std::string& layer,
   return Status::ok();
 }
 
+Result<std::vector<std::string>> SqliteStore::imagesNaming(const std::string& layer) {
+  std::lock_guard lk(mu_);
+  // layers is a JSON array of digests: the quoted digest is one element.
+  Stmt st(db_, "SELECT name, tag FROM images WHERE instr(layers, '\"' || ?1 || '\"') > 0");
+  st.bind(1, layer);
+  std::vector<std::string> out;
+  int rc;
+  while ((rc = st.step()) == SQLITE_ROW) out.push_back(st.text(0) + ":" + st.text(1));
+  if (rc != SQLITE_DONE) return sqlError(db_, "imagesNaming");
+  return out;
+}
+
 Result<std::vector<std::string>> SqliteStore::layersNaming(const std::string& data) {
   std::lock_guard lk(mu_);
   // extra_data is digests separated by one space (digestsToColumn).

@@ -340,6 +340,8 @@ class Store {
   // holds no space, so each is stored as given (callers check they exist).
   virtual Status setBlobExtraData(const std::string& layer,
                                   const std::vector<std::string>& blobs) = 0;
+  // The images ("name:tag") whose layers include `layer`.
+  virtual Result<std::vector<std::string>> imagesNaming(const std::string& layer) = 0;
   // The layers that name data blob `data` as their data or an extra data
   // blob (BlobRecord::data, extraData), in no particular order.
   virtual Result<std::vector<std::string>> layersNaming(const std::string& data) = 0;
@@ -501,6 +503,7 @@ class SqliteStore : public Store {
   Status setBlobExtraData(const std::string& layer, const std::vector<std::string>& blobs) override;
   Status setBlobExtraReads(const std::string& layer, const std::string& reads) override;
   Result<std::vector<std::string>> layersNaming(const std::string& data) override;
+  Result<std::vector<std::string>> imagesNaming(const std::string& layer) override;
   Status setBlobReclaimed(const std::string& data, const std::string& reclaimed) override;
   Status putChunks(const std::string& data, const std::vector<ChunkLoc>& chunks) override;
   Result<std::optional<ChunkLoc>> findChunk(const std::string& sha, int64_t length) override;

@@ -607,6 +607,26 @@ TEST_P(StoreTest, LayersRecordWhatTheyReadOfExtraBlobsAndDataBlobsWhatGcReclaime
   EXPECT_EQ(s->getBlob("sha256:x1")->reclaimed, "");
 }
 
+TEST_P(StoreTest, ImagesNamingALayer) {
+  auto s = open();
+  ASSERT_TRUE(s);
+  ASSERT_TRUE(s->putImage(ImageRecord{"a", "1", {"sha256:l1", "sha256:l22"}, 1, 1}).isOk());
+  ASSERT_TRUE(s->putImage(ImageRecord{"b", "2", {"sha256:l2"}, 1, 1}).isOk());
+  auto names = [&](const std::string& l) {
+    auto r = s->imagesNaming(l);
+    EXPECT_TRUE(r.isOk()) << r.status().toString();
+    std::vector<std::string> v = r.isOk() ? *r : std::vector<std::string>{};
+    std::sort(v.begin(), v.end());
+    return v;
+  };
+  EXPECT_EQ(names("sha256:l1"), std::vector<std::string>{"a:1"});
+  EXPECT_EQ(names("sha256:l2"), std::vector<std::string>{"b:2"});  // not a prefix of l22
+  EXPECT_EQ(names("sha256:l22"), std::vector<std::string>{"a:1"});
+  EXPECT_TRUE(names("sha256:l").empty());
+  ASSERT_TRUE(s->deleteImage("b", "2").isOk());
+  EXPECT_TRUE(names("sha256:l2").empty());
+}
+
 TEST_P(StoreTest, LayersNamingADataBlobAsDataOrExtra) {
   auto s = open();
   ASSERT_TRUE(s);
