@@ -272,22 +272,6 @@ def resume_from_disk(sb, state) -> float:
     return took
 
 
-def wait_listening(sb, port: int, timeout: float = 30.0) -> None:
-    """Waits until something listens on 127.0.0.1:port inside sandbox `sb`
-    (which has python3): a server just started there (test_ports, the
-    console's browser test)."""
-    probe = ("import socket\n"
-             f"s=socket.socket(); s.settimeout(1); s.connect(('127.0.0.1',{port}))\n")
-    deadline = time.monotonic() + timeout
-    while True:
-        r = sb.exec(["python3", "-c", probe])
-        if r.exit_code == 0:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"nothing listens on {port} in {sb.id}: {r.stderr}")
-        time.sleep(0.2)
-
-
 def npm_ci(npm: str, directory: Path, timeout_s: float) -> None:
     """`npm ci` in `directory` (a pinned package-lock.json): the test fails,
     with npm's output, if it errs or takes over timeout_s."""

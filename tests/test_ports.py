@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import dsec
-from helpers import wait_listening
+from listening import wait_listening
 from test_tenants import make_tenant  # noqa: F401  (fixture)
 
 HERE = Path(__file__).parent

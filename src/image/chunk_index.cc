@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include "common/fd.h"
+#include "image/fs_tree.h"
 
 namespace dsec::image {
 
@@ -25,6 +26,12 @@ std::array<uint8_t, 32> digestOf(std::string_view bytes) {
 int64_t ChunkIndex::chunkLength(int64_t i) const {
   if (i < 0 || i >= chunkCount()) return 0;
   return std::min(chunkSize, dataSize - i * chunkSize);
+}
+
+std::pair<uint64_t, uint64_t> ChunkIndex::blocksOf(int64_t i) const {
+  const uint64_t off = uint64_t(i * chunkSize), end = off + uint64_t(chunkLength(i));
+  const uint64_t first = off / kFsBlockSize;
+  return {first, (end + kFsBlockSize - 1) / kFsBlockSize - first};
 }
 
 bool ChunkIndex::verify(int64_t i, std::string_view bytes) const {

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "common/status.h"
@@ -26,6 +27,8 @@ struct ChunkIndex {
   int64_t chunkCount() const { return int64_t(digests.size()); }
   // Bytes in chunk i (the last one may be short).
   int64_t chunkLength(int64_t i) const;
+  // The 4 KiB blocks (kFsBlockSize) chunk i spans: first, count.
+  std::pair<uint64_t, uint64_t> blocksOf(int64_t i) const;
   // True when `bytes` is exactly chunk i.
   bool verify(int64_t i, std::string_view bytes) const;
 

@@ -38,6 +38,33 @@ bool validDigest(const std::string& d) {
 }
 
 
+// BlobRecord::extraReads as stored: one BlockRanges text per extra blob,
+// joined by ";" ("" for none: not known). readsOf reads it back.
+std::string extraReadsColumn(const std::vector<image::BlockRanges>& reads) {
+  std::string out;
+  for (size_t i = 0; i < reads.size(); ++i) out += (i ? ";" : "") + reads[i].format();
+  return out;
+}
+
+// What layer `l` reads of its extra blob `data` (BlobRecord::extraReads),
+// nullopt when not recorded or unreadable.
+std::optional<image::BlockRanges> readsOf(const BlobRecord& l, const std::string& data) {
+  if (l.extraReads.empty()) return std::nullopt;
+  auto parts = splitString(l.extraReads, ';');
+  auto at = std::find(l.extraData.begin(), l.extraData.end(), data);
+  if (parts.size() != l.extraData.size() || at == l.extraData.end()) return std::nullopt;
+  auto r = image::BlockRanges::parse(parts[size_t(at - l.extraData.begin())]);
+  if (!r.isOk()) return std::nullopt;
+  return *r;
+}
+
+// A data blob gc took chunks out of cannot be a layer's own data.
+Status partialDataBlob(const std::string& data) {
+  return Status(Code::kFailedPrecondition,
+                "data blob " + data + " is partial (gc reclaimed chunks of it): upload it again", 0,
+                "data");
+}
+
 bool validKind(const std::string& k) {
   return k == "base" || k == "workspace" || k == "toolkit" || k == "diff" || k == "disk";
 }
@@ -78,12 +105,7 @@ void Platform::putBlob(const std::string& digest, http::Request& req, http::Resp
     auto rec = store_->getBlob(data);
     if (!rec.isOk() && rec.status().code() != Code::kNotFound) return sendError(res, rec.status());
     if (!rec.isOk()) return sendError(res, invalidArg("data", "data blob " + data + " not uploaded"));
-    if (!rec->reclaimed.empty()) {
-      return sendError(res, Status(Code::kFailedPrecondition,
-                                   "data blob " + data +
-                                       " is partial (gc reclaimed chunks of it): upload it again",
-                                   0, "data"));
-    }
+    if (!rec->reclaimed.empty()) return sendError(res, partialDataBlob(data));
   }
   std::string final = blobPath(opts_.dataDir, digest);
   std::string tmp = final + ".upload." + randomHex(4);
@@ -137,15 +159,11 @@ void Platform::putBlob(const std::string& digest, http::Request& req, http::Resp
 
 Status Platform::linkBlob(const std::string& digest, int64_t size, const std::string& data,
                           const std::vector<std::string>& extraData,
-                          const std::string& extraReads) {
-  if (!extraReads.empty()) {
-    auto parts = splitString(extraReads, ';');
-    if (parts.size() != extraData.size()) {
-      return invalidArg("extra_reads", "layer " + digest + " has " +
-                                           std::to_string(extraData.size()) + " extra data blobs but " +
-                                           std::to_string(parts.size()) + " read sets");
-    }
-    for (auto& r : parts) RETURN_IF_ERROR(image::BlockRanges::parse(r).status());
+                          const std::vector<image::BlockRanges>& extraReads) {
+  if (!extraReads.empty() && extraReads.size() != extraData.size()) {
+    return invalidArg("extra_reads", "layer " + digest + " has " +
+                                         std::to_string(extraData.size()) + " extra data blobs but " +
+                                         std::to_string(extraReads.size()) + " read sets");
   }
   std::lock_guard gc(gcMu_);
   // The extras are checked before anything is written. Under gcMu_ no
@@ -174,11 +192,7 @@ Status Platform::linkBlob(const std::string& digest, int64_t size, const std::st
     // A layer's own data must be whole (gc reclaims chunks only of blobs no
     // layer owns): one an upload skipped because it existed is sent again.
     auto blob = store_->getBlob(data);
-    if (blob.isOk() && !blob->reclaimed.empty()) {
-      return Status(Code::kFailedPrecondition,
-                    "data blob " + data + " is partial (gc reclaimed chunks of it): upload it again",
-                    0, "data");
-    }
+    if (blob.isOk() && !blob->reclaimed.empty()) return partialDataBlob(data);
   }
   RETURN_IF_ERROR(store_->putBlob(digest, size));
   if (data.empty()) return Status::ok();
@@ -192,7 +206,7 @@ Status Platform::linkBlob(const std::string& digest, int64_t size, const std::st
   // The extras before the data: a layer found with its data has its extras.
   if (!extraData.empty()) {
     RETURN_IF_ERROR(store_->setBlobExtraData(digest, extraData));
-    RETURN_IF_ERROR(store_->setBlobExtraReads(digest, extraReads));
+    RETURN_IF_ERROR(store_->setBlobExtraReads(digest, extraReadsColumn(extraReads)));
   }
   return store_->setBlobData(digest, data);
 }
@@ -361,7 +375,7 @@ void Platform::releaseChunkHolds(const std::vector<std::string>& blobs) {
   }
 }
 
-Result<bool> Platform::deleteBlobUnlessHeld(const std::string& digest) {
+Result<bool> Platform::deleteBlobUnlessHeld(const std::string& digest, bool dataBlob) {
   RETURN_IF_ERROR(store_->deleteChunksOf(digest));
   ASSIGN_OR_RETURN(auto claim, claimForCollection(digest));
   if (!claim) return false;
@@ -369,13 +383,12 @@ Result<bool> Platform::deleteBlobUnlessHeld(const std::string& digest) {
   // linked a layer pointing into it (its hold already gone); under the
   // lease with no hold live, no new one can. (One replica alone: linkBlob
   // waits for gcMu_, so the listing is still true.)
+  // And a layer an image another replica stored since names (image makers
+  // hold their layers first: holdLayers).
   if (store_->shared()) {
-    ASSIGN_OR_RETURN(auto naming, store_->layersNaming(digest));
+    ASSIGN_OR_RETURN(auto naming,
+                     dataBlob ? store_->layersNaming(digest) : store_->imagesNaming(digest));
     if (!naming.empty()) return false;
-    // And a layer an image another replica stored since names (image
-    // makers hold their layers first: holdLayers).
-    ASSIGN_OR_RETURN(auto images, store_->imagesNaming(digest));
-    if (!images.empty()) return false;
   }
   RETURN_IF_ERROR(store_->deleteBlob(digest));
   std::string path = blobPath(opts_.dataDir, digest);
@@ -762,7 +775,7 @@ Result<Platform::GcResult> Platform::collectGarbage(double graceS) {
                         [](const BlobRecord* b) { return b->kind != "data"; });
   for (const BlobRecord* b : doomed) {
     if (keepData.count(b->digest)) continue;
-    ASSIGN_OR_RETURN(bool deleted, deleteBlobUnlessHeld(b->digest));
+    ASSIGN_OR_RETURN(bool deleted, deleteBlobUnlessHeld(b->digest, b->kind == "data"));
     if (deleted) removed.push_back(b->digest);
   }
   if (!removed.empty()) log::info("gc: removed " + std::to_string(removed.size()) + " blobs");
@@ -776,54 +789,41 @@ Result<Platform::GcResult> Platform::collectGarbage(double graceS) {
   return out;
 }
 
-namespace {
-// What layer `l` reads of its extra blob `data` (BlobRecord::extraReads),
-// nullopt when not recorded or unreadable.
-std::optional<image::BlockRanges> readsOf(const BlobRecord& l, const std::string& data) {
-  if (l.extraReads.empty()) return std::nullopt;
-  auto parts = splitString(l.extraReads, ';');
-  auto at = std::find(l.extraData.begin(), l.extraData.end(), data);
-  if (parts.size() != l.extraData.size() || at == l.extraData.end()) return std::nullopt;
-  auto r = image::BlockRanges::parse(parts[size_t(at - l.extraData.begin())]);
-  if (!r.isOk()) return std::nullopt;
-  return *r;
-}
-}  // namespace
-
 Result<std::vector<std::pair<std::string, int64_t>>> Platform::reclaimChunksLocked(
     const std::vector<BlobRecord>& blobs, double graceS) {
-  // What the stored layers read of data blob `data`, when it may lose the
-  // rest: a data blob no stored layer owns, past its grace period, that
-  // layers name as an extra and whose reads are all recorded (a layer made
-  // before they were recorded keeps it whole). nullopt: leave it alone.
-  // `rec` is set to its record.
-  auto liveOf = [&](const std::vector<BlobRecord>& all, const std::string& data,
-                    const BlobRecord** rec) -> std::optional<image::BlockRanges> {
-    *rec = nullptr;
-    bool named = false;
+  // What the layers naming data blob `rec` (as data or extra) read of it,
+  // when it may lose the rest: a data blob no layer owns, past its grace
+  // period, that layers name as an extra and whose reads are all recorded
+  // (a layer made before they were recorded keeps it whole). nullopt: leave
+  // it alone.
+  auto liveOf = [&](const BlobRecord& rec, const std::vector<const BlobRecord*>& naming)
+      -> std::optional<image::BlockRanges> {
+    if (rec.kind != "data" || rec.createdAt + graceS > nowSeconds()) return std::nullopt;
     image::BlockRanges live;
-    for (auto& b : all) {
-      if (b.digest == data) *rec = &b;
-      if (b.data == data) return std::nullopt;  // some layer's own data
-      if (std::find(b.extraData.begin(), b.extraData.end(), data) == b.extraData.end()) continue;
-      auto reads = readsOf(b, data);
+    for (const BlobRecord* l : naming) {
+      if (l->data == rec.digest) return std::nullopt;  // some layer's own data
+      auto reads = readsOf(*l, rec.digest);
       if (!reads) return std::nullopt;
       live.add(*reads);
-      named = true;
     }
-    if (!*rec || (*rec)->kind != "data" || (*rec)->createdAt + graceS > nowSeconds() || !named) {
-      return std::nullopt;  // not a data blob, young, or only kept for a hold
-    }
+    if (naming.empty()) return std::nullopt;  // only kept for a hold
     return live;
   };
-  std::set<std::string> candidates;
-  for (auto& b : blobs) candidates.insert(b.extraData.begin(), b.extraData.end());
+  std::map<std::string, const BlobRecord*> byDigest;
+  std::map<std::string, std::vector<const BlobRecord*>> naming;  // data blob -> layers
+  for (auto& b : blobs) {
+    byDigest[b.digest] = &b;
+    if (!b.data.empty()) naming[b.data].push_back(&b);
+    for (auto& x : b.extraData) naming[x].push_back(&b);
+  }
   constexpr int64_t kBlock = image::kFsBlockSize;
   std::vector<std::pair<std::string, int64_t>> out;
-  for (const std::string& digest : candidates) {
+  for (const auto& [digest, layers] : naming) {
+    auto self = byDigest.find(digest);
+    if (self == byDigest.end()) continue;
     auto reclaim = [&]() -> Result<int64_t> {
-      const BlobRecord* rec = nullptr;
-      std::optional<image::BlockRanges> live = liveOf(blobs, digest, &rec);
+      const BlobRecord* rec = self->second;
+      std::optional<image::BlockRanges> live = liveOf(*rec, layers);
       if (!live) return int64_t(0);
       const std::string path = blobPath(opts_.dataDir, digest);
       ASSIGN_OR_RETURN(std::string indexBytes, readFile(path + ".chunks"));
@@ -836,8 +836,7 @@ Result<std::vector<std::pair<std::string, int64_t>>> Platform::reclaimChunksLock
         image::BlockRanges dead;
         for (int64_t i = 0; i < idx.chunkCount(); ++i) {
           const int64_t off = i * idx.chunkSize, len = idx.chunkLength(i);
-          const uint64_t first = uint64_t(off / kBlock);
-          const uint64_t count = uint64_t((off + len + kBlock - 1) / kBlock) - first;
+          const auto [first, count] = idx.blocksOf(i);
           if (reads.intersects(first, count) || gone.covers(first, count)) continue;
           if (within && !within->covers(first, count)) continue;
           off_t at = ::lseek(fd, off, SEEK_DATA);
@@ -865,18 +864,19 @@ Result<std::vector<std::pair<std::string, int64_t>>> Platform::reclaimChunksLock
       // other replicas, one may have linked a layer that reads (or owns) the
       // blob, stored it whole again, or reclaimed chunks of it since the
       // listing. Only chunks whose rows went above may go.
-      std::vector<BlobRecord> fresh;
-      ASSIGN_OR_RETURN(BlobRecord self, store_->getBlob(digest));
-      fresh.push_back(std::move(self));
-      ASSIGN_OR_RETURN(auto naming, store_->layersNaming(digest));
-      for (auto& l : naming) {
+      ASSIGN_OR_RETURN(BlobRecord now, store_->getBlob(digest));
+      ASSIGN_OR_RETURN(auto namingNow, store_->layersNaming(digest));
+      std::vector<BlobRecord> layersNow;
+      for (auto& l : namingNow) {
         auto r = store_->getBlob(l);
-        if (r.isOk()) fresh.push_back(std::move(*r));
+        if (r.isOk()) layersNow.push_back(std::move(*r));
         if (!r.isOk() && r.status().code() != Code::kNotFound) return r.status();
       }
-      std::optional<image::BlockRanges> liveNow = liveOf(fresh, digest, &rec);
+      std::vector<const BlobRecord*> readersNow;
+      for (auto& l : layersNow) readersNow.push_back(&l);
+      std::optional<image::BlockRanges> liveNow = liveOf(now, readersNow);
       if (!liveNow) return int64_t(0);
-      ASSIGN_OR_RETURN(image::BlockRanges goneNow, image::BlockRanges::parse(rec->reclaimed));
+      ASSIGN_OR_RETURN(image::BlockRanges goneNow, image::BlockRanges::parse(now.reclaimed));
       UniqueFd fd(::open(path.c_str(), O_RDWR | O_CLOEXEC));
       if (!fd) return sysError("open " + path);
       image::BlockRanges deadNow = deadOf(fd.get(), *liveNow, goneNow, &dead);
@@ -1017,35 +1017,28 @@ void Platform::deleteLayer(const std::string& digest, http::Response& res) {
   std::lock_guard gc(gcMu_);
   auto blob = store_->getBlob(digest);
   if (!blob.isOk()) return sendError(res, blob.status());
-  auto images = store_->listImages();
-  if (!images.isOk()) return sendError(res, images.status());
-  if (json refs = imagesNaming(*images, digest); !refs.empty()) {
-    return sendError(res, Status(Code::kFailedPrecondition, "layer " + digest +
-                                                                " is part of image " +
-                                                                refs[0].get<std::string>()));
+  auto refs = store_->imagesNaming(digest);
+  if (!refs.isOk()) return sendError(res, refs.status());
+  if (!refs->empty()) {
+    return sendError(res, Status(Code::kFailedPrecondition,
+                                 "layer " + digest + " is part of image " + refs->front()));
   }
   if (layersInUse().count(digest) || !cluster_->evictLayer(digest).isOk()) {
     return sendError(res, Status(Code::kFailedPrecondition,
                                  "layer " + digest + " is in use by a sandbox"));
   }
-  auto all = store_->listBlobs();
-  if (!all.isOk()) return sendError(res, all.status());
   // Whether a layer other than `except` reads its chunks from data blob `d`.
-  auto namedByLayer = [&](const std::string& d, const std::string& except) {
-    for (auto& b : *all) {
-      if (b.digest == except) continue;
-      if (b.data == d ||
-          std::find(b.extraData.begin(), b.extraData.end(), d) != b.extraData.end()) {
-        return true;
-      }
-    }
-    return false;
+  auto namedByLayer = [&](const std::string& d, const std::string& except) -> Result<bool> {
+    ASSIGN_OR_RETURN(auto naming, store_->layersNaming(d));
+    return std::any_of(naming.begin(), naming.end(), [&](auto& l) { return l != except; });
   };
-  if (namedByLayer(digest, "")) {
+  auto named = namedByLayer(digest, "");
+  if (!named.isOk()) return sendError(res, named.status());
+  if (*named) {
     return sendError(
         res, Status(Code::kFailedPrecondition, digest + " holds the data of another layer"));
   }
-  auto gone = deleteBlobUnlessHeld(digest);
+  auto gone = deleteBlobUnlessHeld(digest, false);
   if (!gone.isOk()) return sendError(res, gone.status());
   if (!*gone) {
     return sendError(res, Status(Code::kFailedPrecondition,
@@ -1054,9 +1047,14 @@ void Platform::deleteLayer(const std::string& digest, http::Response& res) {
   // Its data blob goes with it unless another layer reads from it, or a
   // converter is about to (a chunk hold). Its extra data blobs belong to
   // other layers, or to none any more: the collector removes those.
-  if (!blob->data.empty() && !namedByLayer(blob->data, digest)) {
-    if (auto gone = deleteBlobUnlessHeld(blob->data); !gone.isOk()) {
-      log::warn("delete layer " + digest + ": data blob: " + gone.status().toString());
+  if (!blob->data.empty()) {
+    auto other = namedByLayer(blob->data, digest);
+    if (!other.isOk()) {
+      log::warn("delete layer " + digest + ": data blob: " + other.status().toString());
+    } else if (!*other) {
+      if (auto gone = deleteBlobUnlessHeld(blob->data, true); !gone.isOk()) {
+        log::warn("delete layer " + digest + ": data blob: " + gone.status().toString());
+      }
     }
   }
   sendJson(res, 200, "{}");

@@ -130,11 +130,7 @@ Status Platform::storeConvertedLayer(const image::ConvertedLayer& c) {
   RETURN_IF_ERROR(store_->putChunks(layer.dataDigest, chunks));
   // Known here from now on (another replica learns them at its next start).
   chunkKeys_.add(chunks);
-  std::string reads;
-  for (size_t i = 0; i < c.extraReads.size(); ++i) {
-    reads += (i ? ";" : "") + c.extraReads[i].format();
-  }
-  return linkBlob(layer.digest, layer.size, layer.dataDigest, c.extraData, reads);
+  return linkBlob(layer.digest, layer.size, layer.dataDigest, c.extraData, c.extraReads);
 }
 
 Status Platform::commitPulledLayer(const image::ConvertedLayer& c, const std::string& source) {

@@ -221,6 +221,15 @@ class PlatformSource final : public image::ChunkSource {
   std::vector<std::string> held_;
 };
 
+// A cluster (of no nodes) on `store`, for a platform in `dir`.
+Result<std::unique_ptr<Cluster>> startTestCluster(const std::string& dir, Store* store) {
+  ClusterOptions co;
+  co.dataDir = dir;
+  co.store = store;
+  co.replicaId = "r-test";
+  return Cluster::start(co);
+}
+
 // A platform on `store` and `cluster` with its blob store under `dir`,
 // once it has loaded the chunk keys.
 Result<std::unique_ptr<Platform>> startTestPlatform(const std::string& dir, Store* store,
@@ -245,11 +254,7 @@ class ChunkKeysPlatformTest : public ::testing::Test {
     auto store = SqliteStore::open(dir_ + "/state.db");
     ASSERT_TRUE(store.isOk()) << store.status().toString();
     store_ = std::move(*store);
-    ClusterOptions co;
-    co.dataDir = dir_;
-    co.store = store_.get();
-    co.replicaId = "r-test";
-    auto c = Cluster::start(co);
+    auto c = startTestCluster(dir_, store_.get());
     ASSERT_TRUE(c.isOk()) << c.status().toString();
     cluster_ = std::move(*c);
     // A tar of many small files, each a chunk of its own.
@@ -358,11 +363,7 @@ class GcPlatformTest : public ::testing::TestWithParam<StoreKind> {
     ASSERT_TRUE(opened.isOk()) << opened.status().toString();
     store_ = std::move(*opened);
     dir_ = env_->dir;
-    ClusterOptions co;
-    co.dataDir = dir_;
-    co.store = store_.get();
-    co.replicaId = "r-test";
-    auto c = Cluster::start(co);
+    auto c = startTestCluster(dir_, store_.get());
     ASSERT_TRUE(c.isOk()) << c.status().toString();
     cluster_ = std::move(*c);
     for (int i = 0; i < kChunks; ++i) bytes_ += std::string(size_t(kChunk), char('a' + i));
@@ -402,6 +403,19 @@ class GcPlatformTest : public ::testing::TestWithParam<StoreKind> {
     ASSERT_TRUE(store_->setBlobExtraReads(meta, reads).isOk());
     ASSERT_TRUE(store_->setBlobData(meta, own).isOk());
     ASSERT_TRUE(store_->putImage(ImageRecord{name, "v1", {meta}, 8192, 1}).isOk());
+  }
+
+  // D's bytes (and a metadata image) made again, as a conversion leaves them
+  // in its work directory.
+  image::BuiltLayer builtAgain() {
+    image::BuiltLayer l;
+    l.path = dir_ + "/again.meta";
+    l.dataPath = dir_ + "/again.data";
+    l.digest = "sha256:" + sha256Hex("meta");
+    l.dataDigest = d_;
+    EXPECT_TRUE(writeFileAtomic(l.dataPath, bytes_, 0600).isOk());
+    EXPECT_TRUE(writeFileAtomic(l.path, "meta", 0600).isOk());
+    return l;
   }
 
   std::unique_ptr<TestStoreEnv> env_;
@@ -460,13 +474,8 @@ TEST_P(GcPlatformTest, PunchesTheChunksNoLayerReadsButNotWhileAConverterHoldsThe
   EXPECT_TRUE(gc->reclaimed.empty());
 
   // The same bytes stored again by a conversion: whole, and recorded so.
-  ASSERT_TRUE(writeFileAtomic(dir_ + "/again.data", bytes_, 0600).isOk());
-  ASSERT_TRUE(writeFileAtomic(dir_ + "/again.meta", "meta", 0600).isOk());
-  image::BuiltLayer l;
-  l.path = dir_ + "/again.meta";
-  l.dataPath = dir_ + "/again.data";
-  l.digest = "sha256:" + sha256Hex("meta");
-  l.dataDigest = d_;
+  image::BuiltLayer l = builtAgain();
+  ASSERT_FALSE(testing::Test::HasFailure());
   {
     auto hold = platform_->moveLayerIntoStore(l);
     ASSERT_TRUE(hold.isOk()) << hold.status().toString();
@@ -510,13 +519,8 @@ TEST_P(GcPlatformTest, ReplicasOnOneStoreSeeEachOthersHoldsAndCollections) {
   // The chunk rows gone, a hold comes from moving a conversion's blob in.
   lease = store_->acquireLease("blob-collect:" + d_, "r-other", 600);
   ASSERT_TRUE(lease.isOk() && *lease);
-  ASSERT_TRUE(writeFileAtomic(dir_ + "/again.data", bytes_, 0600).isOk());
-  ASSERT_TRUE(writeFileAtomic(dir_ + "/again.meta", "meta", 0600).isOk());
-  image::BuiltLayer l;
-  l.path = dir_ + "/again.meta";
-  l.dataPath = dir_ + "/again.data";
-  l.digest = "sha256:" + sha256Hex("meta");
-  l.dataDigest = d_;
+  image::BuiltLayer l = builtAgain();
+  ASSERT_FALSE(testing::Test::HasFailure());
   std::atomic<bool> moved{false};
   std::thread t([&] {
     auto hold = platform_->moveLayerIntoStore(l);

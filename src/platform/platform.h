@@ -28,6 +28,7 @@
 #include "common/http_server.h"
 #include "common/metrics.h"
 #include "common/status.h"
+#include "image/block_ranges.h"
 #include "platform/chronus.h"
 #include "platform/chunk_keys.h"
 #include "platform/cluster.h"
@@ -537,15 +538,17 @@ class Platform {
   // Each extra must be stored already with kind "data" (kNotFound,
   // kFailedPrecondition), differ from `data` and the others, and needs a
   // `data` (kInvalidArgument); nothing is recorded when one fails.
-  // `extraReads`: what the layer reads of each extra (BlobRecord::extraReads;
-  // "" when not known).
+  // `extraReads`: what the layer reads of each extra, in extraData's order
+  // (BlobRecord::extraReads; empty when not known).
   Status linkBlob(const std::string& digest, int64_t size, const std::string& data,
                   const std::vector<std::string>& extraData = {},
-                  const std::string& extraReads = "");
+                  const std::vector<image::BlockRanges>& extraReads = {});
   // Deletes blob `digest` (row, file, chunk index) unless a converter holds
   // it: its chunk rows go first, then the holds are checked (collectGarbage
   // says why in that order). Whether it was deleted. gcMu_ held.
-  Result<bool> deleteBlobUnlessHeld(const std::string& digest);
+  // `dataBlob`: a layer's data blob (else a layer): what a shared store is
+  // asked under the claim (a layer naming it, or an image naming it).
+  Result<bool> deleteBlobUnlessHeld(const std::string& digest, bool dataBlob);
   // Takes one hold on data blob `data` (lookupChunkAndHold's, with its lease
   // on a shared store).
   Status holdBlob(const std::string& data);

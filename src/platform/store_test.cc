@@ -607,18 +607,20 @@ TEST_P(StoreTest, LayersRecordWhatTheyReadOfExtraBlobsAndDataBlobsWhatGcReclaime
   EXPECT_EQ(s->getBlob("sha256:x1")->reclaimed, "");
 }
 
+// A list a store answered, sorted; empty (and a failure) on an error.
+std::vector<std::string> sortedOk(Result<std::vector<std::string>> r) {
+  EXPECT_TRUE(r.isOk()) << r.status().toString();
+  std::vector<std::string> v = r.isOk() ? *r : std::vector<std::string>{};
+  std::sort(v.begin(), v.end());
+  return v;
+}
+
 TEST_P(StoreTest, ImagesNamingALayer) {
   auto s = open();
   ASSERT_TRUE(s);
   ASSERT_TRUE(s->putImage(ImageRecord{"a", "1", {"sha256:l1", "sha256:l22"}, 1, 1}).isOk());
   ASSERT_TRUE(s->putImage(ImageRecord{"b", "2", {"sha256:l2"}, 1, 1}).isOk());
-  auto names = [&](const std::string& l) {
-    auto r = s->imagesNaming(l);
-    EXPECT_TRUE(r.isOk()) << r.status().toString();
-    std::vector<std::string> v = r.isOk() ? *r : std::vector<std::string>{};
-    std::sort(v.begin(), v.end());
-    return v;
-  };
+  auto names = [&](const std::string& l) { return sortedOk(s->imagesNaming(l)); };
   EXPECT_EQ(names("sha256:l1"), std::vector<std::string>{"a:1"});
   EXPECT_EQ(names("sha256:l2"), std::vector<std::string>{"b:2"});  // not a prefix of l22
   EXPECT_EQ(names("sha256:l22"), std::vector<std::string>{"a:1"});
@@ -638,13 +640,7 @@ TEST_P(StoreTest, LayersNamingADataBlobAsDataOrExtra) {
   ASSERT_TRUE(s->setBlobData("sha256:m2", "sha256:d2").isOk());
   ASSERT_TRUE(s->setBlobExtraData("sha256:m2", {"sha256:d11", "sha256:d1"}).isOk());
   ASSERT_TRUE(s->setBlobData("sha256:m3", "sha256:d11").isOk());
-  auto sorted = [&](const std::string& d) {
-    auto r = s->layersNaming(d);
-    EXPECT_TRUE(r.isOk()) << r.status().toString();
-    std::vector<std::string> v = r.isOk() ? *r : std::vector<std::string>{};
-    std::sort(v.begin(), v.end());
-    return v;
-  };
+  auto sorted = [&](const std::string& d) { return sortedOk(s->layersNaming(d)); };
   EXPECT_EQ(sorted("sha256:d1"), (std::vector<std::string>{"sha256:m1", "sha256:m2"}));
   EXPECT_EQ(sorted("sha256:d11"), (std::vector<std::string>{"sha256:m2", "sha256:m3"}));
   EXPECT_EQ(sorted("sha256:d2"), (std::vector<std::string>{"sha256:m2"}));

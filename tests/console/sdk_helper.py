@@ -24,10 +24,12 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import dsec
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/
+from listening import wait_listening  # noqa: E402
 
 
 def client() -> dsec.Client:
@@ -68,19 +70,6 @@ def trajectory(c: dsec.Client, a: dict) -> dict:
     return {"trajectory_id": tid, "sandbox": sb.id, "steps": steps, "checkpoint_step": 3,
             "checkpoint_image": ckpt.ref,
             "replays": replays}
-
-
-def wait_listening(sb, port: int, timeout: float = 30.0) -> None:
-    probe = ("import socket\n"
-             f"s=socket.socket(); s.settimeout(1); s.connect(('127.0.0.1',{port}))\n")
-    deadline = time.monotonic() + timeout
-    while True:
-        r = sb.exec(["python3", "-c", probe])
-        if r.exit_code == 0:
-            return
-        if time.monotonic() > deadline:
-            raise SystemExit(f"nothing listens on {port} in {sb.id}: {r.stderr}")
-        time.sleep(0.2)
 
 
 def serve(c: dsec.Client, a: dict) -> dict:

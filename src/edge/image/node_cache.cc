@@ -62,11 +62,8 @@ Result<image::BlockRanges> reclaimedOf(const proto::DataBlobDesc& b) {
 // chunks, which read as zeros from the store and which no layer reads.
 bool chunkReclaimed(const image::BlockRanges& reclaimed, const image::ChunkIndex& idx, int64_t i) {
   if (reclaimed.empty()) return false;
-  uint64_t off = uint64_t(i * idx.chunkSize);
-  uint64_t end = off + uint64_t(idx.chunkLength(i));
-  uint64_t first = off / image::kFsBlockSize;
-  uint64_t last = (end + image::kFsBlockSize - 1) / image::kFsBlockSize;
-  return reclaimed.intersects(first, last - first);
+  auto [first, count] = idx.blocksOf(i);
+  return reclaimed.intersects(first, count);
 }
 
 // An empty sparse copy of `size` bytes at `path` (made aside, renamed into
