@@ -16,7 +16,6 @@
 #include "edge/image/fuse_loader.h"
 #include "edge/image/loader_control.h"
 #include "image/block_ranges.h"
-#include "image/fs_tree.h"
 
 namespace dsec::edge {
 
